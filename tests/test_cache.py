@@ -1,0 +1,197 @@
+import multiprocessing as mp
+import os
+import stat
+import threading
+import time
+
+import pytest
+
+from ucmagic.cache import FileCache, cache_key, choose_victims, safe_suffix
+from ucmagic.errors import CacheFullError
+
+
+def writer(data: bytes, delay: float = 0.0, calls: list | None = None):
+    def write(tmp: str) -> int:
+        if calls is not None:
+            calls.append(1)
+        time.sleep(delay)
+        with open(tmp, "wb") as f:
+            f.write(data)
+        return len(data)
+    return write
+
+
+def test_cache_dir_is_private(tmp_path):
+    root = tmp_path / "c"
+    root.mkdir(mode=0o777)
+    os.chmod(root, 0o777)
+    FileCache(str(root))
+    assert stat.S_IMODE(os.stat(root).st_mode) == 0o700
+
+
+def test_key_depends_on_volume_path_size_and_mtime():
+    k = cache_key("file:///v", "a/b.jpg", 10, 1.5)
+    assert k == cache_key("file:///v", "a/b.jpg", 10, 1.5)
+    assert len({k, cache_key("file:///w", "a/b.jpg", 10, 1.5), cache_key("file:///v", "a/c.jpg", 10, 1.5),
+                cache_key("file:///v", "a/b.jpg", 11, 1.5), cache_key("file:///v", "a/b.jpg", 10, 1.6)}) == 5
+
+
+@pytest.mark.parametrize("name,suffix", [("a/b.jpg", ".jpg"), ("x.tar.gz", ".gz"), ("noext", ""),
+                                         ("../../etc/passwd", ""), ("evil.$(rm)", ""), ("dir.d/file", "")])
+def test_suffix_is_sanitised(name, suffix):
+    assert safe_suffix(name) == suffix
+
+
+def test_fill_then_hit_and_no_partial_file_visible(tmp_path):
+    c = FileCache(str(tmp_path / "c"))
+    key = cache_key("v", "f", 5, 0)
+    assert c.lookup(key, ".bin", 5) is None
+
+    def failing(tmp):
+        with open(tmp, "wb") as f:
+            f.write(b"12")
+        raise OSError("network went away")
+
+    with pytest.raises(OSError):
+        c.fill(key, ".bin", 5, failing)
+    assert c.lookup(key, ".bin", 5) is None
+    assert os.listdir(tmp_path / "c" / "tmp") == []
+    path, fetched = c.fill(key, ".bin", 5, writer(b"hello"))
+    assert fetched and open(path, "rb").read() == b"hello"
+    path2, fetched2 = c.fill(key, ".bin", 5, writer(b"XXXXX"))
+    assert not fetched2 and path2 == path and open(path, "rb").read() == b"hello"
+
+
+def test_short_copy_is_refused(tmp_path):
+    c = FileCache(str(tmp_path / "c"))
+    with pytest.raises(OSError, match="changed while being read"):
+        c.fill(cache_key("v", "f", 10, 0), "", 10, writer(b"short"))
+    assert c.usage().files == 0
+
+
+def test_single_flight_across_threads(tmp_path):
+    c = FileCache(str(tmp_path / "c"))
+    calls: list = []
+    key = cache_key("v", "f", 4, 0)
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(c.fill(key, "", 4, writer(b"data", 0.05, calls))))
+               for _ in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1
+    assert len({p for p, _ in results}) == 1 and sum(f for _, f in results) == 1
+
+
+def _proc_fill(root, n, q):
+    c = FileCache(root)
+    fetched = 0
+    for i in range(n):
+        data = (f"file-{i}-" * 200).encode()
+        path, f = c.fill(cache_key("v", str(i), len(data), 0), ".txt", len(data), writer(data, 0.002))
+        assert open(path, "rb").read() == data
+        fetched += f
+    q.put(fetched)
+
+
+def test_single_flight_across_processes(tmp_path):
+    root = str(tmp_path / "c")
+    FileCache(root)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_proc_fill, args=(root, 40, q)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    assert sum(q.get() for _ in procs) == 40  # each file copied exactly once machine-wide
+
+
+def test_choose_victims_is_lru():
+    entries = [("a", 10, 3.0), ("b", 10, 1.0), ("c", 10, 2.0)]
+    assert choose_victims(entries, 15) == ["b", "c"]
+    assert choose_victims(entries, 0) == []
+    assert choose_victims(entries, 100) == ["b", "c", "a"]
+
+
+def test_budget_evicts_least_recently_used_but_not_pinned(tmp_path):
+    c = FileCache(str(tmp_path / "c"), limit=1000)
+    paths = []
+    for i in range(5):
+        p, _ = c.fill(cache_key("v", str(i), 200, 0), "", 200, writer(bytes(200)))
+        os.utime(p, (i, i))  # file 0 is the least recently used
+        paths.append(p)
+    pinned = c.pin(paths[0])
+    c.lookup(cache_key("v", "1", 200, 0), "", 200)  # file 1 becomes most recently used
+    c.fill(cache_key("v", "new", 200, 0), "", 200, writer(bytes(200)))
+    assert os.path.exists(paths[0]) and os.path.exists(pinned)  # pinned: kept despite being oldest
+    assert not os.path.exists(paths[2])  # oldest unpinned goes first
+    assert os.path.exists(paths[1])
+    assert c.usage().bytes <= 1000
+
+
+def test_pinned_path_survives_removal(tmp_path):
+    c = FileCache(str(tmp_path / "c"))
+    p, _ = c.fill(cache_key("v", "x", 3, 0), ".bin", 3, writer(b"abc"))
+    leased = c.pin(p)
+    c.remove([p])
+    assert open(leased, "rb").read() == b"abc"
+    c.unpin(leased)
+    assert not os.path.exists(leased)
+
+
+def test_pins_are_refcounted(tmp_path):
+    c = FileCache(str(tmp_path / "c"))
+    p, _ = c.fill(cache_key("v", "x", 3, 0), "", 3, writer(b"abc"))
+    a, b = c.pin(p), c.pin(p)
+    assert a == b
+    c.unpin(a)
+    assert os.path.exists(a)
+    c.unpin(b)
+    assert not os.path.exists(a)
+
+
+def test_file_larger_than_budget_is_a_clear_error(tmp_path):
+    c = FileCache(str(tmp_path / "c"), limit="1KB")
+    with pytest.raises(CacheFullError, match="cache_limit"):
+        c.fill(cache_key("v", "big", 5000, 0), "", 5000, writer(bytes(5000)))
+
+
+def test_full_disk_is_a_clear_error(tmp_path):
+    c = FileCache(str(tmp_path / "c"), min_free=0.9999)  # the floor is above what is free
+    with pytest.raises(CacheFullError, match="full"):
+        c.fill(cache_key("v", "f", 10, 0), "", 10, writer(bytes(10)))
+    assert c.usage().files == 0
+
+
+def test_entry_owned_by_someone_else_is_not_trusted(tmp_path):
+    if os.getuid() != 0:
+        pytest.skip("needs root to chown")
+    c = FileCache(str(tmp_path / "c"))
+    key = cache_key("v", "f", 3, 0)
+    p, _ = c.fill(key, "", 3, writer(b"bad"))
+    os.chown(p, 12345, 12345)
+    assert c.lookup(key, "", 3) is None
+    p2, fetched = c.fill(key, "", 3, writer(b"god"))
+    assert fetched and open(p2, "rb").read() == b"god" and os.stat(p2).st_uid == 0
+
+
+def test_dead_process_pins_and_temp_files_are_reaped(tmp_path):
+    c = FileCache(str(tmp_path / "c"))
+    dead = tmp_path / "c" / "pins" / "999999999-1"
+    dead.mkdir()
+    (dead / "x").write_bytes(b"1")
+    stale = tmp_path / "c" / "tmp" / "k.999999999.abcd.part"
+    stale.write_bytes(b"1")
+    c.evict(0)
+    assert not dead.exists() and not stale.exists()
+
+
+def test_cache_pickles_as_settings(tmp_path):
+    import pickle
+
+    c = FileCache(str(tmp_path / "c"), limit="1MB")
+    c2 = pickle.loads(pickle.dumps(c))
+    assert (c2.root, c2.limit, c2.min_free) == (c.root, 10**6, c.min_free)

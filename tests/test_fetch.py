@@ -1,0 +1,99 @@
+import threading
+import time
+
+import pytest
+
+from ucmagic.errors import FetchTimeoutError
+from ucmagic.fetch import backoff_delays, read_ahead, with_retries
+
+
+def test_results_come_in_input_order_with_concurrency():
+    active, peak = [0], [0]
+    mu = threading.Lock()
+
+    def slow(i):
+        with mu:
+            active[0] += 1
+            peak[0] = max(peak[0], active[0])
+        time.sleep(0.01 * (i % 3))
+        with mu:
+            active[0] -= 1
+        return i * 2
+
+    assert list(read_ahead(slow, range(60), depth=16)) == [i * 2 for i in range(60)]
+    assert peak[0] > 4  # calls really overlapped
+
+
+def test_depth_bounds_calls_in_flight():
+    started = []
+    gen = read_ahead(lambda i: started.append(i) or i, range(1000), depth=8)
+    assert next(gen) == 0
+    time.sleep(0.05)
+    assert len(started) <= 9
+    gen.close()
+
+
+def test_retries_transient_errors_then_succeeds():
+    calls = []
+
+    def flaky(x):
+        calls.append(x)
+        if len(calls) < 3:
+            raise OSError(5, "EIO")
+        return "ok"
+
+    retried = []
+    assert with_retries(flaky, 1, 5, on_retry=retried.append) == "ok"
+    assert len(calls) == 3 and len(retried) == 2
+
+
+def test_permanent_errors_are_not_retried():
+    calls = []
+
+    def missing(x):
+        calls.append(x)
+        raise FileNotFoundError(x)
+
+    with pytest.raises(FileNotFoundError):
+        with_retries(missing, "f", 5)
+    assert calls == ["f"]
+
+
+def test_gives_up_after_retries():
+    with pytest.raises(OSError):
+        with_retries(lambda x: (_ for _ in ()).throw(OSError("down")), 0, 2)
+
+
+def test_backoff_grows_and_is_capped():
+    d = backoff_delays(10, base=0.01, cap=1.0, jitter=0.0)
+    assert d[0] == 0.01 and d[1] == 0.02 and max(d) == 1.0
+    assert d == sorted(d)
+
+
+def test_hung_call_times_out_naming_the_item():
+    ev = threading.Event()
+
+    def hang(i):
+        if i == 2:
+            ev.wait(5)
+        return i
+
+    out = []
+    with pytest.raises(FetchTimeoutError, match="item-2"):
+        for x in read_ahead(hang, range(5), depth=4, timeout=0.6, describe=lambda i: f"item-{i}"):
+            out.append(x)
+    ev.set()
+    assert out == [0, 1]
+
+
+def test_errors_surface_in_order():
+    def f(i):
+        if i == 5:
+            raise ValueError("bad 5")
+        return i
+
+    got = []
+    with pytest.raises(ValueError, match="bad 5"):
+        for x in read_ahead(f, range(10), depth=4):
+            got.append(x)
+    assert got == [0, 1, 2, 3, 4]

@@ -1,0 +1,70 @@
+"""ucmagic: training data from slow network volumes into PyTorch, fast.
+
+``import ucmagic`` is light: torch and the engines load when a name that needs them is first used.
+In IPython, ``%load_ext ucmagic`` adds the ``%ucload``, ``%ucstage`` and ``%ucckpt`` magics.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it
+_EXPORTS = {
+    "UCVolumeDataset": "dataset",
+    "DataLoader": "loader",
+    "LoaderStats": "loader",
+    "ParquetDataset": "parquet",
+    "export_parquet": "parquet",
+    "load_table": "tables",
+    "register_table": "tables",
+    "stage": "stage",
+    "StageResult": "stage",
+    "UCVolumeWriter": "checkpoint",
+    "UCVolumeReader": "checkpoint",
+    "save_checkpoint": "checkpoint",
+    "load_checkpoint": "checkpoint",
+    "list_checkpoints": "checkpoint",
+    "distributed": "launch",
+    "FileCache": "cache",
+    "parse_size": "units",
+    "format_size": "units",
+    "UCMagicError": "errors",
+    "SourceNotFoundError": "errors",
+    "EmptyListingError": "errors",
+    "SizeParseError": "errors",
+    "FetchError": "errors",
+    "FetchTimeoutError": "errors",
+    "CacheFullError": "errors",
+    "ListingChangedError": "errors",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    mod = _EXPORTS.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'ucmagic' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{mod}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+def load_ipython_extension(ipython: Any) -> None:
+    """``%load_ext ucmagic``: register the magics."""
+    from .magics import load_ipython_extension as load
+
+    load(ipython)
+
+
+def unload_ipython_extension(ipython: Any) -> None:
+    """``%unload_ext ucmagic``: remove the magics."""
+    from .magics import unload_ipython_extension as unload
+
+    unload(ipython)

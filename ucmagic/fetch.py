@@ -1,0 +1,122 @@
+"""Ordered read-ahead over a thread pool, with retries, backoff and a per-item timeout.
+
+:func:`read_ahead` keeps up to ``depth`` calls of ``fn`` running and yields their results in input
+order, so a single process saturates a high-latency volume while the consumer sees a plain,
+ordered stream.
+"""
+from __future__ import annotations
+
+import os
+import random
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any, Callable, Iterable, Iterator, TypeVar
+
+from .errors import CacheFullError, FetchTimeoutError
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+# Errors that another try will not fix.
+PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, CacheFullError)
+
+
+def backoff_delays(retries: int, base: float = 0.01, cap: float = 2.0, jitter: float = 0.5,
+                   rng: random.Random | None = None) -> list[float]:
+    """Sleep before each retry: the first retry is immediate-ish, then exponential with jitter."""
+    r = rng or random
+    return [min(cap, base * (2 ** i)) * (1 + jitter * r.random()) for i in range(retries)]
+
+
+def with_retries(fn: Callable[[T], R], item: T, retries: int, on_retry: Callable[[BaseException], None] | None = None) -> R:
+    """Call ``fn(item)``, retrying transient failures ``retries`` times with exponential backoff."""
+    delays = backoff_delays(retries)
+    for attempt in range(retries + 1):
+        try:
+            return fn(item)
+        except PERMANENT:
+            raise
+        except Exception as e:  # noqa: BLE001 - network filesystems raise all kinds of transient errors
+            if attempt >= retries:
+                raise
+            if on_retry:
+                on_retry(e)
+            time.sleep(delays[attempt])
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+_pools: dict[int, ThreadPoolExecutor] = {}
+_pools_mu = threading.Lock()
+
+
+def shared_pool(threads: int) -> ThreadPoolExecutor:
+    """A per-process pool of I/O threads (recreated after fork; sized by the largest request)."""
+    with _pools_mu:
+        pool = _pools.get(os.getpid())
+        if pool is None or pool._max_workers < threads:  # noqa: SLF001
+            if pool is not None:
+                pool.shutdown(wait=False)
+            pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ucmagic-fetch")
+            _pools.clear()
+            _pools[os.getpid()] = pool
+        return pool
+
+
+class _Task:
+    __slots__ = ("future", "started", "item")
+
+    def __init__(self, item: Any) -> None:
+        self.item = item
+        self.started: float | None = None
+        self.future: Future | None = None
+
+
+def read_ahead(fn: Callable[[T], R], items: Iterable[T], *, depth: int = 32, timeout: float | None = 120.0,
+               pool: ThreadPoolExecutor | None = None, describe: Callable[[T], str] = str) -> Iterator[R]:
+    """Yield ``fn(item)`` for each item, in order, with up to ``depth`` calls in flight.
+
+    ``timeout`` bounds each call once it has started (a hung mount raises
+    :class:`FetchTimeoutError` naming the item instead of hanging training). Closing the generator
+    cancels calls that have not started.
+    """
+    depth = max(1, int(depth))
+    pool = pool or shared_pool(depth)
+    it = iter(items)
+    pending: deque[_Task] = deque()
+
+    def run(task: _Task) -> R:
+        task.started = time.monotonic()
+        return fn(task.item)
+
+    def submit() -> bool:
+        for item in it:
+            task = _Task(item)
+            task.future = pool.submit(run, task)
+            pending.append(task)
+            return True
+        return False
+
+    try:
+        while len(pending) < depth and submit():
+            pass
+        while pending:
+            task = pending[0]
+            while True:
+                try:
+                    result = task.future.result(timeout=0.5 if timeout else None)
+                    break
+                except FutureTimeout:
+                    if timeout and task.started is not None and time.monotonic() - task.started > timeout:
+                        raise FetchTimeoutError(
+                            f"fetching {describe(task.item)} took more than {timeout:g} s; the volume may be hung. "
+                            "Check the mount, or raise timeout="
+                        ) from None
+            pending.popleft()
+            submit()
+            yield result
+    finally:
+        for task in pending:
+            task.future.cancel()
