@@ -1,0 +1,318 @@
+"""Cold/warm epochs on FUSE slow volumes: ucmagic vs the I/O limit and its peers (SPEC section 4).
+
+    python bench/coldwarm.py [--files 2000] [--size 150KiB] [--rounds 3] [--profiles P20,P100]
+
+Mounts two slow volumes (P20: 20 ms per open, 200 MB/s per stream; P100: 100 ms, 100 MB/s) with
+``ucmagic.testing.mount_slow_volume`` under ``/Volumes/bench/...`` (databricks-sdk-air accepts
+only such paths), then runs each contender in its own fresh process, interleaved over rounds,
+and prints medians and the SPEC's ratios. Contenders:
+
+- ``raw``: the I/O limit, a bare copy of every file by 4 processes x 64 threads;
+- ``torch0`` / ``torch6``: torch.utils.data.DataLoader over a map-style dataset reading each file
+  from the volume, 0 and 6 workers (``torch0`` is timed on a subset and scaled: it takes minutes);
+- ``dbair``: ``databricks-sdk-air[data]==0.1.1`` UCVolumeDataset + its DataLoader, defaults
+  (venv at ``$DBAIR_PYTHON``, default /tmp/venv-dbair/bin/python);
+- ``litdata``: litdata ``StreamingRawDataset(dir, cache_files=True, item_type="path")`` under a
+  torch DataLoader with 6 workers (venv at ``$LITDATA_PYTHON``);
+- ``ucmagic``: ``UCVolumeDataset`` + ``ucmagic.DataLoader`` with defaults: a cold and a warm epoch;
+- ``restart``: ucmagic in a fresh process on the same cache (a kernel restart);
+- ``direct``: a plain loop reading the cached files from local disk (the warm reference).
+
+Every loop reads the bytes of every file it is handed. Memory is the peak of the summed PSS of the
+contender's whole process tree, sampled every 100 ms.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PROFILES = {"P20": {"open_ms": 20, "mbps": 200}, "P100": {"open_ms": 100, "mbps": 100}}
+BATCH = 32
+
+
+# ---------------------------------------------------------------- contenders (run in a child process)
+
+def _read(path: str) -> int:
+    with open(path, "rb") as f:
+        return len(f.read())
+
+
+def _epoch(loader, read_paths: bool) -> dict:
+    t0 = time.perf_counter()
+    first, n, nbytes = None, 0, 0
+    for batch in loader:
+        if first is None:
+            first = time.perf_counter() - t0
+        for x in batch:
+            nbytes += _read(x) if read_paths else int(x)
+            n += 1
+    return {"secs": time.perf_counter() - t0, "first": first, "files": n, "bytes": nbytes}
+
+
+class _VolumeFiles:
+    """Map-style dataset: what users write without a cache (read each file from the volume)."""
+
+    def __init__(self, paths):
+        self.paths = paths
+
+    def __len__(self):
+        return len(self.paths)
+
+    def __getitem__(self, i):
+        return _read(self.paths[i])
+
+
+def _listing(vol: str) -> list[str]:
+    return sorted(os.path.join(vol, f) for f in os.listdir(vol))
+
+
+def child(mode: str, vol: str, cache: str, limit: int) -> dict:
+    t_setup = time.perf_counter()
+    if mode == "raw":
+        from concurrent.futures import ProcessPoolExecutor
+
+        files = _listing(vol)
+        chunks = [files[i::4] for i in range(4)]
+        with ProcessPoolExecutor(4) as ex:
+            t0 = time.perf_counter()
+            total = sum(ex.map(_raw_copy, chunks, [cache] * 4))
+        return {"epochs": [{"secs": time.perf_counter() - t0, "first": None, "files": len(files), "bytes": total}]}
+    if mode in ("torch0", "torch6"):
+        import torch.utils.data as tud
+
+        files = _listing(vol)[: limit or None]
+        loader = tud.DataLoader(_VolumeFiles(files), batch_size=BATCH, num_workers=0 if mode == "torch0" else 6)
+        setup = time.perf_counter() - t_setup
+        return {"setup": setup, "epochs": [_epoch(loader, False)]}
+    if mode == "dbair":
+        from databricks.air.data import DataLoader, UCVolumeDataset
+
+        ds = UCVolumeDataset(vol)
+        loader = DataLoader(ds, batch_size=BATCH)
+        setup = time.perf_counter() - t_setup
+        return {"setup": setup, "workers": loader.num_workers, "epochs": [_epoch(loader, True)]}
+    if mode == "litdata":
+        import torch.utils.data as tud
+        from litdata import StreamingRawDataset
+
+        ds = StreamingRawDataset(vol, cache_dir=cache, cache_files=True, item_type="path")
+        loader = tud.DataLoader(ds, batch_size=BATCH, num_workers=6)
+        setup = time.perf_counter() - t_setup
+        return {"setup": setup, "epochs": [_epoch(loader, True)]}
+    if mode in ("ucmagic", "restart"):
+        from ucmagic import DataLoader, UCVolumeDataset
+
+        ds = UCVolumeDataset(vol, cache_dir=cache)
+        loader = DataLoader(ds, batch_size=BATCH)
+        setup = time.perf_counter() - t_setup
+        epochs = [_epoch(loader, True) for _ in range(2 if mode == "ucmagic" else 1)]
+        return {"setup": setup, "epochs": epochs, "stats": {k: ds.stats()[k] for k in ("hits", "misses", "retries")}}
+    if mode == "direct":
+        from ucmagic import UCVolumeDataset
+
+        paths = [p for p, _ in UCVolumeDataset(vol, cache_dir=cache)._cached_paths()]
+        t0 = time.perf_counter()
+        nbytes = sum(_read(p) for p in paths)
+        return {"epochs": [{"secs": time.perf_counter() - t0, "first": None, "files": len(paths), "bytes": nbytes}]}
+    raise SystemExit(f"unknown mode {mode}")
+
+
+def _raw_copy(files: list[str], dest: str) -> int:
+    from concurrent.futures import ThreadPoolExecutor
+
+    os.makedirs(dest, exist_ok=True)
+
+    def one(src: str) -> int:
+        out = os.path.join(dest, os.path.basename(src))
+        shutil.copyfile(src, out)
+        return os.path.getsize(out)
+
+    with ThreadPoolExecutor(64) as ex:
+        return sum(ex.map(one, files))
+
+
+# ---------------------------------------------------------------- parent: orchestration and memory
+
+def _tree_pss(pid: int) -> int:
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0
+    total = 0
+    for p in procs:
+        try:
+            total += p.memory_full_info().pss
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return total
+
+
+def run_child(python: str, mode: str, vol: str, cache: str, limit: int = 0, timeout: float = 900) -> dict:
+    cmd = [python, os.path.abspath(__file__), "--child", mode, "--vol", vol, "--cache", cache, "--limit", str(limit)]
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(HERE), UCMAGIC_PROGRESS="off")
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    peak = [0]
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.1):
+            peak[0] = max(peak[0], _tree_pss(proc.pid))
+
+    th = threading.Thread(target=sample, daemon=True)
+    th.start()
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+    done.set()
+    th.join()
+    lines = [ln for ln in out.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        return {"error": (err or out).strip().splitlines()[-1:] or ["no output"], "mode": mode}
+    res = json.loads(lines[-1])
+    res["wall"] = time.perf_counter() - t0
+    res["peak_mb"] = peak[0] / 1e6
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--files", type=int, default=2000)
+    ap.add_argument("--size", default="150KiB")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--profiles", default="P20,P100")
+    ap.add_argument("--contenders", default="raw,torch0,torch6,dbair,litdata,ucmagic,restart,direct")
+    ap.add_argument("--torch0-files", type=int, default=250, help="torch0 is timed on this many files and scaled")
+    ap.add_argument("--workdir", default="/tmp/ucmagic-bench")
+    ap.add_argument("--json", default=None, help="also write all results here")
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--vol", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--cache", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--limit", type=int, default=0, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:
+        print(json.dumps(child(a.child, a.vol, a.cache, a.limit)), flush=True)
+        return
+
+    sys.path.insert(0, os.path.dirname(HERE))
+    from ucmagic.testing import fuse_available, make_files, mount_slow_volume
+    from ucmagic.units import parse_size
+
+    if not fuse_available():
+        raise SystemExit("needs FUSE: apt-get install fuse3 && pip install mfusepy (and /dev/fuse)")
+    pythons = {"dbair": os.environ.get("DBAIR_PYTHON", "/tmp/venv-dbair/bin/python"),
+               "litdata": os.environ.get("LITDATA_PYTHON", "/tmp/venv-litdata/bin/python")}
+    contenders = [c for c in a.contenders.split(",") if c]
+    for c in ("dbair", "litdata"):
+        if c in contenders and not os.path.exists(pythons[c]):
+            print(f"skipping {c}: no interpreter at {pythons[c]}", file=sys.stderr)
+            contenders.remove(c)
+    src = os.path.join(a.workdir, "src")
+    if not os.path.isdir(src) or len(os.listdir(src)) != a.files:
+        shutil.rmtree(src, ignore_errors=True)
+        make_files(src, a.files, parse_size(a.size), depth=0)  # flat: databricks-sdk-air lists one level only
+    profiles = [p for p in a.profiles.split(",") if p]
+    results: dict[str, dict[str, list[dict]]] = {p: {c: [] for c in contenders} for p in profiles}
+    with contextlib_exit() as stack:
+        mounts = {p: stack.enter_context(mount_slow_volume(src, f"/Volumes/bench/slow/{p.lower()}", list_ms=50,
+                                                             **PROFILES[p])) for p in profiles}
+        for rnd in range(a.rounds):
+            for p in profiles:
+                vol = mounts[p]
+                ucache = tempfile.mkdtemp(prefix="ucache-", dir=a.workdir)
+                for c in contenders:
+                    python = pythons.get(c, sys.executable)
+                    cache = ucache if c in ("ucmagic", "restart", "direct") else tempfile.mkdtemp(dir=a.workdir)
+                    limit = a.torch0_files if c == "torch0" else 0
+                    if c == "torch0" and rnd > 0:
+                        continue  # minutes per run: once is enough
+                    r = run_child(python, c, vol, cache, limit)
+                    if c == "torch0" and "epochs" in r:
+                        scale = a.files / max(1, r["epochs"][0]["files"])
+                        r["epochs"][0]["secs"] *= scale
+                        r["scaled_from"] = r["epochs"][0]["files"]
+                    results[p][c].append(r)
+                    status = r.get("error") or " ".join(f"{e['secs']:.2f}s" for e in r["epochs"])
+                    print(f"[round {rnd + 1}] {p} {c:8s} {status}  peak {r.get('peak_mb', 0):.0f} MB", flush=True)
+                    if cache != ucache:
+                        shutil.rmtree(cache, ignore_errors=True)
+                shutil.rmtree(ucache, ignore_errors=True)
+    report(results, a.files)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+class contextlib_exit:
+    """A tiny ExitStack alias so mounts are undone even when a contender crashes."""
+
+    def __enter__(self):
+        import contextlib
+
+        self._s = contextlib.ExitStack()
+        return self._s.__enter__()
+
+    def __exit__(self, *exc):
+        return self._s.__exit__(*exc)
+
+
+def _med(runs: list[dict], key: str = "secs", epoch: int = 0) -> float:
+    vals = [r["epochs"][epoch][key] for r in runs if "epochs" in r and len(r["epochs"]) > epoch
+            and r["epochs"][epoch].get(key) is not None]
+    return statistics.median(vals) if vals else float("nan")
+
+
+def _medv(runs: list[dict], key: str) -> float:
+    vals = [r[key] for r in runs if key in r]
+    return statistics.median(vals) if vals else float("nan")
+
+
+def report(results: dict, files: int) -> None:
+    for p, res in results.items():
+        print(f"\n== {p}: {PROFILES[p]['open_ms']} ms per open, {PROFILES[p]['mbps']} MB/s per stream, {files} files ==")
+        print(f"{'contender':10s} {'epoch s':>8s} {'warm s':>7s} {'1st batch s':>11s} {'setup s':>8s} {'peak MB':>8s}")
+        for c, runs in res.items():
+            ok = [r for r in runs if "epochs" in r]
+            if not ok:
+                print(f"{c:10s} failed: {runs[0].get('error') if runs else 'not run'}")
+                continue
+            warm = _med(ok, epoch=1) if c == "ucmagic" else float("nan")
+            print(f"{c:10s} {_med(ok):8.2f} {warm:7.2f} {_med(ok, 'first'):11.2f} {_medv(ok, 'setup'):8.2f} "
+                  f"{_medv(ok, 'peak_mb'):8.0f}" + (f"  (scaled from {ok[0]['scaled_from']} files)" if "scaled_from" in ok[0] else ""))
+        get = lambda c, **kw: _med([r for r in res.get(c, []) if "epochs" in r], **kw)  # noqa: E731
+        cold, raw = get("ucmagic"), get("raw")
+        print("ratios (targets in brackets):")
+        print(f"  ucmagic cold / raw-copy limit      {cold / raw:5.2f}  [<= 1.25]")
+        if res.get("dbair"):
+            print(f"  databricks-sdk-air / ucmagic cold  {get('dbair') / cold:5.2f}  [>= {1.3 if p == 'P20' else 2.0}]")
+            pm = _medv([r for r in res["dbair"] if "epochs" in r], "peak_mb") / _medv(
+                [r for r in res["ucmagic"] if "epochs" in r], "peak_mb")
+            print(f"  peak memory databricks / ucmagic   {pm:5.2f}  [>= 2]")
+        print(f"  ucmagic first batch (s)            {get('ucmagic', key='first'):5.2f}  [<= 0.5]")
+        if res.get("direct"):
+            print(f"  ucmagic warm / direct local read   {get('ucmagic', epoch=1) / get('direct'):5.2f}  [<= 1.5]"
+                  f"  (absolute: {get('ucmagic', epoch=1):.2f} s vs {get('direct'):.2f} s)")
+        if res.get("restart"):
+            print(f"  restart epoch / warm epoch         {get('restart') / get('ucmagic', epoch=1):5.2f}  [<= 1.5]"
+                  f"  (absolute: {get('restart'):.2f} s)")
+        for c in ("torch0", "torch6", "litdata"):
+            if res.get(c):
+                print(f"  {c} / ucmagic cold{' ' * (17 - len(c))}{get(c) / cold:5.2f}")
+
+
+if __name__ == "__main__":
+    main()
