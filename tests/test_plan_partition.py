@@ -90,3 +90,22 @@ def test_round_robin_model_of_workers():
     assert plan.round_robin_taken([1, 3, 2], 4) == [1, 2, 1]
     assert plan.round_robin_taken([1, 3, 2], 6) == [1, 3, 2]
     assert plan.items_delivered([10, 25, 20], 10, False, 4) == [10, 20, 10]
+
+
+@settings(max_examples=100, deadline=None)
+@given(n=st.integers(1, 300), nodes=st.integers(2, 5), local=st.integers(1, 3), every=st.integers(1, 3),
+       epoch=st.integers(0, 12))
+def test_node_slices_rotate_every_n_epochs(n, nodes, local, every, epoch):
+    world = nodes * local
+    blocks = plan.node_blocks(n, world, local, "pad")
+    a = plan.epoch_order(n, seed=2, epoch=epoch, shuffle="node", blocks=blocks, reshuffle_every=every)
+    assert sorted(a.tolist()) == list(range(n))  # still a permutation
+    same = plan.epoch_order(n, seed=2, epoch=(epoch // every) * every, shuffle="node", blocks=blocks,
+                            reshuffle_every=every)
+    for lo, hi in blocks:  # within a rotation period, every node keeps its set of files
+        assert set(a[lo:hi].tolist()) == set(same[lo:hi].tolist())
+    nxt = plan.epoch_order(n, seed=2, epoch=(epoch // every + 1) * every, shuffle="node", blocks=blocks,
+                           reshuffle_every=every)
+    lo, hi = blocks[0]
+    if 0 < hi - lo < n:
+        assert set(nxt[lo:hi].tolist()) != set(a[lo:hi].tolist())  # and then the slices move on

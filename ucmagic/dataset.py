@@ -58,7 +58,9 @@ class UCVolumeDataset(IterableDataset):
         cache_dir: cache directory (default ``$UCMAGIC_CACHE_DIR`` or ``~/.cache/ucmagic``).
         cache_limit: cache budget in bytes or as a string (``"50GB"``); default: keep 10% of the disk free.
         shuffle: ``False``, ``True`` (per-epoch seeded permutation; node-affine on several nodes),
-            ``"global"`` (always one global permutation) or ``"node"``.
+            ``"global"`` (always one global permutation) or ``"node"`` (each node keeps its slice of
+            the files across epochs and shuffles within it, so its cache stays hot).
+        reshuffle_every: with node-affine shuffling, rotate the slices between nodes every N epochs.
         seed: shuffle seed; the order of epoch ``e`` depends only on ``(seed, e)``.
         partition: ``"pad"`` (wrap around so ranks are equal) or ``"drop"`` (drop the remainder).
         prefetch: files in flight per iterating process (default: 128 per rank, split over workers).
@@ -73,7 +75,8 @@ class UCVolumeDataset(IterableDataset):
                  cache_limit: int | str | None = None, shuffle: bool | str = False, seed: int = 0,
                  partition: str = "pad", prefetch: int | None = None, retries: int = 5,
                  timeout: float | None = 120.0, on_error: str = "raise",
-                 storage_options: dict[str, Any] | None = None, min_free: float = 0.10) -> None:
+                 storage_options: dict[str, Any] | None = None, min_free: float = 0.10,
+                 reshuffle_every: int | None = None) -> None:
         if partition not in plan.PARTITION_MODES:
             raise ValueError(f"partition must be one of {plan.PARTITION_MODES}, got {partition!r}")
         if shuffle not in (False, True, "global", "node"):
@@ -87,6 +90,7 @@ class UCVolumeDataset(IterableDataset):
         self.entries: list[FileEntry] = self.volume.list(pattern)
         self.fingerprint = listing_fingerprint(self.entries)
         self.shuffle = shuffle
+        self.reshuffle_every = int(reshuffle_every) if reshuffle_every else None
         self.seed = int(seed)
         self.partition = partition
         self.prefetch = prefetch
@@ -149,7 +153,8 @@ class UCVolumeDataset(IterableDataset):
     def _order(self, epoch: int, world: int, shuffle: bool | str, lws: int):
         n = len(self.entries)
         blocks = plan.node_blocks(n, world, lws, self.partition) if shuffle == "node" else None
-        return plan.epoch_order(n, seed=self.seed, epoch=epoch, shuffle=shuffle, blocks=blocks)
+        return plan.epoch_order(n, seed=self.seed, epoch=epoch, shuffle=shuffle, blocks=blocks,
+                                reshuffle_every=self.reshuffle_every)
 
     def _epoch_plan(self, epoch: int) -> tuple[list[plan.Range], Any]:
         """(pool, order) for ``epoch``: the resumed remainder if a state was loaded for it."""
@@ -277,6 +282,7 @@ class UCVolumeDataset(IterableDataset):
             "version": STATE_VERSION, "epoch": int(epoch), "seed": self.seed, "shuffle": shuffle,
             "partition": self.partition, "files": len(self.entries), "fingerprint": self.fingerprint,
             "order_world": r["order_world"] if r else world, "order_local_world": lws,
+            "reshuffle_every": self.reshuffle_every,
             "pool": [list(x) for x in left], "remaining": plan.ranges_len(left),
         }
 
@@ -295,6 +301,7 @@ class UCVolumeDataset(IterableDataset):
                 "start a new epoch instead (set_epoch) or restore the files"
             )
         self.seed = int(state["seed"])
+        self.reshuffle_every = state.get("reshuffle_every")
         self._resume = dict(state)
         self._epoch.value = int(state["epoch"])
         self._fresh = True

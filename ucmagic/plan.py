@@ -160,20 +160,25 @@ def node_blocks(total: int, world_size: int, local_world_size: int, mode: str = 
 
 
 def epoch_order(n: int, *, seed: int = 0, epoch: int = 0, shuffle: bool | str = False,
-                blocks: Sequence[Range] | None = None) -> np.ndarray:
+                blocks: Sequence[Range] | None = None, reshuffle_every: int | None = None) -> np.ndarray:
     """File index at each position of the epoch.
 
     ``shuffle=False``: listing order. ``True`` or ``"global"``: one seeded permutation of all files
-    per epoch. ``"node"``: each block (a node's files) is permuted within itself, so a node keeps
-    the same files every epoch and its cache stays hot. Identical on every rank.
+    per epoch. ``"node"``: each block of positions (one node's share, see :func:`node_blocks`) holds
+    the same contiguous slice of the listing every epoch, permuted within itself, so a node keeps its
+    files and its cache stays hot; with ``reshuffle_every=N`` the slices rotate one node onward
+    every N epochs. Identical on every rank.
     """
     if not shuffle:
         return np.arange(n, dtype=np.int64)
     if shuffle == "node" and blocks and len(blocks) > 1:
-        order = np.arange(n, dtype=np.int64)
+        order = np.empty(n, dtype=np.int64)
+        stride = blocks[0][1] - blocks[0][0]
+        rotation = epoch // reshuffle_every if reshuffle_every else 0
+        shift = (rotation * stride) % n if n else 0
         for k, (a, b) in enumerate(blocks):
             rng = np.random.default_rng([int(seed), int(epoch), k, 0x5EED])
-            order[a:b] = a + rng.permutation(b - a)
+            order[a:b] = (a + shift + rng.permutation(b - a)) % n
         return order
     rng = np.random.default_rng([int(seed), int(epoch), 0x5EED])
     return rng.permutation(n).astype(np.int64)
