@@ -1,0 +1,510 @@
+"""ucmagic.DataLoader: defaults, any dataset and start method, telemetry, MLflow, plots, exact resume."""
+import json
+import math
+import os
+import subprocess
+import sys
+import types
+
+import numpy as np
+import numpy.random  # noqa: F401  (imported before forking workers)
+import pytest
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from ucmagic import plan
+from ucmagic.dataset import UCVolumeDataset
+from ucmagic.errors import ListingChangedError
+from ucmagic.loader import DataLoader, LoaderStats
+
+
+def rel_of(path: str) -> str:
+    with open(path, "rb") as f:
+        return f.readline().decode().strip()
+
+
+def rels(batches) -> list[str]:
+    return [rel_of(p) for b in batches for p in b]
+
+
+def flat(batches) -> list[str]:
+    return [x for b in batches for x in b]
+
+
+class WorkerStreams(IterableDataset):
+    """Worker ``w`` yields ``(w, i)`` for ``i < lengths[w]`` (worker 0 alone without workers)."""
+
+    def __init__(self, lengths):
+        self.lengths = lengths
+
+    def __iter__(self):
+        info = get_worker_info()
+        w = info.id if info else 0
+        return iter([(w, i) for i in range(self.lengths[w])])
+
+
+class Counting(IterableDataset):
+    """0..n-1 split round-robin over workers; deterministic, so skip-resume is exact."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __iter__(self):
+        info = get_worker_info()
+        w, k = (info.id, info.num_workers) if info else (0, 1)
+        return iter(range(w, self.n, k))
+
+
+# ------------------------------------------------------------------ L1: defaults, datasets, start methods
+
+def test_defaults_are_tuned_and_every_explicit_argument_wins(tree):
+    ds = torch.arange(10)
+    d = DataLoader(ds)
+    assert (d.num_workers, d.prefetch_factor, d.persistent_workers) == (6, 4, True)
+    assert d.pin_memory == torch.cuda.is_available()
+    assert isinstance(d, torch.utils.data.DataLoader)
+    e = DataLoader(ds, 5, False, num_workers=2, prefetch_factor=2, persistent_workers=False, pin_memory=False)
+    got = (e.batch_size, e.num_workers, e.prefetch_factor, e.persistent_workers, e.pin_memory)
+    assert got == (5, 2, 2, False, False)
+    z = DataLoader(ds, num_workers=0)
+    assert (z.prefetch_factor, z.persistent_workers) == (None, False)
+    assert [b.tolist() for b in z] == [[i] for i in range(10)]
+    with pytest.raises(ValueError, match="UCVolumeDataset"):
+        DataLoader(UCVolumeDataset(tree[0]), shuffle=True)
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_any_dataset_with_fork_and_spawn(tree, method):
+    root, names = tree
+    ds = UCVolumeDataset(root)
+    loader = DataLoader(ds, batch_size=8, num_workers=2, multiprocessing_context=method, collate_fn=list)
+    assert sorted(rels(loader)) == sorted(names)
+    assert sorted(rels(loader)) == sorted(names)  # persistent workers serve a second epoch
+    assert ds.epoch == 1
+    m = DataLoader(torch.arange(20), batch_size=6, shuffle=True, num_workers=1,
+                   multiprocessing_context=method)
+    assert sorted(torch.cat(list(m)).tolist()) == list(range(20))
+    assert m.stats.count == 4
+
+
+def test_plain_iterable_dataset_and_no_auto_batching():
+    d = DataLoader(Counting(11), batch_size=None, num_workers=0)
+    assert list(d) == list(range(11)) and d.stats.count == 11
+
+
+@pytest.mark.parametrize("lengths,bs,drop_last,prefetch", [
+    ([7, 7, 7], 2, False, 2),
+    ([0, 5, 13, 2], 3, False, 1),
+    ([9, 0, 4], 4, True, 3),
+    ([1, 10, 3, 6], 2, False, 4),
+    ([8, 8, 5], 4, False, 2),
+    ([5, 5, 5, 5], 5, True, 1),
+])
+def test_torch_round_robin_matches_the_plan_model(lengths, bs, drop_last, prefetch):
+    """Real multi-worker DataLoader over IterableDataset workers: the order batches reach the loop
+    is the round-robin over non-exhausted workers that plan.items_delivered assumes."""
+    loader = torch.utils.data.DataLoader(WorkerStreams(lengths), batch_size=bs, drop_last=drop_last,
+                                         num_workers=len(lengths), prefetch_factor=prefetch,
+                                         multiprocessing_context="fork", collate_fn=list)
+    got = [0] * len(lengths)
+    k = 0
+    for batch in loader:
+        k += 1
+        w = batch[0][0]
+        assert [i for _, i in batch] == list(range(got[w], got[w] + len(batch)))
+        got[w] += len(batch)
+        assert got == plan.items_delivered(lengths, bs, drop_last, k)
+    assert k == sum(plan.batches_per_stream(lengths, bs, drop_last))
+
+
+# ------------------------------------------------------------------ L2 / W2: telemetry, callbacks, plots
+
+def test_stats_timings_snapshot_and_cache_counters(tree):
+    root, names = tree
+    ds = UCVolumeDataset(root)
+    loader = DataLoader(ds, batch_size=10, num_workers=2, collate_fn=list)
+    seen = []
+    loader.add_batch_callback(lambda ld, st: seen.append((ld is loader, st.count, st.last_fetch_s)))
+    for _ in loader:
+        pass
+    s = loader.stats
+    assert isinstance(s, LoaderStats) and s.count == 12 and len(seen) == 12
+    assert [c for _, c, _ in seen] == list(range(1, 13)) and all(ok for ok, _, _ in seen)
+    assert 0 < s.p50 <= s.p90 <= s.p99 <= s.max and 0 < s.mean <= s.max
+    assert 0 <= s.stall_fraction <= 1 and len(s.fetch_seconds) == len(s.compute_seconds) == 12
+    assert (s.hits, s.misses, s.bytes_fetched) == (0, 120, 120 * 3000)
+    snap = s.snapshot()
+    assert snap["count"] == 12 and snap["epoch_count"] == 12 and len(snap["recent_fetch_s"]) == 12
+    assert (snap["files"], snap["files_cached"], snap["bytes_cached"]) == (120, 120, 360000)
+    assert snap["hit_rate"] == 0 and snap["p50_s"] <= snap["p99_s"]
+    json.dumps(snap)
+    summary = s.summary()
+    assert summary["count"] == 12 and summary["misses"] == 120 and "p99" in summary
+    assert "count=12" in repr(s)
+    for _ in loader:  # second epoch: all hits, stats accumulate
+        pass
+    assert s.count == 24 and s.hits == 120 and s.snapshot()["epoch_count"] == 12
+
+
+def test_plot_is_a_headless_figure_with_latency_and_histogram():
+    loader = DataLoader(torch.arange(50), batch_size=5, num_workers=0)
+    empty = loader.stats.plot()
+    for _ in loader:
+        pass
+    fig = loader.stats.plot()
+    from matplotlib.figure import Figure
+
+    assert isinstance(fig, Figure) and isinstance(empty, Figure)
+    line, hist = fig.axes
+    assert len(line.lines) >= 3  # latency, p50, p99
+    assert any("p99" in t.get_text() for t in line.get_legend().get_texts())
+    assert len(hist.patches) > 0
+    import io
+
+    fig.savefig(io.BytesIO(), format="png")
+
+
+def test_end_callbacks_on_finish_break_and_error():
+    ends = []
+    loader = DataLoader(torch.arange(9), batch_size=3, num_workers=0)
+    loader.add_epoch_end_callback(lambda ld, st, err: ends.append(err))
+    list(loader)
+    for _ in loader:
+        break
+    assert ends == [None, None]
+
+    class Boom(IterableDataset):
+        def __iter__(self):
+            yield 1
+            raise OSError("volume went away")
+
+    bad = DataLoader(Boom(), batch_size=1, num_workers=0)
+    bad.add_epoch_end_callback(lambda ld, st, err: ends.append(err))
+    with pytest.raises(OSError):
+        list(bad)
+    assert isinstance(ends[-1], OSError)
+    assert bad.stats.count == 1
+
+
+def test_monitor_imports_the_widget_lazily(monkeypatch):
+    calls = []
+    fake = types.ModuleType("ucmagic.widget")
+    fake.attach_monitor = lambda loader, **kw: calls.append((loader, kw)) or "monitor"
+    monkeypatch.setitem(sys.modules, "ucmagic.widget", fake)
+    loader = DataLoader(torch.arange(3), num_workers=0)
+    assert loader.monitor(mode="off") == "monitor" and calls == [(loader, {"mode": "off"})]
+
+
+# ------------------------------------------------------------------ L2: MLflow
+
+@pytest.fixture(scope="module")
+def mlflow_store(tmp_path_factory):
+    mlflow = pytest.importorskip("mlflow")
+    old = mlflow.get_tracking_uri()
+    uri = f"sqlite:///{tmp_path_factory.mktemp('mlflow')}/mlflow.db"
+    mlflow.set_tracking_uri(uri)
+    mlflow.set_experiment("ucmagic-loader-tests")
+    yield mlflow
+    while mlflow.active_run():
+        mlflow.end_run()
+    mlflow.set_tracking_uri(old)
+
+
+def history(mlflow, run_id, key):
+    return sorted((m.step, m.value) for m in mlflow.tracking.MlflowClient().get_metric_history(run_id, key))
+
+
+def test_metrics_land_in_the_active_run_with_rank_keys_and_steps(mlflow_store, tree):
+    mlflow = mlflow_store
+    ds = UCVolumeDataset(tree[0])
+    loader = DataLoader(ds, batch_size=10, num_workers=2, collate_fn=list, log_interval=3600)
+    with mlflow.start_run() as run:
+        list(loader)
+        for i, _ in enumerate(loader):
+            if i == 4:
+                break  # a break flushes too
+    rid = run.info.run_id
+    fetch = history(mlflow, rid, "dataloader/fetch_seconds/rank_0")
+    assert [s for s, _ in fetch] == [11, 16]  # one window per epoch here: logged at its last batch
+    f = loader.stats.fetch_seconds
+    assert [v for _, v in fetch] == pytest.approx([f[:12].mean(), f[12:].mean()])
+    p50 = history(mlflow, rid, "dataloader/fetch_p50_seconds/rank_0")
+    p99 = history(mlflow, rid, "dataloader/fetch_p99_seconds/rank_0")
+    assert p50[0][1] <= p99[0][1] == pytest.approx(float(np.percentile(f[:12], 99)))
+    assert [v for _, v in history(mlflow, rid, "dataloader/batches/rank_0")] == [12, 5]
+    for key in ("compute_seconds", "fetch_max_seconds", "stall_fraction"):
+        assert len(history(mlflow, rid, f"dataloader/{key}/rank_0")) == 2
+    hit_rate = history(mlflow, rid, "dataloader/cache_hit_rate/rank_0")
+    assert hit_rate[0][1] == 0.0 and hit_rate[-1][1] > 0
+
+
+def test_writes_are_batched(mlflow_store, monkeypatch):
+    from ucmagic import mlflow_sink
+
+    made = []
+    real = mlflow_sink.MlflowSink.for_active_run.__func__
+
+    def spy(cls, rank=0, **kw):
+        sink = real(cls, rank, **kw)
+        made.append(sink)
+        return sink
+
+    monkeypatch.setattr(mlflow_sink.MlflowSink, "for_active_run", classmethod(spy))
+    with mlflow_store.start_run() as run:
+        slow = DataLoader(torch.arange(600), batch_size=1, num_workers=0, log_interval=3600)
+        list(slow)
+        fast = DataLoader(torch.arange(6), batch_size=1, num_workers=0, log_interval=0)
+        list(fast)
+    assert made[0].calls == 1 and made[0].logged == len(mlflow_sink.WINDOW_NAMES)  # 600 batches, one write
+    assert made[1].calls == 6  # interval 0: a write per batch
+    steps = history(mlflow_store, run.info.run_id, "dataloader/fetch_seconds/rank_0")
+    assert [s for s, _ in steps] == [0, 1, 2, 3, 4, 5, 599]  # each loader counts its own batches
+
+
+def test_run_from_env_and_no_run_means_no_logging(mlflow_store, monkeypatch):
+    mlflow = mlflow_store
+    from ucmagic.mlflow_sink import active_run_id
+
+    assert mlflow.active_run() is None and active_run_id() is None
+    loader = DataLoader(torch.arange(4), num_workers=0)
+    assert loader._make_sink() is None
+    list(loader)  # no run: nothing logged, nothing fails
+    run = mlflow.tracking.MlflowClient().create_run(mlflow.get_experiment_by_name("ucmagic-loader-tests").experiment_id)
+    monkeypatch.setenv("MLFLOW_RUN_ID", run.info.run_id)
+    list(loader)
+    assert [s for s, _ in history(mlflow, run.info.run_id, "dataloader/fetch_seconds/rank_0")] == [7]
+    assert DataLoader(torch.arange(4), num_workers=0, log_to_mlflow=False)._make_sink() is None
+
+
+def test_mlflow_errors_never_break_training(mlflow_store):
+    class Broken:
+        def log_batch(self, *a, **k):
+            raise ConnectionError("tracking server down")
+
+    from ucmagic.mlflow_sink import MlflowSink
+
+    sink = MlflowSink("run", 3, interval=0, client=Broken())
+    with pytest.warns(UserWarning, match="could not log"):
+        sink.add(0, 0.1, 0.2)
+        sink.close()
+    assert sink.keys["fetch_seconds"] == "dataloader/fetch_seconds/rank_3"
+
+
+def test_mlflow_is_not_imported_without_a_run(tmp_path):
+    code = ("import sys, torch, ucmagic\n"
+            "from torch.utils.data import TensorDataset\n"
+            "list(ucmagic.DataLoader(torch.arange(5), num_workers=0))\n"
+            "assert 'mlflow' not in sys.modules\n")
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_RUN_ID"}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
+
+
+# ------------------------------------------------------------------ F7 / L3: resume
+
+def run_until(loader, stop):
+    """The first ``stop`` batches (cached paths are read at once: only recent items stay pinned)."""
+    got = []
+    for i, batch in enumerate(loader):
+        got.append([rel_of(p) if isinstance(p, str) else p for p in batch] if isinstance(batch, list) else batch)
+        if i + 1 == stop:
+            break
+    return got
+
+
+RESUME_CHILD = r"""
+import json, sys
+from ucmagic import DataLoader, UCVolumeDataset
+root, state_file, workers, bs = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+ds = UCVolumeDataset(root, shuffle=True, seed=11)
+loader = DataLoader(ds, batch_size=bs, num_workers=workers, collate_fn=list)
+with open(state_file) as f:
+    loader.load_state_dict(json.load(f))
+rest = []
+for b in loader:
+    for p in b:
+        with open(p, "rb") as f:
+            rest.append(f.readline().decode().strip())
+print(json.dumps(rest))
+"""
+
+
+def test_interrupted_epoch_resumes_in_a_fresh_process_with_other_workers(tree, tmp_path):
+    root, names = tree
+    ds = UCVolumeDataset(root, shuffle=True, seed=11)
+    loader = DataLoader(ds, batch_size=7, num_workers=3, collate_fn=list)
+    before = flat(run_until(loader, 6))
+    state = loader.state_dict()
+    text = json.dumps(state)
+    assert len(text) < 1000 and state["dataset"]["remaining"] == 120 - len(before) == 78
+    (tmp_path / "state.json").write_text(text)
+    out = subprocess.run([sys.executable, "-c", RESUME_CHILD, root, str(tmp_path / "state.json"), "2", "5"],
+                         check=True, capture_output=True, text=True, timeout=120)
+    after = json.loads(out.stdout)
+    assert sorted(before + after) == sorted(names) and len(before + after) == 120
+
+
+def test_elastic_resume_on_more_ranks(tree, monkeypatch):
+    """Saved on one rank with 2 workers, resumed on 2 ranks (RANK/WORLD_SIZE) with 3 workers each."""
+    root, names = tree
+    loader = DataLoader(UCVolumeDataset(root, shuffle=True, seed=5), batch_size=4, num_workers=2, collate_fn=list)
+    before = flat(run_until(loader, 9))
+    state = json.loads(json.dumps(loader.state_dict()))
+    after = []
+    for rank in range(2):
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        d = DataLoader(UCVolumeDataset(root, shuffle=True, seed=5), batch_size=3, num_workers=3,
+                       multiprocessing_context="fork", collate_fn=list)
+        d.load_state_dict(state)
+        mine = rels(d)
+        assert len(mine) == 42  # 84 left: equal shares
+        after += mine
+    assert sorted(before + after) == sorted(names)
+
+
+def test_state_gathers_every_rank_and_resumes_on_one(tree, monkeypatch):
+    """Two ranks (torch.distributed faked, num_workers=0) stop after 5 batches; one rank finishes."""
+    root, names = tree
+    dist = torch.distributed
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    before, states = [], []
+    for rank in range(2):
+        monkeypatch.setattr(dist, "get_rank", lambda group=None, r=rank: r)
+        monkeypatch.setattr(dist, "all_gather_object",
+                            lambda out, obj, group=None: out.__setitem__(slice(None), [obj, obj]))
+        d = DataLoader(UCVolumeDataset(root, shuffle=True), batch_size=4, num_workers=0, collate_fn=list)
+        before += flat(run_until(d, 5))
+        states.append(d.state_dict())
+    assert states[0] == states[1] and states[0]["dataset"]["remaining"] == 80
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    d = DataLoader(UCVolumeDataset(root, shuffle=True), batch_size=6, num_workers=2, collate_fn=list)
+    d.load_state_dict(states[0])
+    assert sorted(before + rels(d)) == sorted(names)
+
+
+def test_world_size_without_process_group_says_how_to_fix(tree, monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    d = DataLoader(UCVolumeDataset(tree[0]), batch_size=4, num_workers=0, collate_fn=list)
+    run_until(d, 2)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        d.state_dict()
+
+
+def test_persistent_workers_pick_up_a_loaded_state_and_epochs_go_on(tree):
+    root, names = tree
+    ds = UCVolumeDataset(root, shuffle=True, seed=2)
+    loader = DataLoader(ds, batch_size=8, num_workers=2, collate_fn=list)
+    epoch0 = rels(loader)
+    saved = loader.state_dict()
+    assert saved["dataset"]["remaining"] == 0 and saved["dataset"]["epoch"] == 0
+    part = flat(run_until(loader, 3))  # epoch 1, interrupted
+    mid = loader.state_dict()
+    assert mid["dataset"]["epoch"] == 1
+    loader.load_state_dict(mid)  # same loader, live persistent workers
+    rest = rels(loader)
+    assert sorted(part + rest) == sorted(names) and part + rest != epoch0
+    assert loader.state_dict()["dataset"] == {**mid["dataset"], "pool": [], "remaining": 0}
+    fresh = DataLoader(UCVolumeDataset(root, shuffle=True, seed=2), batch_size=8, num_workers=1, collate_fn=list)
+    fresh.load_state_dict(saved)  # a finished epoch: the next iteration is epoch 1, whole
+    ref = UCVolumeDataset(root, shuffle=True, seed=2)
+    ref.set_epoch(1)
+    assert rels(fresh) == rels(DataLoader(ref, batch_size=8, num_workers=1, collate_fn=list))
+    assert fresh.dataset.epoch == 1 and fresh.stats.count == 15
+
+
+def test_unstarted_loader_state_round_trips(tree):
+    root, names = tree
+    d = DataLoader(UCVolumeDataset(root), batch_size=8, num_workers=0, collate_fn=list)
+    s = d.state_dict()
+    assert s["dataset"]["remaining"] == 120 and s["dataset"]["epoch"] == 0
+    part = flat(run_until(d, 2))
+    s = d.state_dict()
+    e = DataLoader(UCVolumeDataset(root), batch_size=8, num_workers=0, collate_fn=list)
+    e.load_state_dict(s)
+    assert e.state_dict()["dataset"] == s["dataset"]  # saving again before iterating keeps the state
+    assert sorted(part + rels(e)) == sorted(names)
+
+
+def test_changed_listing_is_refused(tree):
+    root, names = tree
+    d = DataLoader(UCVolumeDataset(root), batch_size=8, num_workers=0, collate_fn=list)
+    run_until(d, 2)
+    state = d.state_dict()
+    os.remove(os.path.join(root, names[0]))
+    with pytest.raises(ListingChangedError, match="changed"):
+        DataLoader(UCVolumeDataset(root), num_workers=0).load_state_dict(state)
+
+
+def test_map_style_resume_replays_the_shuffled_order(monkeypatch):
+    data = torch.arange(50)
+    torch.manual_seed(0)
+    ref = DataLoader(data, batch_size=4, shuffle=True, num_workers=0)
+    first = [b.tolist() for b in ref]
+    second = [b.tolist() for b in ref]
+    assert sorted(sum(first, [])) == list(range(50)) and first != second
+    torch.manual_seed(0)
+    a = DataLoader(data, batch_size=4, shuffle=True, num_workers=2)
+    list(a)
+    got = [b.tolist() for b in run_until(a, 5)]
+    assert got == second[:5]
+    state = json.loads(json.dumps(a.state_dict()))
+    b = DataLoader(data, batch_size=4, shuffle=True, num_workers=0)  # other workers, other seed
+    b.load_state_dict(state)
+    rest = [x.tolist() for x in b]
+    assert got + rest == second
+    assert b.state_dict()["complete"] is True
+    with pytest.raises(ListingChangedError):
+        DataLoader(torch.arange(49), batch_size=4, num_workers=0).load_state_dict(state)
+
+
+def test_generic_iterable_resume_skips_delivered_batches():
+    a = DataLoader(Counting(40), batch_size=3, num_workers=2, multiprocessing_context="fork")
+    got = [b.tolist() for b in run_until(a, 4)]
+    state = a.state_dict()
+    b = DataLoader(Counting(40), batch_size=3, num_workers=2, multiprocessing_context="fork")
+    b.load_state_dict(state)
+    rest = [x.tolist() for x in b]
+    assert sorted(sum(got + rest, [])) == list(range(40))
+    assert b.state_dict()["batches"] == len(got) + len(rest)
+    with pytest.raises(NotImplementedError, match="UCVolumeDataset"):
+        DataLoader(Counting(40), batch_size=3, num_workers=1).load_state_dict(state)
+
+
+def test_state_of_a_stats_less_loader_is_json_and_versioned():
+    d = DataLoader(torch.arange(5), num_workers=0)
+    s = d.state_dict()
+    assert json.loads(json.dumps(s)) == s and s["batches"] == 0 and not s["complete"]
+    with pytest.raises(ValueError, match="version"):
+        d.load_state_dict({**s, "version": 99})
+    assert math.isnan(d.stats.p50) and d.stats.snapshot()["count"] == 0
+
+
+def test_parquet_dataset_resumes_exactly_through_the_loader(tmp_path):
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from ucmagic import DataLoader, ParquetDataset
+
+    path = tmp_path / "t"
+    path.mkdir()
+    pq.write_table(pa.table({"id": list(range(1000)), "x": [float(i) for i in range(1000)]}),
+                   path / "part.parquet", row_group_size=128)
+    ds = ParquetDataset(str(path), batch_size=50, shuffle=True, seed=4)
+    loader = DataLoader(ds, num_workers=2)
+    assert loader.batch_size is None
+    before = []
+    for i, batch in enumerate(loader):
+        before += batch["id"].tolist()
+        if i == 6:
+            break
+    state = json.loads(json.dumps(loader.state_dict()))
+    resumed = DataLoader(ParquetDataset(str(path), batch_size=50, shuffle=True, seed=4), num_workers=1)
+    resumed.load_state_dict(state)
+    after = [x for batch in resumed for x in batch["id"].tolist()]
+    assert sorted(before + after) == list(range(1000)) and not set(before) & set(after)
+    with pytest.raises(ValueError, match="whole batches"):
+        DataLoader(ds, batch_size=32)

@@ -1,0 +1,477 @@
+"""``ucmagic.DataLoader``: torch's DataLoader with tuned defaults, per-batch telemetry, MLflow
+logging and exact (elastic) mid-epoch resume.
+
+Resume counts the batches the training loop *received* in the current epoch (not what workers
+prefetched) and turns that count into items per worker stream with the round-robin model in
+:mod:`ucmagic.plan`. For a :class:`~ucmagic.dataset.UCVolumeDataset` the state is the epoch's
+remaining pool (position ranges), valid for any ``num_workers`` and world size. Map-style datasets
+resume by skipping the delivered batches of the (re-seeded) sampler; other iterable datasets by
+skipping delivered batches with the same layout.
+"""
+from __future__ import annotations
+
+import sys
+
+import time
+import weakref
+from typing import Any, Callable, Iterator
+
+import numpy.random  # noqa: F401  (workers seed it; importing it in a forked child can hit a stale import lock)
+import torch
+import torch.utils.data as tud
+
+from . import plan
+from .errors import ListingChangedError
+from .loader_stats import LoaderStats
+
+__all__ = ["DataLoader", "LoaderStats"]
+
+DEFAULT_NUM_WORKERS = 6
+DEFAULT_PREFETCH_FACTOR = 4
+STATE_VERSION = 1
+
+BatchCallback = Callable[["DataLoader", "LoaderStats"], None]
+EndCallback = Callable[["DataLoader", "LoaderStats", "BaseException | None"], None]
+
+
+_UNSET: Any = object()  # batch_size not given (torch's default is 1)
+
+
+def _planned_kind(ds: Any) -> str | None:
+    """"UCVolumeDataset" or "ParquetDataset" for ucmagic's planned datasets (exact elastic resume), else None."""
+    from .dataset import UCVolumeDataset
+
+    if isinstance(ds, UCVolumeDataset):
+        return "UCVolumeDataset"
+    pq = sys.modules.get("ucmagic.parquet_dataset")
+    if pq is not None and isinstance(ds, pq.ParquetDataset):
+        return "ParquetDataset"
+    return None
+
+
+def _rank_world() -> tuple[int, int]:
+    from .dataset import grid
+
+    rank, world, _, _ = grid()
+    return rank, world
+
+
+# ------------------------------------------------------------------ sampler skipping (map-style resume)
+
+class _ResumableIndexSampler:
+    """Wraps the loader's index sampler: the first iteration after a resume skips delivered batches.
+
+    It shares only a one-item list with the loader (no reference cycle: torch shuts persistent
+    workers down from the iterator's ``__del__``, which must not wait for the cycle collector).
+    """
+
+    def __init__(self, inner: Any, pending: list[int]) -> None:
+        self.inner = inner
+        self.pending = pending
+
+    def __iter__(self) -> Iterator[Any]:
+        skip, self.pending[0] = self.pending[0], 0
+        it = iter(self.inner)
+        for _ in range(skip):
+            if next(it, _END) is _END:
+                break
+        return it
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+
+_END = object()
+
+
+def _cache_gauges(counters: Any) -> Callable[[], dict[str, float]]:
+    """MLflow gauges of a UCVolumeDataset's shared counters: bytes fetched and cache hit rate."""
+
+    def gauges() -> dict[str, float]:
+        t = counters.totals()
+        lookups = t["hits"] + t["misses"]
+        out = {"bytes_fetched": float(t["bytes_fetched"])}
+        if lookups:
+            out["cache_hit_rate"] = t["hits"] / lookups
+        return out
+
+    return gauges
+
+
+def _shutdown_held(held: list[Any]) -> None:
+    """Stop the persistent workers of the iterators in ``held`` (the loader's finaliser)."""
+    while held:
+        stop = getattr(held.pop(), "_shutdown_workers", None)
+        if stop is not None:
+            stop()
+
+
+# ------------------------------------------------------------------ the loader
+
+class DataLoader(tud.DataLoader):
+    """Drop-in ``torch.utils.data.DataLoader`` tuned for slow volumes, with timing and resume.
+
+    Defaults differ from torch's only where torch's are slow: ``num_workers=6``,
+    ``prefetch_factor=4`` and ``persistent_workers=True`` when there are workers, ``pin_memory``
+    when CUDA is available. Every argument you pass wins. Works with any dataset.
+
+    Extra keyword arguments:
+        log_to_mlflow: ``None`` (default) logs to the active MLflow run or ``$MLFLOW_RUN_ID`` when
+            there is one; ``False`` never logs.
+        log_interval: seconds between buffered MLflow writes.
+
+    ``loader.stats`` holds per-batch timings; ``state_dict()``/``load_state_dict()`` resume
+    mid-epoch; ``add_batch_callback(fn)`` calls ``fn(loader, stats)`` after every batch;
+    ``monitor()`` shows a live display in a notebook.
+    """
+
+    def __init__(self, dataset: Any, batch_size: int | None = _UNSET, shuffle: bool | None = None,
+                 sampler: Any = None, batch_sampler: Any = None, num_workers: int | None = None,
+                 collate_fn: Callable | None = None, pin_memory: bool | None = None, drop_last: bool = False,
+                 timeout: float = 0, worker_init_fn: Callable | None = None, multiprocessing_context: Any = None,
+                 generator: torch.Generator | None = None, *, prefetch_factor: int | None = None,
+                 persistent_workers: bool | None = None, log_to_mlflow: bool | None = None,
+                 log_interval: float = 5.0, **kwargs: Any) -> None:
+        kind = _planned_kind(dataset)
+        uc = kind is not None
+        if uc and shuffle:
+            raise ValueError(f"shuffle goes to the dataset, not the loader: {kind}(path, shuffle=True)")
+        if kind == "ParquetDataset":  # it yields whole batches itself
+            if batch_size is not _UNSET and batch_size is not None:
+                raise ValueError("ParquetDataset yields whole batches already: leave the loader's batch_size unset "
+                                 "(or None) and set it on the dataset: ParquetDataset(path, batch_size=...)")
+            batch_size = None
+        elif batch_size is _UNSET:
+            batch_size = 1
+        if num_workers is None:
+            num_workers = DEFAULT_NUM_WORKERS
+        if prefetch_factor is None and num_workers > 0:
+            prefetch_factor = DEFAULT_PREFETCH_FACTOR
+        if persistent_workers is None:
+            persistent_workers = num_workers > 0
+        if pin_memory is None:
+            pin_memory = torch.cuda.is_available()
+        super().__init__(dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, collate_fn,
+                         pin_memory, drop_last, timeout, worker_init_fn, multiprocessing_context, generator,
+                         prefetch_factor=prefetch_factor, persistent_workers=persistent_workers, **kwargs)
+        self._uc = uc
+        self._uc_kind = kind
+        self.log_to_mlflow = log_to_mlflow
+        self.log_interval = float(log_interval)
+        self.stats = LoaderStats(dataset)
+        self._batch_callbacks: list[BatchCallback] = []
+        self._end_callbacks: list[EndCallback] = []
+        self._step = 0  # batches delivered since creation (MLflow step); restored on resume
+        self._epoch_batches = 0  # batches delivered to the loop in the current epoch
+        self._epoch_complete = False
+        self._epoch: int | None = None  # epoch of the current/last iteration
+        self._fresh = True  # the next iteration keeps self._epoch (start or after set_epoch/resume)
+        self._started = False  # an iteration began since creation / set_epoch / load_state_dict
+        self._lengths: list[int] = []  # this rank's worker stream lengths (UCVolumeDataset)
+        self._pending_skip = [0]  # batches to skip at the next iteration (non-UC resume)
+        self._sampler_gen: torch.Generator | None = None
+        self._sampler_seed: int | None = None
+        # Persistent workers are shut down by a finaliser that holds their iterator: when the loader
+        # dies inside a reference cycle (a callback that refers to it), the iterator's queues are
+        # still alive when the workers are told to stop, so nobody waits for join timeouts.
+        self._held_iterators: list[Any] = []
+        weakref.finalize(self, _shutdown_held, self._held_iterators)
+        if uc:
+            self._configure_dataset()
+        elif self._dataset_kind == 0:  # map-style
+            self._own_random_sampler(generator)
+
+    # -- setup
+    def _configure_dataset(self) -> None:
+        """Batch-aligned worker streams and enough pinned items for what can be in flight."""
+        bs = self.batch_size or 1
+        self.dataset.batch_quantum = bs
+        self.dataset.lease_items = ((self.prefetch_factor or 0) + 3) * bs
+
+    def _own_random_sampler(self, generator: torch.Generator | None) -> None:
+        """Make a RandomSampler's order depend only on (seed, epoch), so a resume can replay it."""
+        s = self.sampler
+        if not isinstance(s, tud.RandomSampler):
+            s = getattr(self.batch_sampler, "sampler", None)
+        if not isinstance(s, tud.RandomSampler) or (s.generator is not None and s.generator is not generator):
+            return
+        self._sampler_seed = int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
+        self._sampler_gen = torch.Generator()
+        s.generator = self._sampler_gen
+
+    @property
+    def _index_sampler(self) -> Any:  # type: ignore[override]
+        inner = tud.DataLoader._index_sampler.fget(self)  # type: ignore[attr-defined]
+        pending = self.__dict__.get("_pending_skip")
+        if pending is not None and self.__dict__.get("_dataset_kind") == 0:
+            return _ResumableIndexSampler(inner, pending)
+        return inner
+
+    @property
+    def _skip_batches(self) -> int:
+        """Batches the next iteration skips (set by load_state_dict for datasets other than UCVolumeDataset)."""
+        return self._pending_skip[0]
+
+    @_skip_batches.setter
+    def _skip_batches(self, n: int) -> None:
+        self._pending_skip[0] = int(n)
+
+    # -- callbacks
+    def add_batch_callback(self, fn: BatchCallback) -> BatchCallback:
+        """Call ``fn(loader, stats)`` on the main thread after each batch (before the loop gets it)."""
+        self._batch_callbacks.append(fn)
+        return fn
+
+    def remove_batch_callback(self, fn: BatchCallback) -> None:
+        self._batch_callbacks.remove(fn)
+
+    def add_epoch_end_callback(self, fn: EndCallback) -> EndCallback:
+        """Call ``fn(loader, stats, error)`` when an iteration ends: ``error`` is the exception that
+        stopped it, or None when the epoch finished or the loop left early (``break``)."""
+        self._end_callbacks.append(fn)
+        return fn
+
+    def remove_epoch_end_callback(self, fn: EndCallback) -> None:
+        self._end_callbacks.remove(fn)
+
+    def monitor(self, **kw: Any) -> Any:
+        """Live display of this loader (widget in a notebook, one text line elsewhere)."""
+        from .widget import attach_monitor
+
+        return attach_monitor(self, **kw)
+
+    # -- epochs
+    @property
+    def epoch(self) -> int:
+        if self._uc:
+            return self.dataset.epoch
+        return self._epoch if self._epoch is not None else 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch of the next iteration (forwarded to the dataset and sampler when they have set_epoch)."""
+        self._epoch, self._fresh = int(epoch), True
+        self._started = False
+        for obj in (self.dataset, self.sampler, getattr(self.batch_sampler, "sampler", None)):
+            fn = getattr(obj, "set_epoch", None)
+            if callable(fn):
+                fn(int(epoch))
+
+    def _begin_epoch(self) -> None:
+        if self._uc:
+            ds = self.dataset
+            self._configure_dataset()
+            ds._next_epoch_auto()
+            if self.num_workers == 0:
+                ds._fresh = True  # the dataset's own __iter__ must not advance the epoch again
+            self._epoch = ds.epoch
+            self._lengths = self._stream_lengths(self._epoch)
+        else:
+            if self._epoch is None:
+                self._epoch = 0
+            elif not self._fresh:
+                self._epoch += 1
+            self._fresh = False
+            if self._sampler_gen is not None:
+                self._sampler_gen.manual_seed((self._sampler_seed * 1_000_003 + self._epoch) % (2**63))
+        self._epoch_batches = 0
+        self._epoch_complete = False
+        self._started = True
+        self.stats._new_epoch(self._epoch)
+
+    def _stream_lengths(self, epoch: int) -> list[int]:
+        ds = self.dataset
+        rank, world = _rank_world()
+        pool, _ = ds._epoch_plan(epoch)
+        nw = max(1, self.num_workers)
+        spans = plan.stream_spans(plan.ranges_len(pool), world, nw, ds.partition, ds.batch_quantum)
+        return [b - a for a, b in spans[rank * nw:(rank + 1) * nw]]
+
+    # -- iteration
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        self._begin_epoch()
+        skip = 0
+        if self._dataset_kind == 0:
+            self._epoch_batches = self._skip_batches  # the sampler wrapper skips them (no data loaded)
+        elif not self._uc:
+            skip, self._skip_batches = self._skip_batches, 0
+        inner = super().__iter__()
+        if self._iterator is not None and not self._held_iterators:
+            self._held_iterators.append(self._iterator)
+        return self._timed(inner, skip)
+
+    def _make_sink(self) -> Any:
+        if self.log_to_mlflow is False:
+            return None
+        from .mlflow_sink import MlflowSink
+
+        counters = getattr(self.dataset, "_counters", None)
+        extra = _cache_gauges(counters) if counters is not None else None
+        rank, _ = _rank_world()
+        return MlflowSink.for_active_run(rank, interval=self.log_interval, extra=extra)
+
+    def _timed(self, inner: Iterator[Any], skip: int) -> Iterator[Any]:
+        stats, batch_cbs = self.stats, self._batch_callbacks
+        sink = self._make_sink()
+        perf = time.perf_counter
+        error: BaseException | None = None
+        try:
+            for _ in range(skip):  # generic iterable resume: drop what was delivered before
+                if next(inner, _END) is _END:
+                    break
+                self._epoch_batches += 1
+            last = None
+            while True:
+                t0 = perf()
+                try:
+                    batch = next(inner)
+                except StopIteration:
+                    self._epoch_complete = True
+                    return
+                t1 = perf()
+                compute = t0 - last if last is not None else 0.0
+                fetch = t1 - t0
+                self._epoch_batches += 1
+                step = self._step
+                self._step += 1
+                stats._record(fetch, compute)
+                if sink is not None:
+                    sink.add(step, fetch, compute)
+                for cb in batch_cbs:
+                    cb(self, stats)
+                last = t1
+                yield batch
+        except GeneratorExit:
+            raise
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            if sink is not None:
+                sink.close()
+            for cb in self._end_callbacks:
+                cb(self, stats, error)
+
+    # -- resume
+    def state_dict(self) -> dict[str, Any]:
+        """What the training loop received so far in this epoch; small and JSON-serialisable.
+
+        With several ranks every rank must call it (it gathers the per-rank counts).
+        """
+        if self.num_workers > 0 and not getattr(self, "in_order", True):
+            raise RuntimeError("state_dict() needs in_order=True (the default): with in_order=False the "
+                               "order batches reach the loop is not reproducible")
+        rank, world = _rank_world()
+        if self._uc:
+            return self._uc_state(world)
+        if self._started:
+            epoch, batches, complete = self._epoch, self._epoch_batches, self._epoch_complete
+        else:  # the next iteration is the one to run (or resume)
+            nxt = 0 if self._epoch is None else self._epoch + (0 if self._fresh else 1)
+            epoch, batches, complete = nxt, self._skip_batches, False
+        base = {"version": STATE_VERSION, "epoch": epoch, "batches": batches, "complete": complete,
+                "world": world, "num_workers": self.num_workers, "step": self._step}
+        if self._dataset_kind == 0:
+            sampler = getattr(self.batch_sampler, "sampler", None) or self.sampler
+            return {**base, "kind": "map", "len": len(self.dataset), "sampler_seed": self._sampler_seed,
+                    "sampler_epoch": getattr(sampler, "epoch", None)}
+        return {**base, "kind": "iterable"}
+
+    def _uc_state(self, world: int) -> dict[str, Any]:
+        ds = self.dataset
+        nw = max(1, self.num_workers)
+        if not self._started:  # the upcoming epoch (or the loaded remainder) is all still to deliver
+            epoch = ds.epoch if (ds._fresh or ds._epoch_explicit) else ds.epoch + 1
+            self._configure_dataset()
+            mine = [0] * nw
+        else:
+            epoch = self._epoch
+            if self._epoch_complete:
+                mine = list(self._lengths)
+            else:
+                if self._uc_kind == "ParquetDataset":  # each item is one of the dataset's own batches
+                    mine = plan.items_delivered(self._lengths, ds.batch_size, False, self._epoch_batches)
+                else:
+                    mine = plan.items_delivered(self._lengths, self.batch_size, self.drop_last, self._epoch_batches)
+        delivered = self._gather(mine, world)
+        state = ds.make_state(epoch, delivered, world=world, num_workers=nw)
+        return {"version": STATE_VERSION, "kind": self._uc_kind, "dataset": state,
+                "batches": self._epoch_batches, "step": self._step}
+
+    @staticmethod
+    def _gather(mine: list[int], world: int) -> list[int]:
+        if world <= 1:
+            return list(mine)
+        dist = torch.distributed
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(f"state_dict() with world_size={world} needs torch.distributed initialised "
+                               "(it gathers every rank's progress); call it on every rank after init_process_group")
+        out: list[Any] = [None] * world
+        dist.all_gather_object(out, list(mine))
+        return [int(x) for per_rank in out for x in per_rank]
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume: the next iteration delivers exactly what the saved epoch had not delivered yet.
+
+        For a UCVolumeDataset this works with another ``num_workers`` or world size, and raises
+        :class:`~ucmagic.errors.ListingChangedError` when the files changed. Live persistent
+        workers are shut down so the new plan reaches fresh ones.
+        """
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"unsupported ucmagic.DataLoader state version {state.get('version')!r}")
+        kind = state.get("kind")
+        expected = self._uc_kind or ("map" if self._dataset_kind == 0 else "iterable")
+        if kind != expected:
+            raise ValueError(f"this state was saved from a loader over a {kind} dataset; this loader's "
+                             f"dataset is {expected}: load it into the same kind of dataset")
+        if self._uc:
+            self._load_uc(state["dataset"])
+        else:
+            self._load_generic(state)
+        self._shutdown_workers()
+        self._step = int(state.get("step", 0))
+        self._epoch_batches = 0
+        self._epoch_complete = False
+        self._started = False
+
+    def _load_uc(self, ds_state: dict[str, Any]) -> None:
+        ds = self.dataset
+        ds.load_state_dict(ds_state)
+        if ds_state["remaining"] == 0:  # the epoch had finished: go on with the next one
+            ds._resume = None
+            ds._epoch.value = int(ds_state["epoch"]) + 1
+            ds._fresh = True
+
+    def _load_generic(self, state: dict[str, Any]) -> None:
+        rank, world = _rank_world()
+        if state["kind"] == "map":
+            if state["len"] != len(self.dataset):
+                raise ListingChangedError(f"the dataset has {len(self.dataset)} items but the state was saved with "
+                                          f"{state['len']}: resume needs the same dataset")
+            if state["world"] != world:
+                raise NotImplementedError(
+                    f"resuming a map-style dataset saved on world_size={state['world']} on world_size={world} "
+                    "is not supported; use UCVolumeDataset for elastic resume")
+            if state.get("sampler_seed") is not None:
+                self._sampler_seed = int(state["sampler_seed"])
+            sampler = getattr(self.batch_sampler, "sampler", None) or self.sampler
+            if state.get("sampler_epoch") is not None and callable(getattr(sampler, "set_epoch", None)):
+                sampler.set_epoch(int(state["sampler_epoch"]))
+        elif state["num_workers"] != self.num_workers or state["world"] != world:
+            raise NotImplementedError(
+                f"exact resume of a generic IterableDataset needs the same layout (saved with num_workers="
+                f"{state['num_workers']}, world_size={state['world']}; now {self.num_workers}, {world}); "
+                "use UCVolumeDataset for elastic resume")
+        if state["complete"]:
+            self._epoch, self._skip_batches = int(state["epoch"]) + 1, 0
+        else:
+            self._epoch, self._skip_batches = int(state["epoch"]), int(state["batches"])
+        self._fresh = True
+        fn = getattr(self.dataset, "set_epoch", None)
+        if callable(fn):
+            fn(self._epoch)
+
+    def _shutdown_workers(self) -> None:
+        _shutdown_held(self._held_iterators)
+        if self._iterator is not None:
+            _shutdown_held([self._iterator])
+            self._iterator = None
