@@ -1,0 +1,418 @@
+"""Checkpoints on volumes: DCP writer/reader, commit marker and manifest, save/load/list helpers."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ucmagic import checkpoint_format as fmt
+from ucmagic import checkpoint_transfer as xfer
+from ucmagic.checkpoint import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointMismatchError,
+    CheckpointNotCommittedError,
+    CheckpointUploadError,
+    NoCheckpointError,
+    UCVolumeReader,
+    UCVolumeWriter,
+    list_checkpoints,
+    load_checkpoint,
+    save_checkpoint,
+)
+from ucmagic.errors import SourceNotFoundError
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def make_model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+
+
+def trained(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model = make_model(seed)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.ones(8, 16)).pow(2).mean().backward()
+        opt.step()
+    return model, opt
+
+
+def same_model(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def same_optim(a: torch.optim.Optimizer, b: torch.optim.Optimizer) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    if sa["param_groups"] != sb["param_groups"] or sa["state"].keys() != sb["state"].keys():
+        return False
+    return all(torch.equal(torch.as_tensor(sa["state"][i][k]), torch.as_tensor(sb["state"][i][k]))
+               for i in sa["state"] for k in sa["state"][i])
+
+
+@pytest.fixture()
+def staging(tmp_path, monkeypatch):
+    d = tmp_path / "staging"
+    monkeypatch.setenv("UCMAGIC_STAGING_DIR", str(d))
+    return d
+
+
+# ---------------------------------------------------------------- pure logic
+
+@given(st.integers(min_value=0, max_value=10**12))
+def test_step_dirname_round_trips(step):
+    assert fmt.parse_step_dirname(fmt.step_dirname(step)) == step
+
+
+def test_step_dirname_rejects_bad_steps_and_names():
+    for bad in (-1, 1.5, "3", True):
+        with pytest.raises(ValueError):
+            fmt.step_dirname(bad)
+    assert fmt.parse_step_dirname("step_x") is None and fmt.parse_step_dirname("tmp") is None
+
+
+@given(st.sets(st.integers(0, 50), max_size=20), st.integers(1, 6), st.integers(0, 50))
+def test_retention_keeps_the_highest_and_never_the_new_one(steps, keep, newest):
+    steps = steps | {newest}
+    gone = fmt.to_delete(steps, keep, newest)
+    kept = steps - set(gone)
+    assert newest in kept
+    assert set(sorted(steps, reverse=True)[:keep]) <= kept
+    assert len(kept) <= keep + 1
+
+
+def test_retention_none_deletes_nothing_and_bad_keep_is_refused():
+    assert fmt.to_delete([1, 2, 3], None, 3) == []
+    with pytest.raises(ValueError):
+        fmt.to_delete([1], 0, 1)
+
+
+def test_commit_marker_round_trip():
+    files = {"a.distcp": fmt.FileRecord(10, 123), ".metadata": fmt.FileRecord(3, 9)}
+    data = fmt.make_commit(kind=fmt.FORMAT_DCP, save_id="s1", files=files, info={"step": 7, "extra": {"k": [1]}})
+    body = fmt.parse_commit(data, "/x")
+    assert body["files"] == files and body["step"] == 7 and body["extra"] == {"k": [1]} and body["bytes"] == 13
+
+
+@settings(max_examples=40)
+@given(st.data())
+def test_a_torn_commit_marker_means_not_committed(data):
+    raw = fmt.make_commit(kind=fmt.FORMAT_DCP, save_id="s", files={"f": fmt.FileRecord(1, 2)}, info={"step": 1},
+                          now=1.0)
+    cut = data.draw(st.integers(0, len(raw) - 1))
+    with pytest.raises(CheckpointNotCommittedError):
+        fmt.parse_commit(raw[:cut], "/ckpt/step_1")
+
+
+def test_non_json_extra_is_refused():
+    with pytest.raises(CheckpointError, match="JSON"):
+        fmt.make_commit(kind=fmt.FORMAT_DCP, save_id="s", files={}, info={"extra": {"t": object()}})
+
+
+def test_stale_files_only_lists_old_shards():
+    assert fmt.stale_files(["__0_0.distcp", "__0_5.distcp", ".metadata", "notes.txt"],
+                           {"__0_0.distcp": 1}) == ["__0_5.distcp"]
+
+
+def test_staging_left_by_a_killed_process_is_swept(tmp_path):
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    dead = tmp_path / f"save-abc-0-{p.pid}"
+    (dead / "sub").mkdir(parents=True)
+    live = tmp_path / f"save-def-0-{os.getpid()}"
+    live.mkdir()
+    old = time.time() - 3600
+    os.utime(dead, (old, old))
+    os.utime(live, (old, old))
+    made = xfer.make_staging_dir(str(tmp_path), "load-x")
+    assert made.endswith(f"load-x-{os.getpid()}")
+    assert not dead.exists() and live.exists()
+
+
+def test_free_space_check_names_the_fix(tmp_path):
+    with pytest.raises(CheckpointError, match="staging_dir"):
+        xfer.check_free_space(str(tmp_path), 1, 10**18)
+
+
+# ---------------------------------------------------------------- helpers, one process
+
+def test_round_trip_model_and_adam_with_extra(tmp_path, staging):
+    model, opt = trained()
+    extra = {"loader": {"epoch": 2, "delivered": [[0, 5], [1, 7]]}, "lr": 0.01}
+    path = save_checkpoint(tmp_path / "ck", model=model, optimizer=opt, step=10, extra=extra)
+    assert path.endswith("step_10") and os.path.exists(os.path.join(path, fmt.COMMIT_NAME))
+    assert not any(os.scandir(staging)), "staged files are deleted after upload"
+
+    model2 = make_model(seed=1)
+    opt2 = torch.optim.Adam(model2.parameters(), lr=0.5)
+    step, got = load_checkpoint(tmp_path / "ck", model=model2, optimizer=opt2)
+    assert (step, got) == (10, extra)
+    assert same_model(model, model2) and same_optim(opt, opt2)
+
+
+def test_async_save_then_load(tmp_path, staging):
+    model, opt = trained()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    fut = save_checkpoint(tmp_path / "ck", model=model, optimizer=opt, step=1, async_=True)
+    with torch.no_grad():  # the training loop goes on; the checkpoint keeps the state at call time
+        for p in model.parameters():
+            p.add_(1.0)
+    assert fut.result(timeout=60).endswith("step_1")
+    model2 = make_model(3)
+    load_checkpoint(tmp_path / "ck", model=model2)
+    assert all(torch.equal(before[k], v) for k, v in model2.state_dict().items())
+
+
+def test_async_upload_errors_surface_in_the_future(tmp_path, staging, monkeypatch):
+    def broken(*a, **k):
+        raise PermissionError("volume is read-only")
+
+    monkeypatch.setattr(xfer, "_copy", broken)
+    model, opt = trained()
+    fut = save_checkpoint(tmp_path / "ck", model=model, optimizer=opt, step=1, async_=True)
+    with pytest.raises(CheckpointUploadError, match="read-only"):
+        fut.result(timeout=60)
+    assert list_checkpoints(tmp_path / "ck") == []
+
+
+def test_retention_and_latest_skip_incomplete(tmp_path, staging):
+    model, opt = trained()
+    root = tmp_path / "ck"
+    for s in (1, 2, 3, 4):
+        save_checkpoint(root, model=model, optimizer=opt, step=s, keep=2)
+    (root / "step_9").mkdir()  # an unfinished save: no marker
+    assert [i.step for i in list_checkpoints(root)] == [3, 4]
+    assert all(i.size > 0 and i.time > 0 for i in list_checkpoints(root))
+    assert sorted(os.listdir(root)) == ["step_3", "step_4", "step_9"]
+    assert load_checkpoint(root, model=make_model(), optimizer=None)[0] == 4
+    with pytest.raises(CheckpointNotCommittedError, match="step_9"):
+        load_checkpoint(root, 9, model=make_model())
+
+
+def test_corrupted_shard_byte_is_detected(tmp_path, staging):
+    model, opt = trained()
+    path = save_checkpoint(tmp_path / "ck", model=model, optimizer=opt, step=1)
+    shard = max((e for e in os.scandir(path) if e.name.endswith(".distcp")), key=lambda e: e.stat().st_size)
+    with open(shard.path, "r+b") as f:
+        f.seek(shard.stat().st_size // 2)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x40]))
+    m2 = make_model()
+    with pytest.raises(CheckpointCorruptError, match=shard.name):
+        load_checkpoint(tmp_path / "ck", model=m2, optimizer=torch.optim.Adam(m2.parameters()))
+
+
+def test_truncated_metadata_is_detected(tmp_path, staging):
+    model, _ = trained()
+    path = save_checkpoint(tmp_path / "ck", model=model, step=1)
+    md = os.path.join(path, ".metadata")
+    os.truncate(md, os.path.getsize(md) - 1)
+    with pytest.raises(CheckpointCorruptError, match=".metadata"):
+        load_checkpoint(tmp_path / "ck", model=make_model())
+
+
+def test_loadable_by_torch_filesystem_reader(tmp_path, staging):
+    model, _ = trained()
+    path = save_checkpoint(tmp_path / "ck", model=model, step=1, files_per_rank=3)
+    target = {"model": make_model(5).state_dict()}
+    dcp.load(target, storage_reader=dcp.FileSystemReader(path))
+    assert all(torch.equal(target["model"][k], v) for k, v in model.state_dict().items())
+
+
+def test_errors_missing_root_empty_root_missing_step_and_key_mismatch(tmp_path, staging):
+    with pytest.raises(SourceNotFoundError, match="nope"):
+        load_checkpoint(tmp_path / "nope", model=make_model())
+    with pytest.raises(SourceNotFoundError, match="nope"):
+        list_checkpoints(tmp_path / "nope")
+    with pytest.raises(SourceNotFoundError):
+        save_checkpoint(tmp_path / "a" / "b" / "c", model=make_model(), step=1)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(NoCheckpointError, match="no committed checkpoint"):
+        load_checkpoint(tmp_path / "empty", model=make_model())
+    save_checkpoint(tmp_path / "ck", model=make_model(), step=1)
+    with pytest.raises(NoCheckpointError, match=r"committed steps: \[1\]"):
+        load_checkpoint(tmp_path / "ck", 2, model=make_model())
+    other = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4), torch.nn.Linear(4, 2))
+    with pytest.raises(CheckpointMismatchError, match=r"missing in the checkpoint: 3\.bias, 3\.weight"):
+        load_checkpoint(tmp_path / "ck", model=other)
+    m2 = make_model()
+    with pytest.raises(CheckpointMismatchError, match="optimizer"):
+        load_checkpoint(tmp_path / "ck", model=m2, optimizer=torch.optim.Adam(m2.parameters()))
+
+
+def test_single_file_mode_round_trip_and_corruption(tmp_path, staging):
+    model, opt = trained()
+    fut = save_checkpoint(tmp_path / "ck", model=model, optimizer=opt, step=5, extra={"e": 1}, single_file=True,
+                          async_=True)
+    path = fut.result(timeout=60)
+    assert sorted(os.listdir(path)) == [fmt.COMMIT_NAME, fmt.SINGLE_FILE_NAME]
+    model2 = make_model(9)
+    opt2 = torch.optim.Adam(model2.parameters())
+    assert load_checkpoint(tmp_path / "ck", model=model2, optimizer=opt2, map_location="cpu") == (5, {"e": 1})
+    assert same_model(model, model2) and same_optim(opt, opt2)
+    with open(os.path.join(path, fmt.SINGLE_FILE_NAME), "r+b") as f:
+        f.seek(100)
+        f.write(b"\x00\x01\x02")
+    with pytest.raises(CheckpointCorruptError, match="checksum"):
+        load_checkpoint(tmp_path / "ck", model=model2)
+
+
+# ---------------------------------------------------------------- the DCP storage classes directly
+
+def test_reader_refuses_uncommitted_directory_naming_it(tmp_path):
+    sd = {"model": make_model().state_dict()}
+    dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(tmp_path / "plain")))
+    with pytest.raises(CheckpointNotCommittedError, match="plain"):
+        UCVolumeReader(tmp_path / "plain")
+    target = {"model": make_model(2).state_dict()}
+    dcp.load(target, storage_reader=UCVolumeReader(tmp_path / "plain", require_commit=False))
+    assert all(torch.equal(target["model"][k], v) for k, v in sd["model"].items())
+
+
+def test_reader_refuses_unsafe_pickles(tmp_path, staging):
+    from fractions import Fraction
+
+    dcp.save({"x": torch.ones(3), "obj": Fraction(1, 3)}, storage_writer=UCVolumeWriter(tmp_path / "c"))
+    with pytest.raises(BaseException, match="weights_only"):
+        dcp.load({"x": torch.zeros(3), "obj": None}, storage_reader=UCVolumeReader(tmp_path / "c"))
+    target = {"x": torch.zeros(3), "obj": None}
+    dcp.load(target, storage_reader=UCVolumeReader(tmp_path / "c", allow_unsafe_pickle=True))
+    assert target["obj"] == Fraction(1, 3) and torch.equal(target["x"], torch.ones(3))
+
+
+def test_overwrite_replaces_files_and_drops_stale_shards(tmp_path, staging):
+    path = tmp_path / "c"
+    dcp.save({"m": make_model().state_dict()}, storage_writer=UCVolumeWriter(path, files_per_rank=4))
+    new = make_model(7).state_dict()
+    dcp.save({"m": new}, storage_writer=UCVolumeWriter(path, files_per_rank=2))
+    assert sorted(n for n in os.listdir(path) if n.endswith(".distcp")) == ["__0_0.distcp", "__0_1.distcp"]
+    target = {"m": make_model(1).state_dict()}
+    dcp.load(target, storage_reader=UCVolumeReader(path))
+    assert all(torch.equal(target["m"][k], v) for k, v in new.items())
+    with pytest.raises(CheckpointError, match="overwrite=False"):
+        dcp.save({"m": new}, storage_writer=UCVolumeWriter(path, overwrite=False))
+
+
+def test_dcp_async_save_future_completes_only_when_committed(tmp_path, staging):
+    sd = {"m": make_model().state_dict()}
+    fut = dcp.async_save(sd, storage_writer=UCVolumeWriter(tmp_path / "c", verify="full", upload_threads=2))
+    fut.result(timeout=60)
+    assert os.path.exists(tmp_path / "c" / fmt.COMMIT_NAME)
+    target = {"m": make_model(1).state_dict()}
+    dcp.load(target, storage_reader=UCVolumeReader(tmp_path / "c", download_threads=1))
+    assert all(torch.equal(target["m"][k], v) for k, v in sd["m"].items())
+
+
+def test_reader_downloads_only_needed_files(tmp_path, staging, monkeypatch):
+    path = tmp_path / "c"
+    dcp.save({"a": torch.ones(1000), "b": torch.zeros(1000)}, storage_writer=UCVolumeWriter(path, files_per_rank=2))
+    got = []
+    for fn in ("download_file", "download_bytes"):  # to disk / into memory
+        real = getattr(xfer, fn)
+        monkeypatch.setattr(xfer, fn, lambda r, *a, real=real, **k: (got.append(os.path.basename(r)), real(r, *a, **k))[1])
+    for budget in ("1GB", 0):
+        target = {"a": torch.zeros(1000)}
+        dcp.load(target, storage_reader=UCVolumeReader(path, memory_budget=budget))
+        assert torch.equal(target["a"], torch.ones(1000))
+    assert len(got) == 2 and got[0] == got[1]
+
+
+# ---------------------------------------------------------------- processes: two ranks, a killed save
+
+_COMMON = """
+import os, sys, warnings
+warnings.simplefilter("ignore")
+import torch
+sys.path.insert(0, {tests!r})
+from test_checkpoint import trained, make_model, same_model, same_optim
+from ucmagic.checkpoint import save_checkpoint, load_checkpoint
+"""
+
+
+def test_two_ranks_gloo_sync_and_async_round_trip(tmp_path):
+    root = tmp_path / "ck"
+    script = _COMMON.format(tests=os.path.dirname(__file__)) + f"""
+import torch.distributed as dist
+rank = int(os.environ["RANK"])
+dist.init_process_group("gloo", init_method="file://{tmp_path}/pg", rank=rank, world_size=2)
+model, opt = trained()
+save_checkpoint({str(root)!r}, model=model, optimizer=opt, step=1, extra={{"rank0": True}})
+save_checkpoint({str(root)!r}, model=model, optimizer=opt, step=2, async_=True, keep=1).result(timeout=120)
+m2 = make_model(4); o2 = torch.optim.Adam(m2.parameters())
+step, extra = load_checkpoint({str(root)!r}, model=m2, optimizer=o2)
+assert step == 2 and same_model(model, m2) and same_optim(opt, o2), "mismatch"
+dist.barrier()
+dist.destroy_process_group()
+print("OK", rank)
+"""
+    f = tmp_path / "two.py"
+    f.write_text(textwrap.dedent(script))
+    env = dict(os.environ, PYTHONPATH=REPO, UCMAGIC_STAGING_DIR=str(tmp_path / "staging"), OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, str(f)], env=dict(env, RANK=str(r)), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT) for r in range(2)]
+    outs = [p.communicate(timeout=180)[0].decode() for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    assert [i.step for i in list_checkpoints(root)] == [2]
+    commit = json.loads((root / "step_2" / fmt.COMMIT_NAME).read_text())
+    assert any(n.startswith("__1_") for n in commit["files"]), "rank 1's shards are in the manifest"
+    model, opt = trained()  # the same deterministic training, loaded in one process (different world size)
+    m2 = make_model(4)
+    o2 = torch.optim.Adam(m2.parameters())
+    assert load_checkpoint(root, model=m2, optimizer=o2)[0] == 2
+    assert same_model(model, m2) and same_optim(opt, o2)
+
+
+def test_save_killed_during_upload_leaves_previous_checkpoint_latest(tmp_path):
+    """SIGKILL while overwriting step 2 (step 1 committed): step 2 is refused, never a mixture; 1 is latest."""
+    root = tmp_path / "ck"
+    signal_file = tmp_path / "uploading"
+    script = _COMMON.format(tests=os.path.dirname(__file__)) + f"""
+import time
+from ucmagic import checkpoint_transfer as xfer
+model, opt = trained()
+save_checkpoint({str(root)!r}, model=model, optimizer=opt, step=1)
+save_checkpoint({str(root)!r}, model=model, optimizer=opt, step=2)
+real = xfer._copy
+def slow(src, dst, sync):
+    out = real(src, dst, sync=sync)
+    open({str(signal_file)!r}, "w").close()
+    time.sleep(120)
+    return out
+xfer._copy = slow
+model2, opt2 = trained(seed=5)
+save_checkpoint({str(root)!r}, model=model2, optimizer=opt2, step=2)
+"""
+    f = tmp_path / "kill.py"
+    f.write_text(textwrap.dedent(script))
+    env = dict(os.environ, PYTHONPATH=REPO, UCMAGIC_STAGING_DIR=str(tmp_path / "staging"), OMP_NUM_THREADS="1")
+    p = subprocess.Popen([sys.executable, str(f)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 180
+    while not signal_file.exists():
+        assert p.poll() is None, p.stdout.read().decode()
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+    with pytest.raises(CheckpointNotCommittedError, match="step_2"):
+        load_checkpoint(root, 2, model=make_model())
+    with pytest.raises(CheckpointNotCommittedError, match="step_2"):
+        UCVolumeReader(root / "step_2")
+    assert [i.step for i in list_checkpoints(root)] == [1]
+    model, opt = trained()
+    m2 = make_model(4)
+    assert load_checkpoint(root, model=m2)[0] == 1 and same_model(model, m2)

@@ -1,0 +1,193 @@
+"""Checkpoint layout on a volume: names, the commit marker (which carries the manifest), retention.
+
+Pure functions over plain data (plus the error classes); no file I/O happens here.
+
+A committed checkpoint directory holds torch DCP's own files (``__<rank>_<n>.distcp`` and
+``.metadata``) or, in single-file mode, ``checkpoint.pt``, plus ``.ucmagic_commit.json`` written
+last. That marker is the manifest: the size and CRC-32 of every file, the save id (which must match
+the one inside ``.metadata``), the step and the user's JSON ``extra``. A directory without a valid
+marker is not a checkpoint.
+"""
+from __future__ import annotations
+
+import json
+import re
+import time
+from typing import Any, Iterable, Mapping, NamedTuple
+
+from .errors import UCMagicError
+
+COMMIT_NAME = ".ucmagic_commit.json"
+METADATA_NAME = ".metadata"
+SINGLE_FILE_NAME = "checkpoint.pt"
+FORMAT_DCP = "ucmagic.dcp"
+FORMAT_SINGLE = "ucmagic.single"
+FORMAT_VERSION = 1
+STEP_PREFIX = "step_"
+_STEP_RE = re.compile(r"^step_(\d+)$")
+_SHARD_RE = re.compile(r"^__\d+_\d+\.distcp$")
+
+
+class CheckpointError(UCMagicError):
+    """A checkpoint could not be written or read."""
+
+
+class CheckpointNotCommittedError(CheckpointError, FileNotFoundError):
+    """The checkpoint directory has no valid commit marker (save unfinished, killed or overwritten)."""
+
+
+class NoCheckpointError(CheckpointError, FileNotFoundError):
+    """The checkpoint root holds no committed checkpoint."""
+
+
+class CheckpointCorruptError(CheckpointError, OSError):
+    """A checkpoint file's size or checksum differs from its manifest."""
+
+
+class CheckpointUploadError(CheckpointError, OSError):
+    """A staged checkpoint file could not be copied to the volume."""
+
+
+class CheckpointMismatchError(CheckpointError, ValueError):
+    """The checkpoint's keys do not match the model or optimizer it is loaded into."""
+
+
+class UnsafeCheckpointError(CheckpointError, PermissionError):
+    """The checkpoint holds a pickled object that a weights-only load refuses."""
+
+
+class FileRecord(NamedTuple):
+    """Size and CRC-32 of one checkpoint file."""
+
+    size: int
+    crc32: int
+
+
+class CheckpointInfo(NamedTuple):
+    """One committed checkpoint: its step, directory, commit time (epoch seconds) and total bytes."""
+
+    step: int
+    path: str
+    time: float
+    size: int
+
+
+# ---------------------------------------------------------------- names
+
+def step_dirname(step: int) -> str:
+    """``step_<step>`` for a non-negative integer step."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be a non-negative int, got {step!r}")
+    return f"{STEP_PREFIX}{step}"
+
+
+def parse_step_dirname(name: str) -> int | None:
+    """The step of a ``step_<n>`` directory name, else None."""
+    m = _STEP_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def is_shard_name(name: str) -> bool:
+    """True for a torch DCP data file name (``__<rank>_<n>.distcp``)."""
+    return bool(_SHARD_RE.match(name))
+
+
+def stale_files(present: Iterable[str], manifest: Mapping[str, Any]) -> list[str]:
+    """Shard files left by an earlier save of the same directory that the new manifest does not list."""
+    return sorted(n for n in present if is_shard_name(n) and n not in manifest)
+
+
+# ---------------------------------------------------------------- commit marker / manifest
+
+def make_commit(*, kind: str, save_id: str, files: Mapping[str, FileRecord], info: Mapping[str, Any] | None = None,
+                now: float | None = None) -> bytes:
+    """The commit marker's bytes: JSON with format, save id, time, per-file size+CRC and ``info``."""
+    body: dict[str, Any] = {
+        "format": kind,
+        "version": FORMAT_VERSION,
+        "save_id": save_id,
+        "time": time.time() if now is None else now,
+        "bytes": int(sum(r.size for r in files.values())),
+        "files": {name: {"size": int(r.size), "crc32": int(r.crc32)} for name, r in sorted(files.items())},
+    }
+    for k, v in (info or {}).items():
+        if k in body:
+            raise ValueError(f"commit info key {k!r} is reserved")
+        body[k] = v
+    try:
+        return json.dumps(body, sort_keys=True, allow_nan=False).encode()
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"checkpoint extra data must be JSON-serialisable (dicts, lists, str, numbers): {e}") from e
+
+
+def parse_commit(data: bytes, where: str) -> dict[str, Any]:
+    """Validate a commit marker's bytes; raise :class:`CheckpointNotCommittedError` when torn or foreign."""
+    try:
+        body = json.loads(data.decode())
+        files = {str(k): FileRecord(int(v["size"]), int(v["crc32"])) for k, v in body["files"].items()}
+        if body["format"] not in (FORMAT_DCP, FORMAT_SINGLE) or not isinstance(body["save_id"], str):
+            raise ValueError("unknown format")
+        if int(body["version"]) > FORMAT_VERSION:
+            raise CheckpointError(
+                f"{where} was written by a newer ucmagic (format version {body['version']}); upgrade ucmagic to load it")
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any malformed marker means "not committed"
+        raise CheckpointNotCommittedError(
+            f"{where} has a damaged commit marker ({e}): the save was interrupted; load another step or save again"
+        ) from None
+    body["files"] = files
+    return body
+
+
+def not_committed(path: str) -> CheckpointNotCommittedError:
+    """The error for a directory that has no commit marker."""
+    return CheckpointNotCommittedError(
+        f"{path} is not a committed checkpoint (no {COMMIT_NAME}): its save did not finish, was killed, "
+        "or is being overwritten; load an earlier step (list_checkpoints shows them) or save it again")
+
+
+def check_record(name: str, where: str, expected: FileRecord, size: int, crc: int | None) -> None:
+    """Raise :class:`CheckpointCorruptError` when ``size``/``crc`` differ from the manifest."""
+    if size != expected.size:
+        raise CheckpointCorruptError(
+            f"{where}: {name} has {size} bytes but the manifest says {expected.size}; the checkpoint is damaged "
+            "(re-save it or load another step)")
+    if crc is not None and crc != expected.crc32:
+        raise CheckpointCorruptError(
+            f"{where}: checksum mismatch in {name} (crc32 {crc:08x}, manifest {expected.crc32:08x}); the file was "
+            "corrupted on the volume; re-save it or load another step")
+
+
+# ---------------------------------------------------------------- retention
+
+def to_delete(committed_steps: Iterable[int], keep: int | None, newest: int) -> list[int]:
+    """Committed steps to delete so that only the ``keep`` highest remain, never ``newest`` itself."""
+    if keep is None:
+        return []
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        raise ValueError(f"keep must be a positive int or None, got {keep!r}")
+    steps = sorted(set(committed_steps), reverse=True)
+    return sorted(s for s in steps[keep:] if s != newest)
+
+
+def pick_step(committed: Iterable[int], step: int | str) -> int | None:
+    """Resolve ``"latest"`` to the highest committed step (None if none); pass ints through."""
+    if step == "latest":
+        steps = list(committed)
+        return max(steps) if steps else None
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise ValueError(f"step must be an int or 'latest', got {step!r}")
+    return step
+
+
+def key_mismatch(expected: Iterable[str], present: Iterable[str]) -> tuple[list[str], list[str]]:
+    """(keys the model needs that the checkpoint lacks, checkpoint keys the model does not have)."""
+    e, p = set(expected), set(present)
+    return sorted(e - p), sorted(p - e)
+
+
+def describe_keys(keys: list[str], limit: int = 5) -> str:
+    """``a, b, c (+7 more)``."""
+    shown = ", ".join(keys[:limit])
+    return shown + (f" (+{len(keys) - limit} more)" if len(keys) > limit else "")
