@@ -1,0 +1,508 @@
+"""ParquetDataset: stream column batches of Parquet files into PyTorch.
+
+Rows are split over ``world_size x num_workers`` streams as equal contiguous row ranges (slicing
+row groups at the edges) with :mod:`ucmagic.plan`, so every rank gets the same number of rows, no
+row is skipped or repeated (except wrap-around padding), and ``state_dict`` resumes exactly, on
+any layout. Each stream reads only the requested columns of the row groups it needs, decoding
+ahead on a thread; remote files (fsspec URLs, ``/Volumes`` FUSE mounts) go through the local
+file cache first.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import time
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from . import plan
+from .cache import FileCache, cache_key
+from .dataset import grid
+from .errors import ListingChangedError, SourceNotFoundError
+from .fetch import read_ahead, with_retries
+from .parquet_rows import EpochLayout, Segment
+from .tables import UnsupportedSourceError, delta_files, resolve_source
+from .telemetry import SharedInt
+
+STATE_VERSION = 1
+DEFAULT_SHUFFLE_BUFFER = 65536
+
+__all__ = ["ParquetDataset"]
+
+
+class _File:
+    __slots__ = ("path", "size", "mtime", "group_rows")
+
+    def __init__(self, path: str, size: int, mtime: float, group_rows: list[int]) -> None:
+        self.path, self.size, self.mtime, self.group_rows = path, size, mtime, group_rows
+
+
+_NP_DTYPES = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16,
+              torch.int64: np.int64, torch.int32: np.int32, torch.int16: np.int16, torch.int8: np.int8,
+              torch.uint8: np.uint8, torch.bool: np.bool_}
+
+
+def _column_kind(t: Any) -> str:
+    """How a column is handed out: ``tensor``, ``int64`` (temporal), ``decode`` (dictionary) or ``list``."""
+    import pyarrow as pa
+
+    if pa.types.is_dictionary(t):
+        return "decode"
+    if pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t):
+        return "tensor"
+    if pa.types.is_temporal(t):
+        return "int64"
+    if pa.types.is_decimal(t):
+        return "float64"
+    return "list"
+
+
+def _output_kind(t: Any) -> str:
+    import pyarrow as pa
+
+    return _column_kind(t.value_type) if pa.types.is_dictionary(t) else _column_kind(t)
+
+
+class ParquetDataset(IterableDataset):
+    """An IterableDataset of column batches: ``{"col": tensor, "text_col": [str, ...]}``.
+
+    Use it with ``DataLoader(ds, batch_size=None)`` (the dataset batches). Numeric, boolean and
+    temporal (as int64) columns become tensors; strings and nested values become lists.
+
+    Args:
+        path: a directory of Parquet files (recursive; ``_``/``.`` side files ignored), a file, a
+            glob, a Delta table directory, a local-catalog table name, a ``/Volumes`` path or a URL.
+        columns: columns to read (default all); only these are read from storage.
+        batch_size: rows per batch; every stream's share is a multiple of it except one per rank.
+        shuffle: permute row groups and rows within a bounded buffer, per epoch (``set_epoch``).
+        seed: shuffle seed (the order depends only on ``seed`` and the epoch).
+        shuffle_buffer: rows held for the in-buffer shuffle (default 65536, or one row group if larger).
+        partition: ``"pad"`` (ranks equal by wrap-around) or ``"drop"`` (drop the remainder).
+        dtype: a torch dtype for every numeric column (e.g. ``torch.float32``), or a dict per column.
+        version: Delta table version (time travel).
+        cache: copy files to the local cache before reading (default: for URLs and ``/Volumes`` mounts).
+        cache_dir, cache_limit: the file cache (see :class:`ucmagic.cache.FileCache`).
+        prefetch: row-group windows decoded ahead per stream.
+        storage_options: for fsspec URLs.
+    """
+
+    def __init__(self, path: Any, *, columns: Sequence[str] | None = None, batch_size: int = 1024,
+                 shuffle: bool = False, seed: int = 0, shuffle_buffer: int | None = None,
+                 partition: str = "pad", dtype: Any = None, version: int | None = None,
+                 cache: bool | None = None, cache_dir: str | None = None, cache_limit: int | str | None = None,
+                 prefetch: int = 2, timeout: float | None = 300.0,
+                 storage_options: dict[str, Any] | None = None) -> None:
+        if partition not in plan.PARTITION_MODES:
+            raise ValueError(f"partition must be one of {plan.PARTITION_MODES}, got {partition!r}")
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        if shuffle not in (False, True):
+            raise ValueError(f"shuffle must be True or False, got {shuffle!r}")
+        self.path = os.fspath(path) if isinstance(path, os.PathLike) else path
+        self.batch_size = int(batch_size)
+        self.shuffle = bool(shuffle)
+        self.seed = int(seed)
+        self.partition = partition
+        self.prefetch = max(1, int(prefetch))
+        self.timeout = timeout
+        self.storage_options = storage_options
+        self.lease_items = 1  # set by ucmagic.DataLoader; unused here
+        for attempt in range(5):
+            try:
+                src = resolve_source(self.path, version=version, storage_options=storage_options)
+                if src.kind not in ("delta", "parquet"):
+                    raise UnsupportedSourceError(
+                        f"ParquetDataset reads Parquet files or a Delta table, not a {src.kind} source "
+                        f"({src.describe()}): write it with export_parquet(source, dest) and pass dest"
+                    )
+                paths = delta_files(src) if src.kind == "delta" else list(src.paths)
+                self.remote = any("://" in p for p in paths)
+                self.files, schema = self._read_footers(paths)
+                break
+            except FileNotFoundError:  # an export_parquet overwrite swapped the directory meanwhile?
+                if attempt == 4:
+                    raise
+                time.sleep(0.01 * (attempt + 1))
+        self.use_cache = (self.remote or any(p.startswith("/Volumes/") for p in paths)) if cache is None else bool(cache)
+        self.cache = FileCache(cache_dir, cache_limit) if self.use_cache else None
+        names = list(schema.names)
+        if columns is not None:
+            columns = list(columns)
+            bad = [c for c in columns if c not in names]
+            if bad:
+                raise KeyError(f"{src.describe()} has no column {bad[0]!r}; columns: {', '.join(names)}")
+        self.columns = columns if columns is not None else names
+        self.schema = schema
+        self._kinds = {c: _column_kind(schema.field(c).type) for c in self.columns}
+        self._lists = {c for c in self.columns if _output_kind(schema.field(c).type) == "list"}
+        self._dtypes = self._resolve_dtypes(dtype)
+        self.group_rows = [r for f in self.files for r in f.group_rows]
+        self._group_file = [(i, j) for i, f in enumerate(self.files) for j in range(len(f.group_rows))]
+        self.num_rows = int(sum(self.group_rows))
+        biggest = max(self.group_rows, default=0)
+        self.shuffle_buffer = int(shuffle_buffer) if shuffle_buffer else max(DEFAULT_SHUFFLE_BUFFER, biggest)
+        self.fingerprint = self._fingerprint()
+        self._epoch = SharedInt(0)
+        self._epoch_explicit = False
+        self._fresh = True
+        self._resume: dict[str, Any] | None = None
+        self._delivered_main = 0
+        self._epoch_main: int | None = None  # epoch the main process is iterating (None: not started)
+        self._layouts: dict[int, EpochLayout] = {}
+
+    # ------------------------------------------------------------ metadata
+
+    def _fs(self) -> Any:
+        import fsspec
+
+        return fsspec.core.url_to_fs(self.files[0].path, **(self.storage_options or {}))[0]
+
+    def _read_footers(self, paths: list[str]) -> tuple[list[_File], Any]:
+        import pyarrow.parquet as pq
+
+        fs = None
+        if self.remote:
+            import fsspec
+
+            fs = fsspec.core.url_to_fs(paths[0], **(self.storage_options or {}))[0]
+
+        def footer(p: str) -> tuple[_File, Any]:
+            if fs is not None:
+                info = fs.info(p)
+                with fs.open(p, "rb") as f:
+                    md = pq.read_metadata(f)
+                from .volume import _info_mtime
+
+                size, mtime = int(info.get("size") or 0), _info_mtime(info)
+            else:
+                st = os.stat(p)
+                md = pq.read_metadata(p)
+                size, mtime = st.st_size, st.st_mtime
+            rows = [md.row_group(i).num_rows for i in range(md.num_row_groups)]
+            return _File(p, size, mtime, rows), md.schema.to_arrow_schema()
+
+        got = list(read_ahead(footer, paths, depth=16, timeout=self.timeout))
+        schema = got[0][1]
+        for f, s in got[1:]:
+            missing = [n for n in schema.names if n not in s.names]
+            if missing:
+                raise ValueError(f"{f.path} lacks column {missing[0]!r} that {got[0][0].path} has: "
+                                 "all files of a ParquetDataset need the same columns")
+        return [f for f, _ in got], schema
+
+    def _fingerprint(self) -> str:
+        h = hashlib.sha256()
+        for f in self.files:
+            h.update(f"{f.path}\0{f.size}\0{','.join(map(str, f.group_rows))}\n".encode("utf-8", "surrogateescape"))
+        return h.hexdigest()[:16]
+
+    def _resolve_dtypes(self, dtype: Any) -> dict[str, torch.dtype]:
+        if dtype is None:
+            return {}
+        if isinstance(dtype, dict):
+            bad = [c for c in dtype if c not in self.columns]
+            if bad:
+                raise KeyError(f"dtype names column {bad[0]!r}, which is not read; columns: {', '.join(self.columns)}")
+            return dict(dtype)
+        return {c: dtype for c in self.columns if c not in self._lists}
+
+    # ------------------------------------------------------------ basics
+
+    def __len__(self) -> int:
+        """Batches this rank yields per epoch."""
+        _, world, _, _ = grid()
+        pool, _ = self._epoch_plan(self.epoch)
+        return -(-plan.per_rank(plan.ranges_len(pool), world, self.partition) // self.batch_size)
+
+    def __repr__(self) -> str:
+        return (f"ParquetDataset({self.path!r}, files={len(self.files)}, rows={self.num_rows}, "
+                f"columns={self.columns}, batch_size={self.batch_size}, shuffle={self.shuffle})")
+
+    def __getstate__(self) -> dict[str, Any]:
+        st = self.__dict__.copy()
+        st["_layouts"] = {}
+        return st
+
+    @property
+    def batch_quantum(self) -> int:
+        """Rows per stream come in multiples of this (the dataset's own batch size)."""
+        return self.batch_size
+
+    @batch_quantum.setter
+    def batch_quantum(self, value: int) -> None:  # a DataLoader with batch_size=None sets 1: ignored
+        pass
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch whose order the next iteration follows (same on every rank and worker)."""
+        self._epoch.value = int(epoch)
+        self._epoch_explicit = True
+        self._fresh = True
+        self._epoch_main, self._delivered_main = None, 0
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch.value
+
+    def _next_epoch_auto(self) -> None:
+        if not self._fresh and not self._epoch_explicit:
+            self._epoch.value = self._epoch.value + 1
+        self._fresh = False
+
+    # ------------------------------------------------------------ plan
+
+    def layout(self, epoch: int) -> EpochLayout:
+        lay = self._layouts.get(epoch)
+        if lay is None:
+            lay = EpochLayout(self.group_rows, shuffle=self.shuffle, seed=self.seed, epoch=epoch,
+                              buffer_rows=self.shuffle_buffer)
+            self._layouts = {epoch: lay}
+        return lay
+
+    def _epoch_plan(self, epoch: int) -> tuple[list[plan.Range], None]:
+        r = self._resume
+        if r is not None and r["epoch"] == epoch:
+            return [tuple(x) for x in r["pool"]], None
+        return [(0, self.num_rows)], None
+
+    def stream_ranges(self, epoch: int, rank: int, world: int, worker: int, num_workers: int) -> list[plan.Range]:
+        """Epoch positions (ranges) that stream (rank, worker) delivers, in order."""
+        pool, _ = self._epoch_plan(epoch)
+        return plan.stream_positions(pool, world, rank, num_workers, worker, self.partition, self.batch_size)
+
+    def stream_lengths(self, world: int, num_workers: int, epoch: int | None = None) -> list[int]:
+        """Rows of every stream (rank-major) this epoch; for loaders that turn batches into rows."""
+        pool, _ = self._epoch_plan(self.epoch if epoch is None else epoch)
+        spans = plan.stream_spans(plan.ranges_len(pool), world, num_workers, self.partition, self.batch_size)
+        return [b - a for a, b in spans]
+
+    # ------------------------------------------------------------ reading
+
+    def _local(self, fi: int) -> str:
+        """Local path of file ``fi`` (a cached copy for remote or mounted files)."""
+        f = self.files[fi]
+        if self.cache is None:
+            return f.path
+        key = cache_key("parquet", f.path, f.size, f.mtime)
+        hit = self.cache.lookup(key, ".parquet", f.size)
+        if hit:
+            return hit
+
+        def write(tmp: str) -> int:
+            if self.remote:
+                import shutil
+
+                with self._fs().open(f.path, "rb") as src, open(tmp, "wb") as dst:
+                    shutil.copyfileobj(src, dst, 4 << 20)
+                    return dst.tell()
+            from .volume import LocalVolume
+
+            return LocalVolume(os.path.dirname(f.path)).copy_to(os.path.basename(f.path), tmp)
+
+        path, _ = with_retries(lambda _: self.cache.fill(key, ".parquet", f.size, write), None, 5)
+        return path
+
+    def _changed(self, fi: int, why: str) -> ListingChangedError:
+        return ListingChangedError(
+            f"{self.files[fi].path} {why} since this ParquetDataset was created (was the directory overwritten "
+            "by export_parquet?): create the ParquetDataset again to read the new version"
+        )
+
+    def _open(self, readers: dict, lock: threading.Lock, fi: int) -> Any:
+        import pyarrow.parquet as pq
+
+        key = (threading.get_ident(), fi)
+        with lock:
+            got = readers.get(key)
+        if got is not None:
+            return got[0]
+        try:
+            f = open(self._local(fi), "rb")  # noqa: SIM115 - closed with the reader
+        except FileNotFoundError:
+            raise self._changed(fi, "disappeared") from None
+        if os.fstat(f.fileno()).st_size != self.files[fi].size:
+            f.close()
+            raise self._changed(fi, "changed size")
+        pf = pq.ParquetFile(f)
+        with lock:
+            readers[key] = (pf, f)
+        return pf
+
+    def _read_group(self, readers: dict, lock: threading.Lock, g: int) -> Any:
+        fi, j = self._group_file[g]
+        return self._open(readers, lock, fi).read_row_group(j, columns=self.columns, use_threads=False)
+
+    def _load(self, lay: EpochLayout, seg: Segment, readers: dict, lock: threading.Lock) -> tuple[dict[str, Any], int]:
+        """Decode one segment: tensors (numeric columns, converted once) or arrow arrays (the rest)."""
+        import pyarrow as pa
+
+        groups = lay.window_groups(seg.window)
+        perm = lay.window_perm(seg.window)
+        if perm is None:  # one row group per window: read it, slice zero-copy
+            table = self._read_group(readers, lock, int(groups[0])).slice(seg.lo, seg.hi - seg.lo)
+        else:
+            table = pa.concat_tables([self._read_group(readers, lock, int(g)) for g in groups])
+            table = table.take(pa.array(perm[seg.lo:seg.hi]))
+        out: dict[str, Any] = {}
+        for c in self.columns:
+            col = table.column(c)
+            kind = self._kinds[c]
+            if kind == "decode":
+                col = col.cast(col.type.value_type)
+                kind = _column_kind(col.type)
+            if kind == "int64":
+                col = col.cast(pa.int64())
+            elif kind == "float64":
+                col = col.cast(pa.float64())
+            if kind == "list":
+                out[c] = col.combine_chunks()
+                continue
+            arr = col.to_numpy()
+            dt = self._dtypes.get(c)
+            if dt is not None and _NP_DTYPES.get(dt) is not None:
+                arr = arr.astype(_NP_DTYPES[dt])
+            elif not arr.flags.writeable:
+                arr = arr.copy()
+            t = torch.from_numpy(arr)
+            out[c] = t.to(dt) if dt is not None and t.dtype != dt else t
+        return out, seg.hi - seg.lo
+
+    def _batches(self, pieces: Iterator[tuple[dict[str, Any], int]], own: bool) -> Iterator[dict[str, Any]]:
+        """Re-cut decoded pieces into batches of ``batch_size`` rows (the last may be short).
+
+        ``own``: batches leave this process (DataLoader worker): numeric columns are packed into
+        one fresh buffer per batch, so each batch crosses to the main process as one shared block.
+        """
+        import pyarrow as pa
+
+        bs = self.batch_size
+        cols = self.columns
+        tensor_cols = [c for c in cols if c not in self._lists]
+        pending: list[tuple[dict[str, Any], int, int]] = []  # (piece, start, stop)
+        npend = 0
+
+        def pack(batch: dict[str, Any]) -> dict[str, Any]:
+            if not tensor_cols:
+                return batch
+            sizes = [(batch[c].numel() * batch[c].element_size() + 7) // 8 * 8 for c in tensor_cols]
+            buf = torch.empty(sum(sizes), dtype=torch.uint8)
+            off = 0
+            for c, n in zip(tensor_cols, sizes):
+                t = batch[c]
+                view = buf[off:off + t.numel() * t.element_size()].view(t.dtype)
+                view.copy_(t)
+                batch[c] = view
+                off += n
+            return batch
+
+        def emit(parts: list[tuple[dict[str, Any], int, int]]) -> dict[str, Any]:
+            batch: dict[str, Any] = {}
+            for c in cols:
+                if c in self._lists:
+                    arrs = [p[c].slice(a, b - a) for p, a, b in parts]
+                    batch[c] = (arrs[0] if len(arrs) == 1 else pa.concat_arrays(arrs)).to_pylist()
+                else:
+                    ts = [p[c][a:b] for p, a, b in parts]
+                    batch[c] = ts[0] if len(ts) == 1 else torch.cat(ts)
+            return pack(batch) if own else batch
+
+        for piece, n in pieces:
+            off = 0
+            if npend:
+                take = min(bs - npend, n)
+                pending.append((piece, 0, take))
+                npend += take
+                off = take
+                if npend < bs:
+                    continue
+                yield emit(pending)
+                pending, npend = [], 0
+            if not own and not set(cols) - set(tensor_cols):  # fast path: views of the decoded tensors
+                while n - off >= bs:
+                    yield {c: piece[c][off:off + bs] for c in cols}
+                    off += bs
+            else:
+                while n - off >= bs:
+                    yield emit([(piece, off, off + bs)])
+                    off += bs
+            if off < n:
+                pending.append((piece, off, n))
+                npend += n - off
+        if npend:
+            yield emit(pending)
+
+    def iter_stream(self, epoch: int, rank: int = 0, world: int = 1, worker: int = 0,
+                    num_workers: int = 1) -> Iterator[dict[str, Any]]:
+        """Batches of one (rank, worker) stream of ``epoch`` (what ``__iter__`` runs in each process)."""
+        lay = self.layout(epoch)
+        segs = lay.segments(self.stream_ranges(epoch, rank, world, worker, num_workers))
+        readers: dict = {}
+        lock = threading.Lock()
+        own = get_worker_info() is not None  # worker batches cross processes: no views of big buffers
+        try:
+            pieces = read_ahead(lambda s: self._load(lay, s, readers, lock), segs, depth=self.prefetch,
+                                timeout=self.timeout, describe=lambda s: f"row-group window {s.window}")
+            yield from self._batches(pieces, own)
+        finally:
+            for _, f in list(readers.values()):
+                f.close()
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        main = get_worker_info() is None
+        if main:
+            self._next_epoch_auto()
+        rank, world, worker, nworkers = grid()
+        epoch = self.epoch
+        if main:
+            self._epoch_main, self._delivered_main = epoch, 0
+        for batch in self.iter_stream(epoch, rank, world, worker, nworkers):
+            if main:
+                self._delivered_main += len(next(iter(batch.values())))
+            yield batch
+
+    # ------------------------------------------------------------ resume
+
+    def state_dict(self) -> dict[str, Any]:
+        """Rows the loop received so far in this epoch (single process, ``num_workers=0``).
+
+        With DataLoader workers or several ranks, build the state with :meth:`make_state` from the
+        rows each stream delivered (see :meth:`stream_lengths`).
+        """
+        _, world, _, _ = grid()
+        if world > 1:
+            raise RuntimeError("ParquetDataset.state_dict() sees one rank only: use make_state() or ucmagic.DataLoader")
+        epoch = self.epoch if self._epoch_main is None else self._epoch_main
+        return self.make_state(epoch, [self._delivered_main], world=1, num_workers=1)
+
+    def make_state(self, epoch: int, delivered: Sequence[int], *, world: int, num_workers: int) -> dict[str, Any]:
+        """Resume state after stream ``s`` (rank-major) delivered ``delivered[s]`` rows of ``epoch``."""
+        pool, _ = self._epoch_plan(epoch)
+        left = plan.remaining_pool(pool, world, num_workers, self.partition, self.batch_size, list(delivered))
+        return {
+            "version": STATE_VERSION, "kind": "parquet", "epoch": int(epoch), "seed": self.seed,
+            "shuffle": self.shuffle, "shuffle_buffer": self.shuffle_buffer, "partition": self.partition,
+            "rows": self.num_rows, "fingerprint": self.fingerprint,
+            "pool": [list(x) for x in left], "remaining": plan.ranges_len(left),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume: the next iteration delivers exactly the rows not yet delivered in the saved epoch
+        (any world size, number of workers or batch size). Raises ListingChangedError if the files changed."""
+        if state.get("version") != STATE_VERSION or state.get("kind") != "parquet":
+            raise ValueError(f"not a ParquetDataset state (version {state.get('version')!r}, kind {state.get('kind')!r})")
+        if state["fingerprint"] != self.fingerprint or state["rows"] != self.num_rows:
+            raise ListingChangedError(
+                f"the Parquet files of {self.path!r} changed since this state was saved ({state['rows']} rows then, "
+                f"{self.num_rows} now): resume needs the same files; start a new epoch instead (set_epoch)"
+            )
+        self.seed = int(state["seed"])
+        self.shuffle = bool(state["shuffle"])
+        self.shuffle_buffer = int(state["shuffle_buffer"])
+        self._layouts = {}
+        self._resume = dict(state)
+        self._epoch.value = int(state["epoch"])
+        self._fresh = True
+        self._epoch_main, self._delivered_main = None, 0

@@ -1,0 +1,359 @@
+"""export_parquet: write any table as Parquet files of about a target size, atomically.
+
+Engines: Spark (a Spark DataFrame, or a table name with an active session) writes distributed;
+everything else goes through the embedded engine (DuckDB ``COPY ... FILE_SIZE_BYTES``), which
+streams its input, so memory stays bounded for tables larger than RAM.
+
+Atomic overwrite of a local or mounted directory: the new files are written to a hidden sibling
+staging directory, then swapped in with one ``rename`` (``renameat2(RENAME_EXCHANGE)`` when the
+filesystem has it). File names carry a per-export id, so a reader that listed the old version
+finds its files gone rather than a mixture. ``dest/*.parquet`` stays readable by any tool. For
+fsspec URLs (object stores have no rename) the new files are uploaded under new names, then a
+manifest (``_ucmagic_manifest.json``) naming them is written in one put, then stale files go;
+ucmagic readers follow the manifest.
+"""
+from __future__ import annotations
+
+import ctypes
+import errno
+import io
+import json
+import math
+import os
+import shutil
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from .errors import NotADirectoryErrorUC, UCMagicError
+from .tables import (MANIFEST, Source, UnsupportedSourceError, _spark_df, _visible, connect, delta_files,
+                     duckdb_relation, resolve_source)
+from .units import format_size, parse_size
+from .volume import _is_url, resolve_local_path
+
+EXPORT_MODES = ("overwrite", "error")
+MAX_ROW_GROUP_ROWS = 131072
+MIN_ROW_GROUP_ROWS = 2048
+DEFAULT_MEMORY_LIMIT = "384MB"
+
+
+@dataclass
+class ExportResult:
+    """What ``export_parquet`` wrote: final file paths, rows, bytes, seconds, engine."""
+
+    dest: str
+    files: list[str] = field(default_factory=list)
+    rows: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    engine: str = "duckdb"
+
+    @property
+    def num_files(self) -> int:
+        return len(self.files)
+
+    def __repr__(self) -> str:
+        return (f"ExportResult(dest={self.dest!r}, files={self.num_files}, rows={self.rows}, "
+                f"bytes={format_size(self.bytes)}, seconds={self.seconds:.2f}, engine={self.engine!r})")
+
+
+# ---------------------------------------------------------------- pure helpers
+
+def row_group_rows(target_bytes: int, bytes_per_row: float | None) -> int:
+    """Rows per row group: at most 1/8 of a file (so files land near the target), 2048..131072."""
+    if not bytes_per_row or bytes_per_row <= 0:
+        return MAX_ROW_GROUP_ROWS
+    rows = int(target_bytes / bytes_per_row / 8)
+    rows = (rows // MIN_ROW_GROUP_ROWS) * MIN_ROW_GROUP_ROWS
+    return max(MIN_ROW_GROUP_ROWS, min(MAX_ROW_GROUP_ROWS, rows))
+
+
+def spark_file_plan(rows: int, bytes_per_row: float, target_bytes: int) -> tuple[int, int]:
+    """``(number of files, maxRecordsPerFile)`` for Spark from a row count and an on-disk row size."""
+    per_file = max(1, int(target_bytes / max(bytes_per_row, 1e-9)))
+    return max(1, math.ceil(rows / per_file)), per_file
+
+
+def final_name(index: int, export_id: str) -> str:
+    return f"part-{index:05d}-{export_id}.parquet"
+
+
+def _partition_cols(partition_by: str | Sequence[str] | None) -> list[str]:
+    if partition_by is None:
+        return []
+    cols = [partition_by] if isinstance(partition_by, str) else list(partition_by)
+    if not cols or not all(isinstance(c, str) and c for c in cols):
+        raise ValueError(f"partition_by must be a column name or a list of names, got {partition_by!r}")
+    return cols
+
+
+# ---------------------------------------------------------------- atomic directory swap
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Atomically swap two paths (Linux renameat2). False when the OS or filesystem cannot."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EPERM):
+        return False
+    raise OSError(err, f"cannot swap {a} and {b}: {os.strerror(err)}")
+
+
+def swap_in(staging: str, dest: str) -> str | None:
+    """Make ``staging`` appear at ``dest`` in one step. Returns the old version's path to delete."""
+    if not os.path.lexists(dest):
+        try:
+            os.rename(staging, dest)
+            return None
+        except OSError as e:
+            if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                raise
+    if not os.path.isdir(dest):
+        raise NotADirectoryErrorUC(f"{dest} exists and is not a directory: export_parquet writes a directory")
+    if _exchange(staging, dest):
+        return staging
+    old = os.path.join(os.path.dirname(dest), f".{os.path.basename(dest)}.ucmagic-old-{uuid.uuid4().hex[:8]}")
+    os.rename(dest, old)  # no atomic exchange here: dest is missing for the instant between the renames
+    os.rename(staging, dest)
+    return old
+
+
+def _resolve_dest(dest: str) -> str:
+    """Local path for ``dest``: a ``/Volumes`` path whose volume exists stays; else the catalog mapping."""
+    p = os.path.abspath(os.path.expanduser(dest))
+    parts = p.split(os.sep)
+    if len(parts) >= 5 and parts[1] == "Volumes" and os.path.isdir(os.sep.join(parts[:5])):
+        return p
+    if len(parts) >= 5 and parts[1] == "Volumes":
+        return resolve_local_path(p) if not os.path.exists(p) else p
+    return p
+
+
+def _non_empty(path: str) -> bool:
+    return os.path.isdir(path) and any(True for _ in os.scandir(path))
+
+
+# ---------------------------------------------------------------- staging tidy-up
+
+def _finish_staging(staging: str, export_id: str, rename: bool) -> list[str]:
+    """Drop side files (``_SUCCESS``, ``.crc``), name data files uniquely, return them sorted (relative)."""
+    import re
+
+    out = []
+    for dirpath, dirnames, filenames in os.walk(staging):
+        for d in list(dirnames):
+            if d.startswith(("_", ".")):
+                shutil.rmtree(os.path.join(dirpath, d), ignore_errors=True)
+                dirnames.remove(d)
+        data = []
+        for f in filenames:
+            full = os.path.join(dirpath, f)
+            if f.startswith(("_", ".")) or not f.endswith(".parquet"):
+                os.unlink(full)
+            else:
+                data.append(f)
+
+        def index(name: str) -> tuple[int, str]:
+            m = re.search(r"(\d+)", name)
+            return (int(m.group(1)) if m else 0, name)
+
+        for i, f in enumerate(sorted(data, key=index)):
+            name = final_name(i, export_id) if rename else f
+            if name != f:
+                os.rename(os.path.join(dirpath, f), os.path.join(dirpath, name))
+            out.append(os.path.relpath(os.path.join(dirpath, name), staging).replace(os.sep, "/"))
+    return sorted(out)
+
+
+def _count(staging: str, rels: list[str]) -> tuple[int, int]:
+    import pyarrow.parquet as pq
+
+    rows = size = 0
+    for r in rels:
+        p = os.path.join(staging, r)
+        rows += pq.read_metadata(p).num_rows
+        size += os.path.getsize(p)
+    return rows, size
+
+
+# ---------------------------------------------------------------- engines
+
+def _bytes_per_row(src: Source) -> float | None:
+    """On-disk bytes per row of a file-backed source (footers only), or a guess for in-memory data."""
+    import pyarrow.parquet as pq
+
+    try:
+        if src.kind in ("parquet", "delta") and not src.remote:
+            files = src.paths if src.kind == "parquet" else delta_files(src)
+            files = files[:64]
+            rows = sum(pq.read_metadata(f).num_rows for f in files)
+            return sum(os.path.getsize(f) for f in files) / rows if rows else None
+        if src.kind == "arrow" and hasattr(src.obj, "nbytes") and getattr(src.obj, "num_rows", 0):
+            return src.obj.nbytes / src.obj.num_rows / 2
+        if src.kind == "pandas" and len(src.obj):
+            return float(src.obj.memory_usage(deep=True).sum()) / len(src.obj) / 3
+    except Exception:  # noqa: BLE001 - an estimate only steers row-group size
+        return None
+    return None
+
+
+def _write_duckdb(src: Source, staging: str, target: int, cols: list[str], memory_limit: Any,
+                  threads: int | None, compression: str) -> None:
+    con = connect(memory_limit, threads)
+    try:
+        rel = duckdb_relation(con, src)
+        missing = [c for c in cols if c not in rel.columns]
+        if missing:
+            raise KeyError(f"partition_by column {missing[0]!r} is not in {src.describe()}; columns: {', '.join(rel.columns)}")
+        kw: dict[str, Any] = dict(file_size_bytes=target, row_group_size=row_group_rows(target, _bytes_per_row(src)),
+                                  filename_pattern="part-{i}", compression=compression, overwrite=True)
+        if cols:
+            kw["partition_by"] = cols
+        rel.write_parquet(staging, **kw)
+    finally:
+        con.close()
+
+
+def _spark_row_bytes(df: Any, sample: int = 20000) -> float:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    part = df.limit(sample)
+    t = part.toArrow() if hasattr(part, "toArrow") else pa.Table.from_pandas(part.toPandas(), preserve_index=False)
+    if t.num_rows == 0:
+        return 100.0
+    buf = io.BytesIO()
+    pq.write_table(t, buf, compression="snappy")
+    return max(1.0, buf.tell() / t.num_rows)
+
+
+def _write_spark(src: Source, staging: str, target: int, cols: list[str], compression: str) -> None:
+    df = _spark_df(src)
+    rows = df.count()
+    nfiles, per_file = spark_file_plan(rows, _spark_row_bytes(df), target)
+    df = df.repartition(nfiles, *cols) if cols else df.repartition(nfiles)
+    w = (df.write.mode("overwrite").option("maxRecordsPerFile", per_file)
+         .option("parquet.block.size", min(target, 128 << 20)).option("compression", compression))
+    if cols:
+        w = w.partitionBy(*cols)
+    w.parquet(staging)
+
+
+# ---------------------------------------------------------------- publishing to a URL
+
+def _publish_remote(local_staging: str, rels: list[str], dest: str, storage_options: dict[str, Any] | None) -> list[str]:
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(dest, **(storage_options or {}))
+    root = root.rstrip("/")
+    fs.makedirs(root, exist_ok=True)
+    prefix = root + "/"
+    old = [p for p in (fs.find(root) if fs.exists(root) else []) if p.endswith(".parquet") and _visible(p[len(prefix):])]
+    for r in rels:
+        fs.put_file(os.path.join(local_staging, r), prefix + r)
+    fs.pipe_file(prefix + MANIFEST, json.dumps({"files": rels}).encode())  # the commit point
+    keep = {prefix + r for r in rels}
+    stale = [p for p in old if p not in keep]
+    if stale:
+        fs.rm(stale)
+    return [dest.rstrip("/") + "/" + r for r in rels]
+
+
+def _remote_non_empty(dest: str, storage_options: dict[str, Any] | None) -> bool:
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(dest, **(storage_options or {}))
+    return fs.exists(root) and bool(fs.ls(root))
+
+
+# ---------------------------------------------------------------- public API
+
+def export_parquet(source: Any, dest: str | os.PathLike, *, target_file_size: int | str = "1GB",
+                   mode: str = "overwrite", partition_by: str | Sequence[str] | None = None,
+                   version: int | None = None, memory_limit: int | str | None = DEFAULT_MEMORY_LIMIT,
+                   threads: int | None = None, compression: str = "snappy",
+                   storage_options: dict[str, Any] | None = None) -> ExportResult:
+    """Write ``source`` as Parquet files of about ``target_file_size`` into the directory ``dest``.
+
+    ``source``: a Spark DataFrame or a table name with an active Spark session (Spark writes,
+    distributed); a local-catalog table name; a Delta directory (``version=`` for time travel);
+    Parquet/CSV paths or globs; a pandas DataFrame or pyarrow Table; a SQL query (DuckDB).
+    ``dest``: a local or mounted directory, a ``/Volumes/...`` path, or an fsspec URL.
+    ``mode="overwrite"`` replaces ``dest`` atomically (readers see the old files or the new ones,
+    never a mixture, and no stale file survives); ``mode="error"`` refuses a non-empty ``dest``.
+    ``partition_by`` writes Hive-style ``col=value/`` directories. The embedded engine streams its
+    input under ``memory_limit``. Returns an :class:`ExportResult` (files, rows, bytes, seconds).
+    """
+    t0 = time.perf_counter()
+    if mode not in EXPORT_MODES:
+        raise ValueError(f"mode must be one of {EXPORT_MODES}, got {mode!r}")
+    target = parse_size(target_file_size)
+    if not target:
+        raise ValueError(f"target_file_size must be > 0, got {target_file_size!r}")
+    cols = _partition_cols(partition_by)
+    src = resolve_source(source, version=version, storage_options=storage_options)
+    spark = src.kind in ("spark", "spark_table")
+    dest = os.fspath(dest)
+    export_id = uuid.uuid4().hex[:12]
+    remote = _is_url(dest) and not dest.startswith("file://")
+    if remote:
+        if spark:
+            raise UnsupportedSourceError(
+                "export_parquet from Spark writes to a /Volumes path or a local directory; for an "
+                "object-store URL use df.write.parquet(url) in Spark, or pass a /Volumes path"
+            )
+        if mode == "error" and _remote_non_empty(dest, storage_options):
+            raise FileExistsError(f"{dest} exists and is not empty: pass mode='overwrite' to replace it")
+        staging = tempfile.mkdtemp(prefix="ucmagic-export-")
+        try:
+            _write_duckdb(src, os.path.join(staging, "out"), target, cols, memory_limit, threads, compression)
+            out = os.path.join(staging, "out")
+            rels = _finish_staging(out, export_id, rename=True)
+            rows, size = _count(out, rels)
+            files = _publish_remote(out, rels, dest, storage_options)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        return ExportResult(dest, files, rows, size, time.perf_counter() - t0, "duckdb")
+
+    dest = _resolve_dest(dest[len("file://"):] if dest.startswith("file://") else dest)
+    if os.path.exists(dest) and not os.path.isdir(dest):
+        raise NotADirectoryErrorUC(f"{dest} is a file: export_parquet writes a directory of Parquet files")
+    if mode == "error" and _non_empty(dest):
+        raise FileExistsError(f"{dest} exists and is not empty: pass mode='overwrite' to replace it atomically")
+    parent = os.path.dirname(dest)
+    os.makedirs(parent, exist_ok=True)
+    staging = os.path.join(parent, f".{os.path.basename(dest)}.ucmagic-staging-{export_id}")
+    old = None
+    try:
+        if spark:
+            _write_spark(src, staging, target, cols, compression)
+        else:
+            _write_duckdb(src, staging, target, cols, memory_limit, threads, compression)
+        if not os.path.isdir(staging):
+            os.makedirs(staging)
+        rels = _finish_staging(staging, export_id, rename=not spark)
+        rows, size = _count(staging, rels)
+        if mode == "error" and _non_empty(dest):
+            raise FileExistsError(f"{dest} was created by someone else during the export; nothing was changed")
+        old = swap_in(staging, dest)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    if old:
+        shutil.rmtree(old, ignore_errors=True)
+    files = [os.path.join(dest, r) for r in rels]
+    return ExportResult(dest, files, rows, size, time.perf_counter() - t0, "spark" if spark else "duckdb")
+
+
+__all__ = ["export_parquet", "ExportResult", "UCMagicError"]

@@ -1,0 +1,628 @@
+"""Tables: name resolution (Spark session or local catalog), source readers, load_table, register_table.
+
+A *table name* is ``catalog.schema.table`` (three identifiers). With an active Spark session it
+goes through Spark; without one it resolves to ``$UCMAGIC_CATALOG_ROOT/<catalog>/<schema>/<table>``,
+a Delta table or a directory of Parquet files (the local catalog). Names are validated and never
+pasted into SQL: locally they only become path components, in Spark each part is quoted.
+
+:func:`resolve_source` turns anything ``export_parquet``/``load_table`` accept into a
+:class:`Source`; :func:`duckdb_relation` reads a local source with the embedded engine (DuckDB),
+streaming and with column pushdown.
+"""
+from __future__ import annotations
+
+import glob as globmod
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from .errors import ListingChangedError, SourceNotFoundError, UCMagicError
+from .units import format_size, parse_size
+from .volume import _is_url, resolve_local_path
+
+
+# ---------------------------------------------------------------- errors (specific to tables)
+
+class InvalidTableNameError(UCMagicError, ValueError):
+    """A string that should be ``catalog.schema.table`` is not."""
+
+
+class TableNotFoundError(SourceNotFoundError):
+    """A well-formed table name that the catalog does not hold."""
+
+
+class UnsupportedSourceError(UCMagicError, TypeError):
+    """An object that no reader or exporter understands."""
+
+
+class TableTooLargeError(UCMagicError, MemoryError):
+    """``load_table`` would need more memory than its budget."""
+
+
+# ---------------------------------------------------------------- names (pure)
+
+_IDENT = r"[A-Za-z0-9_][A-Za-z0-9_\-]{0,254}"
+_NAME_RE = re.compile(rf"^({_IDENT})\.({_IDENT})\.({_IDENT})$")
+_SQL_RE = re.compile(r"^\s*(select|with|from|values|table|pivot|unpivot|summarize|describe|show)\b", re.I | re.S)
+DATA_EXTS = {"parquet", "pq", "csv", "tsv", "gz", "zst", "json", "delta"}
+_GLOB_CHARS = set("*?[")
+
+
+@dataclass(frozen=True)
+class TableName:
+    catalog: str
+    schema: str
+    table: str
+
+    def __str__(self) -> str:
+        return f"{self.catalog}.{self.schema}.{self.table}"
+
+    def quoted(self) -> str:
+        """Backtick-quoted for Spark (parts are validated, so they hold no backtick)."""
+        return ".".join(f"`{p}`" for p in (self.catalog, self.schema, self.table))
+
+
+def parse_table_name(name: str) -> TableName:
+    """Validate ``catalog.schema.table`` (letters, digits, ``_``, ``-``; no dots, quotes or slashes)."""
+    m = _NAME_RE.match(name.strip()) if isinstance(name, str) else None
+    if not m:
+        raise InvalidTableNameError(
+            f"{name!r} is not a table name nor an existing path: table names have three parts, "
+            "catalog.schema.table, each made of letters, digits, '_' or '-' (e.g. 'main.sales.orders')"
+        )
+    return TableName(*m.groups())
+
+
+def is_sql(text: str) -> bool:
+    """True for a string that reads as a SQL query (``SELECT ...``, ``WITH ...``, ``FROM ...``)."""
+    return bool(_SQL_RE.match(text)) and any(c.isspace() for c in text.strip())
+
+
+def looks_like_table_name(text: str) -> bool:
+    """A dotted string without path syntax or a data-file extension (checked before any I/O)."""
+    t = text.strip()
+    if not t or "/" in t or "\\" in t or "://" in t or t.startswith(("~", ".")) or _GLOB_CHARS & set(t):
+        return False
+    if "." not in t:
+        return False
+    return t.rsplit(".", 1)[-1].lower() not in DATA_EXTS
+
+
+# ---------------------------------------------------------------- Spark and the local catalog
+
+def active_spark() -> Any | None:
+    """The active Spark session (classic or Spark Connect), or None. Never imports pyspark itself."""
+    if "pyspark" not in sys.modules:
+        return None
+    for modname in ("pyspark.sql", "pyspark.sql.connect.session"):
+        mod = sys.modules.get(modname)
+        cls = getattr(mod, "SparkSession", None) if mod else None
+        if cls is None:
+            continue
+        try:
+            s = cls.getActiveSession()
+        except Exception:  # noqa: BLE001 - a half-initialised JVM must not break local use
+            s = None
+        if s is not None:
+            return s
+    return None
+
+
+def is_spark_dataframe(obj: Any) -> bool:
+    mod = type(obj).__module__ or ""
+    return mod.startswith("pyspark.sql") and type(obj).__name__ == "DataFrame"
+
+
+def catalog_root() -> str:
+    root = os.environ.get("UCMAGIC_CATALOG_ROOT")
+    if not root:
+        raise TableNotFoundError(
+            "no Spark session is active and UCMAGIC_CATALOG_ROOT is not set: set it to a directory "
+            "that holds <catalog>/<schema>/<table> (the local catalog), or start a Spark session"
+        )
+    return os.path.abspath(os.path.expanduser(root))
+
+
+def table_path(name: str | TableName) -> str:
+    """Local-catalog directory of a table: ``$UCMAGIC_CATALOG_ROOT/<catalog>/<schema>/<table>``."""
+    t = name if isinstance(name, TableName) else parse_table_name(name)
+    return os.path.join(catalog_root(), t.catalog, t.schema, t.table)
+
+
+def list_tables(root: str | None = None) -> list[str]:
+    """Names of the tables in the local catalog (directories three levels down, ``volumes`` excluded)."""
+    root = root or catalog_root()
+    out = []
+    for path in sorted(globmod.glob(os.path.join(root, "*", "*", "*"))):
+        c, s, t = path.split(os.sep)[-3:]
+        if os.path.isdir(path) and t != "volumes" and not t.startswith((".", "_")) and _NAME_RE.match(f"{c}.{s}.{t}"):
+            out.append(f"{c}.{s}.{t}")
+    return out
+
+
+def is_delta_dir(path: str) -> bool:
+    return os.path.isdir(os.path.join(path, "_delta_log"))
+
+
+# ---------------------------------------------------------------- sources
+
+@dataclass
+class Source:
+    """What to read. ``kind``: spark, spark_table, pandas, arrow, duckdb, sql, delta, parquet, csv."""
+
+    kind: str
+    obj: Any = None
+    paths: list[str] = field(default_factory=list)  # local files, or URLs (remote=True)
+    root: str | None = None  # the directory a path source came from
+    version: int | None = None
+    name: str | None = None
+    remote: bool = False
+    storage_options: dict[str, Any] | None = None
+
+    def describe(self) -> str:
+        if self.name:
+            return self.name
+        if self.root:
+            return self.root
+        if self.paths:
+            return self.paths[0] + (f" (+{len(self.paths) - 1} files)" if len(self.paths) > 1 else "")
+        return self.kind
+
+
+def _visible(rel: str) -> bool:
+    """Data files only: no hidden or side files (``_SUCCESS``, ``.crc``, ``_delta_log``...)."""
+    return not any(part.startswith(("_", ".")) for part in rel.split("/"))
+
+
+def _kind_of_file(path: str) -> str | None:
+    low = path.lower()
+    if low.endswith((".parquet", ".pq")) or re.search(r"\.parquet\.[a-z0-9]+$", low):
+        return "parquet"
+    if low.endswith((".csv", ".tsv", ".csv.gz", ".tsv.gz", ".csv.zst")):
+        return "csv"
+    return None
+
+
+def _files_kind(files: Sequence[str], what: str) -> str:
+    kinds = {_kind_of_file(f) for f in files}
+    if kinds == {"parquet"}:
+        return "parquet"
+    if kinds == {"csv"}:
+        return "csv"
+    raise UnsupportedSourceError(
+        f"{what}: expected Parquet (.parquet) or CSV (.csv/.tsv) files, found "
+        f"{sorted(os.path.basename(f) for f in files)[:5]}; pass a glob that selects one kind"
+    )
+
+
+def _local_dir_files(root: str) -> list[str]:
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith(("_", ".")))
+        for f in filenames:
+            full = os.path.join(dirpath, f)
+            rel = os.path.relpath(full, root).replace(os.sep, "/")
+            if _visible(rel) and _kind_of_file(f):
+                files.append(full)
+    return sorted(files)
+
+
+def _remote_source(url: str, version: int | None, storage_options: dict[str, Any] | None) -> Source:
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    proto = fs.protocol[0] if isinstance(fs.protocol, (tuple, list)) else fs.protocol
+    def full(p: str) -> str:
+        return p if "://" in p else f"{proto}://{p}"
+    if _GLOB_CHARS & set(root):
+        files = sorted(full(p) for p in fs.glob(root) if _kind_of_file(p))
+        if not files:
+            raise SourceNotFoundError(f"no Parquet or CSV file matches {url}: check the glob")
+        return Source(_files_kind(files, url), paths=files, remote=True, storage_options=storage_options)
+    if not fs.exists(root):
+        raise SourceNotFoundError(f"{url} does not exist: check the URL and your credentials")
+    if fs.isdir(root):
+        if fs.exists(root.rstrip("/") + "/_delta_log"):
+            return Source("delta", root=url, version=version, remote=True, storage_options=storage_options)
+        manifest = read_manifest(fs, root)
+        if manifest is not None:
+            files = [full(root.rstrip("/") + "/" + f) for f in manifest]
+        else:
+            prefix = root.rstrip("/") + "/"
+            files = sorted(full(p) for p in fs.find(root) if _kind_of_file(p) and _visible(p[len(prefix):]))
+        if not files:
+            raise SourceNotFoundError(f"no Parquet or CSV files under {url}")
+        return Source(_files_kind(files, url), paths=files, root=url, remote=True, storage_options=storage_options)
+    return Source(_files_kind([root], url), paths=[url], remote=True, storage_options=storage_options)
+
+
+MANIFEST = "_ucmagic_manifest.json"
+
+
+def read_manifest(fs: Any, root: str) -> list[str] | None:
+    """File names listed by an export to a URL (written last, so a reader never sees a mixture)."""
+    import json
+
+    path = root.rstrip("/") + "/" + MANIFEST
+    try:
+        with fs.open(path, "rb") as f:
+            return list(json.loads(f.read().decode())["files"])
+    except FileNotFoundError:
+        return None
+
+
+def resolve_path_source(path: str, *, version: int | None = None,
+                        storage_options: dict[str, Any] | None = None) -> Source:
+    """A file, a glob, a directory (Parquet/CSV files or a Delta table), a ``/Volumes`` path or a URL."""
+    if _is_url(path) and not path.startswith("file://"):
+        return _remote_source(path, version, storage_options)
+    if path.startswith("file://"):
+        path = path[len("file://"):]
+    if _GLOB_CHARS & set(path):
+        files = sorted(f for f in globmod.glob(resolve_local_path(path), recursive=True)
+                       if os.path.isfile(f) and _kind_of_file(f))
+        if not files:
+            raise SourceNotFoundError(f"no Parquet or CSV file matches {path}: check the glob")
+        return Source(_files_kind(files, path), paths=files)
+    real = resolve_local_path(path)
+    if not os.path.exists(real):
+        hint = ""
+        if path.startswith("/Volumes/") and not os.environ.get("UCMAGIC_CATALOG_ROOT"):
+            hint = " (outside Databricks, set UCMAGIC_CATALOG_ROOT to map /Volumes/... to a local directory)"
+        raise SourceNotFoundError(f"{path} does not exist: check the path{hint}")
+    if os.path.isdir(real):
+        if is_delta_dir(real):
+            return Source("delta", root=real, version=version)
+        files = _local_dir_files(real)
+        if not files:
+            raise SourceNotFoundError(f"no Parquet or CSV files under {path}: pass a directory of .parquet/.csv files")
+        return Source(_files_kind(files, path), paths=files, root=real)
+    return Source(_files_kind([real], path), paths=[real])
+
+
+def resolve_source(source: Any, *, version: int | None = None,
+                   storage_options: dict[str, Any] | None = None) -> Source:
+    """Classify anything ``export_parquet``/``load_table`` accept. Raises clear errors for the rest."""
+    if is_spark_dataframe(source):
+        return Source("spark", obj=source)
+    mod = type(source).__module__ or ""
+    if mod.startswith("pandas") and type(source).__name__ == "DataFrame":
+        return Source("pandas", obj=source)
+    if mod.startswith("pyarrow"):
+        import pyarrow as pa
+        import pyarrow.dataset as pads
+
+        if isinstance(source, (pa.Table, pa.RecordBatch, pa.RecordBatchReader, pads.Dataset)):
+            return Source("arrow", obj=source)
+    if mod.startswith("duckdb") and hasattr(source, "fetch_arrow_reader"):
+        return Source("duckdb", obj=source)
+    if isinstance(source, (list, tuple)) and source and all(isinstance(p, (str, os.PathLike)) for p in source):
+        srcs = [resolve_path_source(os.fspath(p), storage_options=storage_options) for p in source]
+        files = [f for s in srcs for f in s.paths]
+        if any(s.kind not in ("parquet", "csv") for s in srcs) or not files:
+            raise UnsupportedSourceError("a list of paths must name Parquet or CSV files (one Delta table at a time)")
+        return Source(_files_kind(files, "the listed paths"), paths=files, remote=any(s.remote for s in srcs),
+                      storage_options=storage_options)
+    if isinstance(source, os.PathLike):
+        source = os.fspath(source)
+    if isinstance(source, str):
+        text = source.strip()
+        if is_sql(text):
+            return Source("sql", obj=text)
+        if (_NAME_RE.match(text) or looks_like_table_name(text)) and not os.path.exists(text):
+            name = parse_table_name(text)
+            if active_spark() is not None:
+                return Source("spark_table", name=str(name), obj=name)
+            path = table_path(name)
+            if not os.path.isdir(path):
+                known = list_tables()
+                raise TableNotFoundError(
+                    f"table {name} not found in the local catalog (no directory {path}, and no file {text!r} "
+                    "exists here); "
+                    f"tables there: {', '.join(known[:10]) or 'none'}. Create it with register_table()"
+                )
+            src = resolve_path_source(path, version=version)
+            src.name = str(name)
+            return src
+        return resolve_path_source(text, version=version, storage_options=storage_options)
+    raise UnsupportedSourceError(
+        f"cannot read a {type(source).__module__}.{type(source).__name__}: pass a Spark or pandas DataFrame, "
+        "a pyarrow Table, a table name (catalog.schema.table), a Delta directory, Parquet/CSV paths or a SQL query"
+    )
+
+
+# ---------------------------------------------------------------- reading with the embedded engine
+
+def _fs_for(src: Source) -> Any:
+    import fsspec
+    import pyarrow.fs as pafs
+
+    fs = fsspec.core.url_to_fs(src.root or src.paths[0], **(src.storage_options or {}))[0]
+    return pafs.PyFileSystem(pafs.FSSpecHandler(fs)), fs
+
+
+def arrow_dataset(src: Source) -> Any:
+    """A lazy pyarrow dataset over a Delta, Parquet or CSV source (streams; projects columns)."""
+    import pyarrow.dataset as pads
+
+    if src.kind == "delta":
+        from deltalake import DeltaTable
+
+        try:
+            dt = DeltaTable(src.root, version=src.version, storage_options=src.storage_options)
+        except Exception as e:  # noqa: BLE001 - deltalake raises its own types
+            raise SourceNotFoundError(f"cannot open Delta table {src.describe()} (version {src.version}): {e}") from e
+        return dt.to_pyarrow_dataset()
+    fmt = "parquet" if src.kind == "parquet" else "csv"
+    if src.remote:
+        pafs, fs = _fs_for(src)
+        paths = [fsspec_strip(p) for p in src.paths]
+        return pads.dataset(paths, format=fmt, filesystem=pafs)
+    return pads.dataset(src.paths, format=fmt)
+
+
+def delta_files(src: Source) -> list[str]:
+    """Data files of the Delta table's selected version (local paths, or URLs for remote tables)."""
+    from deltalake import DeltaTable
+
+    uris = DeltaTable(src.root, version=src.version, storage_options=src.storage_options).file_uris()
+    return [u[len("file://"):] if u.startswith("file://") else u for u in uris]
+
+
+def fsspec_strip(url: str) -> str:
+    return url.split("://", 1)[1] if "://" in url else url
+
+
+def duckdb_relation(con: Any, src: Source) -> Any:
+    """A DuckDB relation reading ``src`` lazily (DuckDB streams it: memory stays bounded)."""
+    if src.kind == "pandas":
+        return con.from_df(src.obj)
+    if src.kind == "arrow":
+        return con.from_arrow(src.obj)
+    if src.kind == "duckdb":
+        return con.from_arrow(src.obj.fetch_arrow_reader(1 << 16))
+    if src.kind == "sql":
+        return con.sql(src.obj)
+    if src.kind == "parquet" and not src.remote:
+        return con.read_parquet(src.paths)
+    if src.kind == "csv" and not src.remote:
+        return con.read_csv(src.paths)
+    if src.kind in ("delta", "parquet", "csv"):
+        return con.from_arrow(arrow_dataset(src))
+    raise UnsupportedSourceError(f"{src.kind} sources are read by Spark, not the embedded engine")
+
+
+def select_columns(rel: Any, columns: Sequence[str] | None, what: str) -> Any:
+    """Project ``rel`` on ``columns`` (names checked, never pasted into SQL)."""
+    if not columns:
+        return rel
+    import duckdb
+
+    missing = [c for c in columns if c not in rel.columns]
+    if missing:
+        raise KeyError(f"{what} has no column {missing[0]!r}; columns: {', '.join(rel.columns)}")
+    return rel.select(*[duckdb.ColumnExpression(c) for c in columns])
+
+
+def connect(memory_limit: int | str | None = None, threads: int | None = None) -> Any:
+    """A fresh in-memory DuckDB connection with a memory limit and a private spill directory."""
+    import tempfile
+
+    import duckdb
+
+    cfg: dict[str, Any] = {"temp_directory": os.path.join(tempfile.gettempdir(), f"ucmagic-duckdb-{os.getpid()}")}
+    if memory_limit is not None:
+        cfg["memory_limit"] = f"{parse_size(memory_limit)}B"
+    if threads:
+        cfg["threads"] = int(threads)
+    return duckdb.connect(config=cfg)
+
+
+# ---------------------------------------------------------------- load_table
+
+DEFAULT_BUDGET_FRACTION = 0.5
+
+
+def memory_budget(max_bytes: int | str | None = None) -> int:
+    """``max_bytes``, else ``$UCMAGIC_LOAD_TABLE_MAX_BYTES``, else half of the available memory."""
+    if max_bytes is not None:
+        return int(parse_size(max_bytes) or 0)
+    env = os.environ.get("UCMAGIC_LOAD_TABLE_MAX_BYTES")
+    if env:
+        return int(parse_size(env) or 0)
+    import psutil
+
+    return int(psutil.virtual_memory().available * DEFAULT_BUDGET_FRACTION)
+
+
+def estimate_memory(src: Source, columns: Sequence[str] | None, limit: int | None) -> int | None:
+    """Rough in-memory size of the selected rows/columns of a file-backed source (None: unknown)."""
+    import pyarrow.parquet as pq
+
+    if src.kind == "csv" and not src.remote:
+        total = sum(os.path.getsize(p) for p in src.paths) * 2
+        return total if limit is None else min(total, limit * 200)
+    if src.kind not in ("parquet", "delta") or src.remote:
+        return None
+    files = src.paths
+    if src.kind == "delta":
+        files = delta_files(src)
+    want = set(columns or [])
+    total = rows = 0
+    for f in files:
+        md = pq.read_metadata(f)
+        rows += md.num_rows
+        for g in range(md.num_row_groups):
+            rg = md.row_group(g)
+            for c in range(rg.num_columns):
+                col = rg.column(c)
+                if not want or col.path_in_schema.split(".")[0] in want:
+                    total += col.total_uncompressed_size
+    if limit is not None and rows:
+        total = int(total * min(1.0, limit / rows))
+    return int(total * 1.5)  # pandas objects (strings) take more than their encoded size
+
+
+def _spark_df(src: Source) -> Any:
+    if src.kind == "spark":
+        return src.obj
+    spark = active_spark()
+    try:
+        return spark.read.table(src.obj.quoted())
+    except Exception as e:  # noqa: BLE001 - AnalysisException lives in pyspark
+        if "TABLE_OR_VIEW_NOT_FOUND" in str(e) or "not found" in str(e).lower():
+            raise TableNotFoundError(f"table {src.name} not found through the active Spark session: {e}") from None
+        raise
+
+
+def load_table(name_or_path: Any, *, columns: Sequence[str] | None = None, limit: int | None = None,
+               version: int | None = None, max_bytes: int | str | None = None,
+               storage_options: dict[str, Any] | None = None) -> Any:
+    """Read a table into a pandas DataFrame (the ``toPandas()`` path, for tables that fit in memory).
+
+    ``name_or_path``: ``catalog.schema.table`` (Spark when a session is active, else the local
+    catalog), a Delta directory (``version=`` for time travel), Parquet/CSV files, a SQL query,
+    or a Spark DataFrame. ``columns`` projects, ``limit`` caps rows. A table larger than the
+    memory budget (``max_bytes``, ``$UCMAGIC_LOAD_TABLE_MAX_BYTES``, default half the available
+    memory) raises :class:`TableTooLargeError` pointing to ``export_parquet`` + ``ParquetDataset``.
+    """
+    if limit is not None and (not isinstance(limit, int) or limit < 0):
+        raise ValueError(f"limit must be a non-negative int, got {limit!r}")
+    src = resolve_source(name_or_path, version=version, storage_options=storage_options)
+    budget = memory_budget(max_bytes)
+    if src.kind in ("spark", "spark_table"):
+        df = _spark_df(src)
+        if columns:
+            df = df.select(*columns)
+        if limit is not None:
+            df = df.limit(limit)
+        est = _spark_size_estimate(df)
+        if est is not None and est > budget:
+            _too_large(src, est, budget)
+        return df.toPandas()
+    est = estimate_memory(src, columns, limit)
+    if est is not None and est > budget:
+        _too_large(src, est, budget)
+    for attempt in range(5):
+        try:
+            con = connect()
+            try:
+                rel = select_columns(duckdb_relation(con, src), columns, src.describe())
+                if limit is not None:
+                    rel = rel.limit(limit)
+                return rel.df()
+            finally:
+                con.close()
+        except Exception as e:  # noqa: BLE001
+            # An export_parquet overwrite swapped the directory between listing and reading.
+            if not (src.root and src.kind in ("parquet", "csv") and _vanished(e)):
+                raise
+            if attempt == 4:
+                raise ListingChangedError(
+                    f"the files under {src.root} kept changing while being read (concurrent overwrites?): try again"
+                ) from e
+            try:
+                src = resolve_path_source(src.root, version=version)
+            except SourceNotFoundError:  # between the two renames of a non-atomic swap
+                import time
+
+                time.sleep(0.01 * (attempt + 1))
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _vanished(e: BaseException) -> bool:
+    return isinstance(e, FileNotFoundError) or "No such file" in str(e) or "No files found" in str(e)
+
+
+def _spark_size_estimate(df: Any) -> int | None:
+    try:  # classic Spark only; Spark Connect has no cheap size statistic
+        return int(df._jdf.queryExecution().optimizedPlan().stats().sizeInBytes().longValue())  # noqa: SLF001
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _too_large(src: Source, est: int, budget: int) -> None:
+    what = src.describe()
+    raise TableTooLargeError(
+        f"{what} needs about {format_size(est)} in memory, over the load_table budget of {format_size(budget)}. "
+        f"Load a part (columns=, limit=), raise max_bytes= (or $UCMAGIC_LOAD_TABLE_MAX_BYTES), or stream it: "
+        f"export_parquet({what!r}, '/Volumes/<catalog>/<schema>/<volume>/<dir>') then "
+        f"ParquetDataset('/Volumes/.../<dir>') with a DataLoader"
+    )
+
+
+# ---------------------------------------------------------------- register_table
+
+REGISTER_MODES = ("error", "overwrite", "append")
+
+
+def register_table(name: str, data: Any, *, format: str = "delta", mode: str = "error") -> str:  # noqa: A002
+    """Create a table ``catalog.schema.table`` from ``data`` (pandas, pyarrow, or anything export_parquet reads).
+
+    With an active Spark session: ``saveAsTable``. Without: a Delta table (``format="delta"``) or a
+    directory of Parquet files (``"parquet"``) under ``$UCMAGIC_CATALOG_ROOT``. ``mode``:
+    ``"error"`` (refuse an existing table), ``"overwrite"`` or ``"append"`` (Delta only).
+    Returns the table's location (its path, or its name in Spark).
+    """
+    t = parse_table_name(name)
+    if format not in ("delta", "parquet"):
+        raise ValueError(f"format must be 'delta' or 'parquet', got {format!r}")
+    if mode not in REGISTER_MODES:
+        raise ValueError(f"mode must be one of {REGISTER_MODES}, got {mode!r}")
+    spark = active_spark()
+    if spark is not None:
+        df = data if is_spark_dataframe(data) else spark.createDataFrame(_to_pandas(data))
+        df.write.format(format).mode(mode).saveAsTable(t.quoted())
+        return str(t)
+    path = table_path(t)
+    exists = os.path.isdir(path) and bool(os.listdir(path))
+    if exists and mode == "error":
+        raise FileExistsError(f"table {t} already exists at {path}: pass mode='overwrite' or 'append'")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    if format == "parquet":
+        if mode == "append":
+            raise ValueError("mode='append' needs format='delta' (a Parquet directory is rewritten as a whole)")
+        from .parquet_export import export_parquet
+
+        export_parquet(data, path, mode="overwrite", target_file_size="256MB")
+        return path
+    from deltalake import write_deltalake
+
+    if exists and not is_delta_dir(path):
+        raise FileExistsError(f"{path} holds a non-Delta table: use format='parquet' or remove it")
+    write_deltalake(path, _to_arrow(data), mode=mode)
+    return path
+
+
+def _to_arrow(data: Any) -> Any:
+    import pyarrow as pa
+
+    src = resolve_source(data)
+    if src.kind == "pandas":
+        return pa.Table.from_pandas(src.obj, preserve_index=False)
+    if src.kind == "arrow":
+        if isinstance(src.obj, pa.RecordBatch):
+            return pa.Table.from_batches([src.obj])
+        return src.obj.scanner().to_reader() if hasattr(src.obj, "scanner") else src.obj
+    if src.kind == "spark":
+        return src.obj.toArrow()
+    con = connect()
+    reader = duckdb_relation(con, src).fetch_arrow_reader(1 << 16)
+
+    def batches() -> Any:  # keeps the connection alive while the writer streams
+        try:
+            yield from reader
+        finally:
+            con.close()
+
+    return pa.RecordBatchReader.from_batches(reader.schema, batches())
+
+
+def _to_pandas(data: Any) -> Any:
+    src = resolve_source(data)
+    if src.kind == "pandas":
+        return src.obj
+    t = _to_arrow(data)
+    return t.to_pandas() if hasattr(t, "to_pandas") else t.read_all().to_pandas()
