@@ -28,10 +28,146 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def _add_stage(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("stage", help="copy a tree of files from a slow volume to local disk, in parallel",
+                       description="Copy the files under SRC to DEST in parallel, keeping relative paths. "
+                                   "Files already staged and unchanged (same size and mtime) are skipped; each file "
+                                   "lands atomically; failures are listed and make the exit code 1.")
+    p.add_argument("src", help="directory, /Volumes/<catalog>/<schema>/<volume>/... path or fsspec URL")
+    p.add_argument("dest", help="local destination directory (created if needed)")
+    p.add_argument("-p", "--pattern", default=None, help="glob over relative paths, e.g. '**/*.jpg' (default: all)")
+    p.add_argument("-j", "--concurrency", type=int, default=256, help="copies in flight (default 256)")
+    p.add_argument("--processes", type=int, default=None, help="worker processes (default: up to 4)")
+    p.add_argument("--retries", type=int, default=3, help="retries of a failing copy (default 3)")
+    p.add_argument("--verify", choices=["size", "none"], default="size", help="check each copy's size (default size)")
+    p.add_argument("--no-progress", action="store_true", help="do not show progress")
+
+    def run(a: argparse.Namespace) -> int:
+        from .staging import stage
+
+        res = stage(a.src, a.dest, pattern=a.pattern, concurrency=a.concurrency, processes=a.processes,
+                    retries=a.retries, verify=None if a.verify == "none" else a.verify,
+                    progress=False if a.no_progress else "text")
+        print(res)
+        return 0 if res.ok else 1
+
+    p.set_defaults(func=run)
+
+
+def _add_export(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("export", help="export a table, Delta directory, query or files to Parquet files of a target size",
+                       description="Write SOURCE (a table name, a Delta directory, Parquet/CSV paths or globs, or a SQL "
+                                   "query) as Parquet files of about --file-size into DEST.")
+    p.add_argument("source", help="table name, Delta directory, Parquet/CSV path or glob, or SQL query")
+    p.add_argument("dest", help="destination directory, /Volumes/... path or fsspec URL")
+    p.add_argument("--file-size", default="1GB", help="target size of each file (default 1GB)")
+    p.add_argument("--mode", default="overwrite", help="overwrite (default), append or error")
+    p.add_argument("--partition-by", default=None, help="comma-separated partition columns")
+
+    def run(a: argparse.Namespace) -> int:
+        from .parquet import export_parquet
+
+        cols = [c.strip() for c in a.partition_by.split(",") if c.strip()] if a.partition_by else None
+        print(f"exporting {a.source} -> {a.dest} ...", file=sys.stderr, flush=True)
+        res = export_parquet(a.source, a.dest, target_file_size=a.file_size, mode=a.mode, partition_by=cols)
+        print(res)
+        return 0
+
+    p.set_defaults(func=run)
+
+
+def _field(item: object, name: str, index: int) -> object:
+    if isinstance(item, dict):
+        return item.get(name)
+    if hasattr(item, name):
+        return getattr(item, name)
+    return item[index] if isinstance(item, (tuple, list)) and len(item) > index else None  # type: ignore[index]
+
+
+def format_checkpoints(items: list) -> str:
+    """A table of committed checkpoints: step, commit time (UTC), size, path."""
+    import time as _time
+
+    from .units import format_size
+
+    rows = [("STEP", "COMMITTED (UTC)", "SIZE", "PATH")]
+    for it in items:
+        step, path, t, size = (_field(it, "step", 0), _field(it, "path", 1), _field(it, "time", 2),
+                               _field(it, "size", 3))
+        when = _time.strftime("%Y-%m-%d %H:%M:%S", _time.gmtime(float(t))) if isinstance(t, (int, float)) else str(t or "")
+        rows.append((str(step), when, format_size(size) if isinstance(size, (int, float)) else str(size or ""),
+                     str(path or "")))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def _add_ckpt(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("ckpt", help="inspect checkpoints", description="Inspect checkpoints written by ucmagic.")
+    csub = p.add_subparsers(dest="ckpt_command", metavar="ACTION")
+    lp = csub.add_parser("list", help="list committed checkpoints under ROOT with their time and size",
+                         description="List the committed checkpoints under ROOT (step, commit time, size); "
+                                     "unfinished saves are not listed.")
+    lp.add_argument("root", help="checkpoint root directory, /Volumes/... path or URL")
+
+    def run_list(a: argparse.Namespace) -> int:
+        from .checkpoint import list_checkpoints
+
+        items = list(list_checkpoints(a.root))
+        if not items:
+            print(f"no committed checkpoint under {a.root}", file=sys.stderr)
+            return 1
+        print(format_checkpoints(items))
+        return 0
+
+    lp.set_defaults(func=run_list)
+    p.set_defaults(func=lambda a: (p.print_help(), 2)[1])
+
+
+def bench_dir() -> str | None:
+    """The bench/ folder of a source checkout (benchmarks are not installed with the package)."""
+    import os
+
+    d = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+    return d if os.path.isdir(d) else None
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="run a benchmark script from bench/ by name (e.g. 'bench stage')",
+                       description="Run bench/NAME.py with the remaining arguments (put them after '--'), "
+                                   "e.g. python -m ucmagic bench stage -- --files 500. Without NAME, list them.")
+    p.add_argument("name", nargs="?", help="benchmark name (file name in bench/ without .py)")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
+
+    def run(a: argparse.Namespace) -> int:
+        import os
+        import subprocess
+
+        d = bench_dir()
+        if d is None:
+            print("ucmagic: error: no bench/ folder next to the package: benchmarks run from a source checkout",
+                  file=sys.stderr)
+            return 1
+        names = sorted(f[:-3] for f in os.listdir(d) if f.endswith(".py") and not f.startswith("_"))
+        if not a.name:
+            print("benchmarks: " + ", ".join(names))
+            return 0
+        if a.name not in names:
+            print(f"ucmagic: error: no benchmark {a.name!r}; available: {', '.join(names)}", file=sys.stderr)
+            return 2
+        args = a.args[1:] if a.args[:1] == ["--"] else a.args
+        return subprocess.call([sys.executable, os.path.join(d, a.name + ".py"), *args])
+
+    p.set_defaults(func=run)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m ucmagic", description="ucmagic: training data from slow volumes into PyTorch, fast.")
     sub = ap.add_subparsers(dest="command", metavar="COMMAND")
     _add_demo(sub)
+    _add_stage(sub)
+    _add_export(sub)
+    _add_ckpt(sub)
+    _add_bench(sub)
     return ap
 
 

@@ -119,7 +119,8 @@ def main() -> None:
     ap.add_argument("--list-ms", type=float, default=50.0)
     ap.add_argument("--fail-every", type=int, default=0)
     a = ap.parse_args()
-    opts = dict(foreground=True, nothreads=False, allow_other=True, default_permissions=False)
+    # libfuse 3 serves only 10 requests at once unless told otherwise: a network mount serves many.
+    opts = dict(foreground=True, nothreads=False, allow_other=True, default_permissions=False, max_threads=1024)
     if fuse.fuse_version_major == 2:
         opts.update(big_writes=True, max_write=1 << 20)
     fuse.FUSE(Slow(a.source, a.open_ms, a.mbps, a.list_ms, a.fail_every), a.mountpoint, **opts)

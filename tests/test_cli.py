@@ -1,0 +1,108 @@
+"""python -m ucmagic: help for every command, real runs, and exit codes (0 ok, 1 failure, 2 usage)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from ucmagic.__main__ import format_checkpoints
+from ucmagic.testing import make_files
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env.pop("UCMAGIC_DEBUG", None)
+    return subprocess.run([sys.executable, "-m", "ucmagic", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=ROOT)
+
+
+@pytest.mark.parametrize("cmd", [[], ["demo"], ["stage"], ["export"], ["ckpt"], ["ckpt", "list"], ["bench"]])
+def test_help_for_every_command(cmd):
+    r = cli(*cmd, "--help")
+    assert r.returncode == 0, r.stderr
+    assert "usage: python -m ucmagic" in r.stdout
+
+
+def test_no_command_prints_help_and_exits_2():
+    r = cli()
+    assert r.returncode == 2 and "COMMAND" in r.stdout
+    assert cli("frobnicate").returncode == 2
+
+
+def test_stage_copies_and_reports(tmp_path):
+    src, dest = tmp_path / "src", tmp_path / "dest"
+    make_files(str(src), 30, 1000)
+    r = cli("stage", str(src), str(dest), "-j", "8")
+    assert r.returncode == 0, r.stderr
+    assert "staged 30 files" in r.stdout
+    assert "stage:" in r.stderr  # progress on stderr
+    assert sum(len(f) for _, _, f in os.walk(dest)) == 30
+    r = cli("stage", str(src), str(dest), "--no-progress")
+    assert r.returncode == 0 and "30 unchanged skipped" in r.stdout and r.stderr == ""
+
+
+def test_stage_exit_code_1_when_a_file_fails(tmp_path):
+    src, dest = tmp_path / "src", tmp_path / "dest"
+    rels = make_files(str(src), 5, 100)
+    os.makedirs(dest / rels[0])  # a folder where a file must land: that file cannot be staged
+    r = cli("stage", str(src), str(dest), "--no-progress", "--retries", "0")
+    assert r.returncode == 1
+    assert "1 failed" in r.stdout and rels[0] in r.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["stage", "/does/not/exist", "{tmp}/x"], "does not exist"),
+    (["ckpt", "list", "/does/not/exist"], ""),
+    (["export", "/does/not/exist.csv", "{tmp}/out"], "does not exist"),
+])
+def test_errors_exit_1_with_one_line(args, message, tmp_path):
+    r = cli(*[a.format(tmp=tmp_path) for a in args])
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("ucmagic: error:") and message in last
+    assert "Traceback" not in r.stderr
+
+
+def test_stage_refuses_destination_inside_source(tmp_path):
+    src = tmp_path / "src"
+    make_files(str(src), 3, 10)
+    r = cli("stage", str(src), str(src / "inner"))
+    assert r.returncode == 1 and "inside the source" in r.stderr
+
+
+def test_export_writes_parquet(tmp_path):
+    csv = tmp_path / "t.csv"
+    csv.write_text("a,b\n" + "".join(f"{i},{i * 2}\n" for i in range(100)))
+    out = tmp_path / "out"
+    r = cli("export", str(csv), str(out), "--file-size", "1MB")
+    assert r.returncode == 0, r.stderr
+    assert any(f.endswith(".parquet") for _, _, fs in os.walk(out) for f in fs)
+
+
+def test_ckpt_list_empty_root_exits_1(tmp_path):
+    r = cli("ckpt", "list", str(tmp_path))
+    assert r.returncode == 1 and "no committed checkpoint" in r.stderr
+
+
+def test_format_checkpoints_table():
+    from ucmagic.checkpoint_format import CheckpointInfo
+
+    text = format_checkpoints([CheckpointInfo(100, "/ck/step_100", 0.0, 2_500_000),
+                               {"step": 200, "path": "/ck/step_200", "time": 86400.0, "size": 10}])
+    lines = text.splitlines()
+    assert lines[0].split() == ["STEP", "COMMITTED", "(UTC)", "SIZE", "PATH"]
+    assert "100" in lines[1] and "1970-01-01 00:00:00" in lines[1] and "2.5 MB" in lines[1]
+    assert "1970-01-02" in lines[2] and "/ck/step_200" in lines[2]
+
+
+def test_bench_lists_scripts_and_rejects_unknown_names():
+    r = cli("bench")
+    assert r.returncode == 0 and "stage" in r.stdout
+    r = cli("bench", "no-such-bench")
+    assert r.returncode == 2 and "available" in r.stderr
+    r = cli("bench", "stage", "--", "--help")
+    assert r.returncode == 0 and "--files" in r.stdout
