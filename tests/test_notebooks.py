@@ -1,0 +1,58 @@
+"""The example notebooks are committed clean and self-contained.
+
+They are executed by nbval, from the repository root::
+
+    python -m pytest --nbval-lax --nbval-current-env notebooks/
+
+(``UCMAGIC_RUN_NOTEBOOKS=1 python -m pytest tests/test_notebooks.py`` runs that command too.)
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("*.ipynb"))
+EXPECTED = {"01_quickstart", "02_tables_parquet", "03_checkpoints", "04_staging_and_distributed"}
+
+
+def _code_cells(path: Path) -> list[dict]:
+    nb = json.loads(path.read_text())
+    assert nb["nbformat"] == 4
+    return [c for c in nb["cells"] if c["cell_type"] == "code"]
+
+
+def test_every_example_notebook_is_there():
+    assert EXPECTED <= {p.stem for p in NOTEBOOKS}
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_committed_without_outputs(path):
+    for cell in _code_cells(path):
+        assert cell.get("outputs") == [] and cell.get("execution_count") is None, f"{path.name}: clear outputs"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_self_contained_and_strict(path):
+    cells = ["".join(c["source"]) for c in _code_cells(path)]
+    first = cells[0]
+    assert 'os.environ["UCMAGIC_RAISE"] = "1"' in first, "the first code cell must set UCMAGIC_RAISE=1"
+    assert "tempfile.mkdtemp" in first and "UCMAGIC_CACHE_DIR" in first, "work in a temp dir with a private cache"
+    text = "\n".join(cells)
+    assert "%load_ext ucmagic" in text
+    assert "assert " in text, "each notebook checks its own results"
+    assert "/work/" not in text and "~/" not in text, "no machine-specific paths"
+
+
+@pytest.mark.skipif(not os.environ.get("UCMAGIC_RUN_NOTEBOOKS"), reason="set UCMAGIC_RUN_NOTEBOOKS=1 to execute them")
+def test_notebooks_execute():
+    root = Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in os.environ.items() if k not in ("UCMAGIC_RAISE", "UCMAGIC_PROGRESS", "UCMAGIC_CACHE_DIR")}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nbval-lax",
+                           "--nbval-current-env", "notebooks/"], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]

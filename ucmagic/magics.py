@@ -1,0 +1,576 @@
+"""IPython magics: ``%ucload``, ``%ucstage``, ``%ucckpt`` (``%load_ext ucmagic``).
+
+Each magic parses its line, looks names up in the user namespace, validates everything, then
+makes one call to the public API. User mistakes become one ``UsageError`` line saying what to
+do; with ``UCMAGIC_RAISE=1`` they are raised as real exceptions instead (so an executed notebook
+fails where a magic fails). Settings: ``%config UcMagics.cache_dir=...`` (also ``workers``,
+``progress``, ``mlflow``).
+"""
+from __future__ import annotations
+
+import functools
+import keyword
+import os
+import re
+import shlex
+from typing import Any, Callable, NoReturn
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, line_magic, magics_class, needs_local_scope, no_var_expand
+from IPython.core.magic_arguments import argument, kwds, magic_arguments
+from IPython.utils.text import DollarFormatter
+from traitlets import Bool, Enum, Int, Unicode
+
+from .errors import UCMagicError
+
+_URL = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.\-]*://")
+
+
+class MagicUsageError(UCMagicError, ValueError):
+    """A magic was used wrongly (raised instead of IPython's UsageError when ``UCMAGIC_RAISE=1``)."""
+
+
+def _raise_mode() -> bool:
+    return os.environ.get("UCMAGIC_RAISE", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def _fail(magic: str, message: str) -> NoReturn:
+    """Report a user mistake: ``UsageError`` for the notebook, MagicUsageError with UCMAGIC_RAISE=1."""
+    text = f"%{magic}: {message}"
+    if _raise_mode():
+        raise MagicUsageError(text)
+    raise UsageError(text)
+
+
+def _friendly(magic: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Turn engine errors (UCMagicError, OSError, ValueError) into one UsageError line."""
+
+    def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def wrapper(self: Any, line: str = "", local_ns: dict[str, Any] | None = None) -> Any:
+            try:
+                return fn(self, line, local_ns)
+            except (UsageError, MagicUsageError):
+                raise
+            except (UCMagicError, OSError, ValueError, KeyError) as exc:
+                if _raise_mode():
+                    raise
+                text = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
+                msg = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+                raise UsageError(f"%{magic}: {msg}") from None
+
+        return wrapper
+
+    return deco
+
+
+# ------------------------------------------------------------------ pure helpers
+
+def expand(line: str, ns: dict[str, Any]) -> str:
+    """Expand ``{expr}`` and ``$name`` in ``line`` like IPython does, but fail loudly.
+
+    ``$$`` and ``{{ }}`` give a literal ``$``/braces; ``$`` inside single quotes stays literal.
+    A value with spaces expanded outside quotes is quoted so it stays one argument. Raises
+    ``LookupError`` naming the first expression that cannot be resolved.
+    """
+    if "$" not in line and "{" not in line and "}" not in line:
+        return line
+    fmt = DollarFormatter()
+    out: list[str] = []
+    quote = ""
+    try:
+        for literal, field, spec, conversion in fmt.parse(line):
+            out.append(literal)
+            for ch in literal:
+                if quote and ch == quote:
+                    quote = ""
+                elif not quote and ch in "'\"":
+                    quote = ch
+            if field is None:
+                continue
+            expr = f"{field}:{spec}" if spec else field
+            value = str(fmt.convert_field(eval(expr, ns), conversion))  # noqa: S307 (IPython's own semantics)
+            if not quote and (value == "" or any(c.isspace() or c in "'\"\\" for c in value)):
+                value = shlex.quote(value)
+            out.append(value)
+    except NameError as exc:
+        name = getattr(exc, "name", None) or str(exc)
+        raise LookupError(f"{name!s} is not defined: define the variable first, or write $$ for a literal $ "
+                          "and {{ }} for literal braces") from None
+    except ValueError as exc:  # unbalanced braces
+        raise LookupError(f"cannot expand {line!r}: {exc} (write {{{{ }}}} for literal braces)") from None
+    except Exception as exc:
+        raise LookupError(f"cannot expand {line!r}: {type(exc).__name__}: {exc}") from None
+    return "".join(out)
+
+
+def split_args(line: str) -> list[str]:
+    """Split a magic line like a shell: quotes group words (``"my dir"``) and are removed."""
+    if os.name != "nt":
+        return shlex.split(line, comments=True, posix=True)
+    parts = shlex.split(line, comments=True, posix=False)  # keep Windows backslashes
+    return [p[1:-1] if len(p) >= 2 and p[0] == p[-1] and p[0] in "\"'" else p for p in parts]
+
+
+def is_url(path: str) -> bool:
+    return bool(_URL.match(path))
+
+
+def classify_source(source: str, *, force: str | None = None) -> str:
+    """``'files'`` (a directory of files), ``'table'`` (a table name, SQL query, Parquet/CSV file or
+    glob, Delta or Parquet directory), ``'file'`` (some other single file) or ``'missing'``."""
+    if force:
+        return force
+    from .tables import is_sql, looks_like_table_name
+
+    if is_sql(source):
+        return "table"
+    if is_url(source):
+        return "table" if source.rstrip("/").endswith((".parquet", ".csv")) else "files"
+    if set("*?[") & set(source):
+        return "table" if source.endswith((".parquet", ".csv")) else "missing"
+    from .volume import resolve_local_path
+
+    real = resolve_local_path(source)
+    if not os.path.exists(real):
+        return "table" if looks_like_table_name(source) else "missing"
+    if os.path.isfile(real):
+        return "table" if real.endswith((".parquet", ".csv")) else "file"
+    if os.path.isdir(os.path.join(real, "_delta_log")):
+        return "table"
+    return "table" if _all_parquet(real) else "files"
+
+
+def _all_parquet(root: str, limit: int = 200) -> bool:
+    """True when the first files found under ``root`` (up to ``limit``) are all Parquet files."""
+    seen = 0
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if not d.startswith((".", "_"))]
+        for f in filenames:
+            if f.startswith((".", "_")):
+                continue
+            if not f.endswith(".parquet"):
+                return False
+            seen += 1
+            if seen >= limit:
+                return True
+    return seen > 0
+
+
+def check_identifier(name: str) -> bool:
+    return name.isidentifier() and not keyword.iskeyword(name)
+
+
+# ------------------------------------------------------------------ the magics
+
+_LOAD_EXAMPLES = """\
+Examples::
+
+  %ucload /Volumes/main/default/images -p "**/*.jpg" -b 64 -o loader
+  loader = %ucload s3://bucket/train --shuffle --limit 50GB
+  %ucload {data_dir} -b $batch -w 2 --no-widget -o loader
+  df = %ucload main.default.ratings --rows 10000
+  loader = %ucload /data/ratings.parquet --stream -b 4096
+"""
+
+_STAGE_EXAMPLES = """\
+Examples::
+
+  %ucstage /Volumes/main/default/images /local_disk0/images -j 256
+  %ucstage s3://bucket/audio /tmp/audio -p "*.wav"
+  %ucstage --export main.default.events /Volumes/main/default/export --file-size 512MB
+  %ucstage --export df /tmp/df_parquet          # df: a pandas/pyarrow/Spark frame in your namespace
+"""
+
+_CKPT_EXAMPLES = """\
+Examples::
+
+  %ucckpt save /Volumes/main/default/ckpt -m model --opt opt --step 100 --keep 3
+  fut = %ucckpt save /tmp/ckpt -m model --step 200 --async --loader loader
+  %ucckpt list /tmp/ckpt
+  %ucckpt load /tmp/ckpt latest -m model --opt opt --loader loader
+  %ucckpt load /tmp/ckpt 100 -m model
+"""
+
+
+@magics_class
+class UcMagics(Magics):
+    """ucmagic's notebook commands. Settings: ``%config UcMagics.<name>=<value>``."""
+
+    cache_dir = Unicode(None, allow_none=True,
+                        help="Cache directory for %ucload (default: $UCMAGIC_CACHE_DIR, else ~/.cache/ucmagic)."
+                        ).tag(config=True)
+    workers = Int(None, allow_none=True,
+                  help="DataLoader worker processes for %ucload (default: ucmagic.DataLoader's).").tag(config=True)
+    progress = Enum(["auto", "widget", "text", "off"], "auto",
+                    help="Live display of %ucload loaders: widget, text, off, or auto ($UCMAGIC_PROGRESS "
+                         "when set, else the widget in a notebook and text elsewhere).").tag(config=True)
+    mlflow = Bool(True, help="Log per-batch timings of %ucload loaders to the active MLflow run.").tag(config=True)
+
+    # -------------------------------------------------------------- shared plumbing
+
+    def _parse(self, magic: str, fn: Any, line: str, local_ns: dict[str, Any] | None) -> Any:
+        ns = dict(self.shell.user_ns) if self.shell is not None else {}
+        if local_ns:
+            ns.update(local_ns)
+        try:
+            expanded = expand(line, ns)
+        except LookupError as exc:
+            _fail(magic, str(exc))
+        try:
+            return fn.parser.parse_args(split_args(expanded))
+        except UsageError as exc:
+            _fail(magic, f"{exc}; see %{magic}? for usage")
+        except ValueError as exc:  # unbalanced quotes
+            _fail(magic, f"cannot parse {expanded!r}: {exc}; quote paths with spaces as \"my dir\"")
+
+    def _lookup(self, magic: str, flag: str, name: str | None, local_ns: dict[str, Any] | None,
+                kind: Any = None, what: str = "") -> Any:
+        """The object bound to ``name`` in the user namespace (never evaluated)."""
+        if name is None:
+            return None
+        if not check_identifier(name):
+            _fail(magic, f"{flag} takes the name of a variable, got {name!r}")
+        ns = local_ns if local_ns and name in local_ns else (self.shell.user_ns if self.shell is not None else {})
+        if name not in ns:
+            _fail(magic, f"{flag} {name}: no variable named {name!r} in the notebook; define it first")
+        obj = ns[name]
+        if kind is not None and not isinstance(obj, kind):
+            _fail(magic, f"{flag} {name}: expected {what}, got {type(obj).__name__}")
+        return obj
+
+    def _bind(self, name: str, value: Any) -> None:
+        self.shell.user_ns[name] = value
+
+    def _check_out(self, magic: str, out: str | None) -> None:
+        if out is not None and not check_identifier(out):
+            _fail(magic, f"-o takes a variable name, got {out!r}")
+
+    # -------------------------------------------------------------- %ucload
+
+    @no_var_expand
+    @needs_local_scope
+    @line_magic
+    @magic_arguments()
+    @kwds(epilog=_LOAD_EXAMPLES)
+    @argument("source", help="directory, /Volumes/... path or URL of files; or a table name "
+                             "(catalog.schema.table), Delta directory or Parquet path")
+    @argument("-o", "--out", metavar="VAR", help="bind the result to VAR instead of returning it")
+    @argument("-p", "--pattern", metavar="GLOB",
+              help="only files matching GLOB (\"**/*.jpg\"; no / matches names at any depth)")
+    @argument("-b", "--batch-size", type=int, default=None, metavar="BATCH",
+              help="batch size (default 32 for files; rows per batch with --stream, default 1024)")
+    @argument("-w", "--workers", type=int, default=None, metavar="WORKERS",
+              help="DataLoader worker processes (default: %%config UcMagics.workers, else the DataLoader's)")
+    @argument("--shuffle", action="store_true", help="seeded per-epoch shuffle")
+    @argument("--seed", type=int, default=0, help="shuffle seed (default 0)")
+    @argument("--cache-dir", metavar="DIR", help="cache directory (default: %%config UcMagics.cache_dir, "
+                                                  "$UCMAGIC_CACHE_DIR, ~/.cache/ucmagic)")
+    @argument("--limit", metavar="BYTES", help="cache budget, e.g. 50GB (default: keep 10%% of the disk free)")
+    @argument("--no-widget", action="store_true", help="do not show the live progress widget")
+    @argument("--rows", type=int, default=None, metavar="N", help="tables: load at most N rows")
+    @argument("--columns", metavar="COLS", help="tables: comma-separated columns to load")
+    @argument("--stream", action="store_true", help="tables: a ParquetDataset loader instead of a DataFrame")
+    @argument("--files", action="store_true", help="treat SOURCE as a directory of files even if it holds Parquet")
+    @_friendly("ucload")
+    def ucload(self, line: str = "", local_ns: dict[str, Any] | None = None) -> Any:
+        """Load training data: a directory of files becomes a cached, prefetching DataLoader;
+        a table becomes a pandas DataFrame (or a streaming loader with --stream).
+
+        The loader shows a live widget (cache fill, batch latency p50/p99, throughput) while
+        your loop iterates it."""
+        a = self._parse("ucload", UcMagics.ucload, line, local_ns)
+        self._check_out("ucload", a.out)
+        for flag, v in (("-b", a.batch_size), ("-w", a.workers), ("--rows", a.rows)):
+            if v is not None and v < (0 if flag == "-w" else 1):
+                _fail("ucload", f"{flag} must be {'>= 0' if flag == '-w' else '>= 1'}, got {v}")
+        limit = None
+        if a.limit is not None:
+            from .units import parse_size
+
+            try:
+                limit = parse_size(a.limit)
+            except ValueError as exc:
+                _fail("ucload", f"--limit: {exc}")
+        kind = classify_source(a.source, force="files" if a.files else None)
+        if kind == "missing" and set("*?[") & set(a.source):
+            _fail("ucload", f"{a.source}: pass the directory as SOURCE and the glob with -p, "
+                            "e.g. %ucload /data/images -p \"*.jpg\"")
+        if kind == "missing":
+            hint = ""
+            if a.source.startswith("/Volumes/") and not os.environ.get("UCMAGIC_CATALOG_ROOT"):
+                hint = " (outside Databricks, set UCMAGIC_CATALOG_ROOT to map /Volumes/... to a local directory)"
+            _fail("ucload", f"{a.source} does not exist: check the path or the table name{hint}")
+        if kind == "file":
+            _fail("ucload", f"{a.source} is a file: pass the directory that holds your files "
+                            "(use -p GLOB to pick some)")
+        columns = [c.strip() for c in a.columns.split(",") if c.strip()] if a.columns else None
+        if kind == "files":
+            for flag, v in (("--rows", a.rows), ("--columns", a.columns), ("--stream", a.stream or None)):
+                if v is not None:
+                    _fail("ucload", f"{flag} applies to tables, but {a.source} is a directory of files")
+            result = self._load_files(a, limit)
+        else:
+            if a.pattern is not None:
+                _fail("ucload", f"-p applies to directories of files, but {a.source} is a table "
+                                "(add --files to read its files as files)")
+            if a.stream:
+                if a.rows is not None:
+                    _fail("ucload", "--rows applies to DataFrames; with --stream every row is read")
+                result = self._stream_table(a, columns, limit)
+            else:
+                for flag, v in (("-b", a.batch_size), ("-w", a.workers), ("--shuffle", a.shuffle or None),
+                                ("--limit", a.limit), ("--cache-dir", a.cache_dir)):
+                    if v is not None:
+                        _fail("ucload", f"{flag} applies to loaders: add --stream to stream {a.source}")
+                from .tables import load_table
+
+                result = load_table(a.source, columns=columns, limit=a.rows)
+        if a.out:
+            self._bind(a.out, result)
+            return None
+        return result
+
+    def _loader_kwargs(self, a: Any) -> dict[str, Any]:
+        kw: dict[str, Any] = {} if self.mlflow else {"log_to_mlflow": False}
+        workers = a.workers if a.workers is not None else self.workers
+        if workers is not None:
+            kw["num_workers"] = workers
+        return kw
+
+    def _finish_loader(self, loader: Any, a: Any) -> Any:
+        if not a.no_widget:
+            from .widget import resolve_mode
+
+            mode = resolve_mode(self.progress)
+            if mode != "off":
+                loader.monitor(mode=mode)  # shown in this cell, updated by the loop in later cells
+        return loader
+
+    def _load_files(self, a: Any, limit: int | None) -> Any:
+        from .dataset import UCVolumeDataset
+        from .loader import DataLoader
+
+        ds = UCVolumeDataset(a.source, pattern=a.pattern, cache_dir=a.cache_dir or self.cache_dir,
+                             cache_limit=limit, shuffle=a.shuffle, seed=a.seed)
+        loader = DataLoader(ds, batch_size=a.batch_size or 32, **self._loader_kwargs(a))
+        return self._finish_loader(loader, a)
+
+    def _stream_table(self, a: Any, columns: list[str] | None, limit: int | None) -> Any:
+        from .loader import DataLoader
+        from .parquet import ParquetDataset
+
+        ds = ParquetDataset(a.source, columns=columns, batch_size=a.batch_size or 1024, shuffle=a.shuffle,
+                            seed=a.seed, cache_dir=a.cache_dir or self.cache_dir, cache_limit=limit)
+        loader = DataLoader(ds, batch_size=None, **self._loader_kwargs(a))
+        return self._finish_loader(loader, a)
+
+    # -------------------------------------------------------------- %ucstage
+
+    @no_var_expand
+    @needs_local_scope
+    @line_magic
+    @magic_arguments()
+    @kwds(epilog=_STAGE_EXAMPLES)
+    @argument("source", help="directory (or URL) to copy; with --export: a table name, path, SQL query, "
+                             "or the name of a DataFrame variable")
+    @argument("dest", help="local directory to copy into; with --export: the output directory")
+    @argument("-j", "--jobs", type=int, default=None, metavar="N", help="parallel copies (default 256)")
+    @argument("-p", "--pattern", metavar="GLOB", help="only files matching GLOB")
+    @argument("--export", action="store_true", help="export a table as Parquet files instead of copying files")
+    @argument("--file-size", metavar="SIZE", default=None, help="--export: target size of each file (default 1GB)")
+    @argument("-o", "--out", metavar="VAR", help="bind the result to VAR instead of returning it")
+    @_friendly("ucstage")
+    def ucstage(self, line: str = "", local_ns: dict[str, Any] | None = None) -> Any:
+        """Copy a tree of small files to local disk in parallel (skipping unchanged files), or
+        with --export write a table as Parquet files of a target size."""
+        a = self._parse("ucstage", UcMagics.ucstage, line, local_ns)
+        self._check_out("ucstage", a.out)
+        if a.export:
+            if a.jobs is not None or a.pattern is not None:
+                _fail("ucstage", "-j and -p apply to file staging, not to --export")
+            size = "1GB"
+            if a.file_size is not None:
+                from .units import parse_size
+
+                try:
+                    parse_size(a.file_size)
+                except ValueError as exc:
+                    _fail("ucstage", f"--file-size: {exc}")
+                size = a.file_size
+            source: Any = a.source
+            if check_identifier(a.source):  # a variable holding a DataFrame/Table: looked up, never evaluated
+                ns = local_ns if local_ns and a.source in local_ns else self.shell.user_ns
+                if a.source not in ns:
+                    _fail("ucstage", f"--export {a.source}: no variable named {a.source!r}; pass a table name "
+                                     "(catalog.schema.table), a path, or the name of a DataFrame variable")
+                source = ns[a.source]
+            from .parquet import export_parquet
+
+            result = export_parquet(source, a.dest, target_file_size=size)
+        else:
+            if a.file_size is not None:
+                _fail("ucstage", "--file-size applies to --export only")
+            if a.jobs is not None and a.jobs < 1:
+                _fail("ucstage", f"-j must be >= 1, got {a.jobs}")
+            _check_exists("ucstage", a.source, directory=True)
+            from .staging import stage
+
+            kw: dict[str, Any] = {"pattern": a.pattern}
+            if a.jobs is not None:
+                kw["concurrency"] = a.jobs
+            result = stage(a.source, a.dest, **kw)
+        if a.out:
+            self._bind(a.out, result)
+            return None
+        return result
+
+    # -------------------------------------------------------------- %ucckpt
+
+    @no_var_expand
+    @needs_local_scope
+    @line_magic
+    @magic_arguments()
+    @kwds(epilog=_CKPT_EXAMPLES)
+    @argument("action", choices=["save", "load", "list"], help="save, load or list")
+    @argument("root", help="checkpoint directory (a volume path, local directory or URL)")
+    @argument("step_arg", nargs="?", default=None, metavar="STEP",
+              help="load: the step to restore, or latest (default)")
+    @argument("-m", "--model", metavar="MODEL", help="name of the torch.nn.Module variable")
+    @argument("--opt", metavar="OPT", help="name of the torch.optim.Optimizer variable")
+    @argument("--step", type=int, default=None, metavar="N", help="save: the training step")
+    @argument("--async", dest="async_", action="store_true",
+              help="save: return once the local copy is written; the upload continues in the background")
+    @argument("--keep", type=int, default=None, metavar="K", help="save: keep only the K newest checkpoints")
+    @argument("--loader", metavar="LOADER",
+              help="name of a loader whose state_dict() is saved / restored with the checkpoint")
+    @argument("--extra", metavar="VAR", help="save: name of a dict variable stored with the checkpoint")
+    @argument("-o", "--out", metavar="VAR", help="bind the result to VAR instead of returning it")
+    @_friendly("ucckpt")
+    def ucckpt(self, line: str = "", local_ns: dict[str, Any] | None = None) -> Any:
+        """Save, restore or list checkpoints of a model (and optimizer, and loader position).
+
+        -m, --opt, --loader and --extra name variables of the notebook; they are looked up,
+        never evaluated. A checkpoint becomes visible only once fully written."""
+        a = self._parse("ucckpt", UcMagics.ucckpt, line, local_ns)
+        self._check_out("ucckpt", a.out)
+        if a.action == "list":
+            for flag, v in (("STEP", a.step_arg), ("-m", a.model), ("--opt", a.opt), ("--step", a.step),
+                            ("--keep", a.keep), ("--loader", a.loader), ("--extra", a.extra),
+                            ("--async", a.async_ or None)):
+                if v is not None:
+                    _fail("ucckpt", f"{flag} does not apply to list; use: %ucckpt list ROOT")
+            _check_exists("ucckpt", a.root, directory=True)
+            from .checkpoint import list_checkpoints
+
+            result = list_checkpoints(a.root)
+        else:
+            result = self._save_or_load(a, local_ns)
+        if a.out:
+            self._bind(a.out, result)
+            return None
+        return result
+
+    def _save_or_load(self, a: Any, local_ns: dict[str, Any] | None) -> Any:
+        import torch
+
+        if a.model is None:
+            _fail("ucckpt", f"{a.action} needs -m MODEL (the name of your torch.nn.Module variable)")
+        model = self._lookup("ucckpt", "-m", a.model, local_ns, torch.nn.Module, "a torch.nn.Module")
+        opt = self._lookup("ucckpt", "--opt", a.opt, local_ns, torch.optim.Optimizer, "a torch.optim.Optimizer")
+        loader = self._lookup("ucckpt", "--loader", a.loader, local_ns)
+        if loader is not None and (isinstance(loader, (torch.nn.Module, torch.optim.Optimizer))
+                                   or not (hasattr(loader, "state_dict") and hasattr(loader, "load_state_dict"))):
+            _fail("ucckpt", f"--loader {a.loader}: expected a loader with state_dict(), got {type(loader).__name__}")
+        if a.action == "save":
+            if a.step_arg is not None:
+                _fail("ucckpt", f"save takes the step as --step N, not as {a.step_arg!r}")
+            if a.step is None:
+                _fail("ucckpt", "save needs --step N (the training step being saved)")
+            if a.step < 0 or (a.keep is not None and a.keep < 1):
+                _fail("ucckpt", "--step must be >= 0 and --keep >= 1")
+            extra = self._lookup("ucckpt", "--extra", a.extra, local_ns, dict, "a dict")
+            extra = dict(extra or {})
+            if loader is not None:
+                extra["loader"] = loader.state_dict()
+            from .checkpoint import save_checkpoint
+
+            return save_checkpoint(a.root, model=model, optimizer=opt, step=a.step, extra=extra or None,
+                                   async_=a.async_, keep=a.keep)
+        # load
+        for flag, v in (("--step", a.step), ("--keep", a.keep), ("--extra", a.extra), ("--async", a.async_ or None)):
+            if v is not None:
+                _fail("ucckpt", f"{flag} applies to save; load takes the step as: "
+                                "%ucckpt load ROOT [STEP|latest] -m MODEL")
+        step: Any = "latest"
+        if a.step_arg is not None and a.step_arg != "latest":
+            try:
+                step = int(a.step_arg)
+            except ValueError:
+                _fail("ucckpt", f"STEP must be a number or latest, got {a.step_arg!r}")
+        _check_exists("ucckpt", a.root, directory=True)
+        from .checkpoint import load_checkpoint
+
+        if loader is not None and _peek_extra(a.root, step) is not None:
+            if _loader_state(_peek_extra(a.root, step)) is None:
+                _fail("ucckpt", f"the checkpoint in {a.root} holds no loader state: save it with --loader, "
+                                "or load without --loader")
+        result = load_checkpoint(a.root, step, model=model, optimizer=opt)
+        if loader is not None:
+            state = _loader_state(result)
+            if state is None:
+                _fail("ucckpt", f"model restored, but the checkpoint in {a.root} holds no loader state: "
+                                "save it with --loader, or load without --loader")
+            loader.load_state_dict(state)
+        return result
+
+
+# ------------------------------------------------------------------ small helpers
+
+def _check_exists(magic: str, path: str, *, directory: bool) -> None:
+    if is_url(path):
+        return
+    from .volume import resolve_local_path
+
+    real = resolve_local_path(path)
+    if not os.path.exists(real):
+        _fail(magic, f"{path} does not exist: check the path")
+    if directory and not os.path.isdir(real):
+        _fail(magic, f"{path} is a file: pass a directory")
+
+
+def _loader_state(result: Any) -> Any:
+    """The loader state saved by ``%ucckpt save --loader`` in load_checkpoint's ``(step, extra)``."""
+    extra = result[1] if isinstance(result, tuple) and len(result) == 2 else result
+    return extra.get("loader") if isinstance(extra, dict) else None
+
+
+def _peek_extra(root: str, step: Any) -> Any:
+    """``(step, extra)`` of a checkpoint without loading it (so a load is all or nothing);
+    None when it cannot be read this way (the load itself then reports the problem)."""
+    try:
+        from .checkpoint import _resolve
+        from .checkpoint_storage import read_commit
+
+        chosen, path = _resolve(root, step)
+        return chosen, read_commit(path).get("extra")
+    except Exception:
+        return None
+
+
+# ------------------------------------------------------------------ extension entry points
+
+def load_ipython_extension(ipython: Any) -> None:
+    """Register the magics (a second load is harmless)."""
+    if any(isinstance(c, UcMagics) for c in ipython.configurables):
+        return
+    ipython.register_magics(UcMagics(shell=ipython))  # joins ipython.configurables, reads its config
+
+
+def unload_ipython_extension(ipython: Any) -> None:
+    """Remove the magics and their ``%config`` entry."""
+    mm = ipython.magics_manager
+    for name in ("ucload", "ucstage", "ucckpt"):
+        mm.magics["line"].pop(name, None)
+    mm.registry.pop(UcMagics.__name__, None)
+    ipython.configurables[:] = [c for c in ipython.configurables if not isinstance(c, UcMagics)]

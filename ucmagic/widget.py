@@ -1,0 +1,602 @@
+"""Live monitor of a loader: an ipywidgets panel in a notebook, one text line elsewhere.
+
+The training loop drives it: the loader calls :meth:`Monitor.on_batch` from ``next()`` on the
+main thread, and the monitor redraws at most ``rate_hz`` times per second (all changes of one
+redraw go out as one message per widget). Background threads never touch it.
+
+Only core ipywidgets are used (``HTML``, ``FloatProgress``, boxes), so the panel renders in
+JupyterLab, Notebook 7, VS Code and Databricks. The latency plot is an inline SVG sparkline.
+``UCMAGIC_PROGRESS=widget|text|off`` picks the display; the default is the widget in a notebook
+frontend with ipywidgets, else text.
+
+The engine never imports this module at import time; ``loader.monitor()`` imports it lazily.
+"""
+from __future__ import annotations
+
+import dataclasses
+import html
+import math
+import os
+import sys
+import time
+import weakref
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence, TextIO
+
+from .progress import format_duration
+from .units import format_size
+
+MODES = ("auto", "widget", "text", "off")
+DEFAULT_RATE_HZ = 4.0
+WINDOW = 256  # recent batches kept for the plot and the percentiles
+PLOT_POINTS = 120  # points drawn in the sparkline
+LOG_INTERVAL_S = 10.0  # one line every this many seconds when the output is a log, not a terminal
+
+
+# ------------------------------------------------------------------ pure: state and rendering
+
+@dataclass
+class Snapshot:
+    """What the display shows; plain data so the renderers are pure functions."""
+
+    title: str = "ucmagic"
+    state: str = "idle"  # idle | running | done | error
+    epoch: int | None = None
+    batches: int = 0
+    total_batches: int | None = None
+    items: int | None = 0  # None: unknown batch size
+    elapsed_s: float = 0.0
+    files: int | None = None  # None: the source has no file cache (e.g. Parquet)
+    files_cached: int = 0
+    bytes_total: int = 0
+    bytes_cached: int = 0
+    hit_rate: float | None = None
+    waits_ms: list[float] = field(default_factory=list)
+    p50_ms: float = math.nan
+    p99_ms: float = math.nan
+    error: str | None = None
+
+    @property
+    def batches_per_s(self) -> float:
+        return self.batches / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    @property
+    def items_per_s(self) -> float | None:
+        if self.items is None:
+            return None
+        return self.items / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    @property
+    def eta_s(self) -> float | None:
+        if self.total_batches is None or self.state != "running" or self.batches_per_s <= 0:
+            return None
+        return max(0, self.total_batches - self.batches) / self.batches_per_s
+
+
+def quantile(sorted_values: Sequence[float], q: float) -> float:
+    """Linear-interpolated quantile (``q`` in 0..1) of an already sorted sequence; NaN when empty."""
+    n = len(sorted_values)
+    if n == 0:
+        return math.nan
+    pos = q * (n - 1)
+    lo = int(pos)
+    hi = min(lo + 1, n - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+def format_ms(ms: float) -> str:
+    if not math.isfinite(ms):
+        return "-"
+    return f"{ms:.0f} ms" if ms >= 10 else f"{ms:.1f} ms"
+
+
+def _pct(num: float, den: float) -> str:
+    return f"{100.0 * num / den:.0f}%" if den else "-"
+
+
+def text_line(s: Snapshot) -> str:
+    """One line for a terminal or a log: batches, cache fill, hit rate, latency, throughput, ETA.
+
+    Starts with :func:`ucmagic.progress.format_progress`'s line (the one ``stage`` prints)."""
+    from .progress import format_progress
+
+    head = format_progress(s.batches, s.total_batches if s.state == "running" else None, 0, s.elapsed_s,
+                           desc=s.title, unit="batches")
+    parts = [head]
+    if s.files is not None:
+        parts.append(f"cached {s.files_cached:,}/{s.files:,} files, {format_size(s.bytes_cached)}/"
+                     f"{format_size(s.bytes_total)}")
+    if s.hit_rate is not None:
+        parts.append(f"hit {100 * s.hit_rate:.0f}%")
+    parts.append(f"wait p50 {format_ms(s.p50_ms)} p99 {format_ms(s.p99_ms)}")
+    ips = s.items_per_s
+    parts.append(f"{ips:,.0f} items/s" if ips is not None else f"{s.batches_per_s:,.1f} batches/s")
+    if s.state == "done":
+        parts.append("done")
+    elif s.state == "error":
+        parts.append(f"FAILED: {s.error}")
+    return "  ".join(parts)
+
+
+def sparkline_svg(waits_ms: Sequence[float], p50_ms: float, p99_ms: float, *, width: int = 360,
+                  height: int = 70, points: int = PLOT_POINTS, color: str = "#1f77b4") -> str:
+    """An inline SVG of recent per-batch waits (ms) with dashed p50 and p99 lines.
+
+    Pure string building (tens of microseconds); the y axis runs from 0 to the larger of the
+    highest point and 1.15 x p99, labelled in ms.
+    """
+    vals = list(waits_ms)[-points:]
+    pad_l, pad_r, pad_t, pad_b = 4, 64, 6, 14
+    pw, ph = width - pad_l - pad_r, height - pad_t - pad_b
+    top = max([*vals, (p99_ms * 1.15) if math.isfinite(p99_ms) else 0.0, 1e-3])
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+           f'viewBox="0 0 {width} {height}" style="font:10px sans-serif">',
+           f'<rect x="{pad_l}" y="{pad_t}" width="{pw}" height="{ph}" fill="none" stroke="#8884"/>']
+    if vals:
+        step = pw / max(1, points - 1)
+        x0 = pad_l + pw - step * (len(vals) - 1)
+        pts = " ".join(f"{x0 + i * step:.1f},{pad_t + ph - ph * min(v, top) / top:.1f}" for i, v in enumerate(vals))
+        out.append(f'<polyline points="{pts}" fill="none" stroke="{color}" stroke-width="1.5"/>')
+    for label, v, c in (("p50", p50_ms, "#2ca02c"), ("p99", p99_ms, "#d62728")):
+        if math.isfinite(v):
+            y = pad_t + ph - ph * min(v, top) / top
+            out.append(f'<line x1="{pad_l}" x2="{pad_l + pw}" y1="{y:.1f}" y2="{y:.1f}" stroke="{c}" '
+                       f'stroke-dasharray="4 3"/>')
+            out.append(f'<text x="{pad_l + pw + 4}" y="{y + 3:.1f}" fill="{c}">'
+                       f'{label} {html.escape(format_ms(v))}</text>')
+    out.append(f'<text x="{pad_l}" y="{height - 2}" fill="currentColor" opacity="0.7">'
+               f'wait per batch, last {len(vals)} batches (max {html.escape(format_ms(top))})</text>')
+    out.append("</svg>")
+    return "".join(out)
+
+
+def summary_html(s: Snapshot) -> str:
+    """The status line under the plot: throughput, ETA or final state (red on error)."""
+    bits = [f"<b>{s.batches}</b>{'/' + str(s.total_batches) if s.total_batches is not None else ''} batches",
+            f"{s.batches_per_s:.1f} batches/s"]
+    if s.items_per_s is not None:
+        bits.insert(1, f"{s.items_per_s:,.0f} items/s")
+    if s.hit_rate is not None:
+        bits.append(f"hit rate {100 * s.hit_rate:.0f}%")
+    if s.state == "running":
+        bits.append(f"ETA {format_duration(s.eta_s) if s.eta_s is not None else '-'}")
+    elif s.state == "done":
+        bits.append(f"<span style='color:#2ca02c'>done in {format_duration(s.elapsed_s)}</span>")
+    elif s.state == "error":
+        bits.append(f"<span style='color:#d62728'><b>failed:</b> {html.escape(str(s.error))}</span>")
+    return " &middot; ".join(bits)
+
+
+# ------------------------------------------------------------------ choosing a display
+
+def in_notebook() -> bool:
+    """True inside a Jupyter-protocol kernel (JupyterLab, Notebook, VS Code, Databricks)."""
+    from .progress import in_notebook as frontend
+
+    if frontend():
+        return True
+    ip_mod = sys.modules.get("IPython")
+    ip = ip_mod.get_ipython() if ip_mod is not None else None
+    return ip is not None and getattr(ip, "kernel", None) is not None
+
+
+def _have_ipywidgets() -> bool:
+    from .progress import widgets_available
+
+    return widgets_available()
+
+
+def resolve_mode(mode: str | None = None) -> str:
+    """``widget``, ``text`` or ``off``: an explicit mode wins, then ``UCMAGIC_PROGRESS``, then auto
+    (the widget in a notebook frontend with ipywidgets, else text). ``auto`` defers to the next."""
+    for m in (mode, os.environ.get("UCMAGIC_PROGRESS")):
+        m = (m or "").strip().lower()
+        if m in ("", "auto"):
+            continue
+        if m not in MODES:
+            raise ValueError(f"progress mode must be one of {', '.join(MODES)}, got {m!r} "
+                             "(set UCMAGIC_PROGRESS or %config UcMagics.progress)")
+        if m == "widget" and not _have_ipywidgets():
+            return "text"
+        return m
+    return "widget" if in_notebook() and _have_ipywidgets() else "text"
+
+
+# ------------------------------------------------------------------ views
+
+class TextView:
+    """One ``\\r``-rewritten line on a terminal (or a notebook's stream); a line every
+    ``interval_s`` seconds in a log file; always a final line."""
+
+    def __init__(self, stream: TextIO | None = None, *, live: bool | None = None,
+                 interval_s: float = LOG_INTERVAL_S) -> None:
+        self.stream = stream if stream is not None else sys.stderr
+        self.live = _is_live(self.stream) if live is None else live
+        self.interval_s = interval_s
+        self._last_print = -math.inf
+        self._width = 0
+
+    def show(self) -> None:
+        pass
+
+    def render(self, s: Snapshot, now: float) -> None:
+        if s.state == "idle":  # nothing to say before the loop starts
+            return
+        line = text_line(s)
+        if self.live:
+            self._write("\r" + line.ljust(self._width))
+            self._width = len(line)
+        elif now - self._last_print >= self.interval_s:
+            self._last_print = now
+            self._write(line + "\n")
+
+    def final(self, s: Snapshot) -> None:
+        line = text_line(s)
+        self._write(("\r" + line.ljust(self._width) if self.live else line) + "\n")
+        self._width = 0
+
+    def _write(self, text: str) -> None:
+        try:
+            self.stream.write(text)
+            self.stream.flush()
+        except (OSError, ValueError):  # closed stream: the display is best effort
+            pass
+
+
+def _is_live(stream: Any) -> bool:
+    try:
+        if stream.isatty():
+            return True
+    except (AttributeError, ValueError):
+        return False
+    return type(stream).__module__.startswith("ipykernel")  # Jupyter renders \r in stream output
+
+
+class WidgetView:
+    """The ipywidgets panel: title, cache fill bars, latency sparkline, status line."""
+
+    def __init__(self, title: str) -> None:
+        import ipywidgets as w
+
+        self._w = w
+        layout = w.Layout(width="260px")
+        self.title = w.HTML(f"<b>{html.escape(title)}</b>")
+        self.files_bar = w.FloatProgress(value=0.0, min=0.0, max=1.0, description="files", bar_style="info",
+                                         layout=layout)
+        self.files_lbl = w.HTML()
+        self.bytes_bar = w.FloatProgress(value=0.0, min=0.0, max=1.0, description="bytes", bar_style="info",
+                                         layout=layout)
+        self.bytes_lbl = w.HTML()
+        self.batch_bar = w.FloatProgress(value=0.0, min=0.0, max=1.0, description="epoch", bar_style="",
+                                         layout=layout)
+        self.batch_lbl = w.HTML()
+        self.plot = w.HTML()
+        self.status = w.HTML()
+        self.cache_rows = w.VBox([w.HBox([self.files_bar, self.files_lbl]), w.HBox([self.bytes_bar, self.bytes_lbl])])
+        self.box = w.VBox([self.title, self.cache_rows, w.HBox([self.batch_bar, self.batch_lbl]), self.plot,
+                           self.status])
+
+    def show(self) -> None:
+        from IPython.display import display
+
+        display(self.box)
+
+    def _set(self, widget: Any, **values: Any) -> None:
+        changed = {k: v for k, v in values.items() if getattr(widget, k) != v}
+        if changed:
+            with widget.hold_sync():
+                for k, v in changed.items():
+                    setattr(widget, k, v)
+
+    def render(self, s: Snapshot, now: float = 0.0) -> None:
+        style = {"error": "danger", "done": "success"}.get(s.state, "info")
+        if s.files is None:
+            self._set(self.cache_rows.layout, display="none")
+        else:
+            self._set(self.files_bar, value=s.files_cached / s.files if s.files else 0.0, bar_style=style)
+            self._set(self.files_lbl, value=f"{s.files_cached:,} / {s.files:,} cached")
+            self._set(self.bytes_bar, value=s.bytes_cached / s.bytes_total if s.bytes_total else 0.0,
+                      bar_style=style)
+            self._set(self.bytes_lbl, value=f"{format_size(s.bytes_cached)} / {format_size(s.bytes_total)}")
+        frac = s.batches / s.total_batches if s.total_batches else (1.0 if s.state == "done" else 0.0)
+        self._set(self.batch_bar, value=min(1.0, frac), bar_style=style if s.state != "running" else "")
+        ep = f"epoch {s.epoch}: " if s.epoch is not None else ""
+        of = f"/{s.total_batches:,}" if s.total_batches is not None else ""
+        self._set(self.batch_lbl, value=f"{ep}{s.batches:,}{of} batches")
+        self._set(self.plot, value=sparkline_svg(s.waits_ms, s.p50_ms, s.p99_ms))
+        self._set(self.status, value=summary_html(s))
+
+    def final(self, s: Snapshot) -> None:
+        self.render(s)
+
+
+class NullView:
+    def show(self) -> None:
+        pass
+
+    def render(self, s: Snapshot, now: float = 0.0) -> None:
+        pass
+
+    def final(self, s: Snapshot) -> None:
+        pass
+
+
+# ------------------------------------------------------------------ the monitor
+
+class Monitor:
+    """Collects per-batch waits from the training loop and redraws a view at most ``rate_hz`` times a second.
+
+    :func:`attach_monitor` wires it to a :class:`ucmagic.DataLoader` (batch and epoch-end callbacks);
+    any other loop can call :meth:`on_batch` once per batch and :meth:`finish` at the end (with the
+    exception that stopped it, if any). A batch after :meth:`finish` starts a new epoch display.
+    Cache fill and hit rate come from ``loader.stats.snapshot()`` when the loader has one.
+    """
+
+    def __init__(self, loader: Any = None, *, mode: str | None = None, rate_hz: float = DEFAULT_RATE_HZ,
+                 title: str | None = None, view: Any = None, clock: Callable[[], float] = time.monotonic,
+                 stream: TextIO | None = None) -> None:
+        self.loader = loader
+        self.mode = "custom" if view is not None else resolve_mode(mode)
+        self.period = 1.0 / rate_hz if rate_hz > 0 else 0.0
+        self.clock = clock
+        self.title = title or _title(loader)
+        if view is None:
+            view = {"widget": lambda: WidgetView(self.title), "text": lambda: TextView(stream),
+                    "off": NullView}[self.mode]()
+        self.view = view
+        self.renders = 0  # how many times the view was redrawn (tests check the throttle)
+        self._waits: deque[float] = deque(maxlen=WINDOW)
+        self._last_render = -math.inf
+        self._start: float | None = None
+        self._batches = 0
+        self._items: int | None = 0
+        self._state = "idle"
+        self._error: str | None = None
+        self._shown = False
+        self._final: Snapshot | None = None
+        self._seen = 0  # batches over all epochs; _seen_at_cell: at the start of the current IPython cell
+        self._seen_at_cell = 0
+        self._cell_hooks: tuple[Any, ...] = ()
+        self._mark_counters()
+
+    # -- driven by the loop
+    def on_batch(self, wait_s: float, items: int | None = None) -> None:
+        """Record one batch that waited ``wait_s`` seconds; redraw if the last redraw is old enough."""
+        now = self.clock()
+        if self._state != "running":
+            self._begin(now)
+        self._batches += 1
+        self._seen += 1
+        n = items if items is not None else _batch_size(self.loader)
+        self._items = None if n is None or self._items is None else self._items + n
+        self._waits.append(wait_s * 1000.0)
+        if now - self._last_render >= self.period:
+            self._render(now)
+
+    def finish(self, error: BaseException | str | None = None) -> None:
+        """Final redraw: green when the epoch completed, red with the message on error."""
+        if self._state in ("done", "error"):
+            return
+        if self._start is None:
+            self._start = self.clock()
+        self._state = "error" if error is not None else "done"
+        self._error = _describe(error) if error is not None else None
+        refresh = getattr(getattr(self.loader, "stats", None), "refresh_cache_fill", None)
+        if callable(refresh):  # exact cache fill once per epoch (O(files))
+            try:
+                refresh()
+            except Exception:  # the display is best effort
+                pass
+        snap = self._final = self.snapshot()
+        self._mark_counters()  # what is fetched from now on belongs to the next epoch (prefetch included)
+        self.renders += 1
+        self.view.final(snap)
+
+    def loop_failed(self, error: BaseException | str) -> None:
+        """The loop's own body raised ``error`` (not the loader): show the epoch in red.
+
+        The loader only sees its iterator closed, as for a ``break``, so IPython tells the monitor
+        (see :func:`watch_cells`). An epoch that ran to its last batch stays green."""
+        if self._state == "running":
+            self.finish(error)
+            return
+        fin = self._final
+        if self._state == "done" and fin is not None and fin.total_batches is not None \
+                and fin.batches < fin.total_batches:  # closed early: that was this error, not a break
+            self._state, self._error = "error", _describe(error)
+            self._final = dataclasses.replace(fin, state="error", error=self._error)
+            self.renders += 1
+            self.view.final(dataclasses.replace(self._final))
+
+    def _cell_start(self, info: Any = None) -> None:
+        self._seen_at_cell = self._seen
+
+    def _cell_end(self, result: Any = None) -> None:
+        error = getattr(result, "error_in_exec", None)
+        if error is not None and self._seen > self._seen_at_cell:  # this cell iterated the loader, then failed
+            self.loop_failed(error)
+
+    def _mark_counters(self) -> None:
+        cache = self._loader_snapshot()
+        self._hits0, self._misses0 = cache.get("hits", 0), cache.get("misses", 0)
+
+    # loader callbacks: fn(loader, stats) after each batch, fn(loader, stats, error) at the end
+    def _loader_batch(self, loader: Any, stats: Any) -> None:
+        self.on_batch(stats.last_fetch_s)
+
+    def _loader_end(self, loader: Any, stats: Any, error: BaseException | None) -> None:
+        if self._state != "running":
+            if error is None:
+                return
+            self._begin(self.clock())  # failed before its first batch: still show it, in red
+        self.finish(error)
+
+    def detach(self) -> None:
+        """Stop receiving the loader's callbacks (the display keeps its last state)."""
+        hooks, self._cell_hooks = self._cell_hooks, ()
+        for event, fn in zip(("pre_run_cell", "post_run_cell"), hooks[1:]):
+            try:
+                hooks[0].unregister(event, fn)
+            except ValueError:
+                pass
+        for name, fn in (("remove_batch_callback", self._loader_batch),
+                         ("remove_epoch_end_callback", self._loader_end)):
+            remove = getattr(self.loader, name, None)
+            if callable(remove):
+                try:
+                    remove(fn)
+                except ValueError:
+                    pass
+
+    # -- helpers
+    def show(self, *, render: bool = True) -> "Monitor":
+        """Display the view now (the panel appears before the loop starts)."""
+        if not self._shown:
+            self._shown = True
+            self.view.show()
+            if render:
+                self.view.render(self.snapshot(), self.clock())
+        return self
+
+    def _begin(self, now: float) -> None:
+        self._state, self._error, self._final = "running", None, None
+        self._start, self._batches, self._items = now, 0, 0
+        self._waits.clear()
+        self._last_render = -math.inf
+        self.show(render=False)
+
+    def _render(self, now: float) -> None:
+        self._last_render = now
+        self.renders += 1
+        self.view.render(self.snapshot(now), now)
+
+    def _loader_snapshot(self) -> dict[str, Any]:
+        fn = getattr(getattr(self.loader, "stats", None), "snapshot", None)
+        if not callable(fn):
+            return {}
+        try:
+            return fn(recent=1)
+        except Exception:
+            return {}
+
+    def snapshot(self, now: float | None = None) -> Snapshot:
+        """The current state as plain data (after :meth:`finish`: the final state of that epoch)."""
+        if self._state in ("done", "error") and self._final is not None:
+            return dataclasses.replace(self._final)
+        now = self.clock() if now is None else now
+        waits = sorted(self._waits)
+        s = Snapshot(title=self.title, state=self._state, batches=self._batches, items=self._items,
+                     total_batches=_total_batches(self.loader), error=self._error,
+                     elapsed_s=(now - self._start) if self._start is not None else 0.0,
+                     waits_ms=list(self._waits), p50_ms=quantile(waits, 0.5), p99_ms=quantile(waits, 0.99))
+        c = self._loader_snapshot()
+        if isinstance(c.get("epoch"), int):
+            s.epoch = c["epoch"]
+        if "files" in c:
+            s.files, s.files_cached = int(c["files"]), int(c["files_cached"])
+            s.bytes_total, s.bytes_cached = int(c["bytes"]), int(c["bytes_cached"])
+            hits, misses = c["hits"] - self._hits0, c["misses"] - self._misses0
+            s.hit_rate = hits / (hits + misses) if hits + misses > 0 else None
+        return s
+
+
+def _title(loader: Any) -> str:
+    ds = getattr(loader, "dataset", None)
+    vol = getattr(ds, "volume", None)
+    if vol is not None and hasattr(vol, "display"):
+        return f"ucmagic \u2014 {vol.display()}"
+    path = getattr(ds, "path", None)
+    return f"ucmagic \u2014 {path}" if path else "ucmagic"
+
+
+def _describe(error: BaseException | str) -> str:
+    if isinstance(error, BaseException):
+        msg = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        return f"{type(error).__name__}: {msg}" if msg else type(error).__name__
+    return str(error)
+
+
+def _batch_size(loader: Any) -> int | None:
+    bs = getattr(loader, "batch_size", None)
+    return bs if isinstance(bs, int) else None
+
+
+def _total_batches(loader: Any) -> int | None:
+    if loader is None:
+        return None
+    try:
+        return len(loader)
+    except Exception:
+        return None
+
+
+def attach_monitor(loader: Any, *, mode: str | None = None, rate_hz: float = DEFAULT_RATE_HZ,
+                   title: str | None = None, show: bool = True) -> Monitor:
+    """Create a :class:`Monitor` for ``loader`` and register it as the loader's batch callback.
+
+    ``loader.monitor()`` calls this. ``mode`` is ``widget``, ``text``, ``off`` or ``auto`` (default:
+    ``UCMAGIC_PROGRESS``, else the widget in a notebook). With ``show`` the panel is displayed now.
+    Returns the monitor; ``monitor.detach()`` stops it.
+    """
+    add = getattr(loader, "add_batch_callback", None)
+    if add is None:
+        raise TypeError(f"{type(loader).__name__} has no add_batch_callback(): wrap your dataset in "
+                        "ucmagic.DataLoader, or call Monitor.on_batch() from your loop")
+    mon = Monitor(loader, mode=mode, rate_hz=rate_hz, title=title)
+    if mon.mode == "off":
+        return mon
+    for old in list(getattr(loader, "_ucmagic_monitors", ())):  # one live display per loader
+        old.detach()
+    add(mon._loader_batch)
+    add_end = getattr(loader, "add_epoch_end_callback", None)
+    if callable(add_end):
+        add_end(mon._loader_end)
+    try:
+        loader._ucmagic_monitors = [mon]
+    except AttributeError:
+        pass
+    watch_cells(mon)
+    if show:
+        mon.show()
+    return mon
+
+
+def watch_cells(mon: Monitor) -> None:
+    """In IPython, let a cell that iterated ``mon``'s loader and then raised turn the display red.
+
+    Hooks ``pre_run_cell``/``post_run_cell``; they hold the monitor weakly and unhook themselves
+    once it is gone (``Monitor.detach()`` unhooks them too). Outside IPython this does nothing.
+    """
+    ip_mod = sys.modules.get("IPython")
+    ip = ip_mod.get_ipython() if ip_mod is not None else None
+    events = getattr(ip, "events", None)
+    if events is None:
+        return
+    ref = weakref.ref(mon)
+
+    def pre_run_cell(info: Any = None) -> None:
+        m = ref()
+        if m is None:
+            _unhook(events, pre_run_cell, post_run_cell)
+        else:
+            m._cell_start(info)
+
+    def post_run_cell(result: Any = None) -> None:
+        m = ref()
+        if m is None:
+            _unhook(events, pre_run_cell, post_run_cell)
+        else:
+            m._cell_end(result)
+
+    events.register("pre_run_cell", pre_run_cell)
+    events.register("post_run_cell", post_run_cell)
+    mon._cell_hooks = (events, pre_run_cell, post_run_cell)
+
+
+def _unhook(events: Any, pre: Any, post: Any) -> None:
+    for event, fn in (("pre_run_cell", pre), ("post_run_cell", post)):
+        try:
+            events.unregister(event, fn)
+        except ValueError:
+            pass
