@@ -183,10 +183,15 @@ def test_dead_process_pins_and_temp_files_are_reaped(tmp_path):
     dead = tmp_path / "c" / "pins" / "999999999-1"
     dead.mkdir()
     (dead / "x").write_bytes(b"1")
+    recent = tmp_path / "c" / "pins" / "999999998-1"
+    recent.mkdir()
+    old = time.time() - 3600
+    os.utime(dead, (old, old))
     stale = tmp_path / "c" / "tmp" / "k.999999999.abcd.part"
     stale.write_bytes(b"1")
     c.evict(0)
     assert not dead.exists() and not stale.exists()
+    assert recent.exists()  # a worker that just exited: its consumer may still hold its paths
 
 
 def test_cache_pickles_as_settings(tmp_path):

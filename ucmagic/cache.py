@@ -32,6 +32,7 @@ from .errors import CacheFullError, UnsafeCacheError
 from .units import format_size, parse_size
 
 DEFAULT_MIN_FREE = 0.10
+PIN_GRACE_S = 600.0  # pins of an exited process are kept this long (its consumer may still hold paths)
 _SUFFIX_RE = re.compile(r"\.[A-Za-z0-9_\-]{1,16}$")
 
 
@@ -124,10 +125,13 @@ class FileCache:
         self._mu = threading.Lock()
         self._est_bytes: int | None = None
         self._est_at = 0.0
+        self._scan_s = 0.25
         self._pid = -1
         self._pin_dir = ""
         self._pins: dict[str, int] = {}
         self._can_link = True
+        # Set in DataLoader workers: their pins outlive them (the main process still holds batches).
+        self.in_worker = False
 
     # pickles as its settings; each process rebuilds its own locks and pins
     def __getstate__(self):
@@ -227,7 +231,8 @@ class FileCache:
             self._pins = {}
             self._pin_dir = os.path.join(self.root, "pins", _process_tag(pid))
             os.makedirs(self._pin_dir, mode=0o700, exist_ok=True)
-            _register_cleanup(self._pin_dir)
+            if not self.in_worker:
+                _register_cleanup(self._pin_dir)
         return self._pin_dir
 
     def pin(self, path: str) -> str:
@@ -257,6 +262,7 @@ class FileCache:
 
     def unpin(self, pinned: str) -> None:
         with self._mu:
+            self._pins_root()  # a forked child starts with no pins of its own
             count = self._pins.get(pinned, 0)
             if count <= 1:
                 self._pins.pop(pinned, None)
@@ -302,12 +308,21 @@ class FileCache:
         return usage
 
     def _reap(self) -> None:
-        """Drop pins of dead processes and temp files of abandoned fills."""
+        """Drop pins of processes gone for a while and temp files of abandoned fills.
+
+        A DataLoader worker can exit while the main process still holds batches it produced (torch
+        stops an exhausted worker as soon as it reports the end, even out of order), so a dead
+        owner's pins stay for ``PIN_GRACE_S`` after its last pin or release.
+        """
         pins = os.path.join(self.root, "pins")
-        for de in os.scandir(pins):
-            if de.path != self._pin_dir and not _owner_alive(de.name):
-                shutil.rmtree(de.path, ignore_errors=True)
         now = time.time()
+        for de in os.scandir(pins):
+            try:
+                idle = now - de.stat(follow_symlinks=False).st_mtime
+            except FileNotFoundError:
+                continue
+            if de.path != self._pin_dir and idle > PIN_GRACE_S and not _owner_alive(de.name):
+                shutil.rmtree(de.path, ignore_errors=True)
         for de in os.scandir(os.path.join(self.root, "tmp")):
             try:
                 parts = de.name.split(".")
@@ -317,11 +332,17 @@ class FileCache:
             except OSError:
                 pass
 
-    def evict(self, bytes_to_free: int) -> int:
-        """Remove least-recently-used unpinned entries until ``bytes_to_free`` bytes are gone."""
+    def evict(self, bytes_to_free: int, *, keep_below: int | None = None) -> int:
+        """Remove least-recently-used unpinned entries until ``bytes_to_free`` bytes are gone.
+
+        With ``keep_below``, free what it takes to bring the cache (as scanned now, under the
+        eviction lock) under that many bytes instead.
+        """
         with filelock.FileLock(os.path.join(self.root, "locks", "evict.lock"), poll_interval=0.005):
             self._reap()
             free, usage = self._scan()
+            if keep_below is not None:  # a fresh count: other processes' fills and evictions included
+                bytes_to_free = usage.bytes - keep_below
             victims = choose_victims(free, bytes_to_free)
             sizes = {p: s for p, s, _ in free}
             freed = 0
@@ -339,10 +360,14 @@ class FileCache:
     def _estimated_bytes(self) -> int:
         with self._mu:
             est, at = self._est_bytes, self._est_at
-        if est is None or time.monotonic() - at > 5.0:  # other processes fill too: re-read now and then
+        # Other processes fill too, unseen here: re-read often enough that a few processes filling at
+        # once cannot overshoot the budget by much, but spend at most ~5% of the time scanning.
+        if est is None or time.monotonic() - at > min(5.0, max(0.1, 20 * self._scan_s)):
+            t0 = time.monotonic()
             _, usage = self._scan()
             with self._mu:
                 self._est_bytes, self._est_at = usage.bytes, time.monotonic()
+                self._scan_s = self._est_at - t0
             est = usage.bytes
         return est
 
@@ -356,18 +381,22 @@ class FileCache:
             est = self._estimated_bytes()
             if est + size > self.limit:
                 # free down to 90% of the budget so eviction does not run on every fill
-                self.evict(est + size - int(self.limit * 0.9))
+                self.evict(0, keep_below=int(self.limit * 0.9) - size)
         du = shutil.disk_usage(self.root)
         floor = int(du.total * self.min_free)
-        if du.free - size < floor:
-            self.evict(floor - (du.free - size))
+        slack = min(du.total // 50, 256 << 20)  # free a little extra: other fills run at the same time
+        for _ in range(8):  # concurrent fills may take the room just freed: evict again while it helps
+            if du.free - size >= floor:
+                return
+            if not self.evict(floor - (du.free - size) + slack):
+                break
             du = shutil.disk_usage(self.root)
-            if du.free - size < floor:
-                raise CacheFullError(
-                    f"cache disk of {self.root} is full: {format_size(du.free)} free, {format_size(floor)} must stay free "
-                    f"and the rest is in use by files not yet consumed. Free disk space, set cache_dir= to a larger "
-                    f"disk, or lower min_free"
-                )
+        if du.free - size < floor:
+            raise CacheFullError(
+                f"cache disk of {self.root} is full: {format_size(du.free)} free, {format_size(floor)} must stay free "
+                f"and the rest is in use by files not yet consumed. Free disk space, set cache_dir= to a larger "
+                f"disk, or lower min_free"
+            )
 
 
 def _pid_running(pid: int) -> bool:
@@ -384,12 +413,20 @@ _cleanup_dirs: set[str] = set()
 
 
 def _register_cleanup(pin_dir: str) -> None:
-    """Remove this process's pins when it exits (atexit in a main process, Finalize in a worker)."""
+    """Remove a main process's pins when it exits.
+
+    Not registered in DataLoader workers (``in_worker``): their pins may still be in batches the
+    main process holds when they exit. Those are reaped once their owner has been gone for
+    ``PIN_GRACE_S``.
+    """
     if pin_dir in _cleanup_dirs:
         return
     _cleanup_dirs.add(pin_dir)
     import atexit
-    from multiprocessing import util
 
-    atexit.register(shutil.rmtree, pin_dir, True)
-    util.Finalize(None, shutil.rmtree, args=(pin_dir, True), exitpriority=1)
+    atexit.register(_remove_if_owner, pin_dir, os.getpid())
+
+
+def _remove_if_owner(pin_dir: str, pid: int) -> None:
+    if os.getpid() == pid:  # atexit handlers are inherited by forked children
+        shutil.rmtree(pin_dir, ignore_errors=True)

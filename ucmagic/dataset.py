@@ -39,6 +39,11 @@ def grid() -> tuple[int, int, int, int]:
     return rank, world, (info.id if info else 0), (info.num_workers if info else 1)
 
 
+def _source_missing(exc: BaseException) -> bool:
+    """True when a fetch failed because the source file is gone (deleted after the listing)."""
+    return isinstance(exc, FetchError) and isinstance(exc.__cause__, FileNotFoundError)
+
+
 def local_world_size(world: int) -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", world)) or world
 
@@ -67,6 +72,11 @@ class UCVolumeDataset(IterableDataset):
         retries: retries of a failing copy, with exponential backoff.
         timeout: seconds one file copy may take once started before the epoch fails.
         on_error: ``"raise"`` (default) or ``"skip"`` (warn, count, and go on) for files that fail.
+        on_missing: a file deleted from the volume after the listing was taken and not in the cache:
+            ``"raise"`` (default: :class:`FetchError` naming it) or ``"skip"`` (warn, count it in
+            ``stats()["errors"]``, and go on). ``on_error="skip"`` skips such files too. The listing
+            is a snapshot: a file changed since then is served as listed while cached; a new
+            dataset object re-lists and fetches the new version (its size/mtime give a new key).
         storage_options: passed to fsspec for URLs.
         min_free: fraction of the cache disk always kept free.
     """
@@ -74,7 +84,7 @@ class UCVolumeDataset(IterableDataset):
     def __init__(self, path: Any, *, pattern: str | None = None, cache_dir: str | None = None,
                  cache_limit: int | str | None = None, shuffle: bool | str = False, seed: int = 0,
                  partition: str = "pad", prefetch: int | None = None, retries: int = 5,
-                 timeout: float | None = 120.0, on_error: str = "raise",
+                 timeout: float | None = 120.0, on_error: str = "raise", on_missing: str = "raise",
                  storage_options: dict[str, Any] | None = None, min_free: float = 0.10,
                  reshuffle_every: int | None = None) -> None:
         if partition not in plan.PARTITION_MODES:
@@ -83,6 +93,8 @@ class UCVolumeDataset(IterableDataset):
             raise ValueError(f"shuffle must be False, True, 'global' or 'node', got {shuffle!r}")
         if on_error not in ("raise", "skip"):
             raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+        if on_missing not in ("raise", "skip"):
+            raise ValueError(f"on_missing must be 'raise' or 'skip', got {on_missing!r}")
         self.path = os.fspath(path) if not isinstance(path, Volume) else path.uri
         self.pattern = pattern
         self.volume: Volume = open_volume(path, storage_options)
@@ -97,6 +109,7 @@ class UCVolumeDataset(IterableDataset):
         self.retries = int(retries)
         self.timeout = timeout
         self.on_error = on_error
+        self.on_missing = on_missing
         self.batch_quantum = 1  # set by ucmagic.DataLoader to its batch size
         self.lease_items = 1024  # pins kept per process; ucmagic.DataLoader sets the exact need
         self._epoch = SharedInt(0)
@@ -116,8 +129,11 @@ class UCVolumeDataset(IterableDataset):
         return st
 
     def __len__(self) -> int:
-        rank, world, _, _ = grid()
-        return plan.per_rank(len(self.entries), world, self.partition)
+        """Items this rank delivers in the coming epoch (the remainder after a resume)."""
+        _, world, _, _ = grid()
+        r = self._resume
+        todo = r["remaining"] if r is not None and r["epoch"] == self.epoch else len(self.entries)
+        return plan.per_rank(todo, world, self.partition)
 
     def __repr__(self) -> str:
         return (f"UCVolumeDataset({self.volume.display()!r}, files={len(self.entries)}, "
@@ -220,7 +236,7 @@ class UCVolumeDataset(IterableDataset):
             except FileNotFoundError:
                 continue  # evicted between fetch and pin: fetch again
             except Exception as exc:
-                if self.on_error == "skip":
+                if self.on_error == "skip" or (self.on_missing == "skip" and _source_missing(exc)):
                     self._counters.add(errors=1)
                     warnings.warn(f"ucmagic: skipping {self.volume.display(e.path)}: {exc}", stacklevel=2)
                     return None
@@ -230,6 +246,7 @@ class UCVolumeDataset(IterableDataset):
     def __iter__(self) -> Iterator[str]:
         info = get_worker_info()
         main = info is None
+        self.cache.in_worker = not main
         if main:
             self._next_epoch_auto()
         # A new epoch starts only after the loop consumed the last one: its leases can go.

@@ -90,6 +90,16 @@ def filter_entries(entries: Iterable[FileEntry], pattern: str | None) -> list[Fi
     return sorted((e for e in entries if rx is None or rx.match(e.path)), key=lambda e: e.path)
 
 
+def is_safe_rel(rel: str) -> bool:
+    """True for a relative path whose parts are plain names (no ``..``, ``.``, empty part or NUL).
+
+    Some object stores accept keys such as ``a/../../x``; joined to a destination directory they
+    would point outside it, so listings drop them.
+    """
+    return bool(rel) and "\0" not in rel and not rel.startswith("/") and \
+        all(part not in ("", ".", "..") for part in rel.split("/"))
+
+
 def listing_fingerprint(entries: Iterable[FileEntry]) -> str:
     """A short stable hash of a listing's paths and sizes (resume states carry it)."""
     h = hashlib.sha256()
@@ -257,6 +267,12 @@ class FsspecVolume(Volume):
                 continue
             full = full.rstrip("/")
             rel = full[len(prefix):] if full.startswith(prefix) else full.split(self.root, 1)[-1].lstrip("/")
+            if not is_safe_rel(rel):
+                import warnings
+
+                warnings.warn(f"ucmagic: ignoring {self.display(rel)!r}: its name has '..', '.' or empty parts "
+                              "and could point outside a destination directory", stacklevel=2)
+                continue
             files.append(FileEntry(rel, int(info.get("size") or 0), _info_mtime(info)))
         return self._check_listing(filter_entries(files, pattern), pattern)
 
