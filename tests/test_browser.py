@@ -1,0 +1,139 @@
+"""The ``%ucload`` live panel in a real browser: JupyterLab + headless Chromium (SPEC M1, M2, W1).
+
+A JupyterLab server on 127.0.0.1 (temporary root, token and Jupyter dirs) serves a generated
+notebook; Playwright drives the system Chromium (never a downloaded one). Everything asserted is
+read from the page's DOM while the kernel runs the cell. Screenshots (mid-run, end, error) and the
+server log go to ``$UCMAGIC_BROWSER_ARTIFACTS`` when set, else to a pytest temp dir.
+
+Skipped with the reason when Playwright, JupyterLab or Chromium is missing, unless
+``UCMAGIC_REQUIRE_BROWSER=1`` (CI sets it once Chromium is installed): then a missing piece fails.
+"""
+from __future__ import annotations
+
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # browser_harness, whatever pytest's import mode
+import browser_harness as bh  # noqa: E402
+
+FILES, BATCH = 640, 16  # 40 batches of 16 files of 4 KiB
+STEP_S = 0.15  # the training step: the cell runs about 6 s
+TOTAL = FILES // BATCH
+FAILING_LOOP = '''
+for i, batch in enumerate(loader):    # a second epoch whose training step fails
+    time.sleep(0.05)
+    if i == 10:
+        raise RuntimeError("simulated training failure")
+'''
+
+_missing = bh.missing_requirement()
+if _missing and os.environ.get("UCMAGIC_REQUIRE_BROWSER", "").strip() not in ("", "0"):
+    raise RuntimeError(f"UCMAGIC_REQUIRE_BROWSER is set but {_missing}")
+
+pytestmark = [pytest.mark.browser, pytest.mark.timeout(600),
+              pytest.mark.skipif(_missing is not None, reason=f"browser test: {_missing}")]
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory) -> Path:
+    env = os.environ.get("UCMAGIC_BROWSER_ARTIFACTS")
+    out = Path(env) if env else tmp_path_factory.mktemp("browser-artifacts")
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory, artifacts):
+    root = tmp_path_factory.mktemp("lab-root")
+    cell = bh.training_cell(str(root / "volume"), files=FILES, batch=BATCH, step_s=STEP_S)
+    bh.write_notebook(root / "panel.ipynb", [cell, FAILING_LOOP])
+    with bh.lab_session(root, "panel.ipynb", artifacts) as page:
+        yield page
+
+
+def _run_first_cell(lab, artifacts: Path) -> tuple[list[bh.WidgetState], bh.WidgetState]:
+    """Run the training cell; return the panel states seen while it ran, and its final state."""
+    lab.run_cell(0)
+    running: list[bh.WidgetState] = []
+    mid_shot = False
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        state = lab.widget_state(0)
+        if lab.cell_done(0):  # read after the state: a state read before this is a running state
+            break
+        if state is not None:
+            running.append(state)
+            if not mid_shot and state.batches and state.batches >= TOTAL // 2:
+                lab.screenshot(artifacts / "mid-run.png")
+                lab.screenshot(artifacts / "mid-run-panel.png", cell=0)
+                mid_shot = True
+        time.sleep(0.2)
+    else:
+        raise TimeoutError("the training cell did not finish within 300 s")
+    final = _wait_for(lab, 0, lambda s: "done in" in s.status, "the panel to show 'done'")
+    lab.screenshot(artifacts / "end.png")
+    lab.screenshot(artifacts / "end-panel.png", cell=0)
+    return running, final
+
+
+def _wait_for(lab, cell: int, ok, what: str, timeout: float = 60) -> bh.WidgetState:
+    deadline = time.monotonic() + timeout
+    state = None
+    while time.monotonic() < deadline:
+        state = lab.widget_state(cell)
+        if state is not None and ok(state):
+            return state
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}; last panel state: {state}")
+
+
+@pytest.fixture(scope="module")
+def first_run(lab, artifacts):
+    return _run_first_cell(lab, artifacts)
+
+
+def test_panel_is_live_while_the_loop_runs(first_run):
+    seen, _ = first_run
+    assert seen, "no ucmagic panel appeared in the cell's output while it ran"
+    running = [s for s in seen if "ETA" in s.status]  # the epoch's own state (its end may precede the cell's)
+    cached = [s.files_cached for s in running if s.files_cached is not None]
+    batches = [s.batches for s in running if s.batches is not None]
+    assert len(set(cached)) >= 3, f"cache fill did not move while the cell ran: {cached}"
+    assert len(set(batches)) >= 3, f"batch counter did not move while the cell ran: {batches}"
+    assert cached == sorted(cached) and batches == sorted(batches)
+    assert all(s.files_total == FILES and s.total_batches == TOTAL for s in running)
+    assert min(batches) < TOTAL // 2  # seen early, not only at the end
+    drawn = [s for s in running if s.plot_points >= 2]
+    assert drawn, "the latency plot was never drawn while the cell ran"
+    assert drawn[-1].p50 and drawn[-1].p99
+    assert all(b.style != "success" for s in running for b in s.bars)  # green only at the end
+
+
+def test_panel_shows_the_final_state(lab, first_run):
+    _, final = first_run
+    assert (final.files_cached, final.files_total) == (FILES, FILES)
+    assert (final.batches, final.total_batches) == (TOTAL, TOTAL)
+    assert [(b.name, b.fraction, b.style) for b in final.bars] == [
+        ("files", 1.0, "success"), ("bytes", 1.0, "success"), ("epoch", 1.0, "success")]
+    assert final.plot_points == TOTAL  # one point per batch (fewer than the plot's 120)
+    for label in (final.p50, final.p99):
+        assert label and re.fullmatch(r"\d+(\.\d)? ms", label), final.svg_text
+    assert re.search(rf"{TOTAL}/{TOTAL} batches .*hit rate 0% .*done in", final.status), final.status
+    assert "epoch done" in lab.output_text(0)
+
+
+def test_a_failing_loop_turns_the_panel_red(lab, first_run, artifacts):
+    lab.run_cell(1)
+    lab.wait_cell_done(1, timeout=120)
+    assert "simulated training failure" in lab.output_text(1)
+    state = _wait_for(lab, 0, lambda s: "failed" in s.status, "the panel to turn red")
+    lab.screenshot(artifacts / "error.png")
+    assert "failed: RuntimeError: simulated training failure" in state.status
+    assert {b.style for b in state.bars} == {"danger"}
+    assert state.batches == 11 and state.total_batches == TOTAL and state.bar("epoch").fraction < 1
+    assert "epoch 1" in " ".join(state.texts) and "hit rate 100%" in state.status  # second epoch: all cached
