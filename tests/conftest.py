@@ -2,15 +2,16 @@ import os
 
 import pytest
 
-os.environ.setdefault("UCMAGIC_RAISE", "1")
-os.environ.setdefault("UCMAGIC_PROGRESS", "off")
-os.environ.setdefault("MPLBACKEND", "Agg")
-
 
 @pytest.fixture(autouse=True)
 def _private_cache(tmp_path, monkeypatch):
-    """Every test gets its own cache directory; nothing touches ~/.cache."""
+    """Every test gets its own cache directory (nothing touches ~/.cache), magics raise real
+    exceptions, no live display. Set per test, so the notebooks (run by nbval in the same
+    session) see the environment a user has."""
     monkeypatch.setenv("UCMAGIC_CACHE_DIR", str(tmp_path / "ucmagic-cache"))
+    monkeypatch.setenv("UCMAGIC_RAISE", os.environ.get("UCMAGIC_RAISE", "1"))
+    monkeypatch.setenv("UCMAGIC_PROGRESS", os.environ.get("UCMAGIC_PROGRESS", "off"))
+    monkeypatch.setenv("MPLBACKEND", "Agg")
 
 
 @pytest.fixture
