@@ -12,7 +12,9 @@ and prints medians and the SPEC's ratios. Contenders:
   from the volume, 0 and 6 workers (``torch0`` is timed on a subset and scaled: it takes minutes);
 - ``dbair``: ``databricks-sdk-air[data]==0.1.1`` UCVolumeDataset + its DataLoader, defaults
   (venv at ``$DBAIR_PYTHON``, default /tmp/venv-dbair/bin/python);
-- ``litdata``: litdata ``StreamingRawDataset(dir, cache_files=True, item_type="path")`` under a
+- ``litdata``: litdata ``StreamingRawDataset(dir, cache_files=True, item_type="path", recompute_index=True)``
+  (it writes an index file into the data directory; without recompute_index a second mount of the
+  same files reads the first mount's paths) under a
   torch DataLoader with 6 workers (venv at ``$LITDATA_PYTHON``);
 - ``ucmagic``: ``UCVolumeDataset`` + ``ucmagic.DataLoader`` with defaults: a cold and a warm epoch;
 - ``restart``: ucmagic in a fresh process on the same cache (a kernel restart);
@@ -104,7 +106,7 @@ def child(mode: str, vol: str, cache: str, limit: int) -> dict:
         import torch.utils.data as tud
         from litdata import StreamingRawDataset
 
-        ds = StreamingRawDataset(vol, cache_dir=cache, cache_files=True, item_type="path")
+        ds = StreamingRawDataset(vol, cache_dir=cache, cache_files=True, item_type="path", recompute_index=True)
         loader = tud.DataLoader(ds, batch_size=BATCH, num_workers=6)
         setup = time.perf_counter() - t_setup
         return {"setup": setup, "epochs": [_epoch(loader, True)]}
@@ -196,7 +198,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--profiles", default="P20,P100")
     ap.add_argument("--contenders", default="raw,torch0,torch6,dbair,litdata,ucmagic,restart,direct")
-    ap.add_argument("--torch0-files", type=int, default=250, help="torch0 is timed on this many files and scaled")
+    ap.add_argument("--torch0-files", type=int, default=200, help="torch0 is timed on this many files and scaled")
     ap.add_argument("--workdir", default="/tmp/ucmagic-bench")
     ap.add_argument("--json", default=None, help="also write all results here")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -222,9 +224,12 @@ def main() -> None:
             print(f"skipping {c}: no interpreter at {pythons[c]}", file=sys.stderr)
             contenders.remove(c)
     src = os.path.join(a.workdir, "src")
-    if not os.path.isdir(src) or len(os.listdir(src)) != a.files:
+    if not os.path.isdir(src) or len([f for f in os.listdir(src) if f.endswith(".bin")]) != a.files:
         shutil.rmtree(src, ignore_errors=True)
         make_files(src, a.files, parse_size(a.size), depth=0)  # flat: databricks-sdk-air lists one level only
+    for stray in [f for f in os.listdir(src) if not f.endswith(".bin")]:
+        os.remove(os.path.join(src, stray))
+    expected = set(os.listdir(src))
     profiles = [p for p in a.profiles.split(",") if p]
     results: dict[str, dict[str, list[dict]]] = {p: {c: [] for c in contenders} for p in profiles}
     with contextlib_exit() as stack:
@@ -241,6 +246,8 @@ def main() -> None:
                     if c == "torch0" and rnd > 0:
                         continue  # minutes per run: once is enough
                     r = run_child(python, c, vol, cache, limit)
+                    for stray in set(os.listdir(src)) - expected:  # litdata writes an index into the data dir
+                        os.remove(os.path.join(src, stray))
                     if c == "torch0" and "epochs" in r:
                         scale = a.files / max(1, r["epochs"][0]["files"])
                         r["epochs"][0]["secs"] *= scale

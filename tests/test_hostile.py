@@ -303,8 +303,6 @@ def test_single_file_checkpoint_with_a_code_running_pickle_is_refused(tmp_path):
     assert not sentinel.exists()
 
 
-@pytest.mark.xfail(reason="checkpoint._load_single lets torch's UnpicklingError through instead of "
-                          "UnsafeCheckpointError (safe, but not a clear one-line error; reported)", strict=False)
 def test_single_file_pickle_payload_raises_unsafe_checkpoint_error(tmp_path):
     import io
 

@@ -1,4 +1,5 @@
 """export_parquet and ParquetDataset: sources, file sizes, atomic overwrite, partition and resume."""
+import json
 import os
 import shutil
 import threading
@@ -151,6 +152,119 @@ def test_elastic_resume_on_another_layout(ragged, world, workers, frac, new_worl
     assert len(got) == len(set(got))  # nothing twice
     left_out = ds.num_rows - len(got)
     assert 0 <= left_out < new_world + world * 16  # only the "drop" remainders are left out
+
+
+# ---------------------------------------------------------------- node-affine shuffle
+
+@given(st.lists(st.integers(0, 60), min_size=1, max_size=12), st.integers(2, 4), st.integers(1, 2),
+       st.integers(0, 100), st.integers(0, 3), st.sampled_from([None, 1, 2]), st.sampled_from(["pad", "drop"]))
+@settings(max_examples=200, deadline=None)
+def test_node_layout_keeps_each_blocks_rows(sizes, nodes, lws, buffer, epoch, every, mode):
+    n = sum(sizes)
+    blocks = plan.node_blocks(n, nodes * lws, lws, mode)
+
+    def lay(e):
+        return EpochLayout(sizes, shuffle="node", seed=5, epoch=e, buffer_rows=buffer, blocks=blocks,
+                           reshuffle_every=every)
+
+    a, b = lay(epoch), lay(epoch + 1)
+    assert sorted(a.rows_of([(0, n)]).tolist()) == list(range(n))  # a permutation of all rows
+    for w in range(a.num_windows):  # bounded, and no window crosses a block edge
+        assert a.window_len(w) <= max(buffer, 0) + max(sizes)
+        lo, hi = int(a.win_start[w]), int(a.win_start[w + 1])
+        assert any(x <= lo and hi <= y for x, y in blocks)
+    rotates = every is not None and (epoch + 1) // every != epoch // every
+    for x, y in blocks:
+        same = sorted(a.rows_of([(x, y)]).tolist()) == sorted(b.rows_of([(x, y)]).tolist())
+        assert same or rotates
+        if not every:  # slice k of the rows, files' order
+            assert sorted(a.rows_of([(x, y)]).tolist()) == list(range(x, y))
+
+
+@pytest.fixture(scope="module")
+def even(tmp_path_factory):
+    """Two files with uneven row groups: 240 rows (divisible by 4 and 3)."""
+    d = tmp_path_factory.mktemp("even")
+    off = write_groups(d / "a.parquet", [60, 33, 27])
+    off = write_groups(d / "b.parquet", [80, 40], off)
+    assert off == 240
+    return str(d)
+
+
+def _env(monkeypatch, rank, world, local):
+    monkeypatch.setenv("RANK", str(rank))
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local))
+
+
+def _epoch_rows(ds, monkeypatch, epoch, world=4, local=2):
+    """Rows each rank gets in ``epoch`` (torchrun-style environment)."""
+    out = []
+    for rank in range(world):
+        _env(monkeypatch, rank, world, local)
+        ds.set_epoch(epoch)
+        out.append(ids_of(list(ds)))
+    return out
+
+
+@pytest.mark.parametrize("shuffle", [True, "node"])
+@pytest.mark.parametrize("seed", [0, 7])
+def test_node_shuffle_keeps_each_nodes_rows_across_epochs(even, monkeypatch, shuffle, seed):
+    ds = ParquetDataset(even, batch_size=16, shuffle=shuffle, seed=seed, shuffle_buffer=50)
+    e0, e1 = _epoch_rows(ds, monkeypatch, 0), _epoch_rows(ds, monkeypatch, 1)
+    for ranks in (e0, e1):  # every row exactly once per epoch
+        assert sorted(np.concatenate(ranks).tolist()) == list(range(240))
+    node0 = [np.concatenate(e[:2]) for e in (e0, e1)]
+    assert sorted(node0[0].tolist()) == sorted(node0[1].tolist())  # node 0 keeps its rows
+    assert not np.array_equal(node0[0], node0[1])  # in another order
+    assert sorted(node0[0].tolist()) == list(range(120))  # its slice of the files
+    assert sorted(np.concatenate(e0[2:]).tolist()) == list(range(120, 240))
+
+
+def test_global_shuffle_moves_rows_between_nodes(even, monkeypatch):
+    ds = ParquetDataset(even, batch_size=16, shuffle="global", seed=1, shuffle_buffer=50)
+    e0, e1 = _epoch_rows(ds, monkeypatch, 0), _epoch_rows(ds, monkeypatch, 1)
+    assert sorted(np.concatenate(e0).tolist()) == sorted(np.concatenate(e1).tolist()) == list(range(240))
+    assert set(np.concatenate(e0[:2]).tolist()) != set(np.concatenate(e1[:2]).tolist())
+
+
+def test_reshuffle_every_rotates_node_slices(even, monkeypatch):
+    ds = ParquetDataset(even, batch_size=16, shuffle="node", reshuffle_every=1, shuffle_buffer=50)
+    e0, e1 = _epoch_rows(ds, monkeypatch, 0), _epoch_rows(ds, monkeypatch, 1)
+    assert sorted(np.concatenate(e1).tolist()) == list(range(240))
+    assert set(np.concatenate(e0[:2]).tolist()) != set(np.concatenate(e1[:2]).tolist())
+    assert set(np.concatenate(e1[:2]).tolist()) == set(range(120, 240))  # one node onward
+    ds2 = ParquetDataset(even, batch_size=16, shuffle="node", reshuffle_every=2, shuffle_buffer=50)
+    a, b, c = (set(np.concatenate(_epoch_rows(ds2, monkeypatch, e)[:2]).tolist()) for e in (0, 1, 2))
+    assert a == b != c
+
+
+@pytest.mark.parametrize("shuffle", [True, "node"])
+def test_node_shuffle_resumes_onto_a_different_number_of_nodes(even, monkeypatch, shuffle):
+    # saved on 2 nodes x 2 ranks, resumed on 1 node x 3 ranks
+    ds = ParquetDataset(even, batch_size=8, shuffle=shuffle, seed=9, shuffle_buffer=50)
+    delivered = [7, 40, 0, 16]
+    before = []
+    for rank, k in enumerate(delivered):
+        _env(monkeypatch, rank, 4, 2)
+        before.append(ids_of(list(ds.iter_stream(2, rank, 4)))[:k])
+    _env(monkeypatch, 0, 4, 2)
+    state = json.loads(json.dumps(ds.make_state(2, delivered, world=4, num_workers=1)))
+    assert state["shuffle"] == "node" and (state["order_world"], state["order_local_world"]) == (4, 2)
+    after = []
+    for rank in range(3):
+        _env(monkeypatch, rank, 3, 3)
+        ds2 = ParquetDataset(even, batch_size=5, shuffle=shuffle, seed=9, shuffle_buffer=50)
+        ds2.load_state_dict(state)
+        after.append(ids_of(list(ds2)))
+    got = np.concatenate(before + after).tolist()
+    assert sorted(set(got)) == list(range(240))
+    assert len(got) - 240 < 3  # only padding repeats, at most world-1 rows
+    assert not set(np.concatenate(before).tolist()) & set(np.concatenate(after).tolist())
+    # the resumed rows follow the saved epoch's order: what node 0 had left stays node 0's slice
+    _env(monkeypatch, 0, 4, 2)
+    full = [ids_of(list(ds.iter_stream(2, r, 4))) for r in range(4)]
+    assert np.array_equal(np.concatenate([f[k:] for f, k in zip(full, delivered)]), np.concatenate(after)[:240 - sum(delivered)])
 
 
 def test_changed_files_refuse_a_saved_state(tmp_path, ragged):

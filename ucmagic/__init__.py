@@ -38,6 +38,20 @@ _EXPORTS = {
     "FetchTimeoutError": "errors",
     "CacheFullError": "errors",
     "ListingChangedError": "errors",
+    "UnsafeCacheError": "errors",
+    "CheckpointError": "checkpoint_format",
+    "CheckpointNotCommittedError": "checkpoint_format",
+    "NoCheckpointError": "checkpoint_format",
+    "CheckpointCorruptError": "checkpoint_format",
+    "CheckpointMismatchError": "checkpoint_format",
+    "UnsafeCheckpointError": "checkpoint_format",
+    "InvalidTableNameError": "tables",
+    "TableNotFoundError": "tables",
+    "UnsupportedSourceError": "tables",
+    "TableTooLargeError": "tables",
+    "StagingError": "staging",
+    "DistributedRunError": "launch",
+    "DistributedTimeoutError": "launch",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -4,7 +4,7 @@ Layout under the cache root (private to the user, mode 0700)::
 
     data/<k0k1>/<key><.ext>   cached copies, named by a hash of (volume, path, size, mtime)
     tmp/                      fills in progress (renamed into data/ when complete)
-    locks/<k0k1k2k3>.lock     single-flight locks (filelock, shared by threads and processes)
+    locks/<k0k1k2k3>.lock     single-flight locks (flock, shared by threads and processes)
     pins/<pid>-<start>/...    hard links to entries handed to a training loop and not yet consumed
 
 Guarantees: a file in ``data/`` is always complete (temp file + rename); one fill per file even
@@ -15,6 +15,7 @@ existing until released even if the entry is evicted meanwhile.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import os
@@ -24,9 +25,13 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
-import filelock
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - not POSIX
+    fcntl = None  # type: ignore[assignment]
+
 
 from .errors import CacheFullError, UnsafeCacheError
 from .units import format_size, parse_size
@@ -34,6 +39,30 @@ from .units import format_size, parse_size
 DEFAULT_MIN_FREE = 0.10
 PIN_GRACE_S = 600.0  # pins of an exited process are kept this long (its consumer may still hold paths)
 _SUFFIX_RE = re.compile(r"\.[A-Za-z0-9_\-]{1,16}$")
+
+
+# ---------------------------------------------------------------- locking
+
+@contextlib.contextmanager
+def file_lock(path: str) -> Iterator[None]:
+    """Exclusive lock shared by threads and processes: ``flock`` on a file of its own.
+
+    Each call opens its own descriptor, so threads of one process exclude each other too. A
+    blocked caller sleeps in the kernel (no polling, no GIL held). This is the fill path's hot
+    spot: filelock costs ~1 ms of CPU per acquire/release here, this ~20 us.
+    """
+    if fcntl is None:  # pragma: no cover - not POSIX
+        import filelock
+
+        with filelock.FileLock(path):
+            yield
+        return
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing the descriptor releases the lock
 
 
 # ---------------------------------------------------------------- pure helpers
@@ -130,6 +159,7 @@ class FileCache:
         self._pin_dir = ""
         self._pins: dict[str, int] = {}
         self._can_link = True
+        self._buckets: set[str] = set()  # data/<xx> directories known to exist
         # Set in DataLoader workers: their pins outlive them (the main process still holds batches).
         self.in_worker = False
 
@@ -184,8 +214,7 @@ class FileCache:
         path = self.lookup(key, suffix, size)
         if path:
             return path, False
-        lock = filelock.FileLock(os.path.join(self.root, "locks", key[:4] + ".lock"), poll_interval=0.002)
-        with lock:
+        with file_lock(os.path.join(self.root, "locks", key[:4] + ".lock")):
             path = self.lookup(key, suffix, size)
             if path:
                 return path, False
@@ -196,7 +225,10 @@ class FileCache:
                 if n != size:
                     raise OSError(errno.EIO, f"copied {n} bytes, the listing says {size}: the file changed while being read")
                 final = self.data_path(key, suffix)
-                os.makedirs(os.path.dirname(final), mode=0o700, exist_ok=True)
+                bucket = os.path.dirname(final)
+                if bucket not in self._buckets:
+                    os.makedirs(bucket, mode=0o700, exist_ok=True)
+                    self._buckets.add(bucket)
                 os.replace(tmp, final)
             except BaseException:
                 try:
@@ -338,7 +370,7 @@ class FileCache:
         With ``keep_below``, free what it takes to bring the cache (as scanned now, under the
         eviction lock) under that many bytes instead.
         """
-        with filelock.FileLock(os.path.join(self.root, "locks", "evict.lock"), poll_interval=0.005):
+        with file_lock(os.path.join(self.root, "locks", "evict.lock")):
             self._reap()
             free, usage = self._scan()
             if keep_below is not None:  # a fresh count: other processes' fills and evictions included

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import shutil
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -302,7 +303,14 @@ def _load_single(path: str, commit: dict[str, Any], model: Any, optimizer: Any, 
         xfer.download_file(os.path.join(path, SINGLE_FILE_NAME), local, commit["files"].get(SINGLE_FILE_NAME),
                            name=SINGLE_FILE_NAME, where=path)
         loc = map_location if map_location is not None else _model_device(model)
-        state = torch.load(local, map_location=loc, weights_only=True)
+        try:
+            state = torch.load(local, map_location=loc, weights_only=True)
+        except pickle.UnpicklingError as exc:  # weights_only refused a global: code, not weights
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise UnsafeCheckpointError(
+                f"{os.path.join(path, SINGLE_FILE_NAME)} holds objects that are not plain tensors and "
+                f"containers ({first}); it was not loaded. Only load checkpoints you wrote yourself"
+            ) from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     _check_keys(path, model.state_dict().keys(), state["model"].keys())

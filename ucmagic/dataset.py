@@ -243,6 +243,19 @@ class UCVolumeDataset(IterableDataset):
                 raise
         raise FetchError(f"{self.volume.display(e.path)} kept being evicted before use: raise cache_limit")
 
+    def _lease_cached(self, e: FileEntry) -> str | None:
+        """The pinned cached copy of ``e`` if it is in the cache (no thread hop), else None."""
+        key, suffix = self._key(e)
+        path = self.cache.lookup(key, suffix, e.size)
+        if path is None:
+            return None
+        try:
+            leased = self.cache.pin(path)
+        except FileNotFoundError:  # evicted just now: fetch it the normal way
+            return None
+        self._counters.add(hits=1)
+        return leased
+
     def __iter__(self) -> Iterator[str]:
         info = get_worker_info()
         main = info is None
@@ -260,7 +273,7 @@ class UCVolumeDataset(IterableDataset):
         window = max(16, int(self.lease_items))
         try:
             for leased in read_ahead(self._lease, entries, depth=self._inflight(), timeout=self.timeout,
-                                     describe=lambda e: self.volume.display(e.path)):
+                                     describe=lambda e: self.volume.display(e.path), fast=self._lease_cached):
                 if main:
                     self._delivered_main += 1
                 if leased is None:

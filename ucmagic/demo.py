@@ -69,7 +69,7 @@ def run_demo(*, files: int = 2000, size: int = 150 * 1024, open_ms: float = 20.0
         out: dict[str, float] = {}
 
         ds = UCVolumeDataset(url, cache_dir=cache, storage_options=opts, prefetch=None)
-        loader = DataLoader(ds, batch_size=batch_size, collate_fn=_lengths)  # ucmagic defaults: 6 workers
+        loader = DataLoader(ds, batch_size=batch_size, collate_fn=_lengths)  # ucmagic defaults (6 workers, fewer on small machines)
         for name in ("cold", "warm"):
             secs, first, n = _epoch(loader)
             assert n == files, f"epoch delivered {n} of {files} files"

@@ -75,12 +75,14 @@ class _Task:
 
 
 def read_ahead(fn: Callable[[T], R], items: Iterable[T], *, depth: int = 32, timeout: float | None = 120.0,
-               pool: ThreadPoolExecutor | None = None, describe: Callable[[T], str] = str) -> Iterator[R]:
+               pool: ThreadPoolExecutor | None = None, describe: Callable[[T], str] = str,
+               fast: Callable[[T], R | None] | None = None) -> Iterator[R]:
     """Yield ``fn(item)`` for each item, in order, with up to ``depth`` calls in flight.
 
     ``timeout`` bounds each call once it has started (a hung mount raises
     :class:`FetchTimeoutError` naming the item instead of hanging training). Closing the generator
-    cancels calls that have not started.
+    cancels calls that have not started. ``fast(item)``, when given, is tried first on the calling
+    thread; a result other than None is used as is (a cache hit needs no thread hop).
     """
     depth = max(1, int(depth))
     pool = pool or shared_pool(depth)
@@ -94,7 +96,12 @@ def read_ahead(fn: Callable[[T], R], items: Iterable[T], *, depth: int = 32, tim
     def submit() -> bool:
         for item in it:
             task = _Task(item)
-            task.future = pool.submit(run, task)
+            done = fast(item) if fast is not None else None
+            if done is not None:
+                task.future = Future()
+                task.future.set_result(done)
+            else:
+                task.future = pool.submit(run, task)
             pending.append(task)
             return True
         return False

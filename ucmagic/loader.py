@@ -10,6 +10,7 @@ skipping delivered batches with the same layout.
 """
 from __future__ import annotations
 
+import os
 import sys
 
 import time
@@ -27,6 +28,19 @@ from .loader_stats import LoaderStats
 __all__ = ["DataLoader", "LoaderStats"]
 
 DEFAULT_NUM_WORKERS = 6
+
+
+def default_num_workers() -> int:
+    """6 worker processes, or as many as there are CPUs if fewer.
+
+    ucmagic's file I/O runs on threads inside each iterating process, so workers are only needed
+    for decoding; more processes than CPUs slow the epoch down, cost memory and make torch warn.
+    """
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return max(1, min(DEFAULT_NUM_WORKERS, cpus))
 DEFAULT_PREFETCH_FACTOR = 4
 STATE_VERSION = 1
 
@@ -111,7 +125,8 @@ def _shutdown_held(held: list[Any]) -> None:
 class DataLoader(tud.DataLoader):
     """Drop-in ``torch.utils.data.DataLoader`` tuned for slow volumes, with timing and resume.
 
-    Defaults differ from torch's only where torch's are slow: ``num_workers=6``,
+    Defaults differ from torch's only where torch's are slow: ``num_workers=6`` (fewer on
+    machines with fewer CPUs),
     ``prefetch_factor=4`` and ``persistent_workers=True`` when there are workers, ``pin_memory``
     when CUDA is available. Every argument you pass wins. Works with any dataset.
 
@@ -144,7 +159,7 @@ class DataLoader(tud.DataLoader):
         elif batch_size is _UNSET:
             batch_size = 1
         if num_workers is None:
-            num_workers = DEFAULT_NUM_WORKERS
+            num_workers = default_num_workers()
         if prefetch_factor is None and num_workers > 0:
             prefetch_factor = DEFAULT_PREFETCH_FACTOR
         if persistent_workers is None:

@@ -21,7 +21,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from . import plan
 from .cache import FileCache, cache_key
-from .dataset import grid
+from .dataset import grid, local_world_size
 from .errors import ListingChangedError, SourceNotFoundError
 from .fetch import read_ahead, with_retries
 from .parquet_rows import EpochLayout, Segment
@@ -78,7 +78,14 @@ class ParquetDataset(IterableDataset):
             glob, a Delta table directory, a local-catalog table name, a ``/Volumes`` path or a URL.
         columns: columns to read (default all); only these are read from storage.
         batch_size: rows per batch; every stream's share is a multiple of it except one per rank.
-        shuffle: permute row groups and rows within a bounded buffer, per epoch (``set_epoch``).
+        shuffle: ``False`` (files' order), ``"global"`` (per epoch, row groups are permuted and rows
+            shuffled within a bounded buffer), ``"node"`` (each node, i.e. the ``LOCAL_WORLD_SIZE``
+            ranks that share a machine, keeps the same slice of the rows every epoch and shuffles
+            within it, windows never crossing the slice's edges, so its cached files stay hot) or
+            ``True`` (``"node"`` on several nodes, ``"global"`` on one). The order of an epoch is
+            identical on every rank and depends only on the seed, the epoch and (``"node"``) the
+            world size and ``LOCAL_WORLD_SIZE`` that started the epoch.
+        reshuffle_every: with node-affine shuffling, rotate the slices one node onward every N epochs.
         seed: shuffle seed (the order depends only on ``seed`` and the epoch).
         shuffle_buffer: rows held for the in-buffer shuffle (default 65536, or one row group if larger).
         partition: ``"pad"`` (ranks equal by wrap-around) or ``"drop"`` (drop the remainder).
@@ -91,20 +98,23 @@ class ParquetDataset(IterableDataset):
     """
 
     def __init__(self, path: Any, *, columns: Sequence[str] | None = None, batch_size: int = 1024,
-                 shuffle: bool = False, seed: int = 0, shuffle_buffer: int | None = None,
+                 shuffle: bool | str = False, seed: int = 0, shuffle_buffer: int | None = None,
                  partition: str = "pad", dtype: Any = None, version: int | None = None,
                  cache: bool | None = None, cache_dir: str | None = None, cache_limit: int | str | None = None,
                  prefetch: int = 2, timeout: float | None = 300.0,
-                 storage_options: dict[str, Any] | None = None) -> None:
+                 storage_options: dict[str, Any] | None = None, reshuffle_every: int | None = None) -> None:
         if partition not in plan.PARTITION_MODES:
             raise ValueError(f"partition must be one of {plan.PARTITION_MODES}, got {partition!r}")
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-        if shuffle not in (False, True):
-            raise ValueError(f"shuffle must be True or False, got {shuffle!r}")
+        if shuffle not in (False, True, "global", "node"):
+            raise ValueError(f"shuffle must be False, True, 'global' or 'node', got {shuffle!r}")
+        if reshuffle_every is not None and (not isinstance(reshuffle_every, int) or reshuffle_every < 0):
+            raise ValueError(f"reshuffle_every must be a positive int or None, got {reshuffle_every!r}")
         self.path = os.fspath(path) if isinstance(path, os.PathLike) else path
         self.batch_size = int(batch_size)
-        self.shuffle = bool(shuffle)
+        self.shuffle: bool | str = shuffle if isinstance(shuffle, str) else bool(shuffle)
+        self.reshuffle_every = int(reshuffle_every) if reshuffle_every else None
         self.seed = int(seed)
         self.partition = partition
         self.prefetch = max(1, int(prefetch))
@@ -152,7 +162,7 @@ class ParquetDataset(IterableDataset):
         self._resume: dict[str, Any] | None = None
         self._delivered_main = 0
         self._epoch_main: int | None = None  # epoch the main process is iterating (None: not started)
-        self._layouts: dict[int, EpochLayout] = {}
+        self._layouts: dict[tuple, EpochLayout] = {}
 
     # ------------------------------------------------------------ metadata
 
@@ -220,7 +230,7 @@ class ParquetDataset(IterableDataset):
 
     def __repr__(self) -> str:
         return (f"ParquetDataset({self.path!r}, files={len(self.files)}, rows={self.num_rows}, "
-                f"columns={self.columns}, batch_size={self.batch_size}, shuffle={self.shuffle})")
+                f"columns={self.columns}, batch_size={self.batch_size}, shuffle={self.shuffle!r})")
 
     def __getstate__(self) -> dict[str, Any]:
         st = self.__dict__.copy()
@@ -254,12 +264,34 @@ class ParquetDataset(IterableDataset):
 
     # ------------------------------------------------------------ plan
 
-    def layout(self, epoch: int) -> EpochLayout:
-        lay = self._layouts.get(epoch)
+    def _shuffle_mode(self, world: int) -> bool | str:
+        if self.shuffle is True:
+            return "node" if world > local_world_size(world) else "global"
+        return self.shuffle
+
+    def _order_params(self, epoch: int, world: int | None = None) -> tuple[bool | str, int, int]:
+        """(shuffle mode, world, local world) that fix ``epoch``'s order: the saved ones when resuming it."""
+        r = self._resume
+        if r is not None and r["epoch"] == epoch:
+            if "order_world" in r:
+                return r["shuffle"], int(r["order_world"]), int(r["order_local_world"])
+            return ("global" if r["shuffle"] else False), 1, 1  # a state from before node shuffling
+        if world is None:
+            _, world, _, _ = grid()
+        return self._shuffle_mode(world), world, local_world_size(world)
+
+    def layout(self, epoch: int, world: int | None = None) -> EpochLayout:
+        """The row order of ``epoch`` for a run on ``world`` ranks (default: this process's)."""
+        mode, ow, olws = self._order_params(epoch, world)
+        key = (epoch, mode, ow, olws, self.reshuffle_every)
+        lay = self._layouts.get(key)
         if lay is None:
-            lay = EpochLayout(self.group_rows, shuffle=self.shuffle, seed=self.seed, epoch=epoch,
-                              buffer_rows=self.shuffle_buffer)
-            self._layouts = {epoch: lay}
+            r = self._resume
+            part = r["partition"] if r is not None and r["epoch"] == epoch else self.partition
+            blocks = plan.node_blocks(self.num_rows, ow, olws, part) if mode == "node" else None
+            lay = EpochLayout(self.group_rows, shuffle=mode, seed=self.seed, epoch=epoch,
+                              buffer_rows=self.shuffle_buffer, blocks=blocks, reshuffle_every=self.reshuffle_every)
+            self._layouts = {key: lay}
         return lay
 
     def _epoch_plan(self, epoch: int) -> tuple[list[plan.Range], None]:
@@ -339,12 +371,17 @@ class ParquetDataset(IterableDataset):
         """Decode one segment: tensors (numeric columns, converted once) or arrow arrays (the rest)."""
         import pyarrow as pa
 
-        groups = lay.window_groups(seg.window)
+        pieces = lay.window_pieces(seg.window)
         perm = lay.window_perm(seg.window)
         if perm is None:  # one row group per window: read it, slice zero-copy
-            table = self._read_group(readers, lock, int(groups[0])).slice(seg.lo, seg.hi - seg.lo)
+            g, lo, _ = pieces[0]
+            table = self._read_group(readers, lock, g).slice(lo + seg.lo, seg.hi - seg.lo)
         else:
-            table = pa.concat_tables([self._read_group(readers, lock, int(g)) for g in groups])
+            parts = []
+            for g, lo, hi in pieces:  # node mode: a row group may be cut at a node's slice edge
+                t = self._read_group(readers, lock, g)
+                parts.append(t if lo == 0 and hi == t.num_rows else t.slice(lo, hi - lo))
+            table = parts[0] if len(parts) == 1 else pa.concat_tables(parts)
             table = table.take(pa.array(perm[seg.lo:seg.hi]))
         out: dict[str, Any] = {}
         for c in self.columns:
@@ -437,7 +474,7 @@ class ParquetDataset(IterableDataset):
     def iter_stream(self, epoch: int, rank: int = 0, world: int = 1, worker: int = 0,
                     num_workers: int = 1) -> Iterator[dict[str, Any]]:
         """Batches of one (rank, worker) stream of ``epoch`` (what ``__iter__`` runs in each process)."""
-        lay = self.layout(epoch)
+        lay = self.layout(epoch, world)
         segs = lay.segments(self.stream_ranges(epoch, rank, world, worker, num_workers))
         readers: dict = {}
         lock = threading.Lock()
@@ -480,10 +517,13 @@ class ParquetDataset(IterableDataset):
     def make_state(self, epoch: int, delivered: Sequence[int], *, world: int, num_workers: int) -> dict[str, Any]:
         """Resume state after stream ``s`` (rank-major) delivered ``delivered[s]`` rows of ``epoch``."""
         pool, _ = self._epoch_plan(epoch)
+        mode, ow, olws = self._order_params(epoch, world)
         left = plan.remaining_pool(pool, world, num_workers, self.partition, self.batch_size, list(delivered))
         return {
             "version": STATE_VERSION, "kind": "parquet", "epoch": int(epoch), "seed": self.seed,
-            "shuffle": self.shuffle, "shuffle_buffer": self.shuffle_buffer, "partition": self.partition,
+            "shuffle": mode, "shuffle_option": self.shuffle, "order_world": ow, "order_local_world": olws,
+            "reshuffle_every": self.reshuffle_every,
+            "shuffle_buffer": self.shuffle_buffer, "partition": self.partition,
             "rows": self.num_rows, "fingerprint": self.fingerprint,
             "pool": [list(x) for x in left], "remaining": plan.ranges_len(left),
         }
@@ -499,7 +539,8 @@ class ParquetDataset(IterableDataset):
                 f"{self.num_rows} now): resume needs the same files; start a new epoch instead (set_epoch)"
             )
         self.seed = int(state["seed"])
-        self.shuffle = bool(state["shuffle"])
+        self.shuffle = state.get("shuffle_option", bool(state["shuffle"]))  # later epochs; this one: state's order
+        self.reshuffle_every = state.get("reshuffle_every")
         self.shuffle_buffer = int(state["shuffle_buffer"])
         self._layouts = {}
         self._resume = dict(state)
