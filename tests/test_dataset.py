@@ -7,7 +7,6 @@ import sys
 import time
 
 import pytest
-import torch
 from torch.utils.data import DataLoader as TorchLoader
 
 from ucmagic import UCVolumeDataset

@@ -18,7 +18,7 @@ import time
 import pytest
 
 from ucmagic import UCVolumeDataset
-from ucmagic.cache import FileCache, cache_key, safe_suffix
+from ucmagic.cache import cache_key, safe_suffix
 from ucmagic.errors import FetchError, FetchTimeoutError
 from ucmagic.testing import make_files
 from ucmagic.volume import LocalVolume, open_volume

@@ -20,7 +20,7 @@ from typing import Any, Sequence
 
 from .errors import ListingChangedError, SourceNotFoundError, UCMagicError
 from .units import format_size, parse_size
-from .volume import _is_url, resolve_local_path
+from .volume import _is_url, existing_local_path, resolve_local_path
 
 
 # ---------------------------------------------------------------- errors (specific to tables)
@@ -266,12 +266,7 @@ def resolve_path_source(path: str, *, version: int | None = None,
         if not files:
             raise SourceNotFoundError(f"no Parquet or CSV file matches {path}: check the glob")
         return Source(_files_kind(files, path), paths=files)
-    real = resolve_local_path(path)
-    if not os.path.exists(real):
-        hint = ""
-        if path.startswith("/Volumes/") and not os.environ.get("UCMAGIC_CATALOG_ROOT"):
-            hint = " (outside Databricks, set UCMAGIC_CATALOG_ROOT to map /Volumes/... to a local directory)"
-        raise SourceNotFoundError(f"{path} does not exist: check the path{hint}")
+    real = existing_local_path(path)
     if os.path.isdir(real):
         if is_delta_dir(real):
             return Source("delta", root=real, version=version)

@@ -129,6 +129,18 @@ def resolve_local_path(path: str) -> str:
     return p
 
 
+def existing_local_path(path: str) -> str:
+    """:func:`resolve_local_path`, or :class:`SourceNotFoundError` naming ``path`` and the fix."""
+    real = resolve_local_path(path)
+    if not os.path.exists(real):
+        hint = ""
+        if path.startswith("/Volumes/") and not os.environ.get("UCMAGIC_CATALOG_ROOT"):
+            hint = (" (outside Databricks, set UCMAGIC_CATALOG_ROOT to map /Volumes/<catalog>/<schema>/<volume> "
+                    "to a local directory)")
+        raise SourceNotFoundError(f"{path} does not exist: check the path{hint}")
+    return real
+
+
 def _is_url(path: str) -> bool:
     return bool(re.match(r"^[a-zA-Z][a-zA-Z0-9+.\-]*://", path))
 
@@ -308,12 +320,7 @@ def open_volume(path: Any, storage_options: dict[str, Any] | None = None) -> Vol
         return vol
     if path.startswith("file://"):
         path = path[len("file://"):]
-    real = resolve_local_path(path)
-    if not os.path.exists(real):
-        hint = ""
-        if path.startswith("/Volumes/") and not os.environ.get("UCMAGIC_CATALOG_ROOT"):
-            hint = " (outside Databricks, set UCMAGIC_CATALOG_ROOT to map /Volumes/<catalog>/<schema>/<volume> to a local directory)"
-        raise SourceNotFoundError(f"{path} does not exist: check the path{hint}")
+    real = existing_local_path(path)
     if not os.path.isdir(real):
         raise NotADirectoryErrorUC(
             f"{path} is a file, not a directory: pass the directory that holds your files (use pattern= to pick some)"
