@@ -264,7 +264,8 @@ def test_node_shuffle_resumes_onto_a_different_number_of_nodes(even, monkeypatch
     # the resumed rows follow the saved epoch's order: what node 0 had left stays node 0's slice
     _env(monkeypatch, 0, 4, 2)
     full = [ids_of(list(ds.iter_stream(2, r, 4))) for r in range(4)]
-    assert np.array_equal(np.concatenate([f[k:] for f, k in zip(full, delivered)]), np.concatenate(after)[:240 - sum(delivered)])
+    rest = np.concatenate([f[k:] for f, k in zip(full, delivered)])
+    assert np.array_equal(rest, np.concatenate(after)[:len(rest)])
 
 
 def test_changed_files_refuse_a_saved_state(tmp_path, ragged):

@@ -166,7 +166,8 @@ class EpochLayout:
     def segment_rows(self, seg: Segment) -> np.ndarray:
         """Global row indices (files' order) of a segment, in delivery order."""
         pieces = self.window_pieces(seg.window)
-        rows = np.concatenate([np.arange(self.group_offset[g] + lo, self.group_offset[g] + hi) for g, lo, hi in pieces]) \
+        off = self.group_offset
+        rows = np.concatenate([np.arange(off[g] + lo, off[g] + hi) for g, lo, hi in pieces]) \
             if pieces else np.zeros(0, dtype=np.int64)
         perm = self.window_perm(seg.window)
         idx = np.arange(seg.lo, seg.hi) if perm is None else perm[seg.lo:seg.hi]
