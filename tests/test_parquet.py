@@ -3,6 +3,7 @@ import json
 import os
 import shutil
 import threading
+import time
 
 import numpy as np
 import pandas as pd
@@ -477,11 +478,15 @@ def test_readers_never_see_a_mixture_during_overwrites(tmp_path, monkeypatch, ex
     t.start()
     try:
         for v in range(1, 30):
+            deadline = time.monotonic() + 5
+            while not seen and time.monotonic() < deadline:  # on a loaded machine, let a read finish first
+                time.sleep(0.01)
             export_parquet(frame(sizes[v], version=v), dest, target_file_size="20KB")
     finally:
         stop.set()
         t.join()
-    assert not problems and seen
+    assert not problems, problems[:5]
+    assert seen
     assert not [n for n in os.listdir(tmp_path) if n != "out"]
 
 
