@@ -239,7 +239,7 @@ def main() -> None:
             for p in profiles:
                 vol = mounts[p]
                 ucache = tempfile.mkdtemp(prefix="ucache-", dir=a.workdir)
-                for c in contenders:
+                for c in _rotated(contenders, rnd):
                     python = pythons.get(c, sys.executable)
                     cache = ucache if c in ("ucmagic", "restart", "direct") else tempfile.mkdtemp(dir=a.workdir)
                     limit = a.torch0_files if c == "torch0" else 0
@@ -262,6 +262,19 @@ def main() -> None:
     if a.json:
         with open(a.json, "w") as f:
             json.dump(results, f, indent=1)
+
+
+def _rotated(contenders: list[str], rnd: int) -> list[str]:
+    """Contenders in a different order each round (a mount's first reader is often the fastest);
+    ucmagic, restart and direct stay together and in that order (they share the round's cache)."""
+    units: list[list[str]] = []
+    for c in contenders:
+        if c in ("restart", "direct") and units and units[-1][0] == "ucmagic":
+            units[-1].append(c)
+        else:
+            units.append([c])
+    k = rnd % len(units) if units else 0
+    return [c for unit in units[k:] + units[:k] for c in unit]
 
 
 class contextlib_exit:
