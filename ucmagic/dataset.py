@@ -48,7 +48,44 @@ def local_world_size(world: int) -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", world)) or world
 
 
-class UCVolumeDataset(IterableDataset):
+class EpochTracking:
+    """Epoch bookkeeping shared by ucmagic's planned datasets (files and Parquet rows).
+
+    The epoch lives in shared memory, so persistent DataLoader workers follow :meth:`set_epoch`;
+    without ``set_epoch``, each iteration started in the main process counts one epoch up.
+    """
+
+    shuffle: bool | str
+
+    def _init_epochs(self) -> None:
+        self._epoch = SharedInt(0)
+        self._epoch_explicit = False
+        self._fresh = True
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch whose order the next iteration follows (same on every rank and worker)."""
+        self._epoch.value = int(epoch)
+        self._epoch_explicit = True
+        self._fresh = True
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch.value
+
+    def _next_epoch_auto(self) -> None:
+        """Called at each iteration start in the main process: without set_epoch, epochs count up."""
+        if not self._fresh and not self._epoch_explicit:
+            self._epoch.value = self._epoch.value + 1
+        self._fresh = False
+
+    def _shuffle_mode(self, world: int) -> bool | str:
+        """``True`` means node-affine on several nodes and global on one."""
+        if self.shuffle is True:
+            return "node" if world > local_world_size(world) else "global"
+        return self.shuffle
+
+
+class UCVolumeDataset(EpochTracking, IterableDataset):
     """An IterableDataset yielding the local path of a cached copy of each file under ``path``.
 
     Drop-in for ``databricks.air.data.UCVolumeDataset(path)``. Files are listed once (recursively,
@@ -112,9 +149,7 @@ class UCVolumeDataset(IterableDataset):
         self.on_missing = on_missing
         self.batch_quantum = 1  # set by ucmagic.DataLoader to its batch size
         self.lease_items = 1024  # pins kept per process; ucmagic.DataLoader sets the exact need
-        self._epoch = SharedInt(0)
-        self._epoch_explicit = False
-        self._fresh = True
+        self._init_epochs()
         self._counters = SharedCounters()
         self._resume: dict[str, Any] | None = None
         self._delivered_main = 0
@@ -143,28 +178,7 @@ class UCVolumeDataset(IterableDataset):
     def total_bytes(self) -> int:
         return sum(e.size for e in self.entries)
 
-    def set_epoch(self, epoch: int) -> None:
-        """Select the epoch whose order the next iteration follows (same on every rank and worker)."""
-        self._epoch.value = int(epoch)
-        self._epoch_explicit = True
-        self._fresh = True
-
-    @property
-    def epoch(self) -> int:
-        return self._epoch.value
-
-    def _next_epoch_auto(self) -> None:
-        """Called at each iteration start in the main process: without set_epoch, epochs count up."""
-        if not self._fresh and not self._epoch_explicit:
-            self._epoch.value = self._epoch.value + 1
-        self._fresh = False
-
     # ------------------------------------------------------------ plan
-
-    def _shuffle_mode(self, world: int) -> bool | str:
-        if self.shuffle is True:
-            return "node" if world > local_world_size(world) else "global"
-        return self.shuffle
 
     def _order(self, epoch: int, world: int, shuffle: bool | str, lws: int):
         n = len(self.entries)

@@ -21,12 +21,11 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from . import plan
 from .cache import FileCache, cache_key
-from .dataset import grid, local_world_size
-from .errors import ListingChangedError, SourceNotFoundError
+from .dataset import EpochTracking, grid, local_world_size
+from .errors import ListingChangedError
 from .fetch import read_ahead, with_retries
 from .parquet_rows import EpochLayout, Segment
 from .tables import UnsupportedSourceError, delta_files, resolve_source
-from .telemetry import SharedInt
 
 STATE_VERSION = 1
 DEFAULT_SHUFFLE_BUFFER = 65536
@@ -67,7 +66,7 @@ def _output_kind(t: Any) -> str:
     return _column_kind(t.value_type) if pa.types.is_dictionary(t) else _column_kind(t)
 
 
-class ParquetDataset(IterableDataset):
+class ParquetDataset(EpochTracking, IterableDataset):
     """An IterableDataset of column batches: ``{"col": tensor, "text_col": [str, ...]}``.
 
     Use it with ``DataLoader(ds, batch_size=None)`` (the dataset batches). Numeric, boolean and
@@ -156,9 +155,7 @@ class ParquetDataset(IterableDataset):
         biggest = max(self.group_rows, default=0)
         self.shuffle_buffer = int(shuffle_buffer) if shuffle_buffer else max(DEFAULT_SHUFFLE_BUFFER, biggest)
         self.fingerprint = self._fingerprint()
-        self._epoch = SharedInt(0)
-        self._epoch_explicit = False
-        self._fresh = True
+        self._init_epochs()
         self._resume: dict[str, Any] | None = None
         self._delivered_main = 0
         self._epoch_main: int | None = None  # epoch the main process is iterating (None: not started)
@@ -248,26 +245,10 @@ class ParquetDataset(IterableDataset):
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch whose order the next iteration follows (same on every rank and worker)."""
-        self._epoch.value = int(epoch)
-        self._epoch_explicit = True
-        self._fresh = True
+        super().set_epoch(epoch)
         self._epoch_main, self._delivered_main = None, 0
 
-    @property
-    def epoch(self) -> int:
-        return self._epoch.value
-
-    def _next_epoch_auto(self) -> None:
-        if not self._fresh and not self._epoch_explicit:
-            self._epoch.value = self._epoch.value + 1
-        self._fresh = False
-
     # ------------------------------------------------------------ plan
-
-    def _shuffle_mode(self, world: int) -> bool | str:
-        if self.shuffle is True:
-            return "node" if world > local_world_size(world) else "global"
-        return self.shuffle
 
     def _order_params(self, epoch: int, world: int | None = None) -> tuple[bool | str, int, int]:
         """(shuffle mode, world, local world) that fix ``epoch``'s order: the saved ones when resuming it."""
