@@ -358,7 +358,7 @@ class FileCache:
         for de in os.scandir(os.path.join(self.root, "tmp")):
             try:
                 parts = de.name.split(".")
-                dead = len(parts) > 2 and parts[1].isdigit() and not _pid_running(int(parts[1]))
+                dead = len(parts) > 2 and parts[1].isdigit() and not pid_running(int(parts[1]))
                 if dead or now - de.stat().st_mtime > 6 * 3600:
                     os.unlink(de.path)
             except OSError:
@@ -431,7 +431,8 @@ class FileCache:
             )
 
 
-def _pid_running(pid: int) -> bool:
+def pid_running(pid: int) -> bool:
+    """True when process ``pid`` exists on this machine (someone else's counts too)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

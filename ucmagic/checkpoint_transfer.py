@@ -14,6 +14,7 @@ import tempfile
 import time
 import zlib
 
+from .cache import pid_running
 from .checkpoint_format import CheckpointCorruptError, CheckpointError, CheckpointUploadError, FileRecord
 from .units import format_size
 
@@ -34,15 +35,6 @@ STALE_AFTER_S = 600
 _PID_SUFFIX = re.compile(r"-(\d+)$")
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True
-    return True
-
 
 def sweep_stale(root: str, *, now: float | None = None) -> list[str]:
     """Delete staging directories left by killed processes (dead pid suffix, untouched for 10 min)."""
@@ -52,7 +44,7 @@ def sweep_stale(root: str, *, now: float | None = None) -> list[str]:
         m = _PID_SUFFIX.search(name)
         path = os.path.join(root, name)
         try:
-            if not m or _alive(int(m.group(1))) or now - os.path.getmtime(path) < STALE_AFTER_S:
+            if not m or pid_running(int(m.group(1))) or now - os.path.getmtime(path) < STALE_AFTER_S:
                 continue
         except OSError:
             continue
