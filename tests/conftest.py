@@ -22,3 +22,20 @@ def tree(tmp_path):
     root = tmp_path / "volume"
     rels = make_files(str(root), 120, 3000, per_dir=25)
     return str(root), rels
+
+
+@pytest.fixture
+def magic_shell(tmp_path, monkeypatch):
+    """A real IPython shell with ``%load_ext ucmagic``, a local catalog in tmp, and whatever the test
+    binds removed afterwards. Tests choose UCMAGIC_RAISE themselves (UsageError lines or exceptions)."""
+    pytest.importorskip("IPython")
+    from IPython.core.interactiveshell import InteractiveShell
+
+    monkeypatch.setenv("UCMAGIC_CATALOG_ROOT", str(tmp_path / "catalog"))
+    shell = InteractiveShell.instance()
+    shell.run_line_magic("load_ext", "ucmagic")
+    before = set(shell.user_ns)
+    yield shell
+    for name in set(shell.user_ns) - before:
+        shell.user_ns.pop(name, None)
+    shell.run_line_magic("unload_ext", "ucmagic")

@@ -24,17 +24,11 @@ def shell():
 
 
 @pytest.fixture
-def ip(shell, monkeypatch, tmp_path):
+def ip(monkeypatch, magic_shell):
     """A shell with the extension loaded, a clean namespace, and UsageErrors (not UCMAGIC_RAISE)."""
     monkeypatch.delenv("UCMAGIC_RAISE", raising=False)
     monkeypatch.setenv("UCMAGIC_PROGRESS", "off")
-    monkeypatch.setenv("UCMAGIC_CATALOG_ROOT", str(tmp_path / "catalog"))
-    shell.run_line_magic("load_ext", "ucmagic")
-    before = set(shell.user_ns)
-    yield shell
-    for name in set(shell.user_ns) - before:
-        shell.user_ns.pop(name, None)
-    shell.run_line_magic("unload_ext", "ucmagic")
+    return magic_shell
 
 
 def run(ip, line: str):
