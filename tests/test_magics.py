@@ -245,7 +245,8 @@ def test_ucload_table_to_dataframe(ip, table):
     assert "add --stream" in usage(ip, "%ucload main.default.points -b 10")
     assert "-p applies to directories" in usage(ip, "%ucload main.default.points -p '*.x'")
     assert "no column" in usage(ip, "%ucload main.default.points --stream --columns nope")
-    assert "does not exist" in usage(ip, "%ucload main.default.missing") or True
+    missing = usage(ip, "%ucload main.default.missing")
+    assert "main.default.missing not found" in missing and "register_table" in missing, missing
 
 
 def test_ucload_table_stream(ip, table):
