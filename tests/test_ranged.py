@@ -1,5 +1,6 @@
 """Parallel ranged copies of big files: range planning (pure) and the copy with retries per range."""
 import errno
+import itertools
 import os
 import threading
 
@@ -17,7 +18,7 @@ def test_ranges_cover_the_file_exactly_once_in_order(size, range_size):
     ranges = plan_ranges(size, range_size)
     assert sum(e - s for s, e in ranges) == size
     assert all(0 < e - s <= range_size for s, e in ranges)
-    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))  # contiguous: no gap, no overlap
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))  # contiguous: no gap, no overlap
     assert (ranges[0][0], ranges[-1][1]) == (0, size) if size else ranges == []
     assert all(e - s == range_size for s, e in ranges[:-1])
 

@@ -16,8 +16,9 @@ from __future__ import annotations
 import errno
 import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Protocol
+from typing import Protocol
 
 from .fetch import with_retries
 
@@ -90,7 +91,8 @@ def ranged_copy(open_reader: Callable[[], RangeReader], size: int, dest: str, *,
         buf = memoryview(bytearray(min(chunk, range_size)))
         reader: list[RangeReader | None] = [None]
 
-        def copy_rest(pos: list[int], end: int) -> None:
+        def copy_rest(job: tuple[list[int], int]) -> None:
+            pos, end = job
             try:
                 if reader[0] is None:
                     reader[0] = open_reader()
@@ -111,7 +113,7 @@ def ranged_copy(open_reader: Callable[[], RangeReader], size: int, dest: str, *,
         try:
             while (r := take()) is not None:
                 pos = [r[0]]
-                with_retries(lambda _: copy_rest(pos, r[1]), None, retries)
+                with_retries(copy_rest, (pos, r[1]), retries)
                 if pos[0] == r[1]:
                     with mu:
                         done[0] += r[1] - r[0]
