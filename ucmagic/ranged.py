@@ -8,8 +8,8 @@ its own handle, writing each range at its offset of one destination file with ``
 retried for its range only (with :func:`ucmagic.fetch.with_retries`, resuming at the byte it had
 reached), and the file must end up exactly ``size`` bytes long. Every process runs at most
 :data:`MAX_STREAMS` range streams at once, whatever the number of files being copied: the streams
-run on one per-process pool of that many threads, taken first-come first-served, so the first file
-asked for finishes first.
+run on one per-process pool of that many threads, taken first-come first-served with each file's
+streams queued together, so the first file asked for finishes first.
 """
 from __future__ import annotations
 
@@ -52,6 +52,15 @@ class RangeReader(Protocol):
 
 _pool_mu = threading.Lock()
 _pool: tuple[int, ThreadPoolExecutor] | None = None
+_submit_mu = threading.Lock()  # one file's streams enter the pool's queue together: files finish in order
+
+
+def _after_fork() -> None:  # a lock held by a thread of the parent would stay held forever in the child
+    global _pool_mu, _submit_mu, _pool
+    _pool_mu, _submit_mu, _pool = threading.Lock(), threading.Lock(), None
+
+
+os.register_at_fork(after_in_child=_after_fork)
 
 
 def stream_pool() -> ThreadPoolExecutor:
@@ -125,7 +134,9 @@ def ranged_copy(open_reader: Callable[[], RangeReader], size: int, dest: str, *,
             _close(reader)
 
     try:
-        futures = [stream_pool().submit(stream) for _ in range(min(max(1, streams), len(ranges)))]
+        pool = stream_pool()
+        with _submit_mu:
+            futures = [pool.submit(stream) for _ in range(min(max(1, streams), len(ranges)))]
         try:
             for f in futures:
                 f.result()
