@@ -234,3 +234,14 @@ def test_a_small_file_changed_since_the_listing_is_refused_naming_it(tree, tmp_p
         f.write(b"appended")
     with pytest.raises(SourceChangedError, match=os.path.basename(rels[7]) + ".*new dataset object"):
         vol.copy_to(e.path, str(tmp_path / "c"), expect=e)
+
+
+def test_range_settings_travel_with_a_pickled_volume(tree):
+    import pickle
+
+    root, _ = tree
+    for vol in (LocalVolume(root), FsspecVolume(f"slow://{root}", {"open_ms": 0})):
+        vol.range_threshold = 5 << 20
+        got = pickle.loads(pickle.dumps(vol))
+        assert (got.range_threshold, got.range_size) == (5 << 20, vol.range_size)
+        assert [e.path for e in got.list()] == [e.path for e in vol.list()]

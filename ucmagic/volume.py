@@ -188,16 +188,21 @@ class Volume:
                                    chunk=self.range_chunk, retries=self.range_retries)
         except Exception as exc:
             try:
-                now = self.stat(rel)
+                now: FileEntry | None = self.stat(rel)
             except OSError:
-                raise exc from None
-            check_unchanged(self, expect, now, cause=exc)
+                now = None
+            if now is not None:
+                check_unchanged(self, expect, now, cause=exc)
             raise
         check_unchanged(self, expect, self.stat(rel))
         return n
 
     def display(self, rel: str = "") -> str:
         return self.uri.rstrip("/") + ("/" + rel if rel else "")
+
+    def _tuning(self) -> dict[str, Any]:
+        """Range settings set on this instance (they travel with it to worker processes)."""
+        return {k: v for k, v in vars(self).items() if k.startswith("range_")}
 
     def _check_listing(self, entries: list[FileEntry], pattern: str | None) -> list[FileEntry]:
         if not entries:
@@ -218,7 +223,7 @@ class LocalVolume(Volume):
         self.list_threads = list_threads
 
     def __reduce__(self):
-        return (LocalVolume, (self.root,), {"list_threads": self.list_threads})
+        return (LocalVolume, (self.root,), {"list_threads": self.list_threads, **self._tuning()})
 
     def display(self, rel: str = "") -> str:
         return os.path.join(self.root, rel) if rel else self.root
@@ -312,7 +317,7 @@ class FsspecVolume(Volume):
         self.uri = f"{proto}://{self.root}"
 
     def __reduce__(self):
-        return (FsspecVolume, (self.url, self.storage_options))
+        return (FsspecVolume, (self.url, self.storage_options), self._tuning())
 
     def list(self, pattern: str | None = None) -> list[FileEntry]:
         found = self.fs.find(self.root, detail=True)
