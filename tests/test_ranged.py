@@ -5,16 +5,17 @@ import os
 import threading
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ucmagic.ranged import plan_ranges, ranged_copy
 
 
+@settings(deadline=None)  # a loaded machine must not fail a pure property
 @given(st.integers(0, 1 << 40), st.integers(1, 1 << 32))
 def test_ranges_cover_the_file_exactly_once_in_order(size, range_size):
-    if size // range_size > 10_000:  # keep the example small; coverage is the same property
-        size = range_size * 10_000 + size % range_size
+    if size // range_size > 2_000:  # keep the example small; coverage is the same property
+        size = range_size * 2_000 + size % range_size
     ranges = plan_ranges(size, range_size)
     assert sum(e - s for s, e in ranges) == size
     assert all(0 < e - s <= range_size for s, e in ranges)
