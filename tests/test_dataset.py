@@ -203,10 +203,10 @@ def test_faulty_volume_is_retried_transparently(tree):
 
 
 class Unreadable(LocalVolume):
-    def copy_to(self, rel, dest):
+    def copy_to(self, rel, dest, **kw):
         if rel.endswith("f000005.bin"):
             raise PermissionError(13, "Permission denied", rel)
-        return super().copy_to(rel, dest)
+        return super().copy_to(rel, dest, **kw)
 
 
 def test_unreadable_file_raises_naming_it_or_is_skipped(tree):

@@ -102,10 +102,10 @@ class HangingVolume(LocalVolume):
         self.stuck = stuck
         self.release = threading.Event()
 
-    def copy_to(self, rel: str, dest: str) -> int:
+    def copy_to(self, rel: str, dest: str, **kw) -> int:
         if rel == self.stuck:
             self.release.wait(30)
-        return super().copy_to(rel, dest)
+        return super().copy_to(rel, dest, **kw)
 
 
 def test_a_hung_open_fails_the_epoch_naming_the_file_after_the_timeout(tmp_path):

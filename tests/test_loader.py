@@ -73,6 +73,25 @@ def test_defaults_are_tuned_and_every_explicit_argument_wins(tree):
         DataLoader(UCVolumeDataset(tree[0]), shuffle=True)
 
 
+def test_defaults_follow_the_dataset_kind_parquet_runs_in_process_files_get_workers(tree, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from ucmagic import ParquetDataset
+
+    pq.write_table(pa.table({"id": list(range(300)), "x": [i / 2 for i in range(300)]}), tmp_path / "p.parquet",
+                   row_group_size=100)
+    ds = ParquetDataset(str(tmp_path), batch_size=64)
+    d = DataLoader(ds, batch_size=None)
+    assert (d.num_workers, d.prefetch_factor, d.persistent_workers) == (0, None, False)
+    assert d.pin_memory == torch.cuda.is_available()
+    assert sorted(int(i) for b in d for i in b["id"]) == list(range(300))
+    e = DataLoader(ds, num_workers=2, persistent_workers=False, pin_memory=False)
+    assert (e.num_workers, e.prefetch_factor, e.persistent_workers, e.pin_memory) == (2, 4, False, False)
+    f = DataLoader(UCVolumeDataset(tree[0]))
+    assert (f.num_workers, f.prefetch_factor, f.persistent_workers) == (min(6, len(os.sched_getaffinity(0))), 4, True)
+
+
 @pytest.mark.parametrize("method", ["fork", "spawn"])
 def test_any_dataset_with_fork_and_spawn(tree, method):
     root, names = tree

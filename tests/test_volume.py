@@ -1,4 +1,6 @@
+import errno
 import os
+import threading
 
 import pytest
 
@@ -99,3 +101,147 @@ def test_fingerprint_changes_with_listing():
     assert listing_fingerprint(a) != listing_fingerprint(a[:1])
     assert listing_fingerprint(a) != listing_fingerprint([FileEntry("a", 1, 0.0), FileEntry("b", 3, 0.0)])
     assert [e.path for e in filter_entries(reversed(a), None)] == ["a", "b"]
+
+
+# ------------------------------------------------------------------ big files: parallel ranged fills
+
+BIG = 24_000_000 + 12_345  # about 24 MB, not a multiple of the range size
+
+
+@pytest.fixture
+def big_file(tmp_path):
+    """A volume holding one ~24 MB file of random bytes; returns (root, bytes)."""
+    root = tmp_path / "bigvol"
+    root.mkdir()
+    data = os.urandom(BIG)
+    (root / "big.bin").write_bytes(data)
+    return str(root), data
+
+
+def ranges_from_1mib(vol, range_size=1 << 20):
+    vol.range_threshold, vol.range_size, vol.range_chunk = 1 << 20, range_size, 1 << 20
+    return vol
+
+
+@pytest.mark.parametrize("kind", ["mounted", "fsspec"])
+def test_a_big_file_is_copied_by_parallel_ranges_and_equals_the_source(big_file, tmp_path, kind, monkeypatch):
+    root, data = big_file
+    vol = LocalVolume(root) if kind == "mounted" else FsspecVolume(f"slow://{root}", {"open_ms": 0, "mbps": 0})
+    ranges_from_1mib(vol)
+    streams = []
+    inner = vol.range_reader
+    monkeypatch.setattr(vol, "range_reader", lambda rel: streams.append(rel) or inner(rel))
+    [e] = vol.list()
+    dest = tmp_path / "copy.bin"
+    assert vol.copy_to(e.path, str(dest), expect=e) == len(data)
+    assert dest.read_bytes() == data
+    assert len(streams) > 1  # several streams read it at once
+
+
+def test_small_files_and_copies_without_a_listing_entry_use_one_stream(big_file, tmp_path, monkeypatch):
+    root, data = big_file
+    vol = LocalVolume(root)  # default threshold: 64 MiB
+    monkeypatch.setattr(vol, "range_reader", lambda rel: pytest.fail("ranged copy of a file below the threshold"))
+    [e] = vol.list()
+    assert vol.copy_to(e.path, str(tmp_path / "a"), expect=e) == len(data)
+    ranges_from_1mib(vol)
+    assert vol.copy_to(e.path, str(tmp_path / "b")) == len(data)  # no expect: a plain copy
+
+
+class FlakyRanges(LocalVolume):
+    """Reads covering one of ``fail_at`` (byte offsets) fail once with EIO: a flaky network read."""
+
+    def __init__(self, root, fail_at):
+        super().__init__(root)
+        self.fail_at, self.failures, self.mu = set(fail_at), 0, threading.Lock()
+
+    def range_reader(self, rel):
+        inner, vol = super().range_reader(rel), self
+
+        class Reader:
+            def readinto_at(self, offset, buf):
+                with vol.mu:
+                    hit = next((b for b in vol.fail_at if offset <= b < offset + len(buf)), None)
+                    if hit is not None:
+                        vol.fail_at.discard(hit)
+                        vol.failures += 1
+                if hit is not None:
+                    raise OSError(errno.EIO, "injected I/O error")
+                return inner.readinto_at(offset, buf)
+
+            def close(self):
+                inner.close()
+
+        return Reader()
+
+
+def test_a_read_failing_in_the_middle_of_a_range_is_retried_for_that_range_only(big_file):
+    from ucmagic.dataset import UCVolumeDataset
+
+    root, data = big_file
+    middle_of_range_2 = 2 * (4 << 20) + (2 << 20) + 5  # third 1 MiB read of the third 4 MiB range
+    vol = ranges_from_1mib(FlakyRanges(root, {middle_of_range_2}), range_size=4 << 20)
+    ds = UCVolumeDataset(vol)
+    [path] = list(ds)
+    with open(path, "rb") as f:
+        assert f.read() == data
+    assert vol.failures == 1
+    assert ds.stats()["retries"] == 0  # the range was retried, not the whole file
+
+
+class ChangesWhileCopied(LocalVolume):
+    """The source file is rewritten in place (same size, new content and mtime) during the copy."""
+
+    def __init__(self, root):
+        super().__init__(root)
+        self.changed = threading.Event()
+
+    def range_reader(self, rel):
+        full = os.path.join(self.root, rel)
+        if not self.changed.is_set():
+            self.changed.set()
+            with open(full, "r+b") as f:
+                f.write(b"new version\n")
+            st = os.stat(full)
+            os.utime(full, ns=(st.st_atime_ns, st.st_mtime_ns + 5_000_000_000))
+        return super().range_reader(rel)
+
+
+def test_a_source_changed_during_the_copy_is_refused_naming_it_and_a_new_dataset_gets_the_new_version(big_file):
+    from ucmagic import SourceChangedError
+    from ucmagic.dataset import UCVolumeDataset
+
+    root, data = big_file
+    ds = UCVolumeDataset(ranges_from_1mib(ChangesWhileCopied(root)))
+    with pytest.raises(SourceChangedError, match=r"big\.bin.*new dataset object"):
+        list(ds)
+    fresh = UCVolumeDataset(ranges_from_1mib(LocalVolume(root)))
+    [path] = list(fresh)
+    with open(path, "rb") as f:
+        got = f.read()
+    assert got == b"new version\n" + data[12:]
+    assert fresh.stats()["misses"] == 1
+
+
+@pytest.mark.parametrize("kind", ["mounted", "fsspec"])
+def test_a_small_file_changed_since_the_listing_is_refused_naming_it(tree, tmp_path, kind):
+    from ucmagic import SourceChangedError
+
+    root, rels = tree
+    vol = LocalVolume(root) if kind == "mounted" else FsspecVolume(f"slow://{root}", {"open_ms": 0, "mbps": 0})
+    e = next(x for x in vol.list() if x.path == rels[7])
+    with open(os.path.join(root, rels[7]), "ab") as f:
+        f.write(b"appended")
+    with pytest.raises(SourceChangedError, match=os.path.basename(rels[7]) + ".*new dataset object"):
+        vol.copy_to(e.path, str(tmp_path / "c"), expect=e)
+
+
+def test_range_settings_travel_with_a_pickled_volume(tree):
+    import pickle
+
+    root, _ = tree
+    for vol in (LocalVolume(root), FsspecVolume(f"slow://{root}", {"open_ms": 0})):
+        vol.range_threshold = 5 << 20
+        got = pickle.loads(pickle.dumps(vol))
+        assert (got.range_threshold, got.range_size) == (5 << 20, vol.range_size)
+        assert [e.path for e in got.list()] == [e.path for e in vol.list()]

@@ -36,6 +36,7 @@ _EXPORTS = {
     "SizeParseError": "errors",
     "FetchError": "errors",
     "FetchTimeoutError": "errors",
+    "SourceChangedError": "errors",
     "CacheFullError": "errors",
     "ListingChangedError": "errors",
     "UnsafeCacheError": "errors",

@@ -220,7 +220,7 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
         t0 = time.perf_counter()  # FileCache.fill looks the entry up first: a hit returns fetched=False
 
         def write(tmp: str) -> int:
-            return self.volume.copy_to(e.path, tmp)
+            return self.volume.copy_to(e.path, tmp, expect=e)
 
         def attempt(_: Any) -> tuple[str, bool]:
             return self.cache.fill(key, suffix, e.size, write)

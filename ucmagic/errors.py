@@ -26,6 +26,10 @@ class FetchError(UCMagicError, OSError):
     """A file could not be copied from the volume after all retries."""
 
 
+class SourceChangedError(FetchError):
+    """A source file changed (size or mtime) while it was being copied; the copy was discarded."""
+
+
 class FetchTimeoutError(FetchError, TimeoutError):
     """A single file took longer than the per-file timeout."""
 

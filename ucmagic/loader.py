@@ -30,12 +30,17 @@ __all__ = ["DataLoader", "LoaderStats"]
 DEFAULT_NUM_WORKERS = 6
 
 
-def default_num_workers() -> int:
-    """6 worker processes, or as many as there are CPUs if fewer.
+def default_num_workers(kind: str | None = None) -> int:
+    """The default worker count for a dataset of ``kind`` (see :func:`_planned_kind`).
 
-    ucmagic's file I/O runs on threads inside each iterating process, so workers are only needed
-    for decoding; more processes than CPUs slow the epoch down, cost memory and make torch warn.
+    ``"ParquetDataset"``: 0, its decoding already runs on a read-ahead thread and every batch
+    crossing processes costs more than it brings. Anything else: 6 worker processes, or as many as
+    there are CPUs if fewer; ucmagic's file I/O runs on threads inside each iterating process, so
+    workers are only needed for decoding, and more processes than CPUs slow the epoch down, cost
+    memory and make torch warn.
     """
+    if kind == "ParquetDataset":
+        return 0
     try:
         cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
@@ -126,7 +131,7 @@ class DataLoader(tud.DataLoader):
     """Drop-in ``torch.utils.data.DataLoader`` tuned for slow volumes, with timing and resume.
 
     Defaults differ from torch's only where torch's are slow: ``num_workers=6`` (fewer on
-    machines with fewer CPUs),
+    machines with fewer CPUs; 0 for a ``ParquetDataset``, which decodes on its own thread),
     ``prefetch_factor=4`` and ``persistent_workers=True`` when there are workers, ``pin_memory``
     when CUDA is available. Every argument you pass wins. Works with any dataset.
 
@@ -159,7 +164,7 @@ class DataLoader(tud.DataLoader):
         elif batch_size is _UNSET:
             batch_size = 1
         if num_workers is None:
-            num_workers = default_num_workers()
+            num_workers = default_num_workers(kind)
         if prefetch_factor is None and num_workers > 0:
             prefetch_factor = DEFAULT_PREFETCH_FACTOR
         if persistent_workers is None:

@@ -15,7 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 from typing import Any, Iterable, NamedTuple
 
-from .errors import EmptyListingError, FetchError, NotADirectoryErrorUC, SourceNotFoundError
+from . import ranged
+from .errors import EmptyListingError, FetchError, NotADirectoryErrorUC, SourceChangedError, SourceNotFoundError
 
 COPY_CHUNK = 4 << 20
 
@@ -146,22 +147,62 @@ def _is_url(path: str) -> bool:
 
 
 class Volume:
-    """Interface: list files and copy one file to a local path. ``uri`` identifies the volume."""
+    """Interface: list files and copy one file to a local path. ``uri`` identifies the volume.
+
+    Copies of files of at least ``range_threshold`` bytes read ``range_size`` ranges on several
+    streams at once (:mod:`ucmagic.ranged`); set these attributes on an instance to tune them.
+    """
 
     uri: str
+    range_threshold: int = ranged.THRESHOLD
+    range_size: int = ranged.RANGE_SIZE
+    range_chunk: int = ranged.CHUNK
+    range_retries: int = 3
 
     def list(self, pattern: str | None = None) -> list[FileEntry]:
         raise NotImplementedError
 
-    def copy_to(self, rel: str, dest: str) -> int:
-        """Copy ``rel`` to the local path ``dest``; return the number of bytes written."""
+    def copy_to(self, rel: str, dest: str, *, expect: FileEntry | None = None) -> int:
+        """Copy ``rel`` to the local path ``dest``; return the number of bytes written.
+
+        With ``expect`` (the listing's entry for ``rel``): a file of at least ``range_threshold``
+        bytes is copied by parallel ranged reads, and a source whose size or mtime no longer match
+        ``expect`` after the copy raises :class:`SourceChangedError` (``dest`` may then hold mixed
+        bytes: discard it).
+        """
         raise NotImplementedError
 
     def stat(self, rel: str) -> FileEntry:
+        """The file's current size and mtime (never from a cached listing)."""
         raise NotImplementedError
+
+    def range_reader(self, rel: str) -> ranged.RangeReader:
+        """A new read stream on ``rel`` for :func:`ucmagic.ranged.ranged_copy`."""
+        raise NotImplementedError
+
+    def ranged_copy(self, rel: str, dest: str, expect: FileEntry) -> int:
+        """Copy ``rel`` (listed as ``expect``) by parallel ranged reads, refusing a source that changed."""
+        check_unchanged(self, expect, self.stat(rel))  # changed since the listing: copy nothing
+        try:
+            n = ranged.ranged_copy(lambda: self.range_reader(rel), expect.size, dest, range_size=self.range_size,
+                                   chunk=self.range_chunk, retries=self.range_retries)
+        except Exception as exc:
+            try:
+                now: FileEntry | None = self.stat(rel)
+            except OSError:
+                now = None
+            if now is not None:
+                check_unchanged(self, expect, now, cause=exc)
+            raise
+        check_unchanged(self, expect, self.stat(rel))
+        return n
 
     def display(self, rel: str = "") -> str:
         return self.uri.rstrip("/") + ("/" + rel if rel else "")
+
+    def _tuning(self) -> dict[str, Any]:
+        """Range settings set on this instance (they travel with it to worker processes)."""
+        return {k: v for k, v in vars(self).items() if k.startswith("range_")}
 
     def _check_listing(self, entries: list[FileEntry], pattern: str | None) -> list[FileEntry]:
         if not entries:
@@ -182,7 +223,7 @@ class LocalVolume(Volume):
         self.list_threads = list_threads
 
     def __reduce__(self):
-        return (LocalVolume, (self.root,), {"list_threads": self.list_threads})
+        return (LocalVolume, (self.root,), {"list_threads": self.list_threads, **self._tuning()})
 
     def display(self, rel: str = "") -> str:
         return os.path.join(self.root, rel) if rel else self.root
@@ -220,7 +261,9 @@ class LocalVolume(Volume):
         st = os.stat(os.path.join(self.root, rel))
         return FileEntry(rel, st.st_size, st.st_mtime)
 
-    def copy_to(self, rel: str, dest: str) -> int:
+    def copy_to(self, rel: str, dest: str, *, expect: FileEntry | None = None) -> int:
+        if expect is not None and expect.size >= self.range_threshold:
+            return self.ranged_copy(rel, dest, expect)
         src = os.path.join(self.root, rel)
         with open(src, "rb") as fsrc, open(dest, "wb") as fdst:
             n = 0
@@ -235,7 +278,13 @@ class LocalVolume(Volume):
                     raise
                 shutil.copyfileobj(fsrc, fdst, COPY_CHUNK)
                 n = fdst.tell()
+            if expect is not None:  # the file this handle read (a rename over it mid-copy leaves it intact)
+                st = os.fstat(fsrc.fileno())
+                check_unchanged(self, expect, FileEntry(rel, st.st_size, st.st_mtime))
         return n
+
+    def range_reader(self, rel: str) -> ranged.RangeReader:
+        return _FdReader(os.path.join(self.root, rel))
 
 
 def _info_mtime(info: dict[str, Any]) -> float:
@@ -268,7 +317,7 @@ class FsspecVolume(Volume):
         self.uri = f"{proto}://{self.root}"
 
     def __reduce__(self):
-        return (FsspecVolume, (self.url, self.storage_options))
+        return (FsspecVolume, (self.url, self.storage_options), self._tuning())
 
     def list(self, pattern: str | None = None) -> list[FileEntry]:
         found = self.fs.find(self.root, detail=True)
@@ -288,14 +337,31 @@ class FsspecVolume(Volume):
             files.append(FileEntry(rel, int(info.get("size") or 0), _info_mtime(info)))
         return self._check_listing(filter_entries(files, pattern), pattern)
 
+    range_chunk = 4 << 20  # a read call is a request to the store: fewer, bigger ones
+
     def stat(self, rel: str) -> FileEntry:
-        info = self.fs.info(self.root + "/" + rel)
+        full = self.root + "/" + rel
+        self.fs.invalidate_cache(full)  # a listing cache (s3fs keeps one) would hide a change
+        info = self.fs.info(full)
         return FileEntry(rel, int(info.get("size") or 0), _info_mtime(info))
 
-    def copy_to(self, rel: str, dest: str) -> int:
+    def copy_to(self, rel: str, dest: str, *, expect: FileEntry | None = None) -> int:
+        if expect is not None and expect.size >= self.range_threshold:
+            return self.ranged_copy(rel, dest, expect)
         with self.fs.open(self.root + "/" + rel, "rb") as fsrc, open(dest, "wb") as fdst:
             shutil.copyfileobj(fsrc, fdst, COPY_CHUNK)
-            return fdst.tell()
+            n = fdst.tell()
+        if expect is not None:  # one look after the copy sees a change made before or during it
+            check_unchanged(self, expect, self.stat(rel))
+        return n
+
+    def range_reader(self, rel: str) -> ranged.RangeReader:
+        full = self.root + "/" + rel
+        try:  # each read is one ranged request: no read-ahead cache past the range
+            f = self.fs.open(full, "rb", cache_type="none")
+        except TypeError:
+            f = self.fs.open(full, "rb")
+        return _FileObjReader(f)
 
 
 def open_volume(path: Any, storage_options: dict[str, Any] | None = None) -> Volume:
@@ -326,6 +392,51 @@ def open_volume(path: Any, storage_options: dict[str, Any] | None = None) -> Vol
             f"{path} is a file, not a directory: pass the directory that holds your files (use pattern= to pick some)"
         )
     return LocalVolume(real)
+
+
+class _FdReader:
+    """A read stream on a local or mounted file: its own descriptor, ``os.preadv`` at each offset."""
+
+    def __init__(self, path: str) -> None:
+        self.fd = os.open(path, os.O_RDONLY)
+
+    def readinto_at(self, offset: int, buf: memoryview) -> int:
+        return os.preadv(self.fd, [buf], offset)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+class _FileObjReader:
+    """A read stream on an fsspec file object: seek when needed, then read."""
+
+    def __init__(self, f: Any) -> None:
+        self.f = f
+
+    def readinto_at(self, offset: int, buf: memoryview) -> int:
+        if self.f.tell() != offset:
+            self.f.seek(offset)
+        readinto = getattr(self.f, "readinto", None)
+        if readinto is not None:
+            return readinto(buf)
+        data = self.f.read(len(buf))
+        buf[:len(data)] = data
+        return len(data)
+
+    def close(self) -> None:
+        self.f.close()
+
+
+def check_unchanged(vol: Volume, expect: FileEntry, now: FileEntry, *, cause: BaseException | None = None) -> None:
+    """Raise :class:`SourceChangedError` naming the file when ``now`` (a fresh stat) differs from the listing's ``expect``."""
+    if now.size == expect.size and now.mtime == expect.mtime:
+        return
+    err = SourceChangedError(
+        f"{vol.display(expect.path)} changed after it was listed (listed {expect.size} bytes, mtime "
+        f"{expect.mtime:.6f}; now {now.size} bytes, mtime {now.mtime:.6f}): its copy was discarded so that mixed "
+        "versions are never served. A dataset keeps the listing it took; a new dataset object lists the "
+        "files again and picks up the new version")
+    raise err from cause
 
 
 def copy_error(vol: Volume, rel: str, exc: BaseException) -> FetchError:

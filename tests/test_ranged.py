@@ -1,0 +1,98 @@
+"""Parallel ranged copies of big files: range planning (pure) and the copy with retries per range."""
+import errno
+import itertools
+import os
+import threading
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ucmagic.ranged import plan_ranges, ranged_copy
+
+
+@settings(deadline=None)  # a loaded machine must not fail a pure property
+@given(st.integers(0, 1 << 40), st.integers(1, 1 << 32))
+def test_ranges_cover_the_file_exactly_once_in_order(size, range_size):
+    if size // range_size > 2_000:  # keep the example small; coverage is the same property
+        size = range_size * 2_000 + size % range_size
+    ranges = plan_ranges(size, range_size)
+    assert sum(e - s for s, e in ranges) == size
+    assert all(0 < e - s <= range_size for s, e in ranges)
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))  # contiguous: no gap, no overlap
+    assert (ranges[0][0], ranges[-1][1]) == (0, size) if size else ranges == []
+    assert all(e - s == range_size for s, e in ranges[:-1])
+
+
+def test_range_planning_refuses_nonsense():
+    with pytest.raises(ValueError):
+        plan_ranges(-1, 10)
+    with pytest.raises(ValueError):
+        plan_ranges(10, 0)
+
+
+class BytesReader:
+    """A read stream over bytes; ``fail_at`` offsets raise EIO once each (a flaky network read)."""
+
+    def __init__(self, data: bytes, fail_at: set[int], log: list[str]) -> None:
+        self.data, self.fail_at, self.log = data, fail_at, log
+        log.append("open")
+
+    def readinto_at(self, offset: int, buf: memoryview) -> int:
+        for bad in list(self.fail_at):
+            if offset <= bad < offset + len(buf):
+                self.fail_at.discard(bad)
+                self.log.append("fail")
+                raise OSError(errno.EIO, "injected read error")
+        chunk = self.data[offset:offset + len(buf)]
+        buf[:len(chunk)] = chunk
+        return len(chunk)
+
+    def close(self) -> None:
+        self.log.append("close")
+
+
+def test_a_read_failing_mid_range_is_retried_from_where_it_stopped(tmp_path):
+    data = os.urandom(5 * 1000 + 7)
+    log: list[str] = []
+    fail_at = {2500, 2510, 4321}  # in the middle of ranges 2 and 4, twice in range 2
+    lock = threading.Lock()
+
+    def opener():
+        with lock:
+            return BytesReader(data, fail_at, log)
+
+    dest = tmp_path / "out.bin"
+    assert ranged_copy(opener, len(data), str(dest), range_size=1000, chunk=64, streams=3, retries=3) == len(data)
+    assert dest.read_bytes() == data
+    assert log.count("fail") == 3
+    assert 1 + 3 <= log.count("open") <= 3 + 3  # the streams that took a range, plus one reopen per failure
+    assert log.count("close") == log.count("open")
+
+
+def test_a_range_failing_every_retry_fails_the_copy_and_closes_every_stream(tmp_path):
+    data = os.urandom(8000)
+    log: list[str] = []
+
+    class Broken(BytesReader):
+        def readinto_at(self, offset, buf):
+            if offset >= 6000:
+                raise OSError(errno.EIO, "the volume is gone")
+            return super().readinto_at(offset, buf)
+
+    with pytest.raises(OSError, match="the volume is gone"):
+        ranged_copy(lambda: Broken(data, set(), log), len(data), str(tmp_path / "o"), range_size=1000, chunk=500,
+                    streams=4, retries=2)
+    assert log.count("close") == log.count("open")
+
+
+def test_a_source_shorter_than_listed_is_an_error_not_a_short_file(tmp_path):
+    data = os.urandom(2500)
+    with pytest.raises(OSError, match="ended at byte 2500"):
+        ranged_copy(lambda: BytesReader(data, set(), []), 3000, str(tmp_path / "o"), range_size=1000, retries=1)
+
+
+def test_an_empty_file_copies_to_an_empty_file(tmp_path):
+    dest = tmp_path / "o"
+    assert ranged_copy(lambda: BytesReader(b"", set(), []), 0, str(dest)) == 0
+    assert dest.read_bytes() == b""
