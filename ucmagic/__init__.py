@@ -38,6 +38,7 @@ _EXPORTS = {
     "FetchTimeoutError": "errors",
     "CacheFullError": "errors",
     "ListingChangedError": "errors",
+    "ResumeOrderError": "errors",
     "UnsafeCacheError": "errors",
     "CheckpointError": "checkpoint_format",
     "CheckpointNotCommittedError": "checkpoint_format",
