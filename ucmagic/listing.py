@@ -377,7 +377,9 @@ def open_listing(volume: Volume, pattern: str | None = None, cache_root: str | N
 
     The first caller on the machine builds it under a lock while others wait; later callers (other
     ranks, a restarted kernel) map the existing file once it passes ``validate`` (see the module
-    doc). ``relist=True`` rebuilds it (concurrent callers share one rebuild). ``progress`` is called
+    doc). ``relist=True`` rebuilds it. A listing built or checked by another caller that finished
+    after this call began is taken as is, so ranks starting together share one build or check (and
+    one rebuild with ``relist=True``). ``progress`` is called
     with the number of files found so far, from one second into a listing on. Raises
     :class:`~ucmagic.errors.EmptyListingError` when nothing matches.
     """
@@ -395,15 +397,13 @@ def open_listing(volume: Volume, pattern: str | None = None, cache_root: str | N
             except (ListingChangedError, OSError, KeyError, ValueError):
                 listing = None
             if listing is not None:
-                fresh = listing.listed_at >= called_at or cur.get("checked_at", 0.0) >= called_at
-                if fresh:  # built or checked by another process after this call started
+                if cur.get("checked_at", 0.0) >= called_at:  # built or checked by another caller meanwhile
                     return listing
-                check_at = time.time()
                 if not relist and stale_reason(listing, volume, validate) is None:
-                    _write_json(pointer, {"file": cur["file"], "checked_at": check_at})
+                    _write_json(pointer, {"file": cur["file"], "checked_at": time.time()})
                     return listing
         listed_at = time.time()
         path = _write(folder, key, volume, pattern, listed_at, _collect(volume, pattern, progress))
-        _write_json(pointer, {"file": os.path.basename(path), "checked_at": listed_at})
+        _write_json(pointer, {"file": os.path.basename(path), "checked_at": time.time()})
         _remove_superseded(folder, key, path)
     return Listing(path)
