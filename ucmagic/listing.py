@@ -64,6 +64,31 @@ def _dec(b: bytes) -> str:
     return b.decode("utf-8", "surrogateescape")
 
 
+def _view(arr: Any, dtype: Any) -> np.ndarray:
+    """Zero-copy numpy view of a null-free fixed-width Arrow array (``to_numpy`` would import pandas)."""
+    dt = np.dtype(dtype)
+    return np.frombuffer(arr.buffers()[1], dtype=dt, count=len(arr), offset=arr.offset * dt.itemsize)
+
+
+def _arrow(a: np.ndarray) -> Any:
+    """Zero-copy Arrow array over a numpy array (``pa.array`` would import pandas)."""
+    import pyarrow as pa
+
+    a = np.ascontiguousarray(a)
+    types = {"int32": pa.int32(), "int64": pa.int64(), "float64": pa.float64()}
+    return pa.Array.from_buffers(types[a.dtype.name], len(a), [None, pa.py_buffer(a)])
+
+
+def _binary(values: list[bytes], large: bool = True) -> Any:
+    """Arrow (large_)binary array of ``values``, built from buffers (``pa.array`` would import pandas)."""
+    import pyarrow as pa
+
+    offsets = np.zeros(len(values) + 1, dtype=np.int64 if large else np.int32)
+    np.cumsum([len(v) for v in values], out=offsets[1:])
+    return pa.Array.from_buffers(pa.large_binary() if large else pa.binary(), len(values),
+                                 [None, pa.py_buffer(offsets), pa.py_buffer(b"".join(values))])
+
+
 def listing_key(volume: Volume, pattern: str | None) -> str:
     """Name of the listing of ``pattern`` under ``volume`` (stable across processes and restarts)."""
     blob = json.dumps([LISTING_FORMAT, volume.uri, pattern or ""]).encode("utf-8", "surrogateescape")
@@ -108,10 +133,10 @@ class Listing:
         self.meta: dict[str, Any] = json.loads(meta["ucmagic"])
         self._dir = rb.column(0)
         self._name = rb.column(1)
-        self._dir_codes = self._dir.indices.to_numpy(zero_copy_only=True)
+        self._dir_codes = _view(self._dir.indices, np.int32)
         self._dir_values = self._dir.dictionary
-        self.sizes: np.ndarray = rb.column(2).to_numpy(zero_copy_only=True)
-        self.mtimes: np.ndarray = rb.column(3).to_numpy(zero_copy_only=True)
+        self.sizes: np.ndarray = _view(rb.column(2), np.int64)
+        self.mtimes: np.ndarray = _view(rb.column(3), np.float64)
 
     def __reduce__(self):
         return (Listing, (self.path,))
@@ -151,8 +176,8 @@ class Listing:
         import pyarrow as pa
 
         idx = np.asarray(indices, dtype=np.int64)
-        dirs = self._dir_values.take(pa.array(self._dir_codes[idx])).to_pylist()
-        names = self._name.take(pa.array(idx)).to_pylist()
+        dirs = self._dir_values.take(_arrow(self._dir_codes[idx])).to_pylist()
+        names = self._name.take(_arrow(idx)).to_pylist()
         return [_dec(d + n) for d, n in zip(dirs, names)]
 
     def entries(self, indices: Sequence[int] | np.ndarray) -> list[FileEntry]:
@@ -178,7 +203,7 @@ class Listing:
         import pyarrow as pa
 
         t = ipc.open_file(pa.memory_map(self.path[:-len(".arrow")] + ".dirs.arrow", "r")).read_all()
-        return [_dec(b) for b in t.column(0).to_pylist()], t.column(1).to_numpy()
+        return [_dec(b) for b in t.column(0).to_pylist()], _view(t.column(1).combine_chunks(), np.int64)
 
 
 # ---------------------------------------------------------------- building
@@ -189,9 +214,10 @@ def _collect(volume: Volume, pattern: str | None, progress: ProgressFn | None):
     import pyarrow.compute as pc
 
     dir_ids: dict[str, int] = {}
-    code_chunks, name_chunks, size_chunks, mtime_chunks = [], [], [], []
+    code_chunks, name_chunks, path_chunks, size_chunks, mtime_chunks = [], [], [], [], []
     codes: list[int] = []
     names: list[bytes] = []
+    paths: list[bytes] = []
     sizes: list[int] = []
     mtimes: list[float] = []
     seen_dirs: list[tuple[str, int]] = []
@@ -201,10 +227,11 @@ def _collect(volume: Volume, pattern: str | None, progress: ProgressFn | None):
 
     def flush() -> None:
         code_chunks.append(np.asarray(codes, dtype=np.int32))
-        name_chunks.append(pa.array(names, pa.large_binary()))
+        name_chunks.append(_binary(names))
+        path_chunks.append(_binary(paths))
         size_chunks.append(np.asarray(sizes, dtype=np.int64))
         mtime_chunks.append(np.asarray(mtimes, dtype=np.float64))
-        codes.clear(), names.clear(), sizes.clear(), mtimes.clear()
+        codes.clear(), names.clear(), paths.clear(), sizes.clear(), mtimes.clear()
 
     for d in volume.scan(pattern):
         seen_dirs.append((d.dir, d.mtime_ns))
@@ -216,6 +243,7 @@ def _collect(volume: Volume, pattern: str | None, progress: ProgressFn | None):
                 code = dir_ids[prefix] = len(dir_ids)
             codes.append(code)
             names.append(_enc(name))
+            paths.append(_enc(e.path))
             sizes.append(int(e.size))
             mtimes.append(float(e.mtime))
         count += len(d.files)
@@ -231,15 +259,15 @@ def _collect(volume: Volume, pattern: str | None, progress: ProgressFn | None):
         progress(count)
     if count == 0:
         raise volume.empty_listing_error(pattern)
-    dict_values = pa.array([_enc(p) for p in dir_ids], pa.binary())
+    dict_values = _binary([_enc(p) for p in dir_ids], large=False)
     code_arr = np.concatenate(code_chunks)
     name_arr = pa.concat_arrays(name_chunks)
     # sort by the full path, as volume.list does (UTF-8 byte order is code point order)
-    full = pc.binary_join_element_wise(dict_values.cast(pa.large_binary()).take(pa.array(code_arr)), name_arr,
-                                       pa.scalar(b"", pa.large_binary()))
-    order = pc.sort_indices(full).to_numpy()
+    full = pa.concat_arrays(path_chunks)
+    del path_chunks
+    order = _view(pc.sort_indices(full), np.uint64).astype(np.int64)
     del full
-    return (dict_values, code_arr[order], name_arr.take(pa.array(order)), np.concatenate(size_chunks)[order],
+    return (dict_values, code_arr[order], name_arr.take(_arrow(order)), np.concatenate(size_chunks)[order],
             np.concatenate(mtime_chunks)[order], seen_dirs)
 
 
@@ -250,7 +278,7 @@ def _fingerprint(dict_values, codes: np.ndarray, names, sizes: np.ndarray) -> st
     h = hashlib.sha256()
     for a in range(0, len(sizes), CHUNK):
         b = min(a + CHUNK, len(sizes))
-        dirs = dict_values.take(pa.array(codes[a:b])).to_pylist()
+        dirs = dict_values.take(_arrow(codes[a:b])).to_pylist()
         for d, n, s in zip(dirs, names.slice(a, b - a).to_pylist(), sizes[a:b].tolist()):
             h.update(d + n)
             h.update(b"\0%d\n" % s)
@@ -271,13 +299,13 @@ def _write(folder: str, key: str, volume: Volume, pattern: str | None, listed_at
         "listed_at": listed_at, "racy": racy, "keeps_dir_mtimes": bool(volume.keeps_dir_mtimes),
     }
     batch = pa.record_batch(
-        [pa.DictionaryArray.from_arrays(pa.array(codes, pa.int32()), dict_values), names,
-         pa.array(sizes, pa.int64()), pa.array(mtimes, pa.float64())],
+        [pa.DictionaryArray.from_arrays(_arrow(codes.astype(np.int32)), dict_values), names,
+         _arrow(sizes.astype(np.int64)), _arrow(mtimes.astype(np.float64))],
         names=["dir", "name", "size", "mtime"],
     ).replace_schema_metadata({"ucmagic": json.dumps(meta)})
     dirs_batch = pa.record_batch(
-        [pa.array([_enc(d) for d, _ in seen_dirs], pa.large_binary()),
-         pa.array([m for _, m in seen_dirs], pa.int64())], names=["dir", "mtime_ns"])
+        [_binary([_enc(d) for d, _ in seen_dirs]),
+         _arrow(np.array([m for _, m in seen_dirs], dtype=np.int64))], names=["dir", "mtime_ns"])
     base = os.path.join(folder, f"{key}-{int(listed_at * 1000):x}-{uuid.uuid4().hex[:8]}")
     for path, b in ((base + ".dirs.arrow", dirs_batch), (base + ".arrow", batch)):
         tmp = f"{path}.tmp-{os.getpid()}"
@@ -290,14 +318,22 @@ def _write(folder: str, key: str, volume: Volume, pattern: str | None, listed_at
 # ---------------------------------------------------------------- validation
 
 def _stat_all(paths: list[str]) -> list[os.stat_result | None]:
-    def one(p: str) -> os.stat_result | None:
-        try:
-            return os.stat(p)
-        except OSError:
-            return None
+    """``os.stat`` of each path (None where it fails), in parallel threads (stat releases the GIL)."""
+    def some(part: list[str]) -> list[os.stat_result | None]:
+        out: list[os.stat_result | None] = []
+        for p in part:
+            try:
+                out.append(os.stat(p))
+            except OSError:
+                out.append(None)
+        return out
 
-    with ThreadPoolExecutor(STAT_THREADS, thread_name_prefix="ucmagic-check") as pool:
-        return list(pool.map(one, paths, chunksize=256))
+    step = max(64, -(-len(paths) // (4 * STAT_THREADS)))
+    parts = [paths[a:a + step] for a in range(0, len(paths), step)]
+    if len(parts) <= 1:
+        return some(paths)
+    with ThreadPoolExecutor(min(STAT_THREADS, len(parts)), thread_name_prefix="ucmagic-check") as pool:
+        return [st for got in pool.map(some, parts) for st in got]
 
 
 def stale_reason(listing: Listing, volume: Volume, validate: str = "files") -> str | None:
