@@ -30,6 +30,7 @@ the same clock tick, so such a listing is rebuilt on its next check (as ``git`` 
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -173,8 +174,6 @@ class Listing:
     # entries
     def paths(self, indices: Sequence[int] | np.ndarray) -> list[str]:
         """Relative paths of the files at ``indices``."""
-        import pyarrow as pa
-
         idx = np.asarray(indices, dtype=np.int64)
         dirs = self._dir_values.take(_arrow(self._dir_codes[idx])).to_pylist()
         names = self._name.take(_arrow(idx)).to_pylist()
@@ -235,18 +234,17 @@ def _collect(volume: Volume, pattern: str | None, progress: ProgressFn | None):
 
     for d in volume.scan(pattern):
         seen_dirs.append((d.dir, d.mtime_ns))
-        for e in d.files:
-            head, _, name = e.path.rpartition("/")
-            prefix = head + "/" if head else ""
-            code = dir_ids.get(prefix)
-            if code is None:
-                code = dir_ids[prefix] = len(dir_ids)
-            codes.append(code)
-            names.append(_enc(name))
-            paths.append(_enc(e.path))
-            sizes.append(int(e.size))
-            mtimes.append(float(e.mtime))
-        count += len(d.files)
+        files = d.files
+        split = [e.path.rpartition("/") for e in files]
+        for head in {h for h, _, _ in split}:
+            if head not in dir_ids:
+                dir_ids[head] = len(dir_ids)
+        codes.extend([dir_ids[h] for h, _, _ in split])
+        names.extend([n.encode("utf-8", "surrogateescape") for _, _, n in split])
+        paths.extend([e.path.encode("utf-8", "surrogateescape") for e in files])
+        sizes.extend([e.size for e in files])
+        mtimes.extend([e.mtime for e in files])
+        count += len(files)
         if len(codes) >= CHUNK:
             flush()
         if progress is not None:
@@ -259,29 +257,26 @@ def _collect(volume: Volume, pattern: str | None, progress: ProgressFn | None):
         progress(count)
     if count == 0:
         raise volume.empty_listing_error(pattern)
-    dict_values = _binary([_enc(p) for p in dir_ids], large=False)
+    dict_values = _binary([_enc(h + "/") if h else b"" for h in dir_ids], large=False)
     code_arr = np.concatenate(code_chunks)
     name_arr = pa.concat_arrays(name_chunks)
     # sort by the full path, as volume.list does (UTF-8 byte order is code point order)
     full = pa.concat_arrays(path_chunks)
     del path_chunks
     order = _view(pc.sort_indices(full), np.uint64).astype(np.int64)
+    sizes_sorted = np.concatenate(size_chunks)[order]
+    fingerprint = _fingerprint(full.take(_arrow(order)), sizes_sorted)
     del full
-    return (dict_values, code_arr[order], name_arr.take(_arrow(order)), np.concatenate(size_chunks)[order],
-            np.concatenate(mtime_chunks)[order], seen_dirs)
+    return (dict_values, code_arr[order], name_arr.take(_arrow(order)), sizes_sorted,
+            np.concatenate(mtime_chunks)[order], seen_dirs, fingerprint)
 
 
-def _fingerprint(dict_values, codes: np.ndarray, names, sizes: np.ndarray) -> str:
-    """:func:`ucmagic.volume.listing_fingerprint` over the columns, chunk by chunk."""
-    import pyarrow as pa
-
+def _fingerprint(paths: Any, sizes: np.ndarray) -> str:
+    """:func:`ucmagic.volume.listing_fingerprint` of sorted (path bytes, size) columns, chunk by chunk."""
     h = hashlib.sha256()
     for a in range(0, len(sizes), CHUNK):
         b = min(a + CHUNK, len(sizes))
-        dirs = dict_values.take(_arrow(codes[a:b])).to_pylist()
-        for d, n, s in zip(dirs, names.slice(a, b - a).to_pylist(), sizes[a:b].tolist()):
-            h.update(d + n)
-            h.update(b"\0%d\n" % s)
+        h.update(b"".join([p + b"\0%d\n" % s for p, s in zip(paths.slice(a, b - a).to_pylist(), sizes[a:b].tolist())]))
     return h.hexdigest()[:16]
 
 
@@ -290,12 +285,12 @@ def _write(folder: str, key: str, volume: Volume, pattern: str | None, listed_at
     import pyarrow as pa
     from pyarrow import ipc
 
-    dict_values, codes, names, sizes, mtimes, seen_dirs = cols
+    dict_values, codes, names, sizes, mtimes, seen_dirs, fingerprint = cols
     racy_from = listed_at - RACY_S
     racy = bool((mtimes >= racy_from).any()) or any(m >= racy_from * 1e9 for _, m in seen_dirs if m >= 0)
     meta = {
         "format": LISTING_FORMAT, "volume_uri": volume.uri, "pattern": pattern, "files": int(len(sizes)),
-        "total_bytes": int(sizes.sum()), "fingerprint": _fingerprint(dict_values, codes, names, sizes),
+        "total_bytes": int(sizes.sum()), "fingerprint": fingerprint,
         "listed_at": listed_at, "racy": racy, "keeps_dir_mtimes": bool(volume.keeps_dir_mtimes),
     }
     batch = pa.record_batch(
@@ -309,9 +304,14 @@ def _write(folder: str, key: str, volume: Volume, pattern: str | None, listed_at
     base = os.path.join(folder, f"{key}-{int(listed_at * 1000):x}-{uuid.uuid4().hex[:8]}")
     for path, b in ((base + ".dirs.arrow", dirs_batch), (base + ".arrow", batch)):
         tmp = f"{path}.tmp-{os.getpid()}"
-        with ipc.new_file(tmp, b.schema) as w:
-            w.write_batch(b)
-        os.replace(tmp, path)
+        try:
+            with ipc.new_file(tmp, b.schema) as w:
+                w.write_batch(b)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
     return base + ".arrow"
 
 
@@ -346,12 +346,12 @@ def stale_reason(listing: Listing, volume: Volume, validate: str = "files") -> s
         return "entries were modified just before it was taken"
     if not (volume.keeps_dir_mtimes and listing.meta.get("keeps_dir_mtimes") and hasattr(volume, "root")):
         fresh = _collect(volume, listing.pattern, None)
-        _, codes, names, sizes, mtimes, _ = fresh
+        sizes, mtimes, fingerprint = fresh[3], fresh[4], fresh[6]
         if len(sizes) != len(listing):
             return f"{len(listing)} files then, {len(sizes)} now"
         if not (np.array_equal(sizes, listing.sizes) and np.array_equal(mtimes, listing.mtimes)):
             return "a file's size or mtime changed"
-        if _fingerprint(fresh[0], codes, names, sizes) != listing.fingerprint:
+        if fingerprint != listing.fingerprint:
             return "a file was renamed"
         return None
     root = volume.root
