@@ -97,10 +97,28 @@ def run_step(name: str, kw: dict) -> dict:
         n = len(vol.list())
         return {"s": time.perf_counter() - t0, "files": n}
     if name == "open":
+        import threading
+
+        import psutil
+
+        proc = psutil.Process()
+        rss0 = proc.memory_info().rss
+        peak = [rss0]
+        done = threading.Event()
+
+        def sample() -> None:  # the builder's peak memory, sampled every 10 ms
+            while not done.wait(0.01):
+                peak[0] = max(peak[0], proc.memory_info().rss)
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
         t0 = time.perf_counter()
         listing = open_listing(vol, None, kw["cache"], relist=kw["relist"], validate=kw["validate"])
         s = time.perf_counter() - t0
-        return {"s": s, "files": len(listing), "path": listing.path, "file_bytes": os.path.getsize(listing.path)}
+        done.set()
+        sampler.join()
+        return {"s": s, "files": len(listing), "path": listing.path, "file_bytes": os.path.getsize(listing.path),
+                "peak_rss_growth": max(peak[0], proc.memory_info().rss) - rss0}
     if name == "pickles":
         from ucmagic import UCVolumeDataset
 
@@ -172,7 +190,8 @@ def measure(label: str, root: str, cache: str, args, out: dict) -> None:
     r["fresh_open"] = step("open", root=root, cache=cache, relist=True, validate="files")
     files = r["fresh_open"]["files"]
     print(f"open_listing, fresh (relist=True):   {r['fresh_open']['s']:8.2f} s  ({files:,} files, "
-          f"file {r['fresh_open']['file_bytes'] / files:.1f} B/file)", flush=True)
+          f"file {r['fresh_open']['file_bytes'] / files:.1f} B/file, builder peak RSS growth "
+          f"{r['fresh_open']['peak_rss_growth'] / files:.0f} B/file)", flush=True)
     for mode in ("files", "dirs", "none"):
         r[f"restart_{mode}"] = step("open", root=root, cache=cache, relist=False, validate=mode)
         assert r[f"restart_{mode}"]["path"] == r["fresh_open"]["path"], "the listing was not reused"

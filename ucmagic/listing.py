@@ -52,6 +52,7 @@ PROGRESS_AFTER_S = 1.0  # the progress callback starts after this long ...
 PROGRESS_EVERY_S = 0.5  # ... and is called at most this often
 SUPERSEDED_GRACE_S = 24 * 3600.0  # older builds of a key are kept this long for processes still using them
 CHUNK = 1 << 16
+BUILD_CHUNK = 1 << 14  # entries gathered as Python objects before they become Arrow columns
 STAT_THREADS = 16
 
 ProgressFn = Callable[[int], None]
@@ -245,7 +246,7 @@ def _collect(volume: Volume, pattern: str | None, progress: ProgressFn | None):
         sizes.extend([e.size for e in files])
         mtimes.extend([e.mtime for e in files])
         count += len(files)
-        if len(codes) >= CHUNK:
+        if len(codes) >= BUILD_CHUNK:
             flush()
         if progress is not None:
             now = time.monotonic()
@@ -258,25 +259,31 @@ def _collect(volume: Volume, pattern: str | None, progress: ProgressFn | None):
     if count == 0:
         raise volume.empty_listing_error(pattern)
     dict_values = _binary([_enc(h + "/") if h else b"" for h in dir_ids], large=False)
+    # concatenate column by column, dropping the chunks as we go (the builder's peak is at the sort)
     code_arr = np.concatenate(code_chunks)
-    name_arr = pa.concat_arrays(name_chunks)
-    # sort by the full path, as volume.list does (UTF-8 byte order is code point order)
+    code_chunks.clear()
     full = pa.concat_arrays(path_chunks)
-    del path_chunks
+    path_chunks.clear()
+    # sort by the full path, as volume.list does (UTF-8 byte order is code point order)
     order = _view(pc.sort_indices(full), np.uint64).astype(np.int64)
-    sizes_sorted = np.concatenate(size_chunks)[order]
-    fingerprint = _fingerprint(full.take(_arrow(order)), sizes_sorted)
+    sizes = np.concatenate(size_chunks)[order]
+    size_chunks.clear()
+    fingerprint = _fingerprint(full, order, sizes)
     del full
-    return (dict_values, code_arr[order], name_arr.take(_arrow(order)), sizes_sorted,
-            np.concatenate(mtime_chunks)[order], seen_dirs, fingerprint)
+    mtimes = np.concatenate(mtime_chunks)[order]
+    mtime_chunks.clear()
+    names = pa.concat_arrays(name_chunks).take(_arrow(order))
+    name_chunks.clear()
+    return dict_values, code_arr[order], names, sizes, mtimes, seen_dirs, fingerprint
 
 
-def _fingerprint(paths: Any, sizes: np.ndarray) -> str:
-    """:func:`ucmagic.volume.listing_fingerprint` of sorted (path bytes, size) columns, chunk by chunk."""
+def _fingerprint(paths: Any, order: np.ndarray, sizes: np.ndarray) -> str:
+    """:func:`ucmagic.volume.listing_fingerprint` of ``paths[order]`` and ``sizes``, chunk by chunk."""
     h = hashlib.sha256()
     for a in range(0, len(sizes), CHUNK):
         b = min(a + CHUNK, len(sizes))
-        h.update(b"".join([p + b"\0%d\n" % s for p, s in zip(paths.slice(a, b - a).to_pylist(), sizes[a:b].tolist())]))
+        rows = paths.take(_arrow(order[a:b])).to_pylist()
+        h.update(b"".join([p + b"\0%d\n" % s for p, s in zip(rows, sizes[a:b].tolist())]))
     return h.hexdigest()[:16]
 
 

@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 import stat as stat_mod
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 from typing import Any, Iterable, Iterator, NamedTuple
@@ -238,12 +239,17 @@ class LocalVolume(Volume):
     def scan(self, pattern: str | None = None) -> Iterator[DirScan]:
         """Directories read concurrently (each readdir on a network mount is slow), yielded as read."""
         rx = compile_pattern(pattern) if pattern else None
+        todo = [""]  # directories found, not yet submitted
+        pending: deque[tuple[str, Any]] = deque()
+        ahead = 4 * self.list_threads  # bounded: results waiting for a slow consumer hold memory
         with ThreadPoolExecutor(self.list_threads, thread_name_prefix="ucmagic-list") as pool:
-            pending = [("", pool.submit(self._scan_dir, ""))]
-            while pending:
-                rel, fut = pending.pop()
+            while todo or pending:
+                while todo and len(pending) < ahead:
+                    d = todo.pop()
+                    pending.append((d, pool.submit(self._scan_dir, d)))
+                rel, fut = pending.popleft()
                 got, dirs, mtime_ns = fut.result()
-                pending.extend((d, pool.submit(self._scan_dir, d)) for d in dirs)
+                todo.extend(dirs)
                 yield DirScan(rel, mtime_ns, got if rx is None else [e for e in got if rx.match(e.path)])
 
     def list(self, pattern: str | None = None) -> list[FileEntry]:
