@@ -69,14 +69,15 @@ def step(name: str, **kw) -> dict:
     """Run ``python bench/listing.py --step name`` and return its JSON line."""
     cmd = [sys.executable, os.path.abspath(__file__), "--step", name, "--kw", json.dumps(kw)]
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     if out.returncode:
         raise RuntimeError(f"step {name} failed:\n{out.stderr}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def run_step(name: str, kw: dict) -> dict:
-    import pyarrow.compute  # noqa: F401  (library imports are not listing time: a training process has them)
+    # library imports are not listing time (a training process has them loaded already)
+    import pyarrow.compute  # noqa: F401
     import pyarrow.ipc  # noqa: F401
 
     from ucmagic.listing import open_listing
@@ -137,7 +138,7 @@ def _member(kind: str, blob: bytes, streams: int, s: int, barrier, q) -> None:
 
     import numpy as np
     import psutil
-    import pyarrow.compute  # noqa: F401  (libraries load before the baseline)
+    import pyarrow.compute  # noqa: F401  -- libraries load before the baseline
     import pyarrow.ipc  # noqa: F401
 
     from ucmagic import plan

@@ -277,3 +277,18 @@ def test_building_and_reading_a_listing_loads_no_pandas(vol, tmp_path):
             "l.entries(np.arange(len(l))); l.dirs(); print('pandas' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_superseded_builds_are_removed_after_a_day_and_recent_ones_kept(vol, tmp_path):
+    from ucmagic.listing import SUPERSEDED_GRACE_S
+
+    old = open_listing(vol, None, cache_root(tmp_path))
+    recent = open_listing(vol, None, cache_root(tmp_path), relist=True)
+    t = time.time() - 2 * SUPERSEDED_GRACE_S
+    os.utime(old.path, (t, t))
+    leftover = recent.path + ".tmp-99999"  # a builder killed mid-write
+    open(leftover, "w").close()
+    os.utime(leftover, (t, t))
+    current = open_listing(vol, None, cache_root(tmp_path), relist=True)
+    assert not os.path.exists(old.path) and not os.path.exists(leftover)
+    assert os.path.exists(recent.path) and os.path.exists(current.path)  # a worker may still unpickle it

@@ -185,7 +185,7 @@ def test_node_affine_order_keeps_each_nodes_files_like_the_array_order(n, nodes,
 def test_streams_over_order_chunks_deliver_every_file_once_and_resume_the_rest(n, world, workers, quantum, shuffle,
                                                                                 epoch, chunk, delivered):
     blocks = plan.node_blocks(n, world, 1, "pad") if shuffle == "node" else None
-    kw = dict(seed=7, epoch=epoch, shuffle=shuffle, blocks=blocks)
+    kw = {"seed": 7, "epoch": epoch, "shuffle": shuffle, "blocks": blocks}
     full = plan.order_at(n, np.arange(n), **kw)
 
     def stream_files(pool, r, w):

@@ -199,8 +199,8 @@ class Listing:
 
     def dirs(self) -> tuple[list[str], np.ndarray]:
         """Every directory read for this listing and its mtime in ns (``-1``: unknown)."""
-        from pyarrow import ipc
         import pyarrow as pa
+        from pyarrow import ipc
 
         t = ipc.open_file(pa.memory_map(self.path[:-len(".arrow")] + ".dirs.arrow", "r")).read_all()
         return [_dec(b) for b in t.column(0).to_pylist()], _view(t.column(1).combine_chunks(), np.int64)
@@ -296,7 +296,7 @@ def _write(folder: str, key: str, volume: Volume, pattern: str | None, listed_at
     racy_from = listed_at - RACY_S
     racy = bool((mtimes >= racy_from).any()) or any(m >= racy_from * 1e9 for _, m in seen_dirs if m >= 0)
     meta = {
-        "format": LISTING_FORMAT, "volume_uri": volume.uri, "pattern": pattern, "files": int(len(sizes)),
+        "format": LISTING_FORMAT, "volume_uri": volume.uri, "pattern": pattern, "files": len(sizes),
         "total_bytes": int(sizes.sum()), "fingerprint": fingerprint,
         "listed_at": listed_at, "racy": racy, "keeps_dir_mtimes": bool(volume.keeps_dir_mtimes),
     }
@@ -399,19 +399,17 @@ def _write_json(path: str, obj: dict[str, Any]) -> None:
 
 
 def _remove_superseded(folder: str, key: str, keep: str) -> None:
+    """Drop builds of ``key`` superseded more than a day ago, and temp files a killed builder left."""
     now = time.time()
     for name in os.listdir(folder):
-        if not name.startswith(key + "-") or not name.endswith(".arrow") or name.endswith(".dirs.arrow"):
+        if not name.startswith(key + "-") and not (name.startswith(key) and ".tmp-" in name):
             continue
         path = os.path.join(folder, name)
-        if path == keep:
+        if path == keep or path == keep[:-len(".arrow")] + ".dirs.arrow":
             continue
-        try:
+        with contextlib.suppress(FileNotFoundError):
             if now - os.stat(path).st_mtime > SUPERSEDED_GRACE_S:
                 os.unlink(path)
-                os.unlink(path[:-len(".arrow")] + ".dirs.arrow")
-        except FileNotFoundError:
-            pass
 
 
 def open_listing(volume: Volume, pattern: str | None = None, cache_root: str | None = None, *,
