@@ -1,9 +1,14 @@
 """Property tests of the partition plan: no overlap, no gap, equal ranks, stable shuffles."""
+import os
+import subprocess
+import sys
+
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ucmagic import plan
+from ucmagic import ResumeOrderError, plan
 
 
 def all_streams(pool, world, workers, mode, quantum):
@@ -109,3 +114,103 @@ def test_node_slices_rotate_every_n_epochs(n, nodes, local, every, epoch):
     lo, hi = blocks[0]
     if 0 < hi - lo < n:
         assert set(nxt[lo:hi].tolist()) != set(a[lo:hi].tolist())  # and then the slices move on
+
+
+# ---------------------------------------------------------------- array-free order (Feistel)
+
+SPECIAL_N = [0, 1, 2, 3, 4, 5, 7, 8, 16, 17, 31, 32, 33, 64, 97, 127, 128, 129, 1023, 1024, 1025, 4099]
+sizes = st.one_of(st.sampled_from(SPECIAL_N), st.integers(0, 3000))
+seeds = st.integers(-(2**63), 2**64 - 1)
+
+
+@settings(max_examples=300, deadline=None)
+@given(n=sizes, seed=seeds, epoch=st.integers(0, 10**6))
+def test_permute_is_a_permutation_for_every_n_seed_and_epoch(n, seed, epoch):
+    perm = plan.permute(n, seed, epoch, np.arange(n))
+    assert perm.dtype == np.int64 and sorted(perm.tolist()) == list(range(n))
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=sizes, seed=seeds, epoch=st.integers(0, 50), start=st.integers(0, 3100), length=st.integers(0, 3100),
+       chunk=st.integers(1, 700))
+def test_permutation_chunks_concatenate_to_the_permutation(n, seed, epoch, start, length, chunk):
+    full = plan.permute(n, seed, epoch, np.arange(n))
+    parts = list(plan.permutation_chunks(n, seed, epoch, start, start + length, chunk=chunk))
+    assert all(len(p) <= chunk for p in parts)
+    got = np.concatenate(parts).tolist() if parts else []
+    assert got == full[start:start + length].tolist()
+
+
+def test_orders_differ_between_epochs_and_seeds_and_are_not_the_listing_order():
+    n = 1000
+    base = plan.permute(n, 0, 0, np.arange(n))
+    assert base.tolist() != list(range(n))
+    assert plan.permute(n, 0, 1, np.arange(n)).tolist() != base.tolist()
+    assert plan.permute(n, 1, 0, np.arange(n)).tolist() != base.tolist()
+    with pytest.raises(ValueError, match="positions"):
+        plan.permute(n, 0, 0, np.array([n]))
+
+
+def test_permute_is_the_same_in_another_process():
+    code = ("import numpy as np, sys; from ucmagic import plan; "
+            "sys.stdout.write(','.join(map(str, plan.permute(10007, 42, 3, np.arange(0, 10007, 13)))))")
+    env = dict(os.environ, PYTHONHASHSEED="123")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
+    here = plan.permute(10007, 42, 3, np.arange(0, 10007, 13)).tolist()
+    assert [int(x) for x in out.split(",")] == here
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(0, 500), nodes=st.integers(1, 5), lws=st.integers(1, 3), epoch=st.integers(0, 9),
+       every=st.sampled_from([None, 1, 2]), mode=st.sampled_from(["pad", "drop"]), seed=st.integers(0, 99))
+def test_node_affine_order_keeps_each_nodes_files_like_the_array_order(n, nodes, lws, epoch, every, mode, seed):
+    world = nodes * lws
+    blocks = plan.node_blocks(n, world, lws, mode)
+    new = plan.order_at(n, np.arange(n), seed=seed, epoch=epoch, shuffle="node", blocks=blocks,
+                        reshuffle_every=every)
+    old = plan.epoch_order(n, seed=seed, epoch=epoch, shuffle="node", blocks=blocks, reshuffle_every=every)
+    assert sorted(new.tolist()) == list(range(n))
+    for a, b in blocks:  # the same files on each node as before, in a new order
+        assert sorted(new[a:b].tolist()) == sorted(old[a:b].tolist())
+    if n and epoch == 0 and every is None:
+        other = plan.order_at(n, np.arange(n), seed=seed, epoch=epoch + 1, shuffle="node", blocks=blocks)
+        for a, b in blocks:  # a node keeps its slice from epoch to epoch
+            assert sorted(other[a:b].tolist()) == sorted(new[a:b].tolist())
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(0, 400), world=st.integers(1, 6), workers=st.integers(1, 4), quantum=st.integers(1, 9),
+       shuffle=st.sampled_from([False, "global", "node"]), epoch=st.integers(0, 5), chunk=st.integers(1, 50),
+       delivered=st.integers(0, 400))
+def test_streams_over_order_chunks_deliver_every_file_once_and_resume_the_rest(n, world, workers, quantum, shuffle,
+                                                                                epoch, chunk, delivered):
+    blocks = plan.node_blocks(n, world, 1, "pad") if shuffle == "node" else None
+    kw = {"seed": 7, "epoch": epoch, "shuffle": shuffle, "blocks": blocks}
+    full = plan.order_at(n, np.arange(n), **kw)
+
+    def stream_files(pool, r, w):
+        rs = plan.stream_positions(pool, world, r, workers, w, "pad", quantum)
+        parts = list(plan.order_chunks(n, rs, chunk=chunk, **kw))
+        got = np.concatenate(parts).tolist() if parts else []
+        assert got == full[plan.positions(rs)].tolist()  # chunked == indexing the whole order
+        return got
+
+    pool = [(0, n)]
+    files = [f for r in range(world) for w in range(workers) for f in stream_files(pool, r, w)]
+    assert set(files) == set(range(n))
+    # resume after every stream delivered some items: the rest, on a single process, completes the epoch
+    spans = plan.stream_spans(n, world, workers, "pad", quantum)
+    done_counts = [min(delivered, b - a) for a, b in spans]
+    done = {f for (r, w), k in zip([(r, w) for r in range(world) for w in range(workers)], done_counts)
+            for f in stream_files(pool, r, w)[:k]}
+    left = plan.remaining_pool(pool, world, workers, "pad", quantum, done_counts)
+    rest = np.concatenate(list(plan.order_chunks(n, left, chunk=chunk, **kw)) or [np.zeros(0, np.int64)])
+    assert done.isdisjoint(rest.tolist()) and done | set(rest.tolist()) == set(range(n))
+
+
+def test_a_state_saved_under_the_old_order_is_refused():
+    with pytest.raises(ResumeOrderError, match="set_epoch"):
+        plan.check_order_version({"version": 1, "epoch": 3})
+    with pytest.raises(ResumeOrderError):
+        plan.check_order_version({"order_version": plan.ORDER_VERSION + 1})
+    plan.check_order_version({"order_version": plan.ORDER_VERSION})  # the current order resumes

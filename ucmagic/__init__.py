@@ -39,6 +39,7 @@ _EXPORTS = {
     "SourceChangedError": "errors",
     "CacheFullError": "errors",
     "ListingChangedError": "errors",
+    "ResumeOrderError": "errors",
     "UnsafeCacheError": "errors",
     "CheckpointError": "checkpoint_format",
     "CheckpointNotCommittedError": "checkpoint_format",

@@ -42,5 +42,9 @@ class ListingChangedError(UCMagicError, ValueError):
     """A saved resume state does not match the dataset's current listing."""
 
 
+class ResumeOrderError(UCMagicError, ValueError):
+    """A saved resume state follows an epoch order this version of ucmagic does not produce."""
+
+
 class UnsafeCacheError(UCMagicError, PermissionError):
     """The cache directory is not private to the current user."""

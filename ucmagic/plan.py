@@ -14,9 +14,11 @@ Nothing here does I/O; everything is tested exhaustively.
 """
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
+
+from .errors import ResumeOrderError
 
 Range = tuple[int, int]
 Ranges = list[Range]
@@ -240,3 +242,134 @@ def remaining_pool(pool: Sequence[Range], world_size: int, num_workers: int, mod
         assigned.extend(take_wrapped(pool, a, b))
         done.extend(take_wrapped(pool, a, a + min(int(d), b - a)))
     return subtract(assigned, done)
+
+
+# ---------------------------------------------------------------- array-free epoch order (Feistel)
+#
+# A keyed bijection over [0, n) evaluated for any positions on demand: a balanced Feistel network
+# on the smallest even number of bits covering n, with cycle-walking (re-encrypt until the value
+# falls below n; the domain is under 4n, so a value walks ~2 times on average). Vectorised over
+# numpy uint64 arrays, so a process computes the part of an epoch it delivers, chunk by chunk, and
+# never holds an n-element permutation. Keys come from numpy's SeedSequence over
+# (seed, epoch, block, salt): identical on every platform, process and numpy version.
+
+ORDER_VERSION = 2  # 1: numpy permutation arrays (epoch_order); 2: Feistel bijection (order_at)
+FEISTEL_ROUNDS = 6
+DEFAULT_CHUNK = 1 << 16
+_U64 = (1 << 64) - 1
+_SALT = 0xFE15_7E1
+
+
+def _feistel_keys(seed: int, epoch: int, block: int) -> np.ndarray:
+    ss = np.random.SeedSequence([int(seed) & _U64, int(epoch) & _U64, int(block) & _U64, _SALT])
+    return ss.generate_state(FEISTEL_ROUNDS, dtype=np.uint64)
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """The 64-bit finaliser of MurmurHash3 (a bijective avalanche), elementwise."""
+    x = x ^ (x >> np.uint64(33))
+    x = x * np.uint64(0xFF51AFD7ED558CCD)
+    x = x ^ (x >> np.uint64(33))
+    x = x * np.uint64(0xC4CEB9FE1A85EC53)
+    return x ^ (x >> np.uint64(33))
+
+
+def _encrypt(x: np.ndarray, keys: np.ndarray, half: int) -> np.ndarray:
+    mask = np.uint64((1 << half) - 1)
+    h = np.uint64(half)
+    left, right = x >> h, x & mask
+    for k in keys:
+        left, right = right, left ^ (_mix(right ^ k) & mask)
+    return (left << h) | right
+
+
+def permute(n: int, seed: int, epoch: int, positions: np.ndarray, *, block: int = 0) -> np.ndarray:
+    """``perm[positions]`` for the seeded permutation ``perm`` of ``[0, n)`` of ``(seed, epoch, block)``.
+
+    A bijection for every ``n`` (0 and 1 included); the same on every process and platform. Costs
+    O(len(positions)) time and memory, independent of ``n``.
+    """
+    pos = np.asarray(positions, dtype=np.int64).reshape(-1)
+    if pos.size and (int(pos.min()) < 0 or int(pos.max()) >= n):
+        raise ValueError(f"positions must lie in [0, {n})")
+    if n <= 1 or pos.size == 0:
+        return pos.copy()
+    half = max(1, ((int(n) - 1).bit_length() + 1) // 2)
+    keys = _feistel_keys(seed, epoch, block)
+    y = _encrypt(pos.astype(np.uint64), keys, half)
+    limit = np.uint64(n)
+    out = y >= limit
+    while out.any():  # cycle-walking: the domain is [0, 4^half) and 4^half < 4n
+        idx = np.flatnonzero(out)
+        y[idx] = _encrypt(y[idx], keys, half)
+        out[idx] = y[idx] >= limit
+    return y.astype(np.int64)
+
+
+def permutation_chunks(n: int, seed: int, epoch: int, start: int = 0, stop: int | None = None,
+                       chunk: int = DEFAULT_CHUNK) -> Iterator[np.ndarray]:
+    """``perm[start:stop]`` of :func:`permute`'s permutation, as consecutive arrays of ``chunk`` values."""
+    stop = n if stop is None else min(int(stop), n)
+    for a in range(max(0, int(start)), stop, max(1, int(chunk))):
+        yield permute(n, seed, epoch, np.arange(a, min(a + chunk, stop), dtype=np.int64))
+
+
+def order_at(n: int, positions: np.ndarray, *, seed: int = 0, epoch: int = 0, shuffle: bool | str = False,
+             blocks: Sequence[Range] | None = None, reshuffle_every: int | None = None) -> np.ndarray:
+    """File index at each of ``positions`` of the epoch order (version :data:`ORDER_VERSION`).
+
+    The modes mean what they mean in :func:`epoch_order` -- ``False``: listing order; ``True`` or
+    ``"global"``: one seeded permutation of all files per epoch; ``"node"`` with ``blocks`` (see
+    :func:`node_blocks`): block ``k`` holds the same contiguous slice of the listing every epoch (one
+    node onward every ``reshuffle_every`` epochs), permuted within itself -- but the permutations
+    are Feistel bijections computed for ``positions`` only, so no process holds an n-element array.
+    """
+    pos = np.asarray(positions, dtype=np.int64).reshape(-1)
+    if pos.size and (int(pos.min()) < 0 or int(pos.max()) >= n):
+        raise ValueError(f"positions must lie in [0, {n})")
+    if not shuffle:
+        return pos.copy()
+    if shuffle == "node" and blocks and len(blocks) > 1:
+        out = np.empty_like(pos)
+        stride = blocks[0][1] - blocks[0][0]
+        rotation = epoch // reshuffle_every if reshuffle_every else 0
+        shift = (rotation * stride) % n if n else 0
+        starts = np.array([a for a, _ in blocks], dtype=np.int64)
+        which = np.searchsorted(starts, pos, side="right") - 1
+        for k in np.unique(which):
+            a, b = blocks[int(k)]
+            sel = which == k
+            local = permute(b - a, seed, epoch, pos[sel] - a, block=int(k) + 1)
+            out[sel] = (a + shift + local) % n
+        return out
+    return permute(n, seed, epoch, pos)
+
+
+def order_chunks(n: int, ranges: Iterable[Range], *, seed: int = 0, epoch: int = 0, shuffle: bool | str = False,
+                 blocks: Sequence[Range] | None = None, reshuffle_every: int | None = None,
+                 chunk: int = DEFAULT_CHUNK) -> Iterator[np.ndarray]:
+    """File indices at the positions ``ranges`` (e.g. :func:`stream_positions`), in order, in chunks.
+
+    The array-free replacement for ``epoch_order(...)[positions(ranges)]``: memory per chunk only.
+    """
+    step = max(1, int(chunk))
+    for a, b in ranges:
+        for lo in range(int(a), int(b), step):
+            yield order_at(n, np.arange(lo, min(lo + step, int(b)), dtype=np.int64), seed=seed, epoch=epoch,
+                           shuffle=shuffle, blocks=blocks, reshuffle_every=reshuffle_every)
+
+
+def check_order_version(state: Mapping[str, Any]) -> None:
+    """Refuse a resume state whose epoch order is not this version's (:data:`ORDER_VERSION`).
+
+    A state saved under another order would resume the right *positions* of a different
+    permutation: some files twice, others never. Raises :class:`ucmagic.errors.ResumeOrderError`.
+    """
+    got = state.get("order_version", 1)
+    if got != ORDER_VERSION:
+        raise ResumeOrderError(
+            f"this resume state was saved with epoch-order version {got!r} and this ucmagic uses version "
+            f"{ORDER_VERSION} (a different permutation of the files): resuming it would repeat some files "
+            "and skip others. Start the epoch again instead (dataset.set_epoch(state['epoch'])), or resume "
+            "with the ucmagic version that saved it"
+        )

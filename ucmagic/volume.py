@@ -11,9 +11,10 @@ import os
 import re
 import shutil
 import stat as stat_mod
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
-from typing import Any, Iterable, NamedTuple
+from typing import Any, Iterable, Iterator, NamedTuple
 
 from . import ranged
 from .errors import EmptyListingError, FetchError, NotADirectoryErrorUC, SourceChangedError, SourceNotFoundError
@@ -37,6 +38,19 @@ class FileEntry(NamedTuple):
     path: str
     size: int
     mtime: float
+
+
+class DirScan(NamedTuple):
+    """One step of a streaming listing (:meth:`Volume.scan`): the files found in one directory.
+
+    ``dir`` is relative to the volume root (``""`` for the root); ``mtime_ns`` is the directory's
+    mtime taken *before* it was read (``-1`` where the volume keeps no directory mtimes);
+    ``files`` are the matching files directly in it, with paths relative to the root.
+    """
+
+    dir: str
+    mtime_ns: int
+    files: list[FileEntry]
 
 
 # ---------------------------------------------------------------- glob patterns (pure)
@@ -158,9 +172,19 @@ class Volume:
     range_size: int = ranged.RANGE_SIZE
     range_chunk: int = ranged.CHUNK
     range_retries: int = 3
+    keeps_dir_mtimes = False  # True where adding or removing a file changes its directory's mtime
 
     def list(self, pattern: str | None = None) -> list[FileEntry]:
         raise NotImplementedError
+
+    def scan(self, pattern: str | None = None) -> Iterator[DirScan]:
+        """Streaming, unsorted listing: one :class:`DirScan` per directory as it is read (an empty
+        volume yields nothing). Volumes without a streaming scan yield their whole listing once."""
+        try:
+            files = self.list(pattern)
+        except EmptyListingError:
+            return
+        yield DirScan("", -1, files)
 
     def copy_to(self, rel: str, dest: str, *, expect: FileEntry | None = None) -> int:
         """Copy ``rel`` to the local path ``dest``; return the number of bytes written.
@@ -204,18 +228,24 @@ class Volume:
         """Range settings set on this instance (they travel with it to worker processes)."""
         return {k: v for k, v in vars(self).items() if k.startswith("range_")}
 
+    def empty_listing_error(self, pattern: str | None) -> EmptyListingError:
+        """The error for a listing of this volume that matched nothing."""
+        what = f"matching {pattern!r} " if pattern else ""
+        return EmptyListingError(
+            f"no files {what}under {self.display()}: check the path and the pattern "
+            "(patterns are globs such as '**/*.jpg'; a pattern without '/' matches file names at any depth)"
+        )
+
     def _check_listing(self, entries: list[FileEntry], pattern: str | None) -> list[FileEntry]:
         if not entries:
-            what = f"matching {pattern!r} " if pattern else ""
-            raise EmptyListingError(
-                f"no files {what}under {self.display()}: check the path and the pattern "
-                "(patterns are globs such as '**/*.jpg'; a pattern without '/' matches file names at any depth)"
-            )
+            raise self.empty_listing_error(pattern)
         return entries
 
 
 class LocalVolume(Volume):
     """A local or mounted directory (NFS, FUSE, ``/Volumes/...``)."""
+
+    keeps_dir_mtimes = True
 
     def __init__(self, root: str, *, list_threads: int = 16) -> None:
         self.root = root
@@ -228,10 +258,12 @@ class LocalVolume(Volume):
     def display(self, rel: str = "") -> str:
         return os.path.join(self.root, rel) if rel else self.root
 
-    def _scan_dir(self, rel: str) -> tuple[list[FileEntry], list[str]]:
+    def _scan_dir(self, rel: str) -> tuple[list[FileEntry], list[str], int]:
         files: list[FileEntry] = []
         dirs: list[str] = []
-        with os.scandir(os.path.join(self.root, rel) if rel else self.root) as it:
+        where = os.path.join(self.root, rel) if rel else self.root
+        mtime_ns = os.stat(where).st_mtime_ns  # before reading: a file added meanwhile changes it later
+        with os.scandir(where) as it:
             for de in it:
                 name = de.name if not rel else rel + "/" + de.name
                 try:
@@ -243,18 +275,29 @@ class LocalVolume(Volume):
                     continue
                 if stat_mod.S_ISREG(st.st_mode):
                     files.append(FileEntry(name, st.st_size, st.st_mtime))
-        return files, dirs
+        return files, dirs, mtime_ns
+
+    def scan(self, pattern: str | None = None) -> Iterator[DirScan]:
+        """Directories read concurrently (each readdir on a network mount is slow), yielded as read."""
+        rx = compile_pattern(pattern) if pattern else None
+        todo = [""]  # directories found, not yet submitted
+        pending: deque[tuple[str, Any]] = deque()
+        ahead = 4 * self.list_threads  # bounded: results waiting for a slow consumer hold memory
+        with ThreadPoolExecutor(self.list_threads, thread_name_prefix="ucmagic-list") as pool:
+            while todo or pending:
+                while todo and len(pending) < ahead:
+                    d = todo.pop()
+                    pending.append((d, pool.submit(self._scan_dir, d)))
+                rel, fut = pending.popleft()
+                got, dirs, mtime_ns = fut.result()
+                todo.extend(dirs)
+                yield DirScan(rel, mtime_ns, got if rx is None else [e for e in got if rx.match(e.path)])
 
     def list(self, pattern: str | None = None) -> list[FileEntry]:
         """Recursive listing, directories scanned concurrently (each readdir on a network mount is slow)."""
         files: list[FileEntry] = []
-        with ThreadPoolExecutor(self.list_threads, thread_name_prefix="ucmagic-list") as pool:
-            pending = [pool.submit(self._scan_dir, "")]
-            while pending:
-                fut = pending.pop()
-                got, dirs = fut.result()
-                files.extend(got)
-                pending.extend(pool.submit(self._scan_dir, d) for d in dirs)
+        for d in self.scan():
+            files.extend(d.files)
         return self._check_listing(filter_entries(files, pattern), pattern)
 
     def stat(self, rel: str) -> FileEntry:
