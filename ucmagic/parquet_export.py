@@ -27,7 +27,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from .errors import NotADirectoryErrorUC, UCMagicError
+from .errors import SourceNotADirectoryError, UCMagicError
 from .tables import (MANIFEST, Source, UnsupportedSourceError, _spark_df, _visible, connect, delta_files,
                      duckdb_relation, resolve_source)
 from .units import format_size, parse_size
@@ -120,7 +120,7 @@ def swap_in(staging: str, dest: str) -> str | None:
             if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
                 raise
     if not os.path.isdir(dest):
-        raise NotADirectoryErrorUC(f"{dest} exists and is not a directory: export_parquet writes a directory")
+        raise SourceNotADirectoryError(f"{dest} exists and is not a directory: export_parquet writes a directory")
     if _exchange(staging, dest):
         return staging
     old = os.path.join(os.path.dirname(dest), f".{os.path.basename(dest)}.ucmagic-old-{uuid.uuid4().hex[:8]}")
@@ -328,7 +328,7 @@ def export_parquet(source: Any, dest: str | os.PathLike, *, target_file_size: in
 
     dest = _resolve_dest(dest[len("file://"):] if dest.startswith("file://") else dest)
     if os.path.exists(dest) and not os.path.isdir(dest):
-        raise NotADirectoryErrorUC(f"{dest} is a file: export_parquet writes a directory of Parquet files")
+        raise SourceNotADirectoryError(f"{dest} is a file: export_parquet writes a directory of Parquet files")
     if mode == "error" and _non_empty(dest):
         raise FileExistsError(f"{dest} exists and is not empty: pass mode='overwrite' to replace it atomically")
     parent = os.path.dirname(dest)
