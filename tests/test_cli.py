@@ -185,3 +185,17 @@ def test_bench_lists_scripts_and_rejects_unknown_names():
     assert r.returncode == 2 and "available" in r.stderr
     r = cli("bench", "stage", "--", "--help")
     assert r.returncode == 0 and "--files" in r.stdout
+
+
+def test_temporary_files_of_the_session_stay_in_its_private_dir(_private_tmp, tmp_path):
+    """Tests, CLI subprocesses and notebook kernels write temp files under one session directory that
+    conftest removes at the end, and checkpoint staging goes to the test's tmp_path."""
+    import tempfile
+
+    from ucmagic.checkpoint_transfer import default_staging_root
+
+    assert tempfile.gettempdir() == _private_tmp
+    r = subprocess.run([sys.executable, "-c", "import tempfile; print(tempfile.gettempdir())"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.stdout.strip() == _private_tmp
+    assert default_staging_root().startswith(str(tmp_path))
