@@ -363,6 +363,7 @@ class WidgetView:
 
     def render(self, s: Snapshot, now: float = 0.0) -> None:
         style = {"error": "danger", "done": "success"}.get(s.state, "info")
+        self._set(self.status, value=summary_html(s))  # first: a final state never shows a running status
         if s.files is None:
             self._set(self.cache_rows.layout, display="none")
         else:
@@ -377,7 +378,6 @@ class WidgetView:
         of = f"/{s.total_batches:,}" if s.total_batches is not None else ""
         self._set(self.batch_lbl, value=f"{ep}{s.batches:,}{of} batches")
         self._set(self.plot, value=sparkline_svg(s.run_ms or s.waits_ms, s.p50_ms, s.p99_ms))
-        self._set(self.status, value=summary_html(s))
         self._set(self.explore_button.layout, display=None if s.batches else "none")
 
     def final(self, s: Snapshot) -> None:
