@@ -10,6 +10,9 @@ def _private_tmp():
     """The whole session's temporary files (DuckDB spill directories, export staging, notebook and
     kernel temp dirs) go to one directory that is removed at the end: a run leaves no ``ucmagic-*``
     directory in the system temp dir."""
+    import multiprocessing.util
+
+    multiprocessing.util.get_temp_dir()  # multiprocessing's own dir stays outside: it removes it at exit
     old_env, old_dir = os.environ.get("TMPDIR"), tempfile.tempdir
     root = tempfile.mkdtemp(prefix="ucmagic-pytest-")
     os.environ["TMPDIR"] = tempfile.tempdir = root
