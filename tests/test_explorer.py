@@ -316,3 +316,12 @@ def test_every_extra_has_its_install_line(monkeypatch, module, extra):
     monkeypatch.setitem(sys.modules, module, None)
     with pytest.raises(MissingExtraError, match=rf'pip install "ucmagic\[{extra}\]"'):
         import_extra(module)
+
+
+def test_delta_without_deltalake_names_the_extra(monkeypatch, tmp_path):
+    from ucmagic import tables
+
+    monkeypatch.setitem(sys.modules, "deltalake", None)
+    (tmp_path / "_delta_log").mkdir()
+    with pytest.raises(MissingExtraError, match=r'reading a Delta table needs deltalake.*pip install "ucmagic\[delta\]"'):
+        tables.delta_files(tables.resolve_source(str(tmp_path)))

@@ -15,11 +15,14 @@ import re
 import shlex
 from typing import Any, Callable, NoReturn
 
-from IPython.core.error import UsageError
-from IPython.core.magic import Magics, line_magic, magics_class, needs_local_scope, no_var_expand
-from IPython.core.magic_arguments import argument, kwds, magic_arguments
-from IPython.utils.text import DollarFormatter
-from traitlets import Bool, Enum, Int, Unicode
+from .errors import import_extra
+
+import_extra("IPython", feature="the notebook magics")  # a clear pip line instead of a bare ModuleNotFoundError
+from IPython.core.error import UsageError  # noqa: E402
+from IPython.core.magic import Magics, line_magic, magics_class, needs_local_scope, no_var_expand  # noqa: E402
+from IPython.core.magic_arguments import argument, kwds, magic_arguments  # noqa: E402
+from IPython.utils.text import DollarFormatter  # noqa: E402
+from traitlets import Bool, Enum, Int, Unicode  # noqa: E402
 
 from .errors import UCMagicError
 

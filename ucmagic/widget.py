@@ -310,8 +310,9 @@ class WidgetView:
     """The ipywidgets panel: title, cache fill bars, latency sparkline, status line."""
 
     def __init__(self, title: str) -> None:
-        import ipywidgets as w
+        from .errors import import_extra
 
+        w = import_extra("ipywidgets", feature="the live panel")
         self._w = w
         layout = w.Layout(width="260px")
         self.title = w.HTML(f"<b>{html.escape(title)}</b>")
