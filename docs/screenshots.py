@@ -57,7 +57,7 @@ def capture_explorer(out_dir: Path, *, scale: float = 2.0) -> Path:
     """Run the straggler cell and save the explorer it shows; returns the PNG path."""
     with tempfile.TemporaryDirectory(prefix="ucmagic-") as tmp:
         root = Path(tmp)
-        cell = bh.explorer_cell(str(root / "images"), files=192, slow=150)
+        cell = bh.explorer_cell(str(root / "images"), files=192, slow=150, epochs=2)
         bh.write_notebook(root / "explore.ipynb", [cell])
         with bh.lab_session(root, "explore.ipynb", out_dir, viewport=(1100, 1400), scale=scale) as lab:
             lab.run_cell(0)
@@ -71,8 +71,8 @@ def capture_explorer(out_dir: Path, *, scale: float = 2.0) -> Path:
             bh.move_range_start(lab, 0, 2)  # past the workers' start-up: the straggler stands out
             time.sleep(2)
             out = out_dir / "explorer.png"
-            lab.cell(0).locator(".ucmagic-explorer").first.screenshot(path=str(out))
-            return out
+            lab.page.set_viewport_size({"width": 1100, "height": 1100})
+            return bh.explorer_screenshot(lab, 0, out)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -464,6 +464,18 @@ def explorer_state(lab: LabPage, i: int) -> ExplorerState | None:
     return ExplorerState(d["img"], d["img_height"], d["table"], d["files"], d["summary"], d["range"])
 
 
+def explorer_screenshot(lab: LabPage, i: int, path: str | os.PathLike, max_height: float = 900) -> Path:
+    """The explorer of cell ``i`` (its top ``max_height`` CSS pixels: plot, hints and the first table rows)."""
+    box = lab.cell(i).locator(".ucmagic-explorer").first
+    box.evaluate("e => e.scrollIntoView({block: 'start'})")
+    time.sleep(0.3)
+    r = box.bounding_box()
+    out = Path(path)
+    lab.page.screenshot(path=str(out), clip={"x": r["x"], "y": r["y"], "width": r["width"],
+                                             "height": min(r["height"], max_height)})
+    return out
+
+
 def move_range_start(lab: LabPage, i: int, steps: int) -> None:
     """Move the explorer's range slider's lower handle ``steps`` batches right, with the keyboard."""
     handle = lab.cell(i).locator(".ucmagic-explorer .noUi-handle-lower").first
@@ -472,9 +484,9 @@ def move_range_start(lab: LabPage, i: int, steps: int) -> None:
         handle.press("ArrowRight")
 
 
-def explorer_cell(src: str, *, files: int, slow: int, slow_ms: float = 900, batch: int = 8) -> str:
+def explorer_cell(src: str, *, files: int, slow: int, slow_ms: float = 900, batch: int = 8, epochs: int = 1) -> str:
     """A notebook cell: ``files`` files behind ``slow://`` with one straggler (listing index ``slow``),
-    one epoch through ``ucmagic.DataLoader`` with its default workers under ``spawn``, then the explorer."""
+    ``epochs`` epochs through ``ucmagic.DataLoader`` with its default workers under ``spawn``, then the explorer."""
     return f'''
 import time
 from ucmagic import DataLoader, UCVolumeDataset
@@ -484,8 +496,9 @@ SLOW = rels[{slow}]
 ds = UCVolumeDataset("slow://" + {src!r}, prefetch=2, storage_options={{
     "open_ms": 2, "mbps": 0, "list_ms": 0, "slow_files": {{SLOW: {slow_ms}}}}})
 loader = DataLoader(ds, batch_size={batch}, multiprocessing_context="spawn", log_to_mlflow=False)
-for batch in loader:
-    time.sleep(0.01)
+for epoch in range({epochs}):
+    for batch in loader:
+        time.sleep(0.01)
 print("workers:", loader.num_workers, "straggler:", SLOW)
 loader.stats.explore()
 '''

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from .errors import import_extra
+from .loader_stats import short_name
 from .units import format_size
 
 ALL = "all"
@@ -34,7 +35,8 @@ def _options(values: np.ndarray, label: str) -> list[tuple[str, Any]]:
 def figure_png(step: np.ndarray, fetch_s: np.ndarray, misses: np.ndarray, items: np.ndarray, *,
                title: str = "", width: float = 9.0, height: float = 3.4) -> bytes:
     """PNG of the fetch wait per batch: orange where the batch had cache misses, blue when warm,
-    grey without item records; dashed p50/p99 lines of the points shown."""
+    grey without item records; dashed p50/p99 lines of the points shown; a log scale when the
+    slowest batch is over 50 x p50."""
     Figure = import_extra("matplotlib.figure", feature="the explorer").Figure
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
@@ -52,6 +54,9 @@ def figure_png(step: np.ndarray, fetch_s: np.ndarray, misses: np.ndarray, items:
         ax.axhline(p99, color="tab:red", ls="--", lw=1, label=f"p99 {p99:.2f} ms")
         ax.legend(loc="upper right", fontsize="small")
         ax.set_xlim(step.min() - 0.5, step.max() + 0.5)
+        if ms.max() > 50 * max(p50, 1e-3):  # a cold spike would flatten the rest: log scale
+            ax.set_yscale("log")
+            ax.set_ylim(bottom=max(ms.min(), 1e-3) * 0.8)
     else:
         ax.text(0.5, 0.5, "no batches in this selection", ha="center", va="center", transform=ax.transAxes)
     ax.set_xlabel("batch")
@@ -153,13 +158,14 @@ class Explorer:
         rows = []
         for i in slow:
             files = self.stats.batch_files(i)[:FILES_PER_BATCH]
-            names = "<br>".join(f"{html.escape(r['file'])} ({_ms(r['fetch_s'])}, "
+            names = "<br>".join(f"<span title='{html.escape(r['file'])}'>{html.escape(short_name(r['file'], 70))}</span> "
+                                f"({_ms(r['fetch_s'])}, "
                                 f"{format_size(r['bytes']) if r['bytes'] is not None else '-'}, "
                                 f"{'hit' if r['hit'] else 'miss'})" for r in files) or "-"
             rows.append(f"<tr><td>{i}</td><td>{int(b['epoch'][i])}</td><td>{int(b['worker'][i])}</td>"
                         f"<td>{_ms(float(b['fetch_s'][i]))}</td><td>{int(b['misses'][i])}/{int(b['items'][i])}</td>"
                         f"<td style='text-align:left'>{names}</td></tr>")
-        self.table.value = ("<table class='ucmagic-slowest'><tr><th>batch</th><th>epoch</th><th>worker</th>"
+        self.table.value = ("<table class='ucmagic-slowest' style='white-space:nowrap'><tr><th>batch</th><th>epoch</th><th>worker</th>"
                             "<th>wait</th><th>misses</th><th style='text-align:left'>slowest files</th></tr>"
                             + "".join(rows) + "</table>") if rows else "<i>no batches in this selection</i>"
         self.slowest.options = [(f"batch {i}: {_ms(float(b['fetch_s'][i]))}", i) for i in slow]

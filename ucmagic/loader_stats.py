@@ -394,7 +394,8 @@ class LoaderStats:
 
 # ------------------------------------------------------------------ straggler hints
 
-def _short(name: str, width: int = 60) -> str:
+def short_name(name: str, width: int = 60) -> str:
+    """``name`` cut to its last ``width`` characters (``...`` in front) for one-line display."""
     return name if len(name) <= width else "..." + name[-(width - 3):]
 
 
@@ -432,7 +433,7 @@ def straggler_hints(stats: LoaderStats) -> list[str]:
             top = sorted(per_file.items(), key=lambda kv: -kv[1])[:3]
             share = min(1.0, sum(v for _, v in top) / wait)
             if share >= 0.3:
-                names = ", ".join(_short(k) for k, _ in top)
+                names = ", ".join(short_name(k) for k, _ in top)
                 out.append(f"{len(top)} file{'s' if len(top) > 1 else ''} account for {share:.0%} of the p99 wait: "
                            f"{names}")
     if stall >= 0.3 and (items == 0 or misses <= 0.05 * items):
