@@ -69,7 +69,7 @@ def capture_explorer(out_dir: Path, *, scale: float = 2.0) -> Path:
                     break
                 time.sleep(0.2)
             bh.move_range_start(lab, 0, 2)  # past the workers' start-up: the straggler stands out
-            time.sleep(2)
+            time.sleep(6)  # the plot is redrawn after the summary
             out = out_dir / "explorer.png"
             lab.page.set_viewport_size({"width": 1100, "height": 1100})
             return bh.explorer_screenshot(lab, 0, out)

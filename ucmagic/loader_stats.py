@@ -444,7 +444,7 @@ def straggler_hints(stats: LoaderStats) -> list[str]:
         med = {w: float(np.median(fetch[b["worker"] == w])) for w in workers}
         worst = max(med, key=med.get)
         others = float(np.median([v for w, v in med.items() if w != worst]))
-        if med[worst] >= 1e-3 and med[worst] >= 2 * max(others, 1e-9):
+        if med[worst] >= 5e-3 and med[worst] >= 2 * max(others, 1e-9):
             out.append(f"worker {worst}'s batches wait {med[worst] / max(others, 1e-9):.1f}x longer than the "
                        f"others' (median {med[worst] * 1e3:.0f} ms vs {others * 1e3:.0f} ms): it reads slow files")
     ranks = sorted({int(r) for r in b["rank"]})
