@@ -62,6 +62,8 @@ def run(items: int, batch: int) -> dict[str, float]:
 
 
 def main() -> None:
+    import torch.utils.data  # noqa: F401  (a loader has it imported; the collate wrapper looks up the worker)
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--items", type=float, nargs="*", default=[1e6, 1e7])
     ap.add_argument("--batch", type=int, default=32)
