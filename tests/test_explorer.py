@@ -177,10 +177,9 @@ def test_spawned_workers_send_every_item_record_and_the_explorer_names_the_slow_
     [slow_batch] = [i for i in np.flatnonzero(b["epoch"] == 0) if SLOW in [r["index"] for r in stats.batch_files(i)]]
     top = stats.batch_files(slow_batch)[0]
     assert top["file"].endswith(rels[SLOW]) and not top["hit"] and top["fetch_s"] >= 0.8 and top["bytes"] == 500
-    assert b["fetch_s"][slow_batch] >= 0.5  # the loop waited for it
-    ex = stats.explore()
-    ex.range.value = (1, 23)  # past the workers' start-up
-    assert slow_batch in ex.slowest_in_view(1) and rels[SLOW] in ex.table.value and rels[SLOW] in ex.files.value
+    ex = stats.explore()  # how long the loop waited for that batch depends on the machine's load: not asserted
+    ex.batch.value = int(slow_batch)
+    assert rels[SLOW] in ex.files.value.split("</tr>")[1]  # first (slowest) row of the batch's files
 
 
 def test_records_with_workers_in_the_main_process_and_drop_last(tmp_path):
