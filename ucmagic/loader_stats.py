@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable
 
 import numpy as np
 
