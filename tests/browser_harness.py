@@ -419,3 +419,86 @@ for batch in loader:
     time.sleep({step_s})          # the training step
 print("epoch done")
 '''
+
+
+# ------------------------------------------------------------------ the explorer
+
+_EXPLORER_JS = """
+(i) => {
+  const cell = document.querySelectorAll('.jp-Notebook .jp-Cell')[i];
+  const box = cell && cell.querySelector('.ucmagic-explorer');
+  if (!box) return null;
+  const img = box.querySelector('img');
+  const text = (sel) => { const e = box.querySelector(sel); return e ? e.innerText.trim() : ''; };
+  const html = [...box.querySelectorAll('.widget-html-content')].map(e => e.innerText.trim());
+  return {
+    img: img ? img.getAttribute('src') || '' : '',
+    img_height: img ? img.getBoundingClientRect().height : 0,
+    table: text('.ucmagic-slowest'),
+    files: text('.ucmagic-files'),
+    summary: html.find(t => t.includes('in view')) || '',
+    range: [...box.querySelectorAll('.widget-readout')].map(e => e.innerText.trim()),
+    visible: box.getBoundingClientRect().height > 0,
+  };
+}
+"""
+
+
+@dataclass
+class ExplorerState:
+    """The explorer as the browser shows it."""
+
+    img: str  # the plot's data URL (changes when the plot is redrawn)
+    img_height: float
+    table: str  # the slowest-batches table's text
+    files: str  # the selected batch's files
+    summary: str
+    range: list[str]
+
+
+def explorer_state(lab: LabPage, i: int) -> ExplorerState | None:
+    """The explorer in cell ``i``'s output, or None while there is none."""
+    d = lab.page.evaluate(_EXPLORER_JS, i)
+    if not d or not d["visible"]:
+        return None
+    return ExplorerState(d["img"], d["img_height"], d["table"], d["files"], d["summary"], d["range"])
+
+
+def explorer_screenshot(lab: LabPage, i: int, path: str | os.PathLike, max_height: float = 900) -> Path:
+    """The explorer of cell ``i`` (its top ``max_height`` CSS pixels: plot, hints and the first table rows)."""
+    box = lab.cell(i).locator(".ucmagic-explorer").first
+    box.evaluate("e => e.scrollIntoView({block: 'start'})")
+    time.sleep(0.3)
+    r = box.bounding_box()
+    out = Path(path)
+    lab.page.screenshot(path=str(out), clip={"x": r["x"], "y": r["y"], "width": r["width"],
+                                             "height": min(r["height"], max_height)})
+    return out
+
+
+def move_range_start(lab: LabPage, i: int, steps: int) -> None:
+    """Move the explorer's range slider's lower handle ``steps`` batches right, with the keyboard."""
+    handle = lab.cell(i).locator(".ucmagic-explorer .noUi-handle-lower").first
+    handle.focus()
+    for _ in range(steps):
+        handle.press("ArrowRight")
+
+
+def explorer_cell(src: str, *, files: int, slow: int, slow_ms: float = 900, batch: int = 8, epochs: int = 1) -> str:
+    """A notebook cell: ``files`` files behind ``slow://`` with one straggler (listing index ``slow``),
+    ``epochs`` epochs through ``ucmagic.DataLoader`` with its default workers under ``spawn``, then the explorer."""
+    return f'''
+import time
+from ucmagic import DataLoader, UCVolumeDataset
+from ucmagic.testing import make_files
+rels = make_files({src!r}, {files}, 2048)
+SLOW = rels[{slow}]
+ds = UCVolumeDataset("slow://" + {src!r}, prefetch=2, storage_options={{
+    "open_ms": 2, "mbps": 0, "list_ms": 0, "slow_files": {{SLOW: {slow_ms}}}}})
+loader = DataLoader(ds, batch_size={batch}, multiprocessing_context="spawn", log_to_mlflow=False)
+for epoch in range({epochs}):
+    for batch in loader:
+        time.sleep(0.01)
+print("workers:", loader.num_workers, "straggler:", SLOW)
+loader.stats.explore()
+'''

@@ -1,6 +1,30 @@
 import os
+import shutil
+import tempfile
 
 import pytest
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _private_tmp():
+    """The whole session's temporary files (DuckDB spill directories, export staging, notebook and
+    kernel temp dirs) go to one directory that is removed at the end: a run leaves no ``ucmagic-*``
+    directory in the system temp dir."""
+    import multiprocessing.util
+
+    multiprocessing.util.get_temp_dir()  # multiprocessing's own dir stays outside: it removes it at exit
+    old_env, old_dir = os.environ.get("TMPDIR"), tempfile.tempdir
+    root = tempfile.mkdtemp(prefix="ucmagic-pytest-")
+    os.environ["TMPDIR"] = tempfile.tempdir = root
+    try:
+        yield root
+    finally:
+        tempfile.tempdir = old_dir
+        if old_env is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = old_env
+        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)
@@ -9,6 +33,7 @@ def _private_cache(tmp_path, monkeypatch):
     exceptions, no live display. Set per test, so the notebooks (run by nbval in the same
     session) see the environment a user has."""
     monkeypatch.setenv("UCMAGIC_CACHE_DIR", str(tmp_path / "ucmagic-cache"))
+    monkeypatch.setenv("UCMAGIC_STAGING_DIR", str(tmp_path / "ucmagic-ckpt-staging"))  # not <tmp>/ucmagic-ckpt-*
     monkeypatch.setenv("UCMAGIC_RAISE", os.environ.get("UCMAGIC_RAISE", "1"))
     monkeypatch.setenv("UCMAGIC_PROGRESS", os.environ.get("UCMAGIC_PROGRESS", "off"))
     monkeypatch.setenv("MPLBACKEND", "Agg")

@@ -31,6 +31,8 @@ for i, batch in enumerate(loader):    # a second epoch whose training step fails
         raise RuntimeError("simulated training failure")
 '''
 
+EXPLORE_FILES, EXPLORE_SLOW = 192, 150  # 24 batches of 8; the straggler is late in its worker's stream
+
 _missing = bh.missing_requirement()
 if _missing and os.environ.get("UCMAGIC_REQUIRE_BROWSER", "").strip() not in ("", "0"):
     raise RuntimeError(f"UCMAGIC_REQUIRE_BROWSER is set but {_missing}")
@@ -51,7 +53,8 @@ def artifacts(tmp_path_factory) -> Path:
 def lab(tmp_path_factory, artifacts):
     root = tmp_path_factory.mktemp("lab-root")
     cell = bh.training_cell(str(root / "volume"), files=FILES, batch=BATCH, step_s=STEP_S)
-    bh.write_notebook(root / "panel.ipynb", [cell, FAILING_LOOP])
+    explore = bh.explorer_cell(str(root / "straggler"), files=EXPLORE_FILES, slow=EXPLORE_SLOW)
+    bh.write_notebook(root / "panel.ipynb", [cell, FAILING_LOOP, explore])
     with bh.lab_session(root, "panel.ipynb", artifacts) as page:
         yield page
 
@@ -111,7 +114,8 @@ def test_panel_is_live_while_the_loop_runs(first_run):
     drawn = [s for s in running if s.plot_points >= 2]
     assert drawn, "the latency plot was never drawn while the cell ran"
     assert drawn[-1].p50 and drawn[-1].p99
-    assert all(b.style != "success" for s in running for b in s.bars)  # green only at the end
+    green = [s for s in running if any(b.style == "success" for b in s.bars)]
+    assert not green, f"green before the end: {green[:2]}"  # green only at the end
 
 
 def test_panel_shows_the_final_state(lab, first_run):
@@ -137,3 +141,31 @@ def test_a_failing_loop_turns_the_panel_red(lab, first_run, artifacts):
     assert {b.style for b in state.bars} == {"danger"}
     assert state.batches == 11 and state.total_batches == TOTAL and state.bar("epoch").fraction < 1
     assert "epoch 1" in " ".join(state.texts) and "hit rate 100%" in state.status  # second epoch: all cached
+
+
+def test_explorer_zooms_and_names_the_slow_file(lab, artifacts):
+    """Default workers under spawn, one injected slow file: the explorer shows it; moving the range
+    control redraws the plot and the slowest-batches table."""
+    lab.run_cell(2)
+    lab.wait_cell_done(2, timeout=300)
+    out = lab.output_text(2)
+    assert "straggler:" in out, out
+    straggler = out.split("straggler:", 1)[1].split()[0]
+    deadline = time.monotonic() + 60
+    before = None
+    while time.monotonic() < deadline and not (before and before.img and before.table):
+        before = bh.explorer_state(lab, 2)
+        time.sleep(0.2)
+    assert before and before.img and before.img_height > 100, before  # a PNG (blob: URL) drawn
+    assert straggler in before.table, before.table
+    assert before.summary.startswith("24 batches in view"), before.summary
+    lab.screenshot(artifacts / "explorer.png")
+    bh.move_range_start(lab, 2, 3)
+    deadline = time.monotonic() + 60
+    after = before
+    while time.monotonic() < deadline and not after.summary.startswith("21 batches in view"):
+        time.sleep(0.2)
+        after = bh.explorer_state(lab, 2) or before
+    assert after.summary.startswith("21 batches in view"), after.summary
+    assert after.img != before.img and after.table != before.table
+    assert straggler in after.table and straggler in after.files  # the slowest batch in view holds it

@@ -83,9 +83,88 @@ def test_export_writes_parquet(tmp_path):
     assert any(f.endswith(".parquet") for _, _, fs in os.walk(out) for f in fs)
 
 
-def test_ckpt_list_empty_root_exits_1(tmp_path):
+def test_ckpt_list_on_a_root_without_checkpoints_says_so_and_exits_0(tmp_path):
     r = cli("ckpt", "list", str(tmp_path))
-    assert r.returncode == 1 and "no committed checkpoint" in r.stderr
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == f"no committed checkpoints under {tmp_path}" and r.stderr == ""
+
+
+def test_ckpt_list_on_a_missing_root_stays_an_error(tmp_path):
+    r = cli("ckpt", "list", str(tmp_path / "nope"))
+    assert r.returncode == 1 and r.stderr.strip().startswith("ucmagic: error:")
+
+
+@pytest.mark.parametrize("cmd, usage", [(["stage", "--bogus", "a", "b"], "usage: python -m ucmagic stage"),
+                                        (["ckpt", "list", "--bogus", "x"], "usage: python -m ucmagic ckpt list"),
+                                        (["export", "--bogus", "a", "b"], "usage: python -m ucmagic export")])
+def test_unknown_option_shows_the_subcommands_usage(cmd, usage):
+    r = cli(*cmd)
+    assert r.returncode == 2 and r.stderr.startswith(usage) and "--bogus" in r.stderr
+
+
+def test_every_fixed_choice_is_declared_with_choices():
+    import argparse
+
+    from ucmagic.__main__ import build_parser
+
+    def parsers(p):
+        yield p
+        for a in p._actions:
+            if isinstance(a, argparse._SubParsersAction):
+                for sp in a.choices.values():
+                    yield from parsers(sp)
+
+    by_dest = {(p.prog, a.dest): a for p in parsers(build_parser()) for a in p._actions}
+    assert by_dest[("python -m ucmagic export", "mode")].choices == ["overwrite", "append", "error"]
+    assert by_dest[("python -m ucmagic stage", "verify")].choices == ["size", "none"]
+    r = cli("export", "a.csv", "out", "--mode", "merge")
+    assert r.returncode == 2 and "invalid choice: 'merge'" in r.stderr
+
+
+def test_export_append_adds_new_files_beside_the_old(tmp_path):
+    import pyarrow.parquet as pq
+
+    csv = tmp_path / "t.csv"
+    csv.write_text("a,b\n" + "".join(f"{i},{i * 2}\n" for i in range(100)))
+    out = tmp_path / "out"
+    assert cli("export", str(csv), str(out)).returncode == 0
+    first = sorted(os.listdir(out))
+    r = cli("export", str(csv), str(out), "--mode", "append")
+    assert r.returncode == 0, r.stderr
+    after = sorted(os.listdir(out))
+    assert set(first) < set(after) and len(after) == 2 * len(first)
+    assert pq.read_table(str(out)).num_rows == 200
+    assert not [p for p in os.listdir(tmp_path) if "staging" in p]  # nothing left beside dest
+
+
+def test_stage_summary_printed_once_on_a_terminal(tmp_path):
+    """On a TTY the progress line ends with the summary, so stdout does not repeat it."""
+    pty = pytest.importorskip("pty")
+    src, dest = tmp_path / "src", tmp_path / "dest"
+    make_files(str(src), 12, 100)
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    out = bytearray()
+
+    def read(fd):
+        data = os.read(fd, 65536)
+        out.extend(data)
+        return data
+
+    pid, fd = pty.fork()
+    if pid == 0:  # child: stdin/stdout/stderr are the terminal
+        os.execve(sys.executable, [sys.executable, "-m", "ucmagic", "stage", str(src), str(dest)], env)
+    try:
+        while True:
+            try:
+                if not read(fd):
+                    break
+            except OSError:
+                break
+    finally:
+        _, status = os.waitpid(pid, 0)
+    text = out.decode(errors="replace")
+    assert os.waitstatus_to_exitcode(status) == 0, text
+    assert text.count("staged 12 files") == 1, text
 
 
 def test_format_checkpoints_table():
@@ -106,3 +185,17 @@ def test_bench_lists_scripts_and_rejects_unknown_names():
     assert r.returncode == 2 and "available" in r.stderr
     r = cli("bench", "stage", "--", "--help")
     assert r.returncode == 0 and "--files" in r.stdout
+
+
+def test_temporary_files_of_the_session_stay_in_its_private_dir(_private_tmp, tmp_path):
+    """Tests, CLI subprocesses and notebook kernels write temp files under one session directory that
+    conftest removes at the end, and checkpoint staging goes to the test's tmp_path."""
+    import tempfile
+
+    from ucmagic.checkpoint_transfer import default_staging_root
+
+    assert tempfile.gettempdir() == _private_tmp
+    r = subprocess.run([sys.executable, "-c", "import tempfile; print(tempfile.gettempdir())"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.stdout.strip() == _private_tmp
+    assert default_staging_root().startswith(str(tmp_path))

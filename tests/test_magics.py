@@ -176,6 +176,42 @@ def test_ucload_attaches_the_live_display(ip, tree, monkeypatch):
     assert mon.snapshot().state == "done" and mon.snapshot().batches == 4
 
 
+def test_ucload_explore_opens_the_explorer_when_the_loop_ends(ip, tree, monkeypatch):
+    pytest.importorskip("ipywidgets")
+    root, _ = tree
+    monkeypatch.setenv("UCMAGIC_PROGRESS", "widget")
+    ip.user_ns["root"] = root
+    loader = run(ip, "%ucload $root -b 30 -w 0 --explore")
+    (mon,) = loader._ucmagic_monitors
+    assert "starting: listing" in mon.view.status.value or mon.view._displayed  # shown before the listing
+    for _ in loader:
+        pass
+    assert mon.view.explorer_box.children == (mon.explorer.widget,)
+
+
+def test_ucload_panel_shows_before_the_listing_and_reports_a_failed_listing(ip, tree, monkeypatch):
+    pytest.importorskip("ipywidgets")
+    from ucmagic import widget
+
+    root, _ = tree
+    monkeypatch.setenv("UCMAGIC_PROGRESS", "widget")
+    states = []
+    real = widget.WidgetView.starting
+
+    def spy(self, message):
+        states.append(message)
+        real(self, message)
+
+    monkeypatch.setattr(widget.WidgetView, "starting", spy)
+    ip.user_ns["root"] = root
+    run(ip, "%ucload $root -b 30 -w 0")
+    assert states == [f"starting: listing {root} ..."]
+    ip.user_ns["pat"] = "*.nothing"
+    with pytest.raises(Exception):
+        run(ip, "%ucload $root -p $pat -w 0")
+    assert states[-1].startswith("failed: EmptyListingError")
+
+
 def test_ucload_user_mistakes_are_one_usage_line(ip, tree, tmp_path):
     root, _ = tree
     ip.user_ns["root"] = root

@@ -428,13 +428,25 @@ def test_overwrite_leaves_no_stale_files_and_error_mode_refuses(tmp_path):
     export_parquet(frame(5), tmp_path / "fresh", mode="error")
 
 
+def test_export_append_adds_files_beside_the_old_ones(tmp_path):
+    import pyarrow.parquet as pq
+
+    first = export_parquet(frame(50), tmp_path / "o")
+    second = export_parquet(frame(30), tmp_path / "o", mode="append")
+    assert set(first.files).isdisjoint(second.files) and all(os.path.exists(f) for f in first.files + second.files)
+    assert pq.read_table(str(tmp_path / "o")).num_rows == 80
+    assert [p.name for p in tmp_path.iterdir()] == ["o"]  # no staging directory left beside it
+    third = export_parquet(frame(5), tmp_path / "new", mode="append")  # append to nothing creates it
+    assert third.rows == 5
+
+
 def test_export_bad_inputs(tmp_path):
     with pytest.raises(UnsupportedSourceError):
         export_parquet(object(), tmp_path / "o")
     with pytest.raises(SourceNotFoundError):
         export_parquet(str(tmp_path / "missing.parquet"), tmp_path / "o")
     with pytest.raises(ValueError, match="mode"):
-        export_parquet(frame(3), tmp_path / "o", mode="append")
+        export_parquet(frame(3), tmp_path / "o", mode="merge")
     with pytest.raises(SizeParseError):
         export_parquet(frame(3), tmp_path / "o", target_file_size="big")
     (tmp_path / "file").write_text("x")

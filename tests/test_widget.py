@@ -172,7 +172,8 @@ def test_cache_fill_follows_a_real_loader(tree):
     for _ in loader:
         clock.t += 0.01
     cached = [s.files_cached for s in view.renders]
-    assert len(view.renders) == 12 and cached == sorted(cached) and cached[-1] > 0  # fills while the loop runs
+    # fills while the loop runs; the 12th (last) batch draws the final state at once
+    assert len(view.renders) == 11 and cached == sorted(cached) and cached[-1] > 0
     fin = view.finals[-1]
     assert fin.state == "done" and fin.batches == 12 and fin.items == 120
     assert fin.files_cached == len(rels) and fin.bytes_cached == fin.bytes_total == 3000 * len(rels)
@@ -288,3 +289,112 @@ def test_text_mode_writes_to_stderr(capsys):
     mon.finish()
     err = capsys.readouterr().err
     assert "batches" in err and "done" in err
+
+
+# ------------------------------------------------------------------ rough edges of a first run
+
+def test_first_line_has_no_rate_or_eta_before_they_mean_something():
+    first = Snapshot(title="t", state="running", batches=1, total_batches=1000, items=32, elapsed_s=0.02)
+    line = text_line(first)
+    assert "items/s" not in line and "eta" not in line and first.eta_s is None
+    later = Snapshot(title="t", state="running", batches=50, total_batches=1000, items=1600, elapsed_s=5.0)
+    assert "320 items/s" in text_line(later) and "eta 1m35s" in text_line(later)
+
+
+def test_stage_progress_first_line_has_no_rate_or_eta():
+    from ucmagic.progress import format_progress
+
+    line = format_progress(1, 2000, 150_000, 0.01, desc="stage")
+    assert "/s" not in line and "eta" not in line
+    assert "eta" in format_progress(100, 2000, 15_000_000, 2.0, desc="stage")
+
+
+def test_users_print_after_the_last_batch_starts_on_a_fresh_line():
+    """The final line (with its newline) is drawn when the last batch is delivered, before the
+    loop body runs, so what the loop prints at the end of the epoch does not land on the \\r line."""
+    out = io.StringIO()
+    loader = FakeLoader(n=5)
+    mon = Monitor(loader, view=TextView(out, live=True), clock=FakeClock(), rate_hz=1000)
+    for _ in range(5):
+        mon.on_batch(0.002)
+    assert out.getvalue().endswith("\n") and "done" in out.getvalue().split("\r")[-1]
+    mon.finish()  # the loader's epoch-end callback comes later: nothing more is written
+    assert out.getvalue().count("\n") == 1
+
+
+def test_run_series_keeps_the_cold_first_spike():
+    rs = widget.RunSeries(points=8)
+    rs.add(5000.0)  # the cold first batch
+    for _ in range(999):
+        rs.add(2.0)
+    assert len(rs.values) <= 8 and rs.values[0] == 5000.0 and rs.values[-1] == 2.0
+    assert rs.width * len(rs.values) >= 1000
+
+
+def test_sparkline_uses_a_log_scale_under_a_cold_spike():
+    waits = [4000.0] + [2.0 + (i % 5) for i in range(100)]
+    svg = sparkline_svg(waits, 3.0, 6.0)
+    ET.fromstring(svg)
+    assert "log scale" in svg and "whole epoch" in svg
+    ys = [float(p.split(",")[1]) for p in svg.split('points="')[1].split('"')[0].split()]
+    # the steady state uses a good part of the height instead of a flat line at the bottom
+    assert max(ys[1:]) - min(ys[1:]) > 5 and min(ys) == ys[0]
+    assert "log scale" not in sparkline_svg([2.0, 3.0, 4.0], 3.0, 4.0)
+
+
+def test_whole_epoch_reaches_the_plot():
+    view = RecordingView()
+    mon = Monitor(FakeLoader(n=1000), view=view, clock=FakeClock(), rate_hz=1000)
+    mon.on_batch(5.0)
+    for _ in range(400):
+        mon.on_batch(0.002)
+    assert view.renders[-1].run_ms[0] == 5000.0 and len(view.renders[-1].run_ms) <= widget.PLOT_POINTS
+
+
+def test_final_state_carries_the_hints(tree):
+    root, _ = tree
+    loader = _uc_loader(root)
+    view = RecordingView()
+    mon = Monitor(loader, view=view, clock=FakeClock(), rate_hz=1000)
+    loader.add_batch_callback(mon._loader_batch)
+    for _ in loader:
+        pass
+    assert view.finals[-1].hints == loader.stats.hints()
+    out = io.StringIO()
+    TextView(out, live=False).final(Snapshot(state="done", hints=["a hint"]))
+    assert out.getvalue().endswith("  hint: a hint\n")
+
+
+def test_panel_starts_in_a_listing_state():
+    pytest.importorskip("ipywidgets")
+    view = widget.WidgetView("ucmagic")
+    view.starting("starting: listing /v ...")
+    assert "starting: listing /v" in view.status.value and view.explore_button.layout.display == "none"
+    view.show()  # already shown by starting(): not displayed twice
+    assert view._displayed
+
+
+def test_explore_button_opens_the_explorer_in_the_panel(tree):
+    pytest.importorskip("ipywidgets")
+    root, _ = tree
+    loader = _uc_loader(root)
+    mon = widget.attach_monitor(loader, mode="widget", show=False)
+    for _ in loader:
+        pass
+    assert mon.view.explore_button.layout.display is None and mon.view.explorer_box.children == ()
+    mon.view.explore_button.click()
+    (box,) = mon.view.explorer_box.children
+    assert box is mon.explorer.widget and "batches in view" in mon.explorer.summary.value
+
+
+def test_explore_at_the_end_opens_it_when_the_loop_ends(tree):
+    pytest.importorskip("ipywidgets")
+    root, _ = tree
+    loader = _uc_loader(root)
+    mon = widget.attach_monitor(loader, mode="widget", show=False, explore=True)
+    it = iter(loader)
+    next(it)
+    assert mon.view.explorer_box.children == ()
+    for _ in it:
+        pass
+    assert mon.view.explorer_box.children == (mon.explorer.widget,)

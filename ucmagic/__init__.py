@@ -32,6 +32,8 @@ _EXPORTS = {
     "format_size": "units",
     "UCMagicError": "errors",
     "SourceNotFoundError": "errors",
+    "SourceNotADirectoryError": "errors",
+    "MissingExtraError": "errors",
     "EmptyListingError": "errors",
     "SizeParseError": "errors",
     "FetchError": "errors",

@@ -48,7 +48,11 @@ def _add_stage(sub: argparse._SubParsersAction) -> None:
         res = stage(a.src, a.dest, pattern=a.pattern, concurrency=a.concurrency, processes=a.processes,
                     retries=a.retries, verify=None if a.verify == "none" else a.verify,
                     progress=False if a.no_progress else "text")
-        print(res)
+        text = str(res)
+        if not a.no_progress and sys.stderr.isatty():  # the progress line already ends with the summary
+            text = text.split("\n", 1)[1] if "\n" in text else ""
+        if text:
+            print(text)
         return 0 if res.ok else 1
 
     p.set_defaults(func=run)
@@ -61,7 +65,8 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
     p.add_argument("source", help="table name, Delta directory, Parquet/CSV path or glob, or SQL query")
     p.add_argument("dest", help="destination directory, /Volumes/... path or fsspec URL")
     p.add_argument("--file-size", default="1GB", help="target size of each file (default 1GB)")
-    p.add_argument("--mode", default="overwrite", help="overwrite (default), append or error")
+    p.add_argument("--mode", default="overwrite", choices=["overwrite", "append", "error"],
+                   help="overwrite (default: replace atomically), append (new files beside the old) or error")
     p.add_argument("--partition-by", default=None, help="comma-separated partition columns")
 
     def run(a: argparse.Namespace) -> int:
@@ -113,9 +118,9 @@ def _add_ckpt(sub: argparse._SubParsersAction) -> None:
         from .checkpoint import list_checkpoints
 
         items = list(list_checkpoints(a.root))
-        if not items:
-            print(f"no committed checkpoint under {a.root}", file=sys.stderr)
-            return 1
+        if not items:  # like list_checkpoints() returning []; a missing root raised above
+            print(f"no committed checkpoints under {a.root}")
+            return 0
         print(format_checkpoints(items))
         return 0
 
@@ -168,12 +173,24 @@ def build_parser() -> argparse.ArgumentParser:
     _add_export(sub)
     _add_ckpt(sub)
     _add_bench(sub)
+    _own_usage(ap)
     return ap
+
+
+def _own_usage(parser: argparse.ArgumentParser) -> None:
+    """Let each subcommand report bad arguments with its own usage (see :func:`main`)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sp in action.choices.values():
+                sp.set_defaults(_parser=sp)
+                _own_usage(sp)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
-    a = ap.parse_args(argv)
+    a, extra = ap.parse_known_args(argv)
+    if extra and getattr(a, "command", None) != "bench":
+        getattr(a, "_parser", ap).error(f"unrecognized arguments: {' '.join(extra)}")
     if not getattr(a, "func", None):
         ap.print_help()
         return 2

@@ -12,7 +12,7 @@ from typing import Any, Iterator
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from . import plan
+from . import plan, telemetry
 from .cache import FileCache, cache_key, safe_suffix
 from .errors import FetchError, ListingChangedError
 from .fetch import read_ahead, with_retries
@@ -21,6 +21,7 @@ from .volume import FileEntry, Volume, copy_error, listing_fingerprint, open_vol
 
 STATE_VERSION = 1
 DEFAULT_INFLIGHT = 128  # files in flight per rank, spread over its DataLoader workers
+_last_fetch = threading.local()  # per-item records: did this thread's last _fetch copy the file?
 
 
 def grid() -> tuple[int, int, int, int]:
@@ -231,6 +232,7 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
             raise
         except Exception as exc:
             raise copy_error(self.volume, e.path, exc) from exc
+        _last_fetch.fetched = fetched
         if fetched:
             self._counters.add(misses=1, bytes_fetched=e.size)
             self._counters.record_latency(time.perf_counter() - t0)
@@ -276,14 +278,25 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
         while self._held:
             self.cache.unpin(self._held.pop())
         epoch = self.epoch
-        entries = [self.entries[i] for i in self.stream_indices(epoch)]
+        indices = self.stream_indices(epoch)
+        entries = [self.entries[i] for i in indices]
+        timing: dict[str, tuple[bool, float]] = {}  # per-item fetch records (telemetry.record_item)
+
+        def timed(fn: Any) -> Any:
+            def run(e: FileEntry) -> str | None:
+                t0, _last_fetch.fetched = time.perf_counter(), False
+                out = fn(e)
+                timing[e.path] = (not _last_fetch.fetched, time.perf_counter() - t0)
+                return out
+            return run
         if main:
             self._epoch_main, self._delivered_main = epoch, 0
         leases: deque[str] = deque()
         window = max(16, int(self.lease_items))
         try:
-            for leased in read_ahead(self._lease, entries, depth=self._inflight(), timeout=self.timeout,
-                                     describe=lambda e: self.volume.display(e.path), fast=self._lease_cached):
+            for pos, leased in enumerate(read_ahead(timed(self._lease), entries, depth=self._inflight(),
+                                                    timeout=self.timeout, describe=lambda e: self.volume.display(e.path),
+                                                    fast=timed(self._lease_cached))):
                 if main:
                     self._delivered_main += 1
                 if leased is None:
@@ -292,6 +305,7 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
                 while len(leases) > window:
                     self.cache.unpin(leases.popleft())
                 self._counters.add(delivered=1)
+                telemetry.record_item(indices[pos], *timing.pop(entries[pos].path, (True, 0.0)), entries[pos].size)
                 yield leased
         finally:
             # The last items may still be in a batch the loop is using: keep them pinned until the
@@ -381,6 +395,11 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
             except FileNotFoundError:
                 pass
         return out
+
+    def describe_item(self, index: int) -> tuple[str, int]:
+        """``(display path, bytes)`` of file ``index`` of the listing (for fetch records)."""
+        e = self.entries[index]
+        return self.volume.display(e.path), e.size
 
     def clear_cache(self) -> int:
         """Remove this dataset's files from the cache (other datasets' entries stay). Returns count."""

@@ -1,6 +1,8 @@
 """Exception types raised by ucmagic. Each message names what failed and how to fix it."""
 from __future__ import annotations
 
+from typing import Any
+
 
 class UCMagicError(Exception):
     """Base class for every error ucmagic raises on purpose."""
@@ -10,8 +12,15 @@ class SourceNotFoundError(UCMagicError, FileNotFoundError):
     """A dataset/stage/checkpoint source path does not exist."""
 
 
-class NotADirectoryErrorUC(UCMagicError, NotADirectoryError):
+class SourceNotADirectoryError(UCMagicError, NotADirectoryError):
     """A file was given where a directory is expected."""
+
+
+NotADirectoryErrorUC = SourceNotADirectoryError  # deprecated name, kept for existing code
+
+
+class MissingExtraError(UCMagicError, ModuleNotFoundError):
+    """An optional dependency is not installed; the message names the ``pip install`` that adds it."""
 
 
 class EmptyListingError(UCMagicError, ValueError):
@@ -48,3 +57,22 @@ class ResumeOrderError(UCMagicError, ValueError):
 
 class UnsafeCacheError(UCMagicError, PermissionError):
     """The cache directory is not private to the current user."""
+
+
+EXTRAS = {"matplotlib": "notebook", "ipywidgets": "notebook", "IPython": "notebook", "mlflow": "mlflow",
+          "s3fs": "s3", "deltalake": "delta", "pyspark": "spark", "mfusepy": "fuse"}
+
+
+def import_extra(module: str, extra: str | None = None, *, feature: str = "this") -> Any:
+    """Import an optional dependency, or raise :class:`MissingExtraError` saying which extra installs it."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        top = module.split(".")[0]
+        if exc.name is not None and exc.name.split(".")[0] != top:
+            raise  # the package is there but something it needs is not: the original error says what
+        name = extra or EXTRAS.get(top, top)
+        raise MissingExtraError(f"{feature} needs {top}, which is not installed: pip install \"ucmagic[{name}]\"",
+                                name=top) from exc

@@ -24,6 +24,7 @@ import torch.utils.data as tud
 from . import plan
 from .errors import ListingChangedError
 from .loader_stats import LoaderStats
+from .telemetry import ItemCollate
 
 __all__ = ["DataLoader", "LoaderStats"]
 
@@ -197,6 +198,7 @@ class DataLoader(tud.DataLoader):
         self._held_iterators: list[Any] = []
         weakref.finalize(self, _shutdown_held, self._held_iterators)
         if uc:
+            self.collate_fn = ItemCollate(self.collate_fn)  # batches bring their items' fetch records
             self._configure_dataset()
         elif self._dataset_kind == 0:  # map-style
             self._own_random_sampler(generator)
@@ -348,6 +350,7 @@ class DataLoader(tud.DataLoader):
                     self._epoch_complete = True
                     return
                 t1 = perf()
+                batch = stats._take_items(batch)
                 compute = t0 - last if last is not None else 0.0
                 fetch = t1 - t0
                 self._epoch_batches += 1

@@ -15,11 +15,14 @@ import re
 import shlex
 from typing import Any, Callable, NoReturn
 
-from IPython.core.error import UsageError
-from IPython.core.magic import Magics, line_magic, magics_class, needs_local_scope, no_var_expand
-from IPython.core.magic_arguments import argument, kwds, magic_arguments
-from IPython.utils.text import DollarFormatter
-from traitlets import Bool, Enum, Int, Unicode
+from .errors import import_extra
+
+import_extra("IPython", feature="the notebook magics")  # a clear pip line instead of a bare ModuleNotFoundError
+from IPython.core.error import UsageError  # noqa: E402
+from IPython.core.magic import Magics, line_magic, magics_class, needs_local_scope, no_var_expand  # noqa: E402
+from IPython.core.magic_arguments import argument, kwds, magic_arguments  # noqa: E402
+from IPython.utils.text import DollarFormatter  # noqa: E402
+from traitlets import Bool, Enum, Int, Unicode  # noqa: E402
 
 from .errors import UCMagicError
 
@@ -268,6 +271,7 @@ class UcMagics(Magics):
                                                   "$UCMAGIC_CACHE_DIR, ~/.cache/ucmagic)")
     @argument("--limit", metavar="BYTES", help="cache budget, e.g. 50GB (default: keep 10%% of the disk free)")
     @argument("--no-widget", action="store_true", help="do not show the live progress widget")
+    @argument("--explore", action="store_true", help="open the fetch-latency explorer in the panel when the loop ends")
     @argument("--rows", type=int, default=None, metavar="N", help="tables: load at most N rows")
     @argument("--columns", metavar="COLS", help="tables: comma-separated columns to load")
     @argument("--stream", action="store_true", help="tables: a ParquetDataset loader instead of a DataFrame")
@@ -309,7 +313,12 @@ class UcMagics(Magics):
             for flag, v in (("--rows", a.rows), ("--columns", a.columns), ("--stream", a.stream or None)):
                 if v is not None:
                     _fail("ucload", f"{flag} applies to tables, but {a.source} is a directory of files")
-            result = self._load_files(a, limit)
+            self._early_panel(a)
+            try:
+                result = self._load_files(a, limit)
+            except BaseException as exc:
+                self._panel_failed(a, exc)
+                raise
         else:
             if a.pattern is not None:
                 _fail("ucload", f"-p applies to directories of files, but {a.source} is a table "
@@ -317,7 +326,12 @@ class UcMagics(Magics):
             if a.stream:
                 if a.rows is not None:
                     _fail("ucload", "--rows applies to DataFrames; with --stream every row is read")
-                result = self._stream_table(a, columns, limit)
+                self._early_panel(a)
+                try:
+                    result = self._stream_table(a, columns, limit)
+                except BaseException as exc:
+                    self._panel_failed(a, exc)
+                    raise
             else:
                 for flag, v in (("-b", a.batch_size), ("-w", a.workers), ("--shuffle", a.shuffle or None),
                                 ("--limit", a.limit), ("--cache-dir", a.cache_dir)):
@@ -338,13 +352,29 @@ class UcMagics(Magics):
             kw["num_workers"] = workers
         return kw
 
+    def _early_panel(self, a: Any) -> None:
+        """Show the live panel at once in a "starting / listing" state (imports and listing take seconds)."""
+        a.panel = None
+        if a.no_widget:
+            return
+        from .widget import WidgetView, resolve_mode
+
+        if resolve_mode(self.progress) == "widget":
+            a.panel = WidgetView(f"ucmagic \u2014 {a.source}")
+            a.panel.starting(f"starting: listing {a.source} ...")
+
+    @staticmethod
+    def _panel_failed(a: Any, exc: BaseException) -> None:
+        if getattr(a, "panel", None) is not None:
+            a.panel.starting(f"failed: {type(exc).__name__}: {exc}")
+
     def _finish_loader(self, loader: Any, a: Any) -> Any:
         if not a.no_widget:
-            from .widget import resolve_mode
+            from .widget import attach_monitor, resolve_mode
 
             mode = resolve_mode(self.progress)
-            if mode != "off":
-                loader.monitor(mode=mode)  # shown in this cell, updated by the loop in later cells
+            if mode != "off":  # shown in this cell, updated by the loop in later cells
+                attach_monitor(loader, mode=mode, view=getattr(a, "panel", None), explore=a.explore)
         return loader
 
     def _load_files(self, a: Any, limit: int | None) -> Any:

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from . import plan
+from . import plan, telemetry
 from .cache import FileCache, cache_key
 from .dataset import EpochTracking, grid, local_world_size
 from .errors import ListingChangedError
@@ -460,10 +460,23 @@ class ParquetDataset(EpochTracking, IterableDataset):
         readers: dict = {}
         lock = threading.Lock()
         own = get_worker_info() is not None  # worker batches cross processes: no views of big buffers
+        cur = [0, 0.0]  # per-item records: row group and read seconds of the piece a batch ends in
+
+        def load(s: Segment) -> tuple[dict[str, Any], int]:
+            t0 = time.perf_counter()
+            out = self._load(lay, s, readers, lock)
+            return out, lay.window_pieces(s.window)[0][0], time.perf_counter() - t0  # type: ignore[return-value]
+
+        def unpack(timed: Iterator[Any]) -> Iterator[tuple[dict[str, Any], int]]:
+            for out, cur[0], cur[1] in timed:
+                yield out
         try:
-            pieces = read_ahead(lambda s: self._load(lay, s, readers, lock), segs, depth=self.prefetch,
+            pieces = read_ahead(load, segs, depth=self.prefetch,
                                 timeout=self.timeout, describe=lambda s: f"row-group window {s.window}")
-            yield from self._batches(pieces, own)
+            for batch in self._batches(unpack(pieces), own):
+                nbytes = sum(v.nbytes for v in batch.values() if isinstance(v, torch.Tensor))
+                telemetry.record_item(cur[0], True, cur[1], nbytes)
+                yield batch
         finally:
             for _, f in list(readers.values()):
                 f.close()
@@ -480,6 +493,12 @@ class ParquetDataset(EpochTracking, IterableDataset):
             if main:
                 self._delivered_main += len(next(iter(batch.values())))
             yield batch
+
+    def describe_item(self, group: int) -> tuple[str, int]:
+        """``(file#row group, approximate bytes)`` of row group ``group`` (for fetch records)."""
+        fi, j = self._group_file[group]
+        f = self.files[fi]
+        return f"{f.path}#rg{j}", int(f.size * f.group_rows[j] / max(1, sum(f.group_rows)))
 
     # ------------------------------------------------------------ resume
 

@@ -27,13 +27,13 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from .errors import NotADirectoryErrorUC, UCMagicError
+from .errors import SourceNotADirectoryError, UCMagicError
 from .tables import (MANIFEST, Source, UnsupportedSourceError, _spark_df, _visible, connect, delta_files,
                      duckdb_relation, resolve_source)
 from .units import format_size, parse_size
 from .volume import _is_url, resolve_local_path
 
-EXPORT_MODES = ("overwrite", "error")
+EXPORT_MODES = ("overwrite", "append", "error")
 MAX_ROW_GROUP_ROWS = 131072
 MIN_ROW_GROUP_ROWS = 2048
 DEFAULT_MEMORY_LIMIT = "384MB"
@@ -120,7 +120,7 @@ def swap_in(staging: str, dest: str) -> str | None:
             if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
                 raise
     if not os.path.isdir(dest):
-        raise NotADirectoryErrorUC(f"{dest} exists and is not a directory: export_parquet writes a directory")
+        raise SourceNotADirectoryError(f"{dest} exists and is not a directory: export_parquet writes a directory")
     if _exchange(staging, dest):
         return staging
     old = os.path.join(os.path.dirname(dest), f".{os.path.basename(dest)}.ucmagic-old-{uuid.uuid4().hex[:8]}")
@@ -174,6 +174,18 @@ def _finish_staging(staging: str, export_id: str, rename: bool) -> list[str]:
                 os.rename(os.path.join(dirpath, f), os.path.join(dirpath, name))
             out.append(os.path.relpath(os.path.join(dirpath, name), staging).replace(os.sep, "/"))
     return sorted(out)
+
+
+def _append_in(staging: str, rels: list[str], dest: str) -> None:
+    """Move the staged files into ``dest`` beside the files already there (each rename is atomic:
+    a reader sees a file complete or not at all), then drop the staging directory."""
+    for r in rels:
+        target = os.path.join(dest, r)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        if os.path.exists(target):
+            raise FileExistsError(f"{target} already exists: append writes new, uniquely named files")
+        os.rename(os.path.join(staging, r), target)
+    shutil.rmtree(staging, ignore_errors=True)
 
 
 def _count(staging: str, rels: list[str]) -> tuple[int, int]:
@@ -252,7 +264,8 @@ def _write_spark(src: Source, staging: str, target: int, cols: list[str], compre
 
 # ---------------------------------------------------------------- publishing to a URL
 
-def _publish_remote(local_staging: str, rels: list[str], dest: str, storage_options: dict[str, Any] | None) -> list[str]:
+def _publish_remote(local_staging: str, rels: list[str], dest: str, storage_options: dict[str, Any] | None,
+                    append: bool = False) -> list[str]:
     import fsspec
 
     fs, root = fsspec.core.url_to_fs(dest, **(storage_options or {}))
@@ -262,8 +275,11 @@ def _publish_remote(local_staging: str, rels: list[str], dest: str, storage_opti
     old = [p for p in (fs.find(root) if fs.exists(root) else []) if p.endswith(".parquet") and _visible(p[len(prefix):])]
     for r in rels:
         fs.put_file(os.path.join(local_staging, r), prefix + r)
-    fs.pipe_file(prefix + MANIFEST, json.dumps({"files": rels}).encode())  # the commit point
-    keep = {prefix + r for r in rels}
+    listed = rels
+    if append:  # the new files join the old ones; nothing is removed
+        listed = sorted(set(rels) | {p[len(prefix):] for p in old})
+    fs.pipe_file(prefix + MANIFEST, json.dumps({"files": listed}).encode())  # the commit point
+    keep = {prefix + r for r in listed}
     stale = [p for p in old if p not in keep]
     if stale:
         fs.rm(stale)
@@ -291,7 +307,8 @@ def export_parquet(source: Any, dest: str | os.PathLike, *, target_file_size: in
     Parquet/CSV paths or globs; a pandas DataFrame or pyarrow Table; a SQL query (DuckDB).
     ``dest``: a local or mounted directory, a ``/Volumes/...`` path, or an fsspec URL.
     ``mode="overwrite"`` replaces ``dest`` atomically (readers see the old files or the new ones,
-    never a mixture, and no stale file survives); ``mode="error"`` refuses a non-empty ``dest``.
+    never a mixture, and no stale file survives); ``mode="append"`` adds the new files beside the
+    old ones (uniquely named, each renamed into place complete); ``mode="error"`` refuses a non-empty ``dest``.
     ``partition_by`` writes Hive-style ``col=value/`` directories. The embedded engine streams its
     input under ``memory_limit``. Returns an :class:`ExportResult` (files, rows, bytes, seconds).
     """
@@ -321,14 +338,14 @@ def export_parquet(source: Any, dest: str | os.PathLike, *, target_file_size: in
             out = os.path.join(staging, "out")
             rels = _finish_staging(out, export_id, rename=True)
             rows, size = _count(out, rels)
-            files = _publish_remote(out, rels, dest, storage_options)
+            files = _publish_remote(out, rels, dest, storage_options, append=mode == "append")
         finally:
             shutil.rmtree(staging, ignore_errors=True)
         return ExportResult(dest, files, rows, size, time.perf_counter() - t0, "duckdb")
 
     dest = _resolve_dest(dest[len("file://"):] if dest.startswith("file://") else dest)
     if os.path.exists(dest) and not os.path.isdir(dest):
-        raise NotADirectoryErrorUC(f"{dest} is a file: export_parquet writes a directory of Parquet files")
+        raise SourceNotADirectoryError(f"{dest} is a file: export_parquet writes a directory of Parquet files")
     if mode == "error" and _non_empty(dest):
         raise FileExistsError(f"{dest} exists and is not empty: pass mode='overwrite' to replace it atomically")
     parent = os.path.dirname(dest)
@@ -346,7 +363,10 @@ def export_parquet(source: Any, dest: str | os.PathLike, *, target_file_size: in
         rows, size = _count(staging, rels)
         if mode == "error" and _non_empty(dest):
             raise FileExistsError(f"{dest} was created by someone else during the export; nothing was changed")
-        old = swap_in(staging, dest)
+        if mode == "append":
+            _append_in(staging, rels, dest)
+        else:
+            old = swap_in(staging, dest)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

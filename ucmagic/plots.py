@@ -13,7 +13,9 @@ def latency_figure(fetch_s: Sequence[float], compute_s: Sequence[float] | None =
     ``fetch_s``/``compute_s`` are seconds per batch. Returns a ``matplotlib.figure.Figure`` built
     without pyplot, so it works under any backend (Agg included) and shows once in a notebook.
     """
-    from matplotlib.figure import Figure
+    from .errors import import_extra
+
+    Figure = import_extra("matplotlib.figure", feature="stats.plot()").Figure
 
     fetch_ms = np.asarray(fetch_s, dtype=float) * 1000.0
     fig = Figure(figsize=(10, 3.6), layout="constrained")

@@ -24,6 +24,7 @@ from typing import Any, TextIO
 from .units import format_size
 
 MODES = (True, False, None, "auto", "text", "widget", "off")
+MIN_RATE_S = 0.5  # seconds before a rate or an ETA is shown
 
 
 # ---------------------------------------------------------------- pure helpers
@@ -40,7 +41,11 @@ def format_duration(seconds: float) -> str:
 
 def format_progress(done: int, total: int | None, nbytes: int, elapsed: float, *, desc: str = "",
                     unit: str = "files", total_bytes: int | None = None, failed: int = 0) -> str:
-    """One line: ``desc: 1,200/2,000 files (60%)  180.0 MB  90.0 MB/s  2.0 s  eta 1.3 s``."""
+    """One line: ``desc: 1,200/2,000 files (60%)  180.0 MB  90.0 MB/s  2.0 s  eta 1.3 s``.
+
+    Rate and ETA appear once they mean something (2 items and half a second in): the first line
+    shows no "0 B/s" and no ETA extrapolated from start-up time."""
+    settled = done >= 2 and elapsed >= MIN_RATE_S
     parts = [f"{desc}: " if desc else ""]
     if total:
         pct = 100.0 * done / total
@@ -50,12 +55,12 @@ def format_progress(done: int, total: int | None, nbytes: int, elapsed: float, *
     line = "".join(parts)
     if nbytes or total_bytes:
         line += f"  {format_size(nbytes)}"
-        if elapsed > 0:
+        if settled:
             line += f"  {format_size(nbytes / elapsed)}/s"
     line += f"  {format_duration(elapsed)}"
     if failed:
         line += f"  {failed:,} failed"
-    if total and 0 < done < total and elapsed > 0:
+    if total and 0 < done < total and settled:
         line += f"  eta {format_duration(elapsed * (total - done) / done)}"
     return line
 

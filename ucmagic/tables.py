@@ -18,7 +18,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from .errors import ListingChangedError, SourceNotFoundError, UCMagicError
+from .errors import ListingChangedError, SourceNotFoundError, UCMagicError, import_extra
 from .units import format_size, parse_size
 from .volume import _is_url, existing_local_path, resolve_local_path
 
@@ -343,7 +343,7 @@ def arrow_dataset(src: Source) -> Any:
     import pyarrow.dataset as pads
 
     if src.kind == "delta":
-        from deltalake import DeltaTable
+        DeltaTable = import_extra("deltalake", feature="reading a Delta table").DeltaTable
 
         try:
             dt = DeltaTable(src.root, version=src.version, storage_options=src.storage_options)
@@ -360,7 +360,7 @@ def arrow_dataset(src: Source) -> Any:
 
 def delta_files(src: Source) -> list[str]:
     """Data files of the Delta table's selected version (local paths, or URLs for remote tables)."""
-    from deltalake import DeltaTable
+    DeltaTable = import_extra("deltalake", feature="reading a Delta table").DeltaTable
 
     uris = DeltaTable(src.root, version=src.version, storage_options=src.storage_options).file_uris()
     return [u[len("file://"):] if u.startswith("file://") else u for u in uris]
@@ -583,7 +583,7 @@ def register_table(name: str, data: Any, *, format: str = "delta", mode: str = "
 
         export_parquet(data, path, mode="overwrite", target_file_size="256MB")
         return path
-    from deltalake import write_deltalake
+    write_deltalake = import_extra("deltalake", feature="writing a Delta table").write_deltalake
 
     if exists and not is_delta_dir(path):
         raise FileExistsError(f"{path} holds a non-Delta table: use format='parquet' or remove it")

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import math
 import multiprocessing as mp
-from typing import Sequence
+from array import array
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -173,3 +174,144 @@ def _tail(values, last: int | None) -> np.ndarray:
     # Slice first (a copy), so no buffer of the growing array stays exported.
     part = values[-last:] if last else values[:]
     return np.frombuffer(part, dtype=np.float64) if len(part) else np.zeros(0)
+
+
+# ------------------------------------------------------------------ per-item fetch records
+#
+# A planned dataset calls record_item() once per item it delivers, in whatever process iterates it
+# (a DataLoader worker or the main process). The records wait in a small process-local buffer; the
+# loader's collate function (ItemCollate) takes the ones of each batch and sends them to the main
+# process *with the batch* (BatchItems), so they arrive under any start method, in order, with
+# no shared memory to size. The main process keeps them in an ItemLog: 8 bytes per item.
+
+PENDING_CAP = 1 << 16  # records a process keeps while nobody collects them (plain iteration)
+ITEM_CAP = 10_000_000  # items an ItemLog keeps in detail (80 MB); later batches keep their totals only
+
+_pending_index = array("q")
+_pending_fetch = array("f")  # seconds; negative (sign bit set) for a cache hit
+_pending_bytes = array("q")
+
+
+def record_item(index: int, hit: bool, fetch_s: float, nbytes: int) -> None:
+    """Note one delivered item: its file index (or Parquet row group), whether it was a cache hit,
+    how long fetching it took, and its size. Cheap (well under a microsecond)."""
+    _pending_index.append(index)
+    _pending_fetch.append(-fetch_s if hit else fetch_s)
+    _pending_bytes.append(nbytes)
+    if len(_pending_index) > PENDING_CAP:  # nobody collects (the dataset iterated on its own)
+        drop_pending()
+
+
+def drop_pending() -> None:
+    """Forget the records of this process not yet taken by a batch."""
+    del _pending_index[:], _pending_fetch[:], _pending_bytes[:]
+
+
+def take_items(n: int) -> tuple[bytes, bytes, int]:
+    """The last ``n`` pending records of this process as ``(indices int32, fetch float32, total bytes)``;
+    older ones (items a ``drop_last`` loader never batched) are dropped."""
+    k = min(n, len(_pending_index))
+    idx = np.asarray(_pending_index[len(_pending_index) - k:], dtype=np.int32).tobytes() if k else b""
+    fetch = _pending_fetch[len(_pending_fetch) - k:].tobytes() if k else b""
+    nbytes = sum(_pending_bytes[len(_pending_bytes) - k:]) if k else 0
+    drop_pending()
+    return idx, fetch, nbytes
+
+
+class BatchItems:
+    """A batch travelling from a worker with the fetch records of its items (unwrapped by the loader)."""
+
+    __slots__ = ("batch", "worker", "index", "fetch", "nbytes")
+
+    def __init__(self, batch: Any, worker: int, index: bytes, fetch: bytes, nbytes: int) -> None:
+        self.batch, self.worker, self.index, self.fetch, self.nbytes = batch, worker, index, fetch, nbytes
+
+    def pin_memory(self, device: Any = None) -> "BatchItems":  # the pin-memory thread pins the batch inside
+        from torch.utils.data._utils.pin_memory import pin_memory
+
+        return BatchItems(pin_memory(self.batch, device), self.worker, self.index, self.fetch, self.nbytes)
+
+
+class ItemCollate:
+    """Wraps a DataLoader's ``collate_fn``: each batch leaves its process with its items' records."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def __call__(self, data: Any) -> BatchItems:
+        n = len(data) if isinstance(data, list) else 1
+        index, fetch, nbytes = take_items(n)
+        try:
+            from torch.utils.data import get_worker_info
+
+            info = get_worker_info()
+        except ImportError:  # pragma: no cover
+            info = None
+        return BatchItems(self.inner(data), -1 if info is None else info.id, index, fetch, nbytes)
+
+
+class ItemLog:
+    """Per-batch item records in the main process: which items each batch held (file index), each
+    item's fetch time and hit/miss, plus per-batch epoch, worker, rank, miss count and bytes.
+
+    Memory: 8 bytes per item and 26 per batch, items kept in detail up to ``cap`` (default 10 M,
+    80 MB); later batches keep their per-batch totals.
+    """
+
+    def __init__(self, cap: int = ITEM_CAP) -> None:
+        self.cap = int(cap)
+        self.start = array("q")  # first item of each batch in index/fetch
+        self.count = array("i")  # items in each batch (also when not kept in detail)
+        self.epoch = array("i")
+        self.worker = array("h")  # -1: the main process
+        self.rank = array("h")
+        self.misses = array("i")
+        self.nbytes = array("q")
+        self.index = array("i")
+        self.fetch = array("f")  # seconds, negative for a hit
+        self.truncated = False
+
+    def __len__(self) -> int:
+        return len(self.start)
+
+    def add(self, epoch: int, worker: int, index: bytes = b"", fetch: bytes = b"", nbytes: int = 0,
+            rank: int = 0) -> None:
+        """Append one batch (its items' ``index`` int32 and ``fetch`` float32 bytes)."""
+        n = len(index) // 4
+        self.start.append(len(self.index))
+        self.count.append(n)
+        self.epoch.append(epoch)
+        self.worker.append(worker)
+        self.rank.append(rank)
+        self.nbytes.append(nbytes)
+        if n:
+            f = np.frombuffer(fetch, dtype=np.float32)
+            self.misses.append(int(n - np.count_nonzero(np.signbit(f))))
+            if len(self.index) + n <= self.cap:
+                self.index.frombytes(index)
+                self.fetch.frombytes(fetch)
+            else:
+                self.truncated = True
+        else:
+            self.misses.append(0)
+
+    def items(self, b: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(index, fetch_s, hit)`` of batch ``b`` (empty when not kept in detail)."""
+        s = self.start[b]
+        n = self.count[b] if s + self.count[b] <= len(self.index) else 0
+        idx = np.frombuffer(self.index, dtype=np.int32)[s:s + n].copy() if n else np.zeros(0, np.int32)
+        f = np.frombuffer(self.fetch, dtype=np.float32)[s:s + n].astype(float) if n else np.zeros(0)
+        return idx, np.abs(f), np.signbit(f)
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """Every per-batch column and the item columns as numpy arrays (copies)."""
+        out = {k: np.array(getattr(self, k)) for k in ("start", "count", "epoch", "worker", "rank", "misses",
+                                                         "nbytes", "index", "fetch")}
+        return out
+
+    def memory_bytes(self) -> int:
+        return sum(a.itemsize * len(a) for a in (self.start, self.count, self.epoch, self.worker, self.rank,
+                                                   self.misses, self.nbytes, self.index, self.fetch))
+
+    def reset(self) -> None:
+        self.__init__(self.cap)

@@ -79,16 +79,18 @@ class SlowFileSystem(LocalFileSystem):
     """fsspec ``slow://``: a local directory with the latency and bandwidth of remote storage.
 
     Storage options: ``open_ms`` (wait per open, default 20), ``mbps`` (read bandwidth per stream,
-    MB/s, default 200, 0 = unlimited), ``list_ms`` (wait per listing, default 50) and ``fail_every``
-    (every Nth open in this process raises EIO, default 0 = never).
+    MB/s, default 200, 0 = unlimited), ``list_ms`` (wait per listing, default 50), ``fail_every``
+    (every Nth open in this process raises EIO, default 0 = never) and ``slow_files``
+    (``{name substring: extra ms per open}``: a straggler file to find in the explorer).
     """
 
     protocol = ("slow",)
     root_marker = "/"
 
     def __init__(self, open_ms: float = 20.0, mbps: float = 200.0, list_ms: float = 50.0,
-                 fail_every: int = 0, **kw: Any) -> None:
+                 fail_every: int = 0, slow_files: dict[str, float] | None = None, **kw: Any) -> None:
         super().__init__(**kw)
+        self.slow_files = dict(slow_files or {})
         self.open_s = open_ms / 1000.0
         self.bps = mbps * 1e6
         self.list_s = list_ms / 1000.0
@@ -109,7 +111,7 @@ class SlowFileSystem(LocalFileSystem):
         return super().ls(path, detail=detail, **kw)
 
     def _open(self, path: str, mode: str = "rb", **kw: Any):
-        time.sleep(self.open_s)
+        time.sleep(self.open_s + sum(ms for k, ms in self.slow_files.items() if k in path) / 1000.0)
         if _faults.should_fail(self.fail_every):
             raise OSError(errno.EIO, f"injected I/O error opening {path}")
         f = super()._open(path, mode=mode, **kw)

@@ -17,7 +17,7 @@ from functools import lru_cache
 from typing import Any, Iterable, Iterator, NamedTuple
 
 from . import ranged
-from .errors import EmptyListingError, FetchError, NotADirectoryErrorUC, SourceChangedError, SourceNotFoundError
+from .errors import EmptyListingError, FetchError, SourceChangedError, SourceNotADirectoryError, SourceNotFoundError
 
 COPY_CHUNK = 4 << 20
 
@@ -410,7 +410,7 @@ class FsspecVolume(Volume):
 def open_volume(path: Any, storage_options: dict[str, Any] | None = None) -> Volume:
     """Resolve ``path`` (directory, ``/Volumes/...`` path, ``file://`` or any fsspec URL) to a Volume.
 
-    Raises :class:`SourceNotFoundError` for a missing path and :class:`NotADirectoryErrorUC` when
+    Raises :class:`SourceNotFoundError` for a missing path and :class:`SourceNotADirectoryError` when
     ``path`` is a file.
     """
     if isinstance(path, Volume):
@@ -425,13 +425,13 @@ def open_volume(path: Any, storage_options: dict[str, Any] | None = None) -> Vol
         if not exists:
             raise SourceNotFoundError(f"{path} does not exist: check the URL and your credentials")
         if not isdir:
-            raise NotADirectoryErrorUC(f"{path} is a file, not a directory: pass the directory that holds your files")
+            raise SourceNotADirectoryError(f"{path} is a file, not a directory: pass the directory that holds your files")
         return vol
     if path.startswith("file://"):
         path = path[len("file://"):]
     real = existing_local_path(path)
     if not os.path.isdir(real):
-        raise NotADirectoryErrorUC(
+        raise SourceNotADirectoryError(
             f"{path} is a file, not a directory: pass the directory that holds your files (use pattern= to pick some)"
         )
     return LocalVolume(real)

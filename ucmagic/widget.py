@@ -56,6 +56,8 @@ class Snapshot:
     p50_ms: float = math.nan
     p99_ms: float = math.nan
     error: str | None = None
+    run_ms: list[float] = field(default_factory=list)  # the whole epoch, max per bucket (see RunSeries)
+    hints: list[str] = field(default_factory=list)  # straggler hints, in the final state
 
     @property
     def batches_per_s(self) -> float:
@@ -68,8 +70,15 @@ class Snapshot:
         return self.items / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
     @property
+    def rate_known(self) -> bool:
+        """Enough batches and time for a throughput and an ETA that mean something (not "0 items/s")."""
+        from .progress import MIN_RATE_S
+
+        return self.batches >= 2 and self.elapsed_s >= MIN_RATE_S
+
+    @property
     def eta_s(self) -> float | None:
-        if self.total_batches is None or self.state != "running" or self.batches_per_s <= 0:
+        if self.total_batches is None or self.state != "running" or self.batches_per_s <= 0 or not self.rate_known:
             return None
         return max(0, self.total_batches - self.batches) / self.batches_per_s
 
@@ -101,6 +110,8 @@ def text_line(s: Snapshot) -> str:
     Starts with :func:`ucmagic.progress.format_progress`'s line (the one ``stage`` prints)."""
     from .progress import format_progress
 
+    if s.state == "starting":
+        return f"{s.title}: {s.error or 'starting'}"
     head = format_progress(s.batches, s.total_batches if s.state == "running" else None, 0, s.elapsed_s,
                            desc=s.title, unit="batches")
     parts = [head]
@@ -111,7 +122,8 @@ def text_line(s: Snapshot) -> str:
         parts.append(f"hit {100 * s.hit_rate:.0f}%")
     parts.append(f"wait p50 {format_ms(s.p50_ms)} p99 {format_ms(s.p99_ms)}")
     ips = s.items_per_s
-    parts.append(f"{ips:,.0f} items/s" if ips is not None else f"{s.batches_per_s:,.1f} batches/s")
+    if s.rate_known or s.state != "running":
+        parts.append(f"{ips:,.0f} items/s" if ips is not None else f"{s.batches_per_s:,.1f} batches/s")
     if s.state == "done":
         parts.append("done")
     elif s.state == "error":
@@ -123,40 +135,54 @@ def sparkline_svg(waits_ms: Sequence[float], p50_ms: float, p99_ms: float, *, wi
                   height: int = 70, points: int = PLOT_POINTS, color: str = "#1f77b4") -> str:
     """An inline SVG of recent per-batch waits (ms) with dashed p50 and p99 lines.
 
-    Pure string building (tens of microseconds); the y axis runs from 0 to the larger of the
-    highest point and 1.15 x p99, labelled in ms.
+    Pure string building (tens of microseconds). The y axis runs from 0 to the larger of the
+    highest point and 1.15 x p99, labelled in ms; when the highest point (a cold first batch) is
+    over 20 x p50 the axis is logarithmic, so the spike and the steady state both stay readable.
     """
     vals = list(waits_ms)[-points:]
     pad_l, pad_r, pad_t, pad_b = 4, 64, 6, 14
     pw, ph = width - pad_l - pad_r, height - pad_t - pad_b
     top = max([*vals, (p99_ms * 1.15) if math.isfinite(p99_ms) else 0.0, 1e-3])
+    floor = max(min([v for v in vals if v > 0], default=top) * 0.8, top * 1e-4)
+    log = bool(vals) and math.isfinite(p50_ms) and p50_ms > 0 and top > 20 * p50_ms
+
+    def y_of(v: float) -> float:
+        if log:
+            frac = math.log(max(v, floor) / floor) / math.log(top / floor) if top > floor else 0.0
+        else:
+            frac = min(v, top) / top
+        return pad_t + ph - ph * min(1.0, max(0.0, frac))
+
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
            f'viewBox="0 0 {width} {height}" style="font:10px sans-serif">',
            f'<rect x="{pad_l}" y="{pad_t}" width="{pw}" height="{ph}" fill="none" stroke="#8884"/>']
     if vals:
         step = pw / max(1, points - 1)
         x0 = pad_l + pw - step * (len(vals) - 1)
-        pts = " ".join(f"{x0 + i * step:.1f},{pad_t + ph - ph * min(v, top) / top:.1f}" for i, v in enumerate(vals))
+        pts = " ".join(f"{x0 + i * step:.1f},{y_of(v):.1f}" for i, v in enumerate(vals))
         out.append(f'<polyline points="{pts}" fill="none" stroke="{color}" stroke-width="1.5"/>')
     for label, v, c in (("p50", p50_ms, "#2ca02c"), ("p99", p99_ms, "#d62728")):
         if math.isfinite(v):
-            y = pad_t + ph - ph * min(v, top) / top
+            y = y_of(v)
             out.append(f'<line x1="{pad_l}" x2="{pad_l + pw}" y1="{y:.1f}" y2="{y:.1f}" stroke="{c}" '
                        f'stroke-dasharray="4 3"/>')
             out.append(f'<text x="{pad_l + pw + 4}" y="{y + 3:.1f}" fill="{c}">'
                        f'{label} {html.escape(format_ms(v))}</text>')
     out.append(f'<text x="{pad_l}" y="{height - 2}" fill="currentColor" opacity="0.7">'
-               f'wait per batch, last {len(vals)} batches (max {html.escape(format_ms(top))})</text>')
+               f'wait per batch, whole epoch (max {html.escape(format_ms(top))}{", log scale" if log else ""})</text>')
     out.append("</svg>")
     return "".join(out)
 
 
 def summary_html(s: Snapshot) -> str:
-    """The status line under the plot: throughput, ETA or final state (red on error)."""
-    bits = [f"<b>{s.batches}</b>{'/' + str(s.total_batches) if s.total_batches is not None else ''} batches",
-            f"{s.batches_per_s:.1f} batches/s"]
-    if s.items_per_s is not None:
-        bits.insert(1, f"{s.items_per_s:,.0f} items/s")
+    """The status line under the plot: throughput, ETA or final state (red on error), then hints."""
+    if s.state == "starting":
+        return f"<i>{html.escape(s.error or 'starting')}</i>"
+    bits = [f"<b>{s.batches}</b>{'/' + str(s.total_batches) if s.total_batches is not None else ''} batches"]
+    if s.rate_known or s.state != "running":
+        bits.append(f"{s.batches_per_s:.1f} batches/s")
+        if s.items_per_s is not None:
+            bits.insert(1, f"{s.items_per_s:,.0f} items/s")
     if s.hit_rate is not None:
         bits.append(f"hit rate {100 * s.hit_rate:.0f}%")
     if s.state == "running":
@@ -165,7 +191,33 @@ def summary_html(s: Snapshot) -> str:
         bits.append(f"<span style='color:#2ca02c'>done in {format_duration(s.elapsed_s)}</span>")
     elif s.state == "error":
         bits.append(f"<span style='color:#d62728'><b>failed:</b> {html.escape(str(s.error))}</span>")
-    return " &middot; ".join(bits)
+    hints = "".join(f"<div>&#9656; {html.escape(h)}</div>" for h in s.hints)
+    return " &middot; ".join(bits) + hints
+
+
+class RunSeries:
+    """The waits of a whole epoch in at most ``points`` values: each is the max of a bucket of
+    batches, and buckets double in width when full, so the first (cold) spike is never dropped."""
+
+    def __init__(self, points: int = PLOT_POINTS) -> None:
+        self.points = points
+        self.clear()
+
+    def clear(self) -> None:
+        self.values: list[float] = []
+        self.width = 1  # batches per value
+        self.n = 0
+
+    def add(self, v: float) -> None:
+        if self.n // self.width < len(self.values):
+            self.values[-1] = max(self.values[-1], v)
+        else:
+            self.values.append(v)
+        self.n += 1
+        if len(self.values) > self.points:  # bucket k of width 2w holds buckets 2k and 2k+1 of width w
+            vals = self.values
+            self.values = [max(vals[i:i + 2]) for i in range(0, len(vals), 2)]
+            self.width *= 2
 
 
 # ------------------------------------------------------------------ choosing a display
@@ -233,7 +285,8 @@ class TextView:
 
     def final(self, s: Snapshot) -> None:
         line = text_line(s)
-        self._write(("\r" + line.ljust(self._width) if self.live else line) + "\n")
+        self._write(("\r" + line.ljust(self._width) if self.live else line) + "\n"
+                    + "".join(f"  hint: {h}\n" for h in s.hints))
         self._width = 0
 
     def _write(self, text: str) -> None:
@@ -257,8 +310,9 @@ class WidgetView:
     """The ipywidgets panel: title, cache fill bars, latency sparkline, status line."""
 
     def __init__(self, title: str) -> None:
-        import ipywidgets as w
+        from .errors import import_extra
 
+        w = import_extra("ipywidgets", feature="the live panel")
         self._w = w
         layout = w.Layout(width="260px")
         self.title = w.HTML(f"<b>{html.escape(title)}</b>")
@@ -273,14 +327,33 @@ class WidgetView:
         self.batch_lbl = w.HTML()
         self.plot = w.HTML()
         self.status = w.HTML()
+        self.explore_button = w.Button(description="explore", tooltip="open the fetch-latency explorer here",
+                                       icon="search", layout=w.Layout(width="110px", display="none"))
+        self.explore_button.on_click(lambda _: self.on_explore())
+        self.explorer_box = w.VBox([])
         self.cache_rows = w.VBox([w.HBox([self.files_bar, self.files_lbl]), w.HBox([self.bytes_bar, self.bytes_lbl])])
         self.box = w.VBox([self.title, self.cache_rows, w.HBox([self.batch_bar, self.batch_lbl]), self.plot,
-                           self.status])
+                           w.HBox([self.status, self.explore_button]), self.explorer_box])
+        self.box.add_class("ucmagic-panel")
+        self._displayed = False
+        self.on_explore: Callable[[], None] = lambda: None  # set by the Monitor
 
     def show(self) -> None:
+        if self._displayed:
+            return
+        self._displayed = True
         from IPython.display import display
 
         display(self.box)
+
+    def starting(self, message: str) -> None:
+        """Show the panel at once, before the dataset is listed (the first %ucload imports and lists)."""
+        self._set(self.status, value=summary_html(Snapshot(state="starting", error=message)))
+        self.show()
+
+    def show_explorer(self, widget: Any) -> None:
+        """Open an explorer inside the panel (the explore button, or ``--explore`` at the end)."""
+        self.explorer_box.children = (widget,)
 
     def _set(self, widget: Any, **values: Any) -> None:
         changed = {k: v for k, v in values.items() if getattr(widget, k) != v}
@@ -291,6 +364,7 @@ class WidgetView:
 
     def render(self, s: Snapshot, now: float = 0.0) -> None:
         style = {"error": "danger", "done": "success"}.get(s.state, "info")
+        self._set(self.status, value=summary_html(s))  # first: a final state never shows a running status
         if s.files is None:
             self._set(self.cache_rows.layout, display="none")
         else:
@@ -304,8 +378,8 @@ class WidgetView:
         ep = f"epoch {s.epoch}: " if s.epoch is not None else ""
         of = f"/{s.total_batches:,}" if s.total_batches is not None else ""
         self._set(self.batch_lbl, value=f"{ep}{s.batches:,}{of} batches")
-        self._set(self.plot, value=sparkline_svg(s.waits_ms, s.p50_ms, s.p99_ms))
-        self._set(self.status, value=summary_html(s))
+        self._set(self.plot, value=sparkline_svg(s.run_ms or s.waits_ms, s.p50_ms, s.p99_ms))
+        self._set(self.explore_button.layout, display=None if s.batches else "none")
 
     def final(self, s: Snapshot) -> None:
         self.render(s)
@@ -335,8 +409,10 @@ class Monitor:
 
     def __init__(self, loader: Any = None, *, mode: str | None = None, rate_hz: float = DEFAULT_RATE_HZ,
                  title: str | None = None, view: Any = None, clock: Callable[[], float] = time.monotonic,
-                 stream: TextIO | None = None) -> None:
+                 stream: TextIO | None = None, explore: bool = False) -> None:
         self.loader = loader
+        self.explore_at_end = explore
+        self.explorer: Any = None
         self.mode = "custom" if view is not None else resolve_mode(mode)
         self.period = 1.0 / rate_hz if rate_hz > 0 else 0.0
         self.clock = clock
@@ -345,8 +421,11 @@ class Monitor:
             view = {"widget": lambda: WidgetView(self.title), "text": lambda: TextView(stream),
                     "off": NullView}[self.mode]()
         self.view = view
+        if hasattr(view, "on_explore"):
+            view.on_explore = self.open_explorer
         self.renders = 0  # how many times the view was redrawn (tests check the throttle)
         self._waits: deque[float] = deque(maxlen=WINDOW)
+        self._run = RunSeries()
         self._last_render = -math.inf
         self._start: float | None = None
         self._batches = 0
@@ -371,7 +450,11 @@ class Monitor:
         n = items if items is not None else _batch_size(self.loader)
         self._items = None if n is None or self._items is None else self._items + n
         self._waits.append(wait_s * 1000.0)
-        if now - self._last_render >= self.period:
+        self._run.add(wait_s * 1000.0)
+        total = _total_batches(self.loader)
+        if total is not None and self._batches >= total:  # the last batch: end the line before the loop's own output
+            self.finish()
+        elif now - self._last_render >= self.period:
             self._render(now)
 
     def finish(self, error: BaseException | str | None = None) -> None:
@@ -389,9 +472,27 @@ class Monitor:
             except Exception:  # the display is best effort
                 pass
         snap = self._final = self.snapshot()
+        hints = getattr(getattr(self.loader, "stats", None), "hints", None)
+        if callable(hints):
+            try:
+                snap.hints = hints()
+            except Exception:  # the display is best effort
+                pass
         self._mark_counters()  # what is fetched from now on belongs to the next epoch (prefetch included)
         self.renders += 1
         self.view.final(snap)
+        if self.explore_at_end:
+            self.open_explorer()
+
+    def open_explorer(self) -> Any:
+        """Open the fetch-latency explorer of the loader's stats in the panel; returns it."""
+        stats = getattr(self.loader, "stats", None)
+        show = getattr(self.view, "show_explorer", None)
+        if stats is None or not callable(show):
+            return None
+        self.explorer = stats.explore()
+        show(self.explorer.widget)
+        return self.explorer
 
     def loop_failed(self, error: BaseException | str) -> None:
         """The loop's own body raised ``error`` (not the loader): show the epoch in red.
@@ -463,6 +564,7 @@ class Monitor:
         self._state, self._error, self._final = "running", None, None
         self._start, self._batches, self._items = now, 0, 0
         self._waits.clear()
+        self._run.clear()
         self._last_render = -math.inf
         self.show(render=False)
 
@@ -489,7 +591,8 @@ class Monitor:
         s = Snapshot(title=self.title, state=self._state, batches=self._batches, items=self._items,
                      total_batches=_total_batches(self.loader), error=self._error,
                      elapsed_s=(now - self._start) if self._start is not None else 0.0,
-                     waits_ms=list(self._waits), p50_ms=quantile(waits, 0.5), p99_ms=quantile(waits, 0.99))
+                     waits_ms=list(self._waits), p50_ms=quantile(waits, 0.5), p99_ms=quantile(waits, 0.99),
+                     run_ms=list(self._run.values))
         c = self._loader_snapshot()
         if isinstance(c.get("epoch"), int):
             s.epoch = c["epoch"]
@@ -532,18 +635,19 @@ def _total_batches(loader: Any) -> int | None:
 
 
 def attach_monitor(loader: Any, *, mode: str | None = None, rate_hz: float = DEFAULT_RATE_HZ,
-                   title: str | None = None, show: bool = True) -> Monitor:
+                   title: str | None = None, show: bool = True, view: Any = None, explore: bool = False) -> Monitor:
     """Create a :class:`Monitor` for ``loader`` and register it as the loader's batch callback.
 
     ``loader.monitor()`` calls this. ``mode`` is ``widget``, ``text``, ``off`` or ``auto`` (default:
     ``UCMAGIC_PROGRESS``, else the widget in a notebook). With ``show`` the panel is displayed now.
-    Returns the monitor; ``monitor.detach()`` stops it.
+    ``view``: an already shown view (``%ucload`` shows its panel before listing); ``explore``: open
+    the explorer in the panel when the epoch ends. Returns the monitor; ``monitor.detach()`` stops it.
     """
     add = getattr(loader, "add_batch_callback", None)
     if add is None:
         raise TypeError(f"{type(loader).__name__} has no add_batch_callback(): wrap your dataset in "
                         "ucmagic.DataLoader, or call Monitor.on_batch() from your loop")
-    mon = Monitor(loader, mode=mode, rate_hz=rate_hz, title=title)
+    mon = Monitor(loader, mode=mode, rate_hz=rate_hz, title=title, view=view, explore=explore)
     if mon.mode == "off":
         return mon
     for old in list(getattr(loader, "_ucmagic_monitors", ())):  # one live display per loader
