@@ -15,8 +15,7 @@ from typing import Any
 import numpy as np
 
 from .errors import import_extra
-from .loader_stats import short_name
-from .units import format_size
+from .units import format_size, short_name
 
 ALL = "all"
 SLOWEST = 10  # batches in the slowest-batches table

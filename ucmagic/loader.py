@@ -350,7 +350,7 @@ class DataLoader(tud.DataLoader):
                     self._epoch_complete = True
                     return
                 t1 = perf()
-                batch = stats._take_items(batch)
+                batch = stats.take_items(batch)
                 compute = t0 - last if last is not None else 0.0
                 fetch = t1 - t0
                 self._epoch_batches += 1

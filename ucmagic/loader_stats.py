@@ -10,6 +10,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from .telemetry import BatchItems, BatchRecorder, ItemLog, percentiles
+from .units import short_name
 
 SAVE_VERSION = 1
 
@@ -32,13 +33,13 @@ class LoaderStats:
         self.last_fetch_s = math.nan
         self.last_compute_s = math.nan
         self._cache_base: dict[str, int] | None = None
-        self._items = ItemLog()
+        self._item_log = ItemLog()
         self._pending: BatchItems | None = None
         self._files: dict[int, tuple[str, int]] = {}  # index -> (name, bytes) of loaded stats
         self._saved_counters: dict[str, int] | None = None  # cache counters of loaded stats
 
     # -- recording (loop thread)
-    def _take_items(self, batch: Any) -> Any:
+    def take_items(self, batch: Any) -> Any:
         """Unwrap a batch that brought its items' fetch records (see :class:`~ucmagic.telemetry.ItemCollate`)."""
         if isinstance(batch, BatchItems):
             self._pending = batch
@@ -50,9 +51,9 @@ class LoaderStats:
         p, self._pending = self._pending, None
         epoch = self.epoch if self.epoch is not None else 0
         if p is None:
-            self._items.add(epoch, -1)
+            self._item_log.add(epoch, -1)
         else:
-            self._items.add(epoch, p.worker, p.index, p.fetch, p.nbytes)
+            self._item_log.add(epoch, p.worker, p.index, p.fetch, p.nbytes)
         self.last_fetch_s, self.last_compute_s = fetch_s, compute_s
         self.epoch_count += 1
 
@@ -62,7 +63,7 @@ class LoaderStats:
     def reset(self) -> None:
         """Forget every recorded batch."""
         self._rec.reset()
-        self._items.reset()
+        self._item_log.reset()
         self.epoch_count = 0
         self.last_fetch_s = self.last_compute_s = math.nan
 
@@ -199,7 +200,7 @@ class LoaderStats:
     def batches(self) -> dict[str, np.ndarray]:
         """One row per batch: ``step`` (per rank), ``fetch_s``, ``compute_s``, ``epoch``, ``worker``
         (-1: main process), ``rank``, ``items``, ``misses`` and ``bytes`` (of the recorded items)."""
-        a = self._items.arrays()
+        a = self._item_log.arrays()
         n = min(self.count, len(a["count"]))
         rank = a["rank"][:n]
         step = np.zeros(n, dtype=np.int64)
@@ -224,7 +225,7 @@ class LoaderStats:
 
     def batch_files(self, b: int) -> list[dict[str, Any]]:
         """The items of batch ``b``, slowest first: ``file``, ``index``, ``bytes``, ``fetch_s``, ``hit``."""
-        idx, fetch, hit = self._items.items(b)
+        idx, fetch, hit = self._item_log.items(b)
         rows = []
         for i, f, h in zip(idx.tolist(), fetch.tolist(), hit.tolist()):
             name, size = self.describe_item(i)
@@ -257,12 +258,12 @@ class LoaderStats:
 
     def records_memory(self) -> int:
         """Bytes held by the per-batch and per-item records (timings included)."""
-        return self._items.memory_bytes() + 16 * self.count
+        return self._item_log.memory_bytes() + 16 * self.count
 
     # -- save / load / merge
     def to_dict(self) -> dict[str, Any]:
         """Everything :meth:`load` needs, JSON-serialisable (file names of every recorded item included)."""
-        a = self._items.arrays()
+        a = self._item_log.arrays()
         n = min(self.count, len(a["count"]))
         cols = {k: a[k][:n].tolist() for k in ("count", "epoch", "worker", "misses", "nbytes")}
         cols["batch_rank"] = a["rank"][:n].tolist()
@@ -283,7 +284,7 @@ class LoaderStats:
         return {"version": SAVE_VERSION, "rank": rank, "fetch_s": self._rec.fetch_array()[:n].tolist(),
                 "compute_s": self._rec.compute_array()[:n].tolist(), **cols,
                 "item_index": index.tolist(), "item_fetch_s": [float(x) for x in a["fetch"][:kept]],
-                "files": files, "counters": self._counters(), "truncated": self._items.truncated}
+                "files": files, "counters": self._counters(), "truncated": self._item_log.truncated}
 
     def save(self, path: str | os.PathLike) -> str:
         """Write the stats as JSON (atomically); also logged as an MLflow artifact when a run is active."""
@@ -323,12 +324,12 @@ class LoaderStats:
         ranks = d.get("batch_rank") or [d.get("rank", 0)] * len(d["count"])
         for c, e, w, m, nb, dr in zip(d["count"], d["epoch"], d["worker"], d["misses"], d["nbytes"], ranks):
             take = c if off + c <= len(idx) else 0
-            st._items.add(int(e), int(w), idx[off:off + take].tobytes(), fetch[off:off + take].tobytes(), int(nb),
+            st._item_log.add(int(e), int(w), idx[off:off + take].tobytes(), fetch[off:off + take].tobytes(), int(nb),
                           rank=r if rank is not None else int(dr))
             if not take:  # the batch's items were not kept in detail
-                st._items.count[-1], st._items.misses[-1] = int(c), int(m)
+                st._item_log.count[-1], st._item_log.misses[-1] = int(c), int(m)
             off += take
-        st._items.truncated = bool(d.get("truncated"))
+        st._item_log.truncated = bool(d.get("truncated"))
         st._files = {int(k): (v[0], v[1]) for k, v in d.get("files", {}).items()}
         st._saved_counters = d.get("counters")
         st.epoch = int(d["epoch"][-1]) if d["epoch"] else None
@@ -393,11 +394,6 @@ class LoaderStats:
 
 
 # ------------------------------------------------------------------ straggler hints
-
-def short_name(name: str, width: int = 60) -> str:
-    """``name`` cut to its last ``width`` characters (``...`` in front) for one-line display."""
-    return name if len(name) <= width else "..." + name[-(width - 3):]
-
 
 def straggler_hints(stats: LoaderStats) -> list[str]:
     """One-line hints from a :class:`LoaderStats` (pure: reads its records, changes nothing)."""

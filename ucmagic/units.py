@@ -49,3 +49,8 @@ def format_size(nbytes: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1000
     return f"{n:.1f} PB"  # pragma: no cover
+
+
+def short_name(name: str, width: int = 60) -> str:
+    """``name`` cut to its last ``width`` characters (``...`` in front) for one-line display."""
+    return name if len(name) <= width else "..." + name[-(width - 3):]
