@@ -309,3 +309,45 @@ def test_local_path_without_catalog_root_says_what_to_set(monkeypatch):
     with pytest.raises(SourceNotFoundError, match="not mounted here.*set UCMAGIC_CATALOG_ROOT"):
         ucmagic.local_path("/Volumes/c/s/v/ckpt.pt")
     assert ucmagic.local_path("relative/x.pt") == os.path.abspath("relative/x.pt")
+
+
+# ---------------------------------------------------------------- pure pieces
+
+from hypothesis import given  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 10**6)), max_size=60), st.integers(1, 8))
+def test_split_buckets_places_every_item_once_and_balances_tensor_bytes(items, n):
+    tagged = [(k, is_blob, size) for k, (is_blob, size) in enumerate(items)]
+    buckets = fmt.split_buckets(n, tagged, lambda i: i[2], is_bytes=lambda i: i[1])
+    placed = [i for b in buckets for i in b]
+    assert sorted(placed) == sorted(tagged) and all(buckets) and len(buckets) <= n
+    loads = [sum(i[2] for i in b if not i[1]) for b in buckets]
+    biggest = max((i[2] for i in tagged if not i[1]), default=0)
+    if len(buckets) == n and loads:
+        assert max(loads) - min(loads) <= biggest, "greedy largest-first keeps files within one item"
+
+
+def test_missing_or_short_names_each_problem():
+    assert fmt.missing_or_short({"a": 10, "b": 5, "c": 1}, {"a": 10, "b": 4, "c": None}) == [
+        "b has 4 bytes but .metadata references 5", "c is missing"]
+    assert fmt.missing_or_short({"a": 10}, {"a": 11}) == []
+
+
+@given(st.binary(max_size=200))
+def test_any_saving_record_means_in_progress_and_its_message_names_the_path(data):
+    rec = fmt.parse_saving_record(data)
+    assert isinstance(rec, dict)
+    assert fmt.in_progress_message("/ck/step_1", rec).startswith("/ck/step_1: ")
+    assert not fmt.is_committed_by("s1", {"save_id": "s2"}) and fmt.is_committed_by("s1", {"save_id": "s1"})
+
+
+def test_a_missing_private_torch_hook_names_the_torch_version_needed():
+    from ucmagic import _torch_compat as compat
+    from ucmagic.errors import TorchVersionError
+
+    with pytest.raises(TorchVersionError, match=r"needs torch >= \d+\.\d+.*pip install"):
+        compat.storage_location({"i": object()}, "i")
+    with pytest.raises(TorchVersionError, match="needs torch >="):
+        compat.install_filesystem(object(), None)

@@ -315,6 +315,10 @@ class UCVolumeWriter(FileSystemWriter):
         if verify not in ("size", "full"):
             raise ValueError(f"verify must be 'size' or 'full', got {verify!r}")
         compat.install_filesystem(self, _StagingFileSystem())
+        if not getattr(self, "save_id", None):  # torch < 2.4 has no save id
+            import uuid
+
+            self.save_id = uuid.uuid4().hex
         self.overwrite = bool(overwrite)
         self.staging_dir = staging_dir
         self.upload_threads = max(1, int(upload_threads))
@@ -507,7 +511,7 @@ class UCVolumeWriter(FileSystemWriter):
                     storage_md[wr.index] = wr.storage_data
         metadata.version = DCP_VERSION
         metadata.storage_data = storage_md
-        if hasattr(metadata, "storage_meta"):
+        if hasattr(metadata, "storage_meta") and hasattr(self, "storage_meta"):
             metadata.storage_meta = self.storage_meta()
         files[METADATA_NAME] = xfer.write_bytes(os.path.join(self.path, METADATA_NAME), pickle.dumps(metadata))
         marker = make_commit(kind=FORMAT_DCP, save_id=self.save_id, files=files, info=self.commit_info)
@@ -820,7 +824,7 @@ class UCVolumeReader(FileSystemReader):
             self._check_unchanged()
             return out
         threads = min(self.download_threads, len(names))
-        staging = xfer.make_staging_dir(self.staging_dir, f"load-{self.load_id}")
+        staging = xfer.make_staging_dir(self.staging_dir, f"load-{getattr(self, 'load_id', None) or id(self)}")
         session = _DownloadSession(staging, threads, self.memory_budget)
         try:
             in_memory = {n for n in names if n in expected and expected[n].size <= self.memory_budget // threads}
