@@ -33,7 +33,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is:UserWarning
 TESTS = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(TESTS)
 sys.path.insert(0, TESTS)
-from test_checkpoint import make_model, same_model, trained  # noqa: E402
+from test_checkpoint import make_model, same_model, trained
 
 
 @pytest.fixture()
@@ -46,7 +46,7 @@ def run_script(tmp_path, name: str, body: str, timeout: float = 240) -> subproce
     f = tmp_path / name
     f.write_text(f"import os, sys, time\nsys.path.insert(0, {TESTS!r})\n" + textwrap.dedent(body))
     env = dict(os.environ, PYTHONPATH=REPO, UCMAGIC_STAGING_DIR=str(tmp_path / "staging"), OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, str(f)], env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, str(f)], env=env, capture_output=True, text=True, timeout=timeout, check=False)
 
 
 # ---------------------------------------------------------------- never stale, never mixed
@@ -105,7 +105,7 @@ def test_seed_async_save_then_load_is_never_old_or_mixed_in_fresh_processes(tmp_
         shutil.copytree(template / "step_1", path)
         delay, mode = trials[k]
         p = subprocess.run([sys.executable, str(script), str(path), str(delay), mode], env=env,
-                           capture_output=True, text=True, timeout=600)
+                           capture_output=True, text=True, timeout=600, check=False)
         return mode, p
 
     with ThreadPoolExecutor(4) as pool:
@@ -313,8 +313,8 @@ def test_local_path_without_catalog_root_says_what_to_set(monkeypatch):
 
 # ---------------------------------------------------------------- pure pieces
 
-from hypothesis import given  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
+from hypothesis import given
+from hypothesis import strategies as st
 
 
 @given(st.lists(st.tuples(st.booleans(), st.integers(0, 10**6)), max_size=60), st.integers(1, 8))

@@ -32,7 +32,13 @@ from .checkpoint_format import (
     step_dirname,
     to_delete,
 )
-from .checkpoint_storage import UCVolumeReader, UCVolumeWriter, read_commit, track_pending_save, volume_dir
+from .checkpoint_storage import (
+    UCVolumeReader,
+    UCVolumeWriter,
+    read_commit,
+    track_pending_save,
+    volume_dir,
+)
 from .errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -47,10 +53,23 @@ from .errors import (
     UnsafeCheckpointError,
 )
 
-__all__ = ["UCVolumeWriter", "UCVolumeReader", "save_checkpoint", "load_checkpoint", "list_checkpoints",
-           "CheckpointInfo", "CheckpointError", "CheckpointNotCommittedError", "CheckpointInProgressError",
-           "CheckpointExistsError", "NoCheckpointError", "CheckpointCorruptError", "CheckpointUploadError",
-           "CheckpointMismatchError", "UnsafeCheckpointError"]
+__all__ = [
+    "CheckpointCorruptError",
+    "CheckpointError",
+    "CheckpointExistsError",
+    "CheckpointInProgressError",
+    "CheckpointInfo",
+    "CheckpointMismatchError",
+    "CheckpointNotCommittedError",
+    "CheckpointUploadError",
+    "NoCheckpointError",
+    "UCVolumeReader",
+    "UCVolumeWriter",
+    "UnsafeCheckpointError",
+    "list_checkpoints",
+    "load_checkpoint",
+    "save_checkpoint",
+]
 
 # torch's DCP warns on every single-process save/load; ucmagic's own calls are single-process on purpose
 _SINGLE_PROCESS_WARNING = r"torch\.distributed is (disabled, )?unavailable or uninitialized, assuming the intent"
@@ -131,7 +150,10 @@ def _retain(root: str, keep: int | None, newest: int) -> None:
 # ---------------------------------------------------------------- state dicts
 
 def _dcp_state(model: Any, optimizer: Any) -> dict[str, Any]:
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_state_dict,
+    )
 
     if optimizer is None:
         return {"model": get_model_state_dict(model)}
@@ -186,13 +208,12 @@ def _model_device(model: Any) -> Any:
 def _save_single(path: str, state: dict[str, Any], info: dict[str, Any], writer_kw: dict[str, Any],
                  async_: bool) -> Future | None:
     """Rank 0: torch.save to local staging, upload, commit. Returns a Future when ``async_``."""
+    import socket
     import uuid
 
     import torch
 
     from . import checkpoint_transfer as xfer
-
-    import socket
 
     save_id = str(uuid.uuid4())
     staging = xfer.make_staging_dir(writer_kw.get("staging_dir"), f"single-{save_id}")

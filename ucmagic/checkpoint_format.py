@@ -18,7 +18,8 @@ from __future__ import annotations
 import json
 import re
 import time
-from typing import Any, Iterable, Mapping, NamedTuple
+from collections.abc import Iterable, Mapping
+from typing import Any, NamedTuple
 
 from .errors import (  # noqa: F401 - re-exported: checkpoint errors were defined here before
     CheckpointCorruptError,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import logging
 import os
 import pickle
@@ -25,15 +26,27 @@ import socket
 import sys
 import threading
 import time
+import uuid
+from collections.abc import Iterator
 from concurrent.futures import Future as CFuture
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
-from typing import Any, Iterator
+from typing import Any
 
 import torch
-from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import (
+    FileSystem,
+    FileSystemReader,
+    FileSystemWriter,
+)
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
-from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.planner import (
+    LoadPlan,
+    LoadPlanner,
+    SavePlan,
+    SavePlanner,
+    WriteItemType,
+)
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
@@ -81,8 +94,7 @@ def auto_file_count(nbytes: int) -> int:
 def volume_dir(path: str | os.PathLike) -> str:
     """The local directory of a checkpoint path (``/Volumes/...`` resolved); refuses URLs."""
     p = os.fspath(path)
-    if p.startswith("file://"):
-        p = p[len("file://"):]
+    p = p.removeprefix("file://")
     if "://" in p:
         raise CheckpointError(f"{p}: checkpoints go to a directory (a local disk or a mounted volume such as "
                               "/Volumes/...), not a URL; mount the storage or use its /Volumes path")
@@ -229,7 +241,7 @@ class _MetadataUnpickler(pickle.Unpickler):
 def load_metadata(data: bytes, *, allow_unsafe: bool = False) -> Metadata:
     """Unpickle DCP metadata, admitting only metadata classes unless ``allow_unsafe``."""
     if allow_unsafe:
-        return pickle.loads(data)  # noqa: S301 - explicitly requested by the caller
+        return pickle.loads(data)
     return _MetadataUnpickler(io.BytesIO(data)).load()
 
 
@@ -316,8 +328,6 @@ class UCVolumeWriter(FileSystemWriter):
             raise ValueError(f"verify must be 'size' or 'full', got {verify!r}")
         compat.install_filesystem(self, _StagingFileSystem())
         if not getattr(self, "save_id", None):  # torch < 2.4 has no save id
-            import uuid
-
             self.save_id = uuid.uuid4().hex
         self.overwrite = bool(overwrite)
         self.staging_dir = staging_dir
@@ -356,6 +366,7 @@ class UCVolumeWriter(FileSystemWriter):
         if not self.overwrite and self._checkpoint_present():
             return  # refused in prepare_local_plan, the way torch's writer does it
         os.makedirs(path, exist_ok=True)
+        self.save_id = uuid.uuid4().hex  # fresh per save, also when a writer object is reused
         record = make_saving_record(save_id=self.save_id, host=socket.gethostname(), pid=os.getpid())
         xfer.write_bytes(os.path.join(path, SAVING_NAME), record)
         xfer.remove_quietly(os.path.join(path, COMMIT_NAME))
@@ -370,8 +381,6 @@ class UCVolumeWriter(FileSystemWriter):
                 if rec.get("save_id") == self.save_id:
                     first = (str(exc).strip().splitlines() or [type(exc).__name__])[-1][:300]
                     rec["failed"] = first
-                    import json
-
                     xfer.write_bytes(os.path.join(self._begun, SAVING_NAME), json.dumps(rec).encode())
         p = self._pending
         if p is not None and not p.fut.done():
