@@ -388,7 +388,7 @@ class UCVolumeWriter(FileSystemWriter):
 
     def stage(self, state_dict: Any) -> Any:
         """``async_save``'s first step (in the caller's thread): copy the state, then begin the save."""
-        staged = super().stage(state_dict)
+        staged = _unaliased(super().stage(state_dict), state_dict)
         if self._pending is None or self._pending.fut.done():
             self._pending = track_pending_save(os.fspath(self.path), CFuture())
         if _is_rank0():
@@ -529,6 +529,22 @@ class UCVolumeWriter(FileSystemWriter):
             xfer.remove_quietly(os.path.join(self.path, name))
         xfer.remove_quietly(os.path.join(self.path, SAVING_NAME))  # last: the new commit is in place
         self._begun = None
+
+
+def _unaliased(staged: Any, original: Any) -> Any:
+    """``staged`` with every plain tensor that still shares memory with ``original`` cloned.
+
+    torch < 2.5 "stages" CPU tensors without copying them, so training that goes on while the save
+    runs would change what gets saved.
+    """
+    if isinstance(staged, dict) and isinstance(original, dict):
+        return {k: _unaliased(v, original.get(k)) for k, v in staged.items()}
+    if isinstance(staged, (list, tuple)) and isinstance(original, (list, tuple)) and len(staged) == len(original):
+        return type(staged)(_unaliased(a, b) for a, b in zip(staged, original))
+    if type(staged) is torch.Tensor and type(original) is torch.Tensor and staged.device.type == "cpu" \
+            and staged.untyped_storage().data_ptr() == original.untyped_storage().data_ptr() and staged.numel():
+        return staged.clone()
+    return staged
 
 
 def _is_rank0() -> bool:
