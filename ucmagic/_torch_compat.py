@@ -16,7 +16,7 @@ import torch.utils.data as tud
 from .errors import TorchVersionError
 
 #: The oldest torch release ucmagic is tested with (CI runs the core tests on it).
-MIN_TORCH = "2.3.1"
+MIN_TORCH = "2.4.1"
 
 
 def torch_version() -> tuple[int, int]:
@@ -95,8 +95,8 @@ def install_filesystem(writer_or_reader: Any, fs: Any) -> None:
 def write_files(writer: Any, planner: Any, file_queue: Any) -> Any:
     """Write the ``(path, file_name, items)`` entries of ``file_queue`` with the writer's threads.
 
-    torch's ``_FileSystemWriter._write_data`` (torch >= 2.5); on older torch the same work is done with
-    ``_write_files_from_queue``, the function it wraps. Returns a torch Future of the WriteResults.
+    torch's ``_FileSystemWriter._write_data`` where it exists; on older torch (2.4) the same work is done
+    with ``_write_files_from_queue``, the function it wraps. Returns a torch Future of the WriteResults.
     """
     fn = getattr(writer, "_write_data", None)
     if fn is not None:
