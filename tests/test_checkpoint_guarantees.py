@@ -390,3 +390,17 @@ def test_two_rank_gloo_save_reshards_rowwise_to_columnwise_and_to_one_process(tm
     target = {"w": torch.zeros(8, 12), "n": 0}
     dcp.load(target, storage_reader=UCVolumeReader(path))
     assert torch.equal(target["w"], torch.arange(96.0).reshape(8, 12)) and target["n"] == 5
+
+
+def test_a_forked_child_does_not_wait_for_or_report_its_parents_saves(tmp_path):
+    p = run_script(tmp_path, "fork.py", f"""
+        import multiprocessing as mp
+        from concurrent.futures import Future
+        from ucmagic.checkpoint_storage import track_pending_save
+        track_pending_save({str(tmp_path / "ck")!r}, Future())   # a save the parent never finishes
+        child = mp.get_context("fork").Process(target=print, args=("child ran",))
+        child.start(); child.join()
+        print("child exit", child.exitcode)
+        os._exit(0)
+        """, timeout=120)
+    assert "child ran" in p.stdout and "child exit 0" in p.stdout, p.stdout + p.stderr

@@ -136,6 +136,7 @@ class _Pending:
         self.what = what
         self.fut = fut
         self.thread: threading.Thread | None = None
+        self.pid = os.getpid()  # a forked child (a DataLoader worker) does not own its parent's saves
 
 
 _pending: list[_Pending] = []
@@ -186,7 +187,7 @@ def _register_early_exit_hook(fn: Any) -> bool:
 
 def _finish_pending_saves() -> None:
     with _pending_mu:
-        waiting = [p for p in _pending if not p.fut.done()]
+        waiting = [p for p in _pending if not p.fut.done() and p.pid == os.getpid()]
     if not waiting:
         return
     paths = sorted({p.what for p in waiting})
