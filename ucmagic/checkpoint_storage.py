@@ -742,6 +742,10 @@ class UCVolumeReader(FileSystemReader):
             except CheckpointError:
                 if os.path.exists(os.path.join(path, COMMIT_NAME)) or self.require_commit:
                     raise  # a torn marker, or the caller asked for ucmagic checkpoints only
+                waited = time.monotonic() - start
+                if self.wait and waited < self.wait and not os.path.exists(os.path.join(path, METADATA_NAME)):
+                    time.sleep(min(0.05 * (1 + waited), 1.0, self.wait - waited))  # nothing there yet
+                    continue
                 self.commit = None
                 if self.require_commit is None:
                     self._check_foreign(path)
