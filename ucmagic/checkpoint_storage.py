@@ -535,8 +535,8 @@ class UCVolumeWriter(FileSystemWriter):
 def _unaliased(staged: Any, original: Any) -> Any:
     """``staged`` with every plain tensor that still shares memory with ``original`` cloned.
 
-    torch < 2.5 "stages" CPU tensors without copying them, so training that goes on while the save
-    runs would change what gets saved.
+    Older torch (2.4) "stages" CPU tensors without copying them, so training that goes on while the
+    save runs would change what gets saved.
     """
     if isinstance(staged, dict) and isinstance(original, dict):
         return {k: _unaliased(v, original.get(k)) for k, v in staged.items()}
