@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import warnings
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -120,6 +121,7 @@ def test_seed_async_save_then_load_is_never_old_or_mixed_in_fresh_processes(tmp_
             assert line == "RESULT new", (line, p.stderr)
         elif line != "RESULT new":
             assert line in ("RESULT error CheckpointInProgressError", "RESULT error CheckpointException"), line
+    print("seed outcomes:", sorted(Counter(outcomes).items()))  # shown with -s
     for k in range(len(trials)):  # every save committed, before its process exited
         assert fmt.COMMIT_NAME in os.listdir(tmp_path / f"t{k}" / "step_1")
         assert fmt.SAVING_NAME not in os.listdir(tmp_path / f"t{k}" / "step_1")
