@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from hypothesis import given, settings
+from torch.distributed.checkpoint import CheckpointException
 from hypothesis import strategies as st
 
 from ucmagic import checkpoint_format as fmt
@@ -274,14 +275,32 @@ def test_single_file_mode_round_trip_and_corruption(tmp_path, staging):
 
 # ---------------------------------------------------------------- the DCP storage classes directly
 
-def test_reader_refuses_uncommitted_directory_naming_it(tmp_path):
-    sd = {"model": make_model().state_dict()}
+def test_reader_loads_a_torch_filesystemwriter_checkpoint_with_defaults(tmp_path, caplog):
+    sd = {"model": make_model().state_dict(), "step": 3}
     dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(tmp_path / "plain")))
+    target = {"model": make_model(2).state_dict(), "step": 0}
+    with caplog.at_level("INFO", logger="ucmagic"):
+        dcp.load(target, storage_reader=UCVolumeReader(tmp_path / "plain"))
+        dcp.load(target, storage_reader=UCVolumeReader(tmp_path / "plain"))
+    assert all(torch.equal(target["model"][k], v) for k, v in sd["model"].items()) and target["step"] == 3
+    assert sum("no ucmagic commit marker" in r.getMessage() for r in caplog.records) == 1, "logged once"
     with pytest.raises(CheckpointNotCommittedError, match="plain"):
+        UCVolumeReader(tmp_path / "plain", require_commit=True)
+
+
+def test_reader_refuses_an_incomplete_foreign_checkpoint(tmp_path):
+    sd = {"a": torch.ones(1000), "b": torch.zeros(1000)}
+    dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(tmp_path / "plain"), single_file_per_rank=False))
+    shards = sorted(p for p in (tmp_path / "plain").iterdir() if p.suffix == ".distcp")
+    os.truncate(shards[0], shards[0].stat().st_size // 2)
+    with pytest.raises(CheckpointCorruptError, match="not a complete checkpoint"):
         UCVolumeReader(tmp_path / "plain")
-    target = {"model": make_model(2).state_dict()}
-    dcp.load(target, storage_reader=UCVolumeReader(tmp_path / "plain", require_commit=False))
-    assert all(torch.equal(target["model"][k], v) for k, v in sd["model"].items())
+    shards[0].unlink()
+    with pytest.raises(CheckpointCorruptError, match="missing"):
+        UCVolumeReader(tmp_path / "plain")
+    (tmp_path / "plain" / ".metadata").write_bytes(b"\x80\x04garbage")
+    with pytest.raises(CheckpointCorruptError, match="cannot be read"):
+        UCVolumeReader(tmp_path / "plain")
 
 
 def test_reader_refuses_unsafe_pickles(tmp_path, staging):
@@ -304,7 +323,7 @@ def test_overwrite_replaces_files_and_drops_stale_shards(tmp_path, staging):
     target = {"m": make_model(1).state_dict()}
     dcp.load(target, storage_reader=UCVolumeReader(path))
     assert all(torch.equal(target["m"][k], v) for k, v in new.items())
-    with pytest.raises(CheckpointError, match="overwrite=False"):
+    with pytest.raises(CheckpointException, match="Checkpoint already exists.*overwrite=True"):
         dcp.save({"m": new}, storage_writer=UCVolumeWriter(path, overwrite=False))
 
 

@@ -12,6 +12,7 @@ import contextlib
 import os
 import pickle
 import shutil
+import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -19,36 +20,76 @@ from typing import Any
 from .checkpoint_format import (
     COMMIT_NAME,
     FORMAT_SINGLE,
+    SAVING_NAME,
     SINGLE_FILE_NAME,
-    CheckpointCorruptError,
-    CheckpointError,
     CheckpointInfo,
-    CheckpointMismatchError,
-    CheckpointNotCommittedError,
-    CheckpointUploadError,
-    NoCheckpointError,
-    UnsafeCheckpointError,
     describe_keys,
     key_mismatch,
     make_commit,
+    make_saving_record,
     parse_step_dirname,
     pick_step,
     step_dirname,
     to_delete,
 )
-from .checkpoint_storage import UCVolumeReader, UCVolumeWriter, _volume_path, read_commit
-from .errors import SourceNotFoundError, UCMagicError
+from .checkpoint_storage import (
+    UCVolumeReader,
+    UCVolumeWriter,
+    read_commit,
+    track_pending_save,
+    volume_dir,
+)
+from .errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointInProgressError,
+    CheckpointMismatchError,
+    CheckpointNotCommittedError,
+    CheckpointUploadError,
+    NoCheckpointError,
+    SourceNotFoundError,
+    UCMagicError,
+    UnsafeCheckpointError,
+)
 
-__all__ = ["UCVolumeWriter", "UCVolumeReader", "save_checkpoint", "load_checkpoint", "list_checkpoints",
-           "CheckpointInfo", "CheckpointError", "CheckpointNotCommittedError", "NoCheckpointError",
-           "CheckpointCorruptError", "CheckpointUploadError", "CheckpointMismatchError", "UnsafeCheckpointError"]
+__all__ = [
+    "CheckpointCorruptError",
+    "CheckpointError",
+    "CheckpointExistsError",
+    "CheckpointInProgressError",
+    "CheckpointInfo",
+    "CheckpointMismatchError",
+    "CheckpointNotCommittedError",
+    "CheckpointUploadError",
+    "NoCheckpointError",
+    "UCVolumeReader",
+    "UCVolumeWriter",
+    "UnsafeCheckpointError",
+    "list_checkpoints",
+    "load_checkpoint",
+    "save_checkpoint",
+]
+
+# torch's DCP warns on every single-process save/load; ucmagic's own calls are single-process on purpose
+_SINGLE_PROCESS_WARNING = r"torch\.distributed is (disabled, )?unavailable or uninitialized, assuming the intent"
+
+
+@contextlib.contextmanager
+def _quiet() -> Any:
+    """Silence exactly torch's "torch.distributed is disabled" UserWarning, in this call only."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING, category=UserWarning)
+        yield
 
 
 
 # ---------------------------------------------------------------- listing and retention
 
 def _root(root: str | os.PathLike, *, create: bool = False) -> str:
-    path = _volume_path(root)
+    from .volume import missing_path_hint
+
+    path = volume_dir(root)
     if os.path.isdir(path):
         return path
     if os.path.exists(path):
@@ -56,9 +97,8 @@ def _root(root: str | os.PathLike, *, create: bool = False) -> str:
     if create and os.path.isdir(os.path.dirname(path)):
         os.makedirs(path, exist_ok=True)
         return path
-    hint = " (outside Databricks, set UCMAGIC_CATALOG_ROOT)" if os.fspath(root).startswith("/Volumes/") else ""
     what = "its parent directory does not exist" if create else "it does not exist"
-    raise SourceNotFoundError(f"checkpoint root {os.fspath(root)}: {what}; check the path{hint}")
+    raise SourceNotFoundError(f"checkpoint root {os.fspath(root)}: {what}; {missing_path_hint(os.fspath(root))}")
 
 
 def _committed(root: str, names: list[str]) -> list[CheckpointInfo]:
@@ -110,7 +150,10 @@ def _retain(root: str, keep: int | None, newest: int) -> None:
 # ---------------------------------------------------------------- state dicts
 
 def _dcp_state(model: Any, optimizer: Any) -> dict[str, Any]:
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_state_dict,
+    )
 
     if optimizer is None:
         return {"model": get_model_state_dict(model)}
@@ -165,6 +208,7 @@ def _model_device(model: Any) -> Any:
 def _save_single(path: str, state: dict[str, Any], info: dict[str, Any], writer_kw: dict[str, Any],
                  async_: bool) -> Future | None:
     """Rank 0: torch.save to local staging, upload, commit. Returns a Future when ``async_``."""
+    import socket
     import uuid
 
     import torch
@@ -175,8 +219,10 @@ def _save_single(path: str, state: dict[str, Any], info: dict[str, Any], writer_
     staging = xfer.make_staging_dir(writer_kw.get("staging_dir"), f"single-{save_id}")
     local = os.path.join(staging, SINGLE_FILE_NAME)
     try:
-        xfer.remove_quietly(os.path.join(path, COMMIT_NAME))  # un-commit an older save of this step
         torch.save(state, local)
+        record = make_saving_record(save_id=save_id, host=socket.gethostname(), pid=os.getpid())
+        xfer.write_bytes(os.path.join(path, SAVING_NAME), record)  # readers refuse from here on
+        xfer.remove_quietly(os.path.join(path, COMMIT_NAME))  # un-commit an older save of this step
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -186,6 +232,7 @@ def _save_single(path: str, state: dict[str, Any], info: dict[str, Any], writer_
             rec = xfer.upload_file(local, os.path.join(path, SINGLE_FILE_NAME), verify=writer_kw.get("verify", "size"))
             marker = make_commit(kind=FORMAT_SINGLE, save_id=save_id, files={SINGLE_FILE_NAME: rec}, info=info)
             xfer.write_bytes(os.path.join(path, COMMIT_NAME), marker)
+            xfer.remove_quietly(os.path.join(path, SAVING_NAME))
         finally:
             shutil.rmtree(staging, ignore_errors=True)
 
@@ -237,6 +284,7 @@ def save_checkpoint(root: str | os.PathLike, *, model: Any, optimizer: Any = Non
         if fut is None:
             out.set_result(path)
             return out
+        track_pending_save(path, out)
         fut.add_done_callback(lambda f: out.set_exception(f.exception()) if f.exception() else _settle(out, finish))
         return out
 
@@ -245,12 +293,16 @@ def save_checkpoint(root: str | os.PathLike, *, model: Any, optimizer: Any = Non
     state = _dcp_state(model, optimizer)
     writer = UCVolumeWriter(path, commit_info=info, **writer_kw)
     if not async_:
-        with _unwrapping():
+        with _unwrapping(), _quiet():
             dcp.save(state, storage_writer=writer)
         return finish()
-    with _unwrapping():
+    with _unwrapping(), _quiet():
         f = dcp.async_save(state, storage_writer=writer)
+        deadline = time.monotonic() + 60  # torch warns from its save thread: stay quiet until it is past that
+        while not f.done() and not writer.wait_started(0.05) and time.monotonic() < deadline:
+            pass
     out = Future()
+    track_pending_save(path, out)
 
     def done(f: Any) -> None:
         try:
@@ -361,7 +413,7 @@ def _load_dcp(path: str, model: Any, optimizer: Any, reader_kw: dict[str, Any]) 
     _check_keys(path, state["model"], (k[len("model."):] for k in keys if k.startswith("model.")))
     if optimizer is not None and not any(k.startswith("optim.") for k in keys):
         raise CheckpointMismatchError(f"{path} holds no optimizer state; load it without optimizer=")
-    with _unwrapping():
+    with _unwrapping(), _quiet():
         dcp.load(state, storage_reader=reader)
     set_state_dict(model, [] if optimizer is None else optimizer, model_state_dict=state["model"],
                    optim_state_dict=state.get("optim", {}))

@@ -5,19 +5,36 @@ Pure functions over plain data (plus the error classes); no file I/O happens her
 A committed checkpoint directory holds torch DCP's own files (``__<rank>_<n>.distcp`` and
 ``.metadata``) or, in single-file mode, ``checkpoint.pt``, plus ``.ucmagic_commit.json`` written
 last. That marker is the manifest: the size and CRC-32 of every file, the save id (which must match
-the one inside ``.metadata``), the step and the user's JSON ``extra``. A directory without a valid
-marker is not a checkpoint.
+the one inside ``.metadata``), the step and the user's JSON ``extra``.
+
+A save first writes ``.ucmagic_saving.json`` (the save-in-progress record: save id, start time,
+host and pid), then withdraws the old marker and ``.metadata``, and removes the record only after
+its own marker is written. So a directory is, in this order of precedence: *in progress* (a record
+whose save id is not the marker's), *committed* (a valid marker), *torn* (a damaged marker) or, with
+no ucmagic file at all, *foreign* (written by torch's ``FileSystemWriter`` or another tool).
 """
 from __future__ import annotations
 
 import json
 import re
 import time
-from typing import Any, Iterable, Mapping, NamedTuple
+from collections.abc import Iterable, Mapping
+from typing import Any, NamedTuple
 
-from .errors import UCMagicError
+from .errors import (  # noqa: F401 - re-exported: checkpoint errors were defined here before
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointInProgressError,
+    CheckpointMismatchError,
+    CheckpointNotCommittedError,
+    CheckpointUploadError,
+    NoCheckpointError,
+    UnsafeCheckpointError,
+)
 
 COMMIT_NAME = ".ucmagic_commit.json"
+SAVING_NAME = ".ucmagic_saving.json"
 METADATA_NAME = ".metadata"
 SINGLE_FILE_NAME = "checkpoint.pt"
 FORMAT_DCP = "ucmagic.dcp"
@@ -26,34 +43,6 @@ FORMAT_VERSION = 1
 STEP_PREFIX = "step_"
 _STEP_RE = re.compile(r"^step_(\d+)$")
 _SHARD_RE = re.compile(r"^__\d+_\d+\.distcp$")
-
-
-class CheckpointError(UCMagicError):
-    """A checkpoint could not be written or read."""
-
-
-class CheckpointNotCommittedError(CheckpointError, FileNotFoundError):
-    """The checkpoint directory has no valid commit marker (save unfinished, killed or overwritten)."""
-
-
-class NoCheckpointError(CheckpointError, FileNotFoundError):
-    """The checkpoint root holds no committed checkpoint."""
-
-
-class CheckpointCorruptError(CheckpointError, OSError):
-    """A checkpoint file's size or checksum differs from its manifest."""
-
-
-class CheckpointUploadError(CheckpointError, OSError):
-    """A staged checkpoint file could not be copied to the volume."""
-
-
-class CheckpointMismatchError(CheckpointError, ValueError):
-    """The checkpoint's keys do not match the model or optimizer it is loaded into."""
-
-
-class UnsafeCheckpointError(CheckpointError, PermissionError):
-    """The checkpoint holds a pickled object that a weights-only load refuses."""
 
 
 class FileRecord(NamedTuple):
@@ -157,6 +146,80 @@ def check_record(name: str, where: str, expected: FileRecord, size: int, crc: in
         raise CheckpointCorruptError(
             f"{where}: checksum mismatch in {name} (crc32 {crc:08x}, manifest {expected.crc32:08x}); the file was "
             "corrupted on the volume; re-save it or load another step")
+
+
+# ---------------------------------------------------------------- save-in-progress record
+
+def make_saving_record(*, save_id: str, host: str, pid: int, now: float | None = None) -> bytes:
+    """The save-in-progress record's bytes."""
+    return json.dumps({"save_id": save_id, "since": time.time() if now is None else now, "host": host,
+                       "pid": pid}, sort_keys=True).encode()
+
+
+def parse_saving_record(data: bytes) -> dict[str, Any]:
+    """A record's fields; a torn or foreign record still means "in progress" (fields then missing)."""
+    try:
+        body = json.loads(data.decode())
+        return body if isinstance(body, dict) else {}
+    except (ValueError, UnicodeDecodeError):
+        return {}
+
+
+def in_progress_message(path: str, record: Mapping[str, Any], *, waited: float | None = None) -> str:
+    """Why a reader refuses a directory with a save-in-progress record, and what to do."""
+    since = record.get("since")
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(since)) if isinstance(since, (int, float)) else "?"
+    who = f" by pid {record.get('pid')} on {record.get('host')}" if record.get("pid") else ""
+    failed = record.get("failed")
+    if failed:
+        return (f"{path}: the save into this directory that started at {when}{who} failed ({failed}); "
+                "nothing there is loadable: save again or load another checkpoint")
+    waited_s = f" (waited {waited:.0f} s)" if waited else ""
+    return (f"{path}: a save into this directory is in progress since {when}{who}{waited_s}; the previous "
+            "checkpoint there was withdrawn when it started. Wait for the save to finish (pass wait=SECONDS to "
+            "UCVolumeReader, or call .result() on the save's future first); if that save was killed, save again")
+
+
+def is_committed_by(commit_save_id: str | None, record: Mapping[str, Any] | None) -> bool:
+    """True when the record belongs to the save that wrote the marker (its removal was just pending)."""
+    return record is not None and commit_save_id is not None and record.get("save_id") == commit_save_id
+
+
+# ---------------------------------------------------------------- checkpoints written by others
+
+def missing_or_short(needed: Mapping[str, int], sizes: Mapping[str, int | None]) -> list[str]:
+    """Problems of a foreign DCP directory: files its ``.metadata`` references that are absent or too short.
+
+    ``needed`` maps each referenced file to the end offset of its last item; ``sizes`` the files present
+    (None when absent).
+    """
+    out = []
+    for name in sorted(needed):
+        size = sizes.get(name)
+        if size is None:
+            out.append(f"{name} is missing")
+        elif size < needed[name]:
+            out.append(f"{name} has {size} bytes but .metadata references {needed[name]}")
+    return out
+
+
+def split_buckets(n: int, items: list[Any], size_of: Any, *, is_bytes: Any) -> list[list[Any]]:
+    """Split write items over ``n`` files: byte blobs round-robin, tensors largest-first onto the lightest file.
+
+    Empty buckets are dropped; the result is deterministic for a given input order.
+    """
+    n = max(1, n)
+    buckets: list[list[Any]] = [[] for _ in range(n)]
+    load = [0] * n
+    blobs = [i for i in items if is_bytes(i)]
+    tensors = sorted((i for i in items if not is_bytes(i)), key=size_of, reverse=True)
+    for k, item in enumerate(blobs):
+        buckets[k % n].append(item)
+    for item in tensors:
+        j = min(range(n), key=lambda b: (load[b], b))
+        buckets[j].append(item)
+        load[j] += size_of(item)
+    return [b for b in buckets if b]
 
 
 # ---------------------------------------------------------------- retention

@@ -16,39 +16,69 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
+import logging
 import os
 import pickle
 import queue
 import shutil
+import socket
+import sys
 import threading
+import time
+import uuid
+from collections.abc import Iterator
 from concurrent.futures import Future as CFuture
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Iterator
+from concurrent.futures import wait as futures_wait
+from typing import Any
 
 import torch
-from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import (
+    FileSystem,
+    FileSystemReader,
+    FileSystemWriter,
+)
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
-from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.planner import (
+    LoadPlan,
+    LoadPlanner,
+    SavePlan,
+    SavePlanner,
+    WriteItemType,
+)
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from . import _torch_compat as compat
 from . import checkpoint_transfer as xfer
 from .checkpoint_format import (
     COMMIT_NAME,
     FORMAT_DCP,
     METADATA_NAME,
+    SAVING_NAME,
     CheckpointCorruptError,
     CheckpointError,
+    CheckpointExistsError,
+    CheckpointInProgressError,
     FileRecord,
     UnsafeCheckpointError,
     check_record,
+    in_progress_message,
+    is_committed_by,
     make_commit,
+    make_saving_record,
+    missing_or_short,
     not_committed,
     parse_commit,
+    parse_saving_record,
+    split_buckets,
     stale_files,
 )
 from .units import parse_size
 from .volume import resolve_local_path
+
+log = logging.getLogger("ucmagic")
 
 DCP_VERSION = "1.0.0"
 _MANIFEST_FQN = "__ucmagic_files__"
@@ -61,30 +91,133 @@ def auto_file_count(nbytes: int) -> int:
     return max(1, min(MAX_AUTO_FILES, -(-nbytes // FILE_TARGET_BYTES)))
 
 
-def _volume_path(path: str | os.PathLike) -> str:
+def volume_dir(path: str | os.PathLike) -> str:
+    """The local directory of a checkpoint path (``/Volumes/...`` resolved); refuses URLs."""
     p = os.fspath(path)
-    if p.startswith("file://"):
-        p = p[len("file://"):]
+    p = p.removeprefix("file://")
     if "://" in p:
         raise CheckpointError(f"{p}: checkpoints go to a directory (a local disk or a mounted volume such as "
                               "/Volumes/...), not a URL; mount the storage or use its /Volumes path")
     return resolve_local_path(p)
 
 
+def read_saving_record(path: str) -> dict[str, Any] | None:
+    """The save-in-progress record of checkpoint directory ``path``, or None when there is none."""
+    try:
+        return parse_saving_record(xfer.read_bytes(os.path.join(path, SAVING_NAME)))
+    except FileNotFoundError:
+        return None
+
+
 def read_commit(path: str) -> dict[str, Any]:
-    """The parsed commit marker of checkpoint directory ``path``; raises when it is not committed."""
+    """The parsed commit marker of checkpoint directory ``path``; raises when it is not committed.
+
+    A save in progress (or killed) raises :class:`CheckpointInProgressError`, whatever marker is there.
+    """
+    record = read_saving_record(path)
     try:
         data = xfer.read_bytes(os.path.join(path, COMMIT_NAME))
     except FileNotFoundError:
+        if record is not None:
+            raise CheckpointInProgressError(in_progress_message(path, record)) from None
         raise not_committed(path) from None
-    return parse_commit(data, path)
+    commit = parse_commit(data, path)
+    if record is not None and not is_committed_by(commit.get("save_id"), record):
+        raise CheckpointInProgressError(in_progress_message(path, record))
+    return commit
+
+
+# ---------------------------------------------------------------- saves pending at interpreter exit
+
+class _Pending:
+    """One asynchronous save: what it writes, its completion future, the thread that runs it."""
+
+    def __init__(self, what: str, fut: CFuture) -> None:
+        self.what = what
+        self.fut = fut
+        self.thread: threading.Thread | None = None
+        self.pid = os.getpid()  # a forked child (a DataLoader worker) does not own its parent's saves
+
+
+_pending: list[_Pending] = []
+_pending_mu = threading.Lock()
+_exit_hook_installed = False
+
+
+def track_pending_save(what: str, fut: CFuture) -> _Pending:
+    """Make interpreter exit wait for ``fut`` (an asynchronous save of ``what``) and report if it fails.
+
+    The wait runs among ``threading``'s exit hooks, before ``concurrent.futures`` stops accepting
+    work, so the save can still use thread pools; one line on stderr says what is waited for.
+    """
+    global _exit_hook_installed
+    entry = _Pending(what, fut)
+    with _pending_mu:
+        _pending.append(entry)
+        if not _exit_hook_installed:
+            _exit_hook_installed = _register_early_exit_hook(_finish_pending_saves)
+    fut.add_done_callback(lambda _f: _untrack(entry))
+    return entry
+
+
+def _untrack(entry: _Pending) -> None:
+    with _pending_mu:
+        if entry in _pending:
+            _pending.remove(entry)
+
+
+def _register_early_exit_hook(fn: Any) -> bool:
+    """Run ``fn`` at exit before non-daemon threads are joined and before concurrent.futures shuts down.
+
+    ``threading._register_atexit`` (Python >= 3.9) is the only hook that runs that early; without it,
+    ``atexit`` still reports lost saves (the thread pools may then refuse the uploads).
+    """
+    import atexit
+
+    early = getattr(threading, "_register_atexit", None)
+    if early is not None:
+        try:
+            early(fn)
+            return True
+        except RuntimeError:  # the interpreter is already shutting down
+            pass
+    atexit.register(fn)
+    return True
+
+
+def _finish_pending_saves() -> None:
+    with _pending_mu:
+        waiting = [p for p in _pending if not p.fut.done() and p.pid == os.getpid()]
+    if not waiting:
+        return
+    paths = sorted({p.what for p in waiting})
+    print(f"ucmagic: waiting for {len(paths)} checkpoint save(s) to finish before exit: {', '.join(paths)}",
+          file=sys.stderr, flush=True)
+    lost = []
+    for p in waiting:
+        while not p.fut.done():
+            futures_wait([p.fut], timeout=0.2)
+            if p.thread is not None and not p.thread.is_alive() and not p.fut.done():
+                break
+        if p.fut.cancelled():
+            continue
+        err = p.fut.exception() if p.fut.done() else RuntimeError("the save stopped before committing")
+        if err is not None:
+            lost.append((p, err))
+    if lost:
+        lost = list({p.what: (p, err) for p, err in lost}.values())
+        for p, err in lost:
+            first = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+            print(f"ucmagic: checkpoint NOT saved: {p.what}: {first}", file=sys.stderr)
+        print("ucmagic: exiting with status 1 because a checkpoint save was lost", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(1)
 
 
 # ---------------------------------------------------------------- restricted unpickling of .metadata
 
 _ALLOWED_GLOBALS = {
     ("torch", "Size"), ("torch.serialization", "_get_layout"),
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"), ("pathlib", "Path"),
     ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "slice"),
 }
@@ -95,7 +228,8 @@ class _MetadataUnpickler(pickle.Unpickler):
 
     def find_class(self, module: str, name: str) -> Any:
         if "." not in name:
-            if (module, name) in _ALLOWED_GLOBALS or module == "torch.distributed.checkpoint.metadata":
+            if (module, name) in _ALLOWED_GLOBALS or (module, name) in compat.DCP_METADATA_GLOBALS \
+                    or module == "torch.distributed.checkpoint.metadata":
                 return super().find_class(module, name)
             if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout,
                                                                           torch.memory_format)):
@@ -108,7 +242,7 @@ class _MetadataUnpickler(pickle.Unpickler):
 def load_metadata(data: bytes, *, allow_unsafe: bool = False) -> Metadata:
     """Unpickle DCP metadata, admitting only metadata classes unless ``allow_unsafe``."""
     if allow_unsafe:
-        return pickle.loads(data)  # noqa: S301 - explicitly requested by the caller
+        return pickle.loads(data)
     return _MetadataUnpickler(io.BytesIO(data)).load()
 
 
@@ -162,6 +296,12 @@ class UCVolumeWriter(FileSystemWriter):
     returns once the state is copied to memory; its future completes when every file is durable on
     the volume and the checkpoint is committed, and raises upload errors.
 
+    Never stale, never mixed: before ``async_save`` returns (or a sync save writes a byte), a
+    save-in-progress record is written into the directory and the previous checkpoint's commit
+    marker and ``.metadata`` are withdrawn, so readers fail loudly (or wait) until the new commit.
+    Saves still running when the interpreter exits are completed first; one that cannot complete is
+    reported on stderr and the process exits with status 1.
+
     Args:
         path: checkpoint directory (local, a mount, or ``/Volumes/...``).
         staging_dir: local directory for staged shards (default ``$UCMAGIC_STAGING_DIR`` or the temp dir).
@@ -171,67 +311,158 @@ class UCVolumeWriter(FileSystemWriter):
         thread_count: local writer threads (default: up to 4).
         verify: ``"size"`` (fsync + size check, CRC of the bytes sent) or ``"full"`` (also read back).
         min_free: local free space to keep beyond the staged bytes.
+        overwrite: replace a checkpoint already in ``path`` (default True, as torch). With False,
+            ``dcp.save`` raises torch's ``CheckpointException`` ("Checkpoint already exists").
         commit_info: JSON-able dict stored in the commit marker (``save_checkpoint`` stores step and extra).
-        **kwargs: passed to ``FileSystemWriter`` (``overwrite``, ``cache_staged_state_dict``, ...).
+        **kwargs: passed to ``FileSystemWriter`` (``cache_staged_state_dict``, ...).
     """
 
     def __init__(self, path: str | os.PathLike, *, staging_dir: str | None = None, upload_threads: int = 16,
                  files_per_rank: int | None = None, thread_count: int | None = None, verify: str = "size",
-                 min_free: int | str = "512MB", commit_info: dict[str, Any] | None = None, **kwargs: Any) -> None:
+                 min_free: int | str = "512MB", overwrite: bool = True, commit_info: dict[str, Any] | None = None,
+                 **kwargs: Any) -> None:
         kwargs.setdefault("sync_files", False)  # durability comes from fsync on the volume copy
         if thread_count is None:
             thread_count = min(4, os.cpu_count() or 1)
-        super().__init__(_volume_path(path), thread_count=max(1, thread_count), **kwargs)
+        super().__init__(volume_dir(path), thread_count=max(1, thread_count), **kwargs)
         if verify not in ("size", "full"):
             raise ValueError(f"verify must be 'size' or 'full', got {verify!r}")
-        self.fs = _StagingFileSystem()
+        compat.install_filesystem(self, _StagingFileSystem())
+        if not getattr(self, "save_id", None):  # torch < 2.4 has no save id
+            self.save_id = uuid.uuid4().hex
+        self.overwrite = bool(overwrite)
         self.staging_dir = staging_dir
         self.upload_threads = max(1, int(upload_threads))
         self.files_per_rank = None if files_per_rank is None else max(1, int(files_per_rank))
         self.verify = verify
         self.min_free = parse_size(min_free) or 0
         self.commit_info = dict(commit_info or {})
-        self._refuse_overwrite()
+        self._begun: str | None = None  # the directory this save's record was written into
+        self._coordinator = True
+        self._pending: _Pending | None = None
+        self._started = threading.Event()
 
-    def _refuse_overwrite(self) -> None:
-        if not self.overwrite and os.path.exists(os.path.join(self.path, COMMIT_NAME)):
-            raise CheckpointError(f"{self.path} already holds a committed checkpoint and overwrite=False; "
-                                  "save to another directory or pass overwrite=True")
+    # -- pickling (torch's process-based async checkpointer ships the writer to another process)
+    def __getstate__(self) -> dict[str, Any]:
+        if self._pending is not None and not self._pending.fut.done():
+            self._pending.fut.cancel()  # the other process owns the save now; this one cannot wait for it
+        state = dict(self.__dict__)
+        state["_pending"] = None
+        state["_started"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._started = threading.Event()
+
+    # -- the save-in-progress record
+    def _checkpoint_present(self) -> bool:
+        return any(os.path.exists(os.path.join(self.path, n)) for n in (COMMIT_NAME, METADATA_NAME))
+
+    def _begin(self) -> None:
+        """Write the save-in-progress record, then withdraw the previous checkpoint (idempotent per save)."""
+        path = os.fspath(self.path)
+        if self._begun == path:
+            return
+        if not self.overwrite and self._checkpoint_present():
+            return  # refused in prepare_local_plan, the way torch's writer does it
+        os.makedirs(path, exist_ok=True)
+        self.save_id = uuid.uuid4().hex  # fresh per save, also when a writer object is reused
+        record = make_saving_record(save_id=self.save_id, host=socket.gethostname(), pid=os.getpid())
+        xfer.write_bytes(os.path.join(path, SAVING_NAME), record)
+        xfer.remove_quietly(os.path.join(path, COMMIT_NAME))
+        xfer.remove_quietly(os.path.join(path, METADATA_NAME))
+        self._begun = path
+
+    def _failed(self, exc: BaseException) -> None:
+        """Note a failure in the record (readers say the save failed) and in the pending-at-exit future."""
+        if self._begun is not None:
+            with contextlib.suppress(Exception):
+                rec = parse_saving_record(xfer.read_bytes(os.path.join(self._begun, SAVING_NAME)))
+                if rec.get("save_id") == self.save_id:
+                    first = (str(exc).strip().splitlines() or [type(exc).__name__])[-1][:300]
+                    rec["failed"] = first
+                    xfer.write_bytes(os.path.join(self._begun, SAVING_NAME), json.dumps(rec).encode())
+        p = self._pending
+        if p is not None and not p.fut.done():
+            p.fut.set_exception(exc)
+
+    def stage(self, state_dict: Any) -> Any:
+        """``async_save``'s first step (in the caller's thread): copy the state, then begin the save."""
+        staged = _unaliased(super().stage(state_dict), state_dict)
+        if self._pending is None or self._pending.fut.done():
+            self._pending = track_pending_save(os.fspath(self.path), CFuture())
+        if _is_rank0():
+            self._begin()
+        return staged
+
+    def wait_started(self, timeout: float) -> bool:
+        """Block until torch's save thread has called into this writer (True), or ``timeout`` passed."""
+        return self._started.wait(timeout)
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
-        super().reset(_volume_path(checkpoint_id) if checkpoint_id else None)
-        self._refuse_overwrite()
+        save_id = self.save_id
+        super().reset(volume_dir(checkpoint_id) if checkpoint_id else None)
+        if self._begun is not None:
+            self.save_id = save_id  # the record carries this id; the commit must carry the same
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         return "://" not in os.fspath(checkpoint_id) or os.fspath(checkpoint_id).startswith("file://")
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        super().set_up_storage_writer(is_coordinator, *args, **kwargs)
-        if not self.use_collectives:
-            raise CheckpointError("UCVolumeWriter needs rank coordination to commit a checkpoint; "
+        self._coordinator = bool(is_coordinator)
+        if self._pending is not None:
+            self._pending.thread = threading.current_thread()
+        if self._started is not None:
+            self._started.set()
+        super().set_up_storage_writer(is_coordinator, *args,
+                                      **compat.set_up_writer_kwargs(super().set_up_storage_writer, kwargs))
+        if not kwargs.get("use_collectives", True):
+            exc = CheckpointError("UCVolumeWriter needs rank coordination to commit a checkpoint; "
                                   "call dcp.save without use_collectives=False")
+            self._failed(exc)
+            raise exc
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        os.makedirs(self.path, exist_ok=True)
+        try:
+            if not self.overwrite and self._checkpoint_present():
+                raise CheckpointExistsError(
+                    f"Checkpoint already exists and overwrite=False: {self.path} holds a checkpoint; save to "
+                    "another directory (e.g. one per step) or pass overwrite=True to UCVolumeWriter")
+            os.makedirs(self.path, exist_ok=True)
+        except BaseException as e:
+            self._failed(e)
+            raise
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        # coordinator only, before any rank writes: un-commit what is there, so a torn overwrite is refused
-        self._refuse_overwrite()
-        xfer.remove_quietly(os.path.join(self.path, COMMIT_NAME))
-        xfer.remove_quietly(os.path.join(self.path, METADATA_NAME))
+        # coordinator only, after every rank planned and before any rank writes
+        try:
+            self._begin()
+        except BaseException as e:
+            self._failed(e)
+            raise
         return super().prepare_global_plan(plans)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        from torch.distributed.checkpoint.filesystem import _item_size, _split_by_size_and_type
+        try:
+            out = self._write_data_staged(plan, planner)
+        except BaseException as e:
+            self._failed(e)
+            raise
+        p = self._pending
+        if not self._coordinator and p is not None and not p.fut.done():
+            p.fut.set_result(os.fspath(self.path))  # this rank's part is durable; the coordinator commits
+        return out
 
+    def _write_data_staged(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         prefix = plan.storage_data.prefix
         items = list(plan.items)
-        need = sum(_item_size(i) for i in items if i.type != WriteItemType.BYTE_IO)
+        need = sum(_item_size(i) for i in items)
         if self.single_file_per_rank:
             n_files = self.files_per_rank or auto_file_count(need)
-            buckets = [b for b in _split_by_size_and_type(n_files, items) if b] if items else []
+            buckets = split_buckets(n_files, items, _item_size, is_bytes=lambda i: i.type == WriteItemType.BYTE_IO)
         else:
             buckets = [[i] for i in items]
         staging = xfer.make_staging_dir(self.staging_dir, f"save-{self.save_id}-{prefix.strip('_') or 'r'}")
@@ -246,7 +477,7 @@ class UCVolumeWriter(FileSystemWriter):
                 file_queue.put((os.path.join(self.path, name), name, bucket))
             self.fs.session = session
             try:
-                results = list(self._write_data(planner, file_queue).value())
+                results = list(compat.write_files(self, planner, file_queue).value())
             finally:
                 self.fs.session = None
             missing = [n for n in names if n not in session.uploads]
@@ -270,6 +501,16 @@ class UCVolumeWriter(FileSystemWriter):
         return fut
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        try:
+            self._commit(metadata, results)
+        except BaseException as e:
+            self._failed(e)
+            raise
+        p = self._pending
+        if p is not None and not p.fut.done():
+            p.fut.set_result(os.fspath(self.path))
+
+    def _commit(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         files: dict[str, FileRecord] = {}
         storage_md = {}
         for wr_list in results:
@@ -280,15 +521,67 @@ class UCVolumeWriter(FileSystemWriter):
                     storage_md[wr.index] = wr.storage_data
         metadata.version = DCP_VERSION
         metadata.storage_data = storage_md
-        metadata.storage_meta = self.storage_meta()
+        if hasattr(metadata, "storage_meta") and hasattr(self, "storage_meta"):
+            metadata.storage_meta = self.storage_meta()
         files[METADATA_NAME] = xfer.write_bytes(os.path.join(self.path, METADATA_NAME), pickle.dumps(metadata))
         marker = make_commit(kind=FORMAT_DCP, save_id=self.save_id, files=files, info=self.commit_info)
         xfer.write_bytes(os.path.join(self.path, COMMIT_NAME), marker)
         for name in stale_files(os.listdir(self.path), files):  # shards of an older save of this directory
             xfer.remove_quietly(os.path.join(self.path, name))
+        xfer.remove_quietly(os.path.join(self.path, SAVING_NAME))  # last: the new commit is in place
+        self._begun = None
+
+
+def _unaliased(staged: Any, original: Any) -> Any:
+    """``staged`` with every plain tensor that still shares memory with ``original`` cloned.
+
+    Older torch (2.4) "stages" CPU tensors without copying them, so training that goes on while the
+    save runs would change what gets saved.
+    """
+    if isinstance(staged, dict) and isinstance(original, dict):
+        return {k: _unaliased(v, original.get(k)) for k, v in staged.items()}
+    if isinstance(staged, (list, tuple)) and isinstance(original, (list, tuple)) and len(staged) == len(original):
+        return type(staged)(_unaliased(a, b) for a, b in zip(staged, original))
+    if type(staged) is torch.Tensor and type(original) is torch.Tensor and staged.device.type == "cpu" \
+            and staged.untyped_storage().data_ptr() == original.untyped_storage().data_ptr() and staged.numel():
+        return staged.clone()
+    return staged
+
+
+def _is_rank0() -> bool:
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def _item_size(item: Any) -> int:
+    """Bytes of one DCP write item: a tensor's storage size, 0 for a pickled blob (size unknown before)."""
+    td = getattr(item, "tensor_data", None)
+    if td is None or item.type == WriteItemType.BYTE_IO:
+        return 0
+    n = 1
+    for d in td.size:
+        n *= int(d)
+    return n * torch.empty((), dtype=td.properties.dtype).element_size()
 
 
 # ---------------------------------------------------------------- reader
+
+_foreign_logged: set[str] = set()
+
+
+def _log_foreign_once(path: str) -> None:
+    if path not in _foreign_logged:
+        _foreign_logged.add(path)
+        log.info("ucmagic: %s has no ucmagic commit marker (written by torch's FileSystemWriter or another tool); "
+                 "its .metadata and every file it references are present, loading it without checksums", path)
+
+
+def _set_load_id(metadata: Metadata, reader: Any) -> None:
+    meta = getattr(metadata, "storage_meta", None)
+    if meta is not None and hasattr(reader, "load_id"):
+        meta.load_id = reader.load_id
+
 
 class _DownloadSession:
     """Per-load state: downloader pool, one future per needed file, and a memory budget.
@@ -386,27 +679,34 @@ class _WeightsOnlyPlanner:
 
 
 class UCVolumeReader(FileSystemReader):
-    """``torch.distributed.checkpoint`` StorageReader for checkpoints written by :class:`UCVolumeWriter`.
+    """``torch.distributed.checkpoint`` StorageReader for checkpoints on volumes.
 
-    Refuses (at construction) a directory without a commit marker, downloads only the files this
-    rank's load plan needs, ``download_threads`` at a time, and verifies each file's size and CRC.
+    Loads a checkpoint committed by :class:`UCVolumeWriter` (verifying each file's size and CRC),
+    or one written by torch's ``FileSystemWriter`` or any other DCP file-system writer (no ucmagic
+    file in the directory, a readable ``.metadata``, every file it references present and long
+    enough). Refuses, at construction, a save in progress, a killed or torn save, and an incomplete
+    directory. Downloads only the files this rank's load plan needs, ``download_threads`` at a time.
 
     Args:
         path: checkpoint directory.
+        wait: seconds to wait for a save in progress in ``path`` to commit (default: fail at once).
         staging_dir: local directory for downloaded shards too big for memory (deleted after use).
         download_threads: parallel downloads per rank.
         memory_budget: bytes of downloaded shards held in memory at once; a shard larger than
             ``memory_budget / download_threads`` goes through ``staging_dir`` instead (0 = always disk).
-        require_commit: set False to read a plain torch DCP directory (no marker, no verification).
+        require_commit: None (default): a ucmagic checkpoint must be committed, others are checked for
+            completeness; True: refuse anything without a ucmagic commit marker; False: read whatever
+            ``.metadata`` describes, unverified.
         allow_unsafe_pickle: accept arbitrary pickled objects in the checkpoint (only if you trust it).
         min_free: local free space to keep beyond the downloaded bytes.
     """
 
-    def __init__(self, path: str | os.PathLike, *, staging_dir: str | None = None, download_threads: int = 16,
-                 memory_budget: int | str = "1GB", require_commit: bool = True, allow_unsafe_pickle: bool = False,
-                 min_free: int | str = "512MB", **kwargs: Any) -> None:
-        super().__init__(_volume_path(path), **kwargs)
-        self.fs = _DownloadedFileSystem()
+    def __init__(self, path: str | os.PathLike, *, wait: float | None = None, staging_dir: str | None = None,
+                 download_threads: int = 16, memory_budget: int | str = "1GB", require_commit: bool | None = None,
+                 allow_unsafe_pickle: bool = False, min_free: int | str = "512MB", **kwargs: Any) -> None:
+        super().__init__(volume_dir(path), **kwargs)
+        compat.install_filesystem(self, _DownloadedFileSystem())
+        self.wait = None if wait is None else max(0.0, float(wait))
         self.staging_dir = staging_dir
         self.download_threads = max(1, int(download_threads))
         self.memory_budget = parse_size(memory_budget) or 0
@@ -414,6 +714,7 @@ class UCVolumeReader(FileSystemReader):
         self.allow_unsafe_pickle = allow_unsafe_pickle
         self.min_free = parse_size(min_free) or 0
         self.commit: dict[str, Any] | None = None
+        self._foreign_stamp: tuple[int, int, int] | None = None
         self._check_commit()
 
     def _check_commit(self) -> None:
@@ -422,28 +723,90 @@ class UCVolumeReader(FileSystemReader):
             from .errors import SourceNotFoundError
 
             raise SourceNotFoundError(f"checkpoint directory {path} does not exist; check the path")
-        if self.require_commit:
-            self.commit = read_commit(path)
-        else:
+        self._metadata = None
+        self._foreign_stamp = None
+        start = time.monotonic()
+        while True:
             try:
                 self.commit = read_commit(path)
+                return
+            except CheckpointInProgressError:
+                waited = time.monotonic() - start
+                if self.wait is None or waited >= self.wait:
+                    record = read_saving_record(path)
+                    if record is None:  # committed in the meantime
+                        continue
+                    raise CheckpointInProgressError(
+                        in_progress_message(path, record, waited=waited if self.wait else None)) from None
+                time.sleep(min(0.05 * (1 + waited), 1.0, max(0.0, self.wait - waited)))
             except CheckpointError:
+                if os.path.exists(os.path.join(path, COMMIT_NAME)) or self.require_commit:
+                    raise  # a torn marker, or the caller asked for ucmagic checkpoints only
+                waited = time.monotonic() - start
+                if self.wait and waited < self.wait and not os.path.exists(os.path.join(path, METADATA_NAME)):
+                    time.sleep(min(0.05 * (1 + waited), 1.0, self.wait - waited))  # nothing there yet
+                    continue
                 self.commit = None
+                if self.require_commit is None:
+                    self._check_foreign(path)
+                return
+
+    def _check_foreign(self, path: str) -> None:
+        """A directory without ucmagic files: load it when its .metadata and every file it names are there."""
+        md_path = os.path.join(path, METADATA_NAME)
+        try:
+            st = os.stat(md_path)
+            metadata = self.read_metadata()
+        except FileNotFoundError:
+            raise not_committed(path) from None
+        except (pickle.UnpicklingError, EOFError, ValueError, AttributeError, ImportError, IndexError) as e:
+            raise CheckpointCorruptError(f"{path}: {METADATA_NAME} cannot be read ({type(e).__name__}: {e}); the "
+                                         "checkpoint is damaged or unfinished: save it again") from None
+        needed: dict[str, int] = {}
+        for index in (metadata.storage_data or {}):
+            name, offset, length = compat.storage_location(metadata.storage_data, index)
+            needed[name] = max(needed.get(name, 0), offset + length)
+        sizes: dict[str, int | None] = {}
+        for name in needed:
+            try:
+                sizes[name] = os.stat(os.path.join(path, name)).st_size
+            except FileNotFoundError:
+                sizes[name] = None
+        problems = missing_or_short(needed, sizes)
+        if problems:
+            raise CheckpointCorruptError(f"{path} is not a complete checkpoint: {'; '.join(problems[:5])}; its save "
+                                         "did not finish or files were removed: save it again or load another")
+        self._foreign_stamp = (st.st_ino, st.st_size, st.st_mtime_ns)
+        _log_foreign_once(path)
+
+    def _check_unchanged(self) -> None:
+        """After a load of a foreign checkpoint: no save may have started in the directory meanwhile."""
+        if self._foreign_stamp is None:
+            return
+        path = os.fspath(self.path)
+        try:
+            st = os.stat(os.path.join(path, METADATA_NAME))
+            same = (st.st_ino, st.st_size, st.st_mtime_ns) == self._foreign_stamp
+        except FileNotFoundError:
+            same = False
+        if not same or os.path.exists(os.path.join(path, SAVING_NAME)):
+            raise CheckpointInProgressError(f"{path} changed while it was being loaded (a save into it started); "
+                                            "what was read may mix two saves: load again after that save commits")
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         old = os.fspath(self.path)
-        super().reset(_volume_path(checkpoint_id) if checkpoint_id else None)
+        super().reset(volume_dir(checkpoint_id) if checkpoint_id else None)
         if os.fspath(self.path) != old:
             self._check_commit()
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        return os.path.isdir(_volume_path(checkpoint_id))
+        return os.path.isdir(volume_dir(checkpoint_id))
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         cached = getattr(self, "_metadata", None)
         if cached is not None and cached[0] == os.fspath(self.path):
-            cached[1].storage_meta.load_id = self.load_id
+            _set_load_id(cached[1], self)
             return cached[1]
         path = os.fspath(self.path)
         md_path = os.path.join(path, METADATA_NAME)
@@ -462,14 +825,12 @@ class UCVolumeReader(FileSystemReader):
                 raise CheckpointCorruptError(f"{path}: the manifest does not list {METADATA_NAME}")
             check_record(METADATA_NAME, path, rec, len(raw), zlib.crc32(raw))
         metadata = load_metadata(raw, allow_unsafe=self.allow_unsafe_pickle)
-        if getattr(metadata, "storage_meta", None) is None:
-            from torch.distributed.checkpoint.metadata import StorageMeta
-
-            metadata.storage_meta = StorageMeta()
-        if self.commit is not None and metadata.storage_meta.save_id not in (None, self.commit["save_id"]):
+        meta = getattr(metadata, "storage_meta", None)
+        if self.commit is not None and meta is not None and getattr(meta, "save_id", None) not in (
+                None, self.commit["save_id"]):
             raise CheckpointCorruptError(f"{path}: {METADATA_NAME} belongs to another save than the commit "
                                          "marker; re-save this checkpoint")
-        metadata.storage_meta.load_id = self.load_id
+        _set_load_id(metadata, self)
         self._metadata = (path, metadata)
         return metadata
 
@@ -478,7 +839,7 @@ class UCVolumeReader(FileSystemReader):
         names: list[str] = []
         seen: set[str] = set()
         for item in plan.items:
-            name = self.storage_data[item.storage_index].relative_path
+            name = compat.storage_location(self.storage_data, item.storage_index)[0]
             if name not in seen:
                 seen.add(name)
                 names.append(name)
@@ -489,9 +850,11 @@ class UCVolumeReader(FileSystemReader):
                 raise CheckpointCorruptError(f"{path}: files {missing} are not in the manifest; re-save it")
         safe_planner: Any = planner if self.allow_unsafe_pickle else _WeightsOnlyPlanner(planner, path)
         if not names:
-            return super().read_data(plan, safe_planner)
+            out = super().read_data(plan, safe_planner)
+            self._check_unchanged()
+            return out
         threads = min(self.download_threads, len(names))
-        staging = xfer.make_staging_dir(self.staging_dir, f"load-{self.load_id}")
+        staging = xfer.make_staging_dir(self.staging_dir, f"load-{getattr(self, 'load_id', None) or id(self)}")
         session = _DownloadSession(staging, threads, self.memory_budget)
         try:
             in_memory = {n for n in names if n in expected and expected[n].size <= self.memory_budget // threads}
@@ -507,7 +870,9 @@ class UCVolumeReader(FileSystemReader):
                     fut = session.pool.submit(self._download, name, os.path.join(staging, name), expected.get(name))
                 session.downloads[name] = fut
             self.fs.session = session
-            return super().read_data(plan, safe_planner)
+            out = super().read_data(plan, safe_planner)
+            self._check_unchanged()
+            return out
         finally:
             self.fs.session = None
             session.close()

@@ -59,6 +59,48 @@ class UnsafeCacheError(UCMagicError, PermissionError):
     """The cache directory is not private to the current user."""
 
 
+class TorchVersionError(UCMagicError, RuntimeError):
+    """The installed torch lacks a feature ucmagic needs; the message names the version that has it."""
+
+
+# ---------------------------------------------------------------- checkpoints
+
+class CheckpointError(UCMagicError):
+    """A checkpoint could not be written or read."""
+
+
+class CheckpointNotCommittedError(CheckpointError, FileNotFoundError):
+    """The checkpoint directory has no valid commit marker (save unfinished, killed or overwritten)."""
+
+
+class CheckpointInProgressError(CheckpointNotCommittedError):
+    """A save into the checkpoint directory has started and not committed (or was killed)."""
+
+
+class CheckpointExistsError(CheckpointError, RuntimeError):
+    """``overwrite=False`` and the directory already holds a checkpoint (torch's "Checkpoint already exists")."""
+
+
+class NoCheckpointError(CheckpointError, FileNotFoundError):
+    """The checkpoint root holds no committed checkpoint."""
+
+
+class CheckpointCorruptError(CheckpointError, OSError):
+    """A checkpoint file's size or checksum differs from its manifest."""
+
+
+class CheckpointUploadError(CheckpointError, OSError):
+    """A staged checkpoint file could not be copied to the volume."""
+
+
+class CheckpointMismatchError(CheckpointError, ValueError):
+    """The checkpoint's keys do not match the model or optimizer it is loaded into."""
+
+
+class UnsafeCheckpointError(CheckpointError, PermissionError):
+    """The checkpoint holds a pickled object that a weights-only load refuses."""
+
+
 EXTRAS = {"matplotlib": "notebook", "ipywidgets": "notebook", "IPython": "notebook", "mlflow": "mlflow",
           "s3fs": "s3", "deltalake": "delta", "pyspark": "spark", "mfusepy": "fuse"}
 

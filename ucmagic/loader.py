@@ -21,6 +21,7 @@ import numpy.random  # noqa: F401  (workers seed it; importing it in a forked ch
 import torch
 import torch.utils.data as tud
 
+from . import _torch_compat as compat
 from . import plan
 from .errors import ListingChangedError
 from .loader_stats import LoaderStats
@@ -121,9 +122,7 @@ def _cache_gauges(counters: Any) -> Callable[[], dict[str, float]]:
 def _shutdown_held(held: list[Any]) -> None:
     """Stop the persistent workers of the iterators in ``held`` (the loader's finaliser)."""
     while held:
-        stop = getattr(held.pop(), "_shutdown_workers", None)
-        if stop is not None:
-            stop()
+        compat.shutdown_workers(held.pop())
 
 
 # ------------------------------------------------------------------ the loader
@@ -200,7 +199,7 @@ class DataLoader(tud.DataLoader):
         if uc:
             self.collate_fn = ItemCollate(self.collate_fn)  # batches bring their items' fetch records
             self._configure_dataset()
-        elif self._dataset_kind == 0:  # map-style
+        elif compat.is_map_style(self):
             self._own_random_sampler(generator)
 
     # -- setup
@@ -223,9 +222,9 @@ class DataLoader(tud.DataLoader):
 
     @property
     def _index_sampler(self) -> Any:  # type: ignore[override]
-        inner = tud.DataLoader._index_sampler.fget(self)  # type: ignore[attr-defined]
+        inner = compat.base_index_sampler(self)
         pending = self.__dict__.get("_pending_skip")
-        if pending is not None and self.__dict__.get("_dataset_kind") == 0:
+        if pending is not None and compat.is_map_style(self):
             return _ResumableIndexSampler(inner, pending)
         return inner
 
@@ -312,13 +311,13 @@ class DataLoader(tud.DataLoader):
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         self._begin_epoch()
         skip = 0
-        if self._dataset_kind == 0:
+        if compat.is_map_style(self):
             self._epoch_batches = self._skip_batches  # the sampler wrapper skips them (no data loaded)
         elif not self._uc:
             skip, self._skip_batches = self._skip_batches, 0
         inner = super().__iter__()
-        if self._iterator is not None and not self._held_iterators:
-            self._held_iterators.append(self._iterator)
+        if compat.live_iterator(self) is not None and not self._held_iterators:
+            self._held_iterators.append(compat.live_iterator(self))
         return self._timed(inner, skip)
 
     def _make_sink(self) -> Any:
@@ -393,7 +392,7 @@ class DataLoader(tud.DataLoader):
             epoch, batches, complete = nxt, self._skip_batches, False
         base = {"version": STATE_VERSION, "epoch": epoch, "batches": batches, "complete": complete,
                 "world": world, "num_workers": self.num_workers, "step": self._step}
-        if self._dataset_kind == 0:
+        if compat.is_map_style(self):
             sampler = getattr(self.batch_sampler, "sampler", None) or self.sampler
             return {**base, "kind": "map", "len": len(self.dataset), "sampler_seed": self._sampler_seed,
                     "sampler_epoch": getattr(sampler, "epoch", None)}
@@ -442,7 +441,7 @@ class DataLoader(tud.DataLoader):
         if state.get("version") != STATE_VERSION:
             raise ValueError(f"unsupported ucmagic.DataLoader state version {state.get('version')!r}")
         kind = state.get("kind")
-        expected = self._uc_kind or ("map" if self._dataset_kind == 0 else "iterable")
+        expected = self._uc_kind or ("map" if compat.is_map_style(self) else "iterable")
         if kind != expected:
             raise ValueError(f"this state was saved from a loader over a {kind} dataset; this loader's "
                              f"dataset is {expected}: load it into the same kind of dataset")
@@ -495,6 +494,6 @@ class DataLoader(tud.DataLoader):
 
     def _shutdown_workers(self) -> None:
         _shutdown_held(self._held_iterators)
-        if self._iterator is not None:
-            _shutdown_held([self._iterator])
-            self._iterator = None
+        if compat.live_iterator(self) is not None:
+            _shutdown_held([compat.live_iterator(self)])
+            compat.forget_iterator(self)

@@ -1,0 +1,158 @@
+"""Every use of a private torch API in ucmagic, feature-detected, in one place.
+
+torch's DataLoader and DCP file-system classes expose a few hooks only through underscore names.
+Each is looked up here; when a torch release lacks one, the caller gets :class:`TorchVersionError`
+naming the feature and the torch version that has it, instead of an ``AttributeError`` deep inside
+``dcp.save`` or a worker. Nothing else in ucmagic touches a private torch name.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+import torch.utils.data as tud
+
+from .errors import TorchVersionError
+
+#: The oldest torch release ucmagic is tested with (CI runs the core tests on it).
+MIN_TORCH = "2.4.1"
+
+
+def torch_version() -> tuple[int, int]:
+    """(major, minor) of the installed torch."""
+    m = re.match(r"(\d+)\.(\d+)", torch.__version__)
+    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+
+
+def _missing(feature: str, needs: str) -> TorchVersionError:
+    return TorchVersionError(
+        f"{feature} needs torch >= {needs}, but torch {torch.__version__} is installed and lacks it; "
+        f"upgrade torch (pip install 'torch>={needs}')")
+
+
+# ---------------------------------------------------------------- DataLoader internals
+
+def _check_loader_hooks() -> None:
+    if not isinstance(getattr(tud.DataLoader, "_index_sampler", None), property):
+        raise _missing("ucmagic.DataLoader (mid-epoch resume of map-style datasets hooks the index sampler)",
+                       MIN_TORCH)
+
+
+def base_index_sampler(loader: Any) -> Any:
+    """torch's own index sampler of ``loader`` (the one a subclass's override wraps)."""
+    _check_loader_hooks()
+    return tud.DataLoader._index_sampler.fget(loader)  # type: ignore[attr-defined]
+
+
+def is_map_style(loader: Any) -> bool:
+    """True when ``loader`` iterates a map-style dataset (torch's ``_DatasetKind.Map``)."""
+    kind = loader.__dict__.get("_dataset_kind")
+    if kind is None:
+        return not isinstance(loader.dataset, tud.IterableDataset)
+    return kind == 0
+
+
+def live_iterator(loader: Any) -> Any:
+    """The iterator a ``persistent_workers`` loader keeps between epochs, or None."""
+    return loader.__dict__.get("_iterator")
+
+
+def forget_iterator(loader: Any) -> None:
+    """Make the loader start a fresh iterator (and fresh workers) next epoch."""
+    loader.__dict__["_iterator"] = None
+
+
+def shutdown_workers(iterator: Any) -> None:
+    """Stop the worker processes of a multi-process DataLoader iterator (no-op for others)."""
+    stop = getattr(iterator, "_shutdown_workers", None)
+    if stop is not None:
+        stop()
+
+
+# ---------------------------------------------------------------- torch.distributed.checkpoint internals
+
+#: Globals a DCP ``.metadata`` pickle refers to that are not in ``torch.distributed.checkpoint.metadata``.
+DCP_METADATA_GLOBALS = frozenset({("torch.distributed.checkpoint.filesystem", "_StorageInfo")})
+
+
+def storage_location(storage_data: Any, index: Any) -> tuple[str, int, int]:
+    """(relative file name, offset, length) of one item in a DCP file-system checkpoint's storage data."""
+    info = storage_data[index]
+    try:
+        return info.relative_path, int(info.offset), int(info.length)
+    except AttributeError:
+        raise _missing("reading this checkpoint's storage layout", MIN_TORCH) from None
+
+
+def install_filesystem(writer_or_reader: Any, fs: Any) -> None:
+    """Route a FileSystemWriter/Reader's file I/O through ``fs`` (a ``FileSystem`` subclass instance)."""
+    if not hasattr(writer_or_reader, "fs"):
+        raise _missing("UCVolumeWriter/UCVolumeReader (they plug into FileSystemWriter.fs)", "2.3")
+    writer_or_reader.fs = fs
+
+
+def write_files(writer: Any, planner: Any, file_queue: Any) -> Any:
+    """Write the ``(path, file_name, items)`` entries of ``file_queue`` with the writer's threads.
+
+    torch's ``_FileSystemWriter._write_data`` where it exists; on older torch (2.4) the same work is done
+    with ``_write_files_from_queue``, the function it wraps. Returns a torch Future of the WriteResults.
+    """
+    fn = getattr(writer, "_write_data", None)
+    if fn is not None:
+        return fn(planner, file_queue)
+    return _write_files_legacy(writer, planner, file_queue)
+
+
+def _write_files_legacy(writer: Any, planner: Any, file_queue: Any) -> Any:
+    import inspect
+    import queue
+    import threading
+
+    from torch.distributed.checkpoint import filesystem as fsmod
+    from torch.futures import Future
+
+    worker = getattr(fsmod, "_write_files_from_queue", None)
+    if worker is None:
+        raise _missing("UCVolumeWriter (it writes shards with FileSystemWriter's writer threads)", MIN_TORCH)
+    params = inspect.signature(worker).parameters
+    result_queue: queue.Queue = queue.Queue()
+    kw: dict[str, Any] = {"file_queue": file_queue, "result_queue": result_queue, "planner": planner,
+                          "inflight_threshhold": writer.per_thread_copy_ahead, "use_fsync": writer.sync_files}
+    if "create_stream" in params:
+        kw["create_stream"] = writer.fs.create_stream
+    if "thread_count" in params:
+        kw["thread_count"] = writer.thread_count
+    if "transforms" in params:
+        kw["transforms"] = writer.transforms
+    unknown = [p for p, v in params.items() if p not in kw and v.default is inspect.Parameter.empty]
+    if unknown:
+        raise _missing("UCVolumeWriter (FileSystemWriter's writer threads changed)", MIN_TORCH)
+    threads = [threading.Thread(target=worker, kwargs=kw) for _ in range(1, writer.thread_count)]
+    for t in threads:
+        t.start()
+    worker(**kw)
+    for t in threads:
+        t.join()
+    res: list[Any] = []
+    while True:
+        try:
+            res += result_queue.get_nowait()
+        except queue.Empty:
+            break
+    fut: Any = Future()
+    fut.set_result(res)
+    return fut
+
+
+def set_up_writer_kwargs(method: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The keyword arguments of ``set_up_storage_writer``/``reader`` that this torch's method accepts."""
+    import inspect
+
+    try:
+        params = inspect.signature(method).parameters
+    except (TypeError, ValueError):
+        return {}
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return kwargs
+    return {k: v for k, v in kwargs.items() if k in params}
