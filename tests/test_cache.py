@@ -200,7 +200,7 @@ def test_head_of_line_fill_may_exceed_the_budget(tmp_path):
 
 def test_file_larger_than_budget_is_a_clear_error(tmp_path):
     c = FileCache(str(tmp_path / "c"), limit="1KB")
-    with pytest.raises(CacheFullError, match=r"5\.0 kB file does not fit in cache_limit=1\.0 kB"):
+    with pytest.raises(CacheFullError, match=r"5\.0 KB file does not fit in cache_limit=1\.0 KB"):
         c.fill(cache_key("v", "big", 5000, 0), "", 5000, writer(bytes(5000)))
 
 
