@@ -174,8 +174,14 @@ class _Stream:
         self.lo = self.hi = 0  # the record covers positions [lo, hi)
         self.yielded = 0  # positions handed out (skipped ones included)
         self.skipped = 0
+        self.finished = False
         self._mu = threading.Lock()
         self._stop = threading.Event()
+        self._refreshing = False
+        old = _active_streams.get(self.path)
+        if old is not None:  # this process's previous iteration of the same stream: it stops writing
+            old._stop.set()
+        _active_streams[self.path] = self
 
     def _write(self) -> None:
         self.cache.write_record(self.path, self.names[self.lo:self.hi])
@@ -200,9 +206,15 @@ class _Stream:
         done = self._done()
         if done - self.lo >= self.quantum or (done > self.lo and done >= self.yielded):
             with self._mu:
+                if self._stop.is_set() and self.finished:
+                    return
                 if done > self.lo:
                     self.lo = done
-                    self._write()
+                    if self.finished and self.lo >= self.hi:
+                        self.cache.drop_record(self.path)
+                        self._stop.set()
+                    else:
+                        self._write()
 
     def may_exceed(self, pos: int) -> bool:
         """True when the loop is (or will next be) blocked on position ``pos``: its fill may exceed the budget."""
@@ -211,6 +223,12 @@ class _Stream:
         return pos < base + self.quantum
 
     def start_refresher(self) -> None:
+        """Release consumed items every 10 ms, also after the stream ended (the loop still holds its
+        last batches), until all are consumed or this stream starts its next iteration."""
+        if self._refreshing:
+            return
+        self._refreshing = True
+
         def loop() -> None:
             while not self._stop.wait(0.01):
                 try:
@@ -222,14 +240,23 @@ class _Stream:
 
     def finish(self) -> None:
         """End of the stream's iteration: keep only what was handed out and not yet consumed."""
-        self._stop.set()
         with self._mu:
+            self.finished = True
             self.lo = max(self.lo, self._done())
             self.hi = min(self.hi, self.yielded)
             if self.hi > self.lo:
                 self._write()
             else:
                 self.cache.drop_record(self.path)
+                self._stop.set()
+                return
+        if self.consumed() is not None:
+            self.start_refresher()
+        else:
+            self._stop.set()
+
+
+_active_streams: dict[str, _Stream] = {}
 
 
 class UCVolumeDataset(EpochTracking, IterableDataset):
