@@ -181,6 +181,7 @@ def test_sigkill_mid_staging_copy_leaves_only_complete_files_and_rerun_completes
     assert any(n.startswith(TMP_PREFIX) for n in os.listdir(dest))  # the killed copy stayed a hidden temp
     res = stage(src, dest, progress=False)
     assert res.ok and res.files + res.skipped == len(rels)
+    assert not any(n.startswith(TMP_PREFIX) for n in os.listdir(dest))  # the killed run's temp file is swept
     assert {n: sha(os.path.join(dest, n)) for n in os.listdir(dest) if not n.startswith(TMP_PREFIX)} == sums
 
 
@@ -224,6 +225,7 @@ def test_sigkill_mid_parquet_export_keeps_the_previous_export_intact(tmp_path, t
         assert tags == {2} and rows == 400_000
     export_parquet(table_dir("v3", 7_000, 3), dest)
     assert read_dir(dest) == (7_000, {3})
+    assert [n for n in os.listdir(str(tmp_path / "out")) if n.startswith(".")] == []  # leftovers swept
 
 
 def _model(seed: int):
