@@ -153,8 +153,10 @@ class Volume:
     def list(self, pattern: str | None = None) -> list[FileEntry]:
         raise NotImplementedError
 
-    def copy_to(self, rel: str, dest: str) -> int:
-        """Copy ``rel`` to the local path ``dest``; return the number of bytes written."""
+    def copy_to(self, rel: str, dest: str, *, expect: FileEntry | None = None) -> int:
+        """Copy ``rel`` to the local path ``dest``; return the number of bytes written.
+
+        ``expect``: the listed version of the file (size, mtime) the copy is meant to match."""
         raise NotImplementedError
 
     def stat(self, rel: str) -> FileEntry:
@@ -220,7 +222,7 @@ class LocalVolume(Volume):
         st = os.stat(os.path.join(self.root, rel))
         return FileEntry(rel, st.st_size, st.st_mtime)
 
-    def copy_to(self, rel: str, dest: str) -> int:
+    def copy_to(self, rel: str, dest: str, *, expect: FileEntry | None = None) -> int:
         src = os.path.join(self.root, rel)
         with open(src, "rb") as fsrc, open(dest, "wb") as fdst:
             n = 0
@@ -292,7 +294,7 @@ class FsspecVolume(Volume):
         info = self.fs.info(self.root + "/" + rel)
         return FileEntry(rel, int(info.get("size") or 0), _info_mtime(info))
 
-    def copy_to(self, rel: str, dest: str) -> int:
+    def copy_to(self, rel: str, dest: str, *, expect: FileEntry | None = None) -> int:
         with self.fs.open(self.root + "/" + rel, "rb") as fsrc, open(dest, "wb") as fdst:
             shutil.copyfileobj(fsrc, fdst, COPY_CHUNK)
             return fdst.tell()
