@@ -49,6 +49,25 @@ def _source_missing(exc: BaseException) -> bool:
     return isinstance(exc, FetchError) and isinstance(exc.__cause__, FileNotFoundError)
 
 
+def _takes_expect(volume: Volume) -> bool:
+    """True when ``volume.copy_to`` accepts ``expect=`` (user subclasses written before it may not)."""
+    cls = type(volume)
+    known = _EXPECT.get(cls)
+    if known is None:
+        import inspect
+
+        try:
+            params = inspect.signature(volume.copy_to).parameters
+            known = "expect" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+        except (TypeError, ValueError):
+            known = False
+        _EXPECT[cls] = known
+    return known
+
+
+_EXPECT: dict[type, bool] = {}
+
+
 def local_world_size(world: int) -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", world)) or world
 
@@ -411,9 +430,10 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
         key_, suffix = key or self._key(e)
         t0 = time.perf_counter()  # FileCache.fill looks the entry up first: a hit returns fetched=False
         volume = self.volume
+        kw = {"expect": e} if _takes_expect(volume) else {}
 
         def write(tmp: str) -> int:
-            return volume.copy_to(e.path, tmp)
+            return volume.copy_to(e.path, tmp, **kw)
 
         def attempt(_: Any) -> tuple[str, bool]:
             return self.cache.fill(key_, suffix, e.size, write, may_exceed=may_exceed, on_wait=on_wait)
