@@ -294,7 +294,8 @@ class FileCache:
             with file_lock(os.path.join(self._locks, key[:4] + ".lock")):
                 path = self.lookup(key, suffix, size)
                 if path:
-                    os.unlink(tmp)
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(tmp)
                     return path, False
                 n = write(tmp)
                 if n != size:
@@ -524,8 +525,7 @@ class FileCache:
                     f"raise cache_limit above {format_size(size)} (plus what the loop holds at once)"
                 )
             self._reserve_budget(size, tmp, may_exceed, on_wait)
-        else:
-            open(tmp, "wb").close()
+        # without a budget the temp file appears when the copy starts (one open less per fill)
         self._ensure_disk(size, may_exceed, on_wait)
 
     def _reserve_budget(self, size: int, tmp: str, may_exceed: Callable[[], bool] | None,

@@ -222,8 +222,11 @@ class _Stream:
 
     def refresh(self) -> None:
         """Release what the loop has consumed since the last write."""
-        done = self._done()
-        if done - self.lo >= self.quantum or (done > self.lo and done >= self.yielded):
+        c = self.consumed()
+        done = max(0, self.yielded - self.window) if c is None else min(self.yielded, c)
+        # exact with consumption reports; without them, release in steps (each write costs syscalls)
+        step = self.quantum if c is not None else max(self.quantum, 64, self.window // 4)
+        if done - self.lo >= step or (c is not None and done > self.lo and done >= self.yielded):
             with self._mu:
                 if self._stop.is_set() and self.finished:
                     return
