@@ -533,6 +533,7 @@ class FileCache:
         assert self.limit is not None
         limit = self.limit
         delay = 0.005
+        waited = 0.0
         while True:
             with file_lock(self._evict_lock):
                 total = self._read_ledger()
@@ -540,13 +541,15 @@ class FileCache:
                 if total is None or stale or total + size > limit:
                     # the ledger is a hint: re-count (and evict) before deciding there is no room
                     _, total = self._evict_locked(0, limit - size)
-                if total + size <= limit or (may_exceed is not None and may_exceed()):
+                # a blocked consumer's fill may go over, after a moment for other streams to release
+                if total + size <= limit or (waited >= 0.05 and may_exceed is not None and may_exceed()):
                     open(tmp, "wb").close()  # visible to every process's count from now on
                     self._write_ledger(total + size)
                     return
             if on_wait is not None:
                 on_wait()
             time.sleep(delay)
+            waited += delay
             delay = min(0.05, max(delay * 1.5, 5 * self._scan_s))
 
     def _ensure_disk(self, size: int, may_exceed: Callable[[], bool] | None,
