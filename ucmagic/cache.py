@@ -276,17 +276,20 @@ class FileCache:
         return path
 
     def fill(self, key: str, suffix: str, size: int, write: Callable[[str], int], *,
-             may_exceed: Callable[[], bool] | None = None, on_wait: Callable[[], None] | None = None) -> tuple[str, bool]:
+             may_exceed: Callable[[], bool] | None = None, on_wait: Callable[[], None] | None = None,
+             looked_up: bool = False) -> tuple[str, bool]:
         """Return the entry for ``key``, calling ``write(tmp_path) -> nbytes`` once if it is missing.
 
         Returns ``(path, fetched)``. Concurrent callers (threads or processes) for one key wait for
         a single fill. ``write`` must produce exactly ``size`` bytes or the fill fails with OSError.
         Without room in the budget the fill waits (calling ``on_wait`` while it does) until
         consumers free some, unless ``may_exceed()`` says a consumer is blocked on this very file.
+        ``looked_up``: the caller just found no entry (the lookup under the lock still runs).
         """
-        path = self.lookup(key, suffix, size)
-        if path:
-            return path, False
+        if not looked_up:
+            path = self.lookup(key, suffix, size)
+            if path:
+                return path, False
         tmp = os.path.join(self._tmp, f"{key}.{process_tag()}.{next(_tmp_counter)}.{size}.part")
         # Room first, without the key's lock: a fill waiting for room must not block another one.
         self.reserve(size, tmp, may_exceed=may_exceed, on_wait=on_wait)

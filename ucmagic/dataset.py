@@ -428,7 +428,7 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
         return k
 
     def _fetch(self, e: FileEntry, key: tuple[str, str] | None = None, *, may_exceed: Callable[[], bool] | None = None,
-               on_wait: Callable[[], None] | None = None) -> str:
+               on_wait: Callable[[], None] | None = None, looked_up: bool = False) -> str:
         """Cached path for ``e``: a hit, or one (single-flight) copy from the volume."""
         key_, suffix = key or self._key(e)
         t0 = time.perf_counter()  # FileCache.fill looks the entry up first: a hit returns fetched=False
@@ -439,7 +439,8 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
             return volume.copy_to(e.path, tmp, **kw)
 
         def attempt(_: Any) -> tuple[str, bool]:
-            return self.cache.fill(key_, suffix, e.size, write, may_exceed=may_exceed, on_wait=on_wait)
+            return self.cache.fill(key_, suffix, e.size, write, may_exceed=may_exceed, on_wait=on_wait,
+                                   looked_up=looked_up)
 
         try:
             path, fetched = with_retries(attempt, None, self.retries, on_retry=lambda _: self._counters.add(retries=1))
@@ -521,20 +522,34 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
             restart_timeout()
             stream.refresh()
 
+        # Hits are served on this thread (no hop). On a cold cache that lookup is wasted, so after a
+        # run of misses only every 16th item is probed here until hits come back.
+        misses = [0]
+        probed: set[int] = set()
+
         def get(pos: int) -> str | BaseException:
             e = entries[idx[pos]]
             try:
-                return self._fetch(e, keys[pos], may_exceed=lambda: stream.may_exceed(pos), on_wait=on_wait)
+                got = self._fetch(e, keys[pos], may_exceed=lambda: stream.may_exceed(pos), on_wait=on_wait,
+                                  looked_up=pos in probed)
             except Exception as exc:
                 if self._skippable(exc):
                     return exc
                 raise
+            probed.discard(pos)
+            return got
 
         def hit(pos: int) -> str | None:
+            if misses[0] >= 8 and pos % 16:
+                return None
             key, suffix = keys[pos]
             path = cache.lookup(key, suffix, entries[idx[pos]].size)
             if path is not None:
+                misses[0] = 0
                 counters.add(hits=1)
+            else:
+                misses[0] += 1
+                probed.add(pos)
             return path
 
         try:
