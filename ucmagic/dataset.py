@@ -288,13 +288,15 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
     sorted, with size and mtime), copied to a persistent machine-wide cache on first use, and
     fetched ahead of the training loop by a thread pool in each iterating process. With
     ``torch.distributed`` and/or DataLoader workers, each (rank, worker) gets its own slice with no
-    overlap and no gap; every rank gets the same number of items.
+    overlap and no gap; every rank gets the same number of items. The path yielded is the cache
+    entry's own: stable across epochs and processes, readable until a budget evicts it.
 
     Args:
         path: directory, ``/Volumes/<catalog>/<schema>/<volume>/...``, or fsspec URL.
         pattern: glob over relative paths (``"**/*.jpg"``; no ``/`` means "file name at any depth").
         cache_dir: cache directory (default ``$UCMAGIC_CACHE_DIR`` or ``~/.cache/ucmagic``).
-        cache_limit: cache budget in bytes or as a string (``"50GB"``); default: keep 10% of the disk free.
+        cache_limit: budget of the whole cache directory in bytes or as a string (``"50GB"``); fills wait
+            for room the loop frees (docs/cache.md). Default: keep 10% of the disk free.
         shuffle: ``False``, ``True`` (per-epoch seeded permutation; node-affine on several nodes),
             ``"global"`` (always one global permutation) or ``"node"`` (each node keeps its slice of
             the files across epochs and shuffles within it, so its cache stays hot).
@@ -304,10 +306,11 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
         prefetch: files in flight per iterating process (default: 128 per rank, split over workers).
         retries: retries of a failing copy, with exponential backoff.
         timeout: seconds one file copy may take once started before the epoch fails.
-        on_error: ``"raise"`` (default) or ``"skip"`` (warn, count, and go on) for files that fail.
+        on_error: ``"raise"`` (default) or ``"skip"`` (count in ``stats()["errors"]`` and go on; one
+            summary warning per epoch and stream) for files that fail.
         on_missing: a file deleted from the volume after the listing was taken and not in the cache:
-            ``"raise"`` (default: :class:`FetchError` naming it) or ``"skip"`` (warn, count it in
-            ``stats()["errors"]``, and go on). ``on_error="skip"`` skips such files too. The listing
+            ``"raise"`` (default: :class:`FetchError` naming it) or ``"skip"`` (count it in
+            ``stats()["errors"]`` and go on). ``on_error="skip"`` skips such files too. The listing
             is a snapshot: a file changed since then is served as listed while cached; a new
             dataset object re-lists and fetches the new version (its size/mtime give a new key).
         storage_options: passed to fsspec for URLs.
