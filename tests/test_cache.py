@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from ucmagic.cache import FileCache, cache_key, choose_victims, safe_suffix
+from ucmagic.cache import FileCache, cache_key, choose_victims, parse_record_name, process_tag, safe_suffix
 from ucmagic.errors import CacheFullError
 
 
@@ -116,46 +116,91 @@ def test_choose_victims_is_lru():
     assert choose_victims(entries, 100) == ["b", "c", "a"]
 
 
-def test_budget_evicts_least_recently_used_but_not_pinned(tmp_path):
+def test_budget_evicts_least_recently_used_but_not_protected(tmp_path):
     c = FileCache(str(tmp_path / "c"), limit=1000)
     paths = []
     for i in range(5):
         p, _ = c.fill(cache_key("v", str(i), 200, 0), "", 200, writer(bytes(200)))
         os.utime(p, (i, i))  # file 0 is the least recently used
         paths.append(p)
-    pinned = c.pin(paths[0])
-    c.lookup(cache_key("v", "1", 200, 0), "", 200)  # file 1 becomes most recently used
+    c.write_record(c.record_path(process_tag(), 0), [os.path.basename(paths[0])])
+    os.utime(paths[1])  # file 1 becomes most recently used
     c.fill(cache_key("v", "new", 200, 0), "", 200, writer(bytes(200)))
-    assert os.path.exists(paths[0]) and os.path.exists(pinned)  # pinned: kept despite being oldest
-    assert not os.path.exists(paths[2])  # oldest unpinned goes first
+    assert os.path.exists(paths[0])  # protected: kept despite being oldest
+    assert not os.path.exists(paths[2])  # oldest unprotected goes first
     assert os.path.exists(paths[1])
-    assert c.usage().bytes <= 1000
+    assert c.usage().total_bytes <= 1000
 
 
-def test_pinned_path_survives_removal(tmp_path):
+def test_protection_of_a_dead_owner_is_released_at_once(tmp_path):
+    c = FileCache(str(tmp_path / "c"), limit=400)
+    p, _ = c.fill(cache_key("v", "x", 200, 0), "", 200, writer(bytes(200)))
+    os.utime(p, (1, 1))
+    dead = os.path.join(c.root, "prot", f"999999999-1@{process_tag()}.0.rec")
+    with open(dead, "w") as f:
+        f.write(os.path.basename(p))
+    assert os.path.basename(p) not in c.protected_names(reap=True) and not os.path.exists(dead)
+    for i in range(2):  # the budget now evicts the formerly protected entry
+        c.fill(cache_key("v", f"n{i}", 200, 0), "", 200, writer(bytes(200)))
+    assert not os.path.exists(p)
+
+
+def test_stable_path_is_the_entry_itself(tmp_path):
     c = FileCache(str(tmp_path / "c"))
-    p, _ = c.fill(cache_key("v", "x", 3, 0), ".bin", 3, writer(b"abc"))
-    leased = c.pin(p)
-    c.remove([p])
-    assert open(leased, "rb").read() == b"abc"
-    c.unpin(leased)
-    assert not os.path.exists(leased)
+    key = cache_key("v", "x", 3, 0)
+    p, _ = c.fill(key, ".bin", 3, writer(b"abc"))
+    assert p == c.data_path(key, ".bin") and c.fill(key, ".bin", 3, writer(b"zzz"))[0] == p
+    assert FileCache(str(tmp_path / "c")).lookup(key, ".bin", 3) == p  # same path in any process
 
 
-def test_pins_are_refcounted(tmp_path):
+def test_usage_accounts_every_byte_under_the_cache_dir(tmp_path):
     c = FileCache(str(tmp_path / "c"))
-    p, _ = c.fill(cache_key("v", "x", 3, 0), "", 3, writer(b"abc"))
-    a, b = c.pin(p), c.pin(p)
-    assert a == b
-    c.unpin(a)
-    assert os.path.exists(a)
-    c.unpin(b)
-    assert not os.path.exists(a)
+    c.fill(cache_key("v", "x", 300, 0), "", 300, writer(bytes(300)))
+    c.write_record(c.record_path(process_tag(), 0), ["a" * 40])
+    with open(os.path.join(c.root, "tmp", "k.1-1.0.50.part"), "wb") as f:
+        f.write(bytes(10))  # a fill in progress counts at its final size (in its name)
+    with open(os.path.join(c.root, "stray"), "wb") as f:
+        f.write(bytes(7))
+    u = c.usage()
+    on_disk = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(c.root) for f in fs)
+    assert (u.bytes, u.records_bytes, u.tmp_bytes) == (300, 40, 50)
+    assert u.total_bytes == on_disk + 40  # the temp file counts 50 bytes, 10 written so far
+
+
+@pytest.mark.parametrize("name,parsed", [("a-1@b-2.0.rec", ("a-1", "b-2")), ("x.rec", None), ("a@b.0.txt", None)])
+def test_record_names_parse(name, parsed):
+    assert parse_record_name(name) == parsed
+
+
+def test_fill_waits_for_room_then_proceeds_when_a_consumer_frees_it(tmp_path):
+    c = FileCache(str(tmp_path / "c"), limit=500)
+    p, _ = c.fill(cache_key("v", "held", 400, 0), "", 400, writer(bytes(400)))
+    rec = c.record_path(process_tag(), 0)
+    c.write_record(rec, [os.path.basename(p)])
+    done = threading.Event()
+    waits = []
+    t = threading.Thread(target=lambda: (c.fill(cache_key("v", "next", 300, 0), "", 300, writer(bytes(300)),
+                                                on_wait=lambda: waits.append(1)), done.set()))
+    t.start()
+    assert not done.wait(0.3) and waits  # no room: it waits instead of overshooting
+    assert c.usage().total_bytes <= 500
+    c.drop_record(rec)  # the consumer is done with the held file
+    assert done.wait(10)
+    t.join()
+    assert c.usage().total_bytes <= 500 and not os.path.exists(p)
+
+
+def test_head_of_line_fill_may_exceed_the_budget(tmp_path):
+    c = FileCache(str(tmp_path / "c"), limit=500)
+    p, _ = c.fill(cache_key("v", "held", 400, 0), "", 400, writer(bytes(400)))
+    c.write_record(c.record_path(process_tag(), 0), [os.path.basename(p)])
+    q, fetched = c.fill(cache_key("v", "next", 300, 0), "", 300, writer(bytes(300)), may_exceed=lambda: True)
+    assert fetched and os.path.exists(p) and os.path.exists(q)
 
 
 def test_file_larger_than_budget_is_a_clear_error(tmp_path):
     c = FileCache(str(tmp_path / "c"), limit="1KB")
-    with pytest.raises(CacheFullError, match="cache_limit"):
+    with pytest.raises(CacheFullError, match=r"5\.0 KB file does not fit in cache_limit=1\.0 KB"):
         c.fill(cache_key("v", "big", 5000, 0), "", 5000, writer(bytes(5000)))
 
 
@@ -178,20 +223,17 @@ def test_entry_owned_by_someone_else_is_not_trusted(tmp_path):
     assert fetched and open(p2, "rb").read() == b"god" and os.stat(p2).st_uid == 0
 
 
-def test_dead_process_pins_and_temp_files_are_reaped(tmp_path):
+def test_dead_process_records_and_temp_files_are_reaped(tmp_path):
     c = FileCache(str(tmp_path / "c"))
-    dead = tmp_path / "c" / "pins" / "999999999-1"
-    dead.mkdir()
-    (dead / "x").write_bytes(b"1")
-    recent = tmp_path / "c" / "pins" / "999999998-1"
-    recent.mkdir()
-    old = time.time() - 3600
-    os.utime(dead, (old, old))
-    stale = tmp_path / "c" / "tmp" / "k.999999999.abcd.part"
+    dead = tmp_path / "c" / "prot" / "999999999-1@999999999-1.0.rec"
+    dead.write_text("x")
+    live = tmp_path / "c" / "prot" / f"{process_tag()}@999999999-1.0.rec"
+    live.write_text("y")
+    stale = tmp_path / "c" / "tmp" / "k.999999999-1.0.1.part"
     stale.write_bytes(b"1")
-    c.evict(0)
+    assert c.reap() == {"records": 1, "tmp": 1}
     assert not dead.exists() and not stale.exists()
-    assert recent.exists()  # a worker that just exited: its consumer may still hold its paths
+    assert live.exists()  # its owner (this process) may still hold the batch a dead worker made
 
 
 def test_cache_pickles_as_settings(tmp_path):

@@ -181,6 +181,7 @@ def test_sigkill_mid_staging_copy_leaves_only_complete_files_and_rerun_completes
     assert any(n.startswith(TMP_PREFIX) for n in os.listdir(dest))  # the killed copy stayed a hidden temp
     res = stage(src, dest, progress=False)
     assert res.ok and res.files + res.skipped == len(rels)
+    assert not any(n.startswith(TMP_PREFIX) for n in os.listdir(dest))  # the killed run's temp file is swept
     assert {n: sha(os.path.join(dest, n)) for n in os.listdir(dest) if not n.startswith(TMP_PREFIX)} == sums
 
 
@@ -224,6 +225,7 @@ def test_sigkill_mid_parquet_export_keeps_the_previous_export_intact(tmp_path, t
         assert tags == {2} and rows == 400_000
     export_parquet(table_dir("v3", 7_000, 3), dest)
     assert read_dir(dest) == (7_000, {3})
+    assert [n for n in os.listdir(str(tmp_path / "out")) if n.startswith(".")] == []  # leftovers swept
 
 
 def _model(seed: int):
@@ -279,7 +281,7 @@ def test_full_cache_disk_evicts_and_the_loop_keeps_running(tmp_path, small_disk)
     make_files(root, 100, 30_000, depth=0)  # 3 MB through a 2 MiB disk
     sums = source_sums(root)
     ds = UCVolumeDataset(root, cache_dir=small_disk, prefetch=4)
-    ds.lease_items = 8  # what ucmagic.DataLoader sets: only files not yet consumed stay pinned
+    ds.lease_items = 8  # without a loader reporting consumption, the last 8 files handed out stay protected
     for epoch in range(2):
         ds.set_epoch(epoch)
         assert sorted(deliver(ds, sums)) == sorted(sums)
@@ -365,7 +367,7 @@ def test_changed_file_is_refetched_and_deleted_file_raises_or_is_skipped(tmp_pat
         list(ds)
     skipping = UCVolumeDataset(root, cache_dir=cache, on_missing="skip")
     skipping.entries = ds.entries  # the listing taken before the delete
-    with pytest.warns(UserWarning, match=rf"skipping .*{gone}"):
+    with pytest.warns(UserWarning, match=rf"skipped 1 file\(s\) this epoch: .*{gone}"):
         got = [rel_of(p) for p in skipping]
     assert sorted(got) == sorted(set(rels) - {gone}) and skipping.stats()["errors"] == 1
     with pytest.raises(ValueError, match="on_missing"):
@@ -388,7 +390,7 @@ def test_cache_limit_holds_while_two_workers_fill_and_evict(tmp_path):
         got = [rel_of(p) for batch in loader for p in batch]
         assert sorted(got) == sorted(sums)
         u = ds.cache.usage()
-        # Unpinned entries stay within the budget (a few fills may race the last eviction).
-        assert u.bytes - u.pinned_bytes <= limit + 8 * 4096, (u, limit)
+        # The whole directory stays within the budget plus about one batch per worker.
+        assert u.total_bytes <= limit + 2 * 4 * 4096, (u, limit)
     assert ds.stats()["misses"] > len(sums)  # evicted files were fetched again
     assert_cache_sound(ds.cache.root, root)

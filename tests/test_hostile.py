@@ -161,7 +161,7 @@ def test_world_writable_cache_directory_is_made_private(tmp_path):
     os.chmod(d, 0o777)
     fc = FileCache(str(d))
     assert os.stat(fc.root).st_mode & 0o777 == 0o700
-    for sub in ("data", "tmp", "locks", "pins"):
+    for sub in ("data", "tmp", "locks", "prot"):
         assert os.stat(os.path.join(fc.root, sub)).st_mode & 0o077 == 0
 
 

@@ -1,4 +1,4 @@
-"""Command line: ``python -m ucmagic demo|stage|export|ckpt|bench ...``."""
+"""Command line: ``python -m ucmagic demo|stage|export|ckpt|cache|bench ...``."""
 from __future__ import annotations
 
 import argparse
@@ -128,6 +128,29 @@ def _add_ckpt(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=lambda a: (p.print_help(), 2)[1])
 
 
+def _add_cache(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("cache", help="inspect, prune or clear the local file cache",
+                       description="Work on the whole cache directory ($UCMAGIC_CACHE_DIR, else ~/.cache/ucmagic).")
+    csub = p.add_subparsers(dest="cache_command", metavar="ACTION")
+    for name, text in (("info", "show what is in the cache: entries, protected entries, protection records, temp files"),
+                       ("prune", "drop protection records of exited processes and abandoned temp files "
+                                 "(with --limit: also evict least-recently-used entries down to that size)"),
+                       ("clear", "remove every entry not protected by a running loop, plus leftovers")):
+        cp = csub.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".")
+        cp.add_argument("--cache-dir", default=None, help="cache directory (default: $UCMAGIC_CACHE_DIR or ~/.cache/ucmagic)")
+        if name == "prune":
+            cp.add_argument("--limit", default=None, help="evict down to this size, e.g. 20GB")
+
+        def run(a: argparse.Namespace, name: str = name) -> int:
+            from .cache import cache_command
+
+            print(cache_command(name, a.cache_dir, limit=getattr(a, "limit", None)))
+            return 0
+
+        cp.set_defaults(func=run)
+    p.set_defaults(func=lambda a: (p.print_help(), 2)[1])
+
+
 def bench_dir() -> str | None:
     """The bench/ folder of a source checkout (benchmarks are not installed with the package)."""
     import os
@@ -172,6 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_stage(sub)
     _add_export(sub)
     _add_ckpt(sub)
+    _add_cache(sub)
     _add_bench(sub)
     _own_usage(ap)
     return ap

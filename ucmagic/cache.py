@@ -2,28 +2,31 @@
 
 Layout under the cache root (private to the user, mode 0700)::
 
-    data/<k0k1>/<key><.ext>   cached copies, named by a hash of (volume, path, size, mtime)
-    tmp/                      fills in progress (renamed into data/ when complete)
-    locks/<k0k1k2k3>.lock     single-flight locks (flock, shared by threads and processes)
-    pins/<pid>-<start>/...    hard links to entries handed to a training loop and not yet consumed
+    data/<k0k1>/<key><.ext>            cached copies, named by a hash of (volume, path, size, mtime)
+    tmp/<key>.<tag>.<n>.<size>.part    fills in progress (renamed into data/ when complete)
+    locks/<k0k1k2k3>.lock, evict.lock  single-flight and eviction locks (flock)
+    prot/<owner>@<writer>.<slot>.rec   protection records: entry names a live process has not consumed yet
+    usage                              the byte ledger of budgeted fills (a hint, re-counted often)
 
-Guarantees: a file in ``data/`` is always complete (temp file + rename); one fill per file even
-with many threads and processes asking at once; a changed source file (size or mtime) gets a new
-key and is fetched again; eviction is least-recently-used, skips pinned entries, and never lets
-the disk go below its free-space floor. A path handed out is a pin (a hard link), so it keeps
-existing until released even if the entry is evicted meanwhile.
+Guarantees: a file in ``data/`` is always complete (temp file + rename), so the path of an entry is
+stable: the same file version has the same path in every epoch and process, and it stays until a
+budget evicts it. One fill per file even with many threads and processes asking at once; a changed
+source file (size or mtime) gets a new key. Eviction is least-recently-used and skips every entry
+named in a protection record whose owner (pid + start time) is alive; records of a dead owner are
+dropped at once. With a budget, fills wait for room instead of overshooting, except fills a blocked
+consumer needs next (``may_exceed``), so the loop always makes progress.
 """
 from __future__ import annotations
 
 import contextlib
 import errno
 import hashlib
+import itertools
 import os
 import re
 import shutil
 import threading
 import time
-import uuid
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 
@@ -37,19 +40,20 @@ from .errors import CacheFullError, UnsafeCacheError
 from .units import format_size, parse_size
 
 DEFAULT_MIN_FREE = 0.10
-PIN_GRACE_S = 600.0  # pins of an exited process are kept this long (its consumer may still hold paths)
+TMP_STALE_S = 6 * 3600.0  # a temp file whose writer cannot be identified is dropped after this long
+TOUCH_EVERY_S = 30.0  # LRU resolution: a hit refreshes an entry's last-use time at most this often
+SUBDIRS = ("data", "tmp", "locks", "prot")
 _SUFFIX_RE = re.compile(r"\.[A-Za-z0-9_\-]{1,16}$")
 
 
 # ---------------------------------------------------------------- locking
 
 @contextlib.contextmanager
-def file_lock(path: str) -> Iterator[None]:
-    """Exclusive lock shared by threads and processes: ``flock`` on a file of its own.
+def file_lock(path: str, shared: bool = False) -> Iterator[None]:
+    """Lock shared by threads and processes: ``flock`` on a file of its own (exclusive by default).
 
     Each call opens its own descriptor, so threads of one process exclude each other too. A
-    blocked caller sleeps in the kernel (no polling, no GIL held). This is the fill path's hot
-    spot: filelock costs ~1 ms of CPU per acquire/release here, this ~20 us.
+    blocked caller sleeps in the kernel (no polling, no GIL held).
     """
     if fcntl is None:  # pragma: no cover - not POSIX
         import filelock
@@ -59,7 +63,7 @@ def file_lock(path: str) -> Iterator[None]:
         return
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
         yield
     finally:
         os.close(fd)  # closing the descriptor releases the lock
@@ -69,9 +73,8 @@ def file_lock(path: str) -> Iterator[None]:
 
 def cache_key(volume_uri: str, rel: str, size: int, mtime: float) -> str:
     """Key of one source file version. Names never reach the filesystem, only this hash does."""
-    h = hashlib.sha256()
-    h.update(f"{volume_uri}\0{rel}\0{size}\0{mtime!r}".encode("utf-8", "surrogateescape"))
-    return h.hexdigest()[:40]
+    return hashlib.blake2b(f"{volume_uri}\0{rel}\0{size}\0{mtime!r}".encode("utf-8", "surrogateescape"),
+                           digest_size=20).hexdigest()
 
 
 def safe_suffix(rel: str) -> str:
@@ -81,9 +84,9 @@ def safe_suffix(rel: str) -> str:
 
 
 def choose_victims(entries: Iterable[tuple[str, int, float]], bytes_to_free: int) -> list[str]:
-    """LRU choice: the oldest (by last use) unpinned entries whose sizes add up to ``bytes_to_free``.
+    """LRU choice: the oldest (by last use) entries whose sizes add up to ``bytes_to_free``.
 
-    ``entries`` are ``(path, size, last_used)`` of unpinned entries only.
+    ``entries`` are ``(path, size, last_used)`` of unprotected entries only.
     """
     victims: list[str] = []
     freed = 0
@@ -104,37 +107,98 @@ def default_cache_dir() -> str:
     return os.path.join(base, "ucmagic")
 
 
-def _process_tag(pid: int) -> str:
+def pid_running(pid: int) -> bool:
+    """True when process ``pid`` exists on this machine (someone else's counts too)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _start_time(pid: int) -> int:
+    """Start time of ``pid`` in clock ticks since boot (``/proc``), else via psutil in ms; 0 if unknown."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+        return int(data[data.rindex(b")") + 2:].split()[19])
+    except (OSError, ValueError, IndexError):
+        pass
     try:
         import psutil
 
-        return f"{pid}-{int(psutil.Process(pid).create_time() * 1000)}"
+        return int(psutil.Process(pid).create_time() * 1000)
     except Exception:
-        return f"{pid}-0"
+        return 0
 
 
-def _owner_alive(tag: str) -> bool:
+_tags: dict[int, str] = {}
+
+
+def process_tag(pid: int | None = None) -> str:
+    """``"<pid>-<start time>"``: a process identity that a later process reusing the pid does not share."""
+    pid = os.getpid() if pid is None else pid
+    tag = _tags.get(pid)
+    if tag is None:
+        tag = _tags[pid] = f"{pid}-{_start_time(pid)}"
+    return tag
+
+
+def tag_alive(tag: str) -> bool:
+    """True while the process named by a :func:`process_tag` is running (the same process, not a reuse)."""
     try:
         pid_s, start_s = tag.split("-", 1)
         pid = int(pid_s)
     except ValueError:
         return False
-    try:
-        import psutil
+    if not pid_running(pid):
+        return False
+    return start_s == "0" or str(_start_time(pid)) == start_s
 
-        if not psutil.pid_exists(pid):
-            return False
-        return start_s == "0" or str(int(psutil.Process(pid).create_time() * 1000)) == start_s
-    except Exception:
-        return True  # cannot tell: keep its pins
+
+def parse_record_name(name: str) -> tuple[str, str] | None:
+    """``(owner_tag, writer_tag)`` of a protection record file name, else None."""
+    if not name.endswith(".rec") or "@" not in name:
+        return None
+    owner, rest = name[:-4].split("@", 1)
+    return owner, rest.rsplit(".", 1)[0]
+
+
+def parse_tmp_name(name: str) -> tuple[str, int] | None:
+    """``(writer_tag, final size)`` of a fill's temp file name, else None."""
+    parts = name.split(".")
+    if len(parts) != 5 or parts[-1] != "part" or not parts[3].isdigit():
+        return None
+    return parts[1], int(parts[3])
 
 
 @dataclass
 class CacheUsage:
-    files: int
-    bytes: int
-    pinned_files: int
-    pinned_bytes: int
+    """What is under a cache directory, in files and bytes (apparent sizes).
+
+    ``files``/``bytes``: complete entries in ``data/``; ``protected_*``: those named by a live
+    protection record; ``tmp_*``: fills in progress or abandoned; ``records_*``: protection records;
+    ``other_bytes``: anything else (ledger, stray files).
+    """
+
+    files: int = 0
+    bytes: int = 0
+    protected_files: int = 0
+    protected_bytes: int = 0
+    tmp_files: int = 0
+    tmp_bytes: int = 0
+    records_files: int = 0
+    records_bytes: int = 0
+    other_bytes: int = 0
+
+    @property
+    def total_bytes(self) -> int:
+        return self.bytes + self.tmp_bytes + self.records_bytes + self.other_bytes
+
+
+_tmp_counter = itertools.count()
 
 
 class FileCache:
@@ -142,7 +206,7 @@ class FileCache:
 
     Args:
         root: cache directory; default :func:`default_cache_dir`.
-        limit: byte budget (int or "50GB"); ``None`` means bounded only by the free-space floor.
+        limit: byte budget for the whole directory (int or "50GB"); ``None``: only the free-space floor.
         min_free: fraction of the disk always left free (default 10%).
     """
 
@@ -152,18 +216,20 @@ class FileCache:
         self.min_free = float(min_free)
         self._ensure_layout()
         self._mu = threading.Lock()
-        self._est_bytes: int | None = None
-        self._est_at = 0.0
-        self._scan_s = 0.25
-        self._pid = -1
-        self._pin_dir = ""
-        self._pins: dict[str, int] = {}
-        self._can_link = True
+        self._data = os.path.join(self.root, "data")
+        self._tmp = os.path.join(self.root, "tmp")
+        self._locks = os.path.join(self.root, "locks")
+        self._prot = os.path.join(self.root, "prot")
+        self._evict_lock = os.path.join(self._locks, "evict.lock")
+        self._ledger = os.path.join(self.root, "usage")
+        self._scan_s = 0.001
+        self._synced_at = 0.0
+        self._free_at = 0.0
+        self._free_est = 0
+        self._floor = 0
         self._buckets: set[str] = set()  # data/<xx> directories known to exist
-        # Set in DataLoader workers: their pins outlive them (the main process still holds batches).
-        self.in_worker = False
 
-    # pickles as its settings; each process rebuilds its own locks and pins
+    # pickles as its settings; each process rebuilds its own state
     def __getstate__(self):
         return {"root": self.root, "limit": self.limit, "min_free": self.min_free}
 
@@ -182,45 +248,58 @@ class FileCache:
             )
         if st.st_mode & 0o077:
             os.chmod(self.root, 0o700)
-        for sub in ("data", "tmp", "locks", "pins"):
+        for sub in SUBDIRS:
             os.makedirs(os.path.join(self.root, sub), mode=0o700, exist_ok=True)
 
     def data_path(self, key: str, suffix: str = "") -> str:
-        return os.path.join(self.root, "data", key[:2], key + suffix)
+        return os.path.join(self._data, key[:2], key + suffix)
 
     # ------------------------------------------------------------ lookups and fills
 
     def lookup(self, key: str, suffix: str, size: int) -> str | None:
-        """Path of a complete, trusted entry of ``size`` bytes, marked as just used; else None."""
-        path = self.data_path(key, suffix)
+        """Path of a complete, trusted entry of ``size`` bytes, marked as used; else None.
+
+        No lock and one ``stat`` on a hit (plus a ``utime`` at most every ``TOUCH_EVERY_S``).
+        """
+        path = os.path.join(self._data, key[:2], key + suffix)
         try:
             st = os.stat(path)
         except FileNotFoundError:
             return None
         if st.st_size != size or (hasattr(os, "getuid") and st.st_uid != os.getuid()):
             return None
-        try:
-            os.utime(path)  # last-use time drives LRU
-        except OSError:
-            return None
+        if time.time() - st.st_mtime > TOUCH_EVERY_S:
+            try:
+                os.utime(path)  # last-use time drives LRU
+            except OSError:
+                return None
         return path
 
-    def fill(self, key: str, suffix: str, size: int, write: Callable[[str], int]) -> tuple[str, bool]:
+    def fill(self, key: str, suffix: str, size: int, write: Callable[[str], int], *,
+             may_exceed: Callable[[], bool] | None = None, on_wait: Callable[[], None] | None = None,
+             looked_up: bool = False) -> tuple[str, bool]:
         """Return the entry for ``key``, calling ``write(tmp_path) -> nbytes`` once if it is missing.
 
         Returns ``(path, fetched)``. Concurrent callers (threads or processes) for one key wait for
         a single fill. ``write`` must produce exactly ``size`` bytes or the fill fails with OSError.
+        Without room in the budget the fill waits (calling ``on_wait`` while it does) until
+        consumers free some, unless ``may_exceed()`` says a consumer is blocked on this very file.
+        ``looked_up``: the caller just found no entry (the lookup under the lock still runs).
         """
-        path = self.lookup(key, suffix, size)
-        if path:
-            return path, False
-        with file_lock(os.path.join(self.root, "locks", key[:4] + ".lock")):
+        if not looked_up:
             path = self.lookup(key, suffix, size)
             if path:
                 return path, False
-            self.ensure_room(size)
-            tmp = os.path.join(self.root, "tmp", f"{key}.{os.getpid()}.{uuid.uuid4().hex[:8]}.part")
-            try:
+        tmp = os.path.join(self._tmp, f"{key}.{process_tag()}.{next(_tmp_counter)}.{size}.part")
+        # Room first, without the key's lock: a fill waiting for room must not block another one.
+        self.reserve(size, tmp, may_exceed=may_exceed, on_wait=on_wait)
+        try:
+            with file_lock(os.path.join(self._locks, key[:4] + ".lock")):
+                path = self.lookup(key, suffix, size)
+                if path:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(tmp)
+                    return path, False
                 n = write(tmp)
                 if n != size:
                     raise OSError(errno.EIO, f"copied {n} bytes, the listing says {size}: the file changed while being read")
@@ -230,19 +309,16 @@ class FileCache:
                     os.makedirs(bucket, mode=0o700, exist_ok=True)
                     self._buckets.add(bucket)
                 os.replace(tmp, final)
-            except BaseException:
-                try:
-                    os.unlink(tmp)
-                except OSError:
-                    pass
-                raise
-        with self._mu:
-            if self._est_bytes is not None:
-                self._est_bytes += size
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
         return final, True
 
     def remove(self, paths: Iterable[str]) -> int:
-        """Delete entries (pinned copies stay valid until released). Returns the number removed."""
+        """Delete entries. Returns the number removed."""
         n = 0
         for p in paths:
             try:
@@ -250,216 +326,350 @@ class FileCache:
                 n += 1
             except FileNotFoundError:
                 pass
-        with self._mu:
-            self._est_bytes = None
+        self._synced_at = 0.0  # the ledger is stale now
         return n
 
-    # ------------------------------------------------------------ pins (leases)
+    # ------------------------------------------------------------ protection records
 
-    def _pins_root(self) -> str:
-        pid = os.getpid()
-        if pid != self._pid:  # first use in this process (or after a fork)
-            self._pid = pid
-            self._pins = {}
-            self._pin_dir = os.path.join(self.root, "pins", _process_tag(pid))
-            os.makedirs(self._pin_dir, mode=0o700, exist_ok=True)
-            if not self.in_worker:
-                _register_cleanup(self._pin_dir)
-        return self._pin_dir
+    def record_path(self, owner: str, slot: int | str) -> str:
+        """Where the writing process keeps its protection record for stream ``slot`` on behalf of ``owner``."""
+        return os.path.join(self._prot, f"{owner}@{process_tag()}.{slot}.rec")
 
-    def pin(self, path: str) -> str:
-        """Lease ``path``: return a path to the same bytes that exists until :meth:`unpin`.
+    def write_record(self, path: str, names: Iterable[str]) -> None:
+        """Atomically replace the protection record at ``path`` with ``names`` (entry file names).
 
-        The lease is a hard link, so eviction (which skips linked entries) and even a concurrent
-        delete cannot take the bytes away from a consumer that has not used them yet.
+        Taken under the shared eviction lock: once this returns, no eviction that has not seen the
+        record is still running, so an entry found present afterwards stays until released.
         """
-        if not self._can_link:
-            return path
-        with self._mu:
-            pdir = self._pins_root()
-            name = os.path.join(pdir, os.path.basename(path))
-            count = self._pins.get(name, 0)
-            if count == 0:
-                try:
-                    os.link(path, name)
-                except FileExistsError:
-                    pass
-                except OSError as e:
-                    if e.errno in (errno.EPERM, errno.EXDEV, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP):
-                        self._can_link = False  # filesystem without hard links: hand out entries directly
-                        return path
-                    raise
-            self._pins[name] = count + 1
-            return name
+        tmp = path + ".tmp"
+        data = "\n".join(names).encode()
+        with file_lock(self._evict_lock, shared=True):
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                os.write(fd, data)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
 
-    def unpin(self, pinned: str) -> None:
-        with self._mu:
-            self._pins_root()  # a forked child starts with no pins of its own
-            count = self._pins.get(pinned, 0)
-            if count <= 1:
-                self._pins.pop(pinned, None)
-                if count == 1:
-                    try:
-                        os.unlink(pinned)
-                    except FileNotFoundError:
-                        pass
-            else:
-                self._pins[pinned] = count - 1
+    def drop_record(self, path: str) -> None:
+        for p in (path, path + ".tmp"):
+            try:
+                os.unlink(p)
+            except FileNotFoundError:
+                pass
 
-    def unpin_all(self) -> None:
-        for name in list(self._pins):
-            while name in self._pins:
-                self.unpin(name)
+    def drop_records(self, owner: str, *, dead_writers_only: bool = True) -> int:
+        """Remove records owned by ``owner`` (by default only those whose writing process is gone)."""
+        n = 0
+        for name in _listdir(self._prot):
+            parsed = parse_record_name(name)
+            if parsed is None or parsed[0] != owner:
+                continue
+            if dead_writers_only and (parsed[1] == process_tag() or tag_alive(parsed[1])):
+                continue
+            self.drop_record(os.path.join(self._prot, name))
+            n += 1
+        return n
+
+    def protected_names(self, *, reap: bool = True) -> set[str]:
+        """Entry names protected by live owners; records of dead owners are dropped (``reap``)."""
+        names: set[str] = set()
+        alive: dict[str, bool] = {}
+        for name in _listdir(self._prot):
+            full = os.path.join(self._prot, name)
+            if name.endswith(".tmp"):
+                parsed = parse_record_name(name[:-4])
+                if parsed and reap and not alive.setdefault(parsed[1], tag_alive(parsed[1])):
+                    self.drop_record(full[:-4])
+                continue
+            parsed = parse_record_name(name)
+            if parsed is None:
+                continue
+            owner = parsed[0]
+            if owner not in alive:
+                alive[owner] = tag_alive(owner)
+            if not alive[owner]:
+                if reap:
+                    self.drop_record(full)
+                continue
+            try:
+                with open(full, "rb") as f:
+                    names.update(f.read().decode().split("\n"))
+            except FileNotFoundError:
+                continue
+        names.discard("")
+        return names
+
+    # ------------------------------------------------------------ accounting
+
+    def usage(self) -> CacheUsage:
+        """Every byte under the cache directory, by kind (entries, protection records, temp files, other)."""
+        protected = self.protected_names(reap=False)
+        return self._scan(protected)[1]
+
+    def _scan(self, protected: set[str]) -> tuple[list[tuple[str, int, float]], CacheUsage]:
+        """Unprotected entries ``(path, size, mtime)`` and the usage. Temp files count at their final
+        size (the name carries it), so a fill in progress already holds its room."""
+        t0 = time.monotonic()
+        free: list[tuple[str, int, float]] = []
+        u = CacheUsage()
+        with os.scandir(self._data) as buckets:
+            for bucket in buckets:
+                if not bucket.is_dir(follow_symlinks=False):
+                    u.other_bytes += _size(bucket)
+                    continue
+                with os.scandir(bucket.path) as it:
+                    for de in it:
+                        try:
+                            st = de.stat(follow_symlinks=False)
+                        except FileNotFoundError:
+                            continue
+                        u.files += 1
+                        u.bytes += st.st_size
+                        if de.name in protected:
+                            u.protected_files += 1
+                            u.protected_bytes += st.st_size
+                        else:
+                            free.append((de.path, st.st_size, st.st_mtime))
+        for de in _scandir(self._tmp):
+            parsed = parse_tmp_name(de.name)
+            u.tmp_files += 1
+            u.tmp_bytes += max(_size(de), parsed[1] if parsed else 0)
+        for de in _scandir(self._prot):
+            u.records_files += 1
+            u.records_bytes += _size(de)
+        for de in _scandir(self.root):
+            if de.name not in SUBDIRS:
+                u.other_bytes += _size(de)
+        for de in _scandir(self._locks):
+            u.other_bytes += _size(de)
+        self._scan_s = 0.8 * self._scan_s + 0.2 * (time.monotonic() - t0)
+        return free, u
+
+    def reap(self) -> dict[str, int]:
+        """Drop protection records of dead owners and temp files of dead writers. Returns counts."""
+        before = len(_listdir(self._prot))
+        self.protected_names(reap=True)
+        records = before - len(_listdir(self._prot))
+        tmp = 0
+        now = time.time()
+        alive: dict[str, bool] = {}
+        for de in _scandir(self._tmp):
+            parsed = parse_tmp_name(de.name)
+            try:
+                if parsed is not None:
+                    writer = parsed[0]
+                    if writer not in alive:
+                        alive[writer] = tag_alive(writer)
+                    dead = not alive[writer]
+                else:
+                    dead = now - de.stat().st_mtime > TMP_STALE_S
+                if dead:
+                    os.unlink(de.path)
+                    tmp += 1
+            except OSError:
+                pass
+        return {"records": records, "tmp": tmp}
 
     # ------------------------------------------------------------ budget and eviction
 
-    def _scan(self) -> tuple[list[tuple[str, int, float]], CacheUsage]:
-        free: list[tuple[str, int, float]] = []
-        usage = CacheUsage(0, 0, 0, 0)
-        data = os.path.join(self.root, "data")
-        for bucket in os.scandir(data):
-            if not bucket.is_dir(follow_symlinks=False):
-                continue
-            for de in os.scandir(bucket.path):
-                try:
-                    st = de.stat(follow_symlinks=False)
-                except FileNotFoundError:
-                    continue
-                usage.files += 1
-                usage.bytes += st.st_size
-                if st.st_nlink > 1:
-                    usage.pinned_files += 1
-                    usage.pinned_bytes += st.st_size
-                else:
-                    free.append((de.path, st.st_size, st.st_mtime))
-        return free, usage
+    def evict(self, bytes_to_free: int = 0, *, keep_below: int | None = None) -> int:
+        """Remove least-recently-used unprotected entries until ``bytes_to_free`` bytes are gone.
 
-    def usage(self) -> CacheUsage:
-        """Files and bytes in the cache (all datasets), and how much of it is pinned."""
-        _, usage = self._scan()
-        return usage
-
-    def _reap(self) -> None:
-        """Drop pins of processes gone for a while and temp files of abandoned fills.
-
-        A DataLoader worker can exit while the main process still holds batches it produced (torch
-        stops an exhausted worker as soon as it reports the end, even out of order), so a dead
-        owner's pins stay for ``PIN_GRACE_S`` after its last pin or release.
+        With ``keep_below``, free what it takes to bring the whole directory (as counted now, under
+        the eviction lock) under that many bytes instead. Dead owners' records and temp files go too.
         """
-        pins = os.path.join(self.root, "pins")
-        now = time.time()
-        for de in os.scandir(pins):
-            try:
-                idle = now - de.stat(follow_symlinks=False).st_mtime
-            except FileNotFoundError:
-                continue
-            if de.path != self._pin_dir and idle > PIN_GRACE_S and not _owner_alive(de.name):
-                shutil.rmtree(de.path, ignore_errors=True)
-        for de in os.scandir(os.path.join(self.root, "tmp")):
-            try:
-                parts = de.name.split(".")
-                dead = len(parts) > 2 and parts[1].isdigit() and not pid_running(int(parts[1]))
-                if dead or now - de.stat().st_mtime > 6 * 3600:
-                    os.unlink(de.path)
-            except OSError:
-                pass
+        with file_lock(self._evict_lock):
+            return self._evict_locked(bytes_to_free, keep_below)[0]
 
-    def evict(self, bytes_to_free: int, *, keep_below: int | None = None) -> int:
-        """Remove least-recently-used unpinned entries until ``bytes_to_free`` bytes are gone.
-
-        With ``keep_below``, free what it takes to bring the cache (as scanned now, under the
-        eviction lock) under that many bytes instead.
-        """
-        with file_lock(os.path.join(self.root, "locks", "evict.lock")):
-            self._reap()
-            free, usage = self._scan()
-            if keep_below is not None:  # a fresh count: other processes' fills and evictions included
-                bytes_to_free = usage.bytes - keep_below
-            victims = choose_victims(free, bytes_to_free)
+    def _evict_locked(self, bytes_to_free: int, keep_below: int | None) -> tuple[int, int]:
+        """(bytes freed, usage total after) — caller holds the eviction lock."""
+        self.reap()
+        free, usage = self._scan(self.protected_names(reap=False))
+        total = usage.total_bytes
+        if keep_below is not None:
+            bytes_to_free = total - keep_below
+        freed = 0
+        if bytes_to_free > 0:
             sizes = {p: s for p, s, _ in free}
-            freed = 0
-            for p in victims:
+            for p in choose_victims(free, bytes_to_free):
                 try:
                     os.unlink(p)
                     freed += sizes[p]
                 except FileNotFoundError:
                     pass
-            with self._mu:
-                self._est_bytes = usage.bytes - freed
-                self._est_at = time.monotonic()
-            return freed
+        self._write_ledger(total - freed)
+        self._synced_at = time.monotonic()
+        return freed, total - freed
 
-    def _estimated_bytes(self) -> int:
-        with self._mu:
-            est, at = self._est_bytes, self._est_at
-        # Other processes fill too, unseen here: re-read often enough that a few processes filling at
-        # once cannot overshoot the budget by much, but spend at most ~5% of the time scanning.
-        if est is None or time.monotonic() - at > min(5.0, max(0.1, 20 * self._scan_s)):
-            t0 = time.monotonic()
-            _, usage = self._scan()
-            with self._mu:
-                self._est_bytes, self._est_at = usage.bytes, time.monotonic()
-                self._scan_s = self._est_at - t0
-            est = usage.bytes
-        return est
+    def _read_ledger(self) -> int | None:
+        try:
+            with open(self._ledger, "rb") as f:
+                return int(f.read() or b"0")
+        except (OSError, ValueError):
+            return None
 
-    def ensure_room(self, size: int) -> None:
-        """Make room for ``size`` more bytes within the budget and the free-disk floor, or raise."""
+    def _write_ledger(self, value: int) -> None:
+        fd = os.open(self._ledger, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, str(max(0, int(value))).encode().rjust(20))  # fixed width: the file's own size never changes
+        finally:
+            os.close(fd)
+
+    def reserve(self, size: int, tmp: str, *, may_exceed: Callable[[], bool] | None = None,
+                on_wait: Callable[[], None] | None = None) -> None:
+        """Hold room for ``size`` bytes at ``tmp`` (created empty; its name carries the size), within the
+        budget and the free-disk floor. Waits for room while others consume; raises when a file can
+        never fit or the disk is full of protected files and this fill must not wait."""
         if self.limit is not None:
             if size > self.limit:
                 raise CacheFullError(
-                    f"a {format_size(size)} file does not fit in cache_limit={format_size(self.limit)}; raise cache_limit"
+                    f"a {format_size(size)} file does not fit in cache_limit={format_size(self.limit)}: "
+                    f"raise cache_limit above {format_size(size)} (plus what the loop holds at once)"
                 )
-            est = self._estimated_bytes()
-            if est + size > self.limit:
-                # free down to 90% of the budget so eviction does not run on every fill
-                self.evict(0, keep_below=int(self.limit * 0.9) - size)
-        du = shutil.disk_usage(self.root)
-        floor = int(du.total * self.min_free)
-        slack = min(du.total // 50, 256 << 20)  # free a little extra: other fills run at the same time
-        for _ in range(8):  # concurrent fills may take the room just freed: evict again while it helps
+            self._reserve_budget(size, tmp, may_exceed, on_wait)
+        # without a budget the temp file appears when the copy starts (one open less per fill)
+        self._ensure_disk(size, may_exceed, on_wait)
+
+    def _reserve_budget(self, size: int, tmp: str, may_exceed: Callable[[], bool] | None,
+                        on_wait: Callable[[], None] | None) -> None:
+        assert self.limit is not None
+        limit = self.limit
+        delay = 0.005
+        waited = 0.0
+        while True:
+            with file_lock(self._evict_lock):
+                total = self._read_ledger()
+                stale = time.monotonic() - self._synced_at > max(1.0, 50 * self._scan_s)
+                if total is None or stale or total + size > limit:
+                    # the ledger is a hint: re-count (and evict) before deciding there is no room
+                    _, total = self._evict_locked(0, limit - size)
+                # a blocked consumer's fill may go over, after a moment for other streams to release
+                if total + size <= limit or (waited >= 0.05 and may_exceed is not None and may_exceed()):
+                    open(tmp, "wb").close()  # visible to every process's count from now on
+                    self._write_ledger(total + size)
+                    return
+            if on_wait is not None:
+                on_wait()
+            time.sleep(delay)
+            waited += delay
+            delay = min(0.05, max(delay * 1.5, 5 * self._scan_s))
+
+    def _ensure_disk(self, size: int, may_exceed: Callable[[], bool] | None,
+                     on_wait: Callable[[], None] | None) -> None:
+        """Keep the free-disk floor. ``statvfs`` only when the estimate of free space runs low."""
+        now = time.monotonic()
+        margin = 64 << 20
+        if now - self._free_at < 1.0 and self._free_est - size >= self._floor + margin:
+            self._free_est -= size
+            return
+        waited = 0.0
+        while True:
+            du = shutil.disk_usage(self.root)
+            floor = int(du.total * self.min_free)
+            self._floor, self._free_at, self._free_est = floor, time.monotonic(), du.free - size
             if du.free - size >= floor:
                 return
-            if not self.evict(floor - (du.free - size) + slack):
-                break
-            du = shutil.disk_usage(self.root)
-        if du.free - size < floor:
-            raise CacheFullError(
-                f"cache disk of {self.root} is full: {format_size(du.free)} free, {format_size(floor)} must stay free "
-                f"and the rest is in use by files not yet consumed. Free disk space, set cache_dir= to a larger "
-                f"disk, or lower min_free"
-            )
+            slack = min(du.total // 50, 256 << 20)  # free a little extra: other fills run at the same time
+            if self.evict(floor - (du.free - size) + slack):
+                continue
+            if may_exceed is None or may_exceed() or waited > 30.0:
+                raise CacheFullError(
+                    f"cache disk of {self.root} is full: {format_size(du.free)} free, {format_size(floor)} must stay "
+                    f"free and the rest is in use by files not yet consumed. Free disk space, set cache_dir= to a "
+                    f"larger disk, or lower min_free"
+                )
+            if on_wait is not None:
+                on_wait()
+            time.sleep(0.02)
+            waited += 0.02
+
+    # ------------------------------------------------------------ whole-cache maintenance
+
+    def clear(self) -> dict[str, int]:
+        """Remove every unprotected entry, orphaned record and abandoned temp file. Returns counts."""
+        with file_lock(self._evict_lock):
+            reaped = self.reap()
+            free, _ = self._scan(self.protected_names(reap=False))
+            n = self.remove(p for p, _, _ in free)
+            self._write_ledger(self._scan(set())[1].total_bytes)
+        return {"entries": n, **reaped}
 
 
-def pid_running(pid: int) -> bool:
-    """True when process ``pid`` exists on this machine (someone else's counts too)."""
+def cache_command(action: str, root: str | None = None, *, limit: int | str | None = None) -> str:
+    """``info``, ``prune`` or ``clear`` on a whole cache directory (``python -m ucmagic cache``); returns a report."""
+    cache = FileCache(root)
+    if action == "info":
+        u = cache.usage()
+        return (f"{cache.root}: {format_size(u.total_bytes)} in all\n"
+                f"  entries            {u.files} files, {format_size(u.bytes)}\n"
+                f"  protected now      {u.protected_files} files, {format_size(u.protected_bytes)}\n"
+                f"  protection records {u.records_files} files, {format_size(u.records_bytes)}\n"
+                f"  temp files         {u.tmp_files} files, {format_size(u.tmp_bytes)}\n"
+                f"  other              {format_size(u.other_bytes)}")
+    if action == "prune":
+        with file_lock(cache._evict_lock):
+            r = cache.reap()
+        freed = 0
+        if limit is not None:
+            freed = cache.evict(keep_below=parse_size(limit))
+        return (f"{cache.root}: dropped {r['records']} protection record(s) of exited processes, "
+                f"{r['tmp']} abandoned temp file(s), evicted {format_size(freed)}")
+    if action == "clear":
+        r = cache.clear()
+        return (f"{cache.root}: removed {r['entries']} entries, {r['records']} protection record(s) and "
+                f"{r['tmp']} temp file(s); entries protected by running loops stay")
+    raise ValueError(f"unknown cache action {action!r}: use info, prune or clear")
+
+
+def _listdir(path: str) -> list[str]:
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        return os.listdir(path)
+    except FileNotFoundError:
+        return []
 
 
-_cleanup_dirs: set[str] = set()
+def _scandir(path: str) -> list[os.DirEntry]:
+    try:
+        with os.scandir(path) as it:
+            return [de for de in it if de.is_file(follow_symlinks=False)]
+    except FileNotFoundError:
+        return []
 
 
-def _register_cleanup(pin_dir: str) -> None:
-    """Remove a main process's pins when it exits.
+def _size(de: os.DirEntry) -> int:
+    try:
+        return de.stat(follow_symlinks=False).st_size if de.is_file(follow_symlinks=False) else 0
+    except FileNotFoundError:
+        return 0
 
-    Not registered in DataLoader workers (``in_worker``): their pins may still be in batches the
-    main process holds when they exit. Those are reaped once their owner has been gone for
-    ``PIN_GRACE_S``.
+
+_cleanup_owners: set[str] = set()
+
+
+def release_at_exit(cache: FileCache, owner: str) -> None:
+    """Remove the records ``owner`` (this process) holds in ``cache`` when it exits normally.
+
+    A process killed outright leaves them behind; every other process drops them at its next
+    eviction or :meth:`FileCache.reap`, since their owner is gone.
     """
-    if pin_dir in _cleanup_dirs:
+    key = cache.root + "\0" + owner
+    if key in _cleanup_owners:
         return
-    _cleanup_dirs.add(pin_dir)
+    _cleanup_owners.add(key)
     import atexit
 
-    atexit.register(_remove_if_owner, pin_dir, os.getpid())
+    atexit.register(_drop_if_owner, cache.root, owner, os.getpid())
 
 
-def _remove_if_owner(pin_dir: str, pid: int) -> None:
-    if os.getpid() == pid:  # atexit handlers are inherited by forked children
-        shutil.rmtree(pin_dir, ignore_errors=True)
+def _drop_if_owner(root: str, owner: str, pid: int) -> None:
+    if os.getpid() != pid:  # atexit handlers are inherited by forked children
+        return
+    prot = os.path.join(root, "prot")
+    for name in _listdir(prot):
+        parsed = parse_record_name(name[:-4] if name.endswith(".tmp") else name)
+        if parsed and parsed[0] == owner:
+            try:
+                os.unlink(os.path.join(prot, name))
+            except OSError:
+                pass

@@ -2,26 +2,31 @@
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 import time
+import uuid
 import warnings
-from collections import deque
 from concurrent.futures import Future
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from . import plan, telemetry
-from .cache import FileCache, cache_key, safe_suffix
+from .cache import FileCache, cache_key, file_lock, process_tag, release_at_exit, safe_suffix
 from .errors import FetchError, ListingChangedError
-from .fetch import read_ahead, with_retries
-from .telemetry import SharedCounters, SharedInt, percentiles
+from .fetch import read_ahead, restart_timeout, with_retries
+from .telemetry import SharedCounters, SharedInt, SharedInts, percentiles
 from .volume import FileEntry, Volume, copy_error, listing_fingerprint, open_volume
 
 STATE_VERSION = 1
 DEFAULT_INFLIGHT = 128  # files in flight per rank, spread over its DataLoader workers
 _last_fetch = threading.local()  # per-item records: did this thread's last _fetch copy the file?
+MAX_STREAMS = 64  # DataLoader workers whose consumption ucmagic.DataLoader reports (more share slots)
+_TRACKED = MAX_STREAMS  # index of the "ucmagic.DataLoader reports consumption" flag in the channel
+# shared epoch-sync slots: set_epoch was called / a ucmagic.DataLoader sets epochs / last iteration key / seen one
+_EXPLICIT, _MANAGED, _KEY, _SEEN = range(4)
 
 
 def grid() -> tuple[int, int, int, int]:
@@ -45,6 +50,25 @@ def _source_missing(exc: BaseException) -> bool:
     return isinstance(exc, FetchError) and isinstance(exc.__cause__, FileNotFoundError)
 
 
+def _takes_expect(volume: Volume) -> bool:
+    """True when ``volume.copy_to`` accepts ``expect=`` (user subclasses written before it may not)."""
+    cls = type(volume)
+    known = _EXPECT.get(cls)
+    if known is None:
+        import inspect
+
+        try:
+            params = inspect.signature(volume.copy_to).parameters
+            known = "expect" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+        except (TypeError, ValueError):
+            known = False
+        _EXPECT[cls] = known
+    return known
+
+
+_EXPECT: dict[type, bool] = {}
+
+
 def local_world_size(world: int) -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", world)) or world
 
@@ -52,16 +76,28 @@ def local_world_size(world: int) -> int:
 class EpochTracking:
     """Epoch bookkeeping shared by ucmagic's planned datasets (files and Parquet rows).
 
-    The epoch lives in shared memory, so persistent DataLoader workers follow :meth:`set_epoch`;
-    without ``set_epoch``, each iteration started in the main process counts one epoch up.
+    The epoch lives in shared memory, so DataLoader workers (any start method, persistent or not)
+    follow :meth:`set_epoch`. Without ``set_epoch``, each new iteration counts one epoch up: started
+    in the main process, or -- when the dataset is wrapped in the user's own IterableDataset and only
+    workers ever iterate it -- detected by the workers themselves (:meth:`_worker_epoch`).
     """
 
     shuffle: bool | str
 
     def _init_epochs(self) -> None:
         self._epoch = SharedInt(0)
-        self._epoch_explicit = False
+        self._epoch_sync = SharedInts(4)
+        self._epoch_id = uuid.uuid4().hex[:16]
+        self._worker_iters = 0  # iterations this process's copy ran (persistent workers keep it)
         self._fresh = True
+
+    @property
+    def _epoch_explicit(self) -> bool:
+        return bool(self._epoch_sync[_EXPLICIT])
+
+    @_epoch_explicit.setter
+    def _epoch_explicit(self, v: bool) -> None:
+        self._epoch_sync[_EXPLICIT] = int(bool(v))
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch whose order the next iteration follows (same on every rank and worker)."""
@@ -78,12 +114,172 @@ class EpochTracking:
         if not self._fresh and not self._epoch_explicit:
             self._epoch.value = self._epoch.value + 1
         self._fresh = False
+        self._epoch_sync[_SEEN] = 1
+        self._epoch_sync[_KEY] = 0
+
+    def _restart_epochs(self, epoch: int) -> None:
+        """The next iteration (main process or workers) runs ``epoch`` (after a resume)."""
+        self._epoch.value = int(epoch)
+        self._fresh = True
+        self._epoch_sync[_SEEN] = 0
+        self._epoch_sync[_KEY] = 0
+
+    def _set_loader_managed(self) -> None:
+        """ucmagic.DataLoader sets each iteration's epoch in the main process: workers only follow it."""
+        self._epoch_sync[_MANAGED] = 1
+
+    def _worker_epoch(self, lock_path: str) -> int:
+        """The epoch of this iteration, as seen from a DataLoader worker.
+
+        The workers of one loader iteration share a base seed (``seed - id``); a persistent worker
+        keeps its dataset copy, so (base seed, iterations of this copy) names the iteration. The
+        first worker to see a new name counts the shared epoch up, under a file lock (no
+        multiprocessing lock survives every start method). Explicit ``set_epoch`` and loaders that
+        manage epochs win.
+        """
+        info = get_worker_info()
+        self._worker_iters += 1
+        if info is None or self._epoch_sync[_EXPLICIT] or self._epoch_sync[_MANAGED]:
+            return self._epoch.value
+        key = ((int(info.seed) - int(info.id)) * 1_000_003 + self._worker_iters) % (2**62) + 1
+        with file_lock(lock_path):
+            if self._epoch_sync[_KEY] != key:
+                if self._epoch_sync[_SEEN]:
+                    self._epoch.value = self._epoch.value + 1
+                self._epoch_sync[_SEEN] = 1
+                self._epoch_sync[_KEY] = key
+        return self._epoch.value
 
     def _shuffle_mode(self, world: int) -> bool | str:
         """``True`` means node-affine on several nodes and global on one."""
         if self.shuffle is True:
             return "node" if world > local_world_size(world) else "global"
         return self.shuffle
+
+
+class ConsumptionChannel:
+    """A loader's side of a UCVolumeDataset's consumption counters (see ``consumption_channel``)."""
+
+    def __init__(self, arr: SharedInts) -> None:
+        self._a = arr
+
+    def reset(self, streams: int) -> None:
+        """A new iteration with ``streams`` worker streams: nothing consumed yet, reports on."""
+        for i in range(MAX_STREAMS):
+            self._a[i] = 0
+        self._a[_TRACKED] = 1
+
+    def __setitem__(self, stream: int, items: int) -> None:
+        if stream < MAX_STREAMS:
+            self._a[stream] = items
+
+
+class _Stream:
+    """Protection of one (rank, worker) stream's items: an on-disk record listing the entries from
+    the first one the loop has not consumed to the last one scheduled for read-ahead.
+
+    Consumption comes from ucmagic.DataLoader's channel (items the loop has finished with) or,
+    without it, from a window of the last ``window`` items handed out.
+    """
+
+    def __init__(self, cache: FileCache, owner: str, slot: int, names: list[str], *, quantum: int,
+                 window: int, chunk: int, consumed: Callable[[], int | None]) -> None:
+        self.cache = cache
+        self.path = cache.record_path(owner, slot)
+        self.names = names
+        self.quantum = max(1, quantum)
+        self.window = max(1, window)
+        self.chunk = max(1, chunk)
+        self.consumed = consumed
+        self.lo = self.hi = 0  # the record covers positions [lo, hi)
+        self.yielded = 0  # positions handed out (skipped ones included)
+        self.skipped = 0
+        self.finished = False
+        self._mu = threading.Lock()
+        self._stop = threading.Event()
+        self._refreshing = False
+        old = _active_streams.get(self.path)
+        if old is not None:  # this process's previous iteration of the same stream: it stops writing
+            old._stop.set()
+        _active_streams[self.path] = self
+
+    def _write(self) -> None:
+        self.cache.write_record(self.path, self.names[self.lo:self.hi])
+
+    def _done(self) -> int:
+        c = self.consumed()
+        if c is None:
+            return max(0, self.yielded - self.window)
+        return min(self.yielded, c)
+
+    def cover(self, pos: int) -> None:
+        """Make sure the record names position ``pos`` before it is looked up or filled."""
+        if pos < self.hi:
+            return
+        with self._mu:
+            self.lo = max(self.lo, self._done())
+            self.hi = min(len(self.names), pos + self.chunk)
+            self._write()
+
+    def refresh(self) -> None:
+        """Release what the loop has consumed since the last write."""
+        c = self.consumed()
+        done = max(0, self.yielded - self.window) if c is None else min(self.yielded, c)
+        # exact with consumption reports; without them, release in steps (each write costs syscalls)
+        step = self.quantum if c is not None else max(self.quantum, 64, self.window // 4)
+        if done - self.lo >= step or (c is not None and done > self.lo and done >= self.yielded):
+            with self._mu:
+                if self._stop.is_set() and self.finished:
+                    return
+                if done > self.lo:
+                    self.lo = done
+                    if self.finished and self.lo >= self.hi:
+                        self.cache.drop_record(self.path)
+                        self._stop.set()
+                    else:
+                        self._write()
+
+    def may_exceed(self, pos: int) -> bool:
+        """True when the loop is (or will next be) blocked on position ``pos``: its fill may exceed the budget."""
+        c = self.consumed()
+        base = self.yielded if c is None else c + self.skipped
+        return pos < base + self.quantum
+
+    def start_refresher(self) -> None:
+        """Release consumed items every 10 ms, also after the stream ended (the loop still holds its
+        last batches), until all are consumed or this stream starts its next iteration."""
+        if self._refreshing:
+            return
+        self._refreshing = True
+
+        def loop() -> None:
+            while not self._stop.wait(0.01):
+                try:
+                    self.refresh()
+                except OSError:
+                    pass
+
+        threading.Thread(target=loop, name="ucmagic-protect", daemon=True).start()
+
+    def finish(self) -> None:
+        """End of the stream's iteration: keep only what was handed out and not yet consumed."""
+        with self._mu:
+            self.finished = True
+            self.lo = max(self.lo, self._done())
+            self.hi = min(self.hi, self.yielded)
+            if self.hi > self.lo:
+                self._write()
+            else:
+                self.cache.drop_record(self.path)
+                self._stop.set()
+                return
+        if self.consumed() is not None:
+            self.start_refresher()
+        else:
+            self._stop.set()
+
+
+_active_streams: dict[str, _Stream] = {}
 
 
 class UCVolumeDataset(EpochTracking, IterableDataset):
@@ -93,13 +289,15 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
     sorted, with size and mtime), copied to a persistent machine-wide cache on first use, and
     fetched ahead of the training loop by a thread pool in each iterating process. With
     ``torch.distributed`` and/or DataLoader workers, each (rank, worker) gets its own slice with no
-    overlap and no gap; every rank gets the same number of items.
+    overlap and no gap; every rank gets the same number of items. The path yielded is the cache
+    entry's own: stable across epochs and processes, readable until a budget evicts it.
 
     Args:
         path: directory, ``/Volumes/<catalog>/<schema>/<volume>/...``, or fsspec URL.
         pattern: glob over relative paths (``"**/*.jpg"``; no ``/`` means "file name at any depth").
         cache_dir: cache directory (default ``$UCMAGIC_CACHE_DIR`` or ``~/.cache/ucmagic``).
-        cache_limit: cache budget in bytes or as a string (``"50GB"``); default: keep 10% of the disk free.
+        cache_limit: budget of the whole cache directory in bytes or as a string (``"50GB"``); fills wait
+            for room the loop frees (docs/cache.md). Default: keep 10% of the disk free.
         shuffle: ``False``, ``True`` (per-epoch seeded permutation; node-affine on several nodes),
             ``"global"`` (always one global permutation) or ``"node"`` (each node keeps its slice of
             the files across epochs and shuffles within it, so its cache stays hot).
@@ -109,10 +307,11 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
         prefetch: files in flight per iterating process (default: 128 per rank, split over workers).
         retries: retries of a failing copy, with exponential backoff.
         timeout: seconds one file copy may take once started before the epoch fails.
-        on_error: ``"raise"`` (default) or ``"skip"`` (warn, count, and go on) for files that fail.
+        on_error: ``"raise"`` (default) or ``"skip"`` (count in ``stats()["errors"]`` and go on; one
+            summary warning per epoch and stream) for files that fail.
         on_missing: a file deleted from the volume after the listing was taken and not in the cache:
-            ``"raise"`` (default: :class:`FetchError` naming it) or ``"skip"`` (warn, count it in
-            ``stats()["errors"]``, and go on). ``on_error="skip"`` skips such files too. The listing
+            ``"raise"`` (default: :class:`FetchError` naming it) or ``"skip"`` (count it in
+            ``stats()["errors"]`` and go on). ``on_error="skip"`` skips such files too. The listing
             is a snapshot: a file changed since then is served as listed while cached; a new
             dataset object re-lists and fetches the new version (its size/mtime give a new key).
         storage_options: passed to fsspec for URLs.
@@ -149,19 +348,26 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
         self.on_error = on_error
         self.on_missing = on_missing
         self.batch_quantum = 1  # set by ucmagic.DataLoader to its batch size
-        self.lease_items = 1024  # pins kept per process; ucmagic.DataLoader sets the exact need
+        # Without ucmagic.DataLoader's consumption reports, the last lease_items items each stream
+        # handed out stay protected (enough for torch's prefetch queue plus the batch in use).
+        self.lease_items = 1024
         self._init_epochs()
         self._counters = SharedCounters()
+        self._consumed = SharedInts(MAX_STREAMS + 1)  # items the loop finished, per worker stream
         self._resume: dict[str, Any] | None = None
         self._delivered_main = 0
         self._epoch_main = 0
-        self._held: list[str] = []
+        self._owner = ""  # the consuming process (set when pickled for DataLoader workers)
+        self._keys: list[tuple[str, str] | None] | None = None
+        self.cache.reap()  # protection and temp files left by dead processes go at once
 
     # ------------------------------------------------------------ basics
 
     def __getstate__(self) -> dict[str, Any]:
         st = self.__dict__.copy()
-        st["_held"] = []  # leases belong to the process that took them
+        st["_keys"] = None
+        if get_worker_info() is None:
+            st["_owner"] = process_tag()  # workers protect items for the process that will consume them
         return st
 
     def __len__(self) -> int:
@@ -215,16 +421,30 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
     def _key(self, e: FileEntry) -> tuple[str, str]:
         return cache_key(self.volume.uri, e.path, e.size, e.mtime), safe_suffix(e.path)
 
-    def _fetch(self, e: FileEntry) -> str:
+    def _key_at(self, i: int) -> tuple[str, str]:
+        """Key of entry ``i``, computed once per process."""
+        keys = self._keys
+        if keys is None:
+            keys = self._keys = [None] * len(self.entries)
+        k = keys[i]
+        if k is None:
+            k = keys[i] = self._key(self.entries[i])
+        return k
+
+    def _fetch(self, e: FileEntry, key: tuple[str, str] | None = None, *, may_exceed: Callable[[], bool] | None = None,
+               on_wait: Callable[[], None] | None = None, looked_up: bool = False) -> str:
         """Cached path for ``e``: a hit, or one (single-flight) copy from the volume."""
-        key, suffix = self._key(e)
+        key_, suffix = key or self._key(e)
         t0 = time.perf_counter()  # FileCache.fill looks the entry up first: a hit returns fetched=False
+        volume = self.volume
+        kw = {"expect": e} if _takes_expect(volume) else {}
 
         def write(tmp: str) -> int:
-            return self.volume.copy_to(e.path, tmp, expect=e)
+            return volume.copy_to(e.path, tmp, **kw)
 
         def attempt(_: Any) -> tuple[str, bool]:
-            return self.cache.fill(key, suffix, e.size, write)
+            return self.cache.fill(key_, suffix, e.size, write, may_exceed=may_exceed, on_wait=on_wait,
+                                   looked_up=looked_up)
 
         try:
             path, fetched = with_retries(attempt, None, self.retries, on_retry=lambda _: self._counters.add(retries=1))
@@ -240,77 +460,134 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
             self._counters.add(hits=1)
         return path
 
-    def _lease(self, e: FileEntry) -> str | None:
-        """Fetch and pin ``e``; the pinned path exists until released. None when skipped."""
-        for _ in range(3):
-            try:
-                return self.cache.pin(self._fetch(e))
-            except FileNotFoundError:
-                continue  # evicted between fetch and pin: fetch again
-            except Exception as exc:
-                if self.on_error == "skip" or (self.on_missing == "skip" and _source_missing(exc)):
-                    self._counters.add(errors=1)
-                    warnings.warn(f"ucmagic: skipping {self.volume.display(e.path)}: {exc}", stacklevel=2)
-                    return None
-                raise
-        raise FetchError(f"{self.volume.display(e.path)} kept being evicted before use: raise cache_limit")
+    def _skippable(self, exc: BaseException) -> bool:
+        return self.on_error == "skip" or (self.on_missing == "skip" and _source_missing(exc))
 
-    def _lease_cached(self, e: FileEntry) -> str | None:
-        """The pinned cached copy of ``e`` if it is in the cache (no thread hop), else None."""
-        key, suffix = self._key(e)
-        path = self.cache.lookup(key, suffix, e.size)
-        if path is None:
-            return None
-        try:
-            leased = self.cache.pin(path)
-        except FileNotFoundError:  # evicted just now: fetch it the normal way
-            return None
-        self._counters.add(hits=1)
-        return leased
+    def _consumption(self, slot: int) -> Callable[[], int | None]:
+        """Items of stream ``slot`` the loop has finished with (ucmagic.DataLoader), else None."""
+        chan = self._consumed
+        i = slot
+        if i >= MAX_STREAMS:
+            return lambda: None
+
+        def consumed() -> int | None:
+            return chan[i] if chan[_TRACKED] else None
+
+        return consumed
+
+    def consumption_channel(self) -> "ConsumptionChannel":
+        """Where a loader reports, per worker stream, how many items the training loop has finished
+        with (shared memory, seen by every worker). Used by ucmagic.DataLoader."""
+        return ConsumptionChannel(self._consumed)
+
+    def _read_ahead_bytes(self, streams: int) -> int:
+        """Bytes one stream may hold in flight: its share of the budget, else of the free disk above the floor."""
+        if self.cache.limit is not None:
+            cap = self.cache.limit
+        else:
+            du = shutil.disk_usage(self.cache.root)
+            cap = du.free - int(du.total * self.cache.min_free)
+        return max(1, cap // max(1, streams))
 
     def __iter__(self) -> Iterator[str]:
         info = get_worker_info()
         main = info is None
-        self.cache.in_worker = not main
+        cache = self.cache
         if main:
             self._next_epoch_auto()
-        # A new epoch starts only after the loop consumed the last one: its leases can go.
-        while self._held:
-            self.cache.unpin(self._held.pop())
-        epoch = self.epoch
-        indices = self.stream_indices(epoch)
-        entries = [self.entries[i] for i in indices]
-        timing: dict[str, tuple[bool, float]] = {}  # per-item fetch records (telemetry.record_item)
-
-        def timed(fn: Any) -> Any:
-            def run(e: FileEntry) -> str | None:
-                t0, _last_fetch.fetched = time.perf_counter(), False
-                out = fn(e)
-                timing[e.path] = (not _last_fetch.fetched, time.perf_counter() - t0)
-                return out
-            return run
+            epoch = self.epoch
+            owner = process_tag()
+            release_at_exit(cache, owner)
+        else:
+            epoch = self._worker_epoch(os.path.join(cache.root, "locks", f"epoch-{self._epoch_id}.lock"))
+            owner = self._owner or process_tag(os.getppid())
+        cache.drop_records(owner)  # records of this owner's exited workers: an earlier iteration's
+        idx = self.stream_indices(epoch)
+        entries = self.entries
+        keys = [self._key_at(i) for i in idx]
         if main:
             self._epoch_main, self._delivered_main = epoch, 0
-        leases: deque[str] = deque()
-        window = max(16, int(self.lease_items))
+        slot = 0 if main else info.id
+        depth = self._inflight()
+        stream = _Stream(cache, owner, slot, [k + x for k, x in keys], quantum=self.batch_quantum,
+                         window=self.lease_items, chunk=max(16, depth), consumed=self._consumption(slot))
+        _, world, _, nworkers = grid()
+        max_bytes = self._read_ahead_bytes(nworkers * local_world_size(world))
+        if cache.limit is not None:
+            stream.start_refresher()
+        counters = self._counters
+        skipped: list[str] = []
+
+        def scheduled() -> Iterator[int]:
+            for pos in range(len(idx)):
+                stream.cover(pos)
+                yield pos
+
+        def on_wait() -> None:
+            restart_timeout()
+            stream.refresh()
+
+        # Hits are served on this thread (no hop). On a cold cache that lookup is wasted, so after a
+        # run of misses only every 16th item is probed here until hits come back.
+        misses = [0]
+        probed: set[int] = set()
+
+        timing: dict[int, tuple[bool, float]] = {}  # pos -> (hit, fetch seconds) for telemetry.record_item
+
+        def get(pos: int) -> str | BaseException:
+            e = entries[idx[pos]]
+            t0, _last_fetch.fetched = time.perf_counter(), False
+            try:
+                got = self._fetch(e, keys[pos], may_exceed=lambda: stream.may_exceed(pos), on_wait=on_wait,
+                                  looked_up=pos in probed)
+            except Exception as exc:
+                if self._skippable(exc):
+                    return exc
+                raise
+            probed.discard(pos)
+            timing[pos] = (not _last_fetch.fetched, time.perf_counter() - t0)
+            return got
+
+        def hit(pos: int) -> str | None:
+            if misses[0] >= 8 and pos % 16:
+                return None
+            key, suffix = keys[pos]
+            t0 = time.perf_counter()
+            path = cache.lookup(key, suffix, entries[idx[pos]].size)
+            if path is not None:
+                timing[pos] = (True, time.perf_counter() - t0)
+                misses[0] = 0
+                counters.add(hits=1)
+            else:
+                misses[0] += 1
+                probed.add(pos)
+            return path
+
         try:
-            for pos, leased in enumerate(read_ahead(timed(self._lease), entries, depth=self._inflight(),
-                                                    timeout=self.timeout, describe=lambda e: self.volume.display(e.path),
-                                                    fast=timed(self._lease_cached))):
+            for pos, got in enumerate(read_ahead(get, scheduled(), depth=depth, timeout=self.timeout,
+                                                 describe=lambda p: self.volume.display(entries[idx[p]].path),
+                                                 fast=hit, cost=lambda p: entries[idx[p]].size, max_bytes=max_bytes)):
                 if main:
                     self._delivered_main += 1
-                if leased is None:
+                stream.yielded = pos + 1
+                hit_, fetch_s = timing.pop(pos, (True, 0.0))
+                if isinstance(got, BaseException):
+                    stream.skipped += 1
+                    counters.add(errors=1)
+                    if len(skipped) < 3:
+                        skipped.append(f"{self.volume.display(entries[idx[pos]].path)}: {got}")
                     continue
-                leases.append(leased)
-                while len(leases) > window:
-                    self.cache.unpin(leases.popleft())
-                self._counters.add(delivered=1)
-                telemetry.record_item(indices[pos], *timing.pop(entries[pos].path, (True, 0.0)), entries[pos].size)
-                yield leased
+                if pos % stream.quantum == 0:
+                    stream.refresh()
+                counters.add(delivered=1)
+                telemetry.record_item(idx[pos], hit_, fetch_s, entries[idx[pos]].size)
+                yield got
         finally:
-            # The last items may still be in a batch the loop is using: keep them pinned until the
-            # next epoch starts here, or this process exits.
-            self._held.extend(leases)
+            stream.finish()
+            if skipped:
+                more = f" and {stream.skipped - len(skipped)} more" if stream.skipped > len(skipped) else ""
+                warnings.warn(f"ucmagic: skipped {stream.skipped} file(s) this epoch: {'; '.join(skipped)}{more} "
+                              "(counted in stats()['errors'])", stacklevel=2)
 
     # ------------------------------------------------------------ resume
 
@@ -357,8 +634,7 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
         self.seed = int(state["seed"])
         self.reshuffle_every = state.get("reshuffle_every")
         self._resume = dict(state)
-        self._epoch.value = int(state["epoch"])
-        self._fresh = True
+        self._restart_epochs(int(state["epoch"]))
 
     # ------------------------------------------------------------ cache management
 
@@ -386,9 +662,8 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
 
     def _cached_paths(self) -> list[tuple[str, int]]:
         out = []
-        for e in self.entries:
-            key, suffix = self._key(e)
-            p = self.cache.data_path(key, suffix)
+        for i, e in enumerate(self.entries):
+            p = self.cache.data_path(*self._key_at(i))
             try:
                 if os.stat(p).st_size == e.size:
                     out.append((p, e.size))
@@ -402,12 +677,18 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
         return self.volume.display(e.path), e.size
 
     def clear_cache(self) -> int:
-        """Remove this dataset's files from the cache (other datasets' entries stay). Returns count."""
+        """Remove this dataset's files from the cache, plus protection records of dead processes and
+        abandoned temp files (other datasets' entries stay). Returns the number of entries removed."""
+        self.cache.reap()
         return self.cache.remove(p for p, _ in self._cached_paths())
 
     def stats(self) -> dict[str, Any]:
-        """Files/bytes cached of the total, hits, misses, bytes fetched, retries, errors, fetch latency."""
+        """Files/bytes cached of the total, hits, misses, bytes fetched, retries, errors, fetch latency,
+        and every byte under ``cache_dir``: this dataset's entries, other entries, protection records
+        and temp files (``cache_*`` keys; they add up to ``cache_total_bytes``)."""
         cached = self._cached_paths()
+        u = self.cache.usage()
+        mine = sum(s for _, s in cached)
         t = self._counters.totals()
         lat = self._counters.latencies()
         pct = percentiles(lat)
@@ -421,5 +702,9 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
             "delivered": t["delivered"],
             "fetch_p50_s": pct["p50"], "fetch_p90_s": pct["p90"], "fetch_p99_s": pct["p99"],
             "cache_dir": self.cache.root, "epoch": self.epoch,
+            "cache_total_bytes": u.total_bytes, "cache_other_entries_bytes": u.bytes - mine,
+            "cache_protected_bytes": u.protected_bytes, "cache_records_bytes": u.records_bytes,
+            "cache_tmp_bytes": u.tmp_bytes, "cache_misc_bytes": u.other_bytes,
+            "cache_limit": self.cache.limit,
         }
 

@@ -66,18 +66,35 @@ def shared_pool(threads: int) -> ThreadPoolExecutor:
 
 
 class _Task:
-    __slots__ = ("future", "started", "item")
+    __slots__ = ("future", "started", "item", "cost", "result")
 
-    def __init__(self, item: Any) -> None:
+    def __init__(self, item: Any, cost: int = 0) -> None:
         self.item = item
+        self.cost = cost
         self.started: float | None = None
         self.future: Future | None = None
+        self.result: Any = None
+
+
+_current = threading.local()
+
+
+def restart_timeout() -> None:
+    """Called from inside a :func:`read_ahead` call that is waiting (e.g. for cache room, freed as
+    the loop consumes): its per-item timeout counts from now, so a slow loop is not a hung mount."""
+    task = getattr(_current, "task", None)
+    if task is not None:
+        task.started = time.monotonic()
 
 
 def read_ahead(fn: Callable[[T], R], items: Iterable[T], *, depth: int = 32, timeout: float | None = 120.0,
                pool: ThreadPoolExecutor | None = None, describe: Callable[[T], str] = str,
-               fast: Callable[[T], R | None] | None = None) -> Iterator[R]:
+               fast: Callable[[T], R | None] | None = None, cost: Callable[[T], int] | None = None,
+               max_bytes: int | None = None) -> Iterator[R]:
     """Yield ``fn(item)`` for each item, in order, with up to ``depth`` calls in flight.
+
+    With ``cost`` and ``max_bytes``, items submitted and not yet yielded also add up to at most
+    ``max_bytes`` (the first one always goes), so big files cannot overrun a budget or a disk.
 
     ``timeout`` bounds each call once it has started (a hung mount raises
     :class:`FetchTimeoutError` naming the item instead of hanging training). Closing the generator
@@ -89,17 +106,29 @@ def read_ahead(fn: Callable[[T], R], items: Iterable[T], *, depth: int = 32, tim
     it = iter(items)
     pending: deque[_Task] = deque()
 
+    inflight = 0
+    peeked: list[T] = []
+
     def run(task: _Task) -> R:
         task.started = time.monotonic()
-        return fn(task.item)
+        _current.task = task
+        try:
+            return fn(task.item)
+        finally:
+            _current.task = None
 
     def submit() -> bool:
-        for item in it:
-            task = _Task(item)
+        nonlocal inflight
+        for item in (peeked.pop(),) if peeked else it:
+            c = cost(item) if cost is not None else 0
+            if max_bytes is not None and pending and inflight + c > max_bytes:
+                peeked.append(item)  # over the byte bound: submit it once earlier items are yielded
+                return False
+            inflight += c
+            task = _Task(item, c)
             done = fast(item) if fast is not None else None
             if done is not None:
-                task.future = Future()
-                task.future.set_result(done)
+                task.result = done  # a hit: no Future, no thread hop
             else:
                 task.future = pool.submit(run, task)
             pending.append(task)
@@ -111,7 +140,8 @@ def read_ahead(fn: Callable[[T], R], items: Iterable[T], *, depth: int = 32, tim
             pass
         while pending:
             task = pending[0]
-            while True:
+            result = task.result
+            while task.future is not None:
                 try:
                     result = task.future.result(timeout=0.5 if timeout else None)
                     break
@@ -122,8 +152,11 @@ def read_ahead(fn: Callable[[T], R], items: Iterable[T], *, depth: int = 32, tim
                             "Check the mount, or raise timeout="
                         ) from None
             pending.popleft()
-            submit()
+            inflight -= task.cost
+            while len(pending) < depth and submit():
+                pass
             yield result
     finally:
         for task in pending:
-            task.future.cancel()
+            if task.future is not None:
+                task.future.cancel()

@@ -191,6 +191,7 @@ class DataLoader(tud.DataLoader):
         self._pending_skip = [0]  # batches to skip at the next iteration (non-UC resume)
         self._sampler_gen: torch.Generator | None = None
         self._sampler_seed: int | None = None
+        self._consumed: Any = None  # the dataset's consumption channel (UCVolumeDataset)
         # Persistent workers are shut down by a finaliser that holds their iterator: when the loader
         # dies inside a reference cycle (a callback that refers to it), the iterator's queues are
         # still alive when the workers are told to stop, so nobody waits for join timeouts.
@@ -204,10 +205,24 @@ class DataLoader(tud.DataLoader):
 
     # -- setup
     def _configure_dataset(self) -> None:
-        """Batch-aligned worker streams and enough pinned items for what can be in flight."""
+        """Batch-aligned worker streams; epochs set here; a UCVolumeDataset learns what the loop consumed."""
         bs = self.batch_size or 1
-        self.dataset.batch_quantum = bs
-        self.dataset.lease_items = ((self.prefetch_factor or 0) + 3) * bs
+        ds = self.dataset
+        ds.batch_quantum = bs
+        ds.lease_items = ((self.prefetch_factor or 0) + 3) * bs
+        ds._set_loader_managed()
+        if self._uc_kind == "UCVolumeDataset":
+            self._consumed = ds.consumption_channel()
+
+    def _report_consumed(self) -> None:
+        """Tell the workers how many items of each stream the loop has finished with: every batch
+        received before the ``next()`` being called now. Their protection of those items ends."""
+        chan = self._consumed
+        if chan is None:
+            return
+        done = plan.items_delivered(self._lengths, self.batch_size, self.drop_last, self._epoch_batches)
+        for i, n in enumerate(done):
+            chan[i] = n
 
     def _own_random_sampler(self, generator: torch.Generator | None) -> None:
         """Make a RandomSampler's order depend only on (seed, epoch), so a resume can replay it."""
@@ -286,6 +301,8 @@ class DataLoader(tud.DataLoader):
                 ds._fresh = True  # the dataset's own __iter__ must not advance the epoch again
             self._epoch = ds.epoch
             self._lengths = self._stream_lengths(self._epoch)
+            if self._consumed is not None:
+                self._consumed.reset(len(self._lengths))
         else:
             if self._epoch is None:
                 self._epoch = 0
@@ -341,7 +358,10 @@ class DataLoader(tud.DataLoader):
                     break
                 self._epoch_batches += 1
             last = None
+            report = self._report_consumed if self._consumed is not None else None
             while True:
+                if report is not None:
+                    report()
                 t0 = perf()
                 try:
                     batch = next(inner)
@@ -460,8 +480,7 @@ class DataLoader(tud.DataLoader):
         ds.load_state_dict(ds_state)
         if ds_state["remaining"] == 0:  # the epoch had finished: go on with the next one
             ds._resume = None
-            ds._epoch.value = int(ds_state["epoch"]) + 1
-            ds._fresh = True
+            ds._restart_epochs(int(ds_state["epoch"]) + 1)
 
     def _load_generic(self, state: dict[str, Any]) -> None:
         rank, world = _rank_world()

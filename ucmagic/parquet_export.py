@@ -123,10 +123,33 @@ def swap_in(staging: str, dest: str) -> str | None:
         raise SourceNotADirectoryError(f"{dest} exists and is not a directory: export_parquet writes a directory")
     if _exchange(staging, dest):
         return staging
-    old = os.path.join(os.path.dirname(dest), f".{os.path.basename(dest)}.ucmagic-old-{uuid.uuid4().hex[:8]}")
+    old = os.path.join(os.path.dirname(dest), f".{os.path.basename(dest)}.ucmagic-old-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     os.rename(dest, old)  # no atomic exchange here: dest is missing for the instant between the renames
     os.rename(staging, dest)
     return old
+
+
+def sweep_leftovers(dest: str) -> int:
+    """Remove the hidden staging/old directories of ``dest`` that a killed earlier export left beside it
+    (``.<name>.ucmagic-staging-<pid>-<id>``, ``.<name>.ucmagic-old-<pid>-<id>``); a running export's stay."""
+    from .cache import pid_running
+
+    parent, base = os.path.dirname(dest), os.path.basename(dest)
+    n = 0
+    try:
+        names = os.listdir(parent)
+    except FileNotFoundError:
+        return 0
+    for name in names:
+        for kind in ("staging", "old"):
+            prefix = f".{base}.ucmagic-{kind}-"
+            if not name.startswith(prefix):
+                continue
+            pid = name[len(prefix):].split("-", 1)[0]
+            if not pid.isdigit() or not pid_running(int(pid)):  # no pid: an older release's leftover
+                shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+                n += 1
+    return n
 
 
 def _resolve_dest(dest: str) -> str:
@@ -350,7 +373,8 @@ def export_parquet(source: Any, dest: str | os.PathLike, *, target_file_size: in
         raise FileExistsError(f"{dest} exists and is not empty: pass mode='overwrite' to replace it atomically")
     parent = os.path.dirname(dest)
     os.makedirs(parent, exist_ok=True)
-    staging = os.path.join(parent, f".{os.path.basename(dest)}.ucmagic-staging-{export_id}")
+    sweep_leftovers(dest)
+    staging = os.path.join(parent, f".{os.path.basename(dest)}.ucmagic-staging-{os.getpid()}-{export_id}")
     old = None
     try:
         if spark:

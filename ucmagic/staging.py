@@ -150,6 +150,31 @@ _buffers = threading.local()
 BUFFER_SIZE = 1 << 20
 
 
+def sweep_temp_files(dest_root: str, rel_dirs: set[str]) -> int:
+    """Remove hidden temp files (``.ucstage-<pid>-<n>.tmp``) that a killed earlier run left in the
+    destination folders; those of a running process stay. Returns the number removed."""
+    from .cache import pid_running
+
+    n = 0
+    for rel in rel_dirs | {""}:
+        folder = dest_path(dest_root, rel) if rel else dest_root
+        try:
+            names = os.listdir(folder)
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        for name in names:
+            if not (name.startswith(TMP_PREFIX) and name.endswith(".tmp")):
+                continue
+            pid = name[len(TMP_PREFIX):].split("-", 1)[0]
+            if pid.isdigit() and not pid_running(int(pid)):
+                try:
+                    os.unlink(os.path.join(folder, name))
+                    n += 1
+                except OSError:
+                    pass
+    return n
+
+
 def copy_file(src: str, dest: str) -> int:
     """Copy a local or mounted file with plain reads into a reused per-thread buffer; return bytes.
 
@@ -359,6 +384,7 @@ def stage(src: Any, dest: str | os.PathLike[str], *, pattern: str | None = None,
     if os.path.exists(dest_root) and not os.path.isdir(dest_root):
         raise StagingError(f"destination {dest_root} is a file: pass a directory")
     entries = vol.list(pattern)
+    sweep_temp_files(dest_root, {os.path.dirname(e.path) for e in entries})
 
     todo: list[FileEntry] = []
     res = StageResult(source=vol.display(), dest=dest_root, total=len(entries))

@@ -315,3 +315,36 @@ class ItemLog:
 
     def reset(self) -> None:
         self.__init__(self.cap)
+
+
+class SharedInts:
+    """A fixed array of integers in shared memory, same pickling rules as SharedCounters.
+
+    Each index is written by one process at a time (no lock); readers see a recent value.
+    """
+
+    def __init__(self, n: int) -> None:
+        self._a = mp.get_context().RawArray("q", int(n))
+
+    def __len__(self) -> int:
+        return len(self._a)
+
+    def __getitem__(self, i: int) -> int:
+        return int(self._a[i])
+
+    def __setitem__(self, i: int, v: int) -> None:
+        self._a[i] = int(v)
+
+    def __getstate__(self):
+        from multiprocessing import context
+
+        if context.get_spawning_popen() is not None:
+            return {"shared": self._a}
+        return {"copy": list(self._a)}
+
+    def __setstate__(self, st):
+        if "shared" in st:
+            self._a = st["shared"]
+        else:
+            self.__init__(len(st["copy"]))
+            self._a[:] = st["copy"]
