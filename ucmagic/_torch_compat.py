@@ -42,7 +42,7 @@ def _check_loader_hooks() -> None:
 def base_index_sampler(loader: Any) -> Any:
     """torch's own index sampler of ``loader`` (the one a subclass's override wraps)."""
     _check_loader_hooks()
-    return tud.DataLoader._index_sampler.fget(loader)  # type: ignore[attr-defined]
+    return tud.DataLoader._index_sampler.fget(loader)  # type: ignore[attr-defined]  # noqa: SLF001 - this module's job
 
 
 def is_map_style(loader: Any) -> bool:

@@ -130,7 +130,7 @@ def _start_time(pid: int) -> int:
         import psutil
 
         return int(psutil.Process(pid).create_time() * 1000)
-    except Exception:
+    except Exception:  # noqa: BLE001 - any failure means: start time unknown (identity falls back to the pid)
         return 0
 
 
@@ -210,7 +210,8 @@ class FileCache:
         min_free: fraction of the disk always left free (default 10%).
     """
 
-    def __init__(self, root: str | None = None, limit: int | str | None = None, min_free: float = DEFAULT_MIN_FREE) -> None:
+    def __init__(self, root: str | None = None, limit: int | str | None = None,
+                 min_free: float = DEFAULT_MIN_FREE) -> None:
         self.root = os.path.abspath(os.path.expanduser(root)) if root else default_cache_dir()
         self.limit = parse_size(limit)
         self.min_free = float(min_free)
@@ -302,7 +303,8 @@ class FileCache:
                     return path, False
                 n = write(tmp)
                 if n != size:
-                    raise OSError(errno.EIO, f"copied {n} bytes, the listing says {size}: the file changed while being read")
+                    raise OSError(errno.EIO, f"copied {n} bytes, the listing says {size}: "
+                                             "the file changed while being read")
                 final = self.data_path(key, suffix)
                 bucket = os.path.dirname(final)
                 if bucket not in self._buckets:
@@ -310,10 +312,8 @@ class FileCache:
                     self._buckets.add(bucket)
                 os.replace(tmp, final)
         except BaseException:
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(tmp)
-            except OSError:
-                pass
             raise
         return final, True
 
@@ -353,10 +353,8 @@ class FileCache:
 
     def drop_record(self, path: str) -> None:
         for p in (path, path + ".tmp"):
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(p)
-            except FileNotFoundError:
-                pass
 
     def drop_records(self, owner: str, *, dead_writers_only: bool = True) -> int:
         """Remove records owned by ``owner`` (by default only those whose writing process is gone)."""
@@ -473,6 +471,10 @@ class FileCache:
 
     # ------------------------------------------------------------ budget and eviction
 
+    def eviction_lock(self) -> contextlib.AbstractContextManager[None]:
+        """The machine-wide lock under which entries are evicted and budgets reserved."""
+        return file_lock(self._evict_lock)
+
     def evict(self, bytes_to_free: int = 0, *, keep_below: int | None = None) -> int:
         """Remove least-recently-used unprotected entries until ``bytes_to_free`` bytes are gone.
 
@@ -533,8 +535,9 @@ class FileCache:
 
     def _reserve_budget(self, size: int, tmp: str, may_exceed: Callable[[], bool] | None,
                         on_wait: Callable[[], None] | None) -> None:
-        assert self.limit is not None
         limit = self.limit
+        if limit is None:
+            raise ValueError("_reserve_budget needs a cache_limit")
         delay = 0.005
         waited = 0.0
         while True:
@@ -608,7 +611,7 @@ def cache_command(action: str, root: str | None = None, *, limit: int | str | No
                 f"  temp files         {u.tmp_files} files, {format_size(u.tmp_bytes)}\n"
                 f"  other              {format_size(u.other_bytes)}")
     if action == "prune":
-        with file_lock(cache._evict_lock):
+        with cache.eviction_lock():
             r = cache.reap()
         freed = 0
         if limit is not None:
@@ -669,7 +672,5 @@ def _drop_if_owner(root: str, owner: str, pid: int) -> None:
     for name in _listdir(prot):
         parsed = parse_record_name(name[:-4] if name.endswith(".tmp") else name)
         if parsed and parsed[0] == owner:
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(os.path.join(prot, name))
-            except OSError:
-                pass

@@ -106,7 +106,8 @@ def make_commit(*, kind: str, save_id: str, files: Mapping[str, FileRecord], inf
     try:
         return json.dumps(body, sort_keys=True, allow_nan=False).encode()
     except (TypeError, ValueError) as e:
-        raise CheckpointError(f"checkpoint extra data must be JSON-serialisable (dicts, lists, str, numbers): {e}") from e
+        raise CheckpointError("checkpoint extra data must be JSON-serialisable (dicts, lists, str, numbers): "
+                              f"{e}") from e
 
 
 def parse_commit(data: bytes, where: str) -> dict[str, Any]:
@@ -118,7 +119,8 @@ def parse_commit(data: bytes, where: str) -> dict[str, Any]:
             raise ValueError("unknown format")
         if int(body["version"]) > FORMAT_VERSION:
             raise CheckpointError(
-                f"{where} was written by a newer ucmagic (format version {body['version']}); upgrade ucmagic to load it")
+                f"{where} was written by a newer ucmagic (format version {body['version']}); "
+                "upgrade ucmagic to load it")
     except CheckpointError:
         raise
     except Exception as e:  # noqa: BLE001 - any malformed marker means "not committed"

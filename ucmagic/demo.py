@@ -70,14 +70,17 @@ def run_demo(*, files: int = 2000, size: int = 150 * 1024, open_ms: float = 20.0
         out: dict[str, float] = {}
 
         ds = UCVolumeDataset(url, cache_dir=cache, storage_options=opts, prefetch=None)
-        loader = DataLoader(ds, batch_size=batch_size, collate_fn=_lengths)  # ucmagic defaults (6 workers, fewer on small machines)
+        # ucmagic defaults (6 workers, fewer on small machines)
+        loader = DataLoader(ds, batch_size=batch_size, collate_fn=_lengths)
         for name in ("cold", "warm"):
             secs, first, n = _epoch(loader)
-            assert n == files, f"epoch delivered {n} of {files} files"
+            if n != files:
+                raise RuntimeError(f"demo: the {name} epoch delivered {n} of {files} files")
             out[f"ucmagic_{name}"], out[f"ucmagic_{name}_first"] = secs, first
             print(f"ucmagic            {name} epoch: {secs:6.2f} s   first batch after {first:.2f} s", flush=True)
         st = ds.stats()
-        print(f"  cache: {st['files_cached']}/{st['files']} files, {format_size(st['bytes_cached'])} in {st['cache_dir']}; "
+        print(f"  cache: {st['files_cached']}/{st['files']} files, {format_size(st['bytes_cached'])} "
+              f"in {st['cache_dir']}; "
               f"hits {st['hits']}, misses {st['misses']}, fetch p50 {st['fetch_p50_s'] * 1e3:.0f} ms, "
               f"p99 {st['fetch_p99_s'] * 1e3:.0f} ms", flush=True)
 
@@ -86,9 +89,11 @@ def run_demo(*, files: int = 2000, size: int = 150 * 1024, open_ms: float = 20.0
                 warnings.simplefilter("ignore", UserWarning)
                 plain = tud.DataLoader(_PlainFiles(url, rels, opts), batch_size=batch_size, num_workers=6)
                 secs, first, n = _epoch(plain)
-            assert n == files
+            if n != files:
+                raise RuntimeError(f"demo: the torch DataLoader delivered {n} of {files} files")
             out["torch_epoch"] = secs
-            print(f"torch DataLoader   any epoch:  {secs:6.2f} s   first batch after {first:.2f} s (6 workers, no cache)", flush=True)
+            print(f"torch DataLoader   any epoch:  {secs:6.2f} s   first batch after {first:.2f} s "
+                  "(6 workers, no cache)", flush=True)
             print(f"\nSpeed-up: cold {secs / out['ucmagic_cold']:.1f}x, warm {secs / out['ucmagic_warm']:.1f}x "
                   "over the plain DataLoader.", flush=True)
         return out

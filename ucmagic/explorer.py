@@ -36,10 +36,10 @@ def figure_png(step: np.ndarray, fetch_s: np.ndarray, misses: np.ndarray, items:
     """PNG of the fetch wait per batch: orange where the batch had cache misses, blue when warm,
     grey without item records; dashed p50/p99 lines of the points shown; a log scale when the
     slowest batch is over 50 x p50."""
-    Figure = import_extra("matplotlib.figure", feature="the explorer").Figure
+    figure_cls = import_extra("matplotlib.figure", feature="the explorer").Figure
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
-    fig = Figure(figsize=(width, height), layout="constrained")
+    fig = figure_cls(figsize=(width, height), layout="constrained")
     FigureCanvasAgg(fig)
     ax = fig.subplots()
     ms = fetch_s * 1e3
@@ -157,14 +157,16 @@ class Explorer:
         rows = []
         for i in slow:
             files = self.stats.batch_files(i)[:FILES_PER_BATCH]
-            names = "<br>".join(f"<span title='{html.escape(r['file'])}'>{html.escape(short_name(r['file'], 70))}</span> "
+            names = "<br>".join(f"<span title='{html.escape(r['file'])}'>"
+                                f"{html.escape(short_name(r['file'], 70))}</span> "
                                 f"({_ms(r['fetch_s'])}, "
                                 f"{format_size(r['bytes']) if r['bytes'] is not None else '-'}, "
                                 f"{'hit' if r['hit'] else 'miss'})" for r in files) or "-"
             rows.append(f"<tr><td>{i}</td><td>{int(b['epoch'][i])}</td><td>{int(b['worker'][i])}</td>"
                         f"<td>{_ms(float(b['fetch_s'][i]))}</td><td>{int(b['misses'][i])}/{int(b['items'][i])}</td>"
                         f"<td style='text-align:left'>{names}</td></tr>")
-        self.table.value = ("<table class='ucmagic-slowest' style='white-space:nowrap'><tr><th>batch</th><th>epoch</th><th>worker</th>"
+        self.table.value = ("<table class='ucmagic-slowest' style='white-space:nowrap'>"
+                            "<tr><th>batch</th><th>epoch</th><th>worker</th>"
                             "<th>wait</th><th>misses</th><th style='text-align:left'>slowest files</th></tr>"
                             + "".join(rows) + "</table>") if rows else "<i>no batches in this selection</i>"
         self.slowest.options = [(f"batch {i}: {_ms(float(b['fetch_s'][i]))}", i) for i in slow]

@@ -37,7 +37,7 @@ def active_run_id() -> str | None:
         return None
     try:
         run = mlflow.active_run()
-    except Exception:  # a broken tracking setup must not break training
+    except Exception:  # noqa: BLE001 - a broken tracking setup must not break training
         run = None
     return run.info.run_id if run is not None else env
 
@@ -130,7 +130,7 @@ class MlflowSink:
             if self.extra is not None:
                 try:
                     gauges = dict(self.extra())
-                except Exception:
+                except Exception:  # noqa: BLE001 - a failing gauge callback must not stop the metrics
                     gauges = {}
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix="ucmagic-mlflow")
@@ -163,7 +163,7 @@ class MlflowSink:
                 client.log_batch(self.run_id, metrics=metrics[i:i + MAX_METRICS_PER_CALL], synchronous=True)
                 self.calls += 1
             self.logged += len(metrics)
-        except Exception as exc:  # logging must never break training
+        except Exception as exc:  # noqa: BLE001 - logging must never break training
             if not self._warned:
                 self._warned = True
                 warnings.warn(f"ucmagic: could not log loader metrics to MLflow run {self.run_id}: {exc} "

@@ -15,10 +15,10 @@ def latency_figure(fetch_s: Sequence[float], compute_s: Sequence[float] | None =
     """
     from .errors import import_extra
 
-    Figure = import_extra("matplotlib.figure", feature="stats.plot()").Figure
+    figure_cls = import_extra("matplotlib.figure", feature="stats.plot()").Figure
 
     fetch_ms = np.asarray(fetch_s, dtype=float) * 1000.0
-    fig = Figure(figsize=(10, 3.6), layout="constrained")
+    fig = figure_cls(figsize=(10, 3.6), layout="constrained")
     ax_line, ax_hist = fig.subplots(1, 2, gridspec_kw={"width_ratios": [2, 1]})
     x = np.arange(len(fetch_ms))
     if compute_s is not None and len(compute_s) == len(fetch_ms) and len(fetch_ms):

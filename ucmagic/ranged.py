@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 from .fetch import with_retries
+import contextlib
 
 THRESHOLD = 64 << 20
 """Files of at least this many bytes are copied by ranges (``Volume.range_threshold``)."""
@@ -156,8 +157,6 @@ def ranged_copy(open_reader: Callable[[], RangeReader], size: int, dest: str, *,
 
 def _close(reader: list[RangeReader | None]) -> None:
     if reader[0] is not None:
-        try:
+        with contextlib.suppress(OSError):
             reader[0].close()
-        except OSError:
-            pass
         reader[0] = None

@@ -101,7 +101,7 @@ class SlowFileSystem(LocalFileSystem):
         path = str(path)
         if path.startswith("slow://"):
             path = path[len("slow://"):]
-        return LocalFileSystem._strip_protocol(path)
+        return super()._strip_protocol(path)
 
     def unstrip_protocol(self, name: str) -> str:
         return "slow://" + name
@@ -127,7 +127,7 @@ def make_files(root: str, n: int = 100, size: int = 4096, *, depth: int = 2, per
     """
     import random
 
-    rng = random.Random(seed)
+    rng = random.Random(seed)  # noqa: S311 - reproducible test data, not security
     paths = []
     for i in range(n):
         group = i // per_dir
@@ -163,7 +163,7 @@ def mount_slow_volume(source: str, mountpoint: str, *, open_ms: float = 20, mbps
     os.makedirs(mountpoint, exist_ok=True)
     cmd = [sys.executable, "-m", "ucmagic._slowfuse", source, mountpoint, "--open-ms", str(open_ms),
            "--mbps", str(mbps), "--list-ms", str(list_ms), "--fail-every", str(fail_every)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # noqa: S603 - our own module, fixed argv
     deadline = time.monotonic() + timeout
     try:
         while not os.path.ismount(mountpoint):
@@ -174,7 +174,7 @@ def mount_slow_volume(source: str, mountpoint: str, *, open_ms: float = 20, mbps
             time.sleep(0.05)
         yield mountpoint
     finally:
-        subprocess.run(["fusermount3", "-u", mountpoint], check=False, capture_output=True)
+        subprocess.run(["fusermount3", "-u", mountpoint], check=False, capture_output=True)  # noqa: S603,S607 - the FUSE unmount tool, found on PATH as libfuse installs it
         try:
             proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
