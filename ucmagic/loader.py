@@ -4,7 +4,8 @@ logging and exact (elastic) mid-epoch resume.
 Resume counts the batches the training loop *received* in the current epoch (not what workers
 prefetched) and turns that count into items per worker stream with the round-robin model in
 :mod:`ucmagic.plan`. For a :class:`~ucmagic.dataset.UCVolumeDataset` the state is the epoch's
-remaining pool (position ranges), valid for any ``num_workers`` and world size. Map-style datasets
+remaining pool (position ranges), valid for any ``num_workers`` and world size; the loader drives
+such planned datasets only through :class:`ucmagic.epochs.PlannedDataset`. Map-style datasets
 resume by skipping the delivered batches of the (re-seeded) sampler; other iterable datasets by
 skipping delivered batches with the same layout.
 """
@@ -61,11 +62,6 @@ _UNSET: Any = object()  # batch_size not given (torch's default is 1)
 def _planned_kind(ds: Any) -> str | None:
     """The ``kind`` of a planned dataset (exact elastic resume, see :mod:`ucmagic.epochs`), else None."""
     return ds.kind if isinstance(ds, PlannedDataset) else None
-
-
-def _rank_world() -> tuple[int, int]:
-    info = dist_info()
-    return info.rank, info.world
 
 
 # ------------------------------------------------------------------ sampler skipping (map-style resume)
@@ -304,7 +300,7 @@ class DataLoader(tud.DataLoader):
 
     def _stream_lengths(self, epoch: int) -> list[int]:
         ds = self.dataset
-        rank, world = _rank_world()
+        rank, world = dist_info()[:2]
         pool, _ = ds.epoch_plan(epoch)
         nw = max(1, self.num_workers)
         spans = plan.stream_spans(plan.ranges_len(pool), world, nw, ds.partition, ds.batch_quantum)
@@ -330,7 +326,7 @@ class DataLoader(tud.DataLoader):
 
         counters = self.dataset.counters if self._uc else None
         extra = _cache_gauges(counters) if counters is not None else None
-        rank, _ = _rank_world()
+        rank = dist_info().rank
         return MlflowSink.for_active_run(rank, interval=self.log_interval, extra=extra)
 
     def _timed(self, inner: Iterator[Any], skip: int) -> Iterator[Any]:
@@ -388,7 +384,7 @@ class DataLoader(tud.DataLoader):
         if self.num_workers > 0 and not getattr(self, "in_order", True):
             raise RuntimeError("state_dict() needs in_order=True (the default): with in_order=False the "
                                "order batches reach the loop is not reproducible")
-        rank, world = _rank_world()
+        rank, world = dist_info()[:2]
         if self._uc:
             return self._uc_state(world)
         if self._started:
@@ -417,7 +413,7 @@ class DataLoader(tud.DataLoader):
                 mine = list(self._lengths)
             else:
                 if self._uc_kind == "ParquetDataset":  # each item is one of the dataset's own batches
-                    mine = plan.items_delivered(self._lengths, ds.batch_size, False, self._epoch_batches)
+                    mine = plan.items_delivered(self._lengths, ds.batch_quantum, False, self._epoch_batches)
                 else:
                     mine = plan.items_delivered(self._lengths, self.batch_size, self.drop_last, self._epoch_batches)
         delivered = all_gather_ints(mine, world)
@@ -456,7 +452,7 @@ class DataLoader(tud.DataLoader):
             ds.finish_epoch(int(ds_state["epoch"]))
 
     def _load_generic(self, state: dict[str, Any]) -> None:
-        rank, world = _rank_world()
+        rank, world = dist_info()[:2]
         if state["kind"] == "map":
             if state["len"] != len(self.dataset):
                 raise ListingChangedError(f"the dataset has {len(self.dataset)} items but the state was saved with "
