@@ -39,6 +39,7 @@ from .checkpoint_storage import (
     track_pending_save,
     volume_dir,
 )
+from .dist import barrier, dist_info
 from .errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -182,19 +183,6 @@ def _unwrapping():
         raise inner from None
 
 
-def _rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _barrier() -> None:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-
-
 def _model_device(model: Any) -> Any:
     import torch
 
@@ -265,7 +253,7 @@ def save_checkpoint(root: str | os.PathLike, *, model: Any, optimizer: Any = Non
     path = os.path.join(root_path, name)
 
     def finish() -> str:
-        if _rank() == 0:
+        if dist_info(from_env=False).rank == 0:
             _retain(root_path, keep, step)
         return path
 
@@ -274,11 +262,11 @@ def save_checkpoint(root: str | os.PathLike, *, model: Any, optimizer: Any = Non
         if optimizer is not None:
             state["optimizer"] = optimizer.state_dict()
         fut = None
-        if _rank() == 0:
+        if dist_info(from_env=False).rank == 0:
             os.makedirs(path, exist_ok=True)
             fut = _save_single(path, state, info, writer_kw, async_)
         if not async_:
-            _barrier()
+            barrier()
             return finish()
         out: Future = Future()
         if fut is None:

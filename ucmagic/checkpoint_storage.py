@@ -75,6 +75,7 @@ from .checkpoint_format import (
     split_buckets,
     stale_files,
 )
+from .dist import dist_info
 from .units import parse_size
 from .volume import resolve_local_path
 
@@ -392,7 +393,7 @@ class UCVolumeWriter(FileSystemWriter):
         staged = _unaliased(super().stage(state_dict), state_dict)
         if self._pending is None or self._pending.fut.done():
             self._pending = track_pending_save(os.fspath(self.path), CFuture())
-        if _is_rank0():
+        if dist_info(from_env=False).rank == 0:
             self._begin()
         return staged
 
@@ -546,12 +547,6 @@ def _unaliased(staged: Any, original: Any) -> Any:
             and staged.untyped_storage().data_ptr() == original.untyped_storage().data_ptr() and staged.numel():
         return staged.clone()
     return staged
-
-
-def _is_rank0() -> bool:
-    import torch.distributed as dist
-
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
 def _item_size(item: Any) -> int:

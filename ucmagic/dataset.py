@@ -5,19 +5,19 @@ import os
 import shutil
 import threading
 import time
-import uuid
 import warnings
 from concurrent.futures import Future
 from typing import Any, Callable, Iterator
 
-import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from . import plan, telemetry
-from .cache import FileCache, cache_key, file_lock, process_tag, release_at_exit, safe_suffix
+from .cache import FileCache, cache_key, process_tag, release_at_exit, safe_suffix
+from .dist import dist_info, local_world_size
+from .epochs import EpochTracking, check_state_kind
 from .errors import FetchError, ListingChangedError
 from .fetch import read_ahead, restart_timeout, with_retries
-from .telemetry import SharedCounters, SharedInt, SharedInts, percentiles
+from .telemetry import SharedCounters, SharedInts, percentiles
 from .volume import FileEntry, Volume, copy_error, listing_fingerprint, open_volume
 
 STATE_VERSION = 1
@@ -25,24 +25,6 @@ DEFAULT_INFLIGHT = 128  # files in flight per rank, spread over its DataLoader w
 _last_fetch = threading.local()  # per-item records: did this thread's last _fetch copy the file?
 MAX_STREAMS = 64  # DataLoader workers whose consumption ucmagic.DataLoader reports (more share slots)
 _TRACKED = MAX_STREAMS  # index of the "ucmagic.DataLoader reports consumption" flag in the channel
-# shared epoch-sync slots: set_epoch was called / a ucmagic.DataLoader sets epochs / last iteration key / seen one
-_EXPLICIT, _MANAGED, _KEY, _SEEN = range(4)
-
-
-def grid() -> tuple[int, int, int, int]:
-    """``(rank, world_size, worker_id, num_workers)`` of the calling process.
-
-    Rank and world size come from an initialised ``torch.distributed`` group, else from the
-    ``RANK``/``WORLD_SIZE`` variables torchrun sets (DataLoader workers inherit them).
-    """
-    rank, world = 0, 1
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized():
-        rank, world = dist.get_rank(), dist.get_world_size()
-    elif "WORLD_SIZE" in os.environ:
-        rank, world = int(os.environ.get("RANK", 0)), int(os.environ["WORLD_SIZE"])
-    info = get_worker_info()
-    return rank, world, (info.id if info else 0), (info.num_workers if info else 1)
 
 
 def _source_missing(exc: BaseException) -> bool:
@@ -67,94 +49,6 @@ def _takes_expect(volume: Volume) -> bool:
 
 
 _EXPECT: dict[type, bool] = {}
-
-
-def local_world_size(world: int) -> int:
-    return int(os.environ.get("LOCAL_WORLD_SIZE", world)) or world
-
-
-class EpochTracking:
-    """Epoch bookkeeping shared by ucmagic's planned datasets (files and Parquet rows).
-
-    The epoch lives in shared memory, so DataLoader workers (any start method, persistent or not)
-    follow :meth:`set_epoch`. Without ``set_epoch``, each new iteration counts one epoch up: started
-    in the main process, or -- when the dataset is wrapped in the user's own IterableDataset and only
-    workers ever iterate it -- detected by the workers themselves (:meth:`_worker_epoch`).
-    """
-
-    shuffle: bool | str
-
-    def _init_epochs(self) -> None:
-        self._epoch = SharedInt(0)
-        self._epoch_sync = SharedInts(4)
-        self._epoch_id = uuid.uuid4().hex[:16]
-        self._worker_iters = 0  # iterations this process's copy ran (persistent workers keep it)
-        self._fresh = True
-
-    @property
-    def _epoch_explicit(self) -> bool:
-        return bool(self._epoch_sync[_EXPLICIT])
-
-    @_epoch_explicit.setter
-    def _epoch_explicit(self, v: bool) -> None:
-        self._epoch_sync[_EXPLICIT] = int(bool(v))
-
-    def set_epoch(self, epoch: int) -> None:
-        """Select the epoch whose order the next iteration follows (same on every rank and worker)."""
-        self._epoch.value = int(epoch)
-        self._epoch_explicit = True
-        self._fresh = True
-
-    @property
-    def epoch(self) -> int:
-        return self._epoch.value
-
-    def _next_epoch_auto(self) -> None:
-        """Called at each iteration start in the main process: without set_epoch, epochs count up."""
-        if not self._fresh and not self._epoch_explicit:
-            self._epoch.value = self._epoch.value + 1
-        self._fresh = False
-        self._epoch_sync[_SEEN] = 1
-        self._epoch_sync[_KEY] = 0
-
-    def _restart_epochs(self, epoch: int) -> None:
-        """The next iteration (main process or workers) runs ``epoch`` (after a resume)."""
-        self._epoch.value = int(epoch)
-        self._fresh = True
-        self._epoch_sync[_SEEN] = 0
-        self._epoch_sync[_KEY] = 0
-
-    def _set_loader_managed(self) -> None:
-        """ucmagic.DataLoader sets each iteration's epoch in the main process: workers only follow it."""
-        self._epoch_sync[_MANAGED] = 1
-
-    def _worker_epoch(self, lock_path: str) -> int:
-        """The epoch of this iteration, as seen from a DataLoader worker.
-
-        The workers of one loader iteration share a base seed (``seed - id``); a persistent worker
-        keeps its dataset copy, so (base seed, iterations of this copy) names the iteration. The
-        first worker to see a new name counts the shared epoch up, under a file lock (no
-        multiprocessing lock survives every start method). Explicit ``set_epoch`` and loaders that
-        manage epochs win.
-        """
-        info = get_worker_info()
-        self._worker_iters += 1
-        if info is None or self._epoch_sync[_EXPLICIT] or self._epoch_sync[_MANAGED]:
-            return self._epoch.value
-        key = ((int(info.seed) - int(info.id)) * 1_000_003 + self._worker_iters) % (2**62) + 1
-        with file_lock(lock_path):
-            if self._epoch_sync[_KEY] != key:
-                if self._epoch_sync[_SEEN]:
-                    self._epoch.value = self._epoch.value + 1
-                self._epoch_sync[_SEEN] = 1
-                self._epoch_sync[_KEY] = key
-        return self._epoch.value
-
-    def _shuffle_mode(self, world: int) -> bool | str:
-        """``True`` means node-affine on several nodes and global on one."""
-        if self.shuffle is True:
-            return "node" if world > local_world_size(world) else "global"
-        return self.shuffle
 
 
 class ConsumptionChannel:
@@ -318,6 +212,8 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
         min_free: fraction of the cache disk always kept free.
     """
 
+    kind = "UCVolumeDataset"
+
     def __init__(self, path: Any, *, pattern: str | None = None, cache_dir: str | None = None,
                  cache_limit: int | str | None = None, shuffle: bool | str = False, seed: int = 0,
                  partition: str = "pad", prefetch: int | None = None, retries: int = 5,
@@ -372,7 +268,7 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
 
     def __len__(self) -> int:
         """Items this rank delivers in the coming epoch (the remainder after a resume)."""
-        _, world, _, _ = grid()
+        world = dist_info().world
         r = self._resume
         todo = r["remaining"] if r is not None and r["epoch"] == self.epoch else len(self.entries)
         return plan.per_rank(todo, world, self.partition)
@@ -393,9 +289,9 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
         return plan.epoch_order(n, seed=self.seed, epoch=epoch, shuffle=shuffle, blocks=blocks,
                                 reshuffle_every=self.reshuffle_every)
 
-    def _epoch_plan(self, epoch: int) -> tuple[list[plan.Range], Any]:
+    def epoch_plan(self, epoch: int) -> tuple[list[plan.Range], Any]:
         """(pool, order) for ``epoch``: the resumed remainder if a state was loaded for it."""
-        _, world, _, _ = grid()
+        world = dist_info().world
         r = self._resume
         if r is not None and r["epoch"] == epoch:
             order = self._order(epoch, r["order_world"], r["shuffle"], r["order_local_world"])
@@ -405,8 +301,8 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
 
     def stream_indices(self, epoch: int | None = None) -> list[int]:
         """File indices the calling (rank, worker) stream delivers this epoch, in order."""
-        rank, world, worker, nworkers = grid()
-        pool, order = self._epoch_plan(self.epoch if epoch is None else epoch)
+        rank, world, _, _, worker, nworkers = dist_info()
+        pool, order = self.epoch_plan(self.epoch if epoch is None else epoch)
         pos = plan.stream_positions(pool, world, rank, nworkers, worker, self.partition, self.batch_quantum)
         return order[plan.positions(pos)].tolist()
 
@@ -415,7 +311,7 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
     def _inflight(self) -> int:
         if self.prefetch:
             return int(self.prefetch)
-        _, _, _, nworkers = grid()
+        nworkers = dist_info().num_workers
         return max(8, DEFAULT_INFLIGHT // max(1, nworkers))
 
     def _key(self, e: FileEntry) -> tuple[str, str]:
@@ -475,6 +371,11 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
 
         return consumed
 
+    @property
+    def counters(self) -> SharedCounters:
+        """Cache counters shared with the workers: hits, misses, bytes fetched, retries, errors."""
+        return self._counters
+
     def consumption_channel(self) -> "ConsumptionChannel":
         """Where a loader reports, per worker stream, how many items the training loop has finished
         with (shared memory, seen by every worker). Used by ucmagic.DataLoader."""
@@ -494,7 +395,7 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
         main = info is None
         cache = self.cache
         if main:
-            self._next_epoch_auto()
+            self.begin_epoch()
             epoch = self.epoch
             owner = process_tag()
             release_at_exit(cache, owner)
@@ -511,7 +412,7 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
         depth = self._inflight()
         stream = _Stream(cache, owner, slot, [k + x for k, x in keys], quantum=self.batch_quantum,
                          window=self.lease_items, chunk=max(16, depth), consumed=self._consumption(slot))
-        _, world, _, nworkers = grid()
+        _, world, _, _, _, nworkers = dist_info()
         max_bytes = self._read_ahead_bytes(nworkers * local_world_size(world))
         if cache.limit is not None:
             stream.start_refresher()
@@ -597,20 +498,20 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
         With DataLoader workers or several ranks use ``ucmagic.DataLoader.state_dict()``, which
         knows what reached the loop. The state is small and JSON-serialisable.
         """
-        _, world, _, _ = grid()
+        world = dist_info().world
         if world > 1:
             raise RuntimeError("UCVolumeDataset.state_dict() sees one rank only: use ucmagic.DataLoader.state_dict()")
         return self.make_state(self._epoch_main, [self._delivered_main], world=1, num_workers=1)
 
     def make_state(self, epoch: int, delivered: list[int], *, world: int, num_workers: int) -> dict[str, Any]:
         """Resume state after stream ``s`` delivered ``delivered[s]`` items of ``epoch``."""
-        pool, _ = self._epoch_plan(epoch)
+        pool, _ = self.epoch_plan(epoch)
         r = self._resume if self._resume and self._resume["epoch"] == epoch else None
         lws = r["order_local_world"] if r else local_world_size(world)
         shuffle = r["shuffle"] if r else self._shuffle_mode(world)
         left = plan.remaining_pool(pool, world, num_workers, self.partition, self.batch_quantum, delivered)
         return {
-            "version": STATE_VERSION, "epoch": int(epoch), "seed": self.seed, "shuffle": shuffle,
+            "version": STATE_VERSION, "kind": self.kind, "epoch": int(epoch), "seed": self.seed, "shuffle": shuffle,
             "partition": self.partition, "files": len(self.entries), "fingerprint": self.fingerprint,
             "order_world": r["order_world"] if r else world, "order_local_world": lws,
             "reshuffle_every": self.reshuffle_every,
@@ -625,6 +526,7 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
         """
         if state.get("version") != STATE_VERSION:
             raise ValueError(f"unsupported UCVolumeDataset state version {state.get('version')!r}")
+        check_state_kind(state, self.kind)  # states saved before every state carried a kind have none
         if state["fingerprint"] != self.fingerprint or state["files"] != len(self.entries):
             raise ListingChangedError(
                 f"the files under {self.volume.display()} changed since this state was saved "
@@ -634,7 +536,7 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
         self.seed = int(state["seed"])
         self.reshuffle_every = state.get("reshuffle_every")
         self._resume = dict(state)
-        self._restart_epochs(int(state["epoch"]))
+        self.restart_epochs(int(state["epoch"]))
 
     # ------------------------------------------------------------ cache management
 

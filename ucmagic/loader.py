@@ -4,15 +4,14 @@ logging and exact (elastic) mid-epoch resume.
 Resume counts the batches the training loop *received* in the current epoch (not what workers
 prefetched) and turns that count into items per worker stream with the round-robin model in
 :mod:`ucmagic.plan`. For a :class:`~ucmagic.dataset.UCVolumeDataset` the state is the epoch's
-remaining pool (position ranges), valid for any ``num_workers`` and world size. Map-style datasets
+remaining pool (position ranges), valid for any ``num_workers`` and world size; the loader drives
+such planned datasets only through :class:`ucmagic.epochs.PlannedDataset`. Map-style datasets
 resume by skipping the delivered batches of the (re-seeded) sampler; other iterable datasets by
 skipping delivered batches with the same layout.
 """
 from __future__ import annotations
 
 import os
-import sys
-
 import time
 import weakref
 from typing import Any, Callable, Iterator
@@ -23,6 +22,8 @@ import torch.utils.data as tud
 
 from . import _torch_compat as compat
 from . import plan
+from .dist import all_gather_ints, dist_info
+from .epochs import PlannedDataset
 from .errors import ListingChangedError
 from .loader_stats import LoaderStats
 from .telemetry import ItemCollate
@@ -59,22 +60,8 @@ _UNSET: Any = object()  # batch_size not given (torch's default is 1)
 
 
 def _planned_kind(ds: Any) -> str | None:
-    """"UCVolumeDataset" or "ParquetDataset" for ucmagic's planned datasets (exact elastic resume), else None."""
-    from .dataset import UCVolumeDataset
-
-    if isinstance(ds, UCVolumeDataset):
-        return "UCVolumeDataset"
-    pq = sys.modules.get("ucmagic.parquet_dataset")
-    if pq is not None and isinstance(ds, pq.ParquetDataset):
-        return "ParquetDataset"
-    return None
-
-
-def _rank_world() -> tuple[int, int]:
-    from .dataset import grid
-
-    rank, world, _, _ = grid()
-    return rank, world
+    """The ``kind`` of a planned dataset (exact elastic resume, see :mod:`ucmagic.epochs`), else None."""
+    return ds.kind if isinstance(ds, PlannedDataset) else None
 
 
 # ------------------------------------------------------------------ sampler skipping (map-style resume)
@@ -207,12 +194,9 @@ class DataLoader(tud.DataLoader):
     def _configure_dataset(self) -> None:
         """Batch-aligned worker streams; epochs set here; a UCVolumeDataset learns what the loop consumed."""
         bs = self.batch_size or 1
-        ds = self.dataset
-        ds.batch_quantum = bs
-        ds.lease_items = ((self.prefetch_factor or 0) + 3) * bs
-        ds._set_loader_managed()
-        if self._uc_kind == "UCVolumeDataset":
-            self._consumed = ds.consumption_channel()
+        self.dataset.configure(batch_quantum=bs, lease_items=((self.prefetch_factor or 0) + 3) * bs)
+        if self._consumed is None:
+            self._consumed = self.dataset.consumption_channel()
 
     def _report_consumed(self) -> None:
         """Tell the workers how many items of each stream the loop has finished with: every batch
@@ -296,10 +280,8 @@ class DataLoader(tud.DataLoader):
         if self._uc:
             ds = self.dataset
             self._configure_dataset()
-            ds._next_epoch_auto()
-            if self.num_workers == 0:
-                ds._fresh = True  # the dataset's own __iter__ must not advance the epoch again
-            self._epoch = ds.epoch
+            # num_workers=0: the dataset's own __iter__ runs next here and must not advance the epoch again
+            self._epoch = ds.begin_epoch(hand_over=self.num_workers == 0)
             self._lengths = self._stream_lengths(self._epoch)
             if self._consumed is not None:
                 self._consumed.reset(len(self._lengths))
@@ -314,12 +296,12 @@ class DataLoader(tud.DataLoader):
         self._epoch_batches = 0
         self._epoch_complete = False
         self._started = True
-        self.stats._new_epoch(self._epoch)
+        self.stats.begin_epoch(self._epoch)
 
     def _stream_lengths(self, epoch: int) -> list[int]:
         ds = self.dataset
-        rank, world = _rank_world()
-        pool, _ = ds._epoch_plan(epoch)
+        rank, world = dist_info()[:2]
+        pool, _ = ds.epoch_plan(epoch)
         nw = max(1, self.num_workers)
         spans = plan.stream_spans(plan.ranges_len(pool), world, nw, ds.partition, ds.batch_quantum)
         return [b - a for a, b in spans[rank * nw:(rank + 1) * nw]]
@@ -342,9 +324,9 @@ class DataLoader(tud.DataLoader):
             return None
         from .mlflow_sink import MlflowSink
 
-        counters = getattr(self.dataset, "_counters", None)
+        counters = self.dataset.counters if self._uc else None
         extra = _cache_gauges(counters) if counters is not None else None
-        rank, _ = _rank_world()
+        rank = dist_info().rank
         return MlflowSink.for_active_run(rank, interval=self.log_interval, extra=extra)
 
     def _timed(self, inner: Iterator[Any], skip: int) -> Iterator[Any]:
@@ -375,7 +357,7 @@ class DataLoader(tud.DataLoader):
                 self._epoch_batches += 1
                 step = self._step
                 self._step += 1
-                stats._record(fetch, compute)
+                stats.record_batch(fetch, compute)
                 if sink is not None:
                     sink.add(step, fetch, compute)
                 for cb in batch_cbs:
@@ -402,7 +384,7 @@ class DataLoader(tud.DataLoader):
         if self.num_workers > 0 and not getattr(self, "in_order", True):
             raise RuntimeError("state_dict() needs in_order=True (the default): with in_order=False the "
                                "order batches reach the loop is not reproducible")
-        rank, world = _rank_world()
+        rank, world = dist_info()[:2]
         if self._uc:
             return self._uc_state(world)
         if self._started:
@@ -422,7 +404,7 @@ class DataLoader(tud.DataLoader):
         ds = self.dataset
         nw = max(1, self.num_workers)
         if not self._started:  # the upcoming epoch (or the loaded remainder) is all still to deliver
-            epoch = ds.epoch if (ds._fresh or ds._epoch_explicit) else ds.epoch + 1
+            epoch = ds.upcoming_epoch()
             self._configure_dataset()
             mine = [0] * nw
         else:
@@ -431,25 +413,13 @@ class DataLoader(tud.DataLoader):
                 mine = list(self._lengths)
             else:
                 if self._uc_kind == "ParquetDataset":  # each item is one of the dataset's own batches
-                    mine = plan.items_delivered(self._lengths, ds.batch_size, False, self._epoch_batches)
+                    mine = plan.items_delivered(self._lengths, ds.batch_quantum, False, self._epoch_batches)
                 else:
                     mine = plan.items_delivered(self._lengths, self.batch_size, self.drop_last, self._epoch_batches)
-        delivered = self._gather(mine, world)
+        delivered = all_gather_ints(mine, world)
         state = ds.make_state(epoch, delivered, world=world, num_workers=nw)
         return {"version": STATE_VERSION, "kind": self._uc_kind, "dataset": state,
                 "batches": self._epoch_batches, "step": self._step}
-
-    @staticmethod
-    def _gather(mine: list[int], world: int) -> list[int]:
-        if world <= 1:
-            return list(mine)
-        dist = torch.distributed
-        if not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError(f"state_dict() with world_size={world} needs torch.distributed initialised "
-                               "(it gathers every rank's progress); call it on every rank after init_process_group")
-        out: list[Any] = [None] * world
-        dist.all_gather_object(out, list(mine))
-        return [int(x) for per_rank in out for x in per_rank]
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume: the next iteration delivers exactly what the saved epoch had not delivered yet.
@@ -479,11 +449,10 @@ class DataLoader(tud.DataLoader):
         ds = self.dataset
         ds.load_state_dict(ds_state)
         if ds_state["remaining"] == 0:  # the epoch had finished: go on with the next one
-            ds._resume = None
-            ds._restart_epochs(int(ds_state["epoch"]) + 1)
+            ds.finish_epoch(int(ds_state["epoch"]))
 
     def _load_generic(self, state: dict[str, Any]) -> None:
-        rank, world = _rank_world()
+        rank, world = dist_info()[:2]
         if state["kind"] == "map":
             if state["len"] != len(self.dataset):
                 raise ListingChangedError(f"the dataset has {len(self.dataset)} items but the state was saved with "

@@ -9,7 +9,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from .telemetry import BatchItems, BatchRecorder, ItemLog, percentiles
+from .telemetry import BatchItems, BatchRecorder, ItemLog, SharedCounters, percentiles
 from .units import short_name
 
 SAVE_VERSION = 1
@@ -46,7 +46,8 @@ class LoaderStats:
             return batch.batch
         return batch
 
-    def _record(self, fetch_s: float, compute_s: float) -> None:
+    def record_batch(self, fetch_s: float, compute_s: float) -> None:
+        """The loop received a batch after ``fetch_s`` s of waiting and ``compute_s`` s of its own work."""
         self._rec.record(fetch_s, compute_s)
         p, self._pending = self._pending, None
         epoch = self.epoch if self.epoch is not None else 0
@@ -57,7 +58,8 @@ class LoaderStats:
         self.last_fetch_s, self.last_compute_s = fetch_s, compute_s
         self.epoch_count += 1
 
-    def _new_epoch(self, epoch: int | None) -> None:
+    def begin_epoch(self, epoch: int | None) -> None:
+        """A new iteration over ``epoch`` starts (per-epoch counts restart)."""
         self.epoch, self.epoch_count = epoch, 0
 
     def reset(self) -> None:
@@ -113,8 +115,8 @@ class LoaderStats:
 
     # -- cache (UCVolumeDataset only)
     def _counters(self) -> dict[str, int] | None:
-        c = getattr(self._dataset, "_counters", None)
-        return c.totals() if c is not None else self._saved_counters
+        c = getattr(self._dataset, "counters", None)  # a planned dataset's (ucmagic.epochs.PlannedDataset)
+        return c.totals() if isinstance(c, SharedCounters) else self._saved_counters
 
     @property
     def hits(self) -> int | None:
@@ -276,9 +278,9 @@ class LoaderStats:
             files[str(i)] = [name, size]
         rank = 0
         try:
-            from .dataset import grid
+            from .dist import dist_info
 
-            rank = grid()[0]
+            rank = dist_info().rank
         except Exception:  # torch missing or odd env: rank 0
             pass
         return {"version": SAVE_VERSION, "rank": rank, "fetch_s": self._rec.fetch_array()[:n].tolist(),

@@ -21,7 +21,8 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from . import plan, telemetry
 from .cache import FileCache, cache_key
-from .dataset import EpochTracking, grid, local_world_size
+from .dist import dist_info, local_world_size
+from .epochs import EpochTracking, check_state_kind
 from .errors import ListingChangedError
 from .fetch import read_ahead, with_retries
 from .parquet_rows import EpochLayout, Segment
@@ -95,6 +96,8 @@ class ParquetDataset(EpochTracking, IterableDataset):
         prefetch: row-group windows decoded ahead per stream.
         storage_options: for fsspec URLs.
     """
+
+    kind = "ParquetDataset"
 
     def __init__(self, path: Any, *, columns: Sequence[str] | None = None, batch_size: int = 1024,
                  shuffle: bool | str = False, seed: int = 0, shuffle_buffer: int | None = None,
@@ -221,8 +224,8 @@ class ParquetDataset(EpochTracking, IterableDataset):
 
     def __len__(self) -> int:
         """Batches this rank yields per epoch."""
-        _, world, _, _ = grid()
-        pool, _ = self._epoch_plan(self.epoch)
+        world = dist_info().world
+        pool, _ = self.epoch_plan(self.epoch)
         return -(-plan.per_rank(plan.ranges_len(pool), world, self.partition) // self.batch_size)
 
     def __repr__(self) -> str:
@@ -258,7 +261,7 @@ class ParquetDataset(EpochTracking, IterableDataset):
                 return r["shuffle"], int(r["order_world"]), int(r["order_local_world"])
             return ("global" if r["shuffle"] else False), 1, 1  # a state from before node shuffling
         if world is None:
-            _, world, _, _ = grid()
+            world = dist_info().world
         return self._shuffle_mode(world), world, local_world_size(world)
 
     def layout(self, epoch: int, world: int | None = None) -> EpochLayout:
@@ -275,7 +278,7 @@ class ParquetDataset(EpochTracking, IterableDataset):
             self._layouts = {key: lay}
         return lay
 
-    def _epoch_plan(self, epoch: int) -> tuple[list[plan.Range], None]:
+    def epoch_plan(self, epoch: int) -> tuple[list[plan.Range], None]:
         r = self._resume
         if r is not None and r["epoch"] == epoch:
             return [tuple(x) for x in r["pool"]], None
@@ -283,12 +286,12 @@ class ParquetDataset(EpochTracking, IterableDataset):
 
     def stream_ranges(self, epoch: int, rank: int, world: int, worker: int, num_workers: int) -> list[plan.Range]:
         """Epoch positions (ranges) that stream (rank, worker) delivers, in order."""
-        pool, _ = self._epoch_plan(epoch)
+        pool, _ = self.epoch_plan(epoch)
         return plan.stream_positions(pool, world, rank, num_workers, worker, self.partition, self.batch_size)
 
     def stream_lengths(self, world: int, num_workers: int, epoch: int | None = None) -> list[int]:
         """Rows of every stream (rank-major) this epoch; for loaders that turn batches into rows."""
-        pool, _ = self._epoch_plan(self.epoch if epoch is None else epoch)
+        pool, _ = self.epoch_plan(self.epoch if epoch is None else epoch)
         spans = plan.stream_spans(plan.ranges_len(pool), world, num_workers, self.partition, self.batch_size)
         return [b - a for a, b in spans]
 
@@ -484,8 +487,8 @@ class ParquetDataset(EpochTracking, IterableDataset):
     def __iter__(self) -> Iterator[dict[str, Any]]:
         main = get_worker_info() is None
         if main:
-            self._next_epoch_auto()
-        rank, world, worker, nworkers = grid()
+            self.begin_epoch()
+        rank, world, _, _, worker, nworkers = dist_info()
         epoch = self.epoch
         if main:
             self._epoch_main, self._delivered_main = epoch, 0
@@ -508,7 +511,7 @@ class ParquetDataset(EpochTracking, IterableDataset):
         With DataLoader workers or several ranks, build the state with :meth:`make_state` from the
         rows each stream delivered (see :meth:`stream_lengths`).
         """
-        _, world, _, _ = grid()
+        world = dist_info().world
         if world > 1:
             raise RuntimeError("ParquetDataset.state_dict() sees one rank only: use make_state() or ucmagic.DataLoader")
         epoch = self.epoch if self._epoch_main is None else self._epoch_main
@@ -516,11 +519,11 @@ class ParquetDataset(EpochTracking, IterableDataset):
 
     def make_state(self, epoch: int, delivered: Sequence[int], *, world: int, num_workers: int) -> dict[str, Any]:
         """Resume state after stream ``s`` (rank-major) delivered ``delivered[s]`` rows of ``epoch``."""
-        pool, _ = self._epoch_plan(epoch)
+        pool, _ = self.epoch_plan(epoch)
         mode, ow, olws = self._order_params(epoch, world)
         left = plan.remaining_pool(pool, world, num_workers, self.partition, self.batch_size, list(delivered))
         return {
-            "version": STATE_VERSION, "kind": "parquet", "epoch": int(epoch), "seed": self.seed,
+            "version": STATE_VERSION, "kind": self.kind, "epoch": int(epoch), "seed": self.seed,
             "shuffle": mode, "shuffle_option": self.shuffle, "order_world": ow, "order_local_world": olws,
             "reshuffle_every": self.reshuffle_every,
             "shuffle_buffer": self.shuffle_buffer, "partition": self.partition,
@@ -531,8 +534,9 @@ class ParquetDataset(EpochTracking, IterableDataset):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume: the next iteration delivers exactly the rows not yet delivered in the saved epoch
         (any world size, number of workers or batch size). Raises ListingChangedError if the files changed."""
-        if state.get("version") != STATE_VERSION or state.get("kind") != "parquet":
+        if state.get("version") != STATE_VERSION or "kind" not in state:
             raise ValueError(f"not a ParquetDataset state (version {state.get('version')!r}, kind {state.get('kind')!r})")
+        check_state_kind(state, self.kind, "parquet")  # "parquet": states saved before the kinds were unified
         if state["fingerprint"] != self.fingerprint or state["rows"] != self.num_rows:
             raise ListingChangedError(
                 f"the Parquet files of {self.path!r} changed since this state was saved ({state['rows']} rows then, "

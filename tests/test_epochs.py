@@ -1,0 +1,128 @@
+"""The planned-dataset contract (ucmagic.epochs) and the one rank/world helper (ucmagic.dist)."""
+import os
+from unittest import mock
+
+import numpy as np
+import pandas as pd
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from torch.utils.data import IterableDataset
+
+from ucmagic.dataset import UCVolumeDataset
+from ucmagic.dist import DistInfo, all_gather_ints, dist_info
+from ucmagic.epochs import EpochTracking, PlannedDataset, check_state_kind
+from ucmagic.loader import DataLoader
+
+
+class Epochs(EpochTracking):
+    """EpochTracking alone: the epoch half of the contract, no data."""
+
+    shuffle = False
+
+    def __init__(self):
+        self._init_epochs()
+
+
+# ---------------------------------------------------------------- rank and world
+
+@given(st.integers(1, 64).flatmap(lambda w: st.tuples(st.integers(0, w - 1), st.just(w), st.integers(1, w))))
+def test_dist_info_reads_torchrun_variables_without_a_process_group(args):
+    rank, world, lws = args
+    env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(lws)}
+    with mock.patch.dict(os.environ, env):
+        os.environ.pop("LOCAL_RANK", None)
+        info = dist_info()
+        assert info == DistInfo(rank, world, rank % lws, lws, 0, 1)
+        assert dist_info(from_env=False)[:2] == (0, 1)  # what collectives see: no group, one process
+
+
+def test_dist_info_is_rank_zero_of_one_in_a_plain_process(monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    assert dist_info() == DistInfo(0, 1, 0, 1, 0, 1)
+
+
+def test_gathering_progress_of_several_ranks_needs_a_process_group():
+    assert all_gather_ints([3, 4], 1) == [3, 4]
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        all_gather_ints([3, 4], 2)
+
+
+# ---------------------------------------------------------------- epochs, in the loader's call order
+
+def test_epochs_count_up_per_iteration_unless_set_or_handed_over():
+    ds = Epochs()
+    assert ds.upcoming_epoch() == 0 and ds.begin_epoch() == 0
+    assert ds.upcoming_epoch() == 1 and ds.begin_epoch() == 1
+    assert ds.begin_epoch(hand_over=True) == 2
+    assert ds.begin_epoch() == 2  # the dataset's own __iter__ after a hand-over: the same epoch
+    ds.set_epoch(7)
+    assert ds.upcoming_epoch() == 7 and ds.begin_epoch() == 7 and ds.begin_epoch() == 7  # set_epoch wins
+    ds.finish_epoch(9)
+    assert ds.upcoming_epoch() == 10 and ds.epoch == 10
+
+
+def test_configure_sets_the_quantum_and_leases():
+    ds = Epochs()
+    ds.configure(batch_quantum=8, lease_items=56)
+    assert (ds.batch_quantum, ds.lease_items) == (8, 56)
+
+
+# ---------------------------------------------------------------- states carry a kind
+
+def test_a_state_of_another_kind_is_refused_and_one_without_kind_is_accepted():
+    check_state_kind({"version": 1}, "UCVolumeDataset")  # saved before states carried a kind
+    check_state_kind({"kind": "parquet"}, "ParquetDataset", "parquet")
+    with pytest.raises(ValueError, match="UCVolumeDataset"):
+        check_state_kind({"kind": "UCVolumeDataset"}, "ParquetDataset", "parquet")
+
+
+def test_both_planned_datasets_speak_the_protocol_and_a_plain_one_does_not(tree, tmp_path):
+    from ucmagic.parquet import ParquetDataset
+
+    class Plain(IterableDataset):
+        def __iter__(self):
+            return iter(range(3))
+
+    root, _ = tree
+    pd.DataFrame({"id": np.arange(50)}).to_parquet(tmp_path / "t.parquet")
+    files = UCVolumeDataset(root)
+    rows = ParquetDataset(str(tmp_path / "t.parquet"), batch_size=10)
+    assert isinstance(files, PlannedDataset) and isinstance(rows, PlannedDataset)
+    assert not isinstance(Plain(), PlannedDataset)
+    assert files.make_state(0, [0], world=1, num_workers=1)["kind"] == "UCVolumeDataset"
+    assert rows.make_state(0, [0], world=1, num_workers=1)["kind"] == "ParquetDataset"
+    with pytest.raises(ValueError):
+        rows.load_state_dict(files.make_state(0, [0], world=1, num_workers=1))
+    with pytest.raises(ValueError):
+        files.load_state_dict(rows.make_state(0, [0], world=1, num_workers=1))
+
+
+def test_a_files_state_saved_before_states_carried_a_kind_still_resumes(tree):
+    root, _ = tree
+    ds = UCVolumeDataset(root)
+    everything = list(ds)
+    n = len(everything)
+    old = {  # the exact format UCVolumeDataset.state_dict() wrote before "kind" was added
+        "version": 1, "epoch": 0, "seed": 0, "shuffle": False, "partition": "pad", "files": n,
+        "fingerprint": ds.fingerprint, "order_world": 1, "order_local_world": 1, "reshuffle_every": None,
+        "pool": [[30, n]], "remaining": n - 30,
+    }
+    fresh = UCVolumeDataset(root)
+    fresh.load_state_dict(old)
+    assert list(fresh) == everything[30:]
+    loader = DataLoader(UCVolumeDataset(root), batch_size=10, num_workers=0)
+    loader.load_state_dict({"version": 1, "kind": "UCVolumeDataset", "dataset": old, "batches": 3, "step": 3})
+    assert [p for b in loader for p in b] == everything[30:]
+
+
+def test_a_parquet_state_with_the_old_kind_still_resumes(tmp_path):
+    from ucmagic.parquet import ParquetDataset
+
+    pd.DataFrame({"id": np.arange(50)}).to_parquet(tmp_path / "t.parquet")
+    ds = ParquetDataset(str(tmp_path / "t.parquet"), batch_size=10)
+    state = ds.make_state(0, [20], world=1, num_workers=1)
+    state["kind"] = "parquet"  # how ParquetDataset states were spelled before the kinds were unified
+    ds.load_state_dict(state)
+    assert np.concatenate([b["id"].numpy() for b in ds]).tolist() == list(range(20, 50))

@@ -1,0 +1,80 @@
+"""Where the calling process sits in a run, and the two collectives ucmagic needs.
+
+The one home of rank/world lookups: :func:`dist_info` (rank, world size, local rank and world
+size, DataLoader worker id and count), :func:`local_world_size`, :func:`barrier` and
+:func:`all_gather_ints`. torch is imported when a function runs, so importing this module is light.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, NamedTuple
+
+__all__ = ["DistInfo", "dist_info", "local_world_size", "barrier", "all_gather_ints"]
+
+
+class DistInfo(NamedTuple):
+    """The calling process's place in the run (all 0/1 in a plain single process)."""
+
+    rank: int
+    world: int
+    local_rank: int
+    local_world: int
+    worker: int       # DataLoader worker id (0 in the main process)
+    num_workers: int  # DataLoader workers of this iteration (1 in the main process)
+
+
+def _group() -> Any:
+    """``torch.distributed`` when a process group is initialised, else None."""
+    import torch
+
+    d = torch.distributed
+    return d if d.is_available() and d.is_initialized() else None
+
+
+def local_world_size(world: int) -> int:
+    """Processes per node: ``LOCAL_WORLD_SIZE`` (torchrun sets it), else ``world`` (one node)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world)) or world
+
+
+def dist_info(*, from_env: bool = True) -> DistInfo:
+    """Rank, world size, local rank/world size and DataLoader worker of the calling process.
+
+    Rank and world size come from an initialised ``torch.distributed`` group, else (with
+    ``from_env``) from the ``RANK``/``WORLD_SIZE`` variables torchrun sets, which DataLoader
+    workers inherit. ``from_env=False`` reports what collectives see: rank 0 of 1 without a group.
+    """
+    from torch.utils.data import get_worker_info
+
+    rank, world = 0, 1
+    group = _group()
+    if group is not None:
+        rank, world = group.get_rank(), group.get_world_size()
+    elif from_env and "WORLD_SIZE" in os.environ:
+        rank, world = int(os.environ.get("RANK", 0)), int(os.environ["WORLD_SIZE"])
+    lws = local_world_size(world)
+    local_rank = int(os.environ.get("LOCAL_RANK", rank % max(1, lws)))
+    info = get_worker_info()
+    return DistInfo(rank, world, local_rank, lws, info.id if info else 0, info.num_workers if info else 1)
+
+
+def barrier() -> None:
+    """Wait for every rank (a no-op without an initialised process group)."""
+    group = _group()
+    if group is not None:
+        group.barrier()
+
+
+def all_gather_ints(mine: list[int], world: int) -> list[int]:
+    """Every rank's ``mine``, concatenated in rank order (``mine`` itself when ``world`` is 1).
+
+    Every rank must call it. Raises RuntimeError when ``world > 1`` but no process group is initialised.
+    """
+    if world <= 1:
+        return [int(x) for x in mine]
+    group = _group()
+    if group is None:
+        raise RuntimeError(f"gathering every rank's progress on world_size={world} needs torch.distributed "
+                           "initialised: call it on every rank after init_process_group")
+    out: list[Any] = [None] * world
+    group.all_gather_object(out, [int(x) for x in mine])
+    return [int(x) for per_rank in out for x in per_rank]

@@ -1,0 +1,221 @@
+"""Epochs, resume state and the contract between ``ucmagic.DataLoader`` and planned datasets.
+
+A *planned* dataset (:class:`~ucmagic.dataset.UCVolumeDataset`, :class:`~ucmagic.parquet_dataset.ParquetDataset`)
+fixes each epoch's order up front with :mod:`ucmagic.plan`, so a loader can turn "batches the
+training loop received" into an exact, elastic resume state. :class:`PlannedDataset` is that
+contract; :class:`EpochTracking` is the shared implementation of its epoch half. Rank and worker
+identity come from :func:`ucmagic.dist.dist_info`.
+
+Call order (one loader iteration; the loader is the only caller besides the dataset itself)::
+
+    configure(batch_quantum=, lease_items=)   # at loader creation and before every epoch
+    consumption_channel()                     # once: where the loader reports consumed items
+    epoch = begin_epoch(hand_over=...)        # main process, each iteration start
+    pool, _ = epoch_plan(epoch)               # the loader sizes the worker streams from it
+    ... the dataset's __iter__ runs (in workers, or in this process) ...
+    make_state(epoch, delivered, world=, num_workers=)   # state_dict(); upcoming_epoch() before any iteration
+    load_state_dict(state)                    # resume; then finish_epoch(state["epoch"])
+                                              # when the saved epoch had delivered everything
+
+Every dataset state carries ``version``, ``kind`` (the dataset's :attr:`~PlannedDataset.kind`),
+``epoch``, ``pool`` and ``remaining``. States saved before ``kind`` was added load unchanged
+(:func:`check_state_kind`).
+"""
+from __future__ import annotations
+
+import uuid
+from typing import Any, Protocol, Sequence, runtime_checkable
+
+from .cache import file_lock
+from .dist import dist_info, local_world_size
+from .telemetry import SharedCounters, SharedInt, SharedInts
+
+__all__ = ["PlannedDataset", "ConsumptionSink", "EpochTracking", "check_state_kind"]
+
+# shared epoch-sync slots: set_epoch was called / a ucmagic.DataLoader sets epochs / last iteration key / seen one
+_EXPLICIT, _MANAGED, _KEY, _SEEN = range(4)
+
+
+class ConsumptionSink(Protocol):
+    """A loader's side of a dataset's consumption counters (shared memory seen by every worker)."""
+
+    def reset(self, streams: int) -> None:
+        """A new iteration with ``streams`` worker streams: nothing consumed yet, reports on."""
+
+    def __setitem__(self, stream: int, items: int) -> None:
+        """The loop has finished with the first ``items`` items of worker stream ``stream``."""
+
+
+@runtime_checkable
+class PlannedDataset(Protocol):
+    """What ``ucmagic.DataLoader`` needs from a dataset for exact elastic resume (call order: module doc)."""
+
+    kind: str            # "UCVolumeDataset" / "ParquetDataset": the loader state's and dataset state's kind
+    partition: str       # plan.stream_spans mode ("pad" / "drop")
+    batch_quantum: int   # items per stream come in multiples of this
+    lease_items: int     # items each stream keeps protected without consumption reports
+
+    @property
+    def epoch(self) -> int:
+        """The current (or last) epoch."""
+
+    @property
+    def counters(self) -> SharedCounters | None:
+        """Cache counters shared with the workers (hits, misses, bytes fetched), or None."""
+
+    def set_epoch(self, epoch: int) -> None:
+        """The user picks the epoch of the next iteration."""
+
+    def configure(self, *, batch_quantum: int, lease_items: int) -> None:
+        """A loader manages this dataset's epochs and batches ``batch_quantum`` items at a time."""
+
+    def begin_epoch(self, *, hand_over: bool = False) -> int:
+        """Start an iteration in the main process; returns its epoch (``hand_over``: see EpochTracking)."""
+
+    def upcoming_epoch(self) -> int:
+        """The epoch the next iteration will run (for a state saved before iterating)."""
+
+    def finish_epoch(self, epoch: int) -> None:
+        """Epoch ``epoch`` delivered everything: drop any resume state, the next iteration runs ``epoch + 1``."""
+
+    def consumption_channel(self) -> ConsumptionSink | None:
+        """Where the loader reports what the loop consumed, or None when the dataset needs no reports."""
+
+    def epoch_plan(self, epoch: int) -> tuple[list[tuple[int, int]], Any]:
+        """``(pool, order)`` of ``epoch``: the position ranges still to deliver and the item order."""
+
+    def make_state(self, epoch: int, delivered: Sequence[int], *, world: int, num_workers: int) -> dict[str, Any]:
+        """Resume state after stream ``s`` (rank-major) delivered ``delivered[s]`` items of ``epoch``."""
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from a :meth:`make_state` state (any world size or worker count)."""
+
+    def describe_item(self, index: int) -> tuple[str, int]:
+        """``(display name, bytes)`` of item ``index`` (for per-item fetch records)."""
+
+
+def check_state_kind(state: dict[str, Any], kind: str, *legacy: str) -> None:
+    """Raise ValueError when ``state`` was saved by another kind of dataset.
+
+    A state without ``kind`` (saved before every state carried one) counts as ``kind``; ``legacy``
+    names older spellings of the same kind.
+    """
+    got = state.get("kind", kind)
+    if got != kind and got not in legacy:
+        raise ValueError(f"this state was saved by a {got} dataset, not a {kind}: load it into the same kind of dataset")
+
+
+class EpochTracking:
+    """Epoch bookkeeping shared by ucmagic's planned datasets (files and Parquet rows).
+
+    The epoch lives in shared memory, so DataLoader workers (any start method, persistent or not)
+    follow :meth:`set_epoch`. Without ``set_epoch``, each new iteration counts one epoch up: started
+    in the main process, or -- when the dataset is wrapped in the user's own IterableDataset and only
+    workers ever iterate it -- detected by the workers themselves (:meth:`_worker_epoch`).
+    """
+
+    kind: str
+    shuffle: bool | str
+    batch_quantum: int
+    lease_items: int = 1024  # a loader's configure() sets it; datasets may set their own default
+
+    def _init_epochs(self) -> None:
+        self._epoch = SharedInt(0)
+        self._epoch_sync = SharedInts(4)
+        self._epoch_id = uuid.uuid4().hex[:16]
+        self._worker_iters = 0  # iterations this process's copy ran (persistent workers keep it)
+        self._fresh = True  # the next begin_epoch keeps the epoch (start, set_epoch, resume, hand-over)
+        self._resume: dict[str, Any] | None = None  # a loaded state, for the epoch it names
+
+    @property
+    def _epoch_explicit(self) -> bool:
+        return bool(self._epoch_sync[_EXPLICIT])
+
+    @_epoch_explicit.setter
+    def _epoch_explicit(self, v: bool) -> None:
+        self._epoch_sync[_EXPLICIT] = int(bool(v))
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch whose order the next iteration follows (same on every rank and worker)."""
+        self._epoch.value = int(epoch)
+        self._epoch_explicit = True
+        self._fresh = True
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch.value
+
+    @property
+    def counters(self) -> SharedCounters | None:
+        """Cache counters shared with the workers, or None (datasets without a file cache)."""
+        return None
+
+    def configure(self, *, batch_quantum: int, lease_items: int) -> None:
+        """A ucmagic.DataLoader batches ``batch_quantum`` items and sets each iteration's epoch in the
+        main process (workers only follow it); ``lease_items`` items per stream stay protected."""
+        self.batch_quantum = int(batch_quantum)
+        self.lease_items = int(lease_items)
+        self._epoch_sync[_MANAGED] = 1
+
+    def begin_epoch(self, *, hand_over: bool = False) -> int:
+        """Start an iteration in the main process and return its epoch: without set_epoch, epochs
+        count up. ``hand_over=True``: the dataset's own ``__iter__`` in this process runs next (a
+        loader with ``num_workers=0``) and starts this same epoch instead of counting up again."""
+        if not self._fresh and not self._epoch_explicit:
+            self._epoch.value = self._epoch.value + 1
+        self._fresh = hand_over
+        self._epoch_sync[_SEEN] = 1
+        self._epoch_sync[_KEY] = 0
+        return self._epoch.value
+
+    def upcoming_epoch(self) -> int:
+        """The epoch the next :meth:`begin_epoch` will return."""
+        return self.epoch if (self._fresh or self._epoch_explicit) else self.epoch + 1
+
+    def restart_epochs(self, epoch: int) -> None:
+        """The next iteration (main process or workers) runs ``epoch`` (after a resume)."""
+        self._epoch.value = int(epoch)
+        self._fresh = True
+        self._epoch_sync[_SEEN] = 0
+        self._epoch_sync[_KEY] = 0
+
+    def finish_epoch(self, epoch: int) -> None:
+        """Epoch ``epoch`` delivered everything: forget the loaded state, the next iteration runs ``epoch + 1``."""
+        self._resume = None
+        self.restart_epochs(int(epoch) + 1)
+
+    def consumption_channel(self) -> ConsumptionSink | None:
+        """Where a loader reports consumed items; None: this dataset needs no reports."""
+        return None
+
+    def _worker_epoch(self, lock_path: str) -> int:
+        """The epoch of this iteration, as seen from a DataLoader worker.
+
+        The workers of one loader iteration share a base seed (``seed - id``); a persistent worker
+        keeps its dataset copy, so (base seed, iterations of this copy) names the iteration. The
+        first worker to see a new name counts the shared epoch up, under a file lock (no
+        multiprocessing lock survives every start method). Explicit ``set_epoch`` and loaders that
+        manage epochs win.
+        """
+        from torch.utils.data import get_worker_info
+
+        info = get_worker_info()
+        self._worker_iters += 1
+        if info is None or self._epoch_sync[_EXPLICIT] or self._epoch_sync[_MANAGED]:
+            return self._epoch.value
+        key = ((int(info.seed) - int(info.id)) * 1_000_003 + self._worker_iters) % (2**62) + 1
+        with file_lock(lock_path):
+            if self._epoch_sync[_KEY] != key:
+                if self._epoch_sync[_SEEN]:
+                    self._epoch.value = self._epoch.value + 1
+                self._epoch_sync[_SEEN] = 1
+                self._epoch_sync[_KEY] = key
+        return self._epoch.value
+
+    def _shuffle_mode(self, world: int | None = None) -> bool | str:
+        """``True`` means node-affine on several nodes and global on one (``world``: default this run's)."""
+        if world is None:
+            world = dist_info().world
+        if self.shuffle is True:
+            return "node" if world > local_world_size(world) else "global"
+        return self.shuffle
