@@ -123,6 +123,9 @@ def read_ahead(fn: Callable[[T], R], items: Iterable[T], *, depth: int = 32, tim
                max_bytes: int | None = None) -> Iterator[R]:
     """Yield ``fn(item)`` for each item, in order, with up to ``depth`` calls in flight.
 
+    The calls in flight start at 8 and follow :func:`tune_window`: more while the consumer waits
+    and more calls raise the rate (a high-latency volume), fewer when it does not wait.
+
     With ``cost`` and ``max_bytes``, items submitted and not yet yielded also add up to at most
     ``max_bytes`` (the first one always goes), so big files cannot overrun a budget or a disk.
 
