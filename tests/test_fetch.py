@@ -4,7 +4,10 @@ import time
 import pytest
 
 from ucmagic.errors import FetchTimeoutError
-from ucmagic.fetch import backoff_delays, read_ahead, with_retries
+from hypothesis import given
+from hypothesis import strategies as st
+
+from ucmagic.fetch import Window, backoff_delays, read_ahead, tune_window, with_retries
 
 
 def test_results_come_in_input_order_with_concurrency():
@@ -97,3 +100,53 @@ def test_errors_surface_in_order():
         for x in read_ahead(f, range(10), depth=4):
             got.append(x)
     assert got == [0, 1, 2, 3, 4]
+
+
+def test_window_grows_while_the_consumer_waits_and_growth_pays():
+    w = Window(8)
+    for rate in (100.0, 200.0, 400.0, 800.0, 1600.0):  # a high-latency volume: every doubling doubles the rate
+        w = tune_window(w, rate, wait_share=0.9, floor=4, ceiling=128)
+    assert w.size == 128
+
+
+def test_window_goes_back_when_growth_does_not_pay():
+    w = tune_window(Window(8), 1000.0, wait_share=0.5, floor=4, ceiling=128)
+    assert w.size == 16
+    w = tune_window(w, 1020.0, wait_share=0.5, floor=4, ceiling=128)  # CPU-bound fills: no gain
+    assert w.size == 8 and w.hold > 0
+    for _ in range(w.hold):  # rests at the size that served as well, then tries again
+        w = tune_window(w, 1000.0, wait_share=0.5, floor=4, ceiling=128)
+        assert w.size == 8
+    assert tune_window(w, 1000.0, wait_share=0.5, floor=4, ceiling=128).size == 16
+
+
+def test_window_shrinks_when_the_consumer_does_not_wait():
+    w = Window(64)
+    for _ in range(50):
+        w = tune_window(w, 500.0, wait_share=0.0, floor=4, ceiling=128)
+    assert w.size == 4
+
+
+@given(size=st.integers(1, 256), rate=st.floats(0, 1e6), wait=st.floats(0, 1), prev=st.integers(0, 256),
+       prev_rate=st.floats(0, 1e6), hold=st.integers(0, 5), floor=st.integers(1, 16), ceiling=st.integers(16, 256))
+def test_window_stays_between_floor_and_ceiling(size, rate, wait, prev, prev_rate, hold, floor, ceiling):
+    size = min(max(size, floor), ceiling)
+    w = tune_window(Window(size, min(prev, ceiling), prev_rate, hold), rate, wait, floor=floor, ceiling=ceiling)
+    assert floor <= w.size <= ceiling
+
+
+def test_slow_calls_get_more_than_the_starting_window():
+    active, peak = [0], [0]
+    mu = threading.Lock()
+
+    def slow(i):
+        with mu:
+            active[0] += 1
+            peak[0] = max(peak[0], active[0])
+        time.sleep(0.02)
+        with mu:
+            active[0] -= 1
+        return i
+
+    assert list(read_ahead(slow, range(600), depth=64)) == list(range(600))
+    assert peak[0] > 16  # latency-bound calls: the window grew past its start of 8

@@ -13,7 +13,7 @@ import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any, Callable, Iterable, Iterator, TypeVar
+from typing import Any, Callable, Iterable, Iterator, NamedTuple, TypeVar
 
 from .errors import CacheFullError, FetchTimeoutError
 
@@ -87,11 +87,44 @@ def restart_timeout() -> None:
         task.started = time.monotonic()
 
 
+class Window(NamedTuple):
+    """State of :func:`tune_window`: the calls kept in flight, and the last growth on trial."""
+
+    size: int
+    prev_size: int = 0  # size before the growth on trial (0: none on trial)
+    prev_rate: float = 0.0  # items/s measured at prev_size
+    hold: int = 0  # periods to keep this size before trying a larger one again
+
+
+def tune_window(w: Window, rate: float, wait_share: float, *, floor: int, ceiling: int,
+                gain: float = 1.1, idle: float = 0.05, rest: int = 4) -> Window:
+    """The next read-ahead window after a period in which the consumer got ``rate`` items/s and
+    spent ``wait_share`` of its time waiting on the head item (pure: no clock, no I/O).
+
+    The consumer barely waited: it is the bottleneck, so fewer calls in flight will do (shrink by a
+    quarter). It waited: double the window, and keep the growth only if the rate rose by ``gain``
+    -- a high-latency volume gains from every extra call, a fast local disk (CPU-bound fills that
+    serialise on the GIL) does not, and goes back and rests ``rest`` periods before trying again.
+    """
+    if wait_share < idle:
+        return Window(max(floor, w.size - max(1, w.size // 4)))
+    if w.prev_size and rate < w.prev_rate * gain:
+        return Window(max(floor, w.prev_size), hold=rest)
+    if w.hold:
+        return Window(w.size, hold=w.hold - 1)
+    if w.size >= ceiling:
+        return Window(ceiling)
+    return Window(min(ceiling, w.size * 2), prev_size=w.size, prev_rate=rate)
+
+
 def read_ahead(fn: Callable[[T], R], items: Iterable[T], *, depth: int = 32, timeout: float | None = 120.0,
                pool: ThreadPoolExecutor | None = None, describe: Callable[[T], str] = str,
                fast: Callable[[T], R | None] | None = None, cost: Callable[[T], int] | None = None,
                max_bytes: int | None = None) -> Iterator[R]:
     """Yield ``fn(item)`` for each item, in order, with up to ``depth`` calls in flight.
+
+    The calls in flight start at 8 and follow :func:`tune_window`: more while the consumer waits
+    and more calls raise the rate (a high-latency volume), fewer when it does not wait.
 
     With ``cost`` and ``max_bytes``, items submitted and not yet yielded also add up to at most
     ``max_bytes`` (the first one always goes), so big files cannot overrun a budget or a disk.
@@ -108,6 +141,12 @@ def read_ahead(fn: Callable[[T], R], items: Iterable[T], *, depth: int = 32, tim
 
     inflight = 0
     peeked: list[T] = []
+    # Adaptive concurrency: up to ``depth`` calls, but only as many as make the consumer faster.
+    floor = min(depth, 4)
+    win = Window(min(depth, 8))
+    period_start = time.perf_counter()
+    period_items = 0
+    period_wait = 0.0
 
     def run(task: _Task) -> R:
         task.started = time.monotonic()
@@ -136,24 +175,37 @@ def read_ahead(fn: Callable[[T], R], items: Iterable[T], *, depth: int = 32, tim
         return False
 
     try:
-        while len(pending) < depth and submit():
+        while len(pending) < win.size and submit():
             pass
         while pending:
             task = pending[0]
             result = task.result
-            while task.future is not None:
-                try:
-                    result = task.future.result(timeout=0.5 if timeout else None)
-                    break
-                except FutureTimeout:
-                    if timeout and task.started is not None and time.monotonic() - task.started > timeout:
-                        raise FetchTimeoutError(
-                            f"fetching {describe(task.item)} took more than {timeout:g} s; the volume may be hung. "
-                            "Check the mount, or raise timeout="
-                        ) from None
+            fut = task.future
+            if fut is not None:
+                if fut.done():
+                    result = fut.result()
+                else:
+                    t0 = time.perf_counter()
+                    while True:
+                        try:
+                            result = fut.result(timeout=0.5 if timeout else None)
+                            break
+                        except FutureTimeout:
+                            if timeout and task.started is not None and time.monotonic() - task.started > timeout:
+                                raise FetchTimeoutError(
+                                    f"fetching {describe(task.item)} took more than {timeout:g} s; the volume may "
+                                    "be hung. Check the mount, or raise timeout="
+                                ) from None
+                    period_wait += time.perf_counter() - t0
             pending.popleft()
             inflight -= task.cost
-            while len(pending) < depth and submit():
+            period_items += 1
+            if period_items >= max(8, win.size) and depth > floor:
+                now = time.perf_counter()
+                span = max(now - period_start, 1e-9)
+                win = tune_window(win, period_items / span, period_wait / span, floor=floor, ceiling=depth)
+                period_start, period_items, period_wait = now, 0, 0.0
+            while len(pending) < win.size and submit():
                 pass
             yield result
     finally:
