@@ -14,6 +14,7 @@ import tempfile
 import time
 import zlib
 
+from ._util import RetryPolicy
 from .cache import pid_running
 from .checkpoint_format import CheckpointCorruptError, CheckpointError, CheckpointUploadError, FileRecord
 from .units import format_size
@@ -110,18 +111,12 @@ def file_crc(path: str) -> tuple[int, int]:
 
 
 def _retry(what: str, fn, retries: int = RETRIES):
-    delay = 0.05
-    for attempt in range(retries + 1):
-        try:
-            return fn()
-        except (CheckpointError, FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError):
-            raise
-        except OSError:
-            if attempt >= retries:
-                raise
-            time.sleep(delay)
-            delay *= 4
-    raise AssertionError("unreachable")  # pragma: no cover
+    return RetryPolicy(retries, CHECKPOINT_PERMANENT, transient=(OSError,), base=0.05, factor=4.0,
+                       cap=float("inf"), jitter=0.0).call(fn)
+
+
+# Errors another try will not fix (a checkpoint error is a verdict, not a hiccup).
+CHECKPOINT_PERMANENT = (CheckpointError, FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
 
 
 def upload_file(local: str, remote: str, *, verify: str = "size", delete: bool = True,

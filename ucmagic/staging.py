@@ -18,7 +18,7 @@ from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from .errors import FetchError, UCMagicError
+from .errors import FetchError, StagingError
 from .fetch import with_retries
 from .progress import Progress
 from .units import format_size
@@ -29,9 +29,6 @@ MAX_PROCESSES = 4
 MIN_FILES_PER_PROCESS = 128  # below this, another process costs more to start than it saves
 TMP_PREFIX = ".ucstage-"
 
-
-class StagingError(UCMagicError, ValueError):
-    """Bad staging arguments (destination inside the source, unknown verify mode...)."""
 
 
 @dataclass(frozen=True)

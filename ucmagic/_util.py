@@ -1,0 +1,66 @@
+"""Small helpers with one home each: the URL test and the retry policy.
+
+Nothing here imports beyond the standard library and :mod:`ucmagic.errors`, so every module may use it.
+"""
+from __future__ import annotations
+
+import random
+import re
+import time
+from dataclasses import dataclass
+from typing import Callable, TypeVar
+
+R = TypeVar("R")
+
+_URL_RE = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.\-]*://")
+
+
+def is_url(path: str) -> bool:
+    """True for ``scheme://...`` (``s3://``, ``file://``, ``slow://``...), False for local and ``/Volumes`` paths."""
+    return bool(_URL_RE.match(path))
+
+
+def is_remote_url(path: str) -> bool:
+    """A URL that is not ``file://`` (read through fsspec rather than the local filesystem)."""
+    return is_url(path) and not path.startswith("file://")
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How to retry a call: which errors are final, which are worth another try, and how long to wait.
+
+    ``permanent`` errors are raised at once; ``transient`` ones are retried up to ``retries`` times,
+    sleeping ``min(cap, base * factor**i) * (1 + jitter * random())`` before retry ``i``; anything
+    else is raised at once.
+    """
+
+    retries: int = 3
+    permanent: tuple[type[BaseException], ...] = (FileNotFoundError, PermissionError,
+                                                  IsADirectoryError, NotADirectoryError)
+    transient: tuple[type[BaseException], ...] = (Exception,)
+    base: float = 0.01
+    factor: float = 2.0
+    cap: float = 2.0
+    jitter: float = 0.5
+
+    def delays(self, rng: random.Random | None = None) -> list[float]:
+        """The sleep before each retry."""
+        r = rng or random
+        return [min(self.cap, self.base * self.factor ** i) * (1 + self.jitter * r.random())
+                for i in range(self.retries)]
+
+    def call(self, fn: Callable[[], R], on_retry: Callable[[BaseException], None] | None = None) -> R:
+        """``fn()``, retried on transient errors per this policy."""
+        delays = self.delays()
+        for attempt in range(self.retries + 1):
+            try:
+                return fn()
+            except self.permanent:
+                raise
+            except self.transient as e:
+                if attempt >= self.retries:
+                    raise
+                if on_retry:
+                    on_retry(e)
+                time.sleep(delays[attempt])
+        raise AssertionError("unreachable")  # pragma: no cover
