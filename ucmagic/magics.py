@@ -307,7 +307,8 @@ class UcMagics(Magics):
     @argument("source", help="directory (or URL) to copy; with --export: a table name, path, SQL query, "
                              "or the name of a DataFrame variable")
     @argument("dest", help="local directory to copy into; with --export: the output directory")
-    @argument("-j", "--jobs", type=int, default=None, metavar="N", help="parallel copies (default 256)")
+    @argument("-j", "--concurrency", "--jobs", dest="concurrency", type=int, default=None, metavar="N",
+              help="parallel copies (default 256; --jobs is an alias)")
     @argument("-p", "--pattern", metavar="GLOB", help="only files matching GLOB")
     @argument("--export", action="store_true", help="export a table as Parquet files instead of copying files")
     @argument("--file-size", metavar="SIZE", default=None, help="--export: target size of each file (default 1GB)")
@@ -319,7 +320,7 @@ class UcMagics(Magics):
         a = self._parse("ucstage", UcMagics.ucstage, line, local_ns)
         self._check_out("ucstage", a.out)
         if a.export:
-            if a.jobs is not None or a.pattern is not None:
+            if a.concurrency is not None or a.pattern is not None:
                 _fail("ucstage", "-j and -p apply to file staging, not to --export")
             size = "1GB"
             if a.file_size is not None:
@@ -343,14 +344,14 @@ class UcMagics(Magics):
         else:
             if a.file_size is not None:
                 _fail("ucstage", "--file-size applies to --export only")
-            if a.jobs is not None and a.jobs < 1:
-                _fail("ucstage", f"-j must be >= 1, got {a.jobs}")
+            if a.concurrency is not None and a.concurrency < 1:
+                _fail("ucstage", f"-j must be >= 1, got {a.concurrency}")
             _check_exists("ucstage", a.source, directory=True)
             from .staging import stage
 
             kw: dict[str, Any] = {"pattern": a.pattern}
-            if a.jobs is not None:
-                kw["concurrency"] = a.jobs
+            if a.concurrency is not None:
+                kw["concurrency"] = a.concurrency
             result = stage(a.source, a.dest, **kw)
         if a.out:
             self._bind(a.out, result)
