@@ -1,12 +1,15 @@
-"""Small helpers with one home each: the URL test and the retry policy.
+"""Small helpers with one home each: the URL test, the retry policy and the local copy loop.
 
 Nothing here imports beyond the standard library and :mod:`ucmagic.errors`, so every module may use it.
 """
 from __future__ import annotations
 
+import os
 import random
 import re
+import threading
 import time
+import zlib
 from dataclasses import dataclass
 from typing import Callable, TypeVar
 
@@ -64,3 +67,38 @@ class RetryPolicy:
                     on_retry(e)
                 time.sleep(delays[attempt])
         raise AssertionError("unreachable")  # pragma: no cover
+
+
+_buffers = threading.local()
+COPY_BUFFER = 1 << 20
+
+
+def copy_local(src: str, dest: str, *, crc: bool = False, sync: bool = False,
+               buffer_size: int = COPY_BUFFER) -> tuple[int, int]:
+    """Copy a local or mounted file with plain reads into a reused per-thread buffer; ``(bytes, crc32)``.
+
+    On a FUSE mount this is ~2x faster than ``os.sendfile`` (which splices the source page by page)
+    and allocates nothing per file. ``crc=True`` computes the CRC-32 on the way (else 0);
+    ``sync=True`` fsyncs ``dest`` before returning.
+    """
+    bufs = getattr(_buffers, "bufs", None)
+    if bufs is None:
+        bufs = _buffers.bufs = {}
+    buf = bufs.get(buffer_size)
+    if buf is None:
+        buf = bufs[buffer_size] = memoryview(bytearray(buffer_size))
+    n = c = 0
+    with open(src, "rb", buffering=0) as fs, open(dest, "wb", buffering=0) as fd:
+        while True:
+            got = fs.readinto(buf)
+            if not got:
+                break
+            view = buf[:got]
+            if crc:
+                c = zlib.crc32(view, c)
+            while view:  # a raw write may be partial
+                view = view[fd.write(view):]
+            n += got
+        if sync:
+            os.fsync(fd.fileno())
+    return n, c
