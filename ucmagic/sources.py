@@ -65,7 +65,7 @@ def is_sql(text: str) -> bool:
 def looks_like_table_name(text: str) -> bool:
     """A dotted string without path syntax or a data-file extension (checked before any I/O)."""
     t = text.strip()
-    if not t or "/" in t or "\\" in t or "://" in t or t.startswith(("~", ".")) or _GLOB_CHARS & set(t):
+    if not t or "/" in t or "\\" in t or t.startswith(("~", ".")) or _GLOB_CHARS & set(t):
         return False
     if "." not in t:
         return False
