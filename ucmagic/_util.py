@@ -1,9 +1,10 @@
-"""Small helpers with one home each: the URL test, the retry policy and the local copy loop.
+"""Small helpers with one home each: the URL test, the retry policy, the local copy loop and atomic writes.
 
-Nothing here imports beyond the standard library and :mod:`ucmagic.errors`, so every module may use it.
+Nothing here imports beyond the standard library, so every module may use it.
 """
 from __future__ import annotations
 
+import itertools
 import os
 import random
 import re
@@ -102,3 +103,33 @@ def copy_local(src: str, dest: str, *, crc: bool = False, sync: bool = False,
         if sync:
             os.fsync(fd.fileno())
     return n, c
+
+
+_tmp_counter = itertools.count()
+
+
+def atomic_write(path: str, data: bytes, *, tmp: str | None = None, sync: bool = False, mode: int = 0o644) -> None:
+    """Replace ``path`` with ``data`` atomically: write a temp file beside it, then rename it over.
+
+    Readers see the old content or the new, never a part. ``tmp`` names the temp file (default
+    ``<path>.tmp-<pid>-<n>``); ``sync=True`` fsyncs it before the rename (durable across a crash).
+    The temp file is removed when the write fails.
+    """
+    tmp = tmp or f"{path}.tmp-{os.getpid()}-{next(_tmp_counter)}"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            if sync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
