@@ -20,7 +20,7 @@ def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
                           timeout=timeout, env=env, cwd=ROOT)
 
 
-@pytest.mark.parametrize("cmd", [[], ["demo"], ["stage"], ["export"], ["ckpt"], ["ckpt", "list"], ["bench"]])
+@pytest.mark.parametrize("cmd", [[], ["demo"], ["load"], ["stage"], ["export"], ["ckpt"], ["ckpt", "list"], ["bench"]])
 def test_help_for_every_command(cmd):
     r = cli(*cmd, "--help")
     assert r.returncode == 0, r.stderr
@@ -199,3 +199,28 @@ def test_temporary_files_of_the_session_stay_in_its_private_dir(_private_tmp, tm
                        capture_output=True, text=True, timeout=60)
     assert r.stdout.strip() == _private_tmp
     assert default_staging_root().startswith(str(tmp_path))
+
+
+def test_load_prints_what_it_would_build_without_loading(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    make_files(str(tmp_path / "imgs"), 7, 1000)
+    r = cli("load", str(tmp_path / "imgs"))
+    assert r.returncode == 0, r.stderr
+    assert "kind: files" in r.stdout and "files: 7" in r.stdout and "7.0 KB" in r.stdout
+    (tmp_path / "pq").mkdir()
+    for i, n in enumerate((100, 50)):
+        pq.write_table(pa.table({"x": list(range(n))}), str(tmp_path / "pq" / f"part{i}.parquet"))
+    r = cli("load", str(tmp_path / "pq"), "--stream")
+    assert r.returncode == 0, r.stderr
+    assert "kind: stream" in r.stdout and "files: 2" in r.stdout and "rows: 150" in r.stdout
+    r = cli("load", str(tmp_path / "imgs"), "--stream")
+    assert r.returncode == 1 and "--stream applies to tables" in r.stderr
+
+
+def test_stage_jobs_is_an_alias_of_concurrency(tmp_path):
+    src, dest = tmp_path / "src", tmp_path / "dest"
+    make_files(str(src), 5, 100)
+    r = cli("stage", str(src), str(dest), "--jobs", "2", "--no-progress")
+    assert r.returncode == 0 and "staged 5 files" in r.stdout, r.stderr

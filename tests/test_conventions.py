@@ -29,14 +29,8 @@ TORCH_COMPAT = "._torch_compat"  # may touch torch's private attributes (that is
 # Each entry is "<check>: <module> <what>". Emptied by the architecture step (issue 17, item 1):
 # fix the code, then delete the entry; test_known_violations_still_occur says which ones to delete.
 KNOWN_VIOLATIONS: frozenset[str] = frozenset({
-    "import cycle: ucmagic.parquet_export -> ucmagic.tables",
-    "import cycle: ucmagic.tables -> ucmagic.parquet_export",
     "private import: ucmagic.magics imports _resolve from ucmagic.checkpoint",
     "private import: ucmagic.parquet_dataset imports _info_mtime from ucmagic.volume",
-    "private import: ucmagic.parquet_export imports _is_url from ucmagic.volume",
-    "private import: ucmagic.parquet_export imports _spark_df from ucmagic.tables",
-    "private import: ucmagic.parquet_export imports _visible from ucmagic.tables",
-    "private import: ucmagic.tables imports _is_url from ucmagic.volume",
 })
 
 

@@ -3,9 +3,11 @@ import time
 
 import pytest
 
-from ucmagic.errors import FetchTimeoutError
 from hypothesis import given
 from hypothesis import strategies as st
+
+from ucmagic._util import RetryPolicy
+from ucmagic.errors import FetchTimeoutError
 
 from ucmagic.fetch import Window, backoff_delays, read_ahead, tune_window, with_retries
 
@@ -150,3 +152,57 @@ def test_slow_calls_get_more_than_the_starting_window():
 
     assert list(read_ahead(slow, range(600), depth=64)) == list(range(600))
     assert peak[0] > 16  # latency-bound calls: the window grew past its start of 8
+
+
+# ------------------------------------------------------------------ the one retry policy
+
+
+
+def _flaky(failures: list[BaseException]):
+    calls = [0]
+
+    def fn():
+        calls[0] += 1
+        if failures:
+            raise failures.pop(0)
+        return "ok"
+
+    return fn, calls
+
+
+def test_retry_policy_retries_transient_errors_and_raises_permanent_ones_at_once():
+    fast = RetryPolicy(3, (FileNotFoundError,), base=0.0)
+    fn, calls = _flaky([OSError("blip"), OSError("blip")])
+    seen = []
+    assert fast.call(fn, on_retry=seen.append) == "ok" and calls[0] == 3 and len(seen) == 2
+    fn, calls = _flaky([FileNotFoundError("gone"), OSError()])
+    with pytest.raises(FileNotFoundError):
+        fast.call(fn)
+    assert calls[0] == 1
+    fn, calls = _flaky([OSError()] * 5)
+    with pytest.raises(OSError):
+        fast.call(fn)
+    assert calls[0] == 4  # one try and three retries
+
+
+def test_retry_policy_leaves_errors_outside_its_transient_set_alone():
+    only_os = RetryPolicy(3, (), transient=(OSError,), base=0.0)
+    fn, calls = _flaky([ValueError("bug")])
+    with pytest.raises(ValueError):
+        only_os.call(fn)
+    assert calls[0] == 1
+
+
+@given(st.integers(0, 20), st.floats(0.001, 1.0), st.floats(1.0, 8.0), st.floats(0.01, 10.0), st.floats(0.0, 1.0))
+def test_retry_delays_grow_and_stay_under_the_cap_plus_jitter(retries, base, factor, cap, jitter):
+    d = RetryPolicy(retries, base=base, factor=factor, cap=cap, jitter=jitter).delays()
+    assert len(d) == retries
+    assert all(0 <= x <= cap * (1 + jitter) + 1e-12 for x in d)
+    nominal = [min(cap, base * factor ** i) for i in range(retries)]
+    assert all(lo <= x <= lo * (1 + jitter) + 1e-12 for lo, x in zip(nominal, d))
+
+
+def test_fetch_backoff_is_the_shared_policy():
+    import random
+
+    assert backoff_delays(4, rng=random.Random(1)) == RetryPolicy(4).delays(random.Random(1))

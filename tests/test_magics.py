@@ -13,7 +13,8 @@ from IPython.core.error import UsageError  # noqa: E402
 from IPython.core.interactiveshell import InteractiveShell  # noqa: E402
 
 from ucmagic import magics  # noqa: E402
-from ucmagic.magics import MagicUsageError, classify_source, expand, split_args  # noqa: E402
+from ucmagic.magics import MagicUsageError, expand, split_args  # noqa: E402
+from ucmagic.sources import classify_source  # noqa: E402
 
 MAGICS = ("ucload", "ucstage", "ucckpt")
 

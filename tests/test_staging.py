@@ -280,3 +280,21 @@ def test_silent_progress_still_counts():
     p.update(1, 5, failed=1)
     p.close()
     assert (p.done, p.nbytes, p.failed) == (2, 15, 1)
+
+
+def test_local_copy_and_atomic_write_helpers(tmp_path):
+    import zlib
+
+    from ucmagic._util import atomic_write, copy_local
+
+    src = tmp_path / "src.bin"
+    data = os.urandom(3 * (1 << 20) + 123)
+    src.write_bytes(data)
+    n, crc = copy_local(str(src), str(tmp_path / "dst.bin"), crc=True, sync=True, buffer_size=1 << 16)
+    assert (n, crc) == (len(data), zlib.crc32(data)) and (tmp_path / "dst.bin").read_bytes() == data
+    assert copy_local(str(src), str(tmp_path / "d2.bin")) == (len(data), 0)
+    target = tmp_path / "rec"
+    atomic_write(str(target), b"old")
+    atomic_write(str(target), b"new", sync=True)
+    assert target.read_bytes() == b"new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d2.bin", "dst.bin", "rec", "src.bin"]  # no temp left

@@ -8,7 +8,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from ucmagic import tables
+from ucmagic import sources, tables
 from ucmagic.errors import SourceNotFoundError
 from ucmagic.tables import (InvalidTableNameError, TableNotFoundError, TableTooLargeError, UnsupportedSourceError,
                             is_sql, load_table, looks_like_table_name, parse_table_name, register_table,
@@ -198,7 +198,7 @@ _FakeDF.__name__ = "DataFrame"
 
 def test_names_go_through_the_active_spark_session_quoted(monkeypatch, catalog):
     log = []
-    monkeypatch.setattr(tables, "active_spark", lambda: types.SimpleNamespace(read=_FakeReader(log)))
+    monkeypatch.setattr(sources, "active_spark", lambda: types.SimpleNamespace(read=_FakeReader(log)))
     df = load_table("main.ml.orders", columns=["id"], limit=3)
     assert len(df) == 3
     assert log == ["`main`.`ml`.`orders`", ("select", ("id",)), ("limit", 3)]

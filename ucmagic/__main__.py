@@ -36,7 +36,8 @@ def _add_stage(sub: argparse._SubParsersAction) -> None:
     p.add_argument("src", help="directory, /Volumes/<catalog>/<schema>/<volume>/... path or fsspec URL")
     p.add_argument("dest", help="local destination directory (created if needed)")
     p.add_argument("-p", "--pattern", default=None, help="glob over relative paths, e.g. '**/*.jpg' (default: all)")
-    p.add_argument("-j", "--concurrency", type=int, default=256, help="copies in flight (default 256)")
+    p.add_argument("-j", "--concurrency", "--jobs", dest="concurrency", type=int, default=256,
+                   help="copies in flight (default 256; --jobs is an alias)")
     p.add_argument("--processes", type=int, default=None, help="worker processes (default: up to 4)")
     p.add_argument("--retries", type=int, default=3, help="retries of a failing copy (default 3)")
     p.add_argument("--verify", choices=["size", "none"], default="size", help="check each copy's size (default size)")
@@ -188,10 +189,31 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def _add_load(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("load", help="show what ucmagic.load / %%ucload would build from SOURCE, without loading it",
+                       description="Classify SOURCE like ucmagic.load and %%ucload do (a directory of files, a table, "
+                                   "or a table streamed with --stream) and print its kind, file count, rows and "
+                                   "bytes. Lists files and reads Parquet footers only; no data is read.")
+    p.add_argument("source", help="directory, /Volumes/... path or URL of files; or a table name, SQL query, "
+                                  "Delta directory or Parquet/CSV path")
+    p.add_argument("-p", "--pattern", default=None, help="files: only those matching GLOB, e.g. '**/*.jpg'")
+    p.add_argument("--files", action="store_true", help="treat SOURCE as a directory of files even if it holds Parquet")
+    p.add_argument("--stream", action="store_true", help="tables: as a streaming loader (ParquetDataset)")
+
+    def run(a: argparse.Namespace) -> int:
+        from .api import describe_load
+
+        print(describe_load(a.source, files=a.files, pattern=a.pattern, stream=a.stream).describe())
+        return 0
+
+    p.set_defaults(func=run)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m ucmagic", description="ucmagic: training data from slow volumes into PyTorch, fast.")
     sub = ap.add_subparsers(dest="command", metavar="COMMAND")
     _add_demo(sub)
+    _add_load(sub)
     _add_stage(sub)
     _add_export(sub)
     _add_ckpt(sub)

@@ -36,6 +36,7 @@ except ImportError:  # pragma: no cover - not POSIX
     fcntl = None  # type: ignore[assignment]
 
 
+from ._util import atomic_write
 from .errors import CacheFullError, UnsafeCacheError
 from .units import format_size, parse_size
 
@@ -341,15 +342,9 @@ class FileCache:
         Taken under the shared eviction lock: once this returns, no eviction that has not seen the
         record is still running, so an entry found present afterwards stays until released.
         """
-        tmp = path + ".tmp"
         data = "\n".join(names).encode()
         with file_lock(self._evict_lock, shared=True):
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            try:
-                os.write(fd, data)
-            finally:
-                os.close(fd)
-            os.replace(tmp, path)
+            atomic_write(path, data, tmp=path + ".tmp", mode=0o600)
 
     def drop_record(self, path: str) -> None:
         for p in (path, path + ".tmp"):

@@ -14,6 +14,7 @@ import tempfile
 import time
 import zlib
 
+from ._util import RetryPolicy, copy_local
 from .cache import pid_running
 from .checkpoint_format import CheckpointCorruptError, CheckpointError, CheckpointUploadError, FileRecord
 from .units import format_size
@@ -78,23 +79,7 @@ def check_free_space(path: str, need: int, reserve: int) -> None:
 
 def _copy(src_path: str, dst_path: str, *, sync: bool) -> tuple[int, int]:
     """Copy with a running CRC-32; return (bytes, crc)."""
-    buf = bytearray(CHUNK)
-    view = memoryview(buf)
-    crc = n = 0
-    with open(src_path, "rb", buffering=0) as src, open(dst_path, "wb", buffering=0) as dst:
-        while True:
-            k = src.readinto(buf)
-            if not k:
-                break
-            chunk = view[:k]
-            crc = zlib.crc32(chunk, crc)
-            pos = 0
-            while pos < k:
-                pos += dst.write(chunk[pos:])
-            n += k
-        if sync:
-            os.fsync(dst.fileno())
-    return n, crc
+    return copy_local(src_path, dst_path, crc=True, sync=sync, buffer_size=CHUNK)
 
 
 def file_crc(path: str) -> tuple[int, int]:
@@ -110,18 +95,12 @@ def file_crc(path: str) -> tuple[int, int]:
 
 
 def _retry(what: str, fn, retries: int = RETRIES):
-    delay = 0.05
-    for attempt in range(retries + 1):
-        try:
-            return fn()
-        except (CheckpointError, FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError):
-            raise
-        except OSError:
-            if attempt >= retries:
-                raise
-            time.sleep(delay)
-            delay *= 4
-    raise AssertionError("unreachable")  # pragma: no cover
+    return RetryPolicy(retries, CHECKPOINT_PERMANENT, transient=(OSError,), base=0.05, factor=4.0,
+                       cap=float("inf"), jitter=0.0).call(fn)
+
+
+# Errors another try will not fix (a checkpoint error is a verdict, not a hiccup).
+CHECKPOINT_PERMANENT = (CheckpointError, FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
 
 
 def upload_file(local: str, remote: str, *, verify: str = "size", delete: bool = True,

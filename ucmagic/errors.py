@@ -101,6 +101,47 @@ class UnsafeCheckpointError(CheckpointError, PermissionError):
     """The checkpoint holds a pickled object that a weights-only load refuses."""
 
 
+# ---------------------------------------------------------------- tables and sources
+
+class InvalidTableNameError(UCMagicError, ValueError):
+    """A string that should be ``catalog.schema.table`` is not."""
+
+
+class TableNotFoundError(SourceNotFoundError):
+    """A well-formed table name that the catalog does not hold."""
+
+
+class UnsupportedSourceError(UCMagicError, TypeError):
+    """An object that no reader or exporter understands."""
+
+
+class TableTooLargeError(UCMagicError, MemoryError):
+    """``load_table`` would need more memory than its budget."""
+
+
+# ---------------------------------------------------------------- staging, launch, magics
+
+class StagingError(UCMagicError, ValueError):
+    """Bad staging arguments (destination inside the source, unknown verify mode...)."""
+
+
+class DistributedRunError(UCMagicError, RuntimeError):
+    """A rank failed in a way that cannot be re-raised as its own exception (it died, or its error
+    could not be pickled)."""
+
+
+class DistributedTimeoutError(UCMagicError, TimeoutError):
+    """A ``@distributed`` run took longer than its ``timeout``."""
+
+
+class LoadUsageError(UCMagicError, ValueError):
+    """``ucmagic.load`` got an option that does not apply to its source (``rows=`` for a directory of files...)."""
+
+
+class MagicUsageError(UCMagicError, ValueError):
+    """A magic was used wrongly (raised instead of IPython's UsageError when ``UCMAGIC_RAISE=1``)."""
+
+
 EXTRAS = {"matplotlib": "notebook", "ipywidgets": "notebook", "IPython": "notebook", "mlflow": "mlflow",
           "s3fs": "s3", "deltalake": "delta", "pyspark": "spark", "mfusepy": "fuse"}
 

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from .errors import import_extra
+from .telemetry import p50_p99
 from .units import format_size, short_name
 
 ALL = "all"
@@ -48,7 +49,7 @@ def figure_png(step: np.ndarray, fetch_s: np.ndarray, misses: np.ndarray, items:
         if mask.any():
             ax.scatter(step[mask], ms[mask], s=9, color=color, label=f"{label} ({int(mask.sum())})", lw=0)
     if len(ms):
-        p50, p99 = np.percentile(ms, [50, 99])
+        p50, p99 = p50_p99(ms)
         ax.axhline(p50, color="tab:green", ls="--", lw=1, label=f"p50 {p50:.2f} ms")
         ax.axhline(p99, color="tab:red", ls="--", lw=1, label=f"p99 {p99:.2f} ms")
         ax.legend(loc="upper right", fontsize="small")
@@ -145,7 +146,7 @@ class Explorer:
         b, m = self.b, self.mask()
         f = b["fetch_s"][m]
         if len(f):
-            p50, p99 = np.percentile(f, [50, 99])
+            p50, p99 = p50_p99(f)
             miss = int(b["misses"][m].sum())
             self.summary.value = (f"{int(m.sum()):,} batches in view &middot; wait p50 {_ms(p50)} &middot; p99 "
                                   f"{_ms(p99)} &middot; max {_ms(float(f.max()))} &middot; total {f.sum():.2f} s"

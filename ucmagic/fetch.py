@@ -15,6 +15,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Callable, Iterable, Iterator, NamedTuple, TypeVar
 
+from ._util import RetryPolicy
 from .errors import CacheFullError, FetchTimeoutError
 
 T = TypeVar("T")
@@ -27,25 +28,12 @@ PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirector
 def backoff_delays(retries: int, base: float = 0.01, cap: float = 2.0, jitter: float = 0.5,
                    rng: random.Random | None = None) -> list[float]:
     """Sleep before each retry: the first retry is immediate-ish, then exponential with jitter."""
-    r = rng or random
-    return [min(cap, base * (2 ** i)) * (1 + jitter * r.random()) for i in range(retries)]
+    return RetryPolicy(retries, PERMANENT, base=base, cap=cap, jitter=jitter).delays(rng)
 
 
 def with_retries(fn: Callable[[T], R], item: T, retries: int, on_retry: Callable[[BaseException], None] | None = None) -> R:
     """Call ``fn(item)``, retrying transient failures ``retries`` times with exponential backoff."""
-    delays = backoff_delays(retries)
-    for attempt in range(retries + 1):
-        try:
-            return fn(item)
-        except PERMANENT:
-            raise
-        except Exception as e:  # noqa: BLE001 - network filesystems raise all kinds of transient errors
-            if attempt >= retries:
-                raise
-            if on_retry:
-                on_retry(e)
-            time.sleep(delays[attempt])
-    raise AssertionError("unreachable")  # pragma: no cover
+    return RetryPolicy(retries, PERMANENT).call(lambda: fn(item), on_retry)
 
 
 _pools: dict[int, ThreadPoolExecutor] = {}

@@ -37,19 +37,12 @@ import traceback
 from datetime import timedelta
 from typing import Any, Callable, Iterator
 
-from .errors import UCMagicError
+from .errors import DistributedRunError, DistributedTimeoutError
 
 TERMINATE_GRACE_S = 5.0
 _UNSET: Any = object()
 
 
-class DistributedRunError(UCMagicError, RuntimeError):
-    """A rank failed in a way that cannot be re-raised as its own exception (it died, or its error
-    could not be pickled)."""
-
-
-class DistributedTimeoutError(UCMagicError, TimeoutError):
-    """A ``@distributed`` run took longer than its ``timeout``."""
 
 
 class RemoteTraceback(Exception):

@@ -420,7 +420,7 @@ def straggler_hints(stats: LoaderStats) -> list[str]:
                 out.append(f"{miss_share:.0%} of the wait is in batches with cache misses (cold cache): "
                            "warm the cache first with `ds.warm()`")
     if n >= 20 and total > 0:
-        p99 = float(np.percentile(fetch, 99))
+        p99 = percentiles(fetch, (99,))["p99"]
         slow = np.flatnonzero(fetch >= p99)
         wait = float(fetch[slow].sum())
         per_file: dict[str, float] = {}

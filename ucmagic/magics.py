@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import keyword
 import os
-import re
 import shlex
 from typing import Any, Callable, NoReturn
 
@@ -24,13 +23,10 @@ from IPython.core.magic_arguments import argument, kwds, magic_arguments  # noqa
 from IPython.utils.text import DollarFormatter  # noqa: E402
 from traitlets import Bool, Enum, Int, Unicode  # noqa: E402
 
-from .errors import UCMagicError
+from ._util import is_url
+from .errors import LoadUsageError, MagicUsageError, UCMagicError
 
-_URL = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.\-]*://")
 
-
-class MagicUsageError(UCMagicError, ValueError):
-    """A magic was used wrongly (raised instead of IPython's UsageError when ``UCMAGIC_RAISE=1``)."""
 
 
 def _raise_mode() -> bool:
@@ -113,51 +109,6 @@ def split_args(line: str) -> list[str]:
         return shlex.split(line, comments=True, posix=True)
     parts = shlex.split(line, comments=True, posix=False)  # keep Windows backslashes
     return [p[1:-1] if len(p) >= 2 and p[0] == p[-1] and p[0] in "\"'" else p for p in parts]
-
-
-def is_url(path: str) -> bool:
-    return bool(_URL.match(path))
-
-
-def classify_source(source: str, *, force: str | None = None) -> str:
-    """``'files'`` (a directory of files), ``'table'`` (a table name, SQL query, Parquet/CSV file or
-    glob, Delta or Parquet directory), ``'file'`` (some other single file) or ``'missing'``."""
-    if force:
-        return force
-    from .tables import is_sql, looks_like_table_name
-
-    if is_sql(source):
-        return "table"
-    if is_url(source):
-        return "table" if source.rstrip("/").endswith((".parquet", ".csv")) else "files"
-    if set("*?[") & set(source):
-        return "table" if source.endswith((".parquet", ".csv")) else "missing"
-    from .volume import resolve_local_path
-
-    real = resolve_local_path(source)
-    if not os.path.exists(real):
-        return "table" if looks_like_table_name(source) else "missing"
-    if os.path.isfile(real):
-        return "table" if real.endswith((".parquet", ".csv")) else "file"
-    if os.path.isdir(os.path.join(real, "_delta_log")):
-        return "table"
-    return "table" if _all_parquet(real) else "files"
-
-
-def _all_parquet(root: str, limit: int = 200) -> bool:
-    """True when the first files found under ``root`` (up to ``limit``) are all Parquet files."""
-    seen = 0
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if not d.startswith((".", "_"))]
-        for f in filenames:
-            if f.startswith((".", "_")):
-                continue
-            if not f.endswith(".parquet"):
-                return False
-            seen += 1
-            if seen >= limit:
-                return True
-    return seen > 0
 
 
 def check_identifier(name: str) -> bool:
@@ -296,65 +247,34 @@ class UcMagics(Magics):
                 limit = parse_size(a.limit)
             except ValueError as exc:
                 _fail("ucload", f"--limit: {exc}")
-        kind = classify_source(a.source, force="files" if a.files else None)
-        if kind == "missing" and set("*?[") & set(a.source):
-            _fail("ucload", f"{a.source}: pass the directory as SOURCE and the glob with -p, "
-                            "e.g. %ucload /data/images -p \"*.jpg\"")
-        if kind == "missing":
-            hint = ""
-            if a.source.startswith("/Volumes/") and not os.environ.get("UCMAGIC_CATALOG_ROOT"):
-                hint = " (outside Databricks, set UCMAGIC_CATALOG_ROOT to map /Volumes/... to a local directory)"
-            _fail("ucload", f"{a.source} does not exist: check the path or the table name{hint}")
-        if kind == "file":
-            _fail("ucload", f"{a.source} is a file: pass the directory that holds your files "
-                            "(use -p GLOB to pick some)")
         columns = [c.strip() for c in a.columns.split(",") if c.strip()] if a.columns else None
-        if kind == "files":
-            for flag, v in (("--rows", a.rows), ("--columns", a.columns), ("--stream", a.stream or None)):
-                if v is not None:
-                    _fail("ucload", f"{flag} applies to tables, but {a.source} is a directory of files")
-            self._early_panel(a)
-            try:
-                result = self._load_files(a, limit)
-            except BaseException as exc:
-                self._panel_failed(a, exc)
-                raise
-        else:
-            if a.pattern is not None:
-                _fail("ucload", f"-p applies to directories of files, but {a.source} is a table "
-                                "(add --files to read its files as files)")
-            if a.stream:
-                if a.rows is not None:
-                    _fail("ucload", "--rows applies to DataFrames; with --stream every row is read")
-                self._early_panel(a)
-                try:
-                    result = self._stream_table(a, columns, limit)
-                except BaseException as exc:
-                    self._panel_failed(a, exc)
-                    raise
-            else:
-                for flag, v in (("-b", a.batch_size), ("-w", a.workers), ("--shuffle", a.shuffle or None),
-                                ("--limit", a.limit), ("--cache-dir", a.cache_dir)):
-                    if v is not None:
-                        _fail("ucload", f"{flag} applies to loaders: add --stream to stream {a.source}")
-                from .tables import load_table
+        from .api import load
 
-                result = load_table(a.source, columns=columns, limit=a.rows)
+        a.panel, a.loader_kind = None, None
+        try:
+            result = load(a.source, files=a.files, pattern=a.pattern, batch_size=a.batch_size,
+                          num_workers=a.workers if a.workers is not None else self.workers, shuffle=a.shuffle,
+                          seed=a.seed, cache_dir=a.cache_dir or self.cache_dir, cache_limit=limit,
+                          rows=a.rows, columns=columns, stream=a.stream, on_start=lambda kind: self._early_panel(a, kind),
+                          **self._loader_kwargs(a))
+        except LoadUsageError as exc:
+            _fail("ucload", str(exc))
+        except BaseException as exc:
+            self._panel_failed(a, exc)
+            raise
+        if a.loader_kind is not None:  # a DataLoader (files, or a table with --stream): attach the display
+            result = self._finish_loader(result, a)
         if a.out:
             self._bind(a.out, result)
             return None
         return result
 
     def _loader_kwargs(self, a: Any) -> dict[str, Any]:
-        kw: dict[str, Any] = {} if self.mlflow else {"log_to_mlflow": False}
-        workers = a.workers if a.workers is not None else self.workers
-        if workers is not None:
-            kw["num_workers"] = workers
-        return kw
+        return {} if self.mlflow else {"log_to_mlflow": False}
 
-    def _early_panel(self, a: Any) -> None:
+    def _early_panel(self, a: Any, kind: str) -> None:
         """Show the live panel at once in a "starting / listing" state (imports and listing take seconds)."""
-        a.panel = None
+        a.panel, a.loader_kind = None, kind
         if a.no_widget:
             return
         from .widget import WidgetView, resolve_mode
@@ -377,24 +297,6 @@ class UcMagics(Magics):
                 attach_monitor(loader, mode=mode, view=getattr(a, "panel", None), explore=a.explore)
         return loader
 
-    def _load_files(self, a: Any, limit: int | None) -> Any:
-        from .dataset import UCVolumeDataset
-        from .loader import DataLoader
-
-        ds = UCVolumeDataset(a.source, pattern=a.pattern, cache_dir=a.cache_dir or self.cache_dir,
-                             cache_limit=limit, shuffle=a.shuffle, seed=a.seed)
-        loader = DataLoader(ds, batch_size=a.batch_size or 32, **self._loader_kwargs(a))
-        return self._finish_loader(loader, a)
-
-    def _stream_table(self, a: Any, columns: list[str] | None, limit: int | None) -> Any:
-        from .loader import DataLoader
-        from .parquet import ParquetDataset
-
-        ds = ParquetDataset(a.source, columns=columns, batch_size=a.batch_size or 1024, shuffle=a.shuffle,
-                            seed=a.seed, cache_dir=a.cache_dir or self.cache_dir, cache_limit=limit)
-        loader = DataLoader(ds, batch_size=None, **self._loader_kwargs(a))
-        return self._finish_loader(loader, a)
-
     # -------------------------------------------------------------- %ucstage
 
     @no_var_expand
@@ -405,7 +307,8 @@ class UcMagics(Magics):
     @argument("source", help="directory (or URL) to copy; with --export: a table name, path, SQL query, "
                              "or the name of a DataFrame variable")
     @argument("dest", help="local directory to copy into; with --export: the output directory")
-    @argument("-j", "--jobs", type=int, default=None, metavar="N", help="parallel copies (default 256)")
+    @argument("-j", "--concurrency", "--jobs", dest="concurrency", type=int, default=None, metavar="N",
+              help="parallel copies (default 256; --jobs is an alias)")
     @argument("-p", "--pattern", metavar="GLOB", help="only files matching GLOB")
     @argument("--export", action="store_true", help="export a table as Parquet files instead of copying files")
     @argument("--file-size", metavar="SIZE", default=None, help="--export: target size of each file (default 1GB)")
@@ -417,7 +320,7 @@ class UcMagics(Magics):
         a = self._parse("ucstage", UcMagics.ucstage, line, local_ns)
         self._check_out("ucstage", a.out)
         if a.export:
-            if a.jobs is not None or a.pattern is not None:
+            if a.concurrency is not None or a.pattern is not None:
                 _fail("ucstage", "-j and -p apply to file staging, not to --export")
             size = "1GB"
             if a.file_size is not None:
@@ -441,14 +344,14 @@ class UcMagics(Magics):
         else:
             if a.file_size is not None:
                 _fail("ucstage", "--file-size applies to --export only")
-            if a.jobs is not None and a.jobs < 1:
-                _fail("ucstage", f"-j must be >= 1, got {a.jobs}")
+            if a.concurrency is not None and a.concurrency < 1:
+                _fail("ucstage", f"-j must be >= 1, got {a.concurrency}")
             _check_exists("ucstage", a.source, directory=True)
             from .staging import stage
 
             kw: dict[str, Any] = {"pattern": a.pattern}
-            if a.jobs is not None:
-                kw["concurrency"] = a.jobs
+            if a.concurrency is not None:
+                kw["concurrency"] = a.concurrency
             result = stage(a.source, a.dest, **kw)
         if a.out:
             self._bind(a.out, result)

@@ -21,6 +21,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from .telemetry import p50_p99
+
 PREFIX = "dataloader"
 MAX_METRICS_PER_CALL = 1000  # MLflow's log_batch limit
 DEFAULT_INTERVAL_S = 5.0
@@ -58,7 +60,7 @@ def window_metrics(fetch: list[float], compute: list[float]) -> dict[str, float]
     c = np.asarray(compute, dtype=float)
     if not len(f):
         return {}
-    p50, p99 = np.percentile(f, [50, 99])
+    p50, p99 = p50_p99(f)
     total = float(f.sum() + c.sum())
     return {"fetch_seconds": float(f.mean()), "compute_seconds": float(c.mean()) if len(c) else 0.0,
             "fetch_p50_seconds": float(p50), "fetch_p99_seconds": float(p99), "fetch_max_seconds": float(f.max()),

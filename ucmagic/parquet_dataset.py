@@ -23,10 +23,10 @@ from . import plan, telemetry
 from .cache import FileCache, cache_key
 from .dist import dist_info, local_world_size
 from .epochs import EpochTracking, check_state_kind
-from .errors import ListingChangedError
+from .errors import ListingChangedError, UnsupportedSourceError
 from .fetch import read_ahead, with_retries
 from .parquet_rows import EpochLayout, Segment
-from .tables import UnsupportedSourceError, delta_files, resolve_source
+from .sources import delta_files, resolve_source
 
 STATE_VERSION = 1
 DEFAULT_SHUFFLE_BUFFER = 65536

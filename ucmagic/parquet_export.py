@@ -27,11 +27,12 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from .errors import SourceNotADirectoryError, UCMagicError
-from .tables import (MANIFEST, Source, UnsupportedSourceError, _spark_df, _visible, connect, delta_files,
-                     duckdb_relation, resolve_source)
+from ._util import is_remote_url
+from .errors import SourceNotADirectoryError, UCMagicError, UnsupportedSourceError
+from .sources import (MANIFEST, Source, connect, delta_files, duckdb_relation, is_data_path, resolve_source,
+                      spark_dataframe)
 from .units import format_size, parse_size
-from .volume import _is_url, resolve_local_path
+from .volume import resolve_local_path
 
 EXPORT_MODES = ("overwrite", "append", "error")
 MAX_ROW_GROUP_ROWS = 131072
@@ -274,7 +275,7 @@ def _spark_row_bytes(df: Any, sample: int = 20000) -> float:
 
 
 def _write_spark(src: Source, staging: str, target: int, cols: list[str], compression: str) -> None:
-    df = _spark_df(src)
+    df = spark_dataframe(src)
     rows = df.count()
     nfiles, per_file = spark_file_plan(rows, _spark_row_bytes(df), target)
     df = df.repartition(nfiles, *cols) if cols else df.repartition(nfiles)
@@ -295,7 +296,7 @@ def _publish_remote(local_staging: str, rels: list[str], dest: str, storage_opti
     root = root.rstrip("/")
     fs.makedirs(root, exist_ok=True)
     prefix = root + "/"
-    old = [p for p in (fs.find(root) if fs.exists(root) else []) if p.endswith(".parquet") and _visible(p[len(prefix):])]
+    old = [p for p in (fs.find(root) if fs.exists(root) else []) if p.endswith(".parquet") and is_data_path(p[len(prefix):])]
     for r in rels:
         fs.put_file(os.path.join(local_staging, r), prefix + r)
     listed = rels
@@ -346,7 +347,7 @@ def export_parquet(source: Any, dest: str | os.PathLike, *, target_file_size: in
     spark = src.kind in ("spark", "spark_table")
     dest = os.fspath(dest)
     export_id = uuid.uuid4().hex[:12]
-    remote = _is_url(dest) and not dest.startswith("file://")
+    remote = is_remote_url(dest)
     if remote:
         if spark:
             raise UnsupportedSourceError(

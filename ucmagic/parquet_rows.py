@@ -128,10 +128,6 @@ class EpochLayout:
         """Row-group id of each piece, in delivery order (whole groups unless in node mode)."""
         return self.piece_group
 
-    def window_groups(self, w: int) -> np.ndarray:
-        """Row-group ids of window ``w``'s pieces, in the order their rows are concatenated."""
-        return self.piece_group[self.win_slots[w]:self.win_slots[w + 1]]
-
     def window_pieces(self, w: int) -> list[tuple[int, int, int]]:
         """``(group, lo, hi)`` of window ``w``: rows ``lo..hi`` of each row group, concatenated in order."""
         a, b = int(self.win_slots[w]), int(self.win_slots[w + 1])

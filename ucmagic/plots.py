@@ -5,6 +5,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from .telemetry import p50_p99
+
 
 def latency_figure(fetch_s: Sequence[float], compute_s: Sequence[float] | None = None, *,
                    title: str | None = None, bins: int = 50) -> Any:
@@ -29,7 +31,7 @@ def latency_figure(fetch_s: Sequence[float], compute_s: Sequence[float] | None =
     ax_hist.set_xlabel("fetch latency (ms)")
     ax_hist.set_ylabel("batches")
     if len(fetch_ms):
-        p50, p99 = np.percentile(fetch_ms, [50, 99])
+        p50, p99 = p50_p99(fetch_ms)
         for ax, draw in ((ax_line, ax_line.axhline), (ax_hist, ax_hist.axvline)):
             draw(p50, color="tab:green", ls="--", lw=1, label=f"p50 {p50:.2f} ms")
             draw(p99, color="tab:red", ls="--", lw=1, label=f"p99 {p99:.2f} ms")

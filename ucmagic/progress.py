@@ -23,7 +23,8 @@ from typing import Any, TextIO
 
 from .units import format_size
 
-MODES = (True, False, None, "auto", "text", "widget", "off")
+DISPLAY_MODES = ("auto", "widget", "text", "off")  # the string values of progress= / $UCMAGIC_PROGRESS
+MODES = (True, False, None, *DISPLAY_MODES)
 MIN_RATE_S = 0.5  # seconds before a rate or an ETA is shown
 
 
@@ -66,7 +67,7 @@ def format_progress(done: int, total: int | None, nbytes: int, elapsed: float, *
 
 
 def in_notebook() -> bool:
-    """True inside a notebook frontend (Jupyter, VS Code, Databricks), where widgets can render."""
+    """True inside a notebook frontend or Jupyter-protocol kernel (JupyterLab, VS Code, Databricks)."""
     ip_mod = sys.modules.get("IPython")
     if ip_mod is None:
         return False
@@ -76,7 +77,8 @@ def in_notebook() -> bool:
         return False
     if ip is None:
         return False
-    return type(ip).__name__ in ("ZMQInteractiveShell", "DatabricksShell") or "zmq" in type(ip).__module__
+    return (type(ip).__name__ in ("ZMQInteractiveShell", "DatabricksShell") or "zmq" in type(ip).__module__
+            or getattr(ip, "kernel", None) is not None)
 
 
 def widgets_available() -> bool:
@@ -88,29 +90,36 @@ def widgets_available() -> bool:
     return True
 
 
+def display_mode(mode: str | None = "auto") -> str:
+    """``"widget"``, ``"text"`` or ``"off"``: an explicit mode wins, then ``$UCMAGIC_PROGRESS``, then
+    auto (the widget in a notebook with ipywidgets, else text). ``"auto"`` defers to the next; a
+    widget without ipywidgets falls back to text. The one home of display-mode resolution."""
+    for m in (mode, os.environ.get("UCMAGIC_PROGRESS")):
+        m = (m or "").strip().lower()
+        if m in ("", "auto"):
+            continue
+        if m not in DISPLAY_MODES:
+            raise ValueError(f"progress must be True, False, 'text', 'widget', 'off' or 'auto', got {m!r} "
+                             "(also in $UCMAGIC_PROGRESS and %config UcMagics.progress)")
+        if m == "widget" and not widgets_available():
+            return "text"
+        return m
+    return "widget" if in_notebook() and widgets_available() else "text"
+
+
 def resolve_mode(mode: Any) -> str | None:
     """Map the user's ``progress=`` value to ``"text"``, ``"widget"`` or ``None`` (silent).
 
-    ``False``/``None``/``"off"`` -> silent; ``"text"``/``"widget"`` as asked (widget falls back to text
-    without ipywidgets); ``True``/``"auto"`` -> ``$UCMAGIC_PROGRESS`` (widget|text|off) when set, else the
-    widget in a notebook frontend and text elsewhere.
+    ``False``/``None``/``"off"`` -> silent; ``True``/``"auto"`` and strings as :func:`display_mode`.
     """
     if mode is None or mode is False:
         return None
     if mode is True:
         mode = "auto"
-    m = str(mode).strip().lower() if isinstance(mode, str) else mode
-    if m == "auto":
-        m = (os.environ.get("UCMAGIC_PROGRESS") or "auto").strip().lower()
-        if m == "auto":
-            m = "widget" if in_notebook() else "text"
-    if m == "off":
-        return None
-    if m == "text":
-        return "text"
-    if m == "widget":
-        return "widget" if widgets_available() else "text"
-    raise ValueError(f"progress must be True, False, 'text', 'widget', 'off' or 'auto', got {mode!r}")
+    if not isinstance(mode, str):
+        raise ValueError(f"progress must be True, False, 'text', 'widget', 'off' or 'auto', got {mode!r}")
+    m = display_mode(mode)
+    return None if m == "off" else m
 
 
 # ---------------------------------------------------------------- the display

@@ -1,7 +1,7 @@
 """stage(): copy a tree of many small files from a slow volume to local disk, in parallel.
 
 The documented recipe is ``find . -type f -print0 | xargs -0 -P 256 -I {} cp --parents "{}" /tmp/``.
-:func:`stage` does the same job faster (one listing, kernel ``sendfile`` copies on threads spread
+:func:`stage` does the same job faster (one listing, plain-read copies into a reused buffer on threads spread
 over a few processes, no process per file) and safely: files already staged and unchanged are
 skipped, every file lands atomically (temp file + rename), transient errors are retried, and
 failures are reported per file instead of scrolling past.
@@ -11,14 +11,14 @@ from __future__ import annotations
 import itertools
 import multiprocessing as mp
 import os
-import threading
 import time
 import warnings
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from .errors import FetchError, UCMagicError
+from ._util import copy_local
+from .errors import FetchError, StagingError
 from .fetch import with_retries
 from .progress import Progress
 from .units import format_size
@@ -29,9 +29,6 @@ MAX_PROCESSES = 4
 MIN_FILES_PER_PROCESS = 128  # below this, another process costs more to start than it saves
 TMP_PREFIX = ".ucstage-"
 
-
-class StagingError(UCMagicError, ValueError):
-    """Bad staging arguments (destination inside the source, unknown verify mode...)."""
 
 
 @dataclass(frozen=True)
@@ -146,8 +143,6 @@ def dest_path(dest_root: str, rel: str) -> str:
 # ---------------------------------------------------------------- copying one file
 
 _tmp_counter = itertools.count()
-_buffers = threading.local()
-BUFFER_SIZE = 1 << 20
 
 
 def sweep_temp_files(dest_root: str, rel_dirs: set[str]) -> int:
@@ -176,24 +171,8 @@ def sweep_temp_files(dest_root: str, rel_dirs: set[str]) -> int:
 
 
 def copy_file(src: str, dest: str) -> int:
-    """Copy a local or mounted file with plain reads into a reused per-thread buffer; return bytes.
-
-    Measured on a FUSE mount, this is ~2x faster than ``os.sendfile`` (which splices the source
-    page by page) and allocates nothing per file.
-    """
-    buf = getattr(_buffers, "buf", None)
-    if buf is None:
-        buf = _buffers.buf = memoryview(bytearray(BUFFER_SIZE))
-    n = 0
-    with open(src, "rb", buffering=0) as fs, open(dest, "wb", buffering=0) as fd:
-        while True:
-            got = fs.readinto(buf)
-            if not got:
-                return n
-            view = buf[:got]
-            while view:  # a raw write may be partial
-                view = view[fd.write(view):]
-            n += got
+    """Copy a local or mounted file with plain reads (:func:`ucmagic._util.copy_local`); return bytes."""
+    return copy_local(src, dest)[0]
 
 
 def fetch_to(vol: Volume, rel: str, dest: str) -> int:

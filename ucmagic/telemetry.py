@@ -27,6 +27,12 @@ def percentiles(values: Sequence[float], qs: Sequence[float] = (50, 90, 99)) -> 
     return {f"p{q:g}": float(np.percentile(arr, q)) for q in qs}
 
 
+def p50_p99(values: Sequence[float]) -> tuple[float, float]:
+    """The median and the 99th percentile of non-empty ``values`` (as :func:`percentiles`)."""
+    pct = percentiles(values, (50, 99))
+    return pct["p50"], pct["p99"]
+
+
 def current_slot() -> int:
     try:
         from torch.utils.data import get_worker_info

@@ -17,6 +17,7 @@ from functools import lru_cache
 from typing import Any, Iterable, Iterator, NamedTuple
 
 from . import ranged
+from ._util import is_remote_url
 from .errors import EmptyListingError, FetchError, SourceChangedError, SourceNotADirectoryError, SourceNotFoundError
 
 COPY_CHUNK = 4 << 20
@@ -197,10 +198,6 @@ def existing_local_path(path: str) -> str:
     if not os.path.exists(real):
         raise SourceNotFoundError(f"{path} does not exist: {missing_path_hint(path)}")
     return real
-
-
-def _is_url(path: str) -> bool:
-    return bool(re.match(r"^[a-zA-Z][a-zA-Z0-9+.\-]*://", path))
 
 
 class Volume:
@@ -459,7 +456,7 @@ def open_volume(path: Any, storage_options: dict[str, Any] | None = None) -> Vol
     if isinstance(path, Volume):
         return path
     path = os.fspath(path)
-    if _is_url(path) and not path.startswith("file://"):
+    if is_remote_url(path):
         vol = FsspecVolume(path, storage_options)
         try:
             exists, isdir = vol.fs.exists(vol.root), vol.fs.isdir(vol.root)

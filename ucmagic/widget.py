@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import html
 import math
-import os
 import sys
 import time
 import weakref
@@ -24,10 +23,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence, TextIO
 
-from .progress import format_duration
+from .progress import display_mode, format_duration
 from .units import format_size
 
-MODES = ("auto", "widget", "text", "off")
 DEFAULT_RATE_HZ = 4.0
 WINDOW = 256  # recent batches kept for the plot and the percentiles
 PLOT_POINTS = 120  # points drawn in the sparkline
@@ -98,10 +96,6 @@ def format_ms(ms: float) -> str:
     if not math.isfinite(ms):
         return "-"
     return f"{ms:.0f} ms" if ms >= 10 else f"{ms:.1f} ms"
-
-
-def _pct(num: float, den: float) -> str:
-    return f"{100.0 * num / den:.0f}%" if den else "-"
 
 
 def text_line(s: Snapshot) -> str:
@@ -222,37 +216,9 @@ class RunSeries:
 
 # ------------------------------------------------------------------ choosing a display
 
-def in_notebook() -> bool:
-    """True inside a Jupyter-protocol kernel (JupyterLab, Notebook, VS Code, Databricks)."""
-    from .progress import in_notebook as frontend
-
-    if frontend():
-        return True
-    ip_mod = sys.modules.get("IPython")
-    ip = ip_mod.get_ipython() if ip_mod is not None else None
-    return ip is not None and getattr(ip, "kernel", None) is not None
-
-
-def _have_ipywidgets() -> bool:
-    from .progress import widgets_available
-
-    return widgets_available()
-
-
 def resolve_mode(mode: str | None = None) -> str:
-    """``widget``, ``text`` or ``off``: an explicit mode wins, then ``UCMAGIC_PROGRESS``, then auto
-    (the widget in a notebook frontend with ipywidgets, else text). ``auto`` defers to the next."""
-    for m in (mode, os.environ.get("UCMAGIC_PROGRESS")):
-        m = (m or "").strip().lower()
-        if m in ("", "auto"):
-            continue
-        if m not in MODES:
-            raise ValueError(f"progress mode must be one of {', '.join(MODES)}, got {m!r} "
-                             "(set UCMAGIC_PROGRESS or %config UcMagics.progress)")
-        if m == "widget" and not _have_ipywidgets():
-            return "text"
-        return m
-    return "widget" if in_notebook() and _have_ipywidgets() else "text"
+    """``widget``, ``text`` or ``off`` (see :func:`ucmagic.progress.display_mode`, its one home)."""
+    return display_mode(mode)
 
 
 # ------------------------------------------------------------------ views

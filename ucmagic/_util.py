@@ -1,0 +1,135 @@
+"""Small helpers with one home each: the URL test, the retry policy, the local copy loop and atomic writes.
+
+Nothing here imports beyond the standard library, so every module may use it.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import random
+import re
+import threading
+import time
+import zlib
+from dataclasses import dataclass
+from typing import Callable, TypeVar
+
+R = TypeVar("R")
+
+_URL_RE = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.\-]*://")
+
+
+def is_url(path: str) -> bool:
+    """True for ``scheme://...`` (``s3://``, ``file://``, ``slow://``...), False for local and ``/Volumes`` paths."""
+    return bool(_URL_RE.match(path))
+
+
+def is_remote_url(path: str) -> bool:
+    """A URL that is not ``file://`` (read through fsspec rather than the local filesystem)."""
+    return is_url(path) and not path.startswith("file://")
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How to retry a call: which errors are final, which are worth another try, and how long to wait.
+
+    ``permanent`` errors are raised at once; ``transient`` ones are retried up to ``retries`` times,
+    sleeping ``min(cap, base * factor**i) * (1 + jitter * random())`` before retry ``i``; anything
+    else is raised at once.
+    """
+
+    retries: int = 3
+    permanent: tuple[type[BaseException], ...] = (FileNotFoundError, PermissionError,
+                                                  IsADirectoryError, NotADirectoryError)
+    transient: tuple[type[BaseException], ...] = (Exception,)
+    base: float = 0.01
+    factor: float = 2.0
+    cap: float = 2.0
+    jitter: float = 0.5
+
+    def delays(self, rng: random.Random | None = None) -> list[float]:
+        """The sleep before each retry."""
+        r = rng or random
+        return [min(self.cap, self.base * self.factor ** i) * (1 + self.jitter * r.random())
+                for i in range(self.retries)]
+
+    def call(self, fn: Callable[[], R], on_retry: Callable[[BaseException], None] | None = None) -> R:
+        """``fn()``, retried on transient errors per this policy."""
+        delays = self.delays()
+        for attempt in range(self.retries + 1):
+            try:
+                return fn()
+            except self.permanent:
+                raise
+            except self.transient as e:
+                if attempt >= self.retries:
+                    raise
+                if on_retry:
+                    on_retry(e)
+                time.sleep(delays[attempt])
+        raise AssertionError("unreachable")  # pragma: no cover
+
+
+_buffers = threading.local()
+COPY_BUFFER = 1 << 20
+
+
+def copy_local(src: str, dest: str, *, crc: bool = False, sync: bool = False,
+               buffer_size: int = COPY_BUFFER) -> tuple[int, int]:
+    """Copy a local or mounted file with plain reads into a reused per-thread buffer; ``(bytes, crc32)``.
+
+    On a FUSE mount this is ~2x faster than ``os.sendfile`` (which splices the source page by page)
+    and allocates nothing per file. ``crc=True`` computes the CRC-32 on the way (else 0);
+    ``sync=True`` fsyncs ``dest`` before returning.
+    """
+    bufs = getattr(_buffers, "bufs", None)
+    if bufs is None:
+        bufs = _buffers.bufs = {}
+    buf = bufs.get(buffer_size)
+    if buf is None:
+        buf = bufs[buffer_size] = memoryview(bytearray(buffer_size))
+    n = c = 0
+    with open(src, "rb", buffering=0) as fs, open(dest, "wb", buffering=0) as fd:
+        while True:
+            got = fs.readinto(buf)
+            if not got:
+                break
+            view = buf[:got]
+            if crc:
+                c = zlib.crc32(view, c)
+            while view:  # a raw write may be partial
+                view = view[fd.write(view):]
+            n += got
+        if sync:
+            os.fsync(fd.fileno())
+    return n, c
+
+
+_tmp_counter = itertools.count()
+
+
+def atomic_write(path: str, data: bytes, *, tmp: str | None = None, sync: bool = False, mode: int = 0o644) -> None:
+    """Replace ``path`` with ``data`` atomically: write a temp file beside it, then rename it over.
+
+    Readers see the old content or the new, never a part. ``tmp`` names the temp file (default
+    ``<path>.tmp-<pid>-<n>``); ``sync=True`` fsyncs it before the rename (durable across a crash).
+    The temp file is removed when the write fails.
+    """
+    tmp = tmp or f"{path}.tmp-{os.getpid()}-{next(_tmp_counter)}"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            if sync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise

@@ -1,0 +1,452 @@
+"""Sources: what a name or path points at, and how to read it.
+
+Table names (``catalog.schema.table``: Spark when a session is active, else the local catalog under
+``$UCMAGIC_CATALOG_ROOT``), their resolution into a :class:`Source` (:func:`resolve_source`),
+DuckDB and Spark relations over a source, and the "files or table?" question
+(:func:`classify_source`) that :func:`ucmagic.load`, ``%ucload`` and ``python -m ucmagic load`` ask.
+Used by :mod:`ucmagic.tables`, :mod:`ucmagic.parquet_export` and :mod:`ucmagic.parquet_dataset`; it
+imports none of them. Names are validated and never pasted into SQL.
+"""
+from __future__ import annotations
+
+import glob as globmod
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from ._util import is_remote_url, is_url
+from .errors import (InvalidTableNameError, SourceNotFoundError, TableNotFoundError, UnsupportedSourceError,
+                     import_extra)
+from .units import parse_size
+from .volume import existing_local_path, resolve_local_path
+
+
+# ---------------------------------------------------------------- names (pure)
+
+_IDENT = r"[A-Za-z0-9_][A-Za-z0-9_\-]{0,254}"
+_NAME_RE = re.compile(rf"^({_IDENT})\.({_IDENT})\.({_IDENT})$")
+_SQL_RE = re.compile(r"^\s*(select|with|from|values|table|pivot|unpivot|summarize|describe|show)\b", re.I | re.S)
+DATA_EXTS = {"parquet", "pq", "csv", "tsv", "gz", "zst", "json", "delta"}
+_GLOB_CHARS = set("*?[")
+
+
+@dataclass(frozen=True)
+class TableName:
+    catalog: str
+    schema: str
+    table: str
+
+    def __str__(self) -> str:
+        return f"{self.catalog}.{self.schema}.{self.table}"
+
+    def quoted(self) -> str:
+        """Backtick-quoted for Spark (parts are validated, so they hold no backtick)."""
+        return ".".join(f"`{p}`" for p in (self.catalog, self.schema, self.table))
+
+
+def parse_table_name(name: str) -> TableName:
+    """Validate ``catalog.schema.table`` (letters, digits, ``_``, ``-``; no dots, quotes or slashes)."""
+    m = _NAME_RE.match(name.strip()) if isinstance(name, str) else None
+    if not m:
+        raise InvalidTableNameError(
+            f"{name!r} is not a table name nor an existing path: table names have three parts, "
+            "catalog.schema.table, each made of letters, digits, '_' or '-' (e.g. 'main.sales.orders')"
+        )
+    return TableName(*m.groups())
+
+
+def is_sql(text: str) -> bool:
+    """True for a string that reads as a SQL query (``SELECT ...``, ``WITH ...``, ``FROM ...``)."""
+    return bool(_SQL_RE.match(text)) and any(c.isspace() for c in text.strip())
+
+
+def looks_like_table_name(text: str) -> bool:
+    """A dotted string without path syntax or a data-file extension (checked before any I/O)."""
+    t = text.strip()
+    if not t or "/" in t or "\\" in t or t.startswith(("~", ".")) or _GLOB_CHARS & set(t):
+        return False
+    if "." not in t:
+        return False
+    return t.rsplit(".", 1)[-1].lower() not in DATA_EXTS
+
+
+# ---------------------------------------------------------------- Spark and the local catalog
+
+def active_spark() -> Any | None:
+    """The active Spark session (classic or Spark Connect), or None. Never imports pyspark itself."""
+    if "pyspark" not in sys.modules:
+        return None
+    for modname in ("pyspark.sql", "pyspark.sql.connect.session"):
+        mod = sys.modules.get(modname)
+        cls = getattr(mod, "SparkSession", None) if mod else None
+        if cls is None:
+            continue
+        try:
+            s = cls.getActiveSession()
+        except Exception:  # noqa: BLE001 - a half-initialised JVM must not break local use
+            s = None
+        if s is not None:
+            return s
+    return None
+
+
+def is_spark_dataframe(obj: Any) -> bool:
+    mod = type(obj).__module__ or ""
+    return mod.startswith("pyspark.sql") and type(obj).__name__ == "DataFrame"
+
+
+def catalog_root() -> str:
+    root = os.environ.get("UCMAGIC_CATALOG_ROOT")
+    if not root:
+        raise TableNotFoundError(
+            "no Spark session is active and UCMAGIC_CATALOG_ROOT is not set: set it to a directory "
+            "that holds <catalog>/<schema>/<table> (the local catalog), or start a Spark session"
+        )
+    return os.path.abspath(os.path.expanduser(root))
+
+
+def table_path(name: str | TableName) -> str:
+    """Local-catalog directory of a table: ``$UCMAGIC_CATALOG_ROOT/<catalog>/<schema>/<table>``."""
+    t = name if isinstance(name, TableName) else parse_table_name(name)
+    return os.path.join(catalog_root(), t.catalog, t.schema, t.table)
+
+
+def list_tables(root: str | None = None) -> list[str]:
+    """Names of the tables in the local catalog (directories three levels down, ``volumes`` excluded)."""
+    root = root or catalog_root()
+    out = []
+    for path in sorted(globmod.glob(os.path.join(root, "*", "*", "*"))):
+        c, s, t = path.split(os.sep)[-3:]
+        if os.path.isdir(path) and t != "volumes" and not t.startswith((".", "_")) and _NAME_RE.match(f"{c}.{s}.{t}"):
+            out.append(f"{c}.{s}.{t}")
+    return out
+
+
+def is_delta_dir(path: str) -> bool:
+    return os.path.isdir(os.path.join(path, "_delta_log"))
+
+
+# ---------------------------------------------------------------- sources
+
+@dataclass
+class Source:
+    """What to read. ``kind``: spark, spark_table, pandas, arrow, duckdb, sql, delta, parquet, csv."""
+
+    kind: str
+    obj: Any = None
+    paths: list[str] = field(default_factory=list)  # local files, or URLs (remote=True)
+    root: str | None = None  # the directory a path source came from
+    version: int | None = None
+    name: str | None = None
+    remote: bool = False
+    storage_options: dict[str, Any] | None = None
+
+    def describe(self) -> str:
+        if self.name:
+            return self.name
+        if self.root:
+            return self.root
+        if self.paths:
+            return self.paths[0] + (f" (+{len(self.paths) - 1} files)" if len(self.paths) > 1 else "")
+        return self.kind
+
+
+def is_data_path(rel: str) -> bool:
+    """Data files only: no hidden or side files (``_SUCCESS``, ``.crc``, ``_delta_log``...)."""
+    return not any(part.startswith(("_", ".")) for part in rel.split("/"))
+
+
+def _kind_of_file(path: str) -> str | None:
+    low = path.lower()
+    if low.endswith((".parquet", ".pq")) or re.search(r"\.parquet\.[a-z0-9]+$", low):
+        return "parquet"
+    if low.endswith((".csv", ".tsv", ".csv.gz", ".tsv.gz", ".csv.zst")):
+        return "csv"
+    return None
+
+
+def _files_kind(files: Sequence[str], what: str) -> str:
+    kinds = {_kind_of_file(f) for f in files}
+    if kinds == {"parquet"}:
+        return "parquet"
+    if kinds == {"csv"}:
+        return "csv"
+    raise UnsupportedSourceError(
+        f"{what}: expected Parquet (.parquet) or CSV (.csv/.tsv) files, found "
+        f"{sorted(os.path.basename(f) for f in files)[:5]}; pass a glob that selects one kind"
+    )
+
+
+def _local_dir_files(root: str) -> list[str]:
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith(("_", ".")))
+        for f in filenames:
+            full = os.path.join(dirpath, f)
+            rel = os.path.relpath(full, root).replace(os.sep, "/")
+            if is_data_path(rel) and _kind_of_file(f):
+                files.append(full)
+    return sorted(files)
+
+
+def _remote_source(url: str, version: int | None, storage_options: dict[str, Any] | None) -> Source:
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    proto = fs.protocol[0] if isinstance(fs.protocol, (tuple, list)) else fs.protocol
+    def full(p: str) -> str:
+        return p if is_url(p) else f"{proto}://{p}"
+    if _GLOB_CHARS & set(root):
+        files = sorted(full(p) for p in fs.glob(root) if _kind_of_file(p))
+        if not files:
+            raise SourceNotFoundError(f"no Parquet or CSV file matches {url}: check the glob")
+        return Source(_files_kind(files, url), paths=files, remote=True, storage_options=storage_options)
+    if not fs.exists(root):
+        raise SourceNotFoundError(f"{url} does not exist: check the URL and your credentials")
+    if fs.isdir(root):
+        if fs.exists(root.rstrip("/") + "/_delta_log"):
+            return Source("delta", root=url, version=version, remote=True, storage_options=storage_options)
+        manifest = read_manifest(fs, root)
+        if manifest is not None:
+            files = [full(root.rstrip("/") + "/" + f) for f in manifest]
+        else:
+            prefix = root.rstrip("/") + "/"
+            files = sorted(full(p) for p in fs.find(root) if _kind_of_file(p) and is_data_path(p[len(prefix):]))
+        if not files:
+            raise SourceNotFoundError(f"no Parquet or CSV files under {url}")
+        return Source(_files_kind(files, url), paths=files, root=url, remote=True, storage_options=storage_options)
+    return Source(_files_kind([root], url), paths=[url], remote=True, storage_options=storage_options)
+
+
+MANIFEST = "_ucmagic_manifest.json"
+
+
+def read_manifest(fs: Any, root: str) -> list[str] | None:
+    """File names listed by an export to a URL (written last, so a reader never sees a mixture)."""
+    import json
+
+    path = root.rstrip("/") + "/" + MANIFEST
+    try:
+        with fs.open(path, "rb") as f:
+            return list(json.loads(f.read().decode())["files"])
+    except FileNotFoundError:
+        return None
+
+
+def resolve_path_source(path: str, *, version: int | None = None,
+                        storage_options: dict[str, Any] | None = None) -> Source:
+    """A file, a glob, a directory (Parquet/CSV files or a Delta table), a ``/Volumes`` path or a URL."""
+    if is_remote_url(path):
+        return _remote_source(path, version, storage_options)
+    if path.startswith("file://"):
+        path = path[len("file://"):]
+    if _GLOB_CHARS & set(path):
+        files = sorted(f for f in globmod.glob(resolve_local_path(path), recursive=True)
+                       if os.path.isfile(f) and _kind_of_file(f))
+        if not files:
+            raise SourceNotFoundError(f"no Parquet or CSV file matches {path}: check the glob")
+        return Source(_files_kind(files, path), paths=files)
+    real = existing_local_path(path)
+    if os.path.isdir(real):
+        if is_delta_dir(real):
+            return Source("delta", root=real, version=version)
+        files = _local_dir_files(real)
+        if not files:
+            raise SourceNotFoundError(f"no Parquet or CSV files under {path}: pass a directory of .parquet/.csv files")
+        return Source(_files_kind(files, path), paths=files, root=real)
+    return Source(_files_kind([real], path), paths=[real])
+
+
+def resolve_source(source: Any, *, version: int | None = None,
+                   storage_options: dict[str, Any] | None = None) -> Source:
+    """Classify anything ``export_parquet``/``load_table`` accept. Raises clear errors for the rest."""
+    if is_spark_dataframe(source):
+        return Source("spark", obj=source)
+    mod = type(source).__module__ or ""
+    if mod.startswith("pandas") and type(source).__name__ == "DataFrame":
+        return Source("pandas", obj=source)
+    if mod.startswith("pyarrow"):
+        import pyarrow as pa
+        import pyarrow.dataset as pads
+
+        if isinstance(source, (pa.Table, pa.RecordBatch, pa.RecordBatchReader, pads.Dataset)):
+            return Source("arrow", obj=source)
+    if mod.startswith("duckdb") and hasattr(source, "fetch_arrow_reader"):
+        return Source("duckdb", obj=source)
+    if isinstance(source, (list, tuple)) and source and all(isinstance(p, (str, os.PathLike)) for p in source):
+        srcs = [resolve_path_source(os.fspath(p), storage_options=storage_options) for p in source]
+        files = [f for s in srcs for f in s.paths]
+        if any(s.kind not in ("parquet", "csv") for s in srcs) or not files:
+            raise UnsupportedSourceError("a list of paths must name Parquet or CSV files (one Delta table at a time)")
+        return Source(_files_kind(files, "the listed paths"), paths=files, remote=any(s.remote for s in srcs),
+                      storage_options=storage_options)
+    if isinstance(source, os.PathLike):
+        source = os.fspath(source)
+    if isinstance(source, str):
+        text = source.strip()
+        if is_sql(text):
+            return Source("sql", obj=text)
+        if (_NAME_RE.match(text) or looks_like_table_name(text)) and not os.path.exists(text):
+            name = parse_table_name(text)
+            if active_spark() is not None:
+                return Source("spark_table", name=str(name), obj=name)
+            path = table_path(name)
+            if not os.path.isdir(path):
+                known = list_tables()
+                raise TableNotFoundError(
+                    f"table {name} not found in the local catalog (no directory {path}, and no file {text!r} "
+                    "exists here); "
+                    f"tables there: {', '.join(known[:10]) or 'none'}. Create it with register_table()"
+                )
+            src = resolve_path_source(path, version=version)
+            src.name = str(name)
+            return src
+        return resolve_path_source(text, version=version, storage_options=storage_options)
+    raise UnsupportedSourceError(
+        f"cannot read a {type(source).__module__}.{type(source).__name__}: pass a Spark or pandas DataFrame, "
+        "a pyarrow Table, a table name (catalog.schema.table), a Delta directory, Parquet/CSV paths or a SQL query"
+    )
+
+
+# ---------------------------------------------------------------- reading with the embedded engine
+
+def _fs_for(src: Source) -> Any:
+    import fsspec
+    import pyarrow.fs as pafs
+
+    fs = fsspec.core.url_to_fs(src.root or src.paths[0], **(src.storage_options or {}))[0]
+    return pafs.PyFileSystem(pafs.FSSpecHandler(fs)), fs
+
+
+def arrow_dataset(src: Source) -> Any:
+    """A lazy pyarrow dataset over a Delta, Parquet or CSV source (streams; projects columns)."""
+    import pyarrow.dataset as pads
+
+    if src.kind == "delta":
+        DeltaTable = import_extra("deltalake", feature="reading a Delta table").DeltaTable
+
+        try:
+            dt = DeltaTable(src.root, version=src.version, storage_options=src.storage_options)
+        except Exception as e:  # noqa: BLE001 - deltalake raises its own types
+            raise SourceNotFoundError(f"cannot open Delta table {src.describe()} (version {src.version}): {e}") from e
+        return dt.to_pyarrow_dataset()
+    fmt = "parquet" if src.kind == "parquet" else "csv"
+    if src.remote:
+        pafs, fs = _fs_for(src)
+        paths = [fsspec_strip(p) for p in src.paths]
+        return pads.dataset(paths, format=fmt, filesystem=pafs)
+    return pads.dataset(src.paths, format=fmt)
+
+
+def delta_files(src: Source) -> list[str]:
+    """Data files of the Delta table's selected version (local paths, or URLs for remote tables)."""
+    DeltaTable = import_extra("deltalake", feature="reading a Delta table").DeltaTable
+
+    uris = DeltaTable(src.root, version=src.version, storage_options=src.storage_options).file_uris()
+    return [u[len("file://"):] if u.startswith("file://") else u for u in uris]
+
+
+def fsspec_strip(url: str) -> str:
+    return url.split("://", 1)[1] if is_url(url) else url
+
+
+def duckdb_relation(con: Any, src: Source) -> Any:
+    """A DuckDB relation reading ``src`` lazily (DuckDB streams it: memory stays bounded)."""
+    if src.kind == "pandas":
+        return con.from_df(src.obj)
+    if src.kind == "arrow":
+        return con.from_arrow(src.obj)
+    if src.kind == "duckdb":
+        return con.from_arrow(src.obj.fetch_arrow_reader(1 << 16))
+    if src.kind == "sql":
+        return con.sql(src.obj)
+    if src.kind == "parquet" and not src.remote:
+        return con.read_parquet(src.paths)
+    if src.kind == "csv" and not src.remote:
+        return con.read_csv(src.paths)
+    if src.kind in ("delta", "parquet", "csv"):
+        return con.from_arrow(arrow_dataset(src))
+    raise UnsupportedSourceError(f"{src.kind} sources are read by Spark, not the embedded engine")
+
+
+def select_columns(rel: Any, columns: Sequence[str] | None, what: str) -> Any:
+    """Project ``rel`` on ``columns`` (names checked, never pasted into SQL)."""
+    if not columns:
+        return rel
+    import duckdb
+
+    missing = [c for c in columns if c not in rel.columns]
+    if missing:
+        raise KeyError(f"{what} has no column {missing[0]!r}; columns: {', '.join(rel.columns)}")
+    return rel.select(*[duckdb.ColumnExpression(c) for c in columns])
+
+
+def connect(memory_limit: int | str | None = None, threads: int | None = None) -> Any:
+    """A fresh in-memory DuckDB connection with a memory limit and a private spill directory."""
+    import tempfile
+
+    import duckdb
+
+    cfg: dict[str, Any] = {"temp_directory": os.path.join(tempfile.gettempdir(), f"ucmagic-duckdb-{os.getpid()}")}
+    if memory_limit is not None:
+        cfg["memory_limit"] = f"{parse_size(memory_limit)}B"
+    if threads:
+        cfg["threads"] = int(threads)
+    return duckdb.connect(config=cfg)
+
+
+
+# ---------------------------------------------------------------- Spark
+
+def spark_dataframe(src: Source) -> Any:
+    """The Spark DataFrame of a ``spark`` or ``spark_table`` source."""
+    if src.kind == "spark":
+        return src.obj
+    spark = active_spark()
+    try:
+        return spark.read.table(src.obj.quoted())
+    except Exception as e:  # noqa: BLE001 - AnalysisException lives in pyspark
+        if "TABLE_OR_VIEW_NOT_FOUND" in str(e) or "not found" in str(e).lower():
+            raise TableNotFoundError(f"table {src.name} not found through the active Spark session: {e}") from None
+        raise
+
+
+# ---------------------------------------------------------------- files or table?
+
+def classify_source(source: str, *, force: str | None = None) -> str:
+    """``'files'`` (a directory of files), ``'table'`` (a table name, SQL query, Parquet/CSV file or
+    glob, Delta or Parquet directory), ``'file'`` (some other single file) or ``'missing'``."""
+    if force:
+        return force
+    if is_sql(source):
+        return "table"
+    if is_url(source):
+        return "table" if source.rstrip("/").endswith((".parquet", ".csv")) else "files"
+    if set("*?[") & set(source):
+        return "table" if source.endswith((".parquet", ".csv")) else "missing"
+    real = resolve_local_path(source)
+    if not os.path.exists(real):
+        return "table" if looks_like_table_name(source) else "missing"
+    if os.path.isfile(real):
+        return "table" if real.endswith((".parquet", ".csv")) else "file"
+    if os.path.isdir(os.path.join(real, "_delta_log")):
+        return "table"
+    return "table" if all_parquet(real) else "files"
+
+
+def all_parquet(root: str, limit: int = 200) -> bool:
+    """True when the first files found under ``root`` (up to ``limit``) are all Parquet files."""
+    seen = 0
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if not d.startswith((".", "_"))]
+        for f in filenames:
+            if f.startswith((".", "_")):
+                continue
+            if not f.endswith(".parquet"):
+                return False
+            seen += 1
+            if seen >= limit:
+                return True
+    return seen > 0
