@@ -26,12 +26,9 @@ PACKAGE_DIR = Path(__file__).resolve().parent.parent / "ucmagic"
 PACKAGE = "ucmagic"
 TORCH_COMPAT = "._torch_compat"  # may touch torch's private attributes (that is its job), by name
 
-# Each entry is "<check>: <module> <what>". Emptied by the architecture step (issue 17, item 1):
-# fix the code, then delete the entry; test_known_violations_still_occur says which ones to delete.
-KNOWN_VIOLATIONS: frozenset[str] = frozenset({
-    "private import: ucmagic.magics imports _resolve from ucmagic.checkpoint",
-    "private import: ucmagic.parquet_dataset imports _info_mtime from ucmagic.volume",
-})
+# Each entry is "<check>: <module> <what>": an accepted exception, with its reason. Empty since the
+# architecture step (issue 17); test_known_violations_still_occur keeps it from going stale.
+KNOWN_VIOLATIONS: frozenset[str] = frozenset()
 
 
 def _is_private(name: str) -> bool:

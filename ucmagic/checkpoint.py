@@ -313,7 +313,8 @@ def _settle(out: Future, fn: Any) -> None:
 
 # ---------------------------------------------------------------- load
 
-def _resolve(root: str | os.PathLike, step: int | str) -> tuple[int, str]:
+def resolve_step(root: str | os.PathLike, step: int | str) -> tuple[int, str]:
+    """``(step, directory)`` of the committed checkpoint ``step`` (an int or ``"latest"``) under ``root``."""
     root_path = _root(root)
     if step == "latest":
         infos = list_checkpoints(root_path)
@@ -382,7 +383,7 @@ def load_checkpoint(root: str | os.PathLike, step: int | str = "latest", *, mode
     is committed, ``CheckpointNotCommittedError`` for an unfinished step, ``CheckpointCorruptError``
     for a damaged file and ``CheckpointMismatchError`` when the keys differ from the model's.
     """
-    chosen, path = _resolve(root, step)
+    chosen, path = resolve_step(root, step)
     commit = read_commit(path)  # raises CheckpointNotCommittedError for an unfinished save
     if commit["format"] == FORMAT_SINGLE:
         _load_single(path, commit, model, optimizer, map_location, reader_kw)

@@ -482,10 +482,10 @@ def _peek_extra(root: str, step: Any) -> Any:
     """``(step, extra)`` of a checkpoint without loading it (so a load is all or nothing);
     None when it cannot be read this way (the load itself then reports the problem)."""
     try:
-        from .checkpoint import _resolve
+        from .checkpoint import resolve_step
         from .checkpoint_storage import read_commit
 
-        chosen, path = _resolve(root, step)
+        chosen, path = resolve_step(root, step)
         return chosen, read_commit(path).get("extra")
     except Exception:
         return None

@@ -185,9 +185,9 @@ class ParquetDataset(EpochTracking, IterableDataset):
                 info = fs.info(p)
                 with fs.open(p, "rb") as f:
                     md = pq.read_metadata(f)
-                from .volume import _info_mtime
+                from .volume import info_mtime
 
-                size, mtime = int(info.get("size") or 0), _info_mtime(info)
+                size, mtime = int(info.get("size") or 0), info_mtime(info)
             else:
                 st = os.stat(p)
                 md = pq.read_metadata(p)

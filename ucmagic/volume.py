@@ -370,7 +370,8 @@ class LocalVolume(Volume):
         return _FdReader(os.path.join(self.root, rel))
 
 
-def _info_mtime(info: dict[str, Any]) -> float:
+def info_mtime(info: dict[str, Any]) -> float:
+    """A file's modification time from an fsspec ``info()`` dict, whichever key the backend uses."""
     for k in ("mtime", "LastModified", "last_modified", "modified", "created", "updated"):
         v = info.get(k)
         if v is None:
@@ -417,7 +418,7 @@ class FsspecVolume(Volume):
                 warnings.warn(f"ucmagic: ignoring {self.display(rel)!r}: its name has '..', '.' or empty parts "
                               "and could point outside a destination directory", stacklevel=2)
                 continue
-            files.append(FileEntry(rel, int(info.get("size") or 0), _info_mtime(info)))
+            files.append(FileEntry(rel, int(info.get("size") or 0), info_mtime(info)))
         return self._check_listing(filter_entries(files, pattern), pattern)
 
     range_chunk = 4 << 20  # a read call is a request to the store: fewer, bigger ones
@@ -426,7 +427,7 @@ class FsspecVolume(Volume):
         full = self.root + "/" + rel
         self.fs.invalidate_cache(full)  # a listing cache (s3fs keeps one) would hide a change
         info = self.fs.info(full)
-        return FileEntry(rel, int(info.get("size") or 0), _info_mtime(info))
+        return FileEntry(rel, int(info.get("size") or 0), info_mtime(info))
 
     def copy_to(self, rel: str, dest: str, *, expect: FileEntry | None = None) -> int:
         if expect is not None and expect.size >= self.range_threshold:
