@@ -381,8 +381,15 @@ class UcMagics(Magics):
         from .dataset import UCVolumeDataset
         from .loader import DataLoader
 
+        panel = getattr(a, "panel", None)
+        shown = None
+        if panel is not None:  # the panel's "starting" line counts the files listed so far
+
+            def shown(count: int) -> None:
+                panel.starting(f"starting: listing {a.source}: {count:,} files so far ...")
+
         ds = UCVolumeDataset(a.source, pattern=a.pattern, cache_dir=a.cache_dir or self.cache_dir,
-                             cache_limit=limit, shuffle=a.shuffle, seed=a.seed)
+                             cache_limit=limit, shuffle=a.shuffle, seed=a.seed, listing_progress=shown)
         loader = DataLoader(ds, batch_size=a.batch_size or 32, **self._loader_kwargs(a))
         return self._finish_loader(loader, a)
 
