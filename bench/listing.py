@@ -16,6 +16,11 @@ open, ``--list-ms`` per directory listing):
   measured while all of them are alive: today's list of FileEntry plus an int64 permutation vs the
   mapped listing with the array-free order, decoded 4,096 entries at a time;
 - pickled sizes: the list of FileEntry, today's pickled UCVolumeDataset, the Listing.
+- ``--dataset``: the real thing. ``--ranks`` ranks (gloo, one process each) x ``--workers``
+  spawned DataLoader workers run one full shuffled epoch of ``UCVolumeDataset`` through
+  ``ucmagic.DataLoader``, then ``stats()`` and ``state_dict()``; each rank and worker reports its
+  own (unshared, USS) memory growth in bytes per file, and the dataset's size as pickled into a
+  spawned worker. ``--only-dataset`` skips everything else.
 
 Every timed step runs in its own process. Figures go to stdout and, as JSON, to ``--json``.
 """
@@ -183,6 +188,122 @@ def memory(kind: str, blob: bytes, procs: int) -> dict:
     return {k: [g[k] for g in got] for k in ("rss", "uss", "pss")}
 
 
+# ---------------------------------------------------------------- the dataset: ranks x spawned workers
+
+def _uss(pid: int | None = None) -> int:
+    import psutil
+
+    return psutil.Process(pid).memory_full_info().uss
+
+
+def _worker_baseline(_: int) -> None:
+    with open(os.path.join(os.environ["BENCH_OUT"], f"w{os.getpid()}.base"), "w") as f:
+        f.write(str(_uss()))
+
+
+def _rank(root: str, cache: str, out_dir: str, workers: int) -> None:
+    import gc
+
+    import torch.distributed as dist
+
+    from ucmagic import DataLoader, UCVolumeDataset
+    from ucmagic.listing import Listing  # noqa: F401  (imported before the baseline)
+
+    dist.init_process_group("gloo", init_method=f"file://{os.path.join(out_dir, 'store')}",
+                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    import pyarrow.compute  # noqa: F401
+    import pyarrow.ipc  # noqa: F401
+
+    gc.collect()
+    base = _uss()
+    ds = UCVolumeDataset(root, cache_dir=cache, shuffle=True, seed=1)
+    loader = DataLoader(ds, batch_size=256, num_workers=workers, multiprocessing_context="spawn",
+                        persistent_workers=True, collate_fn=len, worker_init_fn=_worker_baseline,
+                        log_to_mlflow=False)
+    t0 = time.perf_counter()
+    got = sum(loader)
+    epoch_s = time.perf_counter() - t0
+    stats = ds.stats()
+    state = loader.state_dict()
+    gc.collect()
+    workers_uss = {}
+    import psutil
+
+    for child in psutil.Process().children():  # the workers are alive (persistent): measure them now
+        base_file = os.path.join(out_dir, f"w{child.pid}.base")
+        if os.path.exists(base_file):
+            with open(base_file) as f:
+                workers_uss[child.pid] = _uss(child.pid) - int(f.read())
+    res = {"rank": dist.get_rank(), "items": got, "epoch_s": epoch_s, "rank_uss": _uss() - base,
+           "workers_uss": workers_uss, "files": stats["files"], "state_bytes": len(json.dumps(state))}
+    with open(os.path.join(out_dir, f"rank{dist.get_rank()}.json"), "w") as f:
+        json.dump(res, f)
+    dist.barrier()
+    del loader
+    dist.destroy_process_group()
+
+
+def dataset_memory(root: str, cache: str, ranks: int, workers: int) -> dict:
+    """Run ``ranks`` ranks x ``workers`` spawned workers over one shuffled epoch (see the module doc)."""
+    from ucmagic.listing import open_listing
+    from ucmagic.volume import LocalVolume
+
+    open_listing(LocalVolume(root), None, cache)  # listed once beforehand: the ranks measure steady state
+    out_dir = tempfile.mkdtemp(prefix="ucmagic-bench-ds-")
+    try:
+        env = dict(os.environ, BENCH_OUT=out_dir, WORLD_SIZE=str(ranks), PYTHONPATH=ROOT)
+        code = (f"import sys; sys.path.insert(0, {HERE!r}); import listing as b; "
+                f"b._rank({root!r}, {cache!r}, {out_dir!r}, {workers})")
+        ps = [subprocess.Popen([sys.executable, "-c", code], env=dict(env, RANK=str(r))) for r in range(ranks)]
+        for p in ps:
+            if p.wait() != 0:
+                raise SystemExit(f"a rank failed (exit {p.returncode})")
+        got = []
+        for r in range(ranks):
+            with open(os.path.join(out_dir, f"rank{r}.json")) as f:
+                got.append(json.load(f))
+    finally:
+        shutil.rmtree(out_dir, ignore_errors=True)
+    workers_uss = {pid: v for g in got for pid, v in g["workers_uss"].items()}
+    return {"ranks": got, "worker_uss": sorted(workers_uss.values()), "files": got[0]["files"]}
+
+
+def pickled_for_a_worker(obj) -> bytes:
+    """``obj`` pickled as multiprocessing pickles it into a spawned worker (shared memory as handles)."""
+    from multiprocessing import context, reduction
+    from multiprocessing.resource_sharer import DupFd
+
+    class SpawnPopen:
+        def duplicate_for_child(self, fd):
+            return fd
+
+        def DupFd(self, fd):  # noqa: N802 - multiprocessing's name
+            return DupFd(fd)
+
+    context.set_spawning_popen(SpawnPopen())
+    try:
+        return bytes(reduction.ForkingPickler.dumps(obj))
+    finally:
+        context.set_spawning_popen(None)
+
+
+def run_dataset(root: str, cache: str, args, out: dict) -> None:
+    from ucmagic import UCVolumeDataset
+
+    r = dataset_memory(root, cache, args.ranks, args.workers)
+    n = r["files"]
+    blob = pickled_for_a_worker(UCVolumeDataset(root, cache_dir=cache, shuffle=True))
+    r["pickled_for_worker"] = len(blob)
+    out["dataset"] = r
+    for g in r["ranks"]:
+        print(f"rank {g['rank']}: {g['items']:,} items in {g['epoch_s']:.1f} s; own memory (USS growth) after the "
+              f"epoch + stats() + state_dict(): {g['rank_uss'] / n:.1f} B/file", flush=True)
+    w = r["worker_uss"]
+    if w:
+        print(f"{len(w)} spawned workers: own memory growth {min(w) / n:.1f}..{max(w) / n:.1f} B/file", flush=True)
+    print(f"UCVolumeDataset pickled into a spawned worker: {len(blob):,} bytes ({n:,} files)", flush=True)
+
+
 # ---------------------------------------------------------------- main
 
 def measure(label: str, root: str, cache: str, args, out: dict) -> None:
@@ -218,6 +339,10 @@ def main() -> None:
     ap.add_argument("--fuse", action="store_true", help="also measure through the P20 FUSE volume")
     ap.add_argument("--list-ms", type=float, default=50.0)
     ap.add_argument("--skip-walk", action="store_true")
+    ap.add_argument("--dataset", action="store_true", help="also run UCVolumeDataset: ranks x spawned workers")
+    ap.add_argument("--only-dataset", action="store_true", help="run only the --dataset part")
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--json", default="")
     ap.add_argument("--step", help=argparse.SUPPRESS)
     ap.add_argument("--kw", help=argparse.SUPPRESS)
@@ -233,40 +358,48 @@ def main() -> None:
     out: dict = {"files": args.files, "per_dir": args.per_dir, "procs": args.procs}
     try:
         cache = os.path.join(work, "cache")
-        measure("local", root, cache, args, out)
-
-        sys.path.insert(0, ROOT)
-        from ucmagic.listing import open_listing
-        from ucmagic.volume import LocalVolume
-
-        p = step("pickles", root=root, cache=cache)
-        out["pickles"] = p
-        print(f"\npickled: list of FileEntry {p['list'] / 1e6:.1f} MB, UCVolumeDataset today "
-              f"{p['dataset'] / 1e6:.1f} MB, Listing {p['listing']} bytes", flush=True)
-        vol = LocalVolume(root)
-        blobs = {"list": pickle.dumps(vol.list()), "mapped": pickle.dumps(open_listing(vol, None, cache))}
-        for kind, blob in blobs.items():
-            m = memory(kind, blob, args.procs)
-            out[f"memory_{kind}"] = m
-            n = p["files"]
-            print(f"memory per process, {kind:6}: RSS {max(m['rss']) / n:6.1f}  USS {max(m['uss']) / n:6.1f}  "
-                  f"PSS {max(m['pss']) / n:6.1f} B/file (max of {args.procs}); node total PSS "
-                  f"{sum(m['pss']) / n:6.1f} B/file", flush=True)
-
-        if args.fuse:
-            from ucmagic.testing import fuse_available, mount_slow_volume
-
-            if not fuse_available():
-                print("FUSE not available here: skipped", flush=True)
-            else:
-                mnt = os.path.join(work, "mnt")
-                with mount_slow_volume(root, mnt, open_ms=20, mbps=200, list_ms=args.list_ms):
-                    measure(f"fuse_P20_list{args.list_ms:g}ms", mnt, os.path.join(work, "cache-fuse"), args, out)
+        if args.dataset or args.only_dataset:
+            sys.path.insert(0, ROOT)
+            run_dataset(root, os.path.join(work, "cache-ds"), args, out)
+        if not args.only_dataset:
+            measure_all(root, cache, work, args, out)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
+
+
+def measure_all(root: str, cache: str, work: str, args, out: dict) -> None:
+    measure("local", root, cache, args, out)
+
+    sys.path.insert(0, ROOT)
+    from ucmagic.listing import open_listing
+    from ucmagic.volume import LocalVolume
+
+    p = step("pickles", root=root, cache=cache)
+    out["pickles"] = p
+    print(f"\npickled: list of FileEntry {p['list'] / 1e6:.1f} MB, UCVolumeDataset plain pickle "
+          f"{p['dataset'] / 1e6:.1f} MB, Listing {p['listing']} bytes", flush=True)
+    vol = LocalVolume(root)
+    blobs = {"list": pickle.dumps(vol.list()), "mapped": pickle.dumps(open_listing(vol, None, cache))}
+    for kind, blob in blobs.items():
+        m = memory(kind, blob, args.procs)
+        out[f"memory_{kind}"] = m
+        n = p["files"]
+        print(f"memory per process, {kind:6}: RSS {max(m['rss']) / n:6.1f}  USS {max(m['uss']) / n:6.1f}  "
+              f"PSS {max(m['pss']) / n:6.1f} B/file (max of {args.procs}); node total PSS "
+              f"{sum(m['pss']) / n:6.1f} B/file", flush=True)
+
+    if args.fuse:
+        from ucmagic.testing import fuse_available, mount_slow_volume
+
+        if not fuse_available():
+            print("FUSE not available here: skipped", flush=True)
+        else:
+            mnt = os.path.join(work, "mnt")
+            with mount_slow_volume(root, mnt, open_ms=20, mbps=200, list_ms=args.list_ms):
+                measure(f"fuse_P20_list{args.list_ms:g}ms", mnt, os.path.join(work, "cache-fuse"), args, out)
 
 
 if __name__ == "__main__":

@@ -100,6 +100,7 @@ def test_both_planned_datasets_speak_the_protocol_and_a_plain_one_does_not(tree,
 
 
 def test_a_files_state_saved_before_states_carried_a_kind_still_resumes(tree):
+    # unshuffled: its order is the listing's in every version, so the array-free order (issue 16) resumes it too
     root, _ = tree
     ds = UCVolumeDataset(root)
     everything = list(ds)

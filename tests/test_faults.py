@@ -335,7 +335,7 @@ def test_four_processes_on_one_cache_copy_each_file_once(tmp_path):
 # ------------------------------------------------------------------ source changed or deleted between epochs
 
 def _entry_path(ds: UCVolumeDataset, rel: str) -> str:
-    e = next(e for e in ds.entries if e.path == rel)
+    e = next(e for e in ds.listing.iter_entries() if e.path == rel)
     key, suffix = ds._key(e)
     return ds.cache.data_path(key, suffix)
 
@@ -366,7 +366,7 @@ def test_changed_file_is_refetched_and_deleted_file_raises_or_is_skipped(tmp_pat
     with pytest.raises(FetchError, match=rf"{gone} disappeared after the listing"):
         list(ds)
     skipping = UCVolumeDataset(root, cache_dir=cache, on_missing="skip")
-    skipping.entries = ds.entries  # the listing taken before the delete
+    skipping.listing = ds.listing  # the listing taken before the delete
     with pytest.warns(UserWarning, match=rf"skipped 1 file\(s\) this epoch: .*{gone}"):
         got = [rel_of(p) for p in skipping]
     assert sorted(got) == sorted(set(rels) - {gone}) and skipping.stats()["errors"] == 1

@@ -63,7 +63,7 @@ def test_hostile_names_are_cached_and_staged_inside_their_directories(tmp_path, 
     before = all_files(str(tmp_path))
     src = scheme + vol
     ds = UCVolumeDataset(src, cache_dir=cache, storage_options={"open_ms": 0, "mbps": 0, "list_ms": 0} if scheme else None)
-    assert sorted(e.path for e in ds.entries) == sorted(HOSTILE)
+    assert sorted(e.path for e in ds.listing.iter_entries()) == sorted(HOSTILE)
     served = sorted(sha(p) for p in ds)
     assert served == sorted(sums.values())
     res = stage(src, dest, progress=False, storage_options={"open_ms": 0, "mbps": 0, "list_ms": 0} if scheme else None)
@@ -95,7 +95,7 @@ def test_object_store_keys_with_dotdot_cannot_write_outside_cache_or_destination
         cache, dest = str(tmp_path / "work" / "cache"), str(tmp_path / "work" / "dest")
         with pytest.warns(UserWarning, match=r"ignoring .*\.\..*outside"):
             ds = UCVolumeDataset("memory://" + base, cache_dir=cache)
-        assert [e.path for e in ds.entries] == ["ok.bin"]
+        assert [e.path for e in ds.listing.iter_entries()] == ["ok.bin"]
         assert [sha(p) for p in ds] == [sha_bytes(b"fine" * 10)]
         with pytest.warns(UserWarning, match="ignoring"):
             res = stage("memory://" + base, dest, progress=False)
@@ -126,7 +126,7 @@ def test_symlinks_out_of_the_volume_are_read_never_written_and_linked_dirs_not_f
     cache, dest = str(tmp_path / "cache"), str(tmp_path / "dest")
 
     ds = UCVolumeDataset(str(vol), cache_dir=cache)
-    assert [e.path for e in ds.entries] == ["a.bin", "link.bin", "sub/b.bin"]  # linked dirs are not walked
+    assert [e.path for e in ds.listing.iter_entries()] == ["a.bin", "link.bin", "sub/b.bin"]  # linked dirs are not walked
     for p in ds:
         assert not os.path.islink(p) and inside(p, cache)
     res = stage(str(vol), dest, progress=False)
@@ -170,7 +170,7 @@ def test_a_planted_entry_not_owned_by_the_user_is_not_served(tmp_path):
     vol = tmp_path / "vol"
     sums = write_tree(str(vol), ["a.bin"])
     ds = UCVolumeDataset(str(vol), cache_dir=str(tmp_path / "c"))
-    e = ds.entries[0]
+    e = ds.listing.entry(0)
     planted = ds.cache.data_path(*ds._key(e))
     os.makedirs(os.path.dirname(planted), exist_ok=True)
     with open(planted, "wb") as f:

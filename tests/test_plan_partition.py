@@ -214,3 +214,6 @@ def test_a_state_saved_under_the_old_order_is_refused():
     with pytest.raises(ResumeOrderError):
         plan.check_order_version({"order_version": plan.ORDER_VERSION + 1})
     plan.check_order_version({"order_version": plan.ORDER_VERSION})  # the current order resumes
+    with pytest.raises(ResumeOrderError):
+        plan.check_order_version({"version": 1, "shuffle": True, "epoch": 3})
+    plan.check_order_version({"version": 1, "shuffle": False, "epoch": 3})  # unshuffled: one order in every version

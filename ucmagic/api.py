@@ -88,13 +88,15 @@ def load(source: str | os.PathLike, *, files: bool = False, pattern: str | None 
          batch_size: int | None = None, num_workers: int | None = None, shuffle: bool = False, seed: int = 0,
          cache_dir: str | None = None, cache_limit: int | str | None = None, rows: int | None = None,
          columns: Sequence[str] | None = None, stream: bool = False,
-         on_start: Callable[[str], None] | None = None, **loader_kwargs: Any) -> Any:
+         on_start: Callable[[str], None] | None = None, listing_progress: Callable[[int], None] | None = None,
+         **loader_kwargs: Any) -> Any:
     """Load training data from ``source``: a DataLoader for files (or ``stream=True`` tables), else a DataFrame.
 
     ``files=True`` reads a directory of Parquet files as files. ``pattern`` selects files (``"**/*.jpg"``);
     ``rows``/``columns`` cut a DataFrame; ``batch_size`` defaults to 32 files or 1024 rows; other keyword
     arguments go to :class:`~ucmagic.loader.DataLoader`. ``on_start(kind)`` is called once the arguments
-    are checked, before the (slow) listing. Raises :class:`LoadUsageError` for options that do not apply.
+    are checked, before the (slow) listing; ``listing_progress(files_so_far)`` is called while a long listing
+    runs (instead of the stderr line). Raises :class:`LoadUsageError` for options that do not apply.
     """
     source = os.fspath(source)
     kind = source_kind(source, files=files)
@@ -117,7 +119,7 @@ def load(source: str | os.PathLike, *, files: bool = False, pattern: str | None 
         from .dataset import UCVolumeDataset
 
         ds = UCVolumeDataset(source, pattern=pattern, cache_dir=cache_dir, cache_limit=limit, shuffle=shuffle,
-                             seed=seed)
+                             seed=seed, listing_progress=listing_progress)
         return DataLoader(ds, batch_size=batch_size or DEFAULT_FILE_BATCH, **loader_kwargs)
     from .parquet import ParquetDataset
 

@@ -181,7 +181,7 @@ class CacheUsage:
 
     ``files``/``bytes``: complete entries in ``data/``; ``protected_*``: those named by a live
     protection record; ``tmp_*``: fills in progress or abandoned; ``records_*``: protection records;
-    ``other_bytes``: anything else (ledger, stray files).
+    ``other_bytes``: anything else (ledger, the node's listings, stray files).
     """
 
     files: int = 0
@@ -434,8 +434,9 @@ class FileCache:
         for de in _scandir(self.root):
             if de.name not in SUBDIRS:
                 u.other_bytes += _size(de)
-        for de in _scandir(self._locks):
-            u.other_bytes += _size(de)
+        for sub in (self._locks, os.path.join(self.root, "listings")):  # lock files, the node's listings
+            for de in _scandir(sub):
+                u.other_bytes += _size(de)
         self._scan_s = 0.8 * self._scan_s + 0.2 * (time.monotonic() - t0)
         return free, u
 

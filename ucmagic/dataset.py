@@ -6,8 +6,11 @@ import shutil
 import threading
 import time
 import warnings
+from collections import OrderedDict
 from concurrent.futures import Future
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
 
 from torch.utils.data import IterableDataset, get_worker_info
 
@@ -17,10 +20,14 @@ from .dist import dist_info, local_world_size
 from .epochs import EpochTracking, check_state_kind
 from .errors import FetchError, ListingChangedError
 from .fetch import read_ahead, restart_timeout, with_retries
+from .listing import Listing, open_listing
+from .progress import Progress
 from .telemetry import SharedCounters, SharedInts, percentiles
-from .volume import FileEntry, Volume, copy_error, listing_fingerprint, open_volume
+from .volume import FileEntry, Volume, copy_error, open_volume
 
-STATE_VERSION = 1
+STATE_VERSION = 2  # 2: the array-free epoch order (plan.ORDER_VERSION 2)
+STREAM_CHUNK = 2048  # items of a stream decoded from the listing at once
+STREAM_CHUNKS_KEPT = 6  # decoded chunks kept per stream (read-ahead and protection stay within them)
 DEFAULT_INFLIGHT = 128  # files in flight per rank, spread over its DataLoader workers
 _last_fetch = threading.local()  # per-item records: did this thread's last _fetch copy the file?
 MAX_STREAMS = 64  # DataLoader workers whose consumption ucmagic.DataLoader reports (more share slots)
@@ -76,11 +83,11 @@ class _Stream:
     without it, from a window of the last ``window`` items handed out.
     """
 
-    def __init__(self, cache: FileCache, owner: str, slot: int, names: list[str], *, quantum: int,
+    def __init__(self, cache: FileCache, owner: str, slot: int, items: "StreamItems", *, quantum: int,
                  window: int, chunk: int, consumed: Callable[[], int | None]) -> None:
         self.cache = cache
         self.path = cache.record_path(owner, slot)
-        self.names = names
+        self.items = items
         self.quantum = max(1, quantum)
         self.window = max(1, window)
         self.chunk = max(1, chunk)
@@ -98,7 +105,7 @@ class _Stream:
         _active_streams[self.path] = self
 
     def _write(self) -> None:
-        self.cache.write_record(self.path, self.names[self.lo:self.hi])
+        self.cache.write_record(self.path, self.items.names(self.lo, self.hi))
 
     def _done(self) -> int:
         c = self.consumed()
@@ -112,7 +119,7 @@ class _Stream:
             return
         with self._mu:
             self.lo = max(self.lo, self._done())
-            self.hi = min(len(self.names), pos + self.chunk)
+            self.hi = min(len(self.items), pos + self.chunk)
             self._write()
 
     def refresh(self) -> None:
@@ -176,6 +183,72 @@ class _Stream:
 _active_streams: dict[str, _Stream] = {}
 
 
+class StreamItems:
+    """One stream's items in delivery order, decoded from the listing a chunk at a time.
+
+    ``order(positions)`` maps epoch positions to listing indices (e.g. :func:`plan.order_at`);
+    ``ranges`` are the stream's epoch positions (:func:`plan.stream_positions`). Only the last
+    :data:`STREAM_CHUNKS_KEPT` chunks are held; an older one is recomputed when asked for again, so
+    memory does not grow with the stream. Thread-safe.
+    """
+
+    def __init__(self, listing: Listing, ranges: Sequence[plan.Range], order: Callable[[np.ndarray], np.ndarray],
+                 key: Callable[[FileEntry], tuple[str, str]], chunk: int = STREAM_CHUNK) -> None:
+        self.listing = listing
+        self.ranges = list(ranges)
+        self.order = order
+        self.key = key
+        self.chunk = max(1, int(chunk))
+        self._len = plan.ranges_len(self.ranges)
+        self._kept: OrderedDict[int, tuple[list[int], list[FileEntry], list[tuple[str, str]]]] = OrderedDict()
+        self._mu = threading.Lock()
+
+    def __len__(self) -> int:
+        return self._len
+
+    def indices_chunks(self) -> Iterator[np.ndarray]:
+        """Listing indices of the whole stream, in order, one chunk at a time."""
+        for a in range(0, self._len, self.chunk):
+            yield self.order(plan.positions(plan.take(self.ranges, a, min(a + self.chunk, self._len))))
+
+    def _at(self, c: int) -> tuple[list[int], list[FileEntry], list[tuple[str, str]]]:
+        with self._mu:
+            got = self._kept.get(c)
+            if got is not None:
+                self._kept.move_to_end(c)
+                return got
+        a = c * self.chunk
+        idx = self.order(plan.positions(plan.take(self.ranges, a, min(a + self.chunk, self._len))))
+        entries = self.listing.entries(idx)
+        got = (idx.tolist(), entries, [self.key(e) for e in entries])
+        with self._mu:
+            self._kept[c] = got
+            while len(self._kept) > STREAM_CHUNKS_KEPT:
+                self._kept.popitem(last=False)
+        return got
+
+    def index(self, pos: int) -> int:
+        return self._at(pos // self.chunk)[0][pos % self.chunk]
+
+    def entry(self, pos: int) -> FileEntry:
+        return self._at(pos // self.chunk)[1][pos % self.chunk]
+
+    def key_at(self, pos: int) -> tuple[str, str]:
+        return self._at(pos // self.chunk)[2][pos % self.chunk]
+
+    def names(self, lo: int, hi: int) -> list[str]:
+        """Cache entry names (key + suffix) of positions ``[lo, hi)`` (for protection records)."""
+        out: list[str] = []
+        pos = lo
+        while pos < hi:
+            c = pos // self.chunk
+            keys = self._at(c)[2]
+            end = min(hi, (c + 1) * self.chunk)
+            out.extend(k + x for k, x in keys[pos - c * self.chunk:end - c * self.chunk])
+            pos = end
+        return out
+
+
 class UCVolumeDataset(EpochTracking, IterableDataset):
     """An IterableDataset yielding the local path of a cached copy of each file under ``path``.
 
@@ -207,9 +280,17 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
             ``"raise"`` (default: :class:`FetchError` naming it) or ``"skip"`` (count it in
             ``stats()["errors"]`` and go on). ``on_error="skip"`` skips such files too. The listing
             is a snapshot: a file changed since then is served as listed while cached; a new
-            dataset object re-lists and fetches the new version (its size/mtime give a new key).
+            dataset object re-validates the listing and fetches the new version (its size/mtime
+            give a new key).
         storage_options: passed to fsspec for URLs.
         min_free: fraction of the cache disk always kept free.
+        relist: list the volume again even if this node holds a valid listing (docs/scaling.md).
+        validate: how a listing this node wrote earlier is checked before reuse: ``"files"``
+            (default: directory mtimes and every file's size and mtime; never serves a file
+            rewritten in place from its old cached copy), ``"dirs"`` (directory mtimes only, 20x+
+            faster to restart; misses in-place rewrites: for write-once data) or ``"none"``.
+        listing_progress: called with the number of files found so far while listing (from one second
+            in); default: a line on stderr.
     """
 
     kind = "UCVolumeDataset"
@@ -219,7 +300,8 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
                  partition: str = "pad", prefetch: int | None = None, retries: int = 5,
                  timeout: float | None = 120.0, on_error: str = "raise", on_missing: str = "raise",
                  storage_options: dict[str, Any] | None = None, min_free: float = 0.10,
-                 reshuffle_every: int | None = None) -> None:
+                 reshuffle_every: int | None = None, relist: bool = False, validate: str = "files",
+                 listing_progress: Callable[[int], None] | None = None) -> None:
         if partition not in plan.PARTITION_MODES:
             raise ValueError(f"partition must be one of {plan.PARTITION_MODES}, got {partition!r}")
         if shuffle not in (False, True, "global", "node"):
@@ -232,8 +314,20 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
         self.pattern = pattern
         self.volume: Volume = open_volume(path, storage_options)
         self.cache = FileCache(cache_dir, cache_limit, min_free)
-        self.entries: list[FileEntry] = self.volume.list(pattern)
-        self.fingerprint = listing_fingerprint(self.entries)
+        bar: list[Progress] = []
+
+        def shown(count: int) -> None:
+            if not bar:
+                bar.append(Progress(desc=f"listing {self.volume.display()}", mode="text"))
+            bar[0].set(count)
+
+        try:
+            self.listing: Listing = open_listing(self.volume, pattern, self.cache.root, relist=relist,
+                                                 validate=validate, progress=listing_progress or shown)
+        finally:
+            if bar:
+                bar[0].close()
+        self.fingerprint = self.listing.fingerprint
         self.shuffle = shuffle
         self.reshuffle_every = int(reshuffle_every) if reshuffle_every else None
         self.seed = int(seed)
@@ -254,14 +348,12 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
         self._delivered_main = 0
         self._epoch_main = 0
         self._owner = ""  # the consuming process (set when pickled for DataLoader workers)
-        self._keys: list[tuple[str, str] | None] | None = None
         self.cache.reap()  # protection and temp files left by dead processes go at once
 
     # ------------------------------------------------------------ basics
 
     def __getstate__(self) -> dict[str, Any]:
-        st = self.__dict__.copy()
-        st["_keys"] = None
+        st = self.__dict__.copy()  # the listing pickles as its file path
         if get_worker_info() is None:
             st["_owner"] = process_tag()  # workers protect items for the process that will consume them
         return st
@@ -270,24 +362,30 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
         """Items this rank delivers in the coming epoch (the remainder after a resume)."""
         world = dist_info().world
         r = self._resume
-        todo = r["remaining"] if r is not None and r["epoch"] == self.epoch else len(self.entries)
+        todo = r["remaining"] if r is not None and r["epoch"] == self.epoch else len(self.listing)
         return plan.per_rank(todo, world, self.partition)
 
     def __repr__(self) -> str:
-        return (f"UCVolumeDataset({self.volume.display()!r}, files={len(self.entries)}, "
+        return (f"UCVolumeDataset({self.volume.display()!r}, files={len(self.listing)}, "
                 f"cache_dir={self.cache.root!r}, shuffle={self.shuffle!r})")
 
     @property
     def total_bytes(self) -> int:
-        return sum(e.size for e in self.entries)
+        return self.listing.total_bytes
 
     # ------------------------------------------------------------ plan
 
-    def _order(self, epoch: int, world: int, shuffle: bool | str, lws: int):
-        n = len(self.entries)
+    def _order(self, epoch: int, world: int, shuffle: bool | str, lws: int) -> Callable[[np.ndarray], np.ndarray]:
+        """The epoch order as a function of positions (plan.order_at: no n-element array)."""
+        n = len(self.listing)
         blocks = plan.node_blocks(n, world, lws, self.partition) if shuffle == "node" else None
-        return plan.epoch_order(n, seed=self.seed, epoch=epoch, shuffle=shuffle, blocks=blocks,
-                                reshuffle_every=self.reshuffle_every)
+        seed, every = self.seed, self.reshuffle_every
+
+        def order(positions: np.ndarray) -> np.ndarray:
+            return plan.order_at(n, positions, seed=seed, epoch=epoch, shuffle=shuffle, blocks=blocks,
+                                 reshuffle_every=every)
+
+        return order
 
     def epoch_plan(self, epoch: int) -> tuple[list[plan.Range], Any]:
         """(pool, order) for ``epoch``: the resumed remainder if a state was loaded for it."""
@@ -297,14 +395,19 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
             order = self._order(epoch, r["order_world"], r["shuffle"], r["order_local_world"])
             return [tuple(x) for x in r["pool"]], order
         shuffle = self._shuffle_mode(world)
-        return [(0, len(self.entries))], self._order(epoch, world, shuffle, local_world_size(world))
+        return [(0, len(self.listing))], self._order(epoch, world, shuffle, local_world_size(world))
 
-    def stream_indices(self, epoch: int | None = None) -> list[int]:
-        """File indices the calling (rank, worker) stream delivers this epoch, in order."""
+    def stream_items(self, epoch: int | None = None) -> StreamItems:
+        """The calling (rank, worker) stream's items this epoch, in order, decoded chunk by chunk."""
         rank, world, _, _, worker, nworkers = dist_info()
         pool, order = self.epoch_plan(self.epoch if epoch is None else epoch)
         pos = plan.stream_positions(pool, world, rank, nworkers, worker, self.partition, self.batch_quantum)
-        return order[plan.positions(pos)].tolist()
+        return StreamItems(self.listing, pos, order, self._key)
+
+    def stream_indices(self, epoch: int | None = None) -> list[int]:
+        """File indices the calling (rank, worker) stream delivers this epoch, in order (a list as
+        long as the stream: for inspection; iteration uses :meth:`stream_items`)."""
+        return [i for c in self.stream_items(epoch).indices_chunks() for i in c.tolist()]
 
     # ------------------------------------------------------------ fetching
 
@@ -316,16 +419,6 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
 
     def _key(self, e: FileEntry) -> tuple[str, str]:
         return cache_key(self.volume.uri, e.path, e.size, e.mtime), safe_suffix(e.path)
-
-    def _key_at(self, i: int) -> tuple[str, str]:
-        """Key of entry ``i``, computed once per process."""
-        keys = self._keys
-        if keys is None:
-            keys = self._keys = [None] * len(self.entries)
-        k = keys[i]
-        if k is None:
-            k = keys[i] = self._key(self.entries[i])
-        return k
 
     def _fetch(self, e: FileEntry, key: tuple[str, str] | None = None, *, may_exceed: Callable[[], bool] | None = None,
                on_wait: Callable[[], None] | None = None, looked_up: bool = False) -> str:
@@ -403,14 +496,12 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
             epoch = self._worker_epoch(os.path.join(cache.root, "locks", f"epoch-{self._epoch_id}.lock"))
             owner = self._owner or process_tag(os.getppid())
         cache.drop_records(owner)  # records of this owner's exited workers: an earlier iteration's
-        idx = self.stream_indices(epoch)
-        entries = self.entries
-        keys = [self._key_at(i) for i in idx]
+        items = self.stream_items(epoch)
         if main:
             self._epoch_main, self._delivered_main = epoch, 0
         slot = 0 if main else info.id
         depth = self._inflight()
-        stream = _Stream(cache, owner, slot, [k + x for k, x in keys], quantum=self.batch_quantum,
+        stream = _Stream(cache, owner, slot, items, quantum=self.batch_quantum,
                          window=self.lease_items, chunk=max(16, depth), consumed=self._consumption(slot))
         _, world, _, _, _, nworkers = dist_info()
         max_bytes = self._read_ahead_bytes(nworkers * local_world_size(world))
@@ -420,7 +511,7 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
         skipped: list[str] = []
 
         def scheduled() -> Iterator[int]:
-            for pos in range(len(idx)):
+            for pos in range(len(items)):
                 stream.cover(pos)
                 yield pos
 
@@ -436,10 +527,10 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
         timing: dict[int, tuple[bool, float]] = {}  # pos -> (hit, fetch seconds) for telemetry.record_item
 
         def get(pos: int) -> str | BaseException:
-            e = entries[idx[pos]]
+            e = items.entry(pos)
             t0, _last_fetch.fetched = time.perf_counter(), False
             try:
-                got = self._fetch(e, keys[pos], may_exceed=lambda: stream.may_exceed(pos), on_wait=on_wait,
+                got = self._fetch(e, items.key_at(pos), may_exceed=lambda: stream.may_exceed(pos), on_wait=on_wait,
                                   looked_up=pos in probed)
             except Exception as exc:
                 if self._skippable(exc):
@@ -452,9 +543,9 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
         def hit(pos: int) -> str | None:
             if misses[0] >= 8 and pos % 16:
                 return None
-            key, suffix = keys[pos]
+            key, suffix = items.key_at(pos)
             t0 = time.perf_counter()
-            path = cache.lookup(key, suffix, entries[idx[pos]].size)
+            path = cache.lookup(key, suffix, items.entry(pos).size)
             if path is not None:
                 timing[pos] = (True, time.perf_counter() - t0)
                 misses[0] = 0
@@ -466,8 +557,8 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
 
         try:
             for pos, got in enumerate(read_ahead(get, scheduled(), depth=depth, timeout=self.timeout,
-                                                 describe=lambda p: self.volume.display(entries[idx[p]].path),
-                                                 fast=hit, cost=lambda p: entries[idx[p]].size, max_bytes=max_bytes)):
+                                                 describe=lambda p: self.volume.display(items.entry(p).path),
+                                                 fast=hit, cost=lambda p: items.entry(p).size, max_bytes=max_bytes)):
                 if main:
                     self._delivered_main += 1
                 stream.yielded = pos + 1
@@ -476,12 +567,12 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
                     stream.skipped += 1
                     counters.add(errors=1)
                     if len(skipped) < 3:
-                        skipped.append(f"{self.volume.display(entries[idx[pos]].path)}: {got}")
+                        skipped.append(f"{self.volume.display(items.entry(pos).path)}: {got}")
                     continue
                 if pos % stream.quantum == 0:
                     stream.refresh()
                 counters.add(delivered=1)
-                telemetry.record_item(idx[pos], hit_, fetch_s, entries[idx[pos]].size)
+                telemetry.record_item(items.index(pos), hit_, fetch_s, items.entry(pos).size)
                 yield got
         finally:
             stream.finish()
@@ -511,8 +602,9 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
         shuffle = r["shuffle"] if r else self._shuffle_mode(world)
         left = plan.remaining_pool(pool, world, num_workers, self.partition, self.batch_quantum, delivered)
         return {
-            "version": STATE_VERSION, "kind": self.kind, "epoch": int(epoch), "seed": self.seed, "shuffle": shuffle,
-            "partition": self.partition, "files": len(self.entries), "fingerprint": self.fingerprint,
+            "version": STATE_VERSION, "order_version": plan.ORDER_VERSION, "kind": self.kind, "epoch": int(epoch),
+            "seed": self.seed, "shuffle": shuffle,
+            "partition": self.partition, "files": len(self.listing), "fingerprint": self.fingerprint,
             "order_world": r["order_world"] if r else world, "order_local_world": lws,
             "reshuffle_every": self.reshuffle_every,
             "pool": [list(x) for x in left], "remaining": plan.ranges_len(left),
@@ -522,15 +614,17 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
         """Resume: the next iteration delivers exactly the files not yet delivered in the saved epoch.
 
         Works with a different world size or number of workers. Raises ListingChangedError when the
-        files under the path changed since the state was saved.
+        files under the path changed since the state was saved, ResumeOrderError when the state was
+        saved under another epoch order (an older ucmagic).
         """
-        if state.get("version") != STATE_VERSION:
+        plan.check_order_version(state)
+        if state.get("version") not in (1, STATE_VERSION):  # 1: before the array-free order (unshuffled only)
             raise ValueError(f"unsupported UCVolumeDataset state version {state.get('version')!r}")
         check_state_kind(state, self.kind)  # states saved before every state carried a kind have none
-        if state["fingerprint"] != self.fingerprint or state["files"] != len(self.entries):
+        if state["fingerprint"] != self.fingerprint or state["files"] != len(self.listing):
             raise ListingChangedError(
                 f"the files under {self.volume.display()} changed since this state was saved "
-                f"({state['files']} files then, {len(self.entries)} now): resume needs the same listing; "
+                f"({state['files']} files then, {len(self.listing)} now): resume needs the same listing; "
                 "start a new epoch instead (set_epoch) or restore the files"
             )
         self.seed = int(state["seed"])
@@ -549,7 +643,7 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
         def run() -> None:
             before = self._counters.totals()["misses"]
             try:
-                for _ in read_ahead(self._fetch, self.entries, depth=depth, timeout=self.timeout):
+                for _ in read_ahead(self._fetch, self.listing.iter_entries(), depth=depth, timeout=self.timeout):
                     pass
                 fut.set_result(self._counters.totals()["misses"] - before)
             except BaseException as exc:  # surfaces through fut.result()
@@ -562,20 +656,19 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
             fut.result()
         return fut
 
-    def _cached_paths(self) -> list[tuple[str, int]]:
-        out = []
-        for i, e in enumerate(self.entries):
-            p = self.cache.data_path(*self._key_at(i))
+    def _cached_paths(self) -> Iterator[tuple[str, int]]:
+        """(path, bytes) of each file of the listing that is in the cache, in listing order."""
+        for e in self.listing.iter_entries():
+            p = self.cache.data_path(*self._key(e))
             try:
                 if os.stat(p).st_size == e.size:
-                    out.append((p, e.size))
+                    yield p, e.size
             except FileNotFoundError:
                 pass
-        return out
 
     def describe_item(self, index: int) -> tuple[str, int]:
         """``(display path, bytes)`` of file ``index`` of the listing (for fetch records)."""
-        e = self.entries[index]
+        e = self.listing.entry(index)
         return self.volume.display(e.path), e.size
 
     def clear_cache(self) -> int:
@@ -588,16 +681,18 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
         """Files/bytes cached of the total, hits, misses, bytes fetched, retries, errors, fetch latency,
         and every byte under ``cache_dir``: this dataset's entries, other entries, protection records
         and temp files (``cache_*`` keys; they add up to ``cache_total_bytes``)."""
-        cached = self._cached_paths()
+        n_cached = mine = 0
+        for _, size in self._cached_paths():
+            n_cached += 1
+            mine += size
         u = self.cache.usage()
-        mine = sum(s for _, s in cached)
         t = self._counters.totals()
         lat = self._counters.latencies()
         pct = percentiles(lat)
         lookups = t["hits"] + t["misses"]
         return {
-            "files": len(self.entries), "bytes": self.total_bytes,
-            "files_cached": len(cached), "bytes_cached": sum(s for _, s in cached),
+            "files": len(self.listing), "bytes": self.total_bytes,
+            "files_cached": n_cached, "bytes_cached": mine,
             "hits": t["hits"], "misses": t["misses"],
             "hit_rate": (t["hits"] / lookups) if lookups else 0.0,
             "bytes_fetched": t["bytes_fetched"], "retries": t["retries"], "errors": t["errors"],

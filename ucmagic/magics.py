@@ -256,6 +256,7 @@ class UcMagics(Magics):
                           num_workers=a.workers if a.workers is not None else self.workers, shuffle=a.shuffle,
                           seed=a.seed, cache_dir=a.cache_dir or self.cache_dir, cache_limit=limit,
                           rows=a.rows, columns=columns, stream=a.stream, on_start=lambda kind: self._early_panel(a, kind),
+                          listing_progress=(lambda count: self._listing_progress(a, count)) if self._panel_wanted(a) else None,
                           **self._loader_kwargs(a))
         except LoadUsageError as exc:
             _fail("ucload", str(exc))
@@ -272,6 +273,12 @@ class UcMagics(Magics):
     def _loader_kwargs(self, a: Any) -> dict[str, Any]:
         return {} if self.mlflow else {"log_to_mlflow": False}
 
+    def _panel_wanted(self, a: Any) -> bool:
+        """Whether %ucload shows the live panel (else the engine's own text progress is shown)."""
+        from .widget import resolve_mode
+
+        return not a.no_widget and resolve_mode(self.progress) == "widget"
+
     def _early_panel(self, a: Any, kind: str) -> None:
         """Show the live panel at once in a "starting / listing" state (imports and listing take seconds)."""
         a.panel, a.loader_kind = None, kind
@@ -282,6 +289,12 @@ class UcMagics(Magics):
         if resolve_mode(self.progress) == "widget":
             a.panel = WidgetView(f"ucmagic \u2014 {a.source}")
             a.panel.starting(f"starting: listing {a.source} ...")
+
+    @staticmethod
+    def _listing_progress(a: Any, count: int) -> None:
+        """The panel's "starting" line counts the files listed so far (a long listing takes seconds)."""
+        if getattr(a, "panel", None) is not None:
+            a.panel.starting(f"starting: listing {a.source}: {count:,} files so far ...")
 
     @staticmethod
     def _panel_failed(a: Any, exc: BaseException) -> None:

@@ -364,7 +364,10 @@ def check_order_version(state: Mapping[str, Any]) -> None:
 
     A state saved under another order would resume the right *positions* of a different
     permutation: some files twice, others never. Raises :class:`ucmagic.errors.ResumeOrderError`.
+    An unshuffled state resumes under any version: its order is the listing's, in every version.
     """
+    if state.get("shuffle", True) is False:
+        return
     got = state.get("order_version", 1)
     if got != ORDER_VERSION:
         raise ResumeOrderError(
