@@ -381,7 +381,8 @@ class UCVolumeWriter(FileSystemWriter):
             with contextlib.suppress(Exception):
                 rec = parse_saving_record(xfer.read_bytes(os.path.join(self._begun, SAVING_NAME)))
                 if rec.get("save_id") == self.save_id:
-                    first = (str(exc).strip().splitlines() or [type(exc).__name__])[-1][:300]
+                    first = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
+                    first = first if len(first) <= 400 else "..." + first[-400:]  # the cause is at the end
                     rec["failed"] = first
                     xfer.write_bytes(os.path.join(self._begun, SAVING_NAME), json.dumps(rec).encode())
         p = self._pending
