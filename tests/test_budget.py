@@ -10,16 +10,15 @@ import pytest
 from ucmagic import DataLoader, UCVolumeDataset
 from ucmagic.errors import FetchError
 from ucmagic.testing import make_files
+import contextlib
 
 
 def dir_bytes(root: str) -> int:
     total = 0
     for d, _, files in os.walk(root):
         for f in files:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 total += os.path.getsize(os.path.join(d, f))
-            except FileNotFoundError:
-                pass
     return total
 
 

@@ -22,6 +22,7 @@ from ucmagic.cache import cache_key, safe_suffix
 from ucmagic.errors import FetchError, FetchTimeoutError
 from ucmagic.testing import make_files
 from ucmagic.volume import LocalVolume, open_volume
+import contextlib
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CHILD = os.path.join(HERE, "scripts", "crash_child.py")
@@ -141,10 +142,8 @@ def run_until_ready(args: list[str], *, wait_for=None, timeout: float = 60) -> N
             assert time.monotonic() < deadline and proc.poll() is None, "the child finished before the kill point"
             time.sleep(0.002)
     finally:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         proc.wait(10)
         proc.stdout.close()
         proc.stderr.close()

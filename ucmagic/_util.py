@@ -13,6 +13,7 @@ import time
 import zlib
 from dataclasses import dataclass
 from typing import Callable, TypeVar
+import contextlib
 
 R = TypeVar("R")
 
@@ -128,8 +129,6 @@ def atomic_write(path: str, data: bytes, *, tmp: str | None = None, sync: bool =
             os.close(fd)
         os.replace(tmp, path)
     except BaseException:
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(tmp)
-        except OSError:
-            pass
         raise

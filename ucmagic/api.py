@@ -78,7 +78,8 @@ def check_load_args(source: str, kind: str, *, pattern: str | None = None, batch
         if rows is not None:
             raise LoadUsageError("rows=/--rows applies to DataFrames; with --stream every row is read")
         return
-    for flag, v in (("batch_size=/-b", batch_size), ("num_workers=/-w", num_workers), ("shuffle=/--shuffle", shuffle or None),
+    for flag, v in (("batch_size=/-b", batch_size), ("num_workers=/-w", num_workers),
+                    ("shuffle=/--shuffle", shuffle or None),
                     ("cache_limit=/--limit", cache_limit), ("cache_dir=/--cache-dir", cache_dir)):
         if v is not None:
             raise _bad(flag, f"applies to loaders: add --stream (stream=True) to stream {source}")

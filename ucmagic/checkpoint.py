@@ -130,10 +130,8 @@ def list_checkpoints(root: str | os.PathLike) -> list[CheckpointInfo]:
 
 def _delete_checkpoint(path: str) -> None:
     """Un-commit first (so a half-deleted directory is never taken for a checkpoint), then remove."""
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.unlink(os.path.join(path, COMMIT_NAME))
-    except FileNotFoundError:
-        pass
     shutil.rmtree(path, ignore_errors=True)
 
 

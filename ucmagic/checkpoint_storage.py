@@ -10,7 +10,8 @@ Nothing is renamed on the volume.
 
 Reader: refuses a directory without a valid marker, unpickles ``.metadata`` with an allow-list,
 downloads only the files its load plan needs, in parallel (into memory under a byte budget, or to
-local staging for large shards), verifying size and CRC, and feeds them to torch as they arrive. Non-tensor entries are checked with ``torch.load(weights_only=True)``.
+local staging for large shards), verifying size and CRC, and feeds them to torch as they arrive.
+Non-tensor entries are checked with ``torch.load(weights_only=True)``.
 """
 from __future__ import annotations
 
@@ -243,7 +244,7 @@ class _MetadataUnpickler(pickle.Unpickler):
 def load_metadata(data: bytes, *, allow_unsafe: bool = False) -> Metadata:
     """Unpickle DCP metadata, admitting only metadata classes unless ``allow_unsafe``."""
     if allow_unsafe:
-        return pickle.loads(data)
+        return pickle.loads(data)  # noqa: S301 - the caller trusts this checkpoint (allow_unsafe_pickle=True)
     return _MetadataUnpickler(io.BytesIO(data)).load()
 
 

@@ -18,6 +18,7 @@ from ._util import RetryPolicy, copy_local
 from .cache import pid_running
 from .checkpoint_format import CheckpointCorruptError, CheckpointError, CheckpointUploadError, FileRecord
 from .units import format_size
+import contextlib
 
 CHUNK = 8 << 20
 RETRIES = 3
@@ -192,7 +193,5 @@ def read_bytes(remote: str) -> bytes:
 
 def remove_quietly(path: str) -> None:
     """Delete a file if present."""
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
-    except FileNotFoundError:
-        pass

@@ -24,6 +24,7 @@ from .listing import Listing, open_listing
 from .progress import Progress
 from .telemetry import SharedCounters, SharedInts, percentiles
 from .volume import FileEntry, Volume, copy_error, open_volume
+import contextlib
 
 STATE_VERSION = 2  # 2: the array-free epoch order (plan.ORDER_VERSION 2)
 STREAM_CHUNK = 2048  # items of a stream decoded from the listing at once
@@ -101,7 +102,7 @@ class _Stream:
         self._refreshing = False
         old = _active_streams.get(self.path)
         if old is not None:  # this process's previous iteration of the same stream: it stops writing
-            old._stop.set()
+            old._stop.set()  # noqa: SLF001 - same class
         _active_streams[self.path] = self
 
     def _write(self) -> None:
@@ -155,10 +156,8 @@ class _Stream:
 
         def loop() -> None:
             while not self._stop.wait(0.01):
-                try:
+                with contextlib.suppress(OSError):
                     self.refresh()
-                except OSError:
-                    pass
 
         threading.Thread(target=loop, name="ucmagic-protect", daemon=True).start()
 
@@ -646,7 +645,7 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
                 for _ in read_ahead(self._fetch, self.listing.iter_entries(), depth=depth, timeout=self.timeout):
                     pass
                 fut.set_result(self._counters.totals()["misses"] - before)
-            except BaseException as exc:  # surfaces through fut.result()
+            except BaseException as exc:  # noqa: BLE001 - surfaces through fut.result()
                 fut.set_exception(exc)
 
         if background:

@@ -2,6 +2,7 @@
 items, cache counters, snapshot, plot, save/load/merge, straggler hints and the explorer."""
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -219,10 +220,8 @@ class LoaderStats:
             return self._files[index]
         fn = getattr(self._dataset, "describe_item", None)
         if callable(fn):
-            try:
+            with contextlib.suppress(IndexError, KeyError):
                 return fn(int(index))
-            except (IndexError, KeyError):
-                pass
         return f"item {index}", None
 
     def batch_files(self, b: int) -> list[dict[str, Any]]:
@@ -277,12 +276,10 @@ class LoaderStats:
             name, size = self.describe_item(i)
             files[str(i)] = [name, size]
         rank = 0
-        try:
+        with contextlib.suppress(Exception):  # torch missing or odd env: rank 0
             from .dist import dist_info
 
             rank = dist_info().rank
-        except Exception:  # torch missing or odd env: rank 0
-            pass
         return {"version": SAVE_VERSION, "rank": rank, "fetch_s": self._rec.fetch_array()[:n].tolist(),
                 "compute_s": self._rec.compute_array()[:n].tolist(), **cols,
                 "item_index": index.tolist(), "item_fetch_s": [float(x) for x in a["fetch"][:kept]],

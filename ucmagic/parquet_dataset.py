@@ -139,7 +139,8 @@ class ParquetDataset(EpochTracking, IterableDataset):
                 if attempt == 4:
                     raise
                 time.sleep(0.01 * (attempt + 1))
-        self.use_cache = (self.remote or any(p.startswith("/Volumes/") for p in paths)) if cache is None else bool(cache)
+        self.use_cache = ((self.remote or any(p.startswith("/Volumes/") for p in paths)) if cache is None
+                          else bool(cache))
         self.cache = FileCache(cache_dir, cache_limit) if self.use_cache else None
         names = list(schema.names)
         if columns is not None:
@@ -535,7 +536,8 @@ class ParquetDataset(EpochTracking, IterableDataset):
         """Resume: the next iteration delivers exactly the rows not yet delivered in the saved epoch
         (any world size, number of workers or batch size). Raises ListingChangedError if the files changed."""
         if state.get("version") != STATE_VERSION or "kind" not in state:
-            raise ValueError(f"not a ParquetDataset state (version {state.get('version')!r}, kind {state.get('kind')!r})")
+            raise ValueError(f"not a ParquetDataset state (version {state.get('version')!r}, "
+                             f"kind {state.get('kind')!r})")
         check_state_kind(state, self.kind, "parquet")  # "parquet": states saved before the kinds were unified
         if state["fingerprint"] != self.fingerprint or state["rows"] != self.num_rows:
             raise ListingChangedError(

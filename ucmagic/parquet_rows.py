@@ -98,7 +98,8 @@ class EpochLayout:
             groups.append(bg)
             los.append(bl)
             his.append(bh)
-        cat = (lambda xs: np.concatenate(xs).astype(np.int64) if xs else np.zeros(0, dtype=np.int64))
+        def cat(xs):
+            return (np.concatenate(xs).astype(np.int64) if xs else np.zeros(0, dtype=np.int64))
         self.piece_group, self.piece_lo, self.piece_hi = cat(groups), cat(los), cat(his)
         self.win_slots = np.asarray(bounds, dtype=np.int64)
 

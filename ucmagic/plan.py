@@ -218,7 +218,8 @@ def round_robin_taken(batches: Sequence[int], delivered: int) -> list[int]:
     return taken
 
 
-def items_delivered(lengths: Sequence[int], batch_size: int | None, drop_last: bool, batches_delivered: int) -> list[int]:
+def items_delivered(lengths: Sequence[int], batch_size: int | None, drop_last: bool,
+                    batches_delivered: int) -> list[int]:
     """Items delivered from each worker stream of one rank after ``batches_delivered`` batches."""
     b = max(1, batch_size or 1)
     taken = round_robin_taken(batches_per_stream(lengths, batch_size, drop_last), batches_delivered)
