@@ -35,6 +35,7 @@ interleaved over rounds.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -44,7 +45,6 @@ import sys
 import tempfile
 import threading
 import time
-import contextlib
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROFILES = {"P20": {"open_ms": 20, "mbps": 200}, "P100": {"open_ms": 100, "mbps": 100}}

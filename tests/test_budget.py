@@ -2,6 +2,7 @@
 an epoch runs (fills wait for room, freed as the loop consumes), and a tiny budget slows, never fails."""
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 
@@ -10,7 +11,6 @@ import pytest
 from ucmagic import DataLoader, UCVolumeDataset
 from ucmagic.errors import FetchError
 from ucmagic.testing import make_files
-import contextlib
 
 
 def dir_bytes(root: str) -> int:

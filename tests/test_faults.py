@@ -6,6 +6,7 @@ figures live in bench/soak.py, not here.
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import os
@@ -22,7 +23,6 @@ from ucmagic.cache import cache_key, safe_suffix
 from ucmagic.errors import FetchError, FetchTimeoutError
 from ucmagic.testing import make_files
 from ucmagic.volume import LocalVolume, open_volume
-import contextlib
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CHILD = os.path.join(HERE, "scripts", "crash_child.py")

@@ -4,6 +4,7 @@ Nothing here imports beyond the standard library, so every module may use it.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import random
@@ -13,7 +14,6 @@ import time
 import zlib
 from dataclasses import dataclass
 from typing import Callable, TypeVar
-import contextlib
 
 R = TypeVar("R")
 

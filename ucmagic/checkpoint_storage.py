@@ -58,12 +58,7 @@ from .checkpoint_format import (
     FORMAT_DCP,
     METADATA_NAME,
     SAVING_NAME,
-    CheckpointCorruptError,
-    CheckpointError,
-    CheckpointExistsError,
-    CheckpointInProgressError,
     FileRecord,
-    UnsafeCheckpointError,
     check_record,
     in_progress_message,
     is_committed_by,
@@ -77,6 +72,13 @@ from .checkpoint_format import (
     stale_files,
 )
 from .dist import dist_info
+from .errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointInProgressError,
+    UnsafeCheckpointError,
+)
 from .units import parse_size
 from .volume import resolve_local_path
 
@@ -318,6 +320,8 @@ class UCVolumeWriter(FileSystemWriter):
         commit_info: JSON-able dict stored in the commit marker (``save_checkpoint`` stores step and extra).
         **kwargs: passed to ``FileSystemWriter`` (``cache_staged_state_dict``, ...).
     """
+
+    fs: _StagingFileSystem  # installed by compat.install_filesystem in __init__
 
     def __init__(self, path: str | os.PathLike, *, staging_dir: str | None = None, upload_threads: int = 16,
                  files_per_rank: int | None = None, thread_count: int | None = None, verify: str = "size",
@@ -641,13 +645,13 @@ class _DownloadedFileSystem(FileSystem):
         got = session.downloads[name].result()
         if isinstance(got, bytes):
             try:
-                yield io.BytesIO(got)  # type: ignore[misc]  # shares the bytes, no copy
+                yield io.BytesIO(got)  # shares the bytes, no copy
             finally:
                 session.release(len(got))
             return
         try:
             with open(got, "rb") as stream:
-                yield stream  # type: ignore[misc]
+                yield stream
         finally:
             xfer.remove_quietly(got)
 
@@ -697,6 +701,8 @@ class UCVolumeReader(FileSystemReader):
         min_free: local free space to keep beyond the downloaded bytes.
     """
 
+    fs: _DownloadedFileSystem  # installed by compat.install_filesystem in __init__
+
     def __init__(self, path: str | os.PathLike, *, wait: float | None = None, staging_dir: str | None = None,
                  download_threads: int = 16, memory_budget: int | str = "1GB", require_commit: bool | None = None,
                  allow_unsafe_pickle: bool = False, min_free: int | str = "512MB", **kwargs: Any) -> None:
@@ -719,7 +725,7 @@ class UCVolumeReader(FileSystemReader):
             from .errors import SourceNotFoundError
 
             raise SourceNotFoundError(f"checkpoint directory {path} does not exist; check the path")
-        self._metadata = None
+        self._metadata: tuple[str, Metadata] | None = None
         self._foreign_stamp = None
         start = time.monotonic()
         while True:
@@ -859,6 +865,7 @@ class UCVolumeReader(FileSystemReader):
                 xfer.check_free_space(staging, need, self.min_free)
             ticket = 0
             for name in names:  # same order torch reads them in, so the first file arrives first
+                fut: CFuture[bytes | str]
                 if name in in_memory:
                     fut = session.pool.submit(self._fetch, session, ticket, name, expected[name])
                     ticket += 1

@@ -7,6 +7,7 @@ SHA-256 (~1.8 GB/s): it guards against torn and bit-flipped files, not against t
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -16,9 +17,9 @@ import zlib
 
 from ._util import RetryPolicy, copy_local
 from .cache import pid_running
-from .checkpoint_format import CheckpointCorruptError, CheckpointError, CheckpointUploadError, FileRecord
+from .checkpoint_format import FileRecord
+from .errors import CheckpointCorruptError, CheckpointError, CheckpointUploadError
 from .units import format_size
-import contextlib
 
 CHUNK = 8 << 20
 RETRIES = 3

@@ -1,6 +1,7 @@
 """UCVolumeDataset: stream files of a slow volume through the persistent local cache."""
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import threading
@@ -24,7 +25,6 @@ from .listing import Listing, open_listing
 from .progress import Progress
 from .telemetry import SharedCounters, SharedInts, percentiles
 from .volume import FileEntry, Volume, copy_error, open_volume
-import contextlib
 
 STATE_VERSION = 2  # 2: the array-free epoch order (plan.ORDER_VERSION 2)
 STREAM_CHUNK = 2048  # items of a stream decoded from the listing at once

@@ -8,6 +8,7 @@ failures are reported per file instead of scrolling past.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import multiprocessing as mp
 import os
@@ -23,7 +24,6 @@ from .fetch import with_retries
 from .progress import Progress
 from .units import format_size
 from .volume import FileEntry, FsspecVolume, LocalVolume, Volume, copy_error, open_volume
-import contextlib
 
 MTIME_TOLERANCE = 1e-3  # seconds: staged copy counts as unchanged when its mtime is this close
 MAX_PROCESSES = 4

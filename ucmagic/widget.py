@@ -13,6 +13,7 @@ The engine never imports this module at import time; ``loader.monitor()`` import
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import html
 import math
@@ -25,7 +26,6 @@ from typing import Any, Callable, Sequence, TextIO
 
 from .progress import display_mode, format_duration
 from .units import format_size
-import contextlib
 
 DEFAULT_RATE_HZ = 4.0
 WINDOW = 256  # recent batches kept for the plot and the percentiles
