@@ -24,7 +24,10 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
         from .demo import run_demo
         from .units import parse_size
 
-        run_demo(files=a.files, size=parse_size(a.size), open_ms=a.open_ms, mbps=a.mbps,
+        size = parse_size(a.size)
+        if size is None:  # unreachable: --size always has a value (parse_size maps only None to None)
+            raise SystemExit("ucmagic demo: --size needs a size such as 150KiB")
+        run_demo(files=a.files, size=size, open_ms=a.open_ms, mbps=a.mbps,
                  batch_size=a.batch_size, workdir=a.workdir, baseline=not a.skip_baseline)
         return 0
 
@@ -91,7 +94,7 @@ def _field(item: object, name: str, index: int) -> object:
         return item.get(name)
     if hasattr(item, name):
         return getattr(item, name)
-    return item[index] if isinstance(item, (tuple, list)) and len(item) > index else None  # type: ignore[index]
+    return item[index] if isinstance(item, (tuple, list)) and len(item) > index else None
 
 
 def format_checkpoints(items: list) -> str:

@@ -118,7 +118,7 @@ def _functions(fn: Any, seen: set[int]) -> Iterator[Any]:
         return
     seen.add(id(fn))
     yield fn
-    names = set()
+    names: set[str] = set()
     stack = [fn.__code__]
     while stack:
         code = stack.pop()
@@ -225,8 +225,8 @@ def _worker(rank: int, world: int, env: dict[str, str], backend: str, pg_timeout
     _die_with_parent()
     prefix = f"[rank {rank}] " if world > 1 else ""
     if relay:
-        sys.stdout = _RelayWriter(q, rank, "stdout", prefix)  # type: ignore[assignment]
-        sys.stderr = _RelayWriter(q, rank, "stderr", prefix)  # type: ignore[assignment]
+        sys.stdout = _RelayWriter(q, rank, "stdout", prefix)
+        sys.stderr = _RelayWriter(q, rank, "stderr", prefix)
     try:
         import cloudpickle
 
@@ -247,11 +247,11 @@ def _worker(rank: int, world: int, env: dict[str, str], backend: str, pg_timeout
             if not dist.is_initialized():
                 original_init(*a, **k)
 
-        dist.init_process_group = init_once  # type: ignore[assignment]
+        dist.init_process_group = init_once
         try:
             result = fn(*args, **kwargs)
         finally:
-            dist.init_process_group = original_init  # type: ignore[assignment]
+            dist.init_process_group = original_init
         if dist.is_initialized():
             with contextlib.suppress(Exception):  # best effort
                 dist.destroy_process_group()

@@ -437,7 +437,7 @@ def straggler_hints(stats: LoaderStats) -> list[str]:
                    f"bottleneck, raise num_workers{now}")
     if len(workers) >= 2:
         med = {w: float(np.median(fetch[b["worker"] == w])) for w in workers}
-        worst = max(med, key=med.get)
+        worst = max(med, key=lambda w: med[w])
         others = float(np.median([v for w, v in med.items() if w != worst]))
         if med[worst] >= 5e-3 and med[worst] >= 2 * max(others, 1e-9):
             out.append(f"worker {worst}'s batches wait {med[worst] / max(others, 1e-9):.1f}x longer than the "
@@ -445,7 +445,7 @@ def straggler_hints(stats: LoaderStats) -> list[str]:
     ranks = sorted({int(r) for r in b["rank"]})
     if len(ranks) >= 2:
         mean = {r: float(fetch[b["rank"] == r].mean()) for r in ranks}
-        worst = max(mean, key=mean.get)
+        worst = max(mean, key=lambda r: mean[r])
         typical = float(np.median(list(mean.values())))
         if mean[worst] >= 1.5 * max(typical, 1e-9) and mean[worst] >= 1e-3:
             out.append(f"rank {worst} waits {mean[worst] / max(typical, 1e-9):.1f}x the median rank "
