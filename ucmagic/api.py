@@ -122,7 +122,7 @@ def load(source: str | os.PathLike, *, files: bool = False, pattern: str | None 
         ds = UCVolumeDataset(source, pattern=pattern, cache_dir=cache_dir, cache_limit=limit, shuffle=shuffle,
                              seed=seed, listing_progress=listing_progress)
         return DataLoader(ds, batch_size=batch_size or DEFAULT_FILE_BATCH, **loader_kwargs)
-    from .parquet import ParquetDataset
+    from .parquet_dataset import ParquetDataset
 
     pds = ParquetDataset(source, columns=list(columns) if columns else None,
                          batch_size=batch_size or DEFAULT_ROW_BATCH, shuffle=shuffle, seed=seed,

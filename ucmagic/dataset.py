@@ -498,7 +498,7 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
         items = self.stream_items(epoch)
         if main:
             self._epoch_main, self._delivered_main = epoch, 0
-        slot = 0 if main else info.id
+        slot = 0 if info is None else info.id
         depth = self._inflight()
         stream = _Stream(cache, owner, slot, items, quantum=self.batch_quantum,
                          window=self.lease_items, chunk=max(16, depth), consumed=self._consumption(slot))

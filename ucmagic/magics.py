@@ -151,6 +151,8 @@ Examples::
 class UcMagics(Magics):
     """ucmagic's notebook commands. Settings: ``%config UcMagics.<name>=<value>``."""
 
+    shell: Any  # the InteractiveShell; IPython's Magics declares it as None
+
     cache_dir = Unicode(None, allow_none=True,
                         help="Cache directory for %ucload (default: $UCMAGIC_CACHE_DIR, else ~/.cache/ucmagic)."
                         ).tag(config=True)
@@ -334,6 +336,7 @@ class UcMagics(Magics):
         with --export write a table as Parquet files of a target size."""
         a = self._parse("ucstage", UcMagics.ucstage, line, local_ns)
         self._check_out("ucstage", a.out)
+        result: Any  # ExportResult or StageResult
         if a.export:
             if a.concurrency is not None or a.pattern is not None:
                 _fail("ucstage", "-j and -p apply to file staging, not to --export")

@@ -301,10 +301,11 @@ class ParquetDataset(EpochTracking, IterableDataset):
     def _local(self, fi: int) -> str:
         """Local path of file ``fi`` (a cached copy for remote or mounted files)."""
         f = self.files[fi]
-        if self.cache is None:
+        cache = self.cache
+        if cache is None:
             return f.path
         key = cache_key("parquet", f.path, f.size, f.mtime)
-        hit = self.cache.lookup(key, ".parquet", f.size)
+        hit = cache.lookup(key, ".parquet", f.size)
         if hit:
             return hit
 
@@ -319,7 +320,7 @@ class ParquetDataset(EpochTracking, IterableDataset):
 
             return LocalVolume(os.path.dirname(f.path)).copy_to(os.path.basename(f.path), tmp)
 
-        path, _ = with_retries(lambda _: self.cache.fill(key, ".parquet", f.size, write), None, 5)
+        path, _ = with_retries(lambda _: cache.fill(key, ".parquet", f.size, write), None, 5)
         return path
 
     def _changed(self, fi: int, why: str) -> ListingChangedError:
@@ -464,7 +465,7 @@ class ParquetDataset(EpochTracking, IterableDataset):
         readers: dict = {}
         lock = threading.Lock()
         own = get_worker_info() is not None  # worker batches cross processes: no views of big buffers
-        cur = [0, 0.0]  # per-item records: row group and read seconds of the piece a batch ends in
+        cur: list[Any] = [0, 0.0]  # per-item records: row group and read seconds of the piece a batch ends in
 
         def load(s: Segment) -> tuple[dict[str, Any], int]:
             t0 = time.perf_counter()

@@ -236,7 +236,7 @@ def _bytes_per_row(src: Source) -> float | None:
             files = files[:64]
             rows = sum(pq.read_metadata(f).num_rows for f in files)
             return sum(os.path.getsize(f) for f in files) / rows if rows else None
-        if src.kind == "arrow" and hasattr(src.obj, "nbytes") and getattr(src.obj, "num_rows", 0):
+        if src.kind == "arrow" and hasattr(src.obj, "nbytes") and getattr(src.obj, "num_rows", None):
             return src.obj.nbytes / src.obj.num_rows / 2
         if src.kind == "pandas" and len(src.obj):
             return float(src.obj.memory_usage(deep=True).sum()) / len(src.obj) / 3

@@ -405,6 +405,9 @@ def spark_dataframe(src: Source) -> Any:
     if src.kind == "spark":
         return src.obj
     spark = active_spark()
+    if spark is None:
+        raise TableNotFoundError(f"table {src.name} needs an active Spark session, and there is none: "
+                                 "start one (SparkSession.builder.getOrCreate()) or pass a table path")
     try:
         return spark.read.table(src.obj.quoted())
     except Exception as e:  # noqa: BLE001 - AnalysisException lives in pyspark

@@ -6,6 +6,7 @@ writes to a volume.
 """
 from __future__ import annotations
 
+import builtins  # `list` in Volume annotations is the method
 import hashlib
 import os
 import re
@@ -276,7 +277,7 @@ class Volume:
             "(patterns are globs such as '**/*.jpg'; a pattern without '/' matches file names at any depth)"
         )
 
-    def _check_listing(self, entries: list[FileEntry], pattern: str | None) -> list[FileEntry]:
+    def _check_listing(self, entries: builtins.list[FileEntry], pattern: str | None) -> builtins.list[FileEntry]:
         if not entries:
             raise self.empty_listing_error(pattern)
         return entries
