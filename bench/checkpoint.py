@@ -227,7 +227,8 @@ def main() -> None:
               f"{ratio(med['dbair sync']['load'], med['ucmagic sync']['load'])}  (target >= 2)")
     for other in ("torch.save", "torch FileSystemWriter"):
         if other in med and "ucmagic sync" in med:
-            print(f"  {other} durable / ucmagic sync durable = {ratio(med[other]['durable'], med['ucmagic sync']['durable'])}"
+            print(f"  {other} durable / ucmagic sync durable = "
+                  f"{ratio(med[other]['durable'], med['ucmagic sync']['durable'])}"
                   f"; load ratio = {ratio(med[other]['load'], med['ucmagic sync']['load'])}")
 
 

@@ -35,6 +35,7 @@ interleaved over rounds.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -234,10 +235,8 @@ def _tree_pss(pid: int) -> int:
         return 0
     total = 0
     for p in procs:
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
             total += p.memory_full_info().pss
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            pass
     return total
 
 
@@ -314,7 +313,7 @@ def main() -> None:
         os.remove(os.path.join(src, stray))
     expected = set(os.listdir(src))
     results: dict[str, dict[str, list[dict]]] = {p: {c: [] for c in contenders} for p in profiles}
-    with contextlib_exit() as stack:
+    with ContextlibExit() as stack:
         mounts = {p: stack.enter_context(mount_slow_volume(src, f"/Volumes/bench/slow/{p.lower()}", list_ms=50,
                                                              **PROFILES[p])) for p in profiles}
         for rnd in range(a.rounds):
@@ -372,8 +371,8 @@ def run_scale(workdir: str, n: int, rounds: int) -> dict[str, list[dict]]:
             shutil.rmtree(cache, ignore_errors=True)
             res[c].append(r)
             status = r.get("error") or " ".join(f"{e['secs']:.2f}s ({e['cpu']:.1f} cpu-s)" for e in r["epochs"])
-            print(f"[round {rnd + 1}] scale {c:10s} {status}" + (f"  listing {r['setup']:.2f}s" if "setup" in r else ""),
-                  flush=True)
+            listing = f"  listing {r['setup']:.2f}s" if "setup" in r else ""
+            print(f"[round {rnd + 1}] scale {c:10s} {status}" + listing, flush=True)
     ok = {c: [r for r in runs if "epochs" in r] for c, runs in res.items()}
     uc, raw, walk = ok["scale-uc"], ok["scale-raw"], ok["scale-walk"]
     print(f"\n== scale: {n} files of 1 KiB on local disk, one process, num_workers=0, medians ==")
@@ -401,7 +400,7 @@ def _rotated(contenders: list[str], rnd: int) -> list[str]:
     return [c for unit in units[k:] + units[:k] for c in unit]
 
 
-class contextlib_exit:
+class ContextlibExit:
     """A tiny ExitStack alias so mounts are undone even when a contender crashes."""
 
     def __enter__(self):
@@ -427,7 +426,8 @@ def _medv(runs: list[dict], key: str) -> float:
 
 def report(results: dict, files: int) -> None:
     for p, res in results.items():
-        print(f"\n== {p}: {PROFILES[p]['open_ms']} ms per open, {PROFILES[p]['mbps']} MB/s per stream, {files} files ==")
+        print(f"\n== {p}: {PROFILES[p]['open_ms']} ms per open, {PROFILES[p]['mbps']} MB/s per stream, "
+              f"{files} files ==")
         print(f"{'contender':10s} {'epoch s':>8s} {'warm s':>7s} {'1st batch s':>11s} {'setup s':>8s} {'peak MB':>8s} "
               f"{'cpu s':>6s} {'warm cpu s':>10s}")
         for c, runs in res.items():
@@ -438,14 +438,16 @@ def report(results: dict, files: int) -> None:
             warm = _med(ok, epoch=1) if c == "ucmagic" else float("nan")
             wcpu = _med(ok, "cpu", 1) if c == "ucmagic" else float("nan")
             print(f"{c:10s} {_med(ok):8.2f} {warm:7.2f} {_med(ok, 'first'):11.2f} {_medv(ok, 'setup'):8.2f} "
-                  f"{_medv(ok, 'peak_mb'):8.0f} {_med(ok, 'cpu'):6.2f} {wcpu:10.2f}" + (f"  (scaled from {ok[0]['scaled_from']} files)" if "scaled_from" in ok[0] else ""))
+                  f"{_medv(ok, 'peak_mb'):8.0f} {_med(ok, 'cpu'):6.2f} {wcpu:10.2f}"
+                  + (f"  (scaled from {ok[0]['scaled_from']} files)" if "scaled_from" in ok[0] else ""))
         def get(c: str, res: dict = res, **kw) -> float:
             return _med([r for r in res.get(c, []) if "epochs" in r], **kw)
 
         cold, raw = get("ucmagic"), get("raw")
         print("ratios (targets in brackets):")
         print(f"  ucmagic cold / raw-copy limit      {cold / raw:5.2f}  [<= 1.1]")
-        print(f"  ucmagic cold CPU / raw-copy CPU    {get('ucmagic', key='cpu') / get('raw', key='cpu'):5.2f}  [<= 1.25]")
+        cpu_ratio = get('ucmagic', key='cpu') / get('raw', key='cpu')
+        print(f"  ucmagic cold CPU / raw-copy CPU    {cpu_ratio:5.2f}  [<= 1.25]")
         if res.get("dbair"):
             print(f"  databricks-sdk-air / ucmagic cold  {get('dbair') / cold:5.2f}  [>= {1.2 if p == 'P20' else 2.0}]")
             pm = _medv([r for r in res["dbair"] if "epochs" in r], "peak_mb") / _medv(

@@ -209,12 +209,14 @@ def main() -> None:
         b = min(r["seconds"] for r in rs)
         s = statistics.median(r["seconds"] for r in rs)
         m = max(r["peak_rss"] for r in rs) / 1e6
-        print(f"{e:10} {n:>12,} {b:7.2f} {s:8.2f} {m:8.0f} {rs[-1]['files']:6d} {rs[-1]['bytes'] / rs[-1]['files'] / 1e6:7.0f}")
+        print(f"{e:10} {n:>12,} {b:7.2f} {s:8.2f} {m:8.0f} {rs[-1]['files']:6d} "
+              f"{rs[-1]['bytes'] / rs[-1]['files'] / 1e6:7.0f}")
     # best-of: the machine is shared, the minimum is the least disturbed run
     med = {k: min(r["seconds"] for r in v) for k, v in res.items()}
     peak = {k: max(r["peak_rss"] for r in v) for k, v in res.items()}
     n = args.rows
-    print(f"\nexport time (best of runs) ucmagic / raw DuckDB COPY: {med[('ucmagic', n)] / med[('duckdb', n)]:.2f}x (target <= 1.2x)")
+    print(f"\nexport time (best of runs) ucmagic / raw DuckDB COPY: "
+          f"{med[('ucmagic', n)] / med[('duckdb', n)]:.2f}x (target <= 1.2x)")
     print(f"export time ucmagic / pyarrow write_dataset: {med[('ucmagic', n)] / med[('pyarrow', n)]:.2f}x")
     print(f"ucmagic peak RSS: {peak[('ucmagic', n)] / 1e9:.2f} GB (target < 0.6 GB)")
     if not args.no_double:
@@ -238,7 +240,8 @@ def main() -> None:
             t, rows = timed(iter_ucmagic, path, cols, dt, 0)
             ours = min(ours, t)
         ours2 = min(timed(iter_ucmagic, path, cols, dt, 2)[0] for _ in range(2))
-        line = (f"{label:18}: raw pyarrow {rows / raw / 1e6:6.2f} M rows/s | ParquetDataset {rows / ours / 1e6:6.2f} M rows/s"
+        line = (f"{label:18}: raw pyarrow {rows / raw / 1e6:6.2f} M rows/s | "
+                f"ParquetDataset {rows / ours / 1e6:6.2f} M rows/s"
                 f" ({raw / ours:.2f}x raw; target >= 0.8x) | 2 workers {rows / ours2 / 1e6:6.2f} M rows/s")
         if not args.no_hf:
             hf = timed(iter_hf, path, cols)

@@ -80,7 +80,8 @@ def main() -> None:
     t0 = time.perf_counter()
     print(f"{a.files:,} files of {a.file_kib} KiB, {a.ranks_per_node} ranks/node x {a.workers} workers, "
           f"batch {a.batch}, {a.epochs} epochs\n")
-    hdr = (f"{'nodes':>5s} {'cache/share':>11s} {'mode':>6s} " + " ".join(f"{'hit e' + str(e + 1):>7s}" for e in range(a.epochs))
+    hdr = (f"{'nodes':>5s} {'cache/share':>11s} {'mode':>6s} "
+           + " ".join(f"{'hit e' + str(e + 1):>7s}" for e in range(a.epochs))
            + f" {'GB read/node e2+':>16s} {'items/rank min..max':>21s} {'stream min..max':>17s}")
     print(hdr)
     print("-" * len(hdr))
@@ -101,7 +102,8 @@ def main() -> None:
                     break  # one node: both modes are the same global permutation
     state_pool = plan.remaining_pool([(0, a.files)], 1000 * a.ranks_per_node, a.workers, "pad", a.batch,
                                      [a.batch] * (1000 * a.ranks_per_node * a.workers))
-    print(f"resume state at 1,000 nodes: {len(state_pool):,} ranges ({len(state_pool) * 2 * 8 / 1e6:.2f} MB as int64 pairs)"
+    print(f"resume state at 1,000 nodes: {len(state_pool):,} ranges "
+          f"({len(state_pool) * 2 * 8 / 1e6:.2f} MB as int64 pairs)"
           f" — one range per stream, independent of the number of files")
     print(f"done in {time.perf_counter() - t0:.1f} s")
 

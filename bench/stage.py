@@ -143,7 +143,8 @@ def main() -> int:
         open_ms, mbps = PROFILES[name]
         mnt = os.path.join(work, f"mnt-{name}")
         dest = os.path.join(a.dest_dir or work, "ucmagic-bench-dest")
-        ctx = (testing.mount_slow_volume(src, mnt, open_ms=open_ms, mbps=mbps) if fuse else contextlib.nullcontext(None))
+        ctx = (testing.mount_slow_volume(src, mnt, open_ms=open_ms, mbps=mbps) if fuse
+               else contextlib.nullcontext(None))
         with _threads_patched(), ctx:
             source = mnt if fuse else f"slow://{src}"
             opts = None if fuse else {"open_ms": open_ms, "mbps": mbps}

@@ -152,7 +152,8 @@ class LabServer:
         url = f"{self.base}/api/status?token={self.token}"
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
-                raise RuntimeError(f"JupyterLab exited with code {self.proc.returncode} at startup; see {self.log_path}")
+                raise RuntimeError(f"JupyterLab exited with code {self.proc.returncode} at startup; "
+                                   f"see {self.log_path}")
             try:
                 with urllib.request.urlopen(url, timeout=5) as r:
                     if r.status == 200:
@@ -171,10 +172,8 @@ class LabServer:
         if proc is not None and proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 proc.terminate()  # Jupyter shuts its kernels down on SIGTERM
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                pass
         if proc is not None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)  # kernels left behind (our own session only)

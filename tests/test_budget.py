@@ -2,6 +2,7 @@
 an epoch runs (fills wait for room, freed as the loop consumes), and a tiny budget slows, never fails."""
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 
@@ -16,10 +17,8 @@ def dir_bytes(root: str) -> int:
     total = 0
     for d, _, files in os.walk(root):
         for f in files:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 total += os.path.getsize(os.path.join(d, f))
-            except FileNotFoundError:
-                pass
     return total
 
 

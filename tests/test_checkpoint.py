@@ -343,7 +343,8 @@ def test_reader_downloads_only_needed_files(tmp_path, staging, monkeypatch):
     got = []
     for fn in ("download_file", "download_bytes"):  # to disk / into memory
         real = getattr(xfer, fn)
-        monkeypatch.setattr(xfer, fn, lambda r, *a, real=real, **k: (got.append(os.path.basename(r)), real(r, *a, **k))[1])
+        monkeypatch.setattr(xfer, fn,
+                            lambda r, *a, real=real, **k: (got.append(os.path.basename(r)), real(r, *a, **k))[1])
     for budget in ("1GB", 0):
         target = {"a": torch.zeros(1000)}
         dcp.load(target, storage_reader=UCVolumeReader(path, memory_budget=budget))

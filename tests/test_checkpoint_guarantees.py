@@ -13,6 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
 
@@ -34,7 +36,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is:UserWarning
 TESTS = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(TESTS)
 sys.path.insert(0, TESTS)
-from test_checkpoint import make_model, same_model, trained
+from test_checkpoint import make_model, same_model, trained  # noqa: E402 - needs tests/ on sys.path
 
 
 @pytest.fixture()
@@ -47,7 +49,8 @@ def run_script(tmp_path, name: str, body: str, timeout: float = 240) -> subproce
     f = tmp_path / name
     f.write_text(f"import os, sys, time\nsys.path.insert(0, {TESTS!r})\n" + textwrap.dedent(body))
     env = dict(os.environ, PYTHONPATH=REPO, UCMAGIC_STAGING_DIR=str(tmp_path / "staging"), OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, str(f)], env=env, capture_output=True, text=True, timeout=timeout, check=False)
+    return subprocess.run([sys.executable, str(f)], env=env, capture_output=True, text=True, timeout=timeout,
+                          check=False)
 
 
 # ---------------------------------------------------------------- never stale, never mixed
@@ -312,9 +315,6 @@ def test_local_path_without_catalog_root_says_what_to_set(monkeypatch):
 
 
 # ---------------------------------------------------------------- pure pieces
-
-from hypothesis import given
-from hypothesis import strategies as st
 
 
 @given(st.lists(st.tuples(st.booleans(), st.integers(0, 10**6)), max_size=60), st.integers(1, 8))

@@ -322,5 +322,6 @@ def test_delta_without_deltalake_names_the_extra(monkeypatch, tmp_path):
 
     monkeypatch.setitem(sys.modules, "deltalake", None)
     (tmp_path / "_delta_log").mkdir()
-    with pytest.raises(MissingExtraError, match=r'reading a Delta table needs deltalake.*pip install "ucmagic\[delta\]"'):
+    with pytest.raises(MissingExtraError,
+                       match=r'reading a Delta table needs deltalake.*pip install "ucmagic\[delta\]"'):
         tables.delta_files(tables.resolve_source(str(tmp_path)))

@@ -6,6 +6,7 @@ figures live in bench/soak.py, not here.
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import os
@@ -141,10 +142,8 @@ def run_until_ready(args: list[str], *, wait_for=None, timeout: float = 60) -> N
             assert time.monotonic() < deadline and proc.poll() is None, "the child finished before the kill point"
             time.sleep(0.002)
     finally:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         proc.wait(10)
         proc.stdout.close()
         proc.stderr.close()

@@ -62,7 +62,8 @@ def test_hostile_names_are_cached_and_staged_inside_their_directories(tmp_path, 
     sums = write_tree(vol, HOSTILE)
     before = all_files(str(tmp_path))
     src = scheme + vol
-    ds = UCVolumeDataset(src, cache_dir=cache, storage_options={"open_ms": 0, "mbps": 0, "list_ms": 0} if scheme else None)
+    ds = UCVolumeDataset(src, cache_dir=cache,
+                         storage_options={"open_ms": 0, "mbps": 0, "list_ms": 0} if scheme else None)
     assert sorted(e.path for e in ds.listing.iter_entries()) == sorted(HOSTILE)
     served = sorted(sha(p) for p in ds)
     assert served == sorted(sums.values())
@@ -126,12 +127,14 @@ def test_symlinks_out_of_the_volume_are_read_never_written_and_linked_dirs_not_f
     cache, dest = str(tmp_path / "cache"), str(tmp_path / "dest")
 
     ds = UCVolumeDataset(str(vol), cache_dir=cache)
-    assert [e.path for e in ds.listing.iter_entries()] == ["a.bin", "link.bin", "sub/b.bin"]  # linked dirs are not walked
+    # linked dirs are not walked
+    assert [e.path for e in ds.listing.iter_entries()] == ["a.bin", "link.bin", "sub/b.bin"]
     for p in ds:
         assert not os.path.islink(p) and inside(p, cache)
     res = stage(str(vol), dest, progress=False)
     assert res.ok and sorted(os.listdir(dest)) == ["a.bin", "link.bin", "sub"]
-    assert not os.path.islink(os.path.join(dest, "link.bin")) and sha(os.path.join(dest, "sub", "b.bin")) == sums["sub/b.bin"]
+    assert not os.path.islink(os.path.join(dest, "link.bin"))
+    assert sha(os.path.join(dest, "sub", "b.bin")) == sums["sub/b.bin"]
     assert {p: sha(p) for p in all_files(str(outside))} == before  # nothing written through the links
 
 

@@ -272,7 +272,8 @@ def test_concurrent_relists_share_one_rebuild(vol, tmp_path):
 
 def test_building_and_reading_a_listing_loads_no_pandas(vol, tmp_path):
     # pandas would add ~1 s and tens of MB to every rank and worker that maps a listing
-    code = ("import sys, numpy as np; from ucmagic.listing import open_listing; from ucmagic.volume import LocalVolume; "
+    code = ("import sys, numpy as np; from ucmagic.listing import open_listing; "
+            "from ucmagic.volume import LocalVolume; "
             f"l = open_listing(LocalVolume({vol.root!r}), None, {cache_root(tmp_path)!r}); "
             "l.entries(np.arange(len(l))); l.dirs(); print('pandas' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

@@ -6,7 +6,9 @@ import sys
 
 
 def _add_demo(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo", help="generate files on a simulated slow volume and compare ucmagic with a plain torch DataLoader",
+    p = sub.add_parser("demo",
+                       help="generate files on a simulated slow volume and compare ucmagic with a plain torch "
+                            "DataLoader",
                        description="Generate small files, serve them through the slow-volume simulator, "
                                    "run two epochs with ucmagic and with torch.utils.data.DataLoader, print times.")
     p.add_argument("--files", type=int, default=2000, help="number of files (default 2000)")
@@ -14,14 +16,18 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--open-ms", type=float, default=20.0, help="simulated latency per open (default 20)")
     p.add_argument("--mbps", type=float, default=200.0, help="simulated bandwidth per stream in MB/s (default 200)")
     p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--workdir", default=None, help="where to put the data and cache (default: a temp dir, removed after)")
+    p.add_argument("--workdir", default=None,
+                   help="where to put the data and cache (default: a temp dir, removed after)")
     p.add_argument("--skip-baseline", action="store_true", help="do not run the plain torch DataLoader")
 
     def run(a: argparse.Namespace) -> int:
         from .demo import run_demo
         from .units import parse_size
 
-        run_demo(files=a.files, size=parse_size(a.size), open_ms=a.open_ms, mbps=a.mbps,
+        size = parse_size(a.size)
+        if size is None:  # unreachable: --size always has a value (parse_size maps only None to None)
+            raise SystemExit("ucmagic demo: --size needs a size such as 150KiB")
+        run_demo(files=a.files, size=size, open_ms=a.open_ms, mbps=a.mbps,
                  batch_size=a.batch_size, workdir=a.workdir, baseline=not a.skip_baseline)
         return 0
 
@@ -60,9 +66,10 @@ def _add_stage(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_export(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("export", help="export a table, Delta directory, query or files to Parquet files of a target size",
-                       description="Write SOURCE (a table name, a Delta directory, Parquet/CSV paths or globs, or a SQL "
-                                   "query) as Parquet files of about --file-size into DEST.")
+    p = sub.add_parser("export",
+                       help="export a table, Delta directory, query or files to Parquet files of a target size",
+                       description="Write SOURCE (a table name, a Delta directory, Parquet/CSV paths or globs, "
+                                   "or a SQL query) as Parquet files of about --file-size into DEST.")
     p.add_argument("source", help="table name, Delta directory, Parquet/CSV path or glob, or SQL query")
     p.add_argument("dest", help="destination directory, /Volumes/... path or fsspec URL")
     p.add_argument("--file-size", default="1GB", help="target size of each file (default 1GB)")
@@ -87,7 +94,7 @@ def _field(item: object, name: str, index: int) -> object:
         return item.get(name)
     if hasattr(item, name):
         return getattr(item, name)
-    return item[index] if isinstance(item, (tuple, list)) and len(item) > index else None  # type: ignore[index]
+    return item[index] if isinstance(item, (tuple, list)) and len(item) > index else None
 
 
 def format_checkpoints(items: list) -> str:
@@ -100,7 +107,8 @@ def format_checkpoints(items: list) -> str:
     for it in items:
         step, path, t, size = (_field(it, "step", 0), _field(it, "path", 1), _field(it, "time", 2),
                                _field(it, "size", 3))
-        when = _time.strftime("%Y-%m-%d %H:%M:%S", _time.gmtime(float(t))) if isinstance(t, (int, float)) else str(t or "")
+        when = (_time.strftime("%Y-%m-%d %H:%M:%S", _time.gmtime(float(t))) if isinstance(t, (int, float))
+                else str(t or ""))
         rows.append((str(step), when, format_size(size) if isinstance(size, (int, float)) else str(size or ""),
                      str(path or "")))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
@@ -133,12 +141,14 @@ def _add_cache(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("cache", help="inspect, prune or clear the local file cache",
                        description="Work on the whole cache directory ($UCMAGIC_CACHE_DIR, else ~/.cache/ucmagic).")
     csub = p.add_subparsers(dest="cache_command", metavar="ACTION")
-    for name, text in (("info", "show what is in the cache: entries, protected entries, protection records, temp files"),
+    for name, text in (("info",
+                        "show what is in the cache: entries, protected entries, protection records, temp files"),
                        ("prune", "drop protection records of exited processes and abandoned temp files "
                                  "(with --limit: also evict least-recently-used entries down to that size)"),
                        ("clear", "remove every entry not protected by a running loop, plus leftovers")):
         cp = csub.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".")
-        cp.add_argument("--cache-dir", default=None, help="cache directory (default: $UCMAGIC_CACHE_DIR or ~/.cache/ucmagic)")
+        cp.add_argument("--cache-dir", default=None,
+                        help="cache directory (default: $UCMAGIC_CACHE_DIR or ~/.cache/ucmagic)")
         if name == "prune":
             cp.add_argument("--limit", default=None, help="evict down to this size, e.g. 20GB")
 
@@ -184,7 +194,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
             print(f"ucmagic: error: no benchmark {a.name!r}; available: {', '.join(names)}", file=sys.stderr)
             return 2
         args = a.args[1:] if a.args[:1] == ["--"] else a.args
-        return subprocess.call([sys.executable, os.path.join(d, a.name + ".py"), *args])
+        return subprocess.call([sys.executable, os.path.join(d, a.name + ".py"), *args])  # noqa: S603 - bench/ script
 
     p.set_defaults(func=run)
 
@@ -210,7 +220,8 @@ def _add_load(sub: argparse._SubParsersAction) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m ucmagic", description="ucmagic: training data from slow volumes into PyTorch, fast.")
+    ap = argparse.ArgumentParser(prog="python -m ucmagic",
+                                 description="ucmagic: training data from slow volumes into PyTorch, fast.")
     sub = ap.add_subparsers(dest="command", metavar="COMMAND")
     _add_demo(sub)
     _add_load(sub)
@@ -225,8 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _own_usage(parser: argparse.ArgumentParser) -> None:
     """Let each subcommand report bad arguments with its own usage (see :func:`main`)."""
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
+    for action in parser._actions:  # noqa: SLF001 - argparse has no public way to list subparsers
+        if isinstance(action, argparse._SubParsersAction):  # noqa: SLF001 - same
             for sp in action.choices.values():
                 sp.set_defaults(_parser=sp)
                 _own_usage(sp)

@@ -4,6 +4,7 @@ Nothing here imports beyond the standard library, so every module may use it.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import random
@@ -128,8 +129,6 @@ def atomic_write(path: str, data: bytes, *, tmp: str | None = None, sync: bool =
             os.close(fd)
         os.replace(tmp, path)
     except BaseException:
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(tmp)
-        except OSError:
-            pass
         raise

@@ -78,7 +78,8 @@ def check_load_args(source: str, kind: str, *, pattern: str | None = None, batch
         if rows is not None:
             raise LoadUsageError("rows=/--rows applies to DataFrames; with --stream every row is read")
         return
-    for flag, v in (("batch_size=/-b", batch_size), ("num_workers=/-w", num_workers), ("shuffle=/--shuffle", shuffle or None),
+    for flag, v in (("batch_size=/-b", batch_size), ("num_workers=/-w", num_workers),
+                    ("shuffle=/--shuffle", shuffle or None),
                     ("cache_limit=/--limit", cache_limit), ("cache_dir=/--cache-dir", cache_dir)):
         if v is not None:
             raise _bad(flag, f"applies to loaders: add --stream (stream=True) to stream {source}")
@@ -121,7 +122,7 @@ def load(source: str | os.PathLike, *, files: bool = False, pattern: str | None 
         ds = UCVolumeDataset(source, pattern=pattern, cache_dir=cache_dir, cache_limit=limit, shuffle=shuffle,
                              seed=seed, listing_progress=listing_progress)
         return DataLoader(ds, batch_size=batch_size or DEFAULT_FILE_BATCH, **loader_kwargs)
-    from .parquet import ParquetDataset
+    from .parquet_dataset import ParquetDataset
 
     pds = ParquetDataset(source, columns=list(columns) if columns else None,
                          batch_size=batch_size or DEFAULT_ROW_BATCH, shuffle=shuffle, seed=seed,

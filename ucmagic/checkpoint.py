@@ -130,10 +130,8 @@ def list_checkpoints(root: str | os.PathLike) -> list[CheckpointInfo]:
 
 def _delete_checkpoint(path: str) -> None:
     """Un-commit first (so a half-deleted directory is never taken for a checkpoint), then remove."""
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.unlink(os.path.join(path, COMMIT_NAME))
-    except FileNotFoundError:
-        pass
     shutil.rmtree(path, ignore_errors=True)
 
 
@@ -285,7 +283,8 @@ def save_checkpoint(root: str | os.PathLike, *, model: Any, optimizer: Any = Non
             dcp.save(state, storage_writer=writer)
         return finish()
     with _unwrapping(), _quiet():
-        f = dcp.async_save(state, storage_writer=writer)
+        # a concurrent Future (AsyncSaveResponse only with async_stager options, which are never passed)
+        f: Any = dcp.async_save(state, storage_writer=writer)
         deadline = time.monotonic() + 60  # torch warns from its save thread: stay quiet until it is past that
         while not f.done() and not writer.wait_started(0.05) and time.monotonic() < deadline:
             pass

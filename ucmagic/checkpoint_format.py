@@ -128,7 +128,8 @@ def parse_commit(data: bytes, where: str) -> dict[str, Any]:
             f"{where} has a damaged commit marker ({e}): the save was interrupted; load another step or save again"
         ) from None
     body["files"] = files
-    return body
+    out: dict[str, Any] = body
+    return out
 
 
 def not_committed(path: str) -> CheckpointNotCommittedError:

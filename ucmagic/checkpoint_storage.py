@@ -10,7 +10,8 @@ Nothing is renamed on the volume.
 
 Reader: refuses a directory without a valid marker, unpickles ``.metadata`` with an allow-list,
 downloads only the files its load plan needs, in parallel (into memory under a byte budget, or to
-local staging for large shards), verifying size and CRC, and feeds them to torch as they arrive. Non-tensor entries are checked with ``torch.load(weights_only=True)``.
+local staging for large shards), verifying size and CRC, and feeds them to torch as they arrive.
+Non-tensor entries are checked with ``torch.load(weights_only=True)``.
 """
 from __future__ import annotations
 
@@ -57,12 +58,7 @@ from .checkpoint_format import (
     FORMAT_DCP,
     METADATA_NAME,
     SAVING_NAME,
-    CheckpointCorruptError,
-    CheckpointError,
-    CheckpointExistsError,
-    CheckpointInProgressError,
     FileRecord,
-    UnsafeCheckpointError,
     check_record,
     in_progress_message,
     is_committed_by,
@@ -76,6 +72,13 @@ from .checkpoint_format import (
     stale_files,
 )
 from .dist import dist_info
+from .errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointInProgressError,
+    UnsafeCheckpointError,
+)
 from .units import parse_size
 from .volume import resolve_local_path
 
@@ -243,7 +246,7 @@ class _MetadataUnpickler(pickle.Unpickler):
 def load_metadata(data: bytes, *, allow_unsafe: bool = False) -> Metadata:
     """Unpickle DCP metadata, admitting only metadata classes unless ``allow_unsafe``."""
     if allow_unsafe:
-        return pickle.loads(data)
+        return pickle.loads(data)  # noqa: S301 - the caller trusts this checkpoint (allow_unsafe_pickle=True)
     return _MetadataUnpickler(io.BytesIO(data)).load()
 
 
@@ -317,6 +320,8 @@ class UCVolumeWriter(FileSystemWriter):
         commit_info: JSON-able dict stored in the commit marker (``save_checkpoint`` stores step and extra).
         **kwargs: passed to ``FileSystemWriter`` (``cache_staged_state_dict``, ...).
     """
+
+    fs: _StagingFileSystem  # installed by compat.install_filesystem in __init__
 
     def __init__(self, path: str | os.PathLike, *, staging_dir: str | None = None, upload_threads: int = 16,
                  files_per_rank: int | None = None, thread_count: int | None = None, verify: str = "size",
@@ -641,13 +646,13 @@ class _DownloadedFileSystem(FileSystem):
         got = session.downloads[name].result()
         if isinstance(got, bytes):
             try:
-                yield io.BytesIO(got)  # type: ignore[misc]  # shares the bytes, no copy
+                yield io.BytesIO(got)  # shares the bytes, no copy
             finally:
                 session.release(len(got))
             return
         try:
             with open(got, "rb") as stream:
-                yield stream  # type: ignore[misc]
+                yield stream
         finally:
             xfer.remove_quietly(got)
 
@@ -697,6 +702,8 @@ class UCVolumeReader(FileSystemReader):
         min_free: local free space to keep beyond the downloaded bytes.
     """
 
+    fs: _DownloadedFileSystem  # installed by compat.install_filesystem in __init__
+
     def __init__(self, path: str | os.PathLike, *, wait: float | None = None, staging_dir: str | None = None,
                  download_threads: int = 16, memory_budget: int | str = "1GB", require_commit: bool | None = None,
                  allow_unsafe_pickle: bool = False, min_free: int | str = "512MB", **kwargs: Any) -> None:
@@ -719,7 +726,7 @@ class UCVolumeReader(FileSystemReader):
             from .errors import SourceNotFoundError
 
             raise SourceNotFoundError(f"checkpoint directory {path} does not exist; check the path")
-        self._metadata = None
+        self._metadata: tuple[str, Metadata] | None = None
         self._foreign_stamp = None
         start = time.monotonic()
         while True:
@@ -859,6 +866,7 @@ class UCVolumeReader(FileSystemReader):
                 xfer.check_free_space(staging, need, self.min_free)
             ticket = 0
             for name in names:  # same order torch reads them in, so the first file arrives first
+                fut: CFuture[bytes | str]
                 if name in in_memory:
                     fut = session.pool.submit(self._fetch, session, ticket, name, expected[name])
                     ticket += 1

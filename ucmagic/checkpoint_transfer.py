@@ -7,6 +7,7 @@ SHA-256 (~1.8 GB/s): it guards against torn and bit-flipped files, not against t
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -16,7 +17,8 @@ import zlib
 
 from ._util import RetryPolicy, copy_local
 from .cache import pid_running
-from .checkpoint_format import CheckpointCorruptError, CheckpointError, CheckpointUploadError, FileRecord
+from .checkpoint_format import FileRecord
+from .errors import CheckpointCorruptError, CheckpointError, CheckpointUploadError
 from .units import format_size
 
 CHUNK = 8 << 20
@@ -192,7 +194,5 @@ def read_bytes(remote: str) -> bytes:
 
 def remove_quietly(path: str) -> None:
     """Delete a file if present."""
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
-    except FileNotFoundError:
-        pass

@@ -1,6 +1,7 @@
 """UCVolumeDataset: stream files of a slow volume through the persistent local cache."""
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import threading
@@ -101,7 +102,7 @@ class _Stream:
         self._refreshing = False
         old = _active_streams.get(self.path)
         if old is not None:  # this process's previous iteration of the same stream: it stops writing
-            old._stop.set()
+            old._stop.set()  # noqa: SLF001 - same class
         _active_streams[self.path] = self
 
     def _write(self) -> None:
@@ -155,10 +156,8 @@ class _Stream:
 
         def loop() -> None:
             while not self._stop.wait(0.01):
-                try:
+                with contextlib.suppress(OSError):
                     self.refresh()
-                except OSError:
-                    pass
 
         threading.Thread(target=loop, name="ucmagic-protect", daemon=True).start()
 
@@ -499,7 +498,7 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
         items = self.stream_items(epoch)
         if main:
             self._epoch_main, self._delivered_main = epoch, 0
-        slot = 0 if main else info.id
+        slot = 0 if info is None else info.id
         depth = self._inflight()
         stream = _Stream(cache, owner, slot, items, quantum=self.batch_quantum,
                          window=self.lease_items, chunk=max(16, depth), consumed=self._consumption(slot))
@@ -646,7 +645,7 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
                 for _ in read_ahead(self._fetch, self.listing.iter_entries(), depth=depth, timeout=self.timeout):
                     pass
                 fut.set_result(self._counters.totals()["misses"] - before)
-            except BaseException as exc:  # surfaces through fut.result()
+            except BaseException as exc:  # noqa: BLE001 - surfaces through fut.result()
                 fut.set_exception(exc)
 
         if background:

@@ -87,7 +87,8 @@ def run_demo(*, files: int = 2000, size: int = 150 * 1024, open_ms: float = 20.0
         if baseline:
             with warnings.catch_warnings():  # torch warns about 6 workers on small machines: it is the baseline
                 warnings.simplefilter("ignore", UserWarning)
-                plain = tud.DataLoader(_PlainFiles(url, rels, opts), batch_size=batch_size, num_workers=6)
+                files_ds: Any = _PlainFiles(url, rels, opts)  # map-style: __len__ and __getitem__, no Dataset base
+                plain = tud.DataLoader(files_ds, batch_size=batch_size, num_workers=6)
                 secs, first, n = _epoch(plain)
             if n != files:
                 raise RuntimeError(f"demo: the torch DataLoader delivered {n} of {files} files")

@@ -102,7 +102,8 @@ def check_state_kind(state: dict[str, Any], kind: str, *legacy: str) -> None:
     """
     got = state.get("kind", kind)
     if got != kind and got not in legacy:
-        raise ValueError(f"this state was saved by a {got} dataset, not a {kind}: load it into the same kind of dataset")
+        raise ValueError(f"this state was saved by a {got} dataset, not a {kind}: "
+                         "load it into the same kind of dataset")
 
 
 class EpochTracking:

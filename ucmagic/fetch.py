@@ -31,7 +31,8 @@ def backoff_delays(retries: int, base: float = 0.01, cap: float = 2.0, jitter: f
     return RetryPolicy(retries, PERMANENT, base=base, cap=cap, jitter=jitter).delays(rng)
 
 
-def with_retries(fn: Callable[[T], R], item: T, retries: int, on_retry: Callable[[BaseException], None] | None = None) -> R:
+def with_retries(fn: Callable[[T], R], item: T, retries: int,
+                 on_retry: Callable[[BaseException], None] | None = None) -> R:
     """Call ``fn(item)``, retrying transient failures ``retries`` times with exponential backoff."""
     return RetryPolicy(retries, PERMANENT).call(lambda: fn(item), on_retry)
 

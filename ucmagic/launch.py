@@ -28,6 +28,7 @@ environment ``torchrun`` gives them (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, `
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import queue as queue_mod
@@ -45,7 +46,7 @@ _UNSET: Any = object()
 
 
 
-class RemoteTraceback(Exception):
+class RemoteTraceback(Exception):  # noqa: N818 - named after multiprocessing.pool.RemoteTraceback
     """Carries a rank's formatted traceback; set as ``__cause__`` of the re-raised exception."""
 
     def __init__(self, tb: str) -> None:
@@ -73,13 +74,11 @@ def choose_backend(backend: str | None, num_processes: int) -> str:
     """``nccl`` when there is a GPU for every rank, else ``gloo`` (an explicit choice wins)."""
     if backend:
         return backend
-    try:
+    with contextlib.suppress(Exception):  # torch missing or CUDA unusable: gloo
         import torch
 
         if torch.cuda.is_available() and torch.cuda.device_count() >= num_processes:
             return "nccl"
-    except Exception:  # noqa: BLE001
-        pass
     return "gloo"
 
 
@@ -119,7 +118,7 @@ def _functions(fn: Any, seen: set[int]) -> Iterator[Any]:
         return
     seen.add(id(fn))
     yield fn
-    names = set()
+    names: set[str] = set()
     stack = [fn.__code__]
     while stack:
         code = stack.pop()
@@ -195,10 +194,8 @@ class _RelayWriter:
     def _send(self, text: str) -> None:
         if self.prefix:
             text = "".join(self.prefix + line for line in text.splitlines(keepends=True))
-        try:
+        with contextlib.suppress(Exception):  # output is best effort
             self.q.put(("out", self.rank, self.stream, text))
-        except Exception:  # noqa: BLE001 - output is best effort
-            pass
 
     def flush(self) -> None:
         if self.buf:
@@ -214,13 +211,11 @@ class _RelayWriter:
 
 def _die_with_parent() -> None:
     if sys.platform.startswith("linux"):
-        try:
+        with contextlib.suppress(Exception):  # best effort
             import ctypes
             import signal
 
             ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: no orphan ranks if the caller dies
-        except Exception:  # noqa: BLE001
-            pass
 
 
 def _worker(rank: int, world: int, env: dict[str, str], backend: str, pg_timeout_s: float, payload: bytes,
@@ -230,16 +225,14 @@ def _worker(rank: int, world: int, env: dict[str, str], backend: str, pg_timeout
     _die_with_parent()
     prefix = f"[rank {rank}] " if world > 1 else ""
     if relay:
-        sys.stdout = _RelayWriter(q, rank, "stdout", prefix)  # type: ignore[assignment]
-        sys.stderr = _RelayWriter(q, rank, "stderr", prefix)  # type: ignore[assignment]
+        sys.stdout = _RelayWriter(q, rank, "stdout", prefix)
+        sys.stderr = _RelayWriter(q, rank, "stderr", prefix)
     try:
         import cloudpickle
 
         fn, args, kwargs, where, files = cloudpickle.loads(payload)
-        try:
+        with contextlib.suppress(Exception):  # only cosmetic
             _restore_origins(fn, where, files)
-        except Exception:  # noqa: BLE001 - only cosmetic
-            pass
         import torch
         import torch.distributed as dist
 
@@ -254,16 +247,14 @@ def _worker(rank: int, world: int, env: dict[str, str], backend: str, pg_timeout
             if not dist.is_initialized():
                 original_init(*a, **k)
 
-        dist.init_process_group = init_once  # type: ignore[assignment]
+        dist.init_process_group = init_once
         try:
             result = fn(*args, **kwargs)
         finally:
-            dist.init_process_group = original_init  # type: ignore[assignment]
+            dist.init_process_group = original_init
         if dist.is_initialized():
-            try:
+            with contextlib.suppress(Exception):  # best effort
                 dist.destroy_process_group()
-            except Exception:  # noqa: BLE001
-                pass
         body = None
         if rank == 0:
             try:
@@ -294,10 +285,8 @@ def _worker(rank: int, world: int, env: dict[str, str], backend: str, pg_timeout
 def _flush(relay: bool) -> None:
     if relay:
         for s in (sys.stdout, sys.stderr):
-            try:
+            with contextlib.suppress(Exception):  # best effort
                 s.flush()
-            except Exception:  # noqa: BLE001
-                pass
 
 
 # ---------------------------------------------------------------- the caller side

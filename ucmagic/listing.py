@@ -231,7 +231,8 @@ def _collect(volume: Volume, pattern: str | None, progress: ProgressFn | None):
         path_chunks.append(_binary(paths))
         size_chunks.append(np.asarray(sizes, dtype=np.int64))
         mtime_chunks.append(np.asarray(mtimes, dtype=np.float64))
-        codes.clear(), names.clear(), paths.clear(), sizes.clear(), mtimes.clear()
+        for chunk in (codes, names, paths, sizes, mtimes):
+            chunk.clear()
 
     for d in volume.scan(pattern):
         seen_dirs.append((d.dir, d.mtime_ns))
@@ -266,15 +267,15 @@ def _collect(volume: Volume, pattern: str | None, progress: ProgressFn | None):
     path_chunks.clear()
     # sort by the full path, as volume.list does (UTF-8 byte order is code point order)
     order = _view(pc.sort_indices(full), np.uint64).astype(np.int64)
-    sizes = np.concatenate(size_chunks)[order]
+    size_col = np.concatenate(size_chunks)[order]
     size_chunks.clear()
-    fingerprint = _fingerprint(full, order, sizes)
+    fingerprint = _fingerprint(full, order, size_col)
     del full
-    mtimes = np.concatenate(mtime_chunks)[order]
+    mtime_col = np.concatenate(mtime_chunks)[order]
     mtime_chunks.clear()
     names = pa.concat_arrays(name_chunks).take(_arrow(order))
     name_chunks.clear()
-    return dict_values, code_arr[order], names, sizes, mtimes, seen_dirs, fingerprint
+    return dict_values, code_arr[order], names, size_col, mtime_col, seen_dirs, fingerprint
 
 
 def _fingerprint(paths: Any, order: np.ndarray, sizes: np.ndarray) -> str:

@@ -132,6 +132,8 @@ class DataLoader(tud.DataLoader):
     ``monitor()`` shows a live display in a notebook.
     """
 
+    dataset: Any  # any torch dataset; UCVolumeDataset/ParquetDataset add configure, epoch_plan, make_state, ...
+
     def __init__(self, dataset: Any, batch_size: int | None = _UNSET, shuffle: bool | None = None,
                  sampler: Any = None, batch_sampler: Any = None, num_workers: int | None = None,
                  collate_fn: Callable | None = None, pin_memory: bool | None = None, drop_last: bool = False,
@@ -210,7 +212,7 @@ class DataLoader(tud.DataLoader):
 
     def _own_random_sampler(self, generator: torch.Generator | None) -> None:
         """Make a RandomSampler's order depend only on (seed, epoch), so a resume can replay it."""
-        s = self.sampler
+        s: Any = self.sampler
         if not isinstance(s, tud.RandomSampler):
             s = getattr(self.batch_sampler, "sampler", None)
         if not isinstance(s, tud.RandomSampler) or (s.generator is not None and s.generator is not generator):
@@ -220,7 +222,7 @@ class DataLoader(tud.DataLoader):
         s.generator = self._sampler_gen
 
     @property
-    def _index_sampler(self) -> Any:  # type: ignore[override]
+    def _index_sampler(self) -> Any:
         inner = compat.base_index_sampler(self)
         pending = self.__dict__.get("_pending_skip")
         if pending is not None and compat.is_map_style(self):
@@ -291,7 +293,7 @@ class DataLoader(tud.DataLoader):
             elif not self._fresh:
                 self._epoch += 1
             self._fresh = False
-            if self._sampler_gen is not None:
+            if self._sampler_gen is not None and self._sampler_seed is not None:  # set together
                 self._sampler_gen.manual_seed((self._sampler_seed * 1_000_003 + self._epoch) % (2**63))
         self._epoch_batches = 0
         self._epoch_complete = False
@@ -372,8 +374,8 @@ class DataLoader(tud.DataLoader):
         finally:
             if sink is not None:
                 sink.close()
-            for cb in self._end_callbacks:
-                cb(self, stats, error)
+            for end_cb in self._end_callbacks:
+                end_cb(self, stats, error)
 
     # -- resume
     def state_dict(self) -> dict[str, Any]:
@@ -395,7 +397,7 @@ class DataLoader(tud.DataLoader):
         base = {"version": STATE_VERSION, "epoch": epoch, "batches": batches, "complete": complete,
                 "world": world, "num_workers": self.num_workers, "step": self._step}
         if compat.is_map_style(self):
-            sampler = getattr(self.batch_sampler, "sampler", None) or self.sampler
+            sampler: Any = getattr(self.batch_sampler, "sampler", None) or self.sampler
             return {**base, "kind": "map", "len": len(self.dataset), "sampler_seed": self._sampler_seed,
                     "sampler_epoch": getattr(sampler, "epoch", None)}
         return {**base, "kind": "iterable"}
@@ -463,7 +465,7 @@ class DataLoader(tud.DataLoader):
                     "is not supported; use UCVolumeDataset for elastic resume")
             if state.get("sampler_seed") is not None:
                 self._sampler_seed = int(state["sampler_seed"])
-            sampler = getattr(self.batch_sampler, "sampler", None) or self.sampler
+            sampler: Any = getattr(self.batch_sampler, "sampler", None) or self.sampler
             if state.get("sampler_epoch") is not None and callable(getattr(sampler, "set_epoch", None)):
                 sampler.set_epoch(int(state["sampler_epoch"]))
         elif state["num_workers"] != self.num_workers or state["world"] != world:

@@ -2,6 +2,7 @@
 items, cache counters, snapshot, plot, save/load/merge, straggler hints and the explorer."""
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -219,10 +220,8 @@ class LoaderStats:
             return self._files[index]
         fn = getattr(self._dataset, "describe_item", None)
         if callable(fn):
-            try:
+            with contextlib.suppress(IndexError, KeyError):
                 return fn(int(index))
-            except (IndexError, KeyError):
-                pass
         return f"item {index}", None
 
     def batch_files(self, b: int) -> list[dict[str, Any]]:
@@ -277,12 +276,10 @@ class LoaderStats:
             name, size = self.describe_item(i)
             files[str(i)] = [name, size]
         rank = 0
-        try:
+        with contextlib.suppress(Exception):  # torch missing or odd env: rank 0
             from .dist import dist_info
 
             rank = dist_info().rank
-        except Exception:  # torch missing or odd env: rank 0
-            pass
         return {"version": SAVE_VERSION, "rank": rank, "fetch_s": self._rec.fetch_array()[:n].tolist(),
                 "compute_s": self._rec.compute_array()[:n].tolist(), **cols,
                 "item_index": index.tolist(), "item_fetch_s": [float(x) for x in a["fetch"][:kept]],
@@ -440,7 +437,7 @@ def straggler_hints(stats: LoaderStats) -> list[str]:
                    f"bottleneck, raise num_workers{now}")
     if len(workers) >= 2:
         med = {w: float(np.median(fetch[b["worker"] == w])) for w in workers}
-        worst = max(med, key=med.get)
+        worst = max(med, key=lambda w: med[w])
         others = float(np.median([v for w, v in med.items() if w != worst]))
         if med[worst] >= 5e-3 and med[worst] >= 2 * max(others, 1e-9):
             out.append(f"worker {worst}'s batches wait {med[worst] / max(others, 1e-9):.1f}x longer than the "
@@ -448,7 +445,7 @@ def straggler_hints(stats: LoaderStats) -> list[str]:
     ranks = sorted({int(r) for r in b["rank"]})
     if len(ranks) >= 2:
         mean = {r: float(fetch[b["rank"] == r].mean()) for r in ranks}
-        worst = max(mean, key=mean.get)
+        worst = max(mean, key=lambda r: mean[r])
         typical = float(np.median(list(mean.values())))
         if mean[worst] >= 1.5 * max(typical, 1e-9) and mean[worst] >= 1e-3:
             out.append(f"rank {worst} waits {mean[worst] / max(typical, 1e-9):.1f}x the median rank "

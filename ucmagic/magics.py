@@ -23,8 +23,8 @@ from IPython.core.magic_arguments import argument, kwds, magic_arguments  # noqa
 from IPython.utils.text import DollarFormatter  # noqa: E402
 from traitlets import Bool, Enum, Int, Unicode  # noqa: E402
 
-from ._util import is_url
-from .errors import LoadUsageError, MagicUsageError, UCMagicError
+from ._util import is_url  # noqa: E402 - after the import_extra check above
+from .errors import LoadUsageError, MagicUsageError, UCMagicError  # noqa: E402 - same
 
 
 
@@ -98,7 +98,7 @@ def expand(line: str, ns: dict[str, Any]) -> str:
                           "and {{ }} for literal braces") from None
     except ValueError as exc:  # unbalanced braces
         raise LookupError(f"cannot expand {line!r}: {exc} (write {{{{ }}}} for literal braces)") from None
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - any expansion error becomes a LookupError naming it
         raise LookupError(f"cannot expand {line!r}: {type(exc).__name__}: {exc}") from None
     return "".join(out)
 
@@ -150,6 +150,8 @@ Examples::
 @magics_class
 class UcMagics(Magics):
     """ucmagic's notebook commands. Settings: ``%config UcMagics.<name>=<value>``."""
+
+    shell: Any  # the InteractiveShell; IPython's Magics declares it as None
 
     cache_dir = Unicode(None, allow_none=True,
                         help="Cache directory for %ucload (default: $UCMAGIC_CACHE_DIR, else ~/.cache/ucmagic)."
@@ -255,8 +257,10 @@ class UcMagics(Magics):
             result = load(a.source, files=a.files, pattern=a.pattern, batch_size=a.batch_size,
                           num_workers=a.workers if a.workers is not None else self.workers, shuffle=a.shuffle,
                           seed=a.seed, cache_dir=a.cache_dir or self.cache_dir, cache_limit=limit,
-                          rows=a.rows, columns=columns, stream=a.stream, on_start=lambda kind: self._early_panel(a, kind),
-                          listing_progress=(lambda count: self._listing_progress(a, count)) if self._panel_wanted(a) else None,
+                          rows=a.rows, columns=columns, stream=a.stream,
+                          on_start=lambda kind: self._early_panel(a, kind),
+                          listing_progress=((lambda count: self._listing_progress(a, count))
+                                            if self._panel_wanted(a) else None),
                           **self._loader_kwargs(a))
         except LoadUsageError as exc:
             _fail("ucload", str(exc))
@@ -332,6 +336,7 @@ class UcMagics(Magics):
         with --export write a table as Parquet files of a target size."""
         a = self._parse("ucstage", UcMagics.ucstage, line, local_ns)
         self._check_out("ucstage", a.out)
+        result: Any  # ExportResult or StageResult
         if a.export:
             if a.concurrency is not None or a.pattern is not None:
                 _fail("ucstage", "-j and -p apply to file staging, not to --export")
@@ -457,10 +462,10 @@ class UcMagics(Magics):
         _check_exists("ucckpt", a.root, directory=True)
         from .checkpoint import load_checkpoint
 
-        if loader is not None and _peek_extra(a.root, step) is not None:
-            if _loader_state(_peek_extra(a.root, step)) is None:
-                _fail("ucckpt", f"the checkpoint in {a.root} holds no loader state: save it with --loader, "
-                                "or load without --loader")
+        if loader is not None and _peek_extra(a.root, step) is not None \
+                and _loader_state(_peek_extra(a.root, step)) is None:
+            _fail("ucckpt", f"the checkpoint in {a.root} holds no loader state: save it with --loader, "
+                            "or load without --loader")
         result = load_checkpoint(a.root, step, model=model, optimizer=opt)
         if loader is not None:
             state = _loader_state(result)
@@ -500,7 +505,7 @@ def _peek_extra(root: str, step: Any) -> Any:
 
         chosen, path = resolve_step(root, step)
         return chosen, read_commit(path).get("extra")
-    except Exception:
+    except Exception:  # noqa: BLE001 - a peek only; load_checkpoint reports the real error
         return None
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from .parquet_export import ExportResult, export_parquet
 
-__all__ = ["ParquetDataset", "export_parquet", "ExportResult"]
+__all__ = ["ParquetDataset", "export_parquet", "ExportResult"]  # noqa: F822 - ParquetDataset is lazy (__getattr__)
 
 
 def __getattr__(name: str) -> Any:

@@ -139,7 +139,8 @@ class ParquetDataset(EpochTracking, IterableDataset):
                 if attempt == 4:
                     raise
                 time.sleep(0.01 * (attempt + 1))
-        self.use_cache = (self.remote or any(p.startswith("/Volumes/") for p in paths)) if cache is None else bool(cache)
+        self.use_cache = ((self.remote or any(p.startswith("/Volumes/") for p in paths)) if cache is None
+                          else bool(cache))
         self.cache = FileCache(cache_dir, cache_limit) if self.use_cache else None
         names = list(schema.names)
         if columns is not None:
@@ -300,10 +301,11 @@ class ParquetDataset(EpochTracking, IterableDataset):
     def _local(self, fi: int) -> str:
         """Local path of file ``fi`` (a cached copy for remote or mounted files)."""
         f = self.files[fi]
-        if self.cache is None:
+        cache = self.cache
+        if cache is None:
             return f.path
         key = cache_key("parquet", f.path, f.size, f.mtime)
-        hit = self.cache.lookup(key, ".parquet", f.size)
+        hit = cache.lookup(key, ".parquet", f.size)
         if hit:
             return hit
 
@@ -318,7 +320,7 @@ class ParquetDataset(EpochTracking, IterableDataset):
 
             return LocalVolume(os.path.dirname(f.path)).copy_to(os.path.basename(f.path), tmp)
 
-        path, _ = with_retries(lambda _: self.cache.fill(key, ".parquet", f.size, write), None, 5)
+        path, _ = with_retries(lambda _: cache.fill(key, ".parquet", f.size, write), None, 5)
         return path
 
     def _changed(self, fi: int, why: str) -> ListingChangedError:
@@ -463,7 +465,7 @@ class ParquetDataset(EpochTracking, IterableDataset):
         readers: dict = {}
         lock = threading.Lock()
         own = get_worker_info() is not None  # worker batches cross processes: no views of big buffers
-        cur = [0, 0.0]  # per-item records: row group and read seconds of the piece a batch ends in
+        cur: list[Any] = [0, 0.0]  # per-item records: row group and read seconds of the piece a batch ends in
 
         def load(s: Segment) -> tuple[dict[str, Any], int]:
             t0 = time.perf_counter()
@@ -535,7 +537,8 @@ class ParquetDataset(EpochTracking, IterableDataset):
         """Resume: the next iteration delivers exactly the rows not yet delivered in the saved epoch
         (any world size, number of workers or batch size). Raises ListingChangedError if the files changed."""
         if state.get("version") != STATE_VERSION or "kind" not in state:
-            raise ValueError(f"not a ParquetDataset state (version {state.get('version')!r}, kind {state.get('kind')!r})")
+            raise ValueError(f"not a ParquetDataset state (version {state.get('version')!r}, "
+                             f"kind {state.get('kind')!r})")
         check_state_kind(state, self.kind, "parquet")  # "parquet": states saved before the kinds were unified
         if state["fingerprint"] != self.fingerprint or state["rows"] != self.num_rows:
             raise ListingChangedError(

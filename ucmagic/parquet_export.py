@@ -124,7 +124,8 @@ def swap_in(staging: str, dest: str) -> str | None:
         raise SourceNotADirectoryError(f"{dest} exists and is not a directory: export_parquet writes a directory")
     if _exchange(staging, dest):
         return staging
-    old = os.path.join(os.path.dirname(dest), f".{os.path.basename(dest)}.ucmagic-old-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    old = os.path.join(os.path.dirname(dest),
+                       f".{os.path.basename(dest)}.ucmagic-old-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     os.rename(dest, old)  # no atomic exchange here: dest is missing for the instant between the renames
     os.rename(staging, dest)
     return old
@@ -235,7 +236,7 @@ def _bytes_per_row(src: Source) -> float | None:
             files = files[:64]
             rows = sum(pq.read_metadata(f).num_rows for f in files)
             return sum(os.path.getsize(f) for f in files) / rows if rows else None
-        if src.kind == "arrow" and hasattr(src.obj, "nbytes") and getattr(src.obj, "num_rows", 0):
+        if src.kind == "arrow" and hasattr(src.obj, "nbytes") and getattr(src.obj, "num_rows", None):
             return src.obj.nbytes / src.obj.num_rows / 2
         if src.kind == "pandas" and len(src.obj):
             return float(src.obj.memory_usage(deep=True).sum()) / len(src.obj) / 3
@@ -251,7 +252,8 @@ def _write_duckdb(src: Source, staging: str, target: int, cols: list[str], memor
         rel = duckdb_relation(con, src)
         missing = [c for c in cols if c not in rel.columns]
         if missing:
-            raise KeyError(f"partition_by column {missing[0]!r} is not in {src.describe()}; columns: {', '.join(rel.columns)}")
+            raise KeyError(f"partition_by column {missing[0]!r} is not in {src.describe()}; "
+                           f"columns: {', '.join(rel.columns)}")
         kw: dict[str, Any] = dict(file_size_bytes=target, row_group_size=row_group_rows(target, _bytes_per_row(src)),
                                   filename_pattern="part-{i}", compression=compression, overwrite=True)
         if cols:
@@ -296,7 +298,8 @@ def _publish_remote(local_staging: str, rels: list[str], dest: str, storage_opti
     root = root.rstrip("/")
     fs.makedirs(root, exist_ok=True)
     prefix = root + "/"
-    old = [p for p in (fs.find(root) if fs.exists(root) else []) if p.endswith(".parquet") and is_data_path(p[len(prefix):])]
+    old = [p for p in (fs.find(root) if fs.exists(root) else [])
+           if p.endswith(".parquet") and is_data_path(p[len(prefix):])]
     for r in rels:
         fs.put_file(os.path.join(local_staging, r), prefix + r)
     listed = rels

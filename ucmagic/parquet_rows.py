@@ -79,7 +79,9 @@ class EpochLayout:
                 if s >= n:
                     s, e = s - n, e - n
                 spans = [(s, min(e, n))] + ([(0, e - n)] if e > n else [])
-            bg, bl, bh = [], [], []
+            bg: list[int] = []
+            bl: list[int] = []
+            bh: list[int] = []
             for lo, hi in spans:  # cut at row-group edges; empty groups never appear
                 g = int(np.searchsorted(self.group_offset, lo, side="right")) - 1
                 while lo < hi:
@@ -91,14 +93,17 @@ class EpochLayout:
                     lo = end
                     g += 1
             perm = np.random.default_rng([self.seed, self.epoch, k, 0x90DE]).permutation(len(bg))
-            bg, bl, bh = (np.asarray(x, dtype=np.int64)[perm] for x in (bg, bl, bh))
-            wins = self._windows(bh - bl, buffer)
+            ag, al, ah = (np.asarray(x, dtype=np.int64)[perm] for x in (bg, bl, bh))
+            wins = self._windows(ah - al, buffer)
             base = bounds[-1]
             bounds.extend((base + wins[1:]).tolist())
-            groups.append(bg)
-            los.append(bl)
-            his.append(bh)
-        cat = (lambda xs: np.concatenate(xs).astype(np.int64) if xs else np.zeros(0, dtype=np.int64))
+            groups.append(ag)
+            los.append(al)
+            his.append(ah)
+
+        def cat(xs: list[np.ndarray]) -> np.ndarray:
+            return np.concatenate(xs).astype(np.int64) if xs else np.zeros(0, dtype=np.int64)
+
         self.piece_group, self.piece_lo, self.piece_hi = cat(groups), cat(los), cat(his)
         self.win_slots = np.asarray(bounds, dtype=np.int64)
 

@@ -218,7 +218,8 @@ def round_robin_taken(batches: Sequence[int], delivered: int) -> list[int]:
     return taken
 
 
-def items_delivered(lengths: Sequence[int], batch_size: int | None, drop_last: bool, batches_delivered: int) -> list[int]:
+def items_delivered(lengths: Sequence[int], batch_size: int | None, drop_last: bool,
+                    batches_delivered: int) -> list[int]:
     """Items delivered from each worker stream of one rank after ``batches_delivered`` batches."""
     b = max(1, batch_size or 1)
     taken = round_robin_taken(batches_per_stream(lengths, batch_size, drop_last), batches_delivered)
@@ -271,7 +272,8 @@ def _mix(x: np.ndarray) -> np.ndarray:
     x = x * np.uint64(0xFF51AFD7ED558CCD)
     x = x ^ (x >> np.uint64(33))
     x = x * np.uint64(0xC4CEB9FE1A85EC53)
-    return x ^ (x >> np.uint64(33))
+    out: np.ndarray = x ^ (x >> np.uint64(33))
+    return out
 
 
 def _encrypt(x: np.ndarray, keys: np.ndarray, half: int) -> np.ndarray:
@@ -280,7 +282,8 @@ def _encrypt(x: np.ndarray, keys: np.ndarray, half: int) -> np.ndarray:
     left, right = x >> h, x & mask
     for k in keys:
         left, right = right, left ^ (_mix(right ^ k) & mask)
-    return (left << h) | right
+    out: np.ndarray = (left << h) | right
+    return out
 
 
 def permute(n: int, seed: int, epoch: int, positions: np.ndarray, *, block: int = 0) -> np.ndarray:
@@ -289,11 +292,11 @@ def permute(n: int, seed: int, epoch: int, positions: np.ndarray, *, block: int 
     A bijection for every ``n`` (0 and 1 included); the same on every process and platform. Costs
     O(len(positions)) time and memory, independent of ``n``.
     """
-    pos = np.asarray(positions, dtype=np.int64).reshape(-1)
+    pos: np.ndarray = np.asarray(positions, dtype=np.int64).reshape(-1)
     if pos.size and (int(pos.min()) < 0 or int(pos.max()) >= n):
         raise ValueError(f"positions must lie in [0, {n})")
     if n <= 1 or pos.size == 0:
-        return pos.copy()
+        return np.array(pos)  # a copy
     half = max(1, ((int(n) - 1).bit_length() + 1) // 2)
     keys = _feistel_keys(seed, epoch, block)
     y = _encrypt(pos.astype(np.uint64), keys, half)
@@ -324,11 +327,11 @@ def order_at(n: int, positions: np.ndarray, *, seed: int = 0, epoch: int = 0, sh
     node onward every ``reshuffle_every`` epochs), permuted within itself -- but the permutations
     are Feistel bijections computed for ``positions`` only, so no process holds an n-element array.
     """
-    pos = np.asarray(positions, dtype=np.int64).reshape(-1)
+    pos: np.ndarray = np.asarray(positions, dtype=np.int64).reshape(-1)
     if pos.size and (int(pos.min()) < 0 or int(pos.max()) >= n):
         raise ValueError(f"positions must lie in [0, {n})")
     if not shuffle:
-        return pos.copy()
+        return np.array(pos)  # a copy
     if shuffle == "node" and blocks and len(blocks) > 1:
         out = np.empty_like(pos)
         stride = blocks[0][1] - blocks[0][0]

@@ -8,7 +8,7 @@ import numpy as np
 from .telemetry import p50_p99
 
 
-def latency_figure(fetch_s: Sequence[float], compute_s: Sequence[float] | None = None, *,
+def latency_figure(fetch_s: Sequence[float] | np.ndarray, compute_s: Sequence[float] | np.ndarray | None = None, *,
                    title: str | None = None, bins: int = 50) -> Any:
     """Fetch latency per batch (with p50/p99 lines) and its histogram, side by side.
 

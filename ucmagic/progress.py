@@ -138,7 +138,8 @@ class Progress:
         self.stream = stream if stream is not None else sys.stderr
         self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
         # a TTY line is cheap to redraw; a log line every 10 s is enough; a widget a few times a second
-        self.interval = interval if interval is not None else (0.1 if self.tty else 0.25 if self.mode == "widget" else 10.0)
+        self.interval = (interval if interval is not None
+                         else (0.1 if self.tty else 0.25 if self.mode == "widget" else 10.0))
         self.done = 0
         self.nbytes = 0
         self.failed = 0

@@ -104,11 +104,12 @@ def ranged_copy(open_reader: Callable[[], RangeReader], size: int, dest: str, *,
         def copy_rest(job: tuple[list[int], int]) -> None:
             pos, end = job
             try:
-                if reader[0] is None:
-                    reader[0] = open_reader()
+                rd = reader[0]
+                if rd is None:
+                    rd = reader[0] = open_reader()
                 while pos[0] < end and not stop.is_set():
                     want = min(len(buf), end - pos[0])
-                    n = reader[0].readinto_at(pos[0], buf[:want])
+                    n = rd.readinto_at(pos[0], buf[:want])
                     if n <= 0:
                         raise OSError(errno.EIO, f"the source ended at byte {pos[0]}, expected {size} bytes")
                     view, off = buf[:n], pos[0]

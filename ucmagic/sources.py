@@ -325,7 +325,7 @@ def arrow_dataset(src: Source) -> Any:
     import pyarrow.dataset as pads
 
     if src.kind == "delta":
-        DeltaTable = import_extra("deltalake", feature="reading a Delta table").DeltaTable
+        DeltaTable = import_extra("deltalake", feature="reading a Delta table").DeltaTable  # noqa: N806 - a class
 
         try:
             dt = DeltaTable(src.root, version=src.version, storage_options=src.storage_options)
@@ -342,7 +342,7 @@ def arrow_dataset(src: Source) -> Any:
 
 def delta_files(src: Source) -> list[str]:
     """Data files of the Delta table's selected version (local paths, or URLs for remote tables)."""
-    DeltaTable = import_extra("deltalake", feature="reading a Delta table").DeltaTable
+    DeltaTable = import_extra("deltalake", feature="reading a Delta table").DeltaTable  # noqa: N806 - a class
 
     uris = DeltaTable(src.root, version=src.version, storage_options=src.storage_options).file_uris()
     return [u[len("file://"):] if u.startswith("file://") else u for u in uris]
@@ -405,6 +405,9 @@ def spark_dataframe(src: Source) -> Any:
     if src.kind == "spark":
         return src.obj
     spark = active_spark()
+    if spark is None:
+        raise TableNotFoundError(f"table {src.name} needs an active Spark session, and there is none: "
+                                 "start one (SparkSession.builder.getOrCreate()) or pass a table path")
     try:
         return spark.read.table(src.obj.quoted())
     except Exception as e:  # noqa: BLE001 - AnalysisException lives in pyspark

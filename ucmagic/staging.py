@@ -8,6 +8,7 @@ failures are reported per file instead of scrolling past.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import multiprocessing as mp
 import os
@@ -182,7 +183,7 @@ def fetch_to(vol: Volume, rel: str, dest: str) -> int:
     return vol.copy_to(rel, dest)
 
 
-class _SizeMismatch(OSError):
+class _SizeMismatchError(OSError):
     pass
 
 
@@ -196,20 +197,17 @@ def copy_one(vol: Volume, entry: FileEntry, dest_root: str, verify: str | None, 
         try:
             n = fetch_to(vol, entry.path, tmp)
             if verify == "size" and n != entry.size:
-                raise _SizeMismatch(f"listed {entry.size} bytes but read {n}: the source changed while staging; "
-                                    "run stage again")
-            try:
+                raise _SizeMismatchError(f"listed {entry.size} bytes but read {n}: the source changed while staging; "
+                                         "run stage again")
+            # an odd remote mtime: the copy is fine, only skip-unchanged is lost
+            with contextlib.suppress(OverflowError, OSError, ValueError):
                 ns = int(round(entry.mtime * 1e9))
                 os.utime(tmp, ns=(ns, ns))
-            except (OverflowError, OSError, ValueError):  # an odd remote mtime: the copy is fine, only skip-unchanged is lost
-                pass
             os.replace(tmp, final)
             return n
         except BaseException:
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(tmp)
-            except OSError:
-                pass
             raise
 
     try:
@@ -221,7 +219,7 @@ def copy_one(vol: Volume, entry: FileEntry, dest_root: str, verify: str | None, 
 
 
 def _reason(vol: Volume, entry: FileEntry, exc: BaseException) -> str:
-    if isinstance(exc, _SizeMismatch):
+    if isinstance(exc, _SizeMismatchError):
         return str(exc)
     return str(copy_error(vol, entry.path, exc))
 
@@ -274,7 +272,8 @@ def _worker_run(vol: Volume, entries: list[FileEntry], dest_root: str, verify: s
 
 def _mp_context() -> Any:
     """fork where available (no re-import; ~ms per process), else spawn."""
-    method = os.environ.get("UCMAGIC_STAGE_START_METHOD") or ("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+    method = (os.environ.get("UCMAGIC_STAGE_START_METHOD")
+              or ("fork" if "fork" in mp.get_all_start_methods() else "spawn"))
     return mp.get_context(method)
 
 

@@ -19,7 +19,7 @@ _FIELDS = ("hits", "misses", "bytes_fetched", "retries", "errors", "delivered", 
 _H, _M, _B, _R, _E, _D, _N = range(len(_FIELDS))
 
 
-def percentiles(values: Sequence[float], qs: Sequence[float] = (50, 90, 99)) -> dict[str, float]:
+def percentiles(values: Sequence[float] | np.ndarray, qs: Sequence[float] = (50, 90, 99)) -> dict[str, float]:
     """``{"p50": .., "p90": .., "p99": ..}`` of ``values`` (linear interpolation); NaN when empty."""
     if len(values) == 0:
         return {f"p{q:g}": math.nan for q in qs}
@@ -27,7 +27,7 @@ def percentiles(values: Sequence[float], qs: Sequence[float] = (50, 90, 99)) -> 
     return {f"p{q:g}": float(np.percentile(arr, q)) for q in qs}
 
 
-def p50_p99(values: Sequence[float]) -> tuple[float, float]:
+def p50_p99(values: Sequence[float] | np.ndarray) -> tuple[float, float]:
     """The median and the 99th percentile of non-empty ``values`` (as :func:`percentiles`)."""
     pct = percentiles(values, (50, 99))
     return pct["p50"], pct["p99"]
@@ -104,7 +104,7 @@ class SharedCounters:
         if "shared" in st:
             self._counts, self._lat = st["shared"]
         else:
-            self.__init__()
+            type(self).__init__(self)
             counts, lat = st["copy"]
             np.frombuffer(self._counts, dtype=np.int64)[:] = np.frombuffer(counts, dtype=np.int64)
             np.frombuffer(self._lat, dtype=np.float64)[:] = np.frombuffer(lat, dtype=np.float64)
@@ -173,7 +173,7 @@ class BatchRecorder:
         return self.fetch_total / total if total > 0 else 0.0
 
     def reset(self) -> None:
-        self.__init__()
+        type(self).__init__(self)
 
 
 def _tail(values, last: int | None) -> np.ndarray:
@@ -320,7 +320,7 @@ class ItemLog:
                                                    self.misses, self.nbytes, self.index, self.fetch))
 
     def reset(self) -> None:
-        self.__init__(self.cap)
+        type(self).__init__(self, self.cap)
 
 
 class SharedInts:

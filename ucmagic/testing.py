@@ -168,7 +168,8 @@ def mount_slow_volume(source: str, mountpoint: str, *, open_ms: float = 20, mbps
     try:
         while not os.path.ismount(mountpoint):
             if proc.poll() is not None:
-                raise RuntimeError(f"FUSE mount of {source} failed: {proc.stderr.read().decode(errors='replace')}")
+                err = proc.stderr.read() if proc.stderr is not None else b""
+                raise RuntimeError(f"FUSE mount of {source} failed: {err.decode(errors='replace')}")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"FUSE mount at {mountpoint} did not appear within {timeout} s")
             time.sleep(0.05)

@@ -6,6 +6,7 @@ writes to a volume.
 """
 from __future__ import annotations
 
+import builtins  # `list` in Volume annotations is the method
 import hashlib
 import os
 import re
@@ -276,7 +277,7 @@ class Volume:
             "(patterns are globs such as '**/*.jpg'; a pattern without '/' matches file names at any depth)"
         )
 
-    def _check_listing(self, entries: list[FileEntry], pattern: str | None) -> list[FileEntry]:
+    def _check_listing(self, entries: builtins.list[FileEntry], pattern: str | None) -> builtins.list[FileEntry]:
         if not entries:
             raise self.empty_listing_error(pattern)
         return entries
@@ -384,7 +385,7 @@ def info_mtime(info: dict[str, Any]) -> float:
             continue
     # No time known: fall back to the content tag so a changed object still gets a new cache key.
     tag = str(info.get("ETag") or info.get("etag") or info.get("md5") or "")
-    return float(int(hashlib.sha1(tag.encode()).hexdigest()[:12], 16)) if tag else 0.0
+    return float(int(hashlib.sha1(tag.encode(), usedforsecurity=False).hexdigest()[:12], 16)) if tag else 0.0
 
 
 class FsspecVolume(Volume):
@@ -466,7 +467,8 @@ def open_volume(path: Any, storage_options: dict[str, Any] | None = None) -> Vol
         if not exists:
             raise SourceNotFoundError(f"{path} does not exist: check the URL and your credentials")
         if not isdir:
-            raise SourceNotADirectoryError(f"{path} is a file, not a directory: pass the directory that holds your files")
+            raise SourceNotADirectoryError(f"{path} is a file, not a directory: "
+                                           "pass the directory that holds your files")
         return vol
     if path.startswith("file://"):
         path = path[len("file://"):]
@@ -512,7 +514,8 @@ class _FileObjReader:
 
 
 def check_unchanged(vol: Volume, expect: FileEntry, now: FileEntry, *, cause: BaseException | None = None) -> None:
-    """Raise :class:`SourceChangedError` naming the file when ``now`` (a fresh stat) differs from the listing's ``expect``."""
+    """Raise :class:`SourceChangedError` naming the file when ``now`` (a fresh stat) differs from the listing's
+    ``expect``."""
     if now.size == expect.size and now.mtime == expect.mtime:
         return
     err = SourceChangedError(
@@ -527,7 +530,8 @@ def copy_error(vol: Volume, rel: str, exc: BaseException) -> FetchError:
     """A FetchError naming the file and the likely fix for ``exc``."""
     where = vol.display(rel)
     if isinstance(exc, PermissionError):
-        return FetchError(f"cannot read {where}: permission denied; fix the file's permissions or exclude it with pattern=")
+        return FetchError(f"cannot read {where}: permission denied; "
+                          "fix the file's permissions or exclude it with pattern=")
     if isinstance(exc, FileNotFoundError):
         return FetchError(f"{where} disappeared after the listing was taken; create the dataset again to refresh it")
     return FetchError(f"cannot copy {where}: {exc}")

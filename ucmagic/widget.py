@@ -13,6 +13,7 @@ The engine never imports this module at import time; ``loader.monitor()`` import
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import html
 import math
@@ -256,11 +257,9 @@ class TextView:
         self._width = 0
 
     def _write(self, text: str) -> None:
-        try:
+        with contextlib.suppress(OSError, ValueError):  # closed stream: the display is best effort
             self.stream.write(text)
             self.stream.flush()
-        except (OSError, ValueError):  # closed stream: the display is best effort
-            pass
 
 
 def _is_live(stream: Any) -> bool:
@@ -433,17 +432,13 @@ class Monitor:
         self._error = _describe(error) if error is not None else None
         refresh = getattr(getattr(self.loader, "stats", None), "refresh_cache_fill", None)
         if callable(refresh):  # exact cache fill once per epoch (O(files))
-            try:
+            with contextlib.suppress(Exception):  # the display is best effort
                 refresh()
-            except Exception:  # the display is best effort
-                pass
         snap = self._final = self.snapshot()
         hints = getattr(getattr(self.loader, "stats", None), "hints", None)
         if callable(hints):
-            try:
+            with contextlib.suppress(Exception):  # the display is best effort
                 snap.hints = hints()
-            except Exception:  # the display is best effort
-                pass
         self._mark_counters()  # what is fetched from now on belongs to the next epoch (prefetch included)
         self.renders += 1
         self.view.final(snap)
@@ -503,18 +498,14 @@ class Monitor:
         """Stop receiving the loader's callbacks (the display keeps its last state)."""
         hooks, self._cell_hooks = self._cell_hooks, ()
         for event, fn in zip(("pre_run_cell", "post_run_cell"), hooks[1:]):
-            try:
+            with contextlib.suppress(ValueError):
                 hooks[0].unregister(event, fn)
-            except ValueError:
-                pass
         for name, fn in (("remove_batch_callback", self._loader_batch),
                          ("remove_epoch_end_callback", self._loader_end)):
             remove = getattr(self.loader, name, None)
             if callable(remove):
-                try:
+                with contextlib.suppress(ValueError):
                     remove(fn)
-                except ValueError:
-                    pass
 
     # -- helpers
     def show(self, *, render: bool = True) -> "Monitor":
@@ -545,7 +536,7 @@ class Monitor:
             return {}
         try:
             return fn(recent=1)
-        except Exception:
+        except Exception:  # noqa: BLE001 - the display is best effort
             return {}
 
     def snapshot(self, now: float | None = None) -> Snapshot:
@@ -596,7 +587,7 @@ def _total_batches(loader: Any) -> int | None:
         return None
     try:
         return len(loader)
-    except Exception:
+    except Exception:  # noqa: BLE001 - any loader without a length shows no total
         return None
 
 
@@ -618,14 +609,12 @@ def attach_monitor(loader: Any, *, mode: str | None = None, rate_hz: float = DEF
         return mon
     for old in list(getattr(loader, "_ucmagic_monitors", ())):  # one live display per loader
         old.detach()
-    add(mon._loader_batch)
+    add(mon._loader_batch)  # noqa: SLF001 - Monitor's own callback, same module
     add_end = getattr(loader, "add_epoch_end_callback", None)
     if callable(add_end):
-        add_end(mon._loader_end)
-    try:
-        loader._ucmagic_monitors = [mon]
-    except AttributeError:
-        pass
+        add_end(mon._loader_end)  # noqa: SLF001 - same module
+    with contextlib.suppress(AttributeError):
+        loader._ucmagic_monitors = [mon]  # noqa: SLF001 - our marker attribute on the loader
     watch_cells(mon)
     if show:
         mon.show()
@@ -650,23 +639,21 @@ def watch_cells(mon: Monitor) -> None:
         if m is None:
             _unhook(events, pre_run_cell, post_run_cell)
         else:
-            m._cell_start(info)
+            m._cell_start(info)  # noqa: SLF001 - same module
 
     def post_run_cell(result: Any = None) -> None:
         m = ref()
         if m is None:
             _unhook(events, pre_run_cell, post_run_cell)
         else:
-            m._cell_end(result)
+            m._cell_end(result)  # noqa: SLF001 - same module
 
     events.register("pre_run_cell", pre_run_cell)
     events.register("post_run_cell", post_run_cell)
-    mon._cell_hooks = (events, pre_run_cell, post_run_cell)
+    mon._cell_hooks = (events, pre_run_cell, post_run_cell)  # noqa: SLF001 - same module
 
 
 def _unhook(events: Any, pre: Any, post: Any) -> None:
     for event, fn in (("pre_run_cell", pre), ("post_run_cell", post)):
-        try:
+        with contextlib.suppress(ValueError):
             events.unregister(event, fn)
-        except ValueError:
-            pass
