@@ -10,6 +10,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
+from ._util import atomic_write
 from .telemetry import BatchItems, BatchRecorder, ItemLog, SharedCounters, percentiles
 from .units import short_name
 
@@ -288,10 +289,7 @@ class LoaderStats:
     def save(self, path: str | os.PathLike) -> str:
         """Write the stats as JSON (atomically); also logged as an MLflow artifact when a run is active."""
         path = os.fspath(path)
-        tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump(self.to_dict(), f, separators=(",", ":"))
-        os.replace(tmp, path)
+        atomic_write(path, json.dumps(self.to_dict(), separators=(",", ":")).encode())
         from .mlflow_sink import active_run_id
 
         run = active_run_id()
