@@ -27,11 +27,12 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
 import time
+
+from _child import run_sampled  # bench/ is on sys.path when a benchmark runs as a script
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MiB = 1 << 20
@@ -169,28 +170,9 @@ def _allocated(root: str) -> int:
 def run_child(python: str, mode: str, vol: str, cache: str, timeout: float = 600) -> dict:
     cmd = [python, os.path.abspath(__file__), "--child", mode, "--vol", vol, "--cache", cache]
     env = dict(os.environ, PYTHONPATH=os.path.dirname(HERE), UCMAGIC_PROGRESS="off", TMPDIR=cache)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    peak = [0]
-    done = threading.Event()
-
-    def sample() -> None:
-        while not done.wait(0.05):
-            peak[0] = max(peak[0], _allocated(cache))
-
-    th = threading.Thread(target=sample, daemon=True)
-    th.start()
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, err = proc.communicate()
-    done.set()
-    th.join()
-    lines = [ln for ln in out.splitlines() if ln.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        return {"error": (err or out).strip().splitlines()[-1:] or ["no output"], "mode": mode}
-    res = json.loads(lines[-1])
-    res["peak_cache"] = peak[0]
+    res, peak = run_sampled(cmd, env, mode, lambda _pid: _allocated(cache), 0.05, timeout)
+    if "error" not in res:
+        res["peak_cache"] = peak
     return res
 
 

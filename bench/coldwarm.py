@@ -40,11 +40,11 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
+
+from _child import run_sampled  # bench/ is on sys.path when a benchmark runs as a script
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROFILES = {"P20": {"open_ms": 20, "mbps": 200}, "P100": {"open_ms": 100, "mbps": 100}}
@@ -244,29 +244,10 @@ def run_child(python: str, mode: str, vol: str, cache: str, limit: int = 0, time
     cmd = [python, os.path.abspath(__file__), "--child", mode, "--vol", vol, "--cache", cache, "--limit", str(limit)]
     env = dict(os.environ, PYTHONPATH=os.path.dirname(HERE), UCMAGIC_PROGRESS="off")
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    peak = [0]
-    done = threading.Event()
-
-    def sample() -> None:
-        while not done.wait(0.1):
-            peak[0] = max(peak[0], _tree_pss(proc.pid))
-
-    th = threading.Thread(target=sample, daemon=True)
-    th.start()
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, err = proc.communicate()
-    done.set()
-    th.join()
-    lines = [ln for ln in out.splitlines() if ln.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        return {"error": (err or out).strip().splitlines()[-1:] or ["no output"], "mode": mode}
-    res = json.loads(lines[-1])
-    res["wall"] = time.perf_counter() - t0
-    res["peak_mb"] = peak[0] / 1e6
+    res, peak = run_sampled(cmd, env, mode, _tree_pss, 0.1, timeout)
+    if "error" not in res:
+        res["wall"] = time.perf_counter() - t0
+        res["peak_mb"] = peak / 1e6
     return res
 
 
