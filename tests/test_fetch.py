@@ -12,19 +12,25 @@ from ucmagic.errors import FetchTimeoutError
 from ucmagic.fetch import Window, backoff_delays, read_ahead, tune_window, with_retries
 
 
-def test_results_come_in_input_order_with_concurrency():
+def _counting(fn, sleep):
+    """``fn`` wrapped to sleep ``sleep(i)`` s while counted as in flight; returns (wrapped, peak)."""
     active, peak = [0], [0]
     mu = threading.Lock()
 
-    def slow(i):
+    def call(i):
         with mu:
             active[0] += 1
             peak[0] = max(peak[0], active[0])
-        time.sleep(0.01 * (i % 3))
+        time.sleep(sleep(i))
         with mu:
             active[0] -= 1
-        return i * 2
+        return fn(i)
 
+    return call, peak
+
+
+def test_results_come_in_input_order_with_concurrency():
+    slow, peak = _counting(lambda i: i * 2, lambda i: 0.01 * (i % 3))
     assert list(read_ahead(slow, range(60), depth=16)) == [i * 2 for i in range(60)]
     assert peak[0] > 4  # calls really overlapped
 
@@ -138,18 +144,7 @@ def test_window_stays_between_floor_and_ceiling(size, rate, wait, prev, prev_rat
 
 
 def test_slow_calls_get_more_than_the_starting_window():
-    active, peak = [0], [0]
-    mu = threading.Lock()
-
-    def slow(i):
-        with mu:
-            active[0] += 1
-            peak[0] = max(peak[0], active[0])
-        time.sleep(0.02)
-        with mu:
-            active[0] -= 1
-        return i
-
+    slow, peak = _counting(lambda i: i, lambda i: 0.02)
     assert list(read_ahead(slow, range(600), depth=64)) == list(range(600))
     assert peak[0] > 16  # latency-bound calls: the window grew past its start of 8
 
