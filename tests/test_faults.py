@@ -71,7 +71,9 @@ def test_every_third_open_failing_still_delivers_each_file_once(tmp_path):
     root = str(tmp_path / "vol")
     make_files(root, 150, 2000, per_dir=30)
     sums = source_sums(root)
-    ds = UCVolumeDataset(f"slow://{root}", shuffle=True, cache_dir=str(tmp_path / "c"),
+    # With concurrent copies the failing opens land on files at random: each attempt fails with p=1/3, so
+    # 5 retries leave 150 * (1/3)**6 ~ 20% odds that some file exhausts them; 10 make that ~0.1%.
+    ds = UCVolumeDataset(f"slow://{root}", shuffle=True, cache_dir=str(tmp_path / "c"), retries=10,
                          storage_options={"open_ms": 1, "mbps": 0, "list_ms": 0, "fail_every": 3})
     for epoch in range(2):
         ds.set_epoch(epoch)
