@@ -157,7 +157,7 @@ def _violations(package_dir: Path = PACKAGE_DIR) -> set[str]:
             if owner is not None:
                 owner = ".".join([owner, *target.split(".")[1:]])
                 if is_module(f"{owner}.{attr}"):
-                    continue                # a private submodule, e.g. ucmagic._slowfuse
+                    continue                # a private submodule, e.g. ucmagic._util
                 if is_module(owner) and owner != mod.name:
                     found.add(f"private attribute: {mod.name} uses {owner}.{attr}")
                 continue

@@ -1,22 +1,47 @@
-"""Parquet: ``export_parquet`` (write any table as Parquet files, atomically) and ``ParquetDataset``
-(stream column batches into PyTorch).
+"""Tables and Parquet: ``load_table`` / ``register_table``, ``export_parquet`` (write any table as
+Parquet files, atomically) and ``ParquetDataset`` (stream column batches into PyTorch).
 
-This module stays light: ``export_parquet`` does not import torch; ``ParquetDataset`` (which
-does) is loaded on first use from :mod:`ucmagic.parquet_dataset`.
+Modules: :mod:`.sources` (table names, the local catalog, resolving any source, DuckDB/Spark
+relations, "files or table?"), :mod:`.api` (``load_table``, ``register_table``), :mod:`.export`
+(``export_parquet``), :mod:`.parquet_dataset` (``ParquetDataset``) and :mod:`.rows` (pure row
+planning). The names below load on first use: ``import ucmagic.tables`` imports no torch.
 """
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
-from .parquet_export import ExportResult, export_parquet
+# public name -> submodule that defines (or re-exports) it
+_EXPORTS = {
+    "load_table": "api",
+    "register_table": "api",
+    "memory_budget": "api",
+    "export_parquet": "export",
+    "ExportResult": "export",
+    "ParquetDataset": "parquet_dataset",
+    # the source names (``ucmagic.tables.resolve_source`` ... worked before sources.py was split out)
+    **{name: "sources" for name in (
+        "DATA_EXTS", "MANIFEST", "Source", "TableName", "active_spark", "arrow_dataset", "catalog_root",
+        "classify_source", "connect", "delta_files", "duckdb_relation", "fsspec_strip", "is_delta_dir", "is_sql",
+        "is_spark_dataframe", "list_tables", "looks_like_table_name", "parse_table_name", "read_manifest",
+        "resolve_path_source", "resolve_source", "select_columns", "spark_dataframe", "table_path")},
+    # the errors of this layer (all defined in ucmagic.errors)
+    **{name: "api" for name in (
+        "InvalidTableNameError", "ListingChangedError", "SourceNotFoundError", "TableNotFoundError",
+        "TableTooLargeError", "UnsupportedSourceError")},
+}
 
-__all__ = ["ParquetDataset", "export_parquet", "ExportResult"]  # noqa: F822 - ParquetDataset is lazy (__getattr__)
+__all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str) -> Any:
-    if name == "ParquetDataset":
-        from .parquet_dataset import ParquetDataset
+    mod = _EXPORTS.get(name)
+    if mod is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{mod}"), name)
+    globals()[name] = value
+    return value
 
-        globals()[name] = ParquetDataset
-        return ParquetDataset
-    raise AttributeError(f"module 'ucmagic.parquet' has no attribute {name!r}")
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
