@@ -10,6 +10,7 @@ only. The old paths go in ucmagic 0.3 (this table, the finder and the test of bo
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 import warnings
 from importlib.machinery import ModuleSpec
@@ -37,14 +38,22 @@ MOVED: dict[str, str] = {
 }
 
 
+_IMPORTLIB_DIR = os.path.dirname(importlib.__file__) + os.sep
+
+
 def _caller_stacklevel() -> int:
-    """The stacklevel of the first frame outside the import system and this module (the user's import)."""
-    frame = sys._getframe(1)
+    """The ``stacklevel`` of the first frame outside the import system and this module: the user's import.
+
+    ``warnings`` itself skips importlib's bootstrap frames when it counts, so they are not counted here."""
+    frame = sys._getframe(1)  # noqa: SLF001 - the standard way to walk the caller's stack
     level = 1
-    while frame is not None and (frame.f_code.co_filename == __file__
-                                 or frame.f_code.co_filename.startswith("<frozen importlib")):
-        frame = frame.f_back  # type: ignore[assignment]
-        level += 1
+    while frame.f_back is not None:
+        name = frame.f_code.co_filename
+        if name != __file__ and not name.startswith(("<frozen importlib", _IMPORTLIB_DIR)):
+            break
+        frame = frame.f_back
+        if not ("importlib" in frame.f_code.co_filename and "_bootstrap" in frame.f_code.co_filename):
+            level += 1
     return level
 
 
@@ -84,4 +93,4 @@ class MovedModuleFinder:
 def install() -> None:
     """Put the finder first on ``sys.meta_path`` (a stale old file left in the package must not win)."""
     if not any(getattr(f, "ucmagic_moved_finder", False) for f in sys.meta_path):
-        sys.meta_path.insert(0, MovedModuleFinder())  # type: ignore[arg-type]
+        sys.meta_path.insert(0, MovedModuleFinder())
