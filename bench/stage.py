@@ -46,7 +46,7 @@ def _threads_patched() -> Iterator[None]:
     which would cap every copier at ~10 opens in flight (no-op once ucmagic.testing.slowfuse sets max_threads)."""
     boot = ("import mfusepy, runpy, sys; _F = mfusepy.FUSE\n"
             "def F(*a, **k):\n    k.setdefault('max_threads', 1024)\n    return _F(*a, **k)\n"
-            "mfusepy.FUSE = F; sys.argv = ['_slowfuse'] + sys.argv[1:]\n"
+            "mfusepy.FUSE = F; sys.argv = ['slowfuse'] + sys.argv[1:]\n"
             "runpy.run_module('ucmagic.testing.slowfuse', run_name='__main__')")
     real_popen = testing.subprocess.Popen
 

@@ -3,7 +3,7 @@
 1. No import cycles between modules, counting lazy (function-level) imports; imports under
    ``if TYPE_CHECKING:`` are left out because they never run.
 2. No ``from .x import _name`` across modules: a private name stays in its module (importing a
-   private *module* such as ``_slowfuse`` is fine).
+   private *module* such as ``_util`` is fine).
 3. No access to another module's private names: ``module._name`` (``volume._is_url``), and
    ``obj._name`` or ``getattr(obj, "_name")`` on anything but ``self``/``cls``/``super()`` when
    another ucmagic module defines ``_name`` (``ds._fresh`` in the loader reaches into the
