@@ -146,3 +146,14 @@ def test_slow_protocol_falls_back_when_the_entry_point_is_missing():
         print(f"{cls.__module__}.{cls.__qualname__}")
     """, str(ROOT))
     assert out.strip() == "ucmagic.testing.SlowFileSystem"
+
+
+@pytest.mark.parametrize("package", ["ucmagic.tables", "ucmagic.checkpoints"])
+def test_subpackage_names_resolve_to_their_modules(package):
+    pkg = importlib.import_module(package)
+    for name in pkg.__all__:
+        value = getattr(pkg, name)
+        home = importlib.import_module(f"{package}.{pkg._EXPORTS[name]}")
+        assert value is getattr(home, name), name
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        getattr(pkg, "nope")
