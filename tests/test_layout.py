@@ -4,6 +4,7 @@ module, a DeprecationWarning naming the new path), the public names and new path
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import pickle
 import re
