@@ -13,7 +13,7 @@ from __future__ import annotations
 import io
 import time
 
-from ucmagic.widget import Monitor, Snapshot, TextView, WidgetView, sparkline_svg
+from ucmagic.notebook.panel import Monitor, Snapshot, TextView, WidgetView, sparkline_svg
 
 
 class _Loader:

@@ -30,7 +30,7 @@ import torch  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 
 from ucmagic import testing  # noqa: E402
-from ucmagic.checkpoint import UCVolumeReader, UCVolumeWriter, _dcp_state  # noqa: E402
+from ucmagic.checkpoints.api import UCVolumeReader, UCVolumeWriter, _dcp_state  # noqa: E402
 
 PROFILES = {"p20": dict(open_ms=20, mbps=200), "p100": dict(open_ms=100, mbps=100)}
 DBAIR_PATH = "/tmp/dbair/x"

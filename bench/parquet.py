@@ -66,7 +66,7 @@ def dir_size(path: str) -> tuple[int, int]:
 def child_export(engine: str, src: str, dest: str) -> dict:
     t0 = time.perf_counter()
     if engine == "ucmagic":
-        from ucmagic.parquet import export_parquet
+        from ucmagic.tables import export_parquet
 
         export_parquet(src, dest, target_file_size=TARGET)
     elif engine == "duckdb":
@@ -109,7 +109,7 @@ def run_child(*args: str) -> dict:
 def iter_ucmagic(path: str, columns, dtype, workers: int) -> int:
     import torch
 
-    from ucmagic.parquet import ParquetDataset
+    from ucmagic.tables import ParquetDataset
 
     ds = ParquetDataset(path, columns=columns, batch_size=1024, dtype=dtype)
     if workers == 0:

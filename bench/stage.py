@@ -43,15 +43,15 @@ PROFILES = {"P100": (100.0, 100.0), "P20": (20.0, 200.0)}
 @contextlib.contextmanager
 def _threads_patched() -> Iterator[None]:
     """Start the FUSE server with many threads: libfuse3 serves at most 10 requests at once by default,
-    which would cap every copier at ~10 opens in flight (no-op once ucmagic._slowfuse sets max_threads)."""
+    which would cap every copier at ~10 opens in flight (no-op once ucmagic.testing.slowfuse sets max_threads)."""
     boot = ("import mfusepy, runpy, sys; _F = mfusepy.FUSE\n"
             "def F(*a, **k):\n    k.setdefault('max_threads', 1024)\n    return _F(*a, **k)\n"
-            "mfusepy.FUSE = F; sys.argv = ['_slowfuse'] + sys.argv[1:]\n"
-            "runpy.run_module('ucmagic._slowfuse', run_name='__main__')")
+            "mfusepy.FUSE = F; sys.argv = ['slowfuse'] + sys.argv[1:]\n"
+            "runpy.run_module('ucmagic.testing.slowfuse', run_name='__main__')")
     real_popen = testing.subprocess.Popen
 
     def popen(cmd, *a, **k):
-        if cmd[1:3] == ["-m", "ucmagic._slowfuse"]:
+        if cmd[1:3] == ["-m", "ucmagic.testing.slowfuse"]:
             cmd = [cmd[0], "-c", boot, *cmd[3:]]
         return real_popen(cmd, *a, **k)
 

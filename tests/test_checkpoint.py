@@ -16,9 +16,9 @@ from hypothesis import given, settings
 from torch.distributed.checkpoint import CheckpointException
 from hypothesis import strategies as st
 
-from ucmagic import checkpoint_format as fmt
-from ucmagic import checkpoint_transfer as xfer
-from ucmagic.checkpoint import (
+from ucmagic.checkpoints import format as fmt
+from ucmagic.checkpoints import transfer as xfer
+from ucmagic.checkpoints.api import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointMismatchError,
@@ -360,7 +360,7 @@ warnings.simplefilter("ignore")
 import torch
 sys.path.insert(0, {tests!r})
 from test_checkpoint import trained, make_model, same_model, same_optim
-from ucmagic.checkpoint import save_checkpoint, load_checkpoint
+from ucmagic.checkpoints.api import save_checkpoint, load_checkpoint
 """
 
 
@@ -403,7 +403,7 @@ def test_save_killed_during_upload_leaves_previous_checkpoint_latest(tmp_path):
     signal_file = tmp_path / "uploading"
     script = _COMMON.format(tests=os.path.dirname(__file__)) + f"""
 import time
-from ucmagic import checkpoint_transfer as xfer
+from ucmagic.checkpoints import transfer as xfer
 model, opt = trained()
 save_checkpoint({str(root)!r}, model=model, optimizer=opt, step=1)
 save_checkpoint({str(root)!r}, model=model, optimizer=opt, step=2)

@@ -19,9 +19,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
 
 import ucmagic
-from ucmagic import checkpoint_format as fmt
-from ucmagic import checkpoint_transfer as xfer
-from ucmagic.checkpoint import (
+from ucmagic.checkpoints import format as fmt
+from ucmagic.checkpoints import transfer as xfer
+from ucmagic.checkpoints.api import (
     CheckpointExistsError,
     CheckpointInProgressError,
     UCVolumeReader,
@@ -180,7 +180,7 @@ _AT_EXIT = """
 import torch
 import torch.distributed.checkpoint as dcp
 from ucmagic import UCVolumeWriter
-from ucmagic import checkpoint_transfer as xfer
+from ucmagic.checkpoints import transfer as xfer
 real = xfer._copy
 def slow(src, dst, sync):
     time.sleep(0.5)
@@ -396,7 +396,7 @@ def test_a_forked_child_does_not_wait_for_or_report_its_parents_saves(tmp_path):
     p = run_script(tmp_path, "fork.py", f"""
         import multiprocessing as mp
         from concurrent.futures import Future
-        from ucmagic.checkpoint_storage import track_pending_save
+        from ucmagic.checkpoints.storage import track_pending_save
         track_pending_save({str(tmp_path / "ck")!r}, Future())   # a save the parent never finishes
         child = mp.get_context("fork").Process(target=print, args=("child ran",))
         child.start(); child.join()

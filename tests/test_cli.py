@@ -168,7 +168,7 @@ def test_stage_summary_printed_once_on_a_terminal(tmp_path):
 
 
 def test_format_checkpoints_table():
-    from ucmagic.checkpoint_format import CheckpointInfo
+    from ucmagic.checkpoints.format import CheckpointInfo
 
     text = format_checkpoints([CheckpointInfo(100, "/ck/step_100", 0.0, 2_500_000),
                                {"step": 200, "path": "/ck/step_200", "time": 86400.0, "size": 10}])
@@ -192,7 +192,7 @@ def test_temporary_files_of_the_session_stay_in_its_private_dir(_private_tmp, tm
     conftest removes at the end, and checkpoint staging goes to the test's tmp_path."""
     import tempfile
 
-    from ucmagic.checkpoint_transfer import default_staging_root
+    from ucmagic.checkpoints.transfer import default_staging_root
 
     assert tempfile.gettempdir() == _private_tmp
     r = subprocess.run([sys.executable, "-c", "import tempfile; print(tempfile.gettempdir())"],

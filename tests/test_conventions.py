@@ -3,7 +3,7 @@
 1. No import cycles between modules, counting lazy (function-level) imports; imports under
    ``if TYPE_CHECKING:`` are left out because they never run.
 2. No ``from .x import _name`` across modules: a private name stays in its module (importing a
-   private *module* such as ``_slowfuse`` is fine).
+   private *module* such as ``_util`` is fine).
 3. No access to another module's private names: ``module._name`` (``volume._is_url``), and
    ``obj._name`` or ``getattr(obj, "_name")`` on anything but ``self``/``cls``/``super()`` when
    another ucmagic module defines ``_name`` (``ds._fresh`` in the loader reaches into the
@@ -11,6 +11,11 @@
    module's own class read on another instance (``other._x``) passes when no other module
    defines ``_x``.
 4. No ``sys.modules`` probing for ucmagic's own modules (``sys.modules.get("ucmagic.x")``).
+5. Dependencies point one way (``LAYERS``): the engine (the top-level modules) imports no
+   subpackage; ``checkpoints``, ``tables`` and ``testing`` import the engine and themselves;
+   ``ucmagic.api`` (``ucmagic.load``) adds ``tables``; the ``notebook`` layer may import all of
+   those; ``ucmagic`` and ``ucmagic.__main__`` anything. The engine reaches the notebook layer only
+   through the lazy imports of three convenience methods, listed in ``ENGINE_TO_NOTEBOOK``.
 
 The code predates these checks, so today's violations are listed in ``KNOWN_VIOLATIONS``: the
 suite fails on any violation that is not listed, and on any listed one that no longer occurs, so
@@ -25,6 +30,26 @@ from pathlib import Path
 PACKAGE_DIR = Path(__file__).resolve().parent.parent / "ucmagic"
 PACKAGE = "ucmagic"
 TORCH_COMPAT = "._torch_compat"  # may touch torch's private attributes (that is its job), by name
+
+# The layers, lowest first: a module may import its own layer and those listed for it.
+SUBPACKAGES = ("checkpoints", "tables", "notebook", "testing")
+LAYERS: dict[str, set[str]] = {
+    "engine": set(),
+    "checkpoints": {"engine"},
+    "tables": {"engine"},
+    "testing": {"engine"},
+    "api": {"engine", "tables"},                                    # ucmagic.load
+    "notebook": {"engine", "checkpoints", "tables", "api"},
+    "top": {"engine", "checkpoints", "tables", "testing", "api", "notebook"},  # ucmagic, ucmagic.__main__
+}
+
+# The engine's only ways into the notebook layer: a convenience method imports it when called (the
+# import is inside the method, so `import ucmagic.loader` never loads the notebook layer).
+ENGINE_TO_NOTEBOOK: dict[tuple[str, str], str] = {
+    ("ucmagic.loader", "ucmagic.notebook.panel"): "DataLoader.monitor() attaches the live panel",
+    ("ucmagic.loader_stats", "ucmagic.notebook.plots"): "LoaderStats.plot() draws the latency figure",
+    ("ucmagic.loader_stats", "ucmagic.notebook.explorer"): "LoaderStats.explore() opens the explorer",
+}
 
 # Each entry is "<check>: <module> <what>": an accepted exception, with its reason. Empty since the
 # architecture step (issue 17); test_known_violations_still_occur keeps it from going stale.
@@ -42,6 +67,7 @@ class Module:
     is_package: bool
     tree: ast.Module
     imports: set[str] = field(default_factory=set)          # ucmagic modules it imports
+    eager: set[str] = field(default_factory=set)            # ... of those, outside any function
     defined_private: set[str] = field(default_factory=set)  # _names it defines (any scope, self._x too)
 
 
@@ -117,9 +143,21 @@ def _violations(package_dir: Path = PACKAGE_DIR) -> set[str]:
         skip = _type_checking_nodes(mod.tree)
         parents = {id(c): p for p in ast.walk(mod.tree) for c in ast.iter_child_nodes(p)}
         aliases: dict[str, str] = {}   # local name -> ucmagic module it is bound to
+
+        def in_function(node: ast.AST) -> bool:
+            while id(node) in parents:
+                node = parents[id(node)]
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                    return True
+            return False
+
         for node in ast.walk(mod.tree):
             if id(node) in skip:
                 continue
+            if isinstance(node, (ast.Import, ast.ImportFrom)) and not in_function(node):
+                before = set(mod.imports)
+            else:
+                before = None
             if isinstance(node, ast.Import):
                 for alias in node.names:
                     if alias.name == PACKAGE or alias.name.startswith(PACKAGE + "."):
@@ -141,6 +179,8 @@ def _violations(package_dir: Path = PACKAGE_DIR) -> set[str]:
                     mod.imports.add(source)
                     if _is_private(alias.name) and source != mod.name:
                         found.add(f"private import: {mod.name} imports {alias.name} from {source}")
+            if before is not None:
+                mod.eager.update(mod.imports - before)
 
         # module._name; obj._name / getattr(obj, "_name") where _name belongs to another module
         for node in ast.walk(mod.tree):
@@ -157,7 +197,7 @@ def _violations(package_dir: Path = PACKAGE_DIR) -> set[str]:
             if owner is not None:
                 owner = ".".join([owner, *target.split(".")[1:]])
                 if is_module(f"{owner}.{attr}"):
-                    continue                # a private submodule, e.g. ucmagic._slowfuse
+                    continue                # a private submodule, e.g. ucmagic._util
                 if is_module(owner) and owner != mod.name:
                     found.add(f"private attribute: {mod.name} uses {owner}.{attr}")
                 continue
@@ -181,6 +221,35 @@ def _violations(package_dir: Path = PACKAGE_DIR) -> set[str]:
                     found.add(f"sys.modules probe: {mod.name} looks up {node.value}")
 
     found.update(_cycle_violations(mods))
+    found.update(_layer_violations(mods))
+    return found
+
+
+def _layer(name: str) -> str:
+    """The layer of a module: engine, api, top, or the subpackage it is in."""
+    if name in (PACKAGE, f"{PACKAGE}.__main__"):
+        return "top"
+    if name == f"{PACKAGE}.api":
+        return "api"
+    parts = name.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in SUBPACKAGES else "engine"
+
+
+def _layer_violations(mods: dict[str, Module]) -> set[str]:
+    """'layer: a (its layer) imports b (b's layer)' for each import against ``LAYERS``."""
+    found = set()
+    for mod in mods.values():
+        mine = _layer(mod.name)
+        for target in sorted(mod.imports):
+            if target not in mods or target == PACKAGE:
+                continue        # the package itself runs first anyway (see _cycle_violations)
+            theirs = _layer(target)
+            if theirs == mine or theirs in LAYERS[mine]:
+                continue
+            if (mod.name, target) in ENGINE_TO_NOTEBOOK and target not in mod.eager:
+                continue
+            when = " at import time" if target in mod.eager else ""
+            found.add(f"layer: {mod.name} ({mine}) imports {target} ({theirs}){when}")
     return found
 
 
@@ -257,6 +326,33 @@ def _check_sources(tmp_path: Path, files: dict[str, str]) -> set[str]:
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_text(text)
     return _violations(pkg)
+
+
+def test_checker_finds_imports_against_the_layers(tmp_path):
+    found = _check_sources(tmp_path, {
+        "__init__.py": "from . import volume\n",
+        "api.py": "from .tables import api\n",
+        "units.py": "",
+        "volume.py": "def show():\n    from .notebook import plots\n",
+        "loader.py": "def monitor():\n    from .notebook.panel import attach\n",
+        "loader_stats.py": "from .notebook import plots\ndef explore():\n    from .tables.api import load\n",
+        "checkpoints/__init__.py": "",
+        "checkpoints/api.py": "from ..units import x\nfrom ..tables import api\n",
+        "tables/__init__.py": "",
+        "tables/api.py": "from ..units import x\n",
+        "testing/__init__.py": "from ..notebook import panel\n",
+        "notebook/__init__.py": "",
+        "notebook/panel.py": ("from ..tables.api import load\nfrom ..checkpoints import api\n"
+                              "from .. import api as top\n"),
+        "notebook/plots.py": "",
+    })
+    assert found == {
+        "layer: ucmagic.volume (engine) imports ucmagic.notebook.plots (notebook)",
+        "layer: ucmagic.loader_stats (engine) imports ucmagic.notebook.plots (notebook) at import time",
+        "layer: ucmagic.loader_stats (engine) imports ucmagic.tables.api (tables)",
+        "layer: ucmagic.checkpoints.api (checkpoints) imports ucmagic.tables.api (tables) at import time",
+        "layer: ucmagic.testing (testing) imports ucmagic.notebook.panel (notebook) at import time",
+    }
 
 
 def test_checker_finds_a_lazy_import_cycle_and_private_access(tmp_path):

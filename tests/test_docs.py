@@ -18,7 +18,7 @@ _CODE = re.compile(r"```.*?```|`[^`\n]+`", re.S)
 def _help(magic: str) -> str:
     """What ``%magic?`` shows: the help text IPython's magic_arguments builds from the parser."""
     pytest.importorskip("IPython")
-    from ucmagic.magics import UcMagics
+    from ucmagic.notebook.magics import UcMagics
 
     return getattr(UcMagics, magic).__doc__
 
@@ -95,7 +95,7 @@ def test_every_action_of_a_magic_is_documented(magic):
 
 def test_every_magic_setting_is_documented_and_no_other():
     pytest.importorskip("IPython")
-    from ucmagic.magics import UcMagics
+    from ucmagic.notebook.magics import UcMagics
 
     settings = set(UcMagics.class_own_traits(config=True))
     documented = set(re.findall(r"UcMagics\.(\w+)", NOTEBOOK_MD.read_text(encoding="utf-8")))

@@ -79,7 +79,7 @@ def test_a_state_of_another_kind_is_refused_and_one_without_kind_is_accepted():
 
 
 def test_both_planned_datasets_speak_the_protocol_and_a_plain_one_does_not(tree, tmp_path):
-    from ucmagic.parquet import ParquetDataset
+    from ucmagic.tables import ParquetDataset
 
     class Plain(IterableDataset):
         def __iter__(self):
@@ -119,7 +119,7 @@ def test_a_files_state_saved_before_states_carried_a_kind_still_resumes(tree):
 
 
 def test_a_parquet_state_with_the_old_kind_still_resumes(tmp_path):
-    from ucmagic.parquet import ParquetDataset
+    from ucmagic.tables import ParquetDataset
 
     pd.DataFrame({"id": np.arange(50)}).to_parquet(tmp_path / "t.parquet")
     ds = ParquetDataset(str(tmp_path / "t.parquet"), batch_size=10)

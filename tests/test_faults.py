@@ -241,7 +241,7 @@ def test_sigkill_mid_checkpoint_upload_keeps_the_previous_checkpoint(tmp_path, f
     import torch
 
     from ucmagic import list_checkpoints, load_checkpoint, save_checkpoint
-    from ucmagic.checkpoint import CheckpointNotCommittedError
+    from ucmagic.checkpoints.api import CheckpointNotCommittedError
 
     root = str(tmp_path / "ckpt")
     saved = _model(1)

@@ -227,7 +227,7 @@ def ip(tmp_path, monkeypatch, magic_shell):
 def test_ucckpt_model_must_name_a_module_variable_never_code(ip, tmp_path, model_arg, match):
     import os as os_module
 
-    from ucmagic.magics import MagicUsageError
+    from ucmagic.notebook.magics import MagicUsageError
 
     ip.user_ns.update(notmodel=5, os=os_module)
     root = tmp_path / "ckpt"
@@ -266,7 +266,7 @@ class Payload:
 
 
 def _commit(path: str, kind: str, files: dict[str, bytes], step: int) -> None:
-    from ucmagic.checkpoint_format import COMMIT_NAME, FileRecord, make_commit
+    from ucmagic.checkpoints.format import COMMIT_NAME, FileRecord, make_commit
 
     recs = {}
     for name, data in files.items():
@@ -283,7 +283,7 @@ def _plant_single_file_payload(tmp_path, step: int):
 
     import torch
 
-    from ucmagic.checkpoint_format import FORMAT_SINGLE, SINGLE_FILE_NAME
+    from ucmagic.checkpoints.format import FORMAT_SINGLE, SINGLE_FILE_NAME
 
     sentinel = tmp_path / "PWNED"
     buf = io.BytesIO()
@@ -298,7 +298,7 @@ def test_single_file_checkpoint_with_a_code_running_pickle_is_refused(tmp_path):
     import torch
 
     from ucmagic import load_checkpoint
-    from ucmagic.checkpoint_format import UnsafeCheckpointError
+    from ucmagic.checkpoints.format import UnsafeCheckpointError
 
     sentinel = _plant_single_file_payload(tmp_path, 1)
     with pytest.raises(UnsafeCheckpointError, match=r"not plain tensors"):
@@ -312,7 +312,7 @@ def test_dcp_checkpoint_with_a_code_running_metadata_pickle_is_refused(tmp_path)
     import torch
 
     from ucmagic import UCVolumeReader, load_checkpoint, save_checkpoint
-    from ucmagic.checkpoint_format import FORMAT_DCP, METADATA_NAME, UnsafeCheckpointError
+    from ucmagic.checkpoints.format import FORMAT_DCP, METADATA_NAME, UnsafeCheckpointError
 
     root = tmp_path / "ckpt"
     save_checkpoint(str(root), model=torch.nn.Linear(2, 2), step=1)
@@ -330,7 +330,7 @@ def test_dcp_checkpoint_with_a_code_running_metadata_pickle_is_refused(tmp_path)
 def test_ucckpt_load_of_a_pickle_payload_does_not_run_it(ip, tmp_path):
     import torch
 
-    from ucmagic.checkpoint_format import UnsafeCheckpointError
+    from ucmagic.checkpoints.format import UnsafeCheckpointError
 
     sentinel = _plant_single_file_payload(tmp_path, 3)
     ip.user_ns["model"] = torch.nn.Linear(2, 2)

@@ -207,9 +207,9 @@ def test_end_callbacks_on_finish_break_and_error():
 
 def test_monitor_imports_the_widget_lazily(monkeypatch):
     calls = []
-    fake = types.ModuleType("ucmagic.widget")
+    fake = types.ModuleType("ucmagic.notebook.panel")
     fake.attach_monitor = lambda loader, **kw: calls.append((loader, kw)) or "monitor"
-    monkeypatch.setitem(sys.modules, "ucmagic.widget", fake)
+    monkeypatch.setitem(sys.modules, "ucmagic.notebook.panel", fake)
     loader = DataLoader(torch.arange(3), num_workers=0)
     assert loader.monitor(mode="off") == "monitor" and calls == [(loader, {"mode": "off"})]
 

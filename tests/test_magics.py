@@ -12,9 +12,9 @@ pytest.importorskip("IPython")
 from IPython.core.error import UsageError  # noqa: E402
 from IPython.core.interactiveshell import InteractiveShell  # noqa: E402
 
-from ucmagic import magics  # noqa: E402
-from ucmagic.magics import MagicUsageError, expand, split_args  # noqa: E402
-from ucmagic.sources import classify_source  # noqa: E402
+from ucmagic.notebook import magics  # noqa: E402
+from ucmagic.notebook.magics import MagicUsageError, expand, split_args  # noqa: E402
+from ucmagic.tables.sources import classify_source  # noqa: E402
 
 MAGICS = ("ucload", "ucstage", "ucckpt")
 
@@ -192,7 +192,7 @@ def test_ucload_explore_opens_the_explorer_when_the_loop_ends(ip, tree, monkeypa
 
 def test_ucload_panel_shows_before_the_listing_and_reports_a_failed_listing(ip, tree, monkeypatch):
     pytest.importorskip("ipywidgets")
-    from ucmagic import widget
+    from ucmagic.notebook import panel as widget
 
     root, _ = tree
     monkeypatch.setenv("UCMAGIC_PROGRESS", "widget")
@@ -287,7 +287,7 @@ def test_ucload_table_to_dataframe(ip, table):
 
 
 def test_ucload_table_stream(ip, table):
-    from ucmagic.parquet import ParquetDataset
+    from ucmagic.tables import ParquetDataset
 
     loader = run(ip, "%ucload main.default.points --stream -b 100 -w 0 --columns x --no-widget")
     assert isinstance(loader.dataset, ParquetDataset)

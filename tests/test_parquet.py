@@ -14,10 +14,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ucmagic import parquet_export, plan
+from ucmagic import plan
+from ucmagic.tables import export as parquet_export
 from ucmagic.errors import ListingChangedError, SizeParseError, SourceNotFoundError
-from ucmagic.parquet import ParquetDataset, export_parquet
-from ucmagic.parquet_rows import EpochLayout
+from ucmagic.tables import ParquetDataset, export_parquet
+from ucmagic.tables.rows import EpochLayout
 from ucmagic.tables import UnsupportedSourceError, load_table, register_table
 
 FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -8,7 +8,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from ucmagic import sources
+from ucmagic.tables import sources
 from ucmagic.errors import SourceNotFoundError
 from ucmagic.tables import (InvalidTableNameError, TableNotFoundError, TableTooLargeError, UnsupportedSourceError,
                             is_sql, load_table, looks_like_table_name, parse_table_name, register_table,

@@ -7,8 +7,8 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from ucmagic import widget
-from ucmagic.widget import Monitor, Snapshot, TextView, quantile, sparkline_svg, text_line
+from ucmagic.notebook import panel as widget
+from ucmagic.notebook.panel import Monitor, Snapshot, TextView, quantile, sparkline_svg, text_line
 
 
 class FakeClock:

@@ -2,30 +2,38 @@
 
 ``import ucmagic`` is light: torch and the engines load when a name that needs them is first used.
 In IPython, ``%load_ext ucmagic`` adds the ``%ucload``, ``%ucstage`` and ``%ucckpt`` magics.
+
+Layout: the engine at the top level (volume -> cache -> fetch -> plan -> dataset -> loader ->
+telemetry), with ``checkpoints``, ``tables`` (and Parquet), ``notebook`` and ``testing`` (the
+slow-volume simulator) as subpackages on top of it; see docs/architecture.md.
 """
 from __future__ import annotations
 
 import importlib
 from typing import Any
 
+from . import _moved
+
 __version__ = "0.1.0"
+
+_moved.install()  # old module paths (ucmagic.magics, ucmagic.checkpoint, ...) keep working for one release
 
 # public name -> module that defines it
 _EXPORTS = {
     "UCVolumeDataset": "dataset",
     "DataLoader": "loader",
     "LoaderStats": "loader",
-    "ParquetDataset": "parquet",
-    "export_parquet": "parquet",
+    "ParquetDataset": "tables",
+    "export_parquet": "tables",
     "load_table": "tables",
     "register_table": "tables",
     "stage": "staging",
     "StageResult": "staging",
-    "UCVolumeWriter": "checkpoint",
-    "UCVolumeReader": "checkpoint",
-    "save_checkpoint": "checkpoint",
-    "load_checkpoint": "checkpoint",
-    "list_checkpoints": "checkpoint",
+    "UCVolumeWriter": "checkpoints",
+    "UCVolumeReader": "checkpoints",
+    "save_checkpoint": "checkpoints",
+    "load_checkpoint": "checkpoints",
+    "list_checkpoints": "checkpoints",
     "distributed": "launch",
     "FileCache": "cache",
     "parse_size": "units",
@@ -85,13 +93,13 @@ def __dir__() -> list[str]:
 
 def load_ipython_extension(ipython: Any) -> None:
     """``%load_ext ucmagic``: register the magics."""
-    from .magics import load_ipython_extension as load
+    from .notebook.magics import load_ipython_extension as load
 
     load(ipython)
 
 
 def unload_ipython_extension(ipython: Any) -> None:
     """``%unload_ext ucmagic``: remove the magics."""
-    from .magics import unload_ipython_extension as unload
+    from .notebook.magics import unload_ipython_extension as unload
 
     unload(ipython)

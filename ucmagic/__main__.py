@@ -21,7 +21,7 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--skip-baseline", action="store_true", help="do not run the plain torch DataLoader")
 
     def run(a: argparse.Namespace) -> int:
-        from .demo import run_demo
+        from .testing.demo import run_demo
         from .units import parse_size
 
         size = parse_size(a.size)
@@ -78,7 +78,7 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--partition-by", default=None, help="comma-separated partition columns")
 
     def run(a: argparse.Namespace) -> int:
-        from .parquet import export_parquet
+        from .tables import export_parquet
 
         cols = [c.strip() for c in a.partition_by.split(",") if c.strip()] if a.partition_by else None
         print(f"exporting {a.source} -> {a.dest} ...", file=sys.stderr, flush=True)
@@ -124,7 +124,7 @@ def _add_ckpt(sub: argparse._SubParsersAction) -> None:
     lp.add_argument("root", help="checkpoint root directory, /Volumes/... path or URL")
 
     def run_list(a: argparse.Namespace) -> int:
-        from .checkpoint import list_checkpoints
+        from .checkpoints.api import list_checkpoints
 
         items = list(list_checkpoints(a.root))
         if not items:  # like list_checkpoints() returning []; a missing root raised above

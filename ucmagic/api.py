@@ -3,7 +3,7 @@
 A directory of files (a path, ``/Volumes/...`` or a URL) becomes a cached, prefetching
 :class:`~ucmagic.loader.DataLoader` over a :class:`~ucmagic.dataset.UCVolumeDataset`; a table
 (a name, SQL query, Delta or Parquet directory, Parquet/CSV file or glob) becomes a pandas
-DataFrame, or with ``stream=True`` a DataLoader over a :class:`~ucmagic.parquet.ParquetDataset`.
+DataFrame, or with ``stream=True`` a DataLoader over a :class:`~ucmagic.tables.ParquetDataset`.
 ``%ucload`` and ``python -m ucmagic load`` are thin layers over these two functions.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from .errors import LoadUsageError, SourceNotFoundError
-from .sources import classify_source
+from .tables.sources import classify_source
 
 DEFAULT_FILE_BATCH = 32
 DEFAULT_ROW_BATCH = 1024
@@ -105,7 +105,7 @@ def load(source: str | os.PathLike, *, files: bool = False, pattern: str | None 
                     shuffle=shuffle, cache_dir=cache_dir, cache_limit=cache_limit, rows=rows, columns=columns,
                     stream=stream)
     if kind == "table" and not stream:
-        from .tables import load_table
+        from .tables.api import load_table
 
         return load_table(source, columns=list(columns) if columns else None, limit=rows)
     if on_start is not None:
@@ -122,7 +122,7 @@ def load(source: str | os.PathLike, *, files: bool = False, pattern: str | None 
         ds = UCVolumeDataset(source, pattern=pattern, cache_dir=cache_dir, cache_limit=limit, shuffle=shuffle,
                              seed=seed, listing_progress=listing_progress)
         return DataLoader(ds, batch_size=batch_size or DEFAULT_FILE_BATCH, **loader_kwargs)
-    from .parquet_dataset import ParquetDataset
+    from .tables.parquet_dataset import ParquetDataset
 
     pds = ParquetDataset(source, columns=list(columns) if columns else None,
                          batch_size=batch_size or DEFAULT_ROW_BATCH, shuffle=shuffle, seed=seed,
@@ -145,7 +145,7 @@ def describe_load(source: str | os.PathLike, *, files: bool = False, pattern: st
 
         entries = open_volume(source).list(pattern)
         return LoadPlan(source, "files", files=len(entries), bytes=sum(e.size for e in entries))
-    from .sources import delta_files, resolve_source
+    from .tables.sources import delta_files, resolve_source
 
     src = resolve_source(source)
     shown = "stream" if stream else "table"

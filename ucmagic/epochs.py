@@ -1,6 +1,6 @@
 """Epochs, resume state and the contract between ``ucmagic.DataLoader`` and planned datasets.
 
-A *planned* dataset (:class:`~ucmagic.dataset.UCVolumeDataset`, :class:`~ucmagic.parquet_dataset.ParquetDataset`)
+A *planned* dataset (:class:`~ucmagic.dataset.UCVolumeDataset`, :class:`~ucmagic.tables.parquet_dataset.ParquetDataset`)
 fixes each epoch's order up front with :mod:`ucmagic.plan`, so a loader can turn "batches the
 training loop received" into an exact, elastic resume state. :class:`PlannedDataset` is that
 contract; :class:`EpochTracking` is the shared implementation of its epoch half. Rank and worker

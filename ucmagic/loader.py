@@ -258,7 +258,7 @@ class DataLoader(tud.DataLoader):
 
     def monitor(self, **kw: Any) -> Any:
         """Live display of this loader (widget in a notebook, one text line elsewhere)."""
-        from .widget import attach_monitor
+        from .notebook.panel import attach_monitor
 
         return attach_monitor(self, **kw)
 

@@ -194,7 +194,7 @@ class LoaderStats:
 
     def plot(self, **kw: Any) -> Any:
         """Matplotlib figure: fetch latency per batch with p50/p99 lines, and its histogram."""
-        from .plots import latency_figure
+        from .notebook.plots import latency_figure
 
         title = kw.pop("title", None) or (f"DataLoader fetch latency: {self.count} batches, "
                                           f"{self.stall_fraction:.1%} of the time waiting for data")
@@ -378,7 +378,7 @@ class LoaderStats:
     def explore(self, **kw: Any) -> Any:
         """An interactive explorer (ipywidgets + matplotlib): zoom, epoch/worker/rank, slowest batches
         and their files. Works during and after training and on :meth:`load`-ed or merged stats."""
-        from .explorer import Explorer
+        from .notebook.explorer import Explorer
 
         return Explorer(self, **kw)
 

@@ -25,10 +25,17 @@ COPY_CHUNK = 4 << 20
 
 
 def _register_protocols() -> None:
-    """Make ``slow://`` (the simulator in :mod:`ucmagic.testing`) resolvable in every process."""
+    """Fallback for ``slow://`` when ucmagic's fsspec entry point is missing.
+
+    ``slow://`` (the simulator, :mod:`ucmagic.testing`) reaches fsspec through the entry point in
+    pyproject.toml (``[project.entry-points."fsspec.specs"]``). Its metadata is absent when ucmagic runs
+    from a source tree on ``PYTHONPATH`` or from an install made before the entry point existed
+    (``pip install -e .`` adds it); spawned DataLoader workers need the protocol then too, and every
+    process that unpickles a volume imports this module. A class path string: nothing is imported."""
     import fsspec
 
-    fsspec.register_implementation("slow", "ucmagic.testing.SlowFileSystem", clobber=True)
+    if "slow" not in fsspec.available_protocols():
+        fsspec.register_implementation("slow", "ucmagic.testing.SlowFileSystem")
 
 
 _register_protocols()

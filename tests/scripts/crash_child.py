@@ -68,7 +68,7 @@ def stage(src: str, dest: str) -> None:
 
 
 def export(table_dir: str, dest: str, point: str) -> None:
-    from ucmagic import parquet_export
+    from ucmagic.tables import export as parquet_export
 
     if point == "before_swap":
         parquet_export.swap_in = lambda staging, dest: ready()
@@ -81,8 +81,8 @@ def export(table_dir: str, dest: str, point: str) -> None:
 def ckpt(root: str, step: int, fmt: str) -> None:
     import torch
 
-    from ucmagic import checkpoint_transfer as xfer
-    from ucmagic.checkpoint import save_checkpoint
+    from ucmagic.checkpoints import transfer as xfer
+    from ucmagic.checkpoints.api import save_checkpoint
 
     real = xfer.upload_file
 

@@ -24,8 +24,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence, TextIO
 
-from .progress import display_mode, format_duration
-from .units import format_size
+from ..progress import display_mode, format_duration
+from ..units import format_size
 
 DEFAULT_RATE_HZ = 4.0
 WINDOW = 256  # recent batches kept for the plot and the percentiles
@@ -71,7 +71,7 @@ class Snapshot:
     @property
     def rate_known(self) -> bool:
         """Enough batches and time for a throughput and an ETA that mean something (not "0 items/s")."""
-        from .progress import MIN_RATE_S
+        from ..progress import MIN_RATE_S
 
         return self.batches >= 2 and self.elapsed_s >= MIN_RATE_S
 
@@ -103,7 +103,7 @@ def text_line(s: Snapshot) -> str:
     """One line for a terminal or a log: batches, cache fill, hit rate, latency, throughput, ETA.
 
     Starts with :func:`ucmagic.progress.format_progress`'s line (the one ``stage`` prints)."""
-    from .progress import format_progress
+    from ..progress import format_progress
 
     if s.state == "starting":
         return f"{s.title}: {s.error or 'starting'}"
@@ -275,7 +275,7 @@ class WidgetView:
     """The ipywidgets panel: title, cache fill bars, latency sparkline, status line."""
 
     def __init__(self, title: str) -> None:
-        from .errors import import_extra
+        from ..errors import import_extra
 
         w = import_extra("ipywidgets", feature="the live panel")
         self._w = w

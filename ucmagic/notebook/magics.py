@@ -14,7 +14,7 @@ import os
 import shlex
 from typing import Any, Callable, NoReturn
 
-from .errors import import_extra
+from ..errors import import_extra
 
 import_extra("IPython", feature="the notebook magics")  # a clear pip line instead of a bare ModuleNotFoundError
 from IPython.core.error import UsageError  # noqa: E402
@@ -23,8 +23,8 @@ from IPython.core.magic_arguments import argument, kwds, magic_arguments  # noqa
 from IPython.utils.text import DollarFormatter  # noqa: E402
 from traitlets import Bool, Enum, Int, Unicode  # noqa: E402
 
-from ._util import is_url  # noqa: E402 - after the import_extra check above
-from .errors import LoadUsageError, MagicUsageError, UCMagicError  # noqa: E402 - same
+from .._util import is_url  # noqa: E402 - after the import_extra check above
+from ..errors import LoadUsageError, MagicUsageError, UCMagicError  # noqa: E402 - same
 
 
 
@@ -243,14 +243,14 @@ class UcMagics(Magics):
                 _fail("ucload", f"{flag} must be {'>= 0' if flag == '-w' else '>= 1'}, got {v}")
         limit = None
         if a.limit is not None:
-            from .units import parse_size
+            from ..units import parse_size
 
             try:
                 limit = parse_size(a.limit)
             except ValueError as exc:
                 _fail("ucload", f"--limit: {exc}")
         columns = [c.strip() for c in a.columns.split(",") if c.strip()] if a.columns else None
-        from .api import load
+        from ..api import load
 
         a.panel, a.loader_kind = None, None
         try:
@@ -279,7 +279,7 @@ class UcMagics(Magics):
 
     def _panel_wanted(self, a: Any) -> bool:
         """Whether %ucload shows the live panel (else the engine's own text progress is shown)."""
-        from .widget import resolve_mode
+        from .panel import resolve_mode
 
         return not a.no_widget and resolve_mode(self.progress) == "widget"
 
@@ -288,7 +288,7 @@ class UcMagics(Magics):
         a.panel, a.loader_kind = None, kind
         if a.no_widget:
             return
-        from .widget import WidgetView, resolve_mode
+        from .panel import WidgetView, resolve_mode
 
         if resolve_mode(self.progress) == "widget":
             a.panel = WidgetView(f"ucmagic \u2014 {a.source}")
@@ -307,7 +307,7 @@ class UcMagics(Magics):
 
     def _finish_loader(self, loader: Any, a: Any) -> Any:
         if not a.no_widget:
-            from .widget import attach_monitor, resolve_mode
+            from .panel import attach_monitor, resolve_mode
 
             mode = resolve_mode(self.progress)
             if mode != "off":  # shown in this cell, updated by the loop in later cells
@@ -342,7 +342,7 @@ class UcMagics(Magics):
                 _fail("ucstage", "-j and -p apply to file staging, not to --export")
             size = "1GB"
             if a.file_size is not None:
-                from .units import parse_size
+                from ..units import parse_size
 
                 try:
                     parse_size(a.file_size)
@@ -356,7 +356,7 @@ class UcMagics(Magics):
                     _fail("ucstage", f"--export {a.source}: no variable named {a.source!r}; pass a table name "
                                      "(catalog.schema.table), a path, or the name of a DataFrame variable")
                 source = ns[a.source]
-            from .parquet import export_parquet
+            from ..tables import export_parquet
 
             result = export_parquet(source, a.dest, target_file_size=size)
         else:
@@ -365,7 +365,7 @@ class UcMagics(Magics):
             if a.concurrency is not None and a.concurrency < 1:
                 _fail("ucstage", f"-j must be >= 1, got {a.concurrency}")
             _check_exists("ucstage", a.source, directory=True)
-            from .staging import stage
+            from ..staging import stage
 
             kw: dict[str, Any] = {"pattern": a.pattern}
             if a.concurrency is not None:
@@ -412,7 +412,7 @@ class UcMagics(Magics):
                 if v is not None:
                     _fail("ucckpt", f"{flag} does not apply to list; use: %ucckpt list ROOT")
             _check_exists("ucckpt", a.root, directory=True)
-            from .checkpoint import list_checkpoints
+            from ..checkpoints.api import list_checkpoints
 
             result = list_checkpoints(a.root)
         else:
@@ -444,7 +444,7 @@ class UcMagics(Magics):
             extra = dict(extra or {})
             if loader is not None:
                 extra["loader"] = loader.state_dict()
-            from .checkpoint import save_checkpoint
+            from ..checkpoints.api import save_checkpoint
 
             return save_checkpoint(a.root, model=model, optimizer=opt, step=a.step, extra=extra or None,
                                    async_=a.async_, keep=a.keep)
@@ -460,7 +460,7 @@ class UcMagics(Magics):
             except ValueError:
                 _fail("ucckpt", f"STEP must be a number or latest, got {a.step_arg!r}")
         _check_exists("ucckpt", a.root, directory=True)
-        from .checkpoint import load_checkpoint
+        from ..checkpoints.api import load_checkpoint
 
         if loader is not None and _peek_extra(a.root, step) is not None \
                 and _loader_state(_peek_extra(a.root, step)) is None:
@@ -481,7 +481,7 @@ class UcMagics(Magics):
 def _check_exists(magic: str, path: str, *, directory: bool) -> None:
     if is_url(path):
         return
-    from .volume import resolve_local_path
+    from ..volume import resolve_local_path
 
     real = resolve_local_path(path)
     if not os.path.exists(real):
@@ -500,8 +500,8 @@ def _peek_extra(root: str, step: Any) -> Any:
     """``(step, extra)`` of a checkpoint without loading it (so a load is all or nothing);
     None when it cannot be read this way (the load itself then reports the problem)."""
     try:
-        from .checkpoint import resolve_step
-        from .checkpoint_storage import read_commit
+        from ..checkpoints.api import resolve_step
+        from ..checkpoints.storage import read_commit
 
         chosen, path = resolve_step(root, step)
         return chosen, read_commit(path).get("extra")

@@ -161,7 +161,7 @@ def mount_slow_volume(source: str, mountpoint: str, *, open_ms: float = 20, mbps
                       list_ms: float = 50, fail_every: int = 0, timeout: float = 20) -> Iterator[str]:
     """Mount ``source`` at ``mountpoint`` through FUSE with remote-storage latency; unmount on exit."""
     os.makedirs(mountpoint, exist_ok=True)
-    cmd = [sys.executable, "-m", "ucmagic._slowfuse", source, mountpoint, "--open-ms", str(open_ms),
+    cmd = [sys.executable, "-m", "ucmagic.testing.slowfuse", source, mountpoint, "--open-ms", str(open_ms),
            "--mbps", str(mbps), "--list-ms", str(list_ms), "--fail-every", str(fail_every)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # noqa: S603 - our own module, fixed argv
     deadline = time.monotonic() + timeout

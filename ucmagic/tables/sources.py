@@ -4,7 +4,7 @@ Table names (``catalog.schema.table``: Spark when a session is active, else the 
 ``$UCMAGIC_CATALOG_ROOT``), their resolution into a :class:`Source` (:func:`resolve_source`),
 DuckDB and Spark relations over a source, and the "files or table?" question
 (:func:`classify_source`) that :func:`ucmagic.load`, ``%ucload`` and ``python -m ucmagic load`` ask.
-Used by :mod:`ucmagic.tables`, :mod:`ucmagic.parquet_export` and :mod:`ucmagic.parquet_dataset`; it
+Used by :mod:`ucmagic.tables.api`, :mod:`ucmagic.tables.export` and :mod:`ucmagic.tables.parquet_dataset`; it
 imports none of them. Names are validated and never pasted into SQL.
 """
 from __future__ import annotations
@@ -16,11 +16,11 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from ._util import is_remote_url, is_url
-from .errors import (InvalidTableNameError, SourceNotFoundError, TableNotFoundError, UnsupportedSourceError,
+from .._util import is_remote_url, is_url
+from ..errors import (InvalidTableNameError, SourceNotFoundError, TableNotFoundError, UnsupportedSourceError,
                      import_extra)
-from .units import parse_size
-from .volume import existing_local_path, resolve_local_path
+from ..units import parse_size
+from ..volume import existing_local_path, resolve_local_path
 
 
 # ---------------------------------------------------------------- names (pure)

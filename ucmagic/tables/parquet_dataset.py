@@ -19,13 +19,13 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from . import plan, telemetry
-from .cache import FileCache, cache_key
-from .dist import dist_info, local_world_size
-from .epochs import EpochTracking, check_state_kind
-from .errors import ListingChangedError, UnsupportedSourceError
-from .fetch import read_ahead, with_retries
-from .parquet_rows import EpochLayout, Segment
+from .. import plan, telemetry
+from ..cache import FileCache, cache_key
+from ..dist import dist_info, local_world_size
+from ..epochs import EpochTracking, check_state_kind
+from ..errors import ListingChangedError, UnsupportedSourceError
+from ..fetch import read_ahead, with_retries
+from .rows import EpochLayout, Segment
 from .sources import delta_files, resolve_source
 
 STATE_VERSION = 1
@@ -186,7 +186,7 @@ class ParquetDataset(EpochTracking, IterableDataset):
                 info = fs.info(p)
                 with fs.open(p, "rb") as f:
                     md = pq.read_metadata(f)
-                from .volume import info_mtime
+                from ..volume import info_mtime
 
                 size, mtime = int(info.get("size") or 0), info_mtime(info)
             else:
@@ -316,7 +316,7 @@ class ParquetDataset(EpochTracking, IterableDataset):
                 with self._fs().open(f.path, "rb") as src, open(tmp, "wb") as dst:
                     shutil.copyfileobj(src, dst, 4 << 20)
                     return dst.tell()
-            from .volume import LocalVolume
+            from ..volume import LocalVolume
 
             return LocalVolume(os.path.dirname(f.path)).copy_to(os.path.basename(f.path), tmp)
 

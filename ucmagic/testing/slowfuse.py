@@ -1,4 +1,4 @@
-"""FUSE server behind :func:`ucmagic.testing.mount_slow_volume` (run as ``python -m ucmagic._slowfuse``).
+"""FUSE server behind :func:`ucmagic.testing.mount_slow_volume` (run as ``python -m ucmagic.testing.slowfuse``).
 
 Pass-through to a source directory, read-write, with waits that cost no CPU: a wait on each open
 (and create/unlink/rename/mkdir), per-stream bandwidth pacing on read and write, a wait per

@@ -21,7 +21,7 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
-from .errors import (  # noqa: F401 - re-exported: checkpoint errors were defined here before
+from ..errors import (  # noqa: F401 - re-exported: checkpoint errors were defined here before
     CheckpointCorruptError,
     CheckpointError,
     CheckpointExistsError,

@@ -15,11 +15,11 @@ import tempfile
 import time
 import zlib
 
-from ._util import RetryPolicy, copy_local
-from .cache import pid_running
-from .checkpoint_format import FileRecord
-from .errors import CheckpointCorruptError, CheckpointError, CheckpointUploadError
-from .units import format_size
+from .._util import RetryPolicy, copy_local
+from ..cache import pid_running
+from .format import FileRecord
+from ..errors import CheckpointCorruptError, CheckpointError, CheckpointUploadError
+from ..units import format_size
 
 CHUNK = 8 << 20
 RETRIES = 3
@@ -133,7 +133,7 @@ def upload_file(local: str, remote: str, *, verify: str = "size", delete: bool =
 def download_file(remote: str, local: str, expected: FileRecord | None, *, name: str, where: str,
                   retries: int = RETRIES) -> FileRecord:
     """Copy a checkpoint file from the volume to local disk, checking size and CRC against ``expected``."""
-    from .checkpoint_format import check_record
+    from .format import check_record
 
     try:
         n, crc = _retry(f"download {remote}", lambda: _copy(remote, local, sync=False), retries)
@@ -153,7 +153,7 @@ def download_file(remote: str, local: str, expected: FileRecord | None, *, name:
 
 def download_bytes(remote: str, expected: FileRecord, *, name: str, where: str, retries: int = RETRIES) -> bytes:
     """Read a checkpoint file from the volume into memory, checking size and CRC against ``expected``."""
-    from .checkpoint_format import check_record
+    from .format import check_record
 
     try:
         data = _retry(f"read {remote}", lambda: read_bytes(remote), retries)

@@ -27,12 +27,12 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from ._util import is_remote_url
-from .errors import SourceNotADirectoryError, UCMagicError, UnsupportedSourceError
+from .._util import is_remote_url
+from ..errors import SourceNotADirectoryError, UCMagicError, UnsupportedSourceError
 from .sources import (MANIFEST, Source, connect, delta_files, duckdb_relation, is_data_path, resolve_source,
                       spark_dataframe)
-from .units import format_size, parse_size
-from .volume import resolve_local_path
+from ..units import format_size, parse_size
+from ..volume import resolve_local_path
 
 EXPORT_MODES = ("overwrite", "append", "error")
 MAX_ROW_GROUP_ROWS = 131072
@@ -134,7 +134,7 @@ def swap_in(staging: str, dest: str) -> str | None:
 def sweep_leftovers(dest: str) -> int:
     """Remove the hidden staging/old directories of ``dest`` that a killed earlier export left beside it
     (``.<name>.ucmagic-staging-<pid>-<id>``, ``.<name>.ucmagic-old-<pid>-<id>``); a running export's stay."""
-    from .cache import pid_running
+    from ..cache import pid_running
 
     parent, base = os.path.dirname(dest), os.path.basename(dest)
     n = 0

@@ -8,7 +8,7 @@ import time
 import warnings
 from typing import Any
 
-from .units import format_size
+from ..units import format_size
 
 
 class _PlainFiles:
@@ -54,9 +54,9 @@ def run_demo(*, files: int = 2000, size: int = 150 * 1024, open_ms: float = 20.0
     """Generate files, read them through the ``slow://`` simulator, print a comparison; return timings."""
     import torch.utils.data as tud
 
-    from .dataset import UCVolumeDataset
-    from .loader import DataLoader
-    from .testing import make_files
+    from ..dataset import UCVolumeDataset
+    from ..loader import DataLoader
+    from . import make_files
 
     own = workdir is None
     root = workdir or tempfile.mkdtemp(prefix="ucmagic-demo-")

@@ -51,9 +51,9 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from . import _torch_compat as compat
-from . import checkpoint_transfer as xfer
-from .checkpoint_format import (
+from .. import _torch_compat as compat
+from . import transfer as xfer
+from .format import (
     COMMIT_NAME,
     FORMAT_DCP,
     METADATA_NAME,
@@ -71,16 +71,16 @@ from .checkpoint_format import (
     split_buckets,
     stale_files,
 )
-from .dist import dist_info
-from .errors import (
+from ..dist import dist_info
+from ..errors import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointExistsError,
     CheckpointInProgressError,
     UnsafeCheckpointError,
 )
-from .units import parse_size
-from .volume import resolve_local_path
+from ..units import parse_size
+from ..volume import resolve_local_path
 
 log = logging.getLogger("ucmagic")
 
@@ -723,7 +723,7 @@ class UCVolumeReader(FileSystemReader):
     def _check_commit(self) -> None:
         path = os.fspath(self.path)
         if not os.path.isdir(path):
-            from .errors import SourceNotFoundError
+            from ..errors import SourceNotFoundError
 
             raise SourceNotFoundError(f"checkpoint directory {path} does not exist; check the path")
         self._metadata: tuple[str, Metadata] | None = None

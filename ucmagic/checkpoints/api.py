@@ -17,7 +17,7 @@ import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from .checkpoint_format import (
+from .format import (
     COMMIT_NAME,
     FORMAT_SINGLE,
     SAVING_NAME,
@@ -32,15 +32,15 @@ from .checkpoint_format import (
     step_dirname,
     to_delete,
 )
-from .checkpoint_storage import (
+from .storage import (
     UCVolumeReader,
     UCVolumeWriter,
     read_commit,
     track_pending_save,
     volume_dir,
 )
-from .dist import barrier, dist_info
-from .errors import (
+from ..dist import barrier, dist_info
+from ..errors import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointExistsError,
@@ -88,7 +88,7 @@ def _quiet() -> Any:
 # ---------------------------------------------------------------- listing and retention
 
 def _root(root: str | os.PathLike, *, create: bool = False) -> str:
-    from .volume import missing_path_hint
+    from ..volume import missing_path_hint
 
     path = volume_dir(root)
     if os.path.isdir(path):
@@ -199,7 +199,7 @@ def _save_single(path: str, state: dict[str, Any], info: dict[str, Any], writer_
 
     import torch
 
-    from . import checkpoint_transfer as xfer
+    from . import transfer as xfer
 
     save_id = str(uuid.uuid4())
     staging = xfer.make_staging_dir(writer_kw.get("staging_dir"), f"single-{save_id}")
@@ -335,7 +335,7 @@ def _load_single(path: str, commit: dict[str, Any], model: Any, optimizer: Any, 
                  kw: dict[str, Any]) -> None:
     import torch
 
-    from . import checkpoint_transfer as xfer
+    from . import transfer as xfer
 
     staging = xfer.make_staging_dir(kw.get("staging_dir"), f"single-load-{commit['save_id']}")
     local = os.path.join(staging, SINGLE_FILE_NAME)

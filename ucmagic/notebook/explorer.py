@@ -14,9 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from .errors import import_extra
-from .telemetry import p50_p99
-from .units import format_size, short_name
+from ..errors import import_extra
+from ..telemetry import p50_p99
+from ..units import format_size, short_name
 
 ALL = "all"
 SLOWEST = 10  # batches in the slowest-batches table

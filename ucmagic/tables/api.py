@@ -1,13 +1,13 @@
-"""Tables: load_table and register_table (name resolution and readers live in :mod:`ucmagic.sources`).
+"""Tables: load_table and register_table (name resolution and readers live in :mod:`ucmagic.tables.sources`).
 
 A *table name* is ``catalog.schema.table`` (three identifiers). With an active Spark session it
 goes through Spark; without one it resolves to ``$UCMAGIC_CATALOG_ROOT/<catalog>/<schema>/<table>``,
 a Delta table or a directory of Parquet files (the local catalog). Names are validated and never
 pasted into SQL: locally they only become path components, in Spark each part is quoted.
 
-:func:`ucmagic.sources.resolve_source` turns anything ``export_parquet``/``load_table`` accept into
-a :class:`Source`; :func:`ucmagic.sources.duckdb_relation` reads a local source with the embedded
-engine (DuckDB), streaming and with column pushdown. The source names are re-exported here.
+:func:`ucmagic.tables.sources.resolve_source` turns anything ``export_parquet``/``load_table`` accept into
+a :class:`Source`; :func:`ucmagic.tables.sources.duckdb_relation` reads a local source with the embedded
+engine (DuckDB), streaming and with column pushdown. The source names are re-exported by :mod:`ucmagic.tables`.
 """
 from __future__ import annotations
 
@@ -15,13 +15,13 @@ import os
 from typing import Any, Sequence
 
 from . import sources
-from .errors import (InvalidTableNameError, ListingChangedError, SourceNotFoundError,  # noqa: F401 - re-exported
+from ..errors import (InvalidTableNameError, ListingChangedError, SourceNotFoundError,  # noqa: F401 - re-exported
                      TableNotFoundError, TableTooLargeError, UnsupportedSourceError, import_extra)
 from .sources import (DATA_EXTS, MANIFEST, Source, TableName, active_spark, arrow_dataset,  # noqa: F401 - re-exported
                       catalog_root, connect, delta_files, duckdb_relation, fsspec_strip, is_delta_dir, is_sql,
                       is_spark_dataframe, list_tables, looks_like_table_name, parse_table_name, read_manifest,
                       resolve_path_source, resolve_source, select_columns, spark_dataframe, table_path)
-from .units import format_size, parse_size
+from ..units import format_size, parse_size
 
 
 # ---------------------------------------------------------------- load_table
@@ -176,7 +176,7 @@ def register_table(name: str, data: Any, *, format: str = "delta", mode: str = "
     if format == "parquet":
         if mode == "append":
             raise ValueError("mode='append' needs format='delta' (a Parquet directory is rewritten as a whole)")
-        from .parquet_export import export_parquet
+        from .export import export_parquet
 
         export_parquet(data, path, mode="overwrite", target_file_size="256MB")
         return path

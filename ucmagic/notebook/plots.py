@@ -5,7 +5,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .telemetry import p50_p99
+from ..telemetry import p50_p99
 
 
 def latency_figure(fetch_s: Sequence[float] | np.ndarray, compute_s: Sequence[float] | np.ndarray | None = None, *,
@@ -15,7 +15,7 @@ def latency_figure(fetch_s: Sequence[float] | np.ndarray, compute_s: Sequence[fl
     ``fetch_s``/``compute_s`` are seconds per batch. Returns a ``matplotlib.figure.Figure`` built
     without pyplot, so it works under any backend (Agg included) and shows once in a notebook.
     """
-    from .errors import import_extra
+    from ..errors import import_extra
 
     figure_cls = import_extra("matplotlib.figure", feature="stats.plot()").Figure
 
