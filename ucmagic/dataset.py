@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import sys
 import threading
 import time
 import warnings
@@ -27,8 +28,8 @@ from .telemetry import SharedCounters, SharedInts, percentiles
 from .volume import FileEntry, Volume, copy_error, open_volume
 
 STATE_VERSION = 2  # 2: the array-free epoch order (plan.ORDER_VERSION 2)
-STREAM_CHUNK = 2048  # items of a stream decoded from the listing at once
-STREAM_CHUNKS_KEPT = 6  # decoded chunks kept per stream (read-ahead and protection stay within them)
+STREAM_CHUNK = 512  # items of a stream decoded from the listing at once (~450 B each while kept)
+STREAM_CHUNKS_KEPT = 8  # decoded chunks kept per stream (read-ahead and protection stay within them)
 DEFAULT_INFLIGHT = 128  # files in flight per rank, spread over its DataLoader workers
 _last_fetch = threading.local()  # per-item records: did this thread's last _fetch copy the file?
 MAX_STREAMS = 64  # DataLoader workers whose consumption ucmagic.DataLoader reports (more share slots)
@@ -57,6 +58,30 @@ def _takes_expect(volume: Volume) -> bool:
 
 
 _EXPECT: dict[type, bool] = {}
+
+
+def _release_free_heap() -> None:
+    """Hand memory freed by the fetch threads back to the OS (glibc ``malloc_trim``; elsewhere a no-op).
+
+    Each thread allocates from its own glibc arena; what a stream frees there stays mapped (and
+    counted in the process's own memory) until trimmed, so without this a worker's memory grows
+    with the number of items it fetched (measured: bench/listing.py, docs/scaling.md).
+    """
+    trim = _TRIM[0]
+    if trim is None:
+        trim = lambda: None  # noqa: E731 - the no-op
+        if sys.platform.startswith("linux"):
+            import ctypes
+
+            with contextlib.suppress(OSError, AttributeError):
+                fn = ctypes.CDLL("libc.so.6").malloc_trim
+                fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
+                trim = lambda: fn(0)  # noqa: E731
+        _TRIM[0] = trim
+    trim()
+
+
+_TRIM: list[Callable[[], Any] | None] = [None]
 
 
 class ConsumptionChannel:
@@ -570,11 +595,14 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
                     continue
                 if pos % stream.quantum == 0:
                     stream.refresh()
+                if pos % STREAM_CHUNK == STREAM_CHUNK - 1:
+                    _release_free_heap()
                 counters.add(delivered=1)
                 telemetry.record_item(items.index(pos), hit_, fetch_s, items.entry(pos).size)
                 yield got
         finally:
             stream.finish()
+            _release_free_heap()
             if skipped:
                 more = f" and {stream.skipped - len(skipped)} more" if stream.skipped > len(skipped) else ""
                 warnings.warn(f"ucmagic: skipped {stream.skipped} file(s) this epoch: {'; '.join(skipped)}{more} "
@@ -657,13 +685,14 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
 
     def _cached_paths(self) -> Iterator[tuple[str, int]]:
         """(path, bytes) of each file of the listing that is in the cache, in listing order."""
-        for e in self.listing.iter_entries():
+        for e in self.listing.iter_entries(STREAM_CHUNK):  # small chunks: a short-lived per-file transient
             p = self.cache.data_path(*self._key(e))
             try:
                 if os.stat(p).st_size == e.size:
                     yield p, e.size
             except FileNotFoundError:
                 pass
+        _release_free_heap()
 
     def describe_item(self, index: int) -> tuple[str, int]:
         """``(display path, bytes)`` of file ``index`` of the listing (for fetch records)."""
