@@ -152,6 +152,21 @@ def run_step(name: str, kw: dict) -> dict:
         sampler.join()
         return {"s": s, "files": len(listing), "path": listing.path, "file_bytes": os.path.getsize(listing.path),
                 "peak_rss_growth": max(peak[0], proc.memory_info().rss) - rss0}
+    if name == "warm_epochs":  # validate="lazy" vs "dirs": one process, cache already warm
+        from ucmagic import UCVolumeDataset
+
+        out = {}
+        for mode in ("dirs", "lazy"):
+            t0 = time.perf_counter()
+            ds = UCVolumeDataset(kw["root"], cache_dir=kw["cache"], validate=mode)
+            out[f"{mode}_open_s"] = time.perf_counter() - t0
+            for e in range(2):
+                ds.set_epoch(e)
+                t0 = time.perf_counter()
+                k = sum(1 for _ in ds)
+                out[f"{mode}_epoch{e}_s"] = time.perf_counter() - t0
+            out["files"] = k
+        return out
     if name == "pickles":
         from ucmagic import UCVolumeDataset
 
@@ -356,6 +371,15 @@ def measure(label: str, root: str, cache: str, args, out: dict, daemon=None) -> 
         assert r[f"restart_{mode}"]["path"] == r["fresh_open"]["path"], "the listing was not reused"
         print(f"open_listing, restart validate={mode!r:8} {r[f'restart_{mode}']['s']:8.2f} s  "
               f"({r['fresh_open']['s'] / r[f'restart_{mode}']['s']:.0f}x faster than fresh)", flush=True)
+    if args.warm_epochs:
+        from ucmagic import UCVolumeDataset
+
+        UCVolumeDataset(root, cache_dir=cache + "-warm").warm(background=False, threads=32)
+        w = step("warm_epochs", root=root, cache=cache + "-warm")
+        r["warm_epochs"] = w
+        for mode in ("dirs", "lazy"):
+            print(f"warm epochs, one process, validate={mode!r:7}: open {w[f'{mode}_open_s']:6.2f} s, epoch 1 "
+                  f"{w[f'{mode}_epoch0_s']:6.2f} s, epoch 2 {w[f'{mode}_epoch1_s']:6.2f} s", flush=True)
     if not args.skip_volume_list:
         r["volume_list"] = step("volume_list", root=root)
         print(f"Volume.list (today):                 {r['volume_list']['s']:8.2f} s", flush=True)
@@ -385,6 +409,8 @@ def main() -> None:
                     help="os.walk variants to time (on FUSE each is long at 1 M files)")
     ap.add_argument("--restart", default="files,dirs,none", help="validate= modes to time a restart with")
     ap.add_argument("--skip-volume-list", action="store_true")
+    ap.add_argument("--warm-epochs", action="store_true",
+                    help='time warm epochs after a restart with validate="lazy" (first-use checks) vs "dirs"')
     ap.add_argument("--list-threads", type=int, default=16, help="LocalVolume(list_threads=) of the fresh listing")
     ap.add_argument("--pwalk", default="", help="thread counts of a bare parallel walk to time, e.g. 16,64")
     ap.add_argument("--skip-local", action="store_true", help="only the FUSE part (with --fuse)")

@@ -9,7 +9,7 @@ import threading
 import time
 import warnings
 from collections import OrderedDict
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
@@ -84,6 +84,14 @@ def _release_free_heap() -> None:
 _TRIM: list[Callable[[], Any] | None] = [None]
 
 VALIDATE_MODES = ("lazy", "files", "dirs", "none")
+CHECK_THREADS = 16  # threads of one process's validate="lazy" checks
+_check_pool: list[tuple[int, ThreadPoolExecutor]] = []  # (pid, pool): a forked worker makes its own
+
+
+def _checker() -> ThreadPoolExecutor:
+    if not _check_pool or _check_pool[0][0] != os.getpid():
+        _check_pool[:] = [(os.getpid(), ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="ucmagic-check"))]
+    return _check_pool[0][1]
 
 
 class CheckedFiles:
@@ -535,6 +543,29 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
                     "is marked stale: create the dataset again to list the files again")
         checked.add(index)
 
+    def _check_ahead(self, items: StreamItems, pos: int) -> None:
+        """``validate="lazy"``: check the unchecked files from ``pos`` to the end of its chunk at once,
+        on :data:`CHECK_THREADS` threads, so that warm hits keep being served without a thread hop.
+        Files that changed stay unchecked (:meth:`_check_source` reports them)."""
+        checked = self._checked
+        if checked is None:
+            return
+        end = min(len(items), (pos // items.chunk + 1) * items.chunk)
+        todo = [(i, e) for i, e in ((items.index(p), items.entry(p)) for p in range(pos, end)) if i not in checked]
+        volume = self.volume
+
+        def same(part: list[tuple[int, FileEntry]]) -> None:
+            for i, e in part:
+                try:
+                    now = volume.stat(e.path)
+                except OSError:
+                    continue
+                if (now.size, now.mtime) == (e.size, e.mtime):
+                    checked.add(i)
+
+        step = max(16, -(-len(todo) // CHECK_THREADS))
+        list(_checker().map(same, [todo[a:a + step] for a in range(0, len(todo), step)]))
+
     def _skippable(self, exc: BaseException) -> bool:
         return self.on_error == "skip" or (self.on_missing == "skip" and _source_missing(exc))
 
@@ -636,7 +667,9 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
             if misses[0] >= 8 and pos % 16:
                 return None
             if checked is not None and items.index(pos) not in checked:
-                return None  # first use of a reused listing's file: get() checks it on a fetch thread
+                self._check_ahead(items, pos)  # first use of a reused listing's files: check a chunk at once
+                if items.index(pos) not in checked:
+                    return None  # changed: get() reports it
             key, suffix = items.key_at(pos)
             t0 = time.perf_counter()
             path = cache.lookup(key, suffix, items.entry(pos).size)
