@@ -49,6 +49,10 @@ def generate(root: str, n: int, per_dir: int) -> None:
     if os.path.exists(marker):
         return
     shutil.rmtree(root, ignore_errors=True)
+    parent, stem = os.path.split(root)
+    for name in os.listdir(parent):  # the markers of the tree just removed
+        if name.startswith(f".{stem}-") and name.endswith(".done"):
+            os.unlink(os.path.join(parent, name))
     t0 = time.perf_counter()
     made: set[str] = set()
     for i in range(n):
@@ -70,7 +74,7 @@ def generate(root: str, n: int, per_dir: int) -> None:
 
 # ---------------------------------------------------------------- steps, each in a fresh process
 
-def step(name: str, **kw) -> dict:
+def run_in_child(name: str, **kw) -> dict:
     """Run ``python bench/listing.py --step name`` and return its JSON line."""
     cmd = [sys.executable, os.path.abspath(__file__), "--step", name, "--kw", json.dumps(kw)]
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -97,7 +101,30 @@ def run_step(name: str, kw: dict) -> dict:
                     os.stat(os.path.join(dirpath, f))
                 n += 1
         return {"s": time.perf_counter() - t0, "files": n}
-    vol = LocalVolume(kw["root"])
+    if name == "pwalk":  # the volume's limit: a bare walk with a stat per entry on `threads` threads
+        from concurrent.futures import ThreadPoolExecutor
+
+        def one(d: str) -> tuple[list[str], int]:
+            dirs, k = [], 0
+            with os.scandir(d) as it:
+                for de in it:
+                    if de.is_dir(follow_symlinks=False):
+                        dirs.append(de.path)
+                    else:
+                        de.stat()
+                        k += 1
+            return dirs, k
+
+        t0 = time.perf_counter()
+        n = 0
+        with ThreadPoolExecutor(kw["threads"]) as pool:
+            todo = [pool.submit(one, kw["root"])]
+            while todo:
+                dirs, k = todo.pop().result()
+                n += k
+                todo.extend(pool.submit(one, d) for d in dirs)
+        return {"s": time.perf_counter() - t0, "files": n}
+    vol = LocalVolume(kw["root"], list_threads=kw.get("threads", 16))
     if name == "volume_list":
         t0 = time.perf_counter()
         n = len(vol.list())
@@ -125,6 +152,21 @@ def run_step(name: str, kw: dict) -> dict:
         sampler.join()
         return {"s": s, "files": len(listing), "path": listing.path, "file_bytes": os.path.getsize(listing.path),
                 "peak_rss_growth": max(peak[0], proc.memory_info().rss) - rss0}
+    if name == "warm_epochs":  # validate="lazy" vs "dirs": one process, cache already warm
+        from ucmagic import UCVolumeDataset
+
+        out = {}
+        for mode in ("dirs", "lazy"):
+            t0 = time.perf_counter()
+            ds = UCVolumeDataset(kw["root"], cache_dir=kw["cache"], validate=mode)
+            out[f"{mode}_open_s"] = time.perf_counter() - t0
+            for e in range(2):
+                ds.set_epoch(e)
+                t0 = time.perf_counter()
+                k = sum(1 for _ in ds)
+                out[f"{mode}_epoch{e}_s"] = time.perf_counter() - t0
+            out["files"] = k
+        return out
     if name == "pickles":
         from ucmagic import UCVolumeDataset
 
@@ -306,27 +348,51 @@ def run_dataset(root: str, cache: str, args, out: dict) -> None:
 
 # ---------------------------------------------------------------- main
 
-def measure(label: str, root: str, cache: str, args, out: dict) -> None:
+def measure(label: str, root: str, cache: str, args, out: dict, daemon=None) -> None:
+    """Time the listing steps; with ``daemon`` (the FUSE server, a psutil.Process) also its CPU use."""
     r: dict = {}
     print(f"\n== {label}: {root}", flush=True)
-    r["fresh_open"] = step("open", root=root, cache=cache, relist=True, validate="files")
+
+    def step(name: str, **kw) -> dict:
+        cpu0 = sum(daemon.cpu_times()[:2]) if daemon is not None else 0.0
+        got = run_in_child(name, **kw)
+        if daemon is not None:
+            got["daemon_cpu"] = (sum(daemon.cpu_times()[:2]) - cpu0) / got["s"]
+            print(f"   (FUSE server CPU during this step: {got['daemon_cpu']:.2f} cores)", flush=True)
+        return got
+
+    r["fresh_open"] = step("open", root=root, cache=cache, relist=True, validate="files", threads=args.list_threads)
     files = r["fresh_open"]["files"]
     print(f"open_listing, fresh (relist=True):   {r['fresh_open']['s']:8.2f} s  ({files:,} files, "
           f"file {r['fresh_open']['file_bytes'] / files:.1f} B/file, builder peak RSS growth "
           f"{r['fresh_open']['peak_rss_growth'] / files:.0f} B/file)", flush=True)
-    for mode in ("files", "dirs", "none"):
+    for mode in args.restart.split(","):
         r[f"restart_{mode}"] = step("open", root=root, cache=cache, relist=False, validate=mode)
         assert r[f"restart_{mode}"]["path"] == r["fresh_open"]["path"], "the listing was not reused"
         print(f"open_listing, restart validate={mode!r:8} {r[f'restart_{mode}']['s']:8.2f} s  "
               f"({r['fresh_open']['s'] / r[f'restart_{mode}']['s']:.0f}x faster than fresh)", flush=True)
-    r["volume_list"] = step("volume_list", root=root)
-    print(f"Volume.list (today):                 {r['volume_list']['s']:8.2f} s", flush=True)
+    if args.warm_epochs:
+        from ucmagic import UCVolumeDataset
+
+        UCVolumeDataset(root, cache_dir=cache + "-warm").warm(background=False, threads=32)
+        w = step("warm_epochs", root=root, cache=cache + "-warm")
+        r["warm_epochs"] = w
+        for mode in ("dirs", "lazy"):
+            print(f"warm epochs, one process, validate={mode!r:7}: open {w[f'{mode}_open_s']:6.2f} s, epoch 1 "
+                  f"{w[f'{mode}_epoch0_s']:6.2f} s, epoch 2 {w[f'{mode}_epoch1_s']:6.2f} s", flush=True)
+    if not args.skip_volume_list:
+        r["volume_list"] = step("volume_list", root=root)
+        print(f"Volume.list (today):                 {r['volume_list']['s']:8.2f} s", flush=True)
     if not args.skip_walk:
-        for st in (False, True):
+        for st in {"both": (False, True), "names": (False,), "stat": (True,)}[args.walk]:
             w = step("walk", root=root, stat=st)
             r[f"walk_stat{int(st)}"] = w
             print(f"os.walk single-threaded{' + stat' if st else '         '}:     {w['s']:8.2f} s  "
                   f"(open_listing {w['s'] / r['fresh_open']['s']:.1f}x faster)", flush=True)
+    for t in [int(x) for x in args.pwalk.split(",") if x]:
+        w = step("pwalk", root=root, threads=t)
+        r[f"pwalk{t}"] = w
+        print(f"bare scandir + stat walk, {t:3d} threads: {w['s']:8.2f} s", flush=True)
     out[label] = r
 
 
@@ -339,6 +405,16 @@ def main() -> None:
     ap.add_argument("--fuse", action="store_true", help="also measure through the P20 FUSE volume")
     ap.add_argument("--list-ms", type=float, default=50.0)
     ap.add_argument("--skip-walk", action="store_true")
+    ap.add_argument("--walk", choices=("both", "names", "stat"), default="both",
+                    help="os.walk variants to time (on FUSE each is long at 1 M files)")
+    ap.add_argument("--restart", default="files,dirs,none", help="validate= modes to time a restart with")
+    ap.add_argument("--skip-volume-list", action="store_true")
+    ap.add_argument("--warm-epochs", action="store_true",
+                    help='time warm epochs after a restart with validate="lazy" (first-use checks) vs "dirs"')
+    ap.add_argument("--list-threads", type=int, default=16, help="LocalVolume(list_threads=) of the fresh listing")
+    ap.add_argument("--pwalk", default="", help="thread counts of a bare parallel walk to time, e.g. 16,64")
+    ap.add_argument("--skip-local", action="store_true", help="only the FUSE part (with --fuse)")
+    ap.add_argument("--skip-memory", action="store_true", help="skip the pickles and N-process memory parts")
     ap.add_argument("--dataset", action="store_true", help="also run UCVolumeDataset: ranks x spawned workers")
     ap.add_argument("--only-dataset", action="store_true", help="run only the --dataset part")
     ap.add_argument("--ranks", type=int, default=2)
@@ -371,13 +447,31 @@ def main() -> None:
 
 
 def measure_all(root: str, cache: str, work: str, args, out: dict) -> None:
-    measure("local", root, cache, args, out)
+    if not args.skip_local:
+        measure("local", root, cache, args, out)
+    if not args.skip_memory:
+        memory_all(root, cache, args, out)
+    if args.fuse:
+        from ucmagic.testing import fuse_available, mount_slow_volume
 
+        if not fuse_available():
+            print("FUSE not available here: skipped", flush=True)
+        else:
+            mnt = os.path.join(work, "mnt")
+            with mount_slow_volume(root, mnt, open_ms=20, mbps=200, list_ms=args.list_ms):
+                import psutil
+
+                daemon = next((c for c in psutil.Process().children() if "ucmagic._slowfuse" in " ".join(c.cmdline())),
+                              None)
+                measure(f"fuse_P20_list{args.list_ms:g}ms", mnt, os.path.join(work, "cache-fuse"), args, out, daemon)
+
+
+def memory_all(root: str, cache: str, args, out: dict) -> None:
     sys.path.insert(0, ROOT)
     from ucmagic.listing import open_listing
     from ucmagic.volume import LocalVolume
 
-    p = step("pickles", root=root, cache=cache)
+    p = run_in_child("pickles", root=root, cache=cache)
     out["pickles"] = p
     print(f"\npickled: list of FileEntry {p['list'] / 1e6:.1f} MB, UCVolumeDataset plain pickle "
           f"{p['dataset'] / 1e6:.1f} MB, Listing {p['listing']} bytes", flush=True)
@@ -390,16 +484,6 @@ def measure_all(root: str, cache: str, work: str, args, out: dict) -> None:
         print(f"memory per process, {kind:6}: RSS {max(m['rss']) / n:6.1f}  USS {max(m['uss']) / n:6.1f}  "
               f"PSS {max(m['pss']) / n:6.1f} B/file (max of {args.procs}); node total PSS "
               f"{sum(m['pss']) / n:6.1f} B/file", flush=True)
-
-    if args.fuse:
-        from ucmagic.testing import fuse_available, mount_slow_volume
-
-        if not fuse_available():
-            print("FUSE not available here: skipped", flush=True)
-        else:
-            mnt = os.path.join(work, "mnt")
-            with mount_slow_volume(root, mnt, open_ms=20, mbps=200, list_ms=args.list_ms):
-                measure(f"fuse_P20_list{args.list_ms:g}ms", mnt, os.path.join(work, "cache-fuse"), args, out)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,8 @@ import sys
 import time
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.utils.data import DataLoader as TorchLoader
 
 from ucmagic import UCVolumeDataset
@@ -334,3 +336,91 @@ def test_elastic_resume_onto_a_different_number_of_nodes(tree, monkeypatch, shuf
         after += [rel_of(p) for p in ds]
     assert len(after) - (len(rels) - sum(delivered)) < 3  # only padding repeats, at most world-1 items
     assert sorted(set(before + after)) == sorted(rels) and not set(before) & set(after)
+
+
+def _age_tree(root: str, seconds: float = 3600) -> None:
+    """Move every mtime ``seconds`` back, so a listing taken now is not "racy" (it is reused)."""
+    t = time.time() - seconds
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            os.utime(os.path.join(dirpath, f), (t, t))
+        os.utime(dirpath, (t, t))
+
+
+def _rewrite_in_place(path: str, data: bytes) -> None:
+    """Rewrite ``path``'s bytes (same size) and give it another old mtime: its directory's mtime stays."""
+    st = os.stat(path)
+    assert len(data) == st.st_size
+    with open(path, "r+b") as f:
+        f.write(data)
+    os.utime(path, (st.st_mtime - 60, st.st_mtime - 60))
+
+
+def test_default_restart_never_serves_the_old_copy_of_a_file_rewritten_in_place(tree, tmp_path):
+    from ucmagic.errors import SourceChangedError
+
+    root, rels = tree
+    _age_tree(root)
+    cache = str(tmp_path / "cache")
+    first = UCVolumeDataset(root, cache_dir=cache)
+    list(first)  # every file cached
+    target = os.path.join(root, rels[5])
+    new = rels[5].encode() + b"\n" + b"N" * (os.path.getsize(target) - len(rels[5]) - 1)
+    _rewrite_in_place(target, new)
+    again = UCVolumeDataset(root, cache_dir=cache)  # a restart: the directories are unchanged
+    assert again.listing.path == first.listing.path  # reused, not listed again
+    served = []
+    with pytest.raises(SourceChangedError, match=rels[5]):
+        for p in again:
+            served.append(read_all(p)[0])
+    assert rels[5] not in served
+    fresh = UCVolumeDataset(root, cache_dir=cache)  # the stale listing was dropped: listed again
+    assert fresh.listing.path != again.listing.path
+    got = {read_all(p)[0]: p for p in fresh}
+    with open(got[rels[5]], "rb") as f:
+        assert f.read() == new
+
+
+def test_default_restart_checks_each_file_once_per_dataset_not_per_epoch(tree, tmp_path, monkeypatch):
+    root, rels = tree
+    _age_tree(root)
+    cache = str(tmp_path / "cache")
+    list(UCVolumeDataset(root, cache_dir=cache))
+    stats = []
+    real = LocalVolume.stat
+    monkeypatch.setattr(LocalVolume, "stat", lambda self, rel: stats.append(rel) or real(self, rel))
+    ds = UCVolumeDataset(root, cache_dir=cache)  # reused listing: no per-file stat up front
+    assert stats == []
+    for epoch in range(2):
+        ds.set_epoch(epoch)
+        assert sorted(rel_of(p) for p in ds) == sorted(rels)
+    assert sorted(stats) == sorted(rels)  # first use only
+    assert ds.stats()["hits"] == 2 * len(rels)
+
+
+def test_validate_files_checks_up_front_and_not_while_iterating(tree, tmp_path, monkeypatch):
+    root, rels = tree
+    _age_tree(root)
+    cache = str(tmp_path / "cache")
+    list(UCVolumeDataset(root, cache_dir=cache))
+    stats = []
+    real = LocalVolume.stat
+    monkeypatch.setattr(LocalVolume, "stat", lambda self, rel: stats.append(rel) or real(self, rel))
+    ds = UCVolumeDataset(root, cache_dir=cache, validate="files")
+    assert len(list(ds)) == len(rels) and stats == []
+    with pytest.raises(ValueError, match="validate"):
+        UCVolumeDataset(root, cache_dir=cache, validate="sometimes")
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 3000).flatmap(lambda n: st.tuples(st.just(n), st.sets(st.integers(0, n - 1)))))
+def test_checked_files_remember_exactly_what_was_added_and_a_plain_pickle_forgets(case):
+    from ucmagic.dataset import CheckedFiles
+
+    n, added = case
+    c = CheckedFiles(n)
+    for i in added:
+        c.add(i)
+    assert {i for i in range(n) if i in c} == added
+    copy = pickle.loads(pickle.dumps(c))
+    assert copy.n == n and not any(i in copy for i in range(n))

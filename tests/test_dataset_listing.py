@@ -122,3 +122,25 @@ def test_stream_items_match_the_epoch_order_in_any_access_order(listing, world, 
     hi = data.draw(st.integers(lo, len(want)))
     assert items.names(lo, hi) == [e.path + ".x" for e in listing.entries(np.array(want[lo:hi], dtype=np.int64))]
     assert [i for c in items.indices_chunks() for i in c.tolist()] == want
+
+
+def test_a_stream_keeps_a_bounded_number_of_decoded_chunks(listing):
+    from ucmagic.dataset import STREAM_CHUNKS_KEPT
+
+    decoded = []
+
+    class Counting:  # the listing, counting the chunks a stream decodes
+        def entries(self, idx):
+            decoded.append(len(idx))
+            return listing.entries(idx)
+
+    n = len(listing)
+    items = StreamItems(Counting(), [(0, n)], lambda pos: pos, lambda e: (e.path, ""), chunk=16)
+    assert [items.entry(p).path for p in range(n)] == [e.path for e in listing.iter_entries()]
+    assert len(decoded) == -(-n // 16)  # each chunk decoded once on a sequential pass
+    items.entry(0)  # chunk 0 was dropped long ago: decoded again, not held for the whole stream
+    assert len(decoded) == -(-n // 16) + 1
+    last = (n - 1) // 16
+    for c in range(last - STREAM_CHUNKS_KEPT + 2, last + 1):  # still held: the newest chunks
+        items.entry(c * 16)
+    assert len(decoded) == -(-n // 16) + 1

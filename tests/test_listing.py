@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from ucmagic import EmptyListingError, ListingChangedError
-from ucmagic.listing import RACY_S, Listing, listings_dir, open_listing
+from ucmagic.listing import RACY_S, Listing, forget_listing, listings_dir, open_listing
 from ucmagic.testing import make_files
 from ucmagic.volume import DirScan, FileEntry, LocalVolume, Volume, listing_fingerprint, open_volume
 
@@ -164,6 +164,15 @@ def test_a_listing_taken_right_after_a_change_is_checked_again(tmp_path):
     third = open_listing(vol, None, cache_root(tmp_path))
     assert second.path != first.path and not second.meta["racy"] and third.path == second.path
     assert vol.scans() == 2
+
+
+def test_a_forgotten_listing_is_listed_again_whatever_validate_says(vol, tmp_path):
+    first = open_listing(vol, None, cache_root(tmp_path))
+    assert forget_listing(first)
+    second = open_listing(vol, None, cache_root(tmp_path), validate="none")
+    assert second.path != first.path and vol.scans() == 2
+    assert not forget_listing(first)  # a newer build is current: it stays
+    assert open_listing(vol, None, cache_root(tmp_path), validate="none").path == second.path
 
 
 def test_validate_none_reuses_without_looking(vol, tmp_path):

@@ -4,11 +4,12 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import sys
 import threading
 import time
 import warnings
 from collections import OrderedDict
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
@@ -19,16 +20,16 @@ from . import plan, telemetry
 from .cache import FileCache, cache_key, process_tag, release_at_exit, safe_suffix
 from .dist import dist_info, local_world_size
 from .epochs import EpochTracking, check_state_kind
-from .errors import FetchError, ListingChangedError
+from .errors import FetchError, ListingChangedError, SourceChangedError
 from .fetch import read_ahead, restart_timeout, with_retries
-from .listing import Listing, open_listing
+from .listing import Listing, forget_listing, open_listing
 from .progress import Progress
 from .telemetry import SharedCounters, SharedInts, percentiles
 from .volume import FileEntry, Volume, copy_error, open_volume
 
 STATE_VERSION = 2  # 2: the array-free epoch order (plan.ORDER_VERSION 2)
-STREAM_CHUNK = 2048  # items of a stream decoded from the listing at once
-STREAM_CHUNKS_KEPT = 6  # decoded chunks kept per stream (read-ahead and protection stay within them)
+STREAM_CHUNK = 512  # items of a stream decoded from the listing at once (~450 B each while kept)
+STREAM_CHUNKS_KEPT = 8  # decoded chunks kept per stream (read-ahead and protection stay within them)
 DEFAULT_INFLIGHT = 128  # files in flight per rank, spread over its DataLoader workers
 _last_fetch = threading.local()  # per-item records: did this thread's last _fetch copy the file?
 MAX_STREAMS = 64  # DataLoader workers whose consumption ucmagic.DataLoader reports (more share slots)
@@ -57,6 +58,68 @@ def _takes_expect(volume: Volume) -> bool:
 
 
 _EXPECT: dict[type, bool] = {}
+
+
+def _release_free_heap() -> None:
+    """Hand memory freed by the fetch threads back to the OS (glibc ``malloc_trim``; elsewhere a no-op).
+
+    Each thread allocates from its own glibc arena; what a stream frees there stays mapped (and
+    counted in the process's own memory) until trimmed, so without this a worker's memory grows
+    with the number of items it fetched (measured: bench/listing.py, docs/scaling.md).
+    """
+    trim = _TRIM[0]
+    if trim is None:
+        trim = lambda: None  # noqa: E731 - the no-op
+        if sys.platform.startswith("linux"):
+            import ctypes
+
+            with contextlib.suppress(OSError, AttributeError):
+                fn = ctypes.CDLL("libc.so.6").malloc_trim
+                fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
+                trim = lambda: fn(0)  # noqa: E731
+        _TRIM[0] = trim
+    trim()
+
+
+_TRIM: list[Callable[[], Any] | None] = [None]
+
+VALIDATE_MODES = ("lazy", "files", "dirs", "none")
+CHECK_THREADS = 16  # threads of one process's validate="lazy" checks
+_check_pool: list[tuple[int, ThreadPoolExecutor]] = []  # (pid, pool): a forked worker makes its own
+
+
+def _checker() -> ThreadPoolExecutor:
+    if not _check_pool or _check_pool[0][0] != os.getpid():
+        _check_pool[:] = [(os.getpid(), ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="ucmagic-check"))]
+    return _check_pool[0][1]
+
+
+class CheckedFiles:
+    """One bit per file of a listing: "its size and mtime were checked against the volume", in
+    shared memory seen by every DataLoader worker (n/8 bytes). Lost updates (two processes setting
+    bits of one byte at once) only cause a second check. A plain pickle forgets the checks."""
+
+    def __init__(self, n: int) -> None:
+        import multiprocessing as mp
+
+        self.n = int(n)
+        self._a = mp.get_context().RawArray("B", self.n // 8 + 1)
+
+    def __contains__(self, i: int) -> bool:
+        return bool(self._a[i >> 3] >> (i & 7) & 1)
+
+    def add(self, i: int) -> None:
+        self._a[i >> 3] |= 1 << (i & 7)
+
+    def __getstate__(self) -> dict[str, Any]:
+        from multiprocessing import context
+
+        return {"n": self.n, "shared": self._a if context.get_spawning_popen() is not None else None}
+
+    def __setstate__(self, st: dict[str, Any]) -> None:
+        self.__init__(st["n"])  # type: ignore[misc]
+        if st["shared"] is not None:
+            self._a = st["shared"]
 
 
 class ConsumptionChannel:
@@ -284,10 +347,13 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
         storage_options: passed to fsspec for URLs.
         min_free: fraction of the cache disk always kept free.
         relist: list the volume again even if this node holds a valid listing (docs/scaling.md).
-        validate: how a listing this node wrote earlier is checked before reuse: ``"files"``
-            (default: directory mtimes and every file's size and mtime; never serves a file
-            rewritten in place from its old cached copy), ``"dirs"`` (directory mtimes only, 20x+
-            faster to restart; misses in-place rewrites: for write-once data) or ``"none"``.
+        validate: how a listing this node wrote earlier is checked before reuse: ``"lazy"``
+            (default: directory mtimes up front, each file's size and mtime when it is first
+            fetched, on the read-ahead threads; a file rewritten in place raises
+            :class:`SourceChangedError` instead of being served from its old cached copy),
+            ``"files"`` (directory mtimes and every file's size and mtime up front), ``"dirs"``
+            (directory mtimes only: misses in-place rewrites, for write-once data) or ``"none"``
+            (docs/scaling.md).
         listing_progress: called with the number of files found so far while listing (from one second
             in); default: a line on stderr.
     """
@@ -299,7 +365,7 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
                  partition: str = "pad", prefetch: int | None = None, retries: int = 5,
                  timeout: float | None = 120.0, on_error: str = "raise", on_missing: str = "raise",
                  storage_options: dict[str, Any] | None = None, min_free: float = 0.10,
-                 reshuffle_every: int | None = None, relist: bool = False, validate: str = "files",
+                 reshuffle_every: int | None = None, relist: bool = False, validate: str = "lazy",
                  listing_progress: Callable[[int], None] | None = None) -> None:
         if partition not in plan.PARTITION_MODES:
             raise ValueError(f"partition must be one of {plan.PARTITION_MODES}, got {partition!r}")
@@ -309,6 +375,8 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
             raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
         if on_missing not in ("raise", "skip"):
             raise ValueError(f"on_missing must be 'raise' or 'skip', got {on_missing!r}")
+        if validate not in VALIDATE_MODES:
+            raise ValueError(f"validate must be one of {VALIDATE_MODES}, got {validate!r}")
         self.path = os.fspath(path) if not isinstance(path, Volume) else path.uri
         self.pattern = pattern
         self.volume: Volume = open_volume(path, storage_options)
@@ -320,12 +388,18 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
                 bar.append(Progress(desc=f"listing {self.volume.display()}", mode="text"))
             bar[0].set(count)
 
+        opened_at = time.time()
         try:
             self.listing: Listing = open_listing(self.volume, pattern, self.cache.root, relist=relist,
-                                                 validate=validate, progress=listing_progress or shown)
+                                                 validate="dirs" if validate == "lazy" else validate,
+                                                 progress=listing_progress or shown)
         finally:
             if bar:
                 bar[0].close()
+        # "lazy": a reused listing's files are checked when first fetched (a fresh one is current;
+        # volumes without directory mtimes were re-listed and compared by open_listing already)
+        lazy = validate == "lazy" and self.volume.keeps_dir_mtimes and self.listing.listed_at < opened_at
+        self._checked = CheckedFiles(len(self.listing)) if lazy else None
         self.fingerprint = self.listing.fingerprint
         self.shuffle = shuffle
         self.reshuffle_every = int(reshuffle_every) if reshuffle_every else None
@@ -448,6 +522,50 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
             self._counters.add(hits=1)
         return path
 
+    def _check_source(self, index: int, e: FileEntry, copied: bool) -> None:
+        """``validate="lazy"``: before file ``index`` of a reused listing is first served, make sure
+        the volume still holds the version listed (a file rewritten in place keeps its directory's
+        mtime). A copy made just now was checked by ``copy_to``; a cache hit costs one ``stat``."""
+        checked = self._checked
+        if checked is None or index in checked:
+            return
+        if not (copied and _takes_expect(self.volume)):
+            try:
+                now = self.volume.stat(e.path)
+            except FileNotFoundError as exc:
+                raise copy_error(self.volume, e.path, exc) from exc
+            if (now.size, now.mtime) != (e.size, e.mtime):
+                forget_listing(self.listing)
+                raise SourceChangedError(
+                    f"{self.volume.display(e.path)} changed after this node's listing was taken (listed "
+                    f"{e.size} bytes, mtime {e.mtime:.6f}; now {now.size} bytes, mtime {now.mtime:.6f}; "
+                    "rewritten in place): its cached copy of the listed version was not served. The listing "
+                    "is marked stale: create the dataset again to list the files again")
+        checked.add(index)
+
+    def _check_ahead(self, items: StreamItems, pos: int) -> None:
+        """``validate="lazy"``: check the unchecked files from ``pos`` to the end of its chunk at once,
+        on :data:`CHECK_THREADS` threads, so that warm hits keep being served without a thread hop.
+        Files that changed stay unchecked (:meth:`_check_source` reports them)."""
+        checked = self._checked
+        if checked is None:
+            return
+        end = min(len(items), (pos // items.chunk + 1) * items.chunk)
+        todo = [(i, e) for i, e in ((items.index(p), items.entry(p)) for p in range(pos, end)) if i not in checked]
+        volume = self.volume
+
+        def same(part: list[tuple[int, FileEntry]]) -> None:
+            for i, e in part:
+                try:
+                    now = volume.stat(e.path)
+                except OSError:
+                    continue
+                if (now.size, now.mtime) == (e.size, e.mtime):
+                    checked.add(i)
+
+        step = max(16, -(-len(todo) // CHECK_THREADS))
+        list(_checker().map(same, [todo[a:a + step] for a in range(0, len(todo), step)]))
+
     def _skippable(self, exc: BaseException) -> bool:
         return self.on_error == "skip" or (self.on_missing == "skip" and _source_missing(exc))
 
@@ -525,13 +643,19 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
 
         timing: dict[int, tuple[bool, float]] = {}  # pos -> (hit, fetch seconds) for telemetry.record_item
 
+        checked = self._checked
+
         def get(pos: int) -> str | BaseException:
             e = items.entry(pos)
             t0, _last_fetch.fetched = time.perf_counter(), False
             try:
                 got = self._fetch(e, items.key_at(pos), may_exceed=lambda: stream.may_exceed(pos), on_wait=on_wait,
                                   looked_up=pos in probed)
+                if checked is not None:
+                    self._check_source(items.index(pos), e, _last_fetch.fetched)
             except Exception as exc:
+                if isinstance(exc, SourceChangedError):  # the node's listing is stale: the next dataset re-lists
+                    forget_listing(self.listing)
                 if self._skippable(exc):
                     return exc
                 raise
@@ -542,6 +666,10 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
         def hit(pos: int) -> str | None:
             if misses[0] >= 8 and pos % 16:
                 return None
+            if checked is not None and items.index(pos) not in checked:
+                self._check_ahead(items, pos)  # first use of a reused listing's files: check a chunk at once
+                if items.index(pos) not in checked:
+                    return None  # changed: get() reports it
             key, suffix = items.key_at(pos)
             t0 = time.perf_counter()
             path = cache.lookup(key, suffix, items.entry(pos).size)
@@ -570,11 +698,14 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
                     continue
                 if pos % stream.quantum == 0:
                     stream.refresh()
+                if pos % STREAM_CHUNK == STREAM_CHUNK - 1:
+                    _release_free_heap()
                 counters.add(delivered=1)
                 telemetry.record_item(items.index(pos), hit_, fetch_s, items.entry(pos).size)
                 yield got
         finally:
             stream.finish()
+            _release_free_heap()
             if skipped:
                 more = f" and {stream.skipped - len(skipped)} more" if stream.skipped > len(skipped) else ""
                 warnings.warn(f"ucmagic: skipped {stream.skipped} file(s) this epoch: {'; '.join(skipped)}{more} "
@@ -657,13 +788,14 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
 
     def _cached_paths(self) -> Iterator[tuple[str, int]]:
         """(path, bytes) of each file of the listing that is in the cache, in listing order."""
-        for e in self.listing.iter_entries():
+        for e in self.listing.iter_entries(STREAM_CHUNK):  # small chunks: a short-lived per-file transient
             p = self.cache.data_path(*self._key(e))
             try:
                 if os.stat(p).st_size == e.size:
                     yield p, e.size
             except FileNotFoundError:
                 pass
+        _release_free_heap()
 
     def describe_item(self, index: int) -> tuple[str, int]:
         """``(display path, bytes)`` of file ``index`` of the listing (for fetch records)."""

@@ -449,3 +449,21 @@ def open_listing(volume: Volume, pattern: str | None = None, cache_root: str | N
         _write_json(pointer, {"file": os.path.basename(path), "checked_at": time.time()})
         _remove_superseded(folder, key, path)
     return Listing(path)
+
+
+def forget_listing(listing: Listing) -> bool:
+    """Mark ``listing`` stale on this node: the next :func:`open_listing` of its volume and pattern
+    lists again whatever ``validate`` says. Returns False when a newer build is current already.
+
+    For a caller that found a file changed which the re-validation it chose does not catch (a
+    file rewritten in place under ``validate="dirs"``).
+    """
+    folder = os.path.dirname(listing.path)
+    key = os.path.basename(listing.path).split("-", 1)[0]
+    pointer = os.path.join(folder, key + ".json")
+    with file_lock(os.path.join(folder, key + ".lock")):
+        cur = _read_json(pointer)
+        if cur is None or cur.get("file") != os.path.basename(listing.path):
+            return False
+        os.unlink(pointer)
+    return True
