@@ -39,6 +39,7 @@ except ImportError:  # pragma: no cover - not POSIX
 
 
 from .errors import CacheFullError, UnsafeCacheError
+from .fetch import watch_progress
 from .units import format_size, parse_size
 
 DEFAULT_MIN_FREE = 0.10
@@ -378,15 +379,22 @@ class FileCache:
                 if anon >= 0:
                     # an unnamed file in the entry's own directory, linked in once complete: a
                     # killed process leaves nothing behind, and no rename across directories
+                    watch_progress(lambda: _written(os.fstat(anon)))
                     try:
                         _check_size(write(f"/proc/self/fd/{anon}"), size)
                         _link_unnamed(anon, final)
                     finally:
+                        watch_progress(None)
                         os.close(anon)
                 else:
                     if tmp is None:
                         tmp = os.path.join(self._tmp, f"{key}.{process_tag()}.{next(_tmp_counter)}.{size}.part")
-                    _check_size(write(tmp), size)
+                    part = tmp
+                    watch_progress(lambda: _written(os.stat(part)))
+                    try:
+                        _check_size(write(tmp), size)
+                    finally:
+                        watch_progress(None)
                     os.replace(tmp, final)
         except BaseException:
             if tmp is not None:
@@ -723,6 +731,11 @@ def cache_command(action: str, root: str | None = None, *, limit: int | str | No
         return (f"{cache.root}: removed {r['entries']} entries, {r['records']} protection record(s) and "
                 f"{r['tmp']} temp file(s); entries protected by running loops stay")
     raise ValueError(f"unknown cache action {action!r}: use info, prune or clear")
+
+
+def _written(st: os.stat_result) -> tuple[int, int]:
+    """What a fill has written so far: size and allocated blocks (ranged copies write out of order)."""
+    return st.st_size, st.st_blocks
 
 
 def _check_size(n: int, size: int) -> None:
