@@ -201,6 +201,7 @@ class StreamItems:
         self.chunk = max(1, int(chunk))
         self._len = plan.ranges_len(self.ranges)
         self._kept: OrderedDict[int, tuple[list[int], list[FileEntry], list[tuple[str, str]]]] = OrderedDict()
+        self._last: tuple[int, Any] = (-1, None)
         self._mu = threading.Lock()
 
     def __len__(self) -> int:
@@ -212,6 +213,14 @@ class StreamItems:
             yield self.order(plan.positions(plan.take(self.ranges, a, min(a + self.chunk, self._len))))
 
     def _at(self, c: int) -> tuple[list[int], list[FileEntry], list[tuple[str, str]]]:
+        last = self._last
+        if last[0] == c:  # the chunk asked for last (several lookups per item): no lock, no reordering
+            return last[1]
+        got = self._at_kept(c)
+        self._last = (c, got)
+        return got
+
+    def _at_kept(self, c: int) -> tuple[list[int], list[FileEntry], list[tuple[str, str]]]:
         with self._mu:
             got = self._kept.get(c)
             if got is not None:
