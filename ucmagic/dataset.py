@@ -128,9 +128,11 @@ class _Stream:
         """Release what the loop has consumed since the last write."""
         c = self.consumed()
         done = max(0, self.yielded - self.window) if c is None else min(self.yielded, c)
-        # exact with consumption reports; without them, release in steps (each write costs syscalls)
-        step = self.quantum if c is not None else max(self.quantum, 64, self.window // 4)
-        if done - self.lo >= step or (c is not None and done > self.lo and done >= self.yielded):
+        # exact with consumption reports under a budget; else release in steps (each write costs
+        # syscalls; without a budget only the free-disk floor evicts, so holding a little longer is cheap)
+        exact = c is not None and self.cache.limit is not None
+        step = self.quantum if exact else max(self.quantum, 64, self.window // 4)
+        if done - self.lo >= step or (exact and done > self.lo and done >= self.yielded):
             with self._mu:
                 if self._stop.is_set() and self.finished:
                     return
@@ -200,7 +202,7 @@ class StreamItems:
         self.key = key
         self.chunk = max(1, int(chunk))
         self._len = plan.ranges_len(self.ranges)
-        self._kept: OrderedDict[int, tuple[list[int], list[FileEntry], list[tuple[str, str]]]] = OrderedDict()
+        self._kept: OrderedDict[int, tuple[list[int], list[FileEntry], list[tuple[str, str]], list[str]]] = OrderedDict()
         self._last: tuple[int, Any] = (-1, None)
         self._mu = threading.Lock()
 
@@ -212,7 +214,7 @@ class StreamItems:
         for a in range(0, self._len, self.chunk):
             yield self.order(plan.positions(plan.take(self.ranges, a, min(a + self.chunk, self._len))))
 
-    def _at(self, c: int) -> tuple[list[int], list[FileEntry], list[tuple[str, str]]]:
+    def _at(self, c: int) -> tuple[list[int], list[FileEntry], list[tuple[str, str]], list[str]]:
         last = self._last
         if last[0] == c:  # the chunk asked for last (several lookups per item): no lock, no reordering
             return last[1]
@@ -220,7 +222,7 @@ class StreamItems:
         self._last = (c, got)
         return got
 
-    def _at_kept(self, c: int) -> tuple[list[int], list[FileEntry], list[tuple[str, str]]]:
+    def _at_kept(self, c: int) -> tuple[list[int], list[FileEntry], list[tuple[str, str]], list[str]]:
         with self._mu:
             got = self._kept.get(c)
             if got is not None:
@@ -229,7 +231,8 @@ class StreamItems:
         a = c * self.chunk
         idx = self.order(plan.positions(plan.take(self.ranges, a, min(a + self.chunk, self._len))))
         entries = self.listing.entries(idx)
-        got = (idx.tolist(), entries, [self.key(e) for e in entries])
+        keys = [self.key(e) for e in entries]
+        got = (idx.tolist(), entries, keys, [k + x for k, x in keys])
         with self._mu:
             self._kept[c] = got
             while len(self._kept) > STREAM_CHUNKS_KEPT:
@@ -251,9 +254,8 @@ class StreamItems:
         pos = lo
         while pos < hi:
             c = pos // self.chunk
-            keys = self._at(c)[2]
             end = min(hi, (c + 1) * self.chunk)
-            out.extend(k + x for k, x in keys[pos - c * self.chunk:end - c * self.chunk])
+            out.extend(self._at(c)[3][pos - c * self.chunk:end - c * self.chunk])
             pos = end
         return out
 
