@@ -553,6 +553,12 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
             timing[pos] = (not _last_fetch.fetched, time.perf_counter() - t0)
             return got
 
+        tally = [0, 0]  # hits on this thread and items delivered, added to the shared counters per batch
+
+        def flush() -> None:
+            counters.add(hits=tally[0], delivered=tally[1])
+            tally[0] = tally[1] = 0
+
         def hit(pos: int) -> str | None:
             if misses[0] >= 8 and pos % 16:
                 return None
@@ -562,7 +568,7 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
             if path is not None:
                 timing[pos] = (True, time.perf_counter() - t0)
                 misses[0] = 0
-                counters.add(hits=1)
+                tally[0] += 1
             else:
                 misses[0] += 1
                 probed.add(pos)
@@ -584,10 +590,13 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
                     continue
                 if pos % stream.quantum == 0:
                     stream.refresh()
-                counters.add(delivered=1)
+                tally[1] += 1
+                if (pos + 1) % stream.quantum == 0:  # exact once the loop holds a whole batch
+                    flush()
                 telemetry.record_item(items.index(pos), hit_, fetch_s, items.entry(pos).size)
                 yield got
         finally:
+            flush()
             stream.finish()
             if skipped:
                 more = f" and {stream.skipped - len(skipped)} more" if stream.skipped > len(skipped) else ""
