@@ -185,6 +185,9 @@ class _Stream:
 _active_streams: dict[str, _Stream] = {}
 
 
+_Chunk = tuple[list[int], list[FileEntry], list[tuple[str, str]], list[str]]  # indices, entries, keys, names
+
+
 class StreamItems:
     """One stream's items in delivery order, decoded from the listing a chunk at a time.
 
@@ -202,7 +205,7 @@ class StreamItems:
         self.key = key
         self.chunk = max(1, int(chunk))
         self._len = plan.ranges_len(self.ranges)
-        self._kept: OrderedDict[int, tuple[list[int], list[FileEntry], list[tuple[str, str]], list[str]]] = OrderedDict()
+        self._kept: OrderedDict[int, _Chunk] = OrderedDict()
         self._last: tuple[int, Any] = (-1, None)
         self._mu = threading.Lock()
 
@@ -214,7 +217,7 @@ class StreamItems:
         for a in range(0, self._len, self.chunk):
             yield self.order(plan.positions(plan.take(self.ranges, a, min(a + self.chunk, self._len))))
 
-    def _at(self, c: int) -> tuple[list[int], list[FileEntry], list[tuple[str, str]], list[str]]:
+    def _at(self, c: int) -> _Chunk:
         last = self._last
         if last[0] == c:  # the chunk asked for last (several lookups per item): no lock, no reordering
             return last[1]
@@ -222,7 +225,7 @@ class StreamItems:
         self._last = (c, got)
         return got
 
-    def _at_kept(self, c: int) -> tuple[list[int], list[FileEntry], list[tuple[str, str]], list[str]]:
+    def _at_kept(self, c: int) -> _Chunk:
         with self._mu:
             got = self._kept.get(c)
             if got is not None:
