@@ -6,7 +6,15 @@ import time
 
 import pytest
 
-from ucmagic.cache import FileCache, cache_key, choose_victims, parse_record_name, process_tag, safe_suffix
+from ucmagic.cache import (
+    FileCache,
+    KeyLocks,
+    cache_key,
+    choose_victims,
+    parse_record_name,
+    process_tag,
+    safe_suffix,
+)
 from ucmagic.errors import CacheFullError
 
 
@@ -242,3 +250,78 @@ def test_cache_pickles_as_settings(tmp_path):
     c = FileCache(str(tmp_path / "c"), limit="1MB")
     c2 = pickle.loads(pickle.dumps(c))
     assert (c2.root, c2.limit, c2.min_free) == (c.root, 10**6, c.min_free)
+
+
+def _hold_key(root: str, key: str, held) -> None:
+    with KeyLocks(os.path.join(root, "fill.lock")).hold(key):
+        held.set()
+        time.sleep(60)  # killed before
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_key_lock_excludes_other_processes_and_a_killed_holder_releases_it(tmp_path, method):
+    root = str(tmp_path)
+    locks = KeyLocks(os.path.join(root, "fill.lock"))
+    key = cache_key("v", "f", 1, 0)
+    with locks.hold(key):  # opened here first: a forked child must not share this descriptor's locks
+        pass
+    ctx = mp.get_context(method)
+    held = ctx.Event()
+    child = ctx.Process(target=_hold_key, args=(root, key, held))
+    child.start()
+    try:
+        assert held.wait(60)
+        got = threading.Event()
+        other = threading.Event()
+
+        def take(k: str, flag: threading.Event) -> None:
+            with locks.hold(k):
+                flag.set()
+
+        threading.Thread(target=take, args=(cache_key("v", "g", 1, 0), other), daemon=True).start()
+        assert other.wait(10)  # another key is not blocked
+        t = threading.Thread(target=take, args=(key, got), daemon=True)
+        t.start()
+        assert not got.wait(0.3)  # the child holds this key
+        child.kill()  # SIGKILL: the kernel drops the child's lock with its descriptor
+        t.join(10)
+        assert got.is_set()
+    finally:
+        child.kill()
+        child.join(10)
+
+
+def test_unbudgeted_fill_leaves_no_temp_file_and_replaces_an_untrusted_entry(tmp_path):
+    c = FileCache(str(tmp_path / "c"))
+    key = cache_key("v", "f", 5, 0)
+    stale = c.data_path(key, ".bin")
+    os.makedirs(os.path.dirname(stale))
+    with open(stale, "wb") as f:
+        f.write(b"torn")  # a wrong size is never trusted
+    seen: list[int] = []
+
+    def write(tmp: str) -> int:
+        assert not os.path.exists(os.path.join(tmp_path, "c", "data", key[:2], key + ".bin.part"))
+        seen.append(len(os.listdir(tmp_path / "c" / "tmp")))
+        return writer(b"hello")(tmp)
+
+    path, fetched = c.fill(key, ".bin", 5, write)
+    assert fetched and path == stale and open(path, "rb").read() == b"hello"
+    assert seen == [0] and os.listdir(tmp_path / "c" / "tmp") == []
+    assert os.listdir(os.path.dirname(stale)) == [key + ".bin"]
+
+
+def test_protection_record_rewritten_in_place_holds_exactly_the_new_names(tmp_path):
+    c = FileCache(str(tmp_path / "c"))
+    rec = c.record_path(process_tag(), 0)
+    c.write_record(rec, ["a" * 40 + ".bin", "b" * 40 + ".bin"])
+    c.write_record(rec, ["c" * 40])
+    assert c.protected_names() == {"c" * 40}
+    c.drop_record(rec)
+    assert c.protected_names() == set() and os.listdir(tmp_path / "c" / "prot") == []
+    c.write_record(rec, ["d" * 40])  # written again after a drop: a new file
+    assert c.protected_names() == {"d" * 40}
+    os.unlink(rec)  # removed behind the writer's back (clear_cache of a process it thought gone)
+    c.write_record(rec, ["e" * 40])
+    assert c.protected_names() == {"e" * 40}
+    c.drop_record(rec)

@@ -71,9 +71,9 @@ def test_every_third_open_failing_still_delivers_each_file_once(tmp_path):
     root = str(tmp_path / "vol")
     make_files(root, 150, 2000, per_dir=30)
     sums = source_sums(root)
-    # With concurrent copies the failing opens land on files at random: each attempt fails with p=1/3, so
-    # 5 retries leave 150 * (1/3)**6 ~ 20% odds that some file exhausts them; 10 make that ~0.1%.
-    ds = UCVolumeDataset(f"slow://{root}", shuffle=True, cache_dir=str(tmp_path / "c"), retries=10,
+    # With concurrent copies the failing opens land on files at random (each try fails with p=1/3): the
+    # default retries must survive that (test_default_retries_survive_a_volume_failing_one_open_in_three).
+    ds = UCVolumeDataset(f"slow://{root}", shuffle=True, cache_dir=str(tmp_path / "c"),
                          storage_options={"open_ms": 1, "mbps": 0, "list_ms": 0, "fail_every": 3})
     for epoch in range(2):
         ds.set_epoch(epoch)
@@ -119,7 +119,7 @@ def test_a_hung_open_fails_the_epoch_naming_the_file_after_the_timeout(tmp_path)
     ds = UCVolumeDataset(vol, timeout=0.3, prefetch=8, cache_dir=str(tmp_path / "c"))
     got = []
     try:
-        with pytest.raises(FetchTimeoutError, match=rf"{rels[10]} took more than 0.3 s.*timeout="):
+        with pytest.raises(FetchTimeoutError, match=rf"{rels[10]} made no progress for 0.3 s.*timeout="):
             for p in ds:
                 got.append(rel_of(p))
     finally:
@@ -151,14 +151,18 @@ def run_until_ready(args: list[str], *, wait_for=None, timeout: float = 60) -> N
         proc.stderr.close()
 
 
-def test_sigkill_mid_cache_fill_leaves_no_partial_entry(tmp_path):
+@pytest.mark.parametrize("limit", [0, 10_000_000], ids=["no-budget", "budget"])
+def test_sigkill_mid_cache_fill_leaves_no_partial_entry(tmp_path, limit):
     root = str(tmp_path / "vol")
     rels = make_files(root, 12, 50_000, depth=0)
     sums = source_sums(root)
     cache = str(tmp_path / "c")
-    run_until_ready(["fill", cache, root, rels[3]])
+    run_until_ready(["fill", cache, root, rels[3], str(limit)])
     parts = os.listdir(os.path.join(cache, "tmp"))
-    assert len(parts) == 1 and os.path.getsize(os.path.join(cache, "tmp", parts[0])) == 25_000  # killed half-way
+    if limit:  # the budget's reservation file under tmp/ holds the half-written bytes
+        assert len(parts) == 1 and os.path.getsize(os.path.join(cache, "tmp", parts[0])) == 25_000  # killed half-way
+    else:  # an unnamed (O_TMPFILE) file vanishes with the process; a temp file elsewhere
+        assert len(parts) <= 1 and all(os.path.getsize(os.path.join(cache, "tmp", p)) == 25_000 for p in parts)
     assert glob.glob(os.path.join(cache, "data", "*", "*")) == []  # nothing at a final name
     ds = UCVolumeDataset(root, cache_dir=cache)
     assert sorted(deliver(ds, sums)) == sorted(rels)

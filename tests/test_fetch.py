@@ -201,3 +201,26 @@ def test_fetch_backoff_is_the_shared_policy():
     import random
 
     assert backoff_delays(4, rng=random.Random(1)) == RetryPolicy(4).delays(random.Random(1))
+
+
+def test_timeout_counts_only_time_without_progress():
+    from ucmagic.fetch import watch_progress
+
+    release = threading.Event()
+
+    def copy(item: str) -> str:
+        written = [0]
+        watch_progress(lambda: written[0])
+        for _ in range(15 if item == "big" else 1):  # ~1.5 s, writing all along
+            time.sleep(0.1)
+            written[0] += 1
+        if item == "hung":
+            release.wait(30)  # stops writing
+        return item
+
+    assert list(read_ahead(copy, ["big", "small"], depth=2, timeout=0.6)) == ["big", "small"]
+    try:
+        with pytest.raises(FetchTimeoutError, match="hung.*made no progress for 0.6 s"):
+            list(read_ahead(copy, ["hung"], depth=1, timeout=0.6))
+    finally:
+        release.set()

@@ -3,12 +3,13 @@
 Layout under the cache root (private to the user, mode 0700)::
 
     data/<k0k1>/<key><.ext>            cached copies, named by a hash of (volume, path, size, mtime)
-    tmp/<key>.<tag>.<n>.<size>.part    fills in progress (renamed into data/ when complete)
-    locks/<k0k1k2k3>.lock, evict.lock  single-flight and eviction locks (flock)
+    tmp/<key>.<tag>.<n>.<size>.part    budgeted fills in progress (renamed into data/ when complete)
+    locks/fill.lock, evict.lock        single-flight (one byte per key, OFD lock) and eviction (flock) locks
     prot/<owner>@<writer>.<slot>.rec   protection records: entry names a live process has not consumed yet
     usage                              the byte ledger of budgeted fills (a hint, re-counted often)
 
-Guarantees: a file in ``data/`` is always complete (temp file + rename), so the path of an entry is
+Guarantees: a file in ``data/`` is always complete (an unnamed ``O_TMPFILE`` file linked in when
+complete, or a temp file + rename with a budget or where there is no ``O_TMPFILE``), so the path of an entry is
 stable: the same file version has the same path in every epoch and process, and it stays until a
 budget evicts it. One fill per file even with many threads and processes asking at once; a changed
 source file (size or mtime) gets a new key. Eviction is least-recently-used and skips every entry
@@ -25,6 +26,7 @@ import itertools
 import os
 import re
 import shutil
+import struct
 import threading
 import time
 from dataclasses import dataclass
@@ -36,8 +38,8 @@ except ImportError:  # pragma: no cover - not POSIX
     fcntl = None  # type: ignore[assignment]
 
 
-from ._util import atomic_write
 from .errors import CacheFullError, UnsafeCacheError
+from .fetch import watch_progress
 from .units import format_size, parse_size
 
 DEFAULT_MIN_FREE = 0.10
@@ -68,6 +70,64 @@ def file_lock(path: str, shared: bool = False) -> Iterator[None]:
         yield
     finally:
         os.close(fd)  # closing the descriptor releases the lock
+
+
+_OFD_SETLKW = getattr(fcntl, "F_OFD_SETLKW", None) if fcntl is not None else None
+_FLOCK_FMT = "hhqqi4x"  # struct flock on Linux (64-bit off_t): type, whence, start, len, pid, padding
+
+
+def key_offset(key: str) -> int:
+    """The byte of the shared fill-lock file that stands for ``key`` (60 bits of its hash)."""
+    return int(key[:15], 16)
+
+
+class KeyLocks:
+    """Exclusive per-key locks across threads and processes without a lock file per key.
+
+    Threads of a process wait on an in-process lock per key; processes exclude each other with an
+    open-file-description lock on one byte of ``path`` (Linux ``F_OFD_SETLKW``: owned by the
+    descriptor, released when it closes, so a killed process holds nothing; no deadlock detection
+    to misfire across threads). The file stays empty. Elsewhere: ``flock`` on a file per key prefix.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._mu = threading.Lock()
+        self._held: dict[str, list] = {}  # key -> [threading.Lock, users]
+        self._fd = -1
+        self._pid = 0
+
+    def _file(self) -> int:
+        pid = os.getpid()
+        if self._pid != pid:  # a forked child shares the parent's description: open its own
+            self._fd, self._pid = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600), pid
+        return self._fd
+
+    @contextlib.contextmanager
+    def hold(self, key: str) -> Iterator[None]:
+        if _OFD_SETLKW is None:  # pragma: no cover - not Linux
+            with file_lock(os.path.join(os.path.dirname(self.path), key[:4] + ".lock")):
+                yield
+            return
+        with self._mu:
+            slot = self._held.get(key)
+            if slot is None:
+                slot = self._held[key] = [threading.Lock(), 0]
+            slot[1] += 1
+        try:
+            with slot[0]:
+                fd = self._file()
+                off = key_offset(key)
+                fcntl.fcntl(fd, _OFD_SETLKW, struct.pack(_FLOCK_FMT, fcntl.F_WRLCK, os.SEEK_SET, off, 1, 0))
+                try:
+                    yield
+                finally:
+                    fcntl.fcntl(fd, _OFD_SETLKW, struct.pack(_FLOCK_FMT, fcntl.F_UNLCK, os.SEEK_SET, off, 1, 0))
+        finally:
+            with self._mu:
+                slot[1] -= 1
+                if not slot[1]:
+                    del self._held[key]
 
 
 # ---------------------------------------------------------------- pure helpers
@@ -223,6 +283,7 @@ class FileCache:
         self._locks = os.path.join(self.root, "locks")
         self._prot = os.path.join(self.root, "prot")
         self._evict_lock = os.path.join(self._locks, "evict.lock")
+        self._keys = KeyLocks(os.path.join(self._locks, "fill.lock"))
         self._ledger = os.path.join(self.root, "usage")
         self._scan_s = 0.001
         self._synced_at = 0.0
@@ -230,6 +291,8 @@ class FileCache:
         self._free_est = 0
         self._floor = 0
         self._buckets: set[str] = set()  # data/<xx> directories known to exist
+        self._record_fds: dict[str, int] = {}  # protection records this process writes, kept open
+        self._fds_pid = os.getpid()
 
     # pickles as its settings; each process rebuilds its own state
     def __getstate__(self):
@@ -292,29 +355,51 @@ class FileCache:
             path = self.lookup(key, suffix, size)
             if path:
                 return path, False
-        tmp = os.path.join(self._tmp, f"{key}.{process_tag()}.{next(_tmp_counter)}.{size}.part")
-        # Room first, without the key's lock: a fill waiting for room must not block another one.
-        self.reserve(size, tmp, may_exceed=may_exceed, on_wait=on_wait)
+        # With a budget, room is held by a temp file under tmp/ whose name carries the size (every
+        # process's count sees it), taken without the key's lock: a fill waiting for room must not
+        # block another one. Without a budget only the free-disk floor is checked.
+        tmp = None
+        if self.limit is not None:
+            tmp = os.path.join(self._tmp, f"{key}.{process_tag()}.{next(_tmp_counter)}.{size}.part")
+        self.reserve(size, tmp or "", may_exceed=may_exceed, on_wait=on_wait)
         try:
-            with file_lock(os.path.join(self._locks, key[:4] + ".lock")):
+            with self._keys.hold(key):
                 path = self.lookup(key, suffix, size)
                 if path:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(tmp)
+                    if tmp is not None:
+                        with contextlib.suppress(FileNotFoundError):
+                            os.unlink(tmp)
                     return path, False
-                n = write(tmp)
-                if n != size:
-                    raise OSError(errno.EIO, f"copied {n} bytes, the listing says {size}: "
-                                             "the file changed while being read")
                 final = self.data_path(key, suffix)
                 bucket = os.path.dirname(final)
                 if bucket not in self._buckets:
                     os.makedirs(bucket, mode=0o700, exist_ok=True)
                     self._buckets.add(bucket)
-                os.replace(tmp, final)
+                anon = _open_unnamed(bucket) if tmp is None else -1
+                if anon >= 0:
+                    # an unnamed file in the entry's own directory, linked in once complete: a
+                    # killed process leaves nothing behind, and no rename across directories
+                    watch_progress(lambda: _written(os.fstat(anon)))
+                    try:
+                        _check_size(write(f"/proc/self/fd/{anon}"), size)
+                        _link_unnamed(anon, final)
+                    finally:
+                        watch_progress(None)
+                        os.close(anon)
+                else:
+                    if tmp is None:
+                        tmp = os.path.join(self._tmp, f"{key}.{process_tag()}.{next(_tmp_counter)}.{size}.part")
+                    part = tmp
+                    watch_progress(lambda: _written(os.stat(part)))
+                    try:
+                        _check_size(write(tmp), size)
+                    finally:
+                        watch_progress(None)
+                    os.replace(tmp, final)
         except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
+            if tmp is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
             raise
         return final, True
 
@@ -344,9 +429,36 @@ class FileCache:
         """
         data = "\n".join(names).encode()
         with file_lock(self._evict_lock, shared=True):
-            atomic_write(path, data, tmp=path + ".tmp", mode=0o600)
+            # Rewritten in place on a descriptor kept open: a rename over an existing file makes
+            # ext4 flush it first (auto_da_alloc, ~5 ms a call), and evictions, which read records
+            # under the exclusive lock, never see a half-written one. A process killed between the
+            # two calls leaves the new names plus a tail of old ones: more protection, never less.
+            fd = self._record_fd(path)
+            os.pwrite(fd, data, 0)
+            os.ftruncate(fd, len(data))
+
+    def _record_fd(self, path: str) -> int:
+        """This process's open descriptor of the record at ``path`` (reopened after a fork or a drop)."""
+        pid = os.getpid()
+        if self._fds_pid != pid:
+            self._record_fds, self._fds_pid = {}, pid  # a forked child must not write through the parent's
+        fd = self._record_fds.get(path)
+        if fd is not None and os.fstat(fd).st_nlink == 0:  # removed meanwhile (e.g. by clear_cache)
+            self._close_record(path)
+            fd = None
+        if fd is None:
+            fd = self._record_fds[path] = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+        return fd
+
+    def _close_record(self, path: str) -> None:
+        if self._fds_pid == os.getpid():
+            fd = self._record_fds.pop(path, None)
+            if fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
 
     def drop_record(self, path: str) -> None:
+        self._close_record(path)
         for p in (path, path + ".tmp"):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(p)
@@ -619,6 +731,44 @@ def cache_command(action: str, root: str | None = None, *, limit: int | str | No
         return (f"{cache.root}: removed {r['entries']} entries, {r['records']} protection record(s) and "
                 f"{r['tmp']} temp file(s); entries protected by running loops stay")
     raise ValueError(f"unknown cache action {action!r}: use info, prune or clear")
+
+
+def _written(st: os.stat_result) -> tuple[int, int]:
+    """What a fill has written so far: size and allocated blocks (ranged copies write out of order)."""
+    return st.st_size, st.st_blocks
+
+
+def _check_size(n: int, size: int) -> None:
+    if n != size:
+        raise OSError(errno.EIO, f"copied {n} bytes, the listing says {size}: the file changed while being read")
+
+
+_unnamed = {"ok": hasattr(os, "O_TMPFILE") and os.path.isdir("/proc/self/fd"), "root": -1}
+
+
+def _open_unnamed(folder: str) -> int:
+    """A new unnamed file (``O_TMPFILE``) in ``folder``, or -1 where the file system has none."""
+    if not _unnamed["ok"]:
+        return -1
+    try:
+        return os.open(folder, os.O_TMPFILE | os.O_WRONLY, 0o600)
+    except OSError as e:
+        if e.errno in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL, errno.ENOENT):
+            _unnamed["ok"] = False  # e.g. a network file system: temp file + rename instead
+            return -1
+        raise
+
+
+def _link_unnamed(fd: int, final: str) -> None:
+    """Give the unnamed file ``fd`` the name ``final`` (replacing a stale entry there)."""
+    if _unnamed["root"] < 0:
+        _unnamed["root"] = os.open("/", os.O_RDONLY)  # a directory fd makes os.link call linkat(FOLLOW)
+    src = f"/proc/self/fd/{fd}"
+    try:
+        os.link(src, final, src_dir_fd=_unnamed["root"], follow_symlinks=True)
+    except FileExistsError:  # an entry not trusted by lookup (wrong size or owner): replace it
+        os.unlink(final)
+        os.link(src, final, src_dir_fd=_unnamed["root"], follow_symlinks=True)
 
 
 def _listdir(path: str) -> list[str]:

@@ -17,6 +17,7 @@ import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info
 
 from . import plan, telemetry
+from ._util import DEFAULT_RETRIES
 from .cache import FileCache, cache_key, process_tag, release_at_exit, safe_suffix
 from .dist import dist_info, local_world_size
 from .epochs import EpochTracking, check_state_kind
@@ -190,9 +191,11 @@ class _Stream:
         """Release what the loop has consumed since the last write."""
         c = self.consumed()
         done = max(0, self.yielded - self.window) if c is None else min(self.yielded, c)
-        # exact with consumption reports; without them, release in steps (each write costs syscalls)
-        step = self.quantum if c is not None else max(self.quantum, 64, self.window // 4)
-        if done - self.lo >= step or (c is not None and done > self.lo and done >= self.yielded):
+        # exact with consumption reports under a budget; else release in steps (each write costs
+        # syscalls; without a budget only the free-disk floor evicts, so holding a little longer is cheap)
+        exact = c is not None and self.cache.limit is not None
+        step = self.quantum if exact else max(self.quantum, 64, self.window // 4)
+        if done - self.lo >= step or (exact and done > self.lo and done >= self.yielded):
             with self._mu:
                 if self._stop.is_set() and self.finished:
                     return
@@ -245,6 +248,9 @@ class _Stream:
 _active_streams: dict[str, _Stream] = {}
 
 
+_Chunk = tuple[list[int], list[FileEntry], list[tuple[str, str]], list[str]]  # indices, entries, keys, names
+
+
 class StreamItems:
     """One stream's items in delivery order, decoded from the listing a chunk at a time.
 
@@ -262,7 +268,8 @@ class StreamItems:
         self.key = key
         self.chunk = max(1, int(chunk))
         self._len = plan.ranges_len(self.ranges)
-        self._kept: OrderedDict[int, tuple[list[int], list[FileEntry], list[tuple[str, str]]]] = OrderedDict()
+        self._kept: OrderedDict[int, _Chunk] = OrderedDict()
+        self._last: tuple[int, Any] = (-1, None)
         self._mu = threading.Lock()
 
     def __len__(self) -> int:
@@ -273,7 +280,15 @@ class StreamItems:
         for a in range(0, self._len, self.chunk):
             yield self.order(plan.positions(plan.take(self.ranges, a, min(a + self.chunk, self._len))))
 
-    def _at(self, c: int) -> tuple[list[int], list[FileEntry], list[tuple[str, str]]]:
+    def _at(self, c: int) -> _Chunk:
+        last = self._last
+        if last[0] == c:  # the chunk asked for last (several lookups per item): no lock, no reordering
+            return last[1]
+        got = self._at_kept(c)
+        self._last = (c, got)
+        return got
+
+    def _at_kept(self, c: int) -> _Chunk:
         with self._mu:
             got = self._kept.get(c)
             if got is not None:
@@ -282,7 +297,8 @@ class StreamItems:
         a = c * self.chunk
         idx = self.order(plan.positions(plan.take(self.ranges, a, min(a + self.chunk, self._len))))
         entries = self.listing.entries(idx)
-        got = (idx.tolist(), entries, [self.key(e) for e in entries])
+        keys = [self.key(e) for e in entries]
+        got = (idx.tolist(), entries, keys, [k + x for k, x in keys])
         with self._mu:
             self._kept[c] = got
             while len(self._kept) > STREAM_CHUNKS_KEPT:
@@ -304,9 +320,8 @@ class StreamItems:
         pos = lo
         while pos < hi:
             c = pos // self.chunk
-            keys = self._at(c)[2]
             end = min(hi, (c + 1) * self.chunk)
-            out.extend(k + x for k, x in keys[pos - c * self.chunk:end - c * self.chunk])
+            out.extend(self._at(c)[3][pos - c * self.chunk:end - c * self.chunk])
             pos = end
         return out
 
@@ -334,8 +349,10 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
         seed: shuffle seed; the order of epoch ``e`` depends only on ``(seed, e)``.
         partition: ``"pad"`` (wrap around so ranks are equal) or ``"drop"`` (drop the remainder).
         prefetch: files in flight per iterating process (default: 128 per rank, split over workers).
-        retries: retries of a failing copy, with exponential backoff.
-        timeout: seconds one file copy may take once started before the epoch fails.
+        retries: retries of a failing copy, with exponential backoff capped at 2 s (default 14: a volume
+            failing 1 open in 3 still delivers; a file that never copies fails after ~22 s).
+        timeout: seconds a started file copy may go without writing a byte before the epoch fails
+            (a big file that is still copying never times out; a hung open does).
         on_error: ``"raise"`` (default) or ``"skip"`` (count in ``stats()["errors"]`` and go on; one
             summary warning per epoch and stream) for files that fail.
         on_missing: a file deleted from the volume after the listing was taken and not in the cache:
@@ -362,7 +379,7 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
 
     def __init__(self, path: Any, *, pattern: str | None = None, cache_dir: str | None = None,
                  cache_limit: int | str | None = None, shuffle: bool | str = False, seed: int = 0,
-                 partition: str = "pad", prefetch: int | None = None, retries: int = 5,
+                 partition: str = "pad", prefetch: int | None = None, retries: int = DEFAULT_RETRIES,
                  timeout: float | None = 120.0, on_error: str = "raise", on_missing: str = "raise",
                  storage_options: dict[str, Any] | None = None, min_free: float = 0.10,
                  reshuffle_every: int | None = None, relist: bool = False, validate: str = "lazy",
@@ -663,6 +680,12 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
             timing[pos] = (not _last_fetch.fetched, time.perf_counter() - t0)
             return got
 
+        tally = [0, 0]  # hits on this thread and items delivered, added to the shared counters per batch
+
+        def flush() -> None:
+            counters.add(hits=tally[0], delivered=tally[1])
+            tally[0] = tally[1] = 0
+
         def hit(pos: int) -> str | None:
             if misses[0] >= 8 and pos % 16:
                 return None
@@ -676,7 +699,7 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
             if path is not None:
                 timing[pos] = (True, time.perf_counter() - t0)
                 misses[0] = 0
-                counters.add(hits=1)
+                tally[0] += 1
             else:
                 misses[0] += 1
                 probed.add(pos)
@@ -700,10 +723,13 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
                     stream.refresh()
                 if pos % STREAM_CHUNK == STREAM_CHUNK - 1:
                     _release_free_heap()
-                counters.add(delivered=1)
+                tally[1] += 1
+                if (pos + 1) % stream.quantum == 0:  # exact once the loop holds a whole batch
+                    flush()
                 telemetry.record_item(items.index(pos), hit_, fetch_s, items.entry(pos).size)
                 yield got
         finally:
+            flush()
             stream.finish()
             _release_free_heap()
             if skipped:

@@ -55,14 +55,16 @@ def shared_pool(threads: int) -> ThreadPoolExecutor:
 
 
 class _Task:
-    __slots__ = ("future", "started", "item", "cost", "result")
+    __slots__ = ("future", "started", "item", "cost", "result", "probe", "seen")
 
     def __init__(self, item: Any, cost: int = 0) -> None:
         self.item = item
         self.cost = cost
-        self.started: float | None = None
+        self.started: float | None = None  # start, or the last time progress was seen
         self.future: Future | None = None
         self.result: Any = None
+        self.probe: Callable[[], Any] | None = None
+        self.seen: Any = None
 
 
 _current = threading.local()
@@ -74,6 +76,32 @@ def restart_timeout() -> None:
     task = getattr(_current, "task", None)
     if task is not None:
         task.started = time.monotonic()
+
+
+def watch_progress(probe: Callable[[], Any] | None) -> None:
+    """Called from inside a :func:`read_ahead` call: ``probe()`` returns something that changes while
+    the call makes progress (e.g. the size of the file it writes), so its timeout counts only time
+    without progress: a big file still copying never times out, a hung one does. ``None`` ends it."""
+    task = getattr(_current, "task", None)
+    if task is not None:
+        task.probe = probe
+
+
+def stall_check(now: float, since: float, timeout: float, seen: Any, current: Any) -> tuple[bool, float]:
+    """``(timed out, new since)`` for a call last seen progressing at ``since`` whose progress probe
+    read ``seen`` then and reads ``current`` now (None: no probe). Pure: no clock, no I/O."""
+    if current is not None and current != seen:
+        return False, now  # progress since the last look: the timeout starts over
+    return now - since > timeout, since
+
+
+def _probe(task: _Task) -> Any:
+    if task.probe is None:
+        return None
+    try:
+        return task.probe()
+    except OSError:
+        return None
 
 
 class Window(NamedTuple):
@@ -118,8 +146,9 @@ def read_ahead(fn: Callable[[T], R], items: Iterable[T], *, depth: int = 32, tim
     With ``cost`` and ``max_bytes``, items submitted and not yet yielded also add up to at most
     ``max_bytes`` (the first one always goes), so big files cannot overrun a budget or a disk.
 
-    ``timeout`` bounds each call once it has started (a hung mount raises
-    :class:`FetchTimeoutError` naming the item instead of hanging training). Closing the generator
+    ``timeout`` bounds the time each call, once started, goes without progress (see
+    :func:`watch_progress`; a call that reports none is bounded as a whole): a hung mount raises
+    :class:`FetchTimeoutError` naming the item instead of hanging training. Closing the generator
     cancels calls that have not started. ``fast(item)``, when given, is tried first on the calling
     thread; a result other than None is used as is (a cache hit needs no thread hop).
     """
@@ -180,10 +209,15 @@ def read_ahead(fn: Callable[[T], R], items: Iterable[T], *, depth: int = 32, tim
                             result = fut.result(timeout=0.5 if timeout else None)
                             break
                         except FutureTimeout:
-                            if timeout and task.started is not None and time.monotonic() - task.started > timeout:
+                            if not timeout or task.started is None:
+                                continue
+                            now, current = time.monotonic(), _probe(task)
+                            expired, task.started = stall_check(now, task.started, timeout, task.seen, current)
+                            task.seen = current
+                            if expired:
                                 raise FetchTimeoutError(
-                                    f"fetching {describe(task.item)} took more than {timeout:g} s; the volume may "
-                                    "be hung. Check the mount, or raise timeout="
+                                    f"fetching {describe(task.item)} made no progress for {timeout:g} s; the "
+                                    "volume may be hung. Check the mount, or raise timeout="
                                 ) from None
                     period_wait += time.perf_counter() - t0
             pending.popleft()

@@ -3,7 +3,8 @@
 ``python crash_child.py MODE ARGS...`` starts one operation and prints ``READY`` (flushed) at the
 moment the parent should kill it; the operation then stalls so the kill lands exactly there:
 
-- ``fill CACHE SRC REL``: a cache fill of ``SRC/REL`` has written half its bytes to the temp file;
+- ``fill CACHE SRC REL [LIMIT]``: a cache fill of ``SRC/REL`` (budget LIMIT bytes, 0: none) has written
+  half its bytes to the temp file;
 - ``stage SRC DEST``: a staging copy has written half of one file (other copies run normally);
 - ``export TABLE_DIR DEST POINT``: ``export_parquet`` overwriting DEST, POINT ``before_swap`` (all new
   files written, not yet published) or ``writing`` (READY as soon as the export starts: the parent
@@ -41,13 +42,13 @@ def half_then_stall(src: str, dest: str) -> int:
     return len(data)  # pragma: no cover - killed before
 
 
-def fill(cache: str, src: str, rel: str) -> None:
+def fill(cache: str, src: str, rel: str, limit: str = "0") -> None:
     from ucmagic.cache import FileCache, cache_key, safe_suffix
     from ucmagic.volume import open_volume
 
     vol = open_volume(src)
     e = next(e for e in vol.list() if e.path == rel)
-    fc = FileCache(cache)
+    fc = FileCache(cache, int(limit) or None)
     fc.fill(cache_key(vol.uri, e.path, e.size, e.mtime), safe_suffix(e.path), e.size,
             lambda tmp: half_then_stall(os.path.join(src, rel), tmp))
 
