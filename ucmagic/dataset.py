@@ -400,9 +400,12 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
         self.cache = FileCache(cache_dir, cache_limit, min_free)
         bar: list[Progress] = []
 
+        listing_started = time.monotonic()
+
         def shown(count: int) -> None:
-            if not bar:
+            if not bar:  # the first call comes after a second of listing: show the time since it began
                 bar.append(Progress(desc=f"listing {self.volume.display()}", mode="text"))
+                bar[0].start = listing_started
             bar[0].set(count)
 
         opened_at = time.time()
