@@ -245,3 +245,26 @@ def test_range_settings_travel_with_a_pickled_volume(tree):
         got = pickle.loads(pickle.dumps(vol))
         assert (got.range_threshold, got.range_size) == (5 << 20, vol.range_size)
         assert [e.path for e in got.list()] == [e.path for e in vol.list()]
+
+
+def test_a_missing_fsspec_implementation_names_the_extra_to_install(monkeypatch):
+    import fsspec.core
+
+    def missing(url, **kw):
+        raise ImportError("Install s3fs to access S3")
+
+    monkeypatch.setattr(fsspec.core, "url_to_fs", missing)
+    with pytest.raises(ImportError, match=r"s3://bucket/train.*pip install 'ucmagic\[s3\]'"):
+        open_volume("s3://bucket/train")
+
+
+def test_mounting_the_fuse_simulator_without_mfusepy_says_how_to_install_it(monkeypatch, tmp_path):
+    import sys
+
+    from ucmagic.testing import mount_slow_volume
+
+    monkeypatch.setitem(sys.modules, "mfusepy", None)  # as if not installed
+    with pytest.raises(ImportError, match=r"pip install 'ucmagic\[fuse\]'"), \
+            mount_slow_volume(str(tmp_path), str(tmp_path / "mnt")):
+        pass
+    assert not (tmp_path / "mnt").exists()  # nothing was made

@@ -403,7 +403,14 @@ class FsspecVolume(Volume):
 
         self.url = url
         self.storage_options = dict(storage_options or {})
-        self.fs, self.root = fsspec.core.url_to_fs(url, **self.storage_options)
+        try:
+            self.fs, self.root = fsspec.core.url_to_fs(url, **self.storage_options)
+        except ImportError as exc:  # the protocol's fsspec implementation is not installed
+            proto = url.split("://", 1)[0]
+            extra = {"s3": "s3", "s3a": "s3"}.get(proto)
+            how = (f"pip install 'ucmagic[{extra}]'" if extra
+                   else f"install the fsspec implementation of {proto}:// (see the fsspec docs)")
+            raise ImportError(f"cannot open {url}: {exc}: {how}") from exc
         self.root = self.root.rstrip("/")
         proto = self.fs.protocol[0] if isinstance(self.fs.protocol, (tuple, list)) else self.fs.protocol
         self.uri = f"{proto}://{self.root}"

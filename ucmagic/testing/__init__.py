@@ -160,6 +160,11 @@ def fuse_available() -> bool:
 def mount_slow_volume(source: str, mountpoint: str, *, open_ms: float = 20, mbps: float = 200,
                       list_ms: float = 50, fail_every: int = 0, timeout: float = 20) -> Iterator[str]:
     """Mount ``source`` at ``mountpoint`` through FUSE with remote-storage latency; unmount on exit."""
+    try:
+        import mfusepy  # noqa: F401 - the mount runs in a child process; fail here with the fix
+    except ImportError as exc:
+        raise ImportError("mount_slow_volume needs mfusepy and the fuse3 system package: "
+                          "pip install 'ucmagic[fuse]' and apt-get install fuse3") from exc
     os.makedirs(mountpoint, exist_ok=True)
     cmd = [sys.executable, "-m", "ucmagic.testing.slowfuse", source, mountpoint, "--open-ms", str(open_ms),
            "--mbps", str(mbps), "--list-ms", str(list_ms), "--fail-every", str(fail_every)]
