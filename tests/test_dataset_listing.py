@@ -93,6 +93,9 @@ def test_listing_progress_goes_to_the_callback_and_by_default_to_stderr(tmp_path
     UCVolumeDataset(SyntheticVolume(3000, delay=0.05), cache_dir=str(tmp_path / "b"))
     err = capsys.readouterr().err
     assert "listing synthetic://" in err and "3,000" in err
+    final = [line for line in err.splitlines() if "3,000" in line]
+    assert len(final) == 1  # in a log, the finished listing is one line, not one per draw and close
+    assert float(final[0].split()[-2]) >= 1.0  # the time since the listing began, not since the line appeared
 
 
 @pytest.fixture(scope="module")

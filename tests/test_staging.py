@@ -272,6 +272,11 @@ def test_text_progress_rewrites_one_line_on_a_tty_and_prints_lines_otherwise():
     p.close("done")
     assert log.getvalue().splitlines()[-1] == "done"
     assert len(log.getvalue().splitlines()) == 2  # the first update, then the final line only
+    log = io.StringIO()
+    p = Progress(total=3, mode="text", stream=log, interval=3600)
+    p.set(3, 300)
+    p.close()
+    assert len(log.getvalue().splitlines()) == 1  # the final state was the line just logged: not twice
 
 
 def test_silent_progress_still_counts():

@@ -146,6 +146,7 @@ class Progress:
         self.start = time.monotonic()
         self._last = float("-inf")  # the first update draws at once
         self._width = 0
+        self._logged: tuple[Any, ...] = ()  # the counts (and text) of the last line written to a log
         self._closed = False
         self._mu = threading.Lock()
         self._bar: Any = None
@@ -209,7 +210,11 @@ class Progress:
                 self.stream.write("\r" + line + " " * pad + ("\n" if final else ""))
                 self._width = len(line)
             else:
+                state = (self.done, self.nbytes, self.failed, text)
+                if final and state == self._logged:
+                    return  # a log gets a line per update: the final counts were just written
                 self.stream.write(line + "\n")
+                self._logged = state
             self.stream.flush()
         except (OSError, ValueError):  # closed stream: progress is best effort
             pass
