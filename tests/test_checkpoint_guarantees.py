@@ -404,3 +404,53 @@ def test_a_forked_child_does_not_wait_for_or_report_its_parents_saves(tmp_path):
         os._exit(0)
         """, timeout=120)
     assert "child ran" in p.stdout and "child exit 0" in p.stdout, p.stdout + p.stderr
+
+
+def _between_reads(monkeypatch, step):
+    """Run ``step()`` once, right after the first file a reader reads (a writer acting between two reads)."""
+    from ucmagic.checkpoints import storage
+
+    real, done = xfer.read_bytes, []
+
+    def read_bytes(remote):
+        try:
+            return real(remote)
+        finally:
+            if not done:
+                done.append(True)
+                step()
+
+    monkeypatch.setattr(storage.xfer, "read_bytes", read_bytes)
+
+
+def test_a_save_that_begins_between_a_readers_two_reads_is_seen_in_progress(tmp_path, monkeypatch):
+    """A save withdraws the old marker only after writing its record: a reader that read the old
+    marker and then finds a record refuses (never "not committed", never the old checkpoint)."""
+    from ucmagic.checkpoints.storage import read_commit
+
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    (d / fmt.COMMIT_NAME).write_bytes(fmt.make_commit(kind=fmt.FORMAT_DCP, save_id="old", files={}))
+
+    def begin():  # the writer's first step: record, then withdraw the old marker
+        (d / fmt.SAVING_NAME).write_bytes(fmt.make_saving_record(save_id="new", host="h", pid=1))
+        (d / fmt.COMMIT_NAME).unlink()
+
+    _between_reads(monkeypatch, begin)
+    with pytest.raises(CheckpointInProgressError):
+        read_commit(str(d))
+
+
+def test_a_save_that_commits_between_a_readers_two_reads_is_read_as_committed(tmp_path, monkeypatch):
+    from ucmagic.checkpoints.storage import read_commit
+
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    (d / fmt.SAVING_NAME).write_bytes(fmt.make_saving_record(save_id="new", host="h", pid=1))
+
+    def finish():  # the writer's last steps: the new marker, then the record goes
+        (d / fmt.COMMIT_NAME).write_bytes(fmt.make_commit(kind=fmt.FORMAT_DCP, save_id="new", files={}))
+        (d / fmt.SAVING_NAME).unlink()
+
+    _between_reads(monkeypatch, finish)
+    assert read_commit(str(d))["save_id"] == "new"

@@ -117,18 +117,28 @@ def read_commit(path: str) -> dict[str, Any]:
     """The parsed commit marker of checkpoint directory ``path``; raises when it is not committed.
 
     A save in progress (or killed) raises :class:`CheckpointInProgressError`, whatever marker is there.
+
+    The marker is read before the record: a save writes its record before it withdraws the old
+    marker, and writes its marker before it removes its record, so a save that begins or ends
+    between the two reads is still seen (read the other way round, a save beginning in between
+    looked like a directory that was never committed).
     """
-    record = read_saving_record(path)
-    try:
-        data = xfer.read_bytes(os.path.join(path, COMMIT_NAME))
-    except FileNotFoundError:
-        if record is not None:
-            raise CheckpointInProgressError(in_progress_message(path, record)) from None
-        raise not_committed(path) from None
-    commit = parse_commit(data, path)
-    if record is not None and not is_committed_by(commit.get("save_id"), record):
-        raise CheckpointInProgressError(in_progress_message(path, record))
-    return commit
+    commit_path = os.path.join(path, COMMIT_NAME)
+    while True:
+        try:
+            data = xfer.read_bytes(commit_path)
+        except FileNotFoundError:
+            record = read_saving_record(path)
+            if record is not None:
+                raise CheckpointInProgressError(in_progress_message(path, record)) from None
+            if os.path.exists(commit_path):
+                continue  # a save committed between the two reads: read its marker
+            raise not_committed(path) from None
+        commit = parse_commit(data, path)
+        record = read_saving_record(path)
+        if record is not None and not is_committed_by(commit.get("save_id"), record):
+            raise CheckpointInProgressError(in_progress_message(path, record))
+        return commit
 
 
 # ---------------------------------------------------------------- saves pending at interpreter exit
