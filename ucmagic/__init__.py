@@ -78,6 +78,8 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
+# Not ``_util.lazy_exports`` (which the subpackages use): ``import ucmagic`` loads no module but
+# ``_moved`` (tests/test_layout.py), so the top level keeps its own four lines.
 def __getattr__(name: str) -> Any:
     mod = _EXPORTS.get(name)
     if mod is None:

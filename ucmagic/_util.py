@@ -5,6 +5,7 @@ Nothing here imports beyond the standard library, so every module may use it.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import itertools
 import os
 import random
@@ -13,7 +14,7 @@ import threading
 import time
 import zlib
 from dataclasses import dataclass
-from typing import Callable, TypeVar
+from typing import Any, Callable, Iterator, Mapping, TypeVar
 
 R = TypeVar("R")
 
@@ -125,16 +126,28 @@ def copy_local(src: str, dest: str, *, crc: bool = False, sync: bool = False,
 _tmp_counter = itertools.count()
 
 
-def atomic_write(path: str, data: bytes, *, tmp: str | None = None, sync: bool = False, mode: int = 0o644) -> None:
-    """Replace ``path`` with ``data`` atomically: write a temp file beside it, then rename it over.
+@contextlib.contextmanager
+def atomic_target(path: str, tmp: str | None = None) -> Iterator[str]:
+    """Yield a temp path beside ``path`` to write; rename it over ``path`` when the block succeeds.
 
     Readers see the old content or the new, never a part. ``tmp`` names the temp file (default
-    ``<path>.tmp-<pid>-<n>``); ``sync=True`` fsyncs it before the rename (durable across a crash).
-    The temp file is removed when the write fails.
+    ``<path>.tmp-<pid>-<n>``); it is removed when the block fails.
     """
     tmp = tmp or f"{path}.tmp-{os.getpid()}-{next(_tmp_counter)}"
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+        yield tmp
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write(path: str, data: bytes, *, tmp: str | None = None, sync: bool = False, mode: int = 0o644) -> None:
+    """Replace ``path`` with ``data`` atomically (see :func:`atomic_target`); ``sync=True`` fsyncs
+    the temp file before the rename (durable across a crash)."""
+    with atomic_target(path, tmp) as part:
+        fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
         try:
             view = memoryview(data)
             while view:
@@ -143,8 +156,24 @@ def atomic_write(path: str, data: bytes, *, tmp: str | None = None, sync: bool =
                 os.fsync(fd)
         finally:
             os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+
+
+def lazy_exports(package: str, exports: Mapping[str, str],
+                 namespace: dict[str, Any]) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
+    """A package's module ``__getattr__`` and ``__dir__`` (PEP 562) for public names loaded on first use.
+
+    ``exports`` maps each name to the submodule of ``package`` that defines it; a loaded name is
+    kept in ``namespace`` (the package's ``globals()``), so each is imported once.
+    """
+    def getattr_(name: str) -> Any:
+        mod = exports.get(name)
+        if mod is None:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(f"{package}.{mod}"), name)
+        namespace[name] = value
+        return value
+
+    def dir_() -> list[str]:
+        return sorted(set(namespace) | set(exports))
+
+    return getattr_, dir_

@@ -7,8 +7,7 @@ The names below load on first use, so importing :mod:`ucmagic.checkpoints.format
 """
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from .._util import lazy_exports
 
 # public name -> submodule that defines (or re-exports) it
 _EXPORTS = {
@@ -23,15 +22,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    mod = _EXPORTS.get(name)
-    if mod is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{mod}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())  # PEP 562: loaded on first use
