@@ -41,6 +41,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
+from ._util import atomic_target
 from .cache import default_cache_dir, file_lock
 from .errors import ListingChangedError
 from .volume import FileEntry, Volume
@@ -311,15 +312,8 @@ def _write(folder: str, key: str, volume: Volume, pattern: str | None, listed_at
          _arrow(np.array([m for _, m in seen_dirs], dtype=np.int64))], names=["dir", "mtime_ns"])
     base = os.path.join(folder, f"{key}-{int(listed_at * 1000):x}-{uuid.uuid4().hex[:8]}")
     for path, b in ((base + ".dirs.arrow", dirs_batch), (base + ".arrow", batch)):
-        tmp = f"{path}.tmp-{os.getpid()}"
-        try:
-            with ipc.new_file(tmp, b.schema) as w:
-                w.write_batch(b)
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+        with atomic_target(path, f"{path}.tmp-{os.getpid()}") as tmp, ipc.new_file(tmp, b.schema) as w:
+            w.write_batch(b)
     return base + ".arrow"
 
 
