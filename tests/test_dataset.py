@@ -381,14 +381,20 @@ def test_default_restart_never_serves_the_old_copy_of_a_file_rewritten_in_place(
         assert f.read() == new
 
 
-def test_default_restart_checks_each_file_once_per_dataset_not_per_epoch(tree, tmp_path, monkeypatch):
+def _listed_then_counting_stats(tree, tmp_path, monkeypatch):
+    """A tree listed and cached once (listing reusable), then every ``LocalVolume.stat`` recorded."""
     root, rels = tree
     _age_tree(root)
     cache = str(tmp_path / "cache")
     list(UCVolumeDataset(root, cache_dir=cache))
-    stats = []
+    stats: list[str] = []
     real = LocalVolume.stat
     monkeypatch.setattr(LocalVolume, "stat", lambda self, rel: stats.append(rel) or real(self, rel))
+    return root, rels, cache, stats
+
+
+def test_default_restart_checks_each_file_once_per_dataset_not_per_epoch(tree, tmp_path, monkeypatch):
+    root, rels, cache, stats = _listed_then_counting_stats(tree, tmp_path, monkeypatch)
     ds = UCVolumeDataset(root, cache_dir=cache)  # reused listing: no per-file stat up front
     assert stats == []
     for epoch in range(2):
@@ -399,13 +405,7 @@ def test_default_restart_checks_each_file_once_per_dataset_not_per_epoch(tree, t
 
 
 def test_validate_files_checks_up_front_and_not_while_iterating(tree, tmp_path, monkeypatch):
-    root, rels = tree
-    _age_tree(root)
-    cache = str(tmp_path / "cache")
-    list(UCVolumeDataset(root, cache_dir=cache))
-    stats = []
-    real = LocalVolume.stat
-    monkeypatch.setattr(LocalVolume, "stat", lambda self, rel: stats.append(rel) or real(self, rel))
+    root, rels, cache, stats = _listed_then_counting_stats(tree, tmp_path, monkeypatch)
     ds = UCVolumeDataset(root, cache_dir=cache, validate="files")
     assert len(list(ds)) == len(rels) and stats == []
     with pytest.raises(ValueError, match="validate"):
