@@ -9,7 +9,7 @@ import threading
 import time
 import warnings
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
@@ -22,7 +22,7 @@ from .cache import FileCache, cache_key, process_tag, release_at_exit, safe_suff
 from .dist import dist_info, local_world_size
 from .epochs import EpochTracking, check_state_kind
 from .errors import FetchError, ListingChangedError, SourceChangedError
-from .fetch import read_ahead, restart_timeout, with_retries
+from .fetch import read_ahead, restart_timeout, shared_pool, with_retries
 from .listing import Listing, forget_listing, open_listing
 from .progress import Progress
 from .telemetry import SharedCounters, SharedInts, percentiles
@@ -85,14 +85,7 @@ def _release_free_heap() -> None:
 _TRIM: list[Callable[[], Any] | None] = [None]
 
 VALIDATE_MODES = ("lazy", "files", "dirs", "none")
-CHECK_THREADS = 16  # threads of one process's validate="lazy" checks
-_check_pool: list[tuple[int, ThreadPoolExecutor]] = []  # (pid, pool): a forked worker makes its own
-
-
-def _checker() -> ThreadPoolExecutor:
-    if not _check_pool or _check_pool[0][0] != os.getpid():
-        _check_pool[:] = [(os.getpid(), ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="ucmagic-check"))]
-    return _check_pool[0][1]
+CHECK_THREADS = 16  # threads of one process's validate="lazy" checks (their own pool: a hit waits on them)
 
 
 class CheckedFiles:
@@ -584,7 +577,7 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
                     checked.add(i)
 
         step = max(16, -(-len(todo) // CHECK_THREADS))
-        list(_checker().map(same, [todo[a:a + step] for a in range(0, len(todo), step)]))
+        list(shared_pool(CHECK_THREADS, "check").map(same, [todo[a:a + step] for a in range(0, len(todo), step)]))
 
     def _skippable(self, exc: BaseException) -> bool:
         return self.on_error == "skip" or (self.on_missing == "skip" and _source_missing(exc))

@@ -37,20 +37,23 @@ def with_retries(fn: Callable[[T], R], item: T, retries: int,
     return RetryPolicy(retries, PERMANENT).call(lambda: fn(item), on_retry)
 
 
-_pools: dict[int, ThreadPoolExecutor] = {}
+_pools: dict[tuple[int, str], ThreadPoolExecutor] = {}
 _pools_mu = threading.Lock()
 
 
-def shared_pool(threads: int) -> ThreadPoolExecutor:
-    """A per-process pool of I/O threads (recreated after fork; sized by the largest request)."""
+def shared_pool(threads: int, name: str = "fetch") -> ThreadPoolExecutor:
+    """The process's pool of I/O threads called ``name`` (recreated after fork; sized by the largest
+    request). Separate names keep short calls from queueing behind a full read-ahead."""
     with _pools_mu:
-        pool = _pools.get(os.getpid())
+        key = (os.getpid(), name)
+        pool = _pools.get(key)
         if pool is None or pool._max_workers < threads:  # noqa: SLF001
             if pool is not None:
                 pool.shutdown(wait=False)
-            pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ucmagic-fetch")
-            _pools.clear()
-            _pools[os.getpid()] = pool
+            pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=f"ucmagic-{name}")
+            for stale in [k for k in _pools if k[0] != key[0]]:  # a forked child's copies of the parent's
+                del _pools[stale]
+            _pools[key] = pool
         return pool
 
 
