@@ -33,6 +33,9 @@ from ucmagic.checkpoints.api import (
 )
 from ucmagic.errors import SourceNotFoundError
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # ranks, whatever pytest's import mode
+from ranks import PRELUDE, run_ranks  # noqa: E402
+
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -354,8 +357,8 @@ def test_reader_downloads_only_needed_files(tmp_path, staging, monkeypatch):
 
 # ---------------------------------------------------------------- processes: two ranks, a killed save
 
-_COMMON = """
-import os, sys, warnings
+_COMMON = PRELUDE + """
+import sys, warnings
 warnings.simplefilter("ignore")
 import torch
 sys.path.insert(0, {tests!r})
@@ -367,9 +370,12 @@ from ucmagic.checkpoints.api import save_checkpoint, load_checkpoint
 def test_two_ranks_gloo_sync_and_async_round_trip(tmp_path):
     root = tmp_path / "ck"
     script = _COMMON.format(tests=os.path.dirname(__file__)) + f"""
+import datetime
 import torch.distributed as dist
 rank = int(os.environ["RANK"])
-dist.init_process_group("gloo", init_method="file://{tmp_path}/pg", rank=rank, world_size=2)
+dist.init_process_group("gloo", init_method=os.environ["PG_INIT"], rank=rank, world_size=2,
+                        timeout=datetime.timedelta(seconds=90))
+print("READY", flush=True)
 model, opt = trained()
 save_checkpoint({str(root)!r}, model=model, optimizer=opt, step=1, extra={{"rank0": True}})
 save_checkpoint({str(root)!r}, model=model, optimizer=opt, step=2, async_=True, keep=1).result(timeout=120)
@@ -383,10 +389,7 @@ print("OK", rank)
     f = tmp_path / "two.py"
     f.write_text(textwrap.dedent(script))
     env = dict(os.environ, PYTHONPATH=REPO, UCMAGIC_STAGING_DIR=str(tmp_path / "staging"), OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, str(f)], env=dict(env, RANK=str(r)), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT) for r in range(2)]
-    outs = [p.communicate(timeout=180)[0].decode() for p in procs]
-    assert all(p.returncode == 0 for p in procs), outs
+    run_ranks(str(f), env=env)
     assert [i.step for i in list_checkpoints(root)] == [2]
     commit = json.loads((root / "step_2" / fmt.COMMIT_NAME).read_text())
     assert any(n.startswith("__1_") for n in commit["files"]), "rank 1's shards are in the manifest"

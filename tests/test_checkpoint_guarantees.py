@@ -37,6 +37,7 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(TESTS)
 sys.path.insert(0, TESTS)
 from test_checkpoint import make_model, same_model, trained  # noqa: E402 - needs tests/ on sys.path
+from ranks import PRELUDE, run_ranks  # noqa: E402
 
 
 @pytest.fixture()
@@ -361,15 +362,17 @@ def test_two_rank_gloo_save_reshards_rowwise_to_columnwise_and_to_one_process(tm
         pytest.skip("this torch has no public DTensor API")
     path = str(tmp_path / "ck")
     script = tmp_path / "reshard.py"
-    script.write_text(textwrap.dedent(f"""
-        import os, warnings
+    script.write_text(PRELUDE + textwrap.dedent(f"""
+        import datetime, warnings
         warnings.simplefilter("ignore")
         import torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import Shard, distribute_tensor
         from ucmagic import UCVolumeReader, UCVolumeWriter
         rank = int(os.environ["RANK"])
-        dist.init_process_group("gloo", init_method="file://{tmp_path}/pg", rank=rank, world_size=2)
+        dist.init_process_group("gloo", init_method=os.environ["PG_INIT"], rank=rank, world_size=2,
+                                timeout=datetime.timedelta(seconds=90))
+        print("READY", flush=True)
         mesh = init_device_mesh("cpu", (2,))
         full = torch.arange(96.0).reshape(8, 12)
         dcp.save({{"w": distribute_tensor(full, mesh, [Shard(0)]), "n": 5}}, storage_writer=UCVolumeWriter({path!r}))
@@ -381,10 +384,7 @@ def test_two_rank_gloo_save_reshards_rowwise_to_columnwise_and_to_one_process(tm
         print("OK", rank)
         """))
     env = dict(os.environ, PYTHONPATH=REPO, UCMAGIC_STAGING_DIR=str(staging), OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, str(script)], env=dict(env, RANK=str(r)), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in range(2)]
-    outs = [p.communicate(timeout=240)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), outs
+    run_ranks(str(script), env=env, timeout=240)
     names = os.listdir(path)
     assert any(n.startswith("__0_") for n in names) and any(n.startswith("__1_") for n in names)
     target = {"w": torch.zeros(8, 12), "n": 0}
