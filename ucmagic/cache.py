@@ -30,7 +30,7 @@ import struct
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, Sequence
 
 try:
     import fcntl
@@ -340,6 +340,31 @@ class FileCache:
                 return None
         return path
 
+    def lookup_run(self, names: Sequence[str], sizes: Sequence[int]) -> list[str]:
+        """Paths of the leading entries (``key + suffix`` names with their sizes) that :meth:`lookup`
+        would return, stopping at the first one it would not: the warm path's lookup of a run of items,
+        one ``stat`` each and no per-item call."""
+        data = self._data + os.sep
+        uid = os.getuid() if hasattr(os, "getuid") else None
+        stale_before = time.time() - TOUCH_EVERY_S
+        stat = os.stat
+        out: list[str] = []
+        for name, size in zip(names, sizes):
+            path = data + name[:2] + os.sep + name
+            try:
+                st = stat(path)
+            except FileNotFoundError:
+                break
+            if st.st_size != size or (uid is not None and st.st_uid != uid):
+                break
+            if st.st_mtime < stale_before:
+                try:
+                    os.utime(path)  # last-use time drives LRU
+                except OSError:
+                    break
+            out.append(path)
+        return out
+
     def fill(self, key: str, suffix: str, size: int, write: Callable[[str], int], *,
              may_exceed: Callable[[], bool] | None = None, on_wait: Callable[[], None] | None = None,
              looked_up: bool = False) -> tuple[str, bool]:
@@ -349,7 +374,8 @@ class FileCache:
         a single fill. ``write`` must produce exactly ``size`` bytes or the fill fails with OSError.
         Without room in the budget the fill waits (calling ``on_wait`` while it does) until
         consumers free some, unless ``may_exceed()`` says a consumer is blocked on this very file.
-        ``looked_up``: the caller just found no entry (the lookup under the lock still runs).
+        ``looked_up``: the caller just found no entry, or expects none (a run of misses): the lookup
+        before the lock is skipped (the one under the lock still runs, so a hit is still found).
         """
         if not looked_up:
             path = self.lookup(key, suffix, size)

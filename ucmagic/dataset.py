@@ -32,6 +32,7 @@ STATE_VERSION = 2  # 2: the array-free epoch order (plan.ORDER_VERSION 2)
 STREAM_CHUNK = 512  # items of a stream decoded from the listing at once (~450 B each while kept)
 STREAM_CHUNKS_KEPT = 8  # decoded chunks kept per stream (read-ahead and protection stay within them)
 DEFAULT_INFLIGHT = 128  # files in flight per rank, spread over its DataLoader workers
+WARM_STREAK = 64  # consecutive cache hits after which iteration switches to whole runs of lookups
 _last_fetch = threading.local()  # per-item records: did this thread's last _fetch copy the file?
 MAX_STREAMS = 64  # DataLoader workers whose consumption ucmagic.DataLoader reports (more share slots)
 _TRACKED = MAX_STREAMS  # index of the "ucmagic.DataLoader reports consumption" flag in the channel
@@ -306,6 +307,13 @@ class StreamItems:
 
     def key_at(self, pos: int) -> tuple[str, str]:
         return self._at(pos // self.chunk)[2][pos % self.chunk]
+
+    def run(self, lo: int, hi: int) -> tuple[list[int], list[str], list[int]]:
+        """Listing indices, cache entry names and sizes of positions ``[lo, hi)`` (within one chunk)."""
+        c = lo // self.chunk
+        a, b = lo - c * self.chunk, hi - c * self.chunk
+        idx, entries, _, names = self._at(c)
+        return idx[a:b], names[a:b], [e.size for e in entries[a:b]]
 
     def names(self, lo: int, hi: int) -> list[str]:
         """Cache entry names (key + suffix) of positions ``[lo, hi)`` (for protection records)."""
@@ -639,9 +647,10 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
             stream.start_refresher()
         counters = self._counters
         skipped: list[str] = []
+        n = len(items)
 
-        def scheduled() -> Iterator[int]:
-            for pos in range(len(items)):
+        def scheduled(start: int) -> Iterator[int]:
+            for pos in range(start, n):
                 stream.cover(pos)
                 yield pos
 
@@ -663,7 +672,7 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
             t0, _last_fetch.fetched = time.perf_counter(), False
             try:
                 got = self._fetch(e, items.key_at(pos), may_exceed=lambda: stream.may_exceed(pos), on_wait=on_wait,
-                                  looked_up=pos in probed)
+                                  looked_up=pos in probed or (misses[0] >= 8 and cache.limit is None))
                 if checked is not None:
                     self._check_source(items.index(pos), e, _last_fetch.fetched)
             except Exception as exc:
@@ -701,29 +710,73 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
                 probed.add(pos)
             return path
 
+        def warm_run(pos: int) -> tuple[list[str], list[int], list[int], float, bool]:
+            """Cache hits from ``pos`` on, looked up as one run on this thread (a warm cache: no
+            read-ahead, no per-item calls): ``(paths, indices, sizes, seconds each, whole run hit)``."""
+            end = min(n, pos + stream.chunk, (pos // items.chunk + 1) * items.chunk)
+            stream.cover(end - 1)  # protected before they are looked up, as in the read-ahead
+            idx, names, sizes = items.run(pos, end)
+            if checked is not None and not all(i in checked for i in idx):
+                self._check_ahead(items, pos)
+                cut = next((k for k, i in enumerate(idx) if i not in checked), len(idx))
+                idx, names, sizes = idx[:cut], names[:cut], sizes[:cut]
+            t0 = time.perf_counter()
+            paths = cache.lookup_run(names, sizes)
+            return paths, idx, sizes, (time.perf_counter() - t0) / max(1, len(paths)), len(paths) == end - pos
+
+        def handed(pos: int) -> None:
+            """Bookkeeping of position ``pos`` just before it is handed out."""
+            if main:
+                self._delivered_main = pos + 1
+            stream.yielded = pos + 1
+            if pos % stream.quantum == 0:
+                stream.refresh()
+            if pos % STREAM_CHUNK == STREAM_CHUNK - 1:
+                _release_free_heap()
+
+        pos, warm = 0, True  # a warm cache (a second epoch, a restart) is found by the first run
         try:
-            for pos, got in enumerate(read_ahead(get, scheduled(), depth=depth, timeout=self.timeout,
-                                                 describe=lambda p: self.volume.display(items.entry(p).path),
-                                                 fast=hit, cost=lambda p: items.entry(p).size, max_bytes=max_bytes)):
-                if main:
-                    self._delivered_main += 1
-                stream.yielded = pos + 1
-                hit_, fetch_s = timing.pop(pos, (True, 0.0))
-                if isinstance(got, BaseException):
-                    stream.skipped += 1
-                    counters.add(errors=1)
-                    if len(skipped) < 3:
-                        skipped.append(f"{self.volume.display(items.entry(pos).path)}: {got}")
+            while pos < n:
+                if warm:
+                    paths, idx, sizes, each, warm = warm_run(pos)
+                    quantum = stream.quantum
+                    for k, path in enumerate(paths):
+                        handed(pos)
+                        tally[0] += 1
+                        tally[1] += 1
+                        if (pos + 1) % quantum == 0:  # exact once the loop holds a whole batch
+                            flush()
+                        telemetry.record_item(idx[k], True, each, sizes[k])
+                        pos += 1
+                        yield path
                     continue
-                if pos % stream.quantum == 0:
-                    stream.refresh()
-                if pos % STREAM_CHUNK == STREAM_CHUNK - 1:
-                    _release_free_heap()
-                tally[1] += 1
-                if (pos + 1) % stream.quantum == 0:  # exact once the loop holds a whole batch
-                    flush()
-                telemetry.record_item(items.index(pos), hit_, fetch_s, items.entry(pos).size)
-                yield got
+                streak = 0  # consecutive hits: a long run switches back to warm runs
+                ahead = read_ahead(get, scheduled(pos), depth=depth, timeout=self.timeout,
+                                   describe=lambda p: self.volume.display(items.entry(p).path),
+                                   fast=hit, cost=lambda p: items.entry(p).size, max_bytes=max_bytes)
+                try:
+                    for pos, got in enumerate(ahead, pos):  # noqa: B020 - pos carries over to the warm runs
+                        handed(pos)
+                        hit_, fetch_s = timing.pop(pos, (True, 0.0))
+                        if isinstance(got, BaseException):
+                            stream.skipped += 1
+                            counters.add(errors=1)
+                            if len(skipped) < 3:
+                                skipped.append(f"{self.volume.display(items.entry(pos).path)}: {got}")
+                            streak = 0
+                            continue
+                        tally[1] += 1
+                        if (pos + 1) % stream.quantum == 0:  # exact once the loop holds a whole batch
+                            flush()
+                        telemetry.record_item(items.index(pos), hit_, fetch_s, items.entry(pos).size)
+                        yield got
+                        streak = streak + 1 if hit_ else 0
+                        if streak >= WARM_STREAK:
+                            warm = True
+                            break
+                    pos += 1
+                finally:
+                    ahead.close()  # calls not started are cancelled; started fills still land in the cache
         finally:
             flush()
             stream.finish()
