@@ -70,6 +70,18 @@ def test_fill_then_hit_and_no_partial_file_visible(tmp_path):
     assert not fetched2 and path2 == path and open(path, "rb").read() == b"hello"
 
 
+def test_a_run_lookup_returns_the_leading_hits_as_single_lookups_would(tmp_path):
+    c = FileCache(str(tmp_path / "c"))
+    keys = [cache_key("v", f"f{i}", 5, 0) for i in range(6)]
+    for k in keys[:2] + keys[3:]:
+        c.fill(k, ".bin", 5, writer(b"hello"))
+    names = [k + ".bin" for k in keys]
+    got = c.lookup_run(names, [5] * 6)
+    assert got == [c.lookup(k, ".bin", 5) for k in keys[:2]]  # stops at the missing third entry
+    assert c.lookup_run(names[3:], [5, 4, 5]) == [c.lookup(keys[3], ".bin", 5)]  # a size mismatch ends the run
+    assert c.lookup_run([], []) == []
+
+
 def test_short_copy_is_refused(tmp_path):
     c = FileCache(str(tmp_path / "c"))
     with pytest.raises(OSError, match="changed while being read"):

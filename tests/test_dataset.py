@@ -57,6 +57,34 @@ def test_cache_persists_across_dataset_objects_and_processes(tree, tmp_path):
     assert out.stdout.strip() == "0"  # a "kernel restart" keeps the cache
 
 
+def test_a_warm_epoch_with_evicted_entries_delivers_everything_in_order_and_refetches_only_those(tree, tmp_path):
+    """Runs of hits are served at once; a missing entry in the middle (evicted, cleared) goes back to
+    the read-ahead and the epoch carries on in order."""
+    root, rels = tree
+    ds = UCVolumeDataset(root, cache_dir=str(tmp_path / "c"))
+    first = list(ds)
+    for p in first[10:13] + first[90:91]:
+        os.remove(p)
+    again = list(ds)
+    assert [rel_of(p) for p in again] == sorted(rels) and again == first  # the same paths, every file once
+    s = ds.stats()
+    assert s["misses"] == len(rels) + 4 and s["hits"] == len(rels) - 4
+
+
+def test_state_dict_is_exact_part_way_through_a_warm_epoch(tree, tmp_path):
+    root, rels = tree
+    ds = UCVolumeDataset(root, cache_dir=str(tmp_path / "c"), shuffle=True, seed=3)
+    list(ds)
+    it = iter(ds)
+    got = [rel_of(next(it)) for _ in range(45)]
+    state = json.loads(json.dumps(ds.state_dict()))
+    it.close()
+    rest = UCVolumeDataset(root, cache_dir=str(tmp_path / "c"), shuffle=True, seed=3)
+    rest.load_state_dict(state)
+    after = [rel_of(p) for p in rest]
+    assert len(after) == len(rels) - 45 and sorted(got + after) == sorted(rels)
+
+
 def test_changed_source_file_is_fetched_again(tree):
     root, rels = tree
     ds = UCVolumeDataset(root)

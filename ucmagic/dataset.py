@@ -663,7 +663,8 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
         misses = [0]
         probed: set[int] = set()
 
-        timing: dict[int, tuple[bool, float]] = {}  # pos -> (hit, fetch seconds) for telemetry.record_item
+        # pos -> (hit, fetch seconds, a hit found here that the shared counters have yet to count)
+        timing: dict[int, tuple[bool, float, bool]] = {}
 
         checked = self._checked
 
@@ -682,10 +683,10 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
                     return exc
                 raise
             probed.discard(pos)
-            timing[pos] = (not _last_fetch.fetched, time.perf_counter() - t0)
+            timing[pos] = (not _last_fetch.fetched, time.perf_counter() - t0, False)  # _fetch counted it
             return got
 
-        tally = [0, 0]  # hits on this thread and items delivered, added to the shared counters per batch
+        tally = [0, 0]  # hits served on this thread and items delivered, added to the shared counters per batch
 
         def flush() -> None:
             counters.add(hits=tally[0], delivered=tally[1])
@@ -702,9 +703,8 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
             t0 = time.perf_counter()
             path = cache.lookup(key, suffix, items.entry(pos).size)
             if path is not None:
-                timing[pos] = (True, time.perf_counter() - t0)
+                timing[pos] = (True, time.perf_counter() - t0, True)  # counted when delivered
                 misses[0] = 0
-                tally[0] += 1
             else:
                 misses[0] += 1
                 probed.add(pos)
@@ -757,7 +757,7 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
                 try:
                     for pos, got in enumerate(ahead, pos):  # noqa: B020 - pos carries over to the warm runs
                         handed(pos)
-                        hit_, fetch_s = timing.pop(pos, (True, 0.0))
+                        hit_, fetch_s, count = timing.pop(pos, (True, 0.0, False))
                         if isinstance(got, BaseException):
                             stream.skipped += 1
                             counters.add(errors=1)
@@ -765,6 +765,7 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
                                 skipped.append(f"{self.volume.display(items.entry(pos).path)}: {got}")
                             streak = 0
                             continue
+                        tally[0] += count
                         tally[1] += 1
                         if (pos + 1) % stream.quantum == 0:  # exact once the loop holds a whole batch
                             flush()
