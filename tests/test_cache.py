@@ -5,11 +5,14 @@ import threading
 import time
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from ucmagic.cache import (
     FileCache,
     KeyLocks,
     cache_key,
+    cache_keys,
     choose_victims,
     parse_record_name,
     process_tag,
@@ -48,6 +51,12 @@ def test_key_depends_on_volume_path_size_and_mtime():
                                          ("../../etc/passwd", ""), ("evil.$(rm)", ""), ("dir.d/file", "")])
 def test_suffix_is_sanitised(name, suffix):
     assert safe_suffix(name) == suffix
+
+
+@given(st.lists(st.tuples(st.text(alphabet="ab./-_ $é\udcff", max_size=12), st.integers(0, 10**12),
+                          st.floats(allow_nan=False, allow_infinity=False)), max_size=20))
+def test_keys_of_a_chunk_are_the_keys_of_each_file(files):
+    assert cache_keys("file:///v", files) == [(cache_key("file:///v", r, s, m), safe_suffix(r)) for r, s, m in files]
 
 
 def test_fill_then_hit_and_no_partial_file_visible(tmp_path):

@@ -144,6 +144,24 @@ def safe_suffix(rel: str) -> str:
     return m.group(0) if m else ""
 
 
+def cache_keys(volume_uri: str, files: Iterable[tuple[str, int, float]]) -> list[tuple[str, str]]:
+    """``(cache_key, safe_suffix)`` of many ``(rel, size, mtime)`` at once (the same values, without
+    a call and a regex search per file: the warm path decodes a chunk of these per 512 items)."""
+    blake2b = hashlib.blake2b
+    pre = f"{volume_uri}\0"
+    suffixes: dict[str, str] = {}
+    out = []
+    for rel, size, mtime in files:
+        dot = rel.rfind(".")
+        tail = rel[dot:] if dot > rel.rfind("/") else ""
+        sfx = suffixes.get(tail)
+        if sfx is None:
+            sfx = suffixes[tail] = safe_suffix(tail)
+        out.append((blake2b(f"{pre}{rel}\0{size}\0{mtime!r}".encode("utf-8", "surrogateescape"),
+                            digest_size=20).hexdigest(), sfx))
+    return out
+
+
 def choose_victims(entries: Iterable[tuple[str, int, float]], bytes_to_free: int) -> list[str]:
     """LRU choice: the oldest (by last use) entries whose sizes add up to ``bytes_to_free``.
 

@@ -18,7 +18,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from . import plan, telemetry
 from ._util import DEFAULT_RETRIES
-from .cache import FileCache, cache_key, process_tag, release_at_exit, safe_suffix
+from .cache import FileCache, cache_key, cache_keys, process_tag, release_at_exit, safe_suffix
 from .dist import dist_info, local_world_size
 from .epochs import EpochTracking, check_state_kind
 from .errors import FetchError, ListingChangedError, SourceChangedError
@@ -255,11 +255,11 @@ class StreamItems:
     """
 
     def __init__(self, listing: Listing, ranges: Sequence[plan.Range], order: Callable[[np.ndarray], np.ndarray],
-                 key: Callable[[FileEntry], tuple[str, str]], chunk: int = STREAM_CHUNK) -> None:
+                 keys: Callable[[list[FileEntry]], list[tuple[str, str]]], chunk: int = STREAM_CHUNK) -> None:
         self.listing = listing
         self.ranges = list(ranges)
         self.order = order
-        self.key = key
+        self.keys = keys
         self.chunk = max(1, int(chunk))
         self._len = plan.ranges_len(self.ranges)
         self._kept: OrderedDict[int, _Chunk] = OrderedDict()
@@ -291,7 +291,7 @@ class StreamItems:
         a = c * self.chunk
         idx = self.order(plan.positions(plan.take(self.ranges, a, min(a + self.chunk, self._len))))
         entries = self.listing.entries(idx)
-        keys = [self.key(e) for e in entries]
+        keys = self.keys(entries)
         got = (idx.tolist(), entries, keys, [k + x for k, x in keys])
         with self._mu:
             self._kept[c] = got
@@ -496,7 +496,7 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
         rank, world, _, _, worker, nworkers = dist_info()
         pool, order = self.epoch_plan(self.epoch if epoch is None else epoch)
         pos = plan.stream_positions(pool, world, rank, nworkers, worker, self.partition, self.batch_quantum)
-        return StreamItems(self.listing, pos, order, self._key)
+        return StreamItems(self.listing, pos, order, lambda entries: cache_keys(self.volume.uri, entries))
 
     def stream_indices(self, epoch: int | None = None) -> list[int]:
         """File indices the calling (rank, worker) stream delivers this epoch, in order (a list as
@@ -739,15 +739,22 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
             while pos < n:
                 if warm:
                     paths, idx, sizes, each, warm = warm_run(pos)
-                    quantum = stream.quantum
-                    for k, path in enumerate(paths):
-                        handed(pos)
+                    quantum, record = stream.quantum, telemetry.record_item
+                    for k, path in enumerate(paths):  # handed(), inlined: this loop is the warm epoch's cost
+                        nxt = pos + 1
+                        if main:
+                            self._delivered_main = nxt
+                        stream.yielded = nxt
+                        if pos % quantum == 0:
+                            stream.refresh()
+                        if pos % STREAM_CHUNK == STREAM_CHUNK - 1:
+                            _release_free_heap()
                         tally[0] += 1
                         tally[1] += 1
-                        if (pos + 1) % quantum == 0:  # exact once the loop holds a whole batch
+                        if nxt % quantum == 0:  # exact once the loop holds a whole batch
                             flush()
-                        telemetry.record_item(idx[k], True, each, sizes[k])
-                        pos += 1
+                        record(idx[k], True, each, sizes[k])
+                        pos = nxt
                         yield path
                     continue
                 streak = 0  # consecutive hits: a long run switches back to warm runs
