@@ -13,7 +13,7 @@ import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any, Callable, Iterable, Iterator, NamedTuple, TypeVar
+from typing import Any, Callable, Generator, Iterable, NamedTuple, TypeVar
 
 from ._util import RetryPolicy
 from .errors import CacheFullError, FetchTimeoutError
@@ -140,7 +140,7 @@ def tune_window(w: Window, rate: float, wait_share: float, *, floor: int, ceilin
 def read_ahead(fn: Callable[[T], R], items: Iterable[T], *, depth: int = 32, timeout: float | None = 120.0,
                pool: ThreadPoolExecutor | None = None, describe: Callable[[T], str] = str,
                fast: Callable[[T], R | None] | None = None, cost: Callable[[T], int] | None = None,
-               max_bytes: int | None = None) -> Iterator[R]:
+               max_bytes: int | None = None) -> Generator[R, None, None]:
     """Yield ``fn(item)`` for each item, in order, with up to ``depth`` calls in flight.
 
     The calls in flight start at 8 and follow :func:`tune_window`: more while the consumer waits
