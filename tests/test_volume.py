@@ -4,7 +4,7 @@ import threading
 
 import pytest
 
-from ucmagic.errors import EmptyListingError, NotADirectoryErrorUC, SourceNotFoundError
+from ucmagic.errors import EmptyListingError, NotADirectoryErrorUC, SourceChangedError, SourceNotFoundError
 from ucmagic.volume import (FileEntry, FsspecVolume, LocalVolume, compile_pattern, filter_entries,
                             listing_fingerprint, open_volume, resolve_local_path)
 
@@ -93,6 +93,27 @@ def test_copy_to_local(tree, tmp_path):
     dest = tmp_path / "c.bin"
     assert LocalVolume(root).copy_to(rels[3], str(dest)) == 3000
     assert dest.read_bytes().startswith(rels[3].encode())
+
+
+@pytest.mark.parametrize("sendfile", ["kernel", "unsupported"])
+def test_local_copy_is_exact_with_or_without_sendfile_and_refuses_a_source_that_grew(tmp_path, monkeypatch, sendfile):
+    root = tmp_path / "v"
+    root.mkdir()
+    data = os.urandom(3 * 1024 * 1024 + 17)
+    (root / "f.bin").write_bytes(data)
+    if sendfile == "unsupported":  # e.g. a mount without sendfile: plain reads and writes
+        def no_sendfile(*a, **k):
+            raise OSError(errno.EINVAL, "no sendfile")
+        monkeypatch.setattr(os, "sendfile", no_sendfile)
+    vol = LocalVolume(str(root))
+    [e] = vol.list()
+    dest = tmp_path / "copy.bin"
+    assert vol.copy_to(e.path, str(dest), expect=e) == len(data) and dest.read_bytes() == data
+    assert vol.copy_to(e.path, str(tmp_path / "plain.bin")) == len(data)  # no listing entry: to the end
+    with open(root / "f.bin", "ab") as f:
+        f.write(b"more")  # grew after the listing: the copy stops at the listed size and is refused
+    with pytest.raises(SourceChangedError, match="f.bin"):
+        vol.copy_to(e.path, str(tmp_path / "grown.bin"), expect=e)
 
 
 def test_fingerprint_changes_with_listing():
