@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from ucmagic import EmptyListingError, ListingChangedError
+from ucmagic.cache import cache_key
 from ucmagic.listing import RACY_S, Listing, forget_listing, listings_dir, open_listing
 from ucmagic.testing import make_files
 from ucmagic.volume import DirScan, FileEntry, LocalVolume, Volume, listing_fingerprint, open_volume
@@ -85,6 +86,7 @@ def test_listing_has_the_entries_and_fingerprint_of_volume_list(vol, tmp_path):
     assert listing.sizes.tolist() == [e.size for e in ref]
     assert listing.total_bytes == sum(e.size for e in ref)
     assert listing.fingerprint == listing_fingerprint(ref)
+    assert listing.keys([7, 2]) == [cache_key(vol.uri, e.path, e.size, e.mtime) for e in (ref[7], ref[2])]
     with pytest.raises(IndexError):
         listing.entry(150)
 
@@ -237,6 +239,7 @@ def test_file_names_that_are_not_utf8_round_trip(tmp_path):
     vol = open_volume(str(root))
     listing = open_listing(vol, None, cache_root(tmp_path))
     assert listing.entries([0, 1]) == vol.list()
+    assert listing.keys([0, 1]) == [cache_key(vol.uri, e.path, e.size, e.mtime) for e in vol.list()]
 
 
 def _open_in_process(volume, root, q, barrier, relist=False):

@@ -132,10 +132,15 @@ class KeyLocks:
 
 # ---------------------------------------------------------------- pure helpers
 
+def cache_key_digest(volume_uri: str, rel: str, size: int, mtime: float) -> bytes:
+    """The 20 bytes behind :func:`cache_key` (node listings store them: see ucmagic.listing)."""
+    return hashlib.blake2b(f"{volume_uri}\0{rel}\0{size}\0{mtime!r}".encode("utf-8", "surrogateescape"),
+                           digest_size=20).digest()
+
+
 def cache_key(volume_uri: str, rel: str, size: int, mtime: float) -> str:
     """Key of one source file version. Names never reach the filesystem, only this hash does."""
-    return hashlib.blake2b(f"{volume_uri}\0{rel}\0{size}\0{mtime!r}".encode("utf-8", "surrogateescape"),
-                           digest_size=20).hexdigest()
+    return cache_key_digest(volume_uri, rel, size, mtime).hex()
 
 
 def safe_suffix(rel: str) -> str:
@@ -144,22 +149,28 @@ def safe_suffix(rel: str) -> str:
     return m.group(0) if m else ""
 
 
-def cache_keys(volume_uri: str, files: Iterable[tuple[str, int, float]]) -> list[tuple[str, str]]:
-    """``(cache_key, safe_suffix)`` of many ``(rel, size, mtime)`` at once (the same values, without
-    a call and a regex search per file: the warm path decodes a chunk of these per 512 items)."""
-    blake2b = hashlib.blake2b
-    pre = f"{volume_uri}\0"
-    suffixes: dict[str, str] = {}
+def safe_suffixes(rels: Iterable[str]) -> list[str]:
+    """:func:`safe_suffix` of many paths (one regex search per distinct extension, not per file)."""
+    memo: dict[str, str] = {}
     out = []
-    for rel, size, mtime in files:
+    for rel in rels:
         dot = rel.rfind(".")
         tail = rel[dot:] if dot > rel.rfind("/") else ""
-        sfx = suffixes.get(tail)
+        sfx = memo.get(tail)
         if sfx is None:
-            sfx = suffixes[tail] = safe_suffix(tail)
-        out.append((blake2b(f"{pre}{rel}\0{size}\0{mtime!r}".encode("utf-8", "surrogateescape"),
-                            digest_size=20).hexdigest(), sfx))
+            sfx = memo[tail] = safe_suffix(tail)
+        out.append(sfx)
     return out
+
+
+def cache_keys(volume_uri: str, files: Sequence[tuple[str, int, float]]) -> list[tuple[str, str]]:
+    """``(cache_key, safe_suffix)`` of many ``(rel, size, mtime)`` at once (the same values, without
+    a call and a regex search per file)."""
+    blake2b = hashlib.blake2b
+    pre = f"{volume_uri}\0"
+    keys = [blake2b(f"{pre}{rel}\0{size}\0{mtime!r}".encode("utf-8", "surrogateescape"), digest_size=20).hexdigest()
+            for rel, size, mtime in files]
+    return list(zip(keys, safe_suffixes([f[0] for f in files])))
 
 
 def choose_victims(entries: Iterable[tuple[str, int, float]], bytes_to_free: int) -> list[str]:

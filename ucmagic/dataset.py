@@ -18,7 +18,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from . import plan, telemetry
 from ._util import DEFAULT_RETRIES
-from .cache import FileCache, cache_key, cache_keys, process_tag, release_at_exit, safe_suffix
+from .cache import FileCache, cache_key, cache_keys, process_tag, release_at_exit, safe_suffix, safe_suffixes
 from .dist import dist_info, local_world_size
 from .epochs import EpochTracking, check_state_kind
 from .errors import FetchError, ListingChangedError, SourceChangedError
@@ -255,7 +255,8 @@ class StreamItems:
     """
 
     def __init__(self, listing: Listing, ranges: Sequence[plan.Range], order: Callable[[np.ndarray], np.ndarray],
-                 keys: Callable[[list[FileEntry]], list[tuple[str, str]]], chunk: int = STREAM_CHUNK) -> None:
+                 keys: Callable[[np.ndarray, list[FileEntry]], list[tuple[str, str]]],
+                 chunk: int = STREAM_CHUNK) -> None:
         self.listing = listing
         self.ranges = list(ranges)
         self.order = order
@@ -291,7 +292,7 @@ class StreamItems:
         a = c * self.chunk
         idx = self.order(plan.positions(plan.take(self.ranges, a, min(a + self.chunk, self._len))))
         entries = self.listing.entries(idx)
-        keys = self.keys(entries)
+        keys = self.keys(idx, entries)
         got = (idx.tolist(), entries, keys, [k + x for k, x in keys])
         with self._mu:
             self._kept[c] = got
@@ -496,7 +497,13 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
         rank, world, _, _, worker, nworkers = dist_info()
         pool, order = self.epoch_plan(self.epoch if epoch is None else epoch)
         pos = plan.stream_positions(pool, world, rank, nworkers, worker, self.partition, self.batch_quantum)
-        return StreamItems(self.listing, pos, order, lambda entries: cache_keys(self.volume.uri, entries))
+        return StreamItems(self.listing, pos, order, self._chunk_keys)
+
+    def _chunk_keys(self, idx: np.ndarray, entries: list[FileEntry]) -> list[tuple[str, str]]:
+        """``(cache key, suffix)`` of a chunk of files: the keys stored in the node listing."""
+        if self.listing.volume_uri != self.volume.uri:  # keys depend on the URI the listing was built under
+            return cache_keys(self.volume.uri, entries)
+        return list(zip(self.listing.keys(idx), safe_suffixes([e.path for e in entries])))
 
     def stream_indices(self, epoch: int | None = None) -> list[int]:
         """File indices the calling (rank, worker) stream delivers this epoch, in order (a list as
@@ -785,6 +792,8 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
                     pos += 1
                 finally:
                     ahead.close()  # calls not started are cancelled; started fills still land in the cache
+                    timing.clear()  # what was found ahead is looked up again by the warm run
+                    probed.clear()
         finally:
             flush()
             stream.finish()

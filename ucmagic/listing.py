@@ -4,14 +4,15 @@ A dataset over 10 M files cannot keep a Python list of its files in every rank a
 worker (about 240 bytes per file each) nor pickle it into each worker. Instead the first process
 on a node lists the volume once, under a lock, and writes an Arrow IPC file::
 
-    <cache root>/listings/<key>-<build>.arrow       dir (dictionary-encoded), name, size, mtime
+    <cache root>/listings/<key>-<build>.arrow       dir (dictionary-encoded), name, size, mtime, cache key
     <cache root>/listings/<key>-<build>.dirs.arrow  every directory read and its mtime (validation)
     <cache root>/listings/<key>.json                which build is current, when it was last checked
 
 ``key`` hashes the volume URI, the pattern and the listing format. Every other process waits on
 the lock and maps the same file (``pa.memory_map``): its pages are shared through the page cache,
 so a process's own memory does not grow with the number of files, and a :class:`Listing` pickles
-as its file path (a few hundred bytes).
+as its file path (a few hundred bytes). Each file's cache key (:func:`ucmagic.cache.cache_key`, 20
+bytes) is stored too, so iterating never hashes paths.
 
 Reuse across restarts is guarded by a re-validation (``validate=``):
 
@@ -42,11 +43,11 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from ._util import atomic_target
-from .cache import default_cache_dir, file_lock
+from .cache import cache_key_digest, default_cache_dir, file_lock
 from .errors import ListingChangedError
 from .volume import FileEntry, Volume
 
-LISTING_FORMAT = 1
+LISTING_FORMAT = 2  # 2: the cache-key column
 VALIDATE_MODES = ("files", "dirs", "none")
 RACY_S = 1.0  # an entry modified this close before the listing may change again unseen
 PROGRESS_AFTER_S = 1.0  # the progress callback starts after this long ...
@@ -140,6 +141,9 @@ class Listing:
         self._dir_values = self._dir.dictionary
         self.sizes: np.ndarray = _view(rb.column(2), np.int64)
         self.mtimes: np.ndarray = _view(rb.column(3), np.float64)
+        keys = rb.column(4)
+        self._keys = np.frombuffer(keys.buffers()[1], dtype=np.uint8, count=20 * len(keys),
+                                   offset=keys.offset * 20).reshape(-1, 20)
 
     def __reduce__(self):
         return (Listing, (self.path,))
@@ -187,6 +191,11 @@ class Listing:
         return [FileEntry(p, int(s), float(m))
                 for p, s, m in zip(self.paths(idx), self.sizes[idx].tolist(), self.mtimes[idx].tolist())]
 
+    def keys(self, indices: Sequence[int] | np.ndarray) -> list[str]:
+        """The cache keys (:func:`ucmagic.cache.cache_key` under :attr:`volume_uri`) of the files at ``indices``."""
+        h = self._keys[np.asarray(indices, dtype=np.int64)].tobytes().hex()
+        return [h[a:a + 40] for a in range(0, len(h), 40)]
+
     def entry(self, i: int) -> FileEntry:
         n = len(self)
         if not -n <= i < n:
@@ -209,18 +218,21 @@ class Listing:
 
 # ---------------------------------------------------------------- building
 
-def _collect(volume: Volume, pattern: str | None, progress: ProgressFn | None):
-    """Scan ``volume``; return sorted columns (dirs dict, dir codes, names, sizes, mtimes) and the dirs read."""
+def _collect(volume: Volume, pattern: str | None, progress: ProgressFn | None, *, keys: bool = True):
+    """Scan ``volume``; return sorted columns (dirs dict, dir codes, names, sizes, mtimes), the dirs
+    read, the fingerprint and (``keys``) the files' cache keys as an ``(n, 20)`` uint8 array."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
     dir_ids: dict[str, int] = {}
-    code_chunks, name_chunks, path_chunks, size_chunks, mtime_chunks = [], [], [], [], []
+    code_chunks, name_chunks, path_chunks, size_chunks, mtime_chunks, key_chunks = [], [], [], [], [], []
     codes: list[int] = []
     names: list[bytes] = []
     paths: list[bytes] = []
     sizes: list[int] = []
     mtimes: list[float] = []
+    digests: list[bytes] = []
+    uri = volume.uri
     seen_dirs: list[tuple[str, int]] = []
     count = 0
     t0 = time.monotonic()
@@ -232,7 +244,8 @@ def _collect(volume: Volume, pattern: str | None, progress: ProgressFn | None):
         path_chunks.append(_binary(paths))
         size_chunks.append(np.asarray(sizes, dtype=np.int64))
         mtime_chunks.append(np.asarray(mtimes, dtype=np.float64))
-        for chunk in (codes, names, paths, sizes, mtimes):
+        key_chunks.append(np.frombuffer(b"".join(digests), dtype=np.uint8))
+        for chunk in (codes, names, paths, sizes, mtimes, digests):
             chunk.clear()
 
     for d in volume.scan(pattern):
@@ -247,6 +260,8 @@ def _collect(volume: Volume, pattern: str | None, progress: ProgressFn | None):
         paths.extend([e.path.encode("utf-8", "surrogateescape") for e in files])
         sizes.extend([e.size for e in files])
         mtimes.extend([e.mtime for e in files])
+        if keys:
+            digests.extend([cache_key_digest(uri, e.path, e.size, e.mtime) for e in files])
         count += len(files)
         if len(codes) >= BUILD_CHUNK:
             flush()
@@ -276,7 +291,9 @@ def _collect(volume: Volume, pattern: str | None, progress: ProgressFn | None):
     mtime_chunks.clear()
     names = pa.concat_arrays(name_chunks).take(_arrow(order))
     name_chunks.clear()
-    return dict_values, code_arr[order], names, size_col, mtime_col, seen_dirs, fingerprint
+    key_col = np.concatenate(key_chunks).reshape(-1, 20)[order] if keys else None
+    key_chunks.clear()
+    return dict_values, code_arr[order], names, size_col, mtime_col, seen_dirs, fingerprint, key_col
 
 
 def _fingerprint(paths: Any, order: np.ndarray, sizes: np.ndarray) -> str:
@@ -294,7 +311,7 @@ def _write(folder: str, key: str, volume: Volume, pattern: str | None, listed_at
     import pyarrow as pa
     from pyarrow import ipc
 
-    dict_values, codes, names, sizes, mtimes, seen_dirs, fingerprint = cols
+    dict_values, codes, names, sizes, mtimes, seen_dirs, fingerprint, key_col = cols
     racy_from = listed_at - RACY_S
     racy = bool((mtimes >= racy_from).any()) or any(m >= racy_from * 1e9 for _, m in seen_dirs if m >= 0)
     meta = {
@@ -304,8 +321,9 @@ def _write(folder: str, key: str, volume: Volume, pattern: str | None, listed_at
     }
     batch = pa.record_batch(
         [pa.DictionaryArray.from_arrays(_arrow(codes.astype(np.int32)), dict_values), names,
-         _arrow(sizes.astype(np.int64)), _arrow(mtimes.astype(np.float64))],
-        names=["dir", "name", "size", "mtime"],
+         _arrow(sizes.astype(np.int64)), _arrow(mtimes.astype(np.float64)),
+         pa.Array.from_buffers(pa.binary(20), len(sizes), [None, pa.py_buffer(np.ascontiguousarray(key_col))])],
+        names=["dir", "name", "size", "mtime", "key"],
     ).replace_schema_metadata({"ucmagic": json.dumps(meta)})
     dirs_batch = pa.record_batch(
         [_binary([_enc(d) for d, _ in seen_dirs]),
@@ -347,7 +365,7 @@ def stale_reason(listing: Listing, volume: Volume, validate: str = "files") -> s
     if listing.meta.get("racy"):
         return "entries were modified just before it was taken"
     if not (volume.keeps_dir_mtimes and listing.meta.get("keeps_dir_mtimes") and hasattr(volume, "root")):
-        fresh = _collect(volume, listing.pattern, None)
+        fresh = _collect(volume, listing.pattern, None, keys=False)
         sizes, mtimes, fingerprint = fresh[3], fresh[4], fresh[6]
         if len(sizes) != len(listing):
             return f"{len(listing)} files then, {len(sizes)} now"
