@@ -164,12 +164,9 @@ def safe_suffixes(rels: Iterable[str]) -> list[str]:
 
 
 def cache_keys(volume_uri: str, files: Sequence[tuple[str, int, float]]) -> list[tuple[str, str]]:
-    """``(cache_key, safe_suffix)`` of many ``(rel, size, mtime)`` at once (the same values, without
-    a call and a regex search per file)."""
-    blake2b = hashlib.blake2b
-    pre = f"{volume_uri}\0"
-    keys = [blake2b(f"{pre}{rel}\0{size}\0{mtime!r}".encode("utf-8", "surrogateescape"), digest_size=20).hexdigest()
-            for rel, size, mtime in files]
+    """``(cache_key, safe_suffix)`` of many ``(rel, size, mtime)`` at once (node listings store the
+    keys; this is for a dataset whose volume URI differs from its listing's)."""
+    keys = [cache_key_digest(volume_uri, rel, size, mtime).hex() for rel, size, mtime in files]
     return list(zip(keys, safe_suffixes([f[0] for f in files])))
 
 
