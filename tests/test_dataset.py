@@ -450,5 +450,8 @@ def test_checked_files_remember_exactly_what_was_added_and_a_plain_pickle_forget
     for i in added:
         c.add(i)
     assert {i for i in range(n) if i in c} == added
+    some = sorted(added)[:5] + list(range(n))[::-97]  # checked ones first, then any
+    want = next((k for k, i in enumerate(some) if i not in c), len(some))
+    assert c.checked_prefix(some) == want and c.checked_prefix([]) == 0
     copy = pickle.loads(pickle.dumps(c))
     assert copy.n == n and not any(i in copy for i in range(n))

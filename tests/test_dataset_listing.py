@@ -115,7 +115,7 @@ def test_stream_items_match_the_epoch_order_in_any_access_order(listing, world, 
 
     rank, worker = data.draw(st.integers(0, world - 1)), data.draw(st.integers(0, workers - 1))
     ranges = plan.stream_positions([(0, n)], world, rank, workers, worker)
-    items = StreamItems(listing, ranges, order, lambda idx, es: [(e.path, ".x") for e in es], chunk=chunk)
+    items = StreamItems(listing, ranges, order, lambda idx: [(p, ".x") for p in listing.paths(idx)], chunk=chunk)
     want = order(plan.positions(ranges)).tolist()
     assert len(items) == len(want)
     visit = data.draw(st.permutations(range(len(want))))
@@ -133,12 +133,14 @@ def test_a_stream_keeps_a_bounded_number_of_decoded_chunks(listing):
     decoded = []
 
     class Counting:  # the listing, counting the chunks a stream decodes
+        sizes = listing.sizes
+
         def entries(self, idx):
             decoded.append(len(idx))
             return listing.entries(idx)
 
     n = len(listing)
-    items = StreamItems(Counting(), [(0, n)], lambda pos: pos, lambda idx, es: [(e.path, "") for e in es], chunk=16)
+    items = StreamItems(Counting(), [(0, n)], lambda pos: pos, lambda idx: [(str(i), "") for i in idx], chunk=16)
     assert [items.entry(p).path for p in range(n)] == [e.path for e in listing.iter_entries()]
     assert len(decoded) == -(-n // 16)  # each chunk decoded once on a sequential pass
     items.entry(0)  # chunk 0 was dropped long ago: decoded again, not held for the whole stream

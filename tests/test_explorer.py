@@ -198,6 +198,25 @@ def test_records_with_workers_in_the_main_process_and_drop_last(tmp_path):
     assert sorted(r["index"] for r in loader.stats.batch_files(2)) == [0, 1, 2, 3]  # not the 2 dropped ones
 
 
+def test_each_batch_records_exactly_its_own_files_in_cold_and_warm_epochs(tmp_path):
+    from ucmagic import DataLoader, UCVolumeDataset
+    from ucmagic.testing import make_files
+
+    make_files(str(tmp_path / "v"), 37, 100)
+    ds = UCVolumeDataset(str(tmp_path / "v"), cache_dir=str(tmp_path / "c"), shuffle=True)
+    loader = DataLoader(ds, batch_size=5, num_workers=0, log_to_mlflow=False)
+    delivered = [[list(b) for b in loader] for _ in range(3)]  # a cold epoch, then warm runs
+    index_of = {p: i for i, (p, _) in enumerate(ds._cached_paths())}
+    stats = loader.stats
+    b = stats.batches()
+    assert len(b["step"]) == 3 * 8
+    for k, batch in enumerate(x for epoch in delivered for x in epoch):
+        files = stats.batch_files(k)
+        assert sorted(r["index"] for r in files) == sorted(index_of[p] for p in batch)
+        assert all(r["hit"] for r in files) == (k >= 8)  # the warm epochs are all hits
+    assert b["misses"].sum() == 37
+
+
 def test_parquet_dataset_records_row_groups(tmp_path):
     pa = pytest.importorskip("pyarrow")
     import pyarrow.parquet as pq

@@ -18,7 +18,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from . import plan, telemetry
 from ._util import DEFAULT_RETRIES
-from .cache import FileCache, cache_key, cache_keys, process_tag, release_at_exit, safe_suffix, safe_suffixes
+from .cache import FileCache, cache_key, cache_keys, process_tag, release_at_exit, safe_suffix
 from .dist import dist_info, local_world_size
 from .epochs import EpochTracking, check_state_kind
 from .errors import FetchError, ListingChangedError, SourceChangedError
@@ -105,6 +105,14 @@ class CheckedFiles:
 
     def add(self, i: int) -> None:
         self._a[i >> 3] |= 1 << (i & 7)
+
+    def checked_prefix(self, indices: Sequence[int]) -> int:
+        """How many of ``indices``, from the first, are checked (vectorised: a warm run's test)."""
+        if not len(indices):
+            return 0
+        i = np.asarray(indices, dtype=np.int64)
+        ok = np.frombuffer(self._a, dtype=np.uint8)[i >> 3] >> (i & 7) & 1
+        return len(i) if ok.all() else int(np.argmin(ok))
 
     def __getstate__(self) -> dict[str, Any]:
         from multiprocessing import context
@@ -242,7 +250,19 @@ class _Stream:
 _active_streams: dict[str, _Stream] = {}
 
 
-_Chunk = tuple[list[int], list[FileEntry], list[tuple[str, str]], list[str]]  # indices, entries, keys, names
+class _Chunk:
+    """One decoded chunk of a stream: listing indices, cache keys, entry names and sizes; the
+    :class:`FileEntry` objects (paths) only once asked for (a warm run never needs them)."""
+
+    __slots__ = ("idx", "arr", "keys", "names", "sizes", "entries")
+
+    def __init__(self, arr: np.ndarray, keys: list[tuple[str, str]], sizes: list[int]) -> None:
+        self.arr = arr
+        self.idx: list[int] = arr.tolist()
+        self.keys = keys
+        self.names = [k + x for k, x in keys]
+        self.sizes = sizes
+        self.entries: list[FileEntry] | None = None
 
 
 class StreamItems:
@@ -255,7 +275,7 @@ class StreamItems:
     """
 
     def __init__(self, listing: Listing, ranges: Sequence[plan.Range], order: Callable[[np.ndarray], np.ndarray],
-                 keys: Callable[[np.ndarray, list[FileEntry]], list[tuple[str, str]]],
+                 keys: Callable[[np.ndarray], list[tuple[str, str]]],
                  chunk: int = STREAM_CHUNK) -> None:
         self.listing = listing
         self.ranges = list(ranges)
@@ -291,9 +311,7 @@ class StreamItems:
                 return got
         a = c * self.chunk
         idx = self.order(plan.positions(plan.take(self.ranges, a, min(a + self.chunk, self._len))))
-        entries = self.listing.entries(idx)
-        keys = self.keys(idx, entries)
-        got = (idx.tolist(), entries, keys, [k + x for k, x in keys])
+        got = _Chunk(idx, self.keys(idx), self.listing.sizes[idx].tolist())
         with self._mu:
             self._kept[c] = got
             while len(self._kept) > STREAM_CHUNKS_KEPT:
@@ -301,20 +319,27 @@ class StreamItems:
         return got
 
     def index(self, pos: int) -> int:
-        return self._at(pos // self.chunk)[0][pos % self.chunk]
+        return self._at(pos // self.chunk).idx[pos % self.chunk]
 
     def entry(self, pos: int) -> FileEntry:
-        return self._at(pos // self.chunk)[1][pos % self.chunk]
+        got = self._at(pos // self.chunk)
+        entries = got.entries
+        if entries is None:  # decoded once per chunk (two threads at once: the same list twice)
+            entries = got.entries = self.listing.entries(got.arr)
+        return entries[pos % self.chunk]
+
+    def size(self, pos: int) -> int:
+        return self._at(pos // self.chunk).sizes[pos % self.chunk]
 
     def key_at(self, pos: int) -> tuple[str, str]:
-        return self._at(pos // self.chunk)[2][pos % self.chunk]
+        return self._at(pos // self.chunk).keys[pos % self.chunk]
 
     def run(self, lo: int, hi: int) -> tuple[list[int], list[str], list[int]]:
         """Listing indices, cache entry names and sizes of positions ``[lo, hi)`` (within one chunk)."""
         c = lo // self.chunk
         a, b = lo - c * self.chunk, hi - c * self.chunk
-        idx, entries, _, names = self._at(c)
-        return idx[a:b], names[a:b], [e.size for e in entries[a:b]]
+        got = self._at(c)
+        return got.idx[a:b], got.names[a:b], got.sizes[a:b]
 
     def names(self, lo: int, hi: int) -> list[str]:
         """Cache entry names (key + suffix) of positions ``[lo, hi)`` (for protection records)."""
@@ -323,7 +348,7 @@ class StreamItems:
         while pos < hi:
             c = pos // self.chunk
             end = min(hi, (c + 1) * self.chunk)
-            out.extend(self._at(c)[3][pos - c * self.chunk:end - c * self.chunk])
+            out.extend(self._at(c).names[pos - c * self.chunk:end - c * self.chunk])
             pos = end
         return out
 
@@ -499,11 +524,11 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
         pos = plan.stream_positions(pool, world, rank, nworkers, worker, self.partition, self.batch_quantum)
         return StreamItems(self.listing, pos, order, self._chunk_keys)
 
-    def _chunk_keys(self, idx: np.ndarray, entries: list[FileEntry]) -> list[tuple[str, str]]:
+    def _chunk_keys(self, idx: np.ndarray) -> list[tuple[str, str]]:
         """``(cache key, suffix)`` of a chunk of files: the keys stored in the node listing."""
         if self.listing.volume_uri != self.volume.uri:  # keys depend on the URI the listing was built under
-            return cache_keys(self.volume.uri, entries)
-        return list(zip(self.listing.keys(idx), safe_suffixes([e.path for e in entries])))
+            return cache_keys(self.volume.uri, self.listing.entries(idx))
+        return list(zip(self.listing.keys(idx), self.listing.suffixes(idx)))
 
     def stream_indices(self, epoch: int | None = None) -> list[int]:
         """File indices the calling (rank, worker) stream delivers this epoch, in order (a list as
@@ -708,7 +733,7 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
                     return None  # changed: get() reports it
             key, suffix = items.key_at(pos)
             t0 = time.perf_counter()
-            path = cache.lookup(key, suffix, items.entry(pos).size)
+            path = cache.lookup(key, suffix, items.size(pos))
             if path is not None:
                 timing[pos] = (True, time.perf_counter() - t0, True)  # counted when delivered
                 misses[0] = 0
@@ -723,9 +748,9 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
             end = min(n, pos + stream.chunk, (pos // items.chunk + 1) * items.chunk)
             stream.cover(end - 1)  # protected before they are looked up, as in the read-ahead
             idx, names, sizes = items.run(pos, end)
-            if checked is not None and not all(i in checked for i in idx):
+            if checked is not None and checked.checked_prefix(idx) < len(idx):
                 self._check_ahead(items, pos)
-                cut = next((k for k, i in enumerate(idx) if i not in checked), len(idx))
+                cut = checked.checked_prefix(idx)
                 idx, names, sizes = idx[:cut], names[:cut], sizes[:cut]
             t0 = time.perf_counter()
             paths = cache.lookup_run(names, sizes)
@@ -746,28 +771,30 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
             while pos < n:
                 if warm:
                     paths, idx, sizes, each, warm = warm_run(pos)
-                    quantum, record = stream.quantum, telemetry.record_item
-                    for k, path in enumerate(paths):  # handed(), inlined: this loop is the warm epoch's cost
-                        nxt = pos + 1
-                        if main:
-                            self._delivered_main = nxt
-                        stream.yielded = nxt
+                    # handed() per piece, not per item: a warm epoch's cost is this loop. A piece ends
+                    # at a batch boundary, so counters and fetch records are exact once the loop holds
+                    # a whole batch (they run ahead of it by less than a batch in between).
+                    quantum, a = stream.quantum, 0
+                    while a < len(paths):
+                        b = min(len(paths), a + quantum - pos % quantum)
                         if pos % quantum == 0:
                             stream.refresh()
-                        if pos % STREAM_CHUNK == STREAM_CHUNK - 1:
-                            _release_free_heap()
-                        tally[0] += 1
-                        tally[1] += 1
-                        if nxt % quantum == 0:  # exact once the loop holds a whole batch
-                            flush()
-                        record(idx[k], True, each, sizes[k])
-                        pos = nxt
-                        yield path
+                        tally[0] += b - a
+                        tally[1] += b - a
+                        flush()
+                        telemetry.record_items(idx[a:b], True, each, sizes[a:b])
+                        for path in paths[a:b]:
+                            pos += 1
+                            stream.yielded = pos
+                            if main:
+                                self._delivered_main = pos
+                            yield path
+                        a = b
                     continue
                 streak = 0  # consecutive hits: a long run switches back to warm runs
                 ahead = read_ahead(get, scheduled(pos), depth=depth, timeout=self.timeout,
                                    describe=lambda p: self.volume.display(items.entry(p).path),
-                                   fast=hit, cost=lambda p: items.entry(p).size, max_bytes=max_bytes)
+                                   fast=hit, cost=items.size, max_bytes=max_bytes)
                 try:
                     for pos, got in enumerate(ahead, pos):  # noqa: B020 - pos carries over to the warm runs
                         handed(pos)

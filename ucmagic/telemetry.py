@@ -208,6 +208,15 @@ def record_item(index: int, hit: bool, fetch_s: float, nbytes: int) -> None:
         drop_pending()
 
 
+def record_items(indices: Sequence[int], hit: bool, fetch_s: float, sizes: Sequence[int]) -> None:
+    """:func:`record_item` for a run of items with one hit flag and fetch time (a warm run)."""
+    _pending_index.extend(indices)
+    _pending_fetch.extend([-fetch_s if hit else fetch_s] * len(indices))
+    _pending_bytes.extend(sizes)
+    if len(_pending_index) > PENDING_CAP:
+        drop_pending()
+
+
 def drop_pending() -> None:
     """Forget the records of this process not yet taken by a batch."""
     del _pending_index[:], _pending_fetch[:], _pending_bytes[:]
