@@ -289,3 +289,30 @@ def test_mounting_the_fuse_simulator_without_mfusepy_says_how_to_install_it(monk
             mount_slow_volume(str(tmp_path), str(tmp_path / "mnt")):
         pass
     assert not (tmp_path / "mnt").exists()  # nothing was made
+
+
+class _ThreadNoting(LocalVolume):
+    """A local volume noting which thread read each directory, each read taking ``delay`` seconds."""
+
+    def __init__(self, root, delay):
+        super().__init__(root)
+        self.delay, self.readers = delay, set()
+
+    def _scan_dir(self, rel):
+        import time
+
+        time.sleep(self.delay)
+        self.readers.add(threading.get_ident())
+        return super()._scan_dir(rel)
+
+
+@pytest.mark.parametrize("delay, pooled", [(0.0, False), (0.15, True)])
+def test_fast_directories_are_read_on_the_calling_thread_and_slow_ones_concurrently(tmp_path, monkeypatch, delay,
+                                                                                   pooled):
+    monkeypatch.setattr("ucmagic.volume.FAST_DIR_S", 0.1)  # a loaded machine's hiccup is not "slow"
+    for d in range(12):
+        (tmp_path / f"d{d}").mkdir()
+        (tmp_path / f"d{d}" / "f.bin").write_bytes(b"x")
+    vol = _ThreadNoting(str(tmp_path), delay)
+    assert sorted(e.path for e in vol.list()) == [f"d{d}/f.bin" for d in sorted(range(12), key=str)]
+    assert (vol.readers != {threading.get_ident()}) == pooled
