@@ -63,9 +63,11 @@ class RetryPolicy:
 
     def delays(self, rng: random.Random | None = None) -> list[float]:
         """The sleep before each retry."""
-        r = rng or random
-        return [min(self.cap, self.base * self.factor ** i) * (1 + self.jitter * r.random())
-                for i in range(self.retries)]
+        return [self.delay(i, rng) for i in range(self.retries)]
+
+    def delay(self, attempt: int, rng: random.Random | None = None) -> float:
+        """The sleep before retry ``attempt`` (0-based)."""
+        return min(self.cap, self.base * self.factor ** attempt) * (1 + self.jitter * (rng or random).random())
 
     def worst_case_wait(self) -> float:
         """The longest total sleep before the last try (every delay at its full jitter)."""
@@ -73,8 +75,7 @@ class RetryPolicy:
 
     def call(self, fn: Callable[[], R], on_retry: Callable[[BaseException], None] | None = None) -> R:
         """``fn()``, retried on transient errors per this policy."""
-        delays = self.delays()
-        for attempt in range(self.retries + 1):
+        for attempt in range(self.retries + 1):  # delays drawn only when needed: most calls succeed at once
             try:
                 return fn()
             except self.permanent:
@@ -84,7 +85,7 @@ class RetryPolicy:
                     raise
                 if on_retry:
                     on_retry(e)
-                time.sleep(delays[attempt])
+                time.sleep(self.delay(attempt))
         raise AssertionError("unreachable")  # pragma: no cover
 
 

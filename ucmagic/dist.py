@@ -7,7 +7,7 @@ size, DataLoader worker id and count), :func:`local_world_size`, :func:`barrier`
 from __future__ import annotations
 
 import os
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 __all__ = ["DistInfo", "dist_info", "local_world_size", "barrier", "all_gather_ints"]
 
@@ -36,6 +36,22 @@ def local_world_size(world: int) -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", world)) or world
 
 
+def worker_info() -> Any:
+    """``torch.utils.data.get_worker_info()`` (None in the main process or without torch); the
+    import is resolved once, not per call (it is asked for every fetched file)."""
+    if not _get_worker_info:
+        try:
+            from torch.utils.data import get_worker_info
+        except ImportError:  # pragma: no cover
+            def get_worker_info() -> None:
+                return None
+        _get_worker_info.append(get_worker_info)
+    return _get_worker_info[0]()
+
+
+_get_worker_info: list[Callable[[], Any]] = []
+
+
 def dist_info(*, from_env: bool = True) -> DistInfo:
     """Rank, world size, local rank/world size and DataLoader worker of the calling process.
 
@@ -43,8 +59,6 @@ def dist_info(*, from_env: bool = True) -> DistInfo:
     ``from_env``) from the ``RANK``/``WORLD_SIZE`` variables torchrun sets, which DataLoader
     workers inherit. ``from_env=False`` reports what collectives see: rank 0 of 1 without a group.
     """
-    from torch.utils.data import get_worker_info
-
     rank, world = 0, 1
     group = _group()
     if group is not None:
@@ -53,7 +67,7 @@ def dist_info(*, from_env: bool = True) -> DistInfo:
         rank, world = int(os.environ.get("RANK", 0)), int(os.environ["WORLD_SIZE"])
     lws = local_world_size(world)
     local_rank = int(os.environ.get("LOCAL_RANK", rank % max(1, lws)))
-    info = get_worker_info()
+    info = worker_info()
     return DistInfo(rank, world, local_rank, lws, info.id if info else 0, info.num_workers if info else 1)
 
 

@@ -13,6 +13,7 @@ import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from functools import lru_cache
 from typing import Any, Callable, Generator, Iterable, NamedTuple, TypeVar
 
 from ._util import RetryPolicy
@@ -34,7 +35,12 @@ def backoff_delays(retries: int, base: float = 0.01, cap: float = 2.0, jitter: f
 def with_retries(fn: Callable[[T], R], item: T, retries: int,
                  on_retry: Callable[[BaseException], None] | None = None) -> R:
     """Call ``fn(item)``, retrying transient failures ``retries`` times with exponential backoff."""
-    return RetryPolicy(retries, PERMANENT).call(lambda: fn(item), on_retry)
+    return _policy(retries).call(lambda: fn(item), on_retry)
+
+
+@lru_cache(maxsize=32)
+def _policy(retries: int) -> RetryPolicy:
+    return RetryPolicy(retries, PERMANENT)  # built once per count: a fill calls with_retries per file
 
 
 _pools: dict[tuple[int, str], ThreadPoolExecutor] = {}

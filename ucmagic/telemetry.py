@@ -13,6 +13,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from .dist import worker_info
+
 SLOTS = 65  # the main process + 64 workers; more workers share slots (counts stay close)
 RING = 2048  # latency samples kept per slot
 _FIELDS = ("hits", "misses", "bytes_fetched", "retries", "errors", "delivered", "nsamples")
@@ -34,12 +36,7 @@ def p50_p99(values: Sequence[float] | np.ndarray) -> tuple[float, float]:
 
 
 def current_slot() -> int:
-    try:
-        from torch.utils.data import get_worker_info
-
-        info = get_worker_info()
-    except ImportError:  # pragma: no cover
-        info = None
+    info = worker_info()
     return 0 if info is None else 1 + info.id % (SLOTS - 1)
 
 
@@ -256,12 +253,7 @@ class ItemCollate:
     def __call__(self, data: Any) -> BatchItems:
         n = len(data) if isinstance(data, list) else 1
         index, fetch, nbytes = take_items(n)
-        try:
-            from torch.utils.data import get_worker_info
-
-            info = get_worker_info()
-        except ImportError:  # pragma: no cover
-            info = None
+        info = worker_info()
         return BatchItems(self.inner(data), -1 if info is None else info.id, index, fetch, nbytes)
 
 
