@@ -332,7 +332,8 @@ class LocalVolume(Volume):
         return files, dirs, mtime_ns
 
     def scan(self, pattern: str | None = None) -> Iterator[DirScan]:
-        """Directories read concurrently (each readdir on a network mount is slow), yielded as read."""
+        """Directories yielded as read: on this thread while they read fast, then concurrently
+        (each readdir on a network mount is slow) from the first slow one on."""
         rx = compile_pattern(pattern) if pattern else None
         todo = [""]  # directories found, not yet submitted
         while todo:  # on this thread while directories read fast (200,000 local files: 1.5 s, not 8)
@@ -357,7 +358,7 @@ class LocalVolume(Volume):
                 yield DirScan(rel, mtime_ns, got if rx is None else [e for e in got if rx.match(e.path)])
 
     def list(self, pattern: str | None = None) -> list[FileEntry]:
-        """Recursive listing, directories scanned concurrently (each readdir on a network mount is slow)."""
+        """Recursive listing (directories read as :meth:`scan` does)."""
         files: list[FileEntry] = []
         for d in self.scan():
             files.extend(d.files)
