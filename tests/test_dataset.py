@@ -421,6 +421,26 @@ def _listed_then_counting_stats(tree, tmp_path, monkeypatch):
     return root, rels, cache, stats
 
 
+@pytest.mark.parametrize("fast_s, pooled", [(1.0, False), (0.0, True)])
+def test_restart_checks_run_on_the_loop_thread_when_a_check_is_fast_else_on_threads(tree, tmp_path, monkeypatch,
+                                                                                  fast_s, pooled):
+    import threading
+
+    root, rels, cache, stats = _listed_then_counting_stats(tree, tmp_path, monkeypatch)
+    monkeypatch.setattr("ucmagic.dataset.FAST_CHECK_S", fast_s)  # 1 s: every check "fast"; 0: none
+    threads: set[int] = set()
+    counting = LocalVolume.stat
+
+    def noting(self, rel):
+        threads.add(threading.get_ident())
+        return counting(self, rel)
+
+    monkeypatch.setattr(LocalVolume, "stat", noting)
+    assert sorted(rel_of(p) for p in UCVolumeDataset(root, cache_dir=cache)) == sorted(rels)
+    assert sorted(stats) == sorted(rels)  # each file checked once either way
+    assert (threads != {threading.get_ident()}) == (pooled and len(rels) > 16)
+
+
 def test_default_restart_checks_each_file_once_per_dataset_not_per_epoch(tree, tmp_path, monkeypatch):
     root, rels, cache, stats = _listed_then_counting_stats(tree, tmp_path, monkeypatch)
     ds = UCVolumeDataset(root, cache_dir=cache)  # reused listing: no per-file stat up front
