@@ -1,7 +1,7 @@
 """Where the calling process sits in a run, and the two collectives ucmagic needs.
 
 The one home of rank/world lookups: :func:`dist_info` (rank, world size, local rank and world
-size, DataLoader worker id and count), :func:`local_world_size`, :func:`barrier` and
+size, DataLoader worker id and count), :func:`worker_info`, :func:`local_world_size`, :func:`barrier` and
 :func:`all_gather_ints`. torch is imported when a function runs, so importing this module is light.
 """
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from typing import Any, Callable, NamedTuple
 
-__all__ = ["DistInfo", "dist_info", "local_world_size", "barrier", "all_gather_ints"]
+__all__ = ["DistInfo", "dist_info", "worker_info", "local_world_size", "barrier", "all_gather_ints"]
 
 
 class DistInfo(NamedTuple):

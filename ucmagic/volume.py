@@ -336,7 +336,7 @@ class LocalVolume(Volume):
         (each readdir on a network mount is slow) from the first slow one on."""
         rx = compile_pattern(pattern) if pattern else None
         todo = [""]  # directories found, not yet submitted
-        while todo:  # on this thread while directories read fast (200,000 local files: 1.5 s, not 8)
+        while todo:  # on this thread while directories read fast (200,000 local files listed in 3 s, not 8)
             d = todo.pop()
             t0 = time.perf_counter()
             got, dirs, mtime_ns = self._scan_dir(d)
