@@ -7,6 +7,7 @@ size, DataLoader worker id and count), :func:`worker_info`, :func:`local_world_s
 from __future__ import annotations
 
 import os
+from functools import lru_cache
 from typing import Any, Callable, NamedTuple
 
 __all__ = ["DistInfo", "dist_info", "worker_info", "local_world_size", "barrier", "all_gather_ints"]
@@ -39,17 +40,16 @@ def local_world_size(world: int) -> int:
 def worker_info() -> Any:
     """``torch.utils.data.get_worker_info()`` (None in the main process or without torch); the
     import is resolved once, not per call (it is asked for every fetched file)."""
-    if not _get_worker_info:
-        try:
-            from torch.utils.data import get_worker_info
-        except ImportError:  # pragma: no cover
-            def get_worker_info() -> None:
-                return None
-        _get_worker_info.append(get_worker_info)
-    return _get_worker_info[0]()
+    return _worker_info_fn()()
 
 
-_get_worker_info: list[Callable[[], Any]] = []
+@lru_cache(maxsize=None)
+def _worker_info_fn() -> Callable[[], Any]:
+    try:
+        from torch.utils.data import get_worker_info
+    except ImportError:  # pragma: no cover
+        return lambda: None
+    return get_worker_info
 
 
 def dist_info(*, from_env: bool = True) -> DistInfo:

@@ -335,16 +335,22 @@ class LocalVolume(Volume):
         """Directories yielded as read: on this thread while they read fast, then concurrently
         (each readdir on a network mount is slow) from the first slow one on."""
         rx = compile_pattern(pattern) if pattern else None
-        todo = [""]  # directories found, not yet submitted
+        todo = [""]  # directories found, not yet read
+
+        def found(rel: str, got: list[FileEntry], dirs: list[str], mtime_ns: int) -> DirScan:
+            todo.extend(dirs)
+            return DirScan(rel, mtime_ns, got if rx is None else [e for e in got if rx.match(e.path)])
+
         while todo:  # on this thread while directories read fast (200,000 local files listed in 3 s, not 8)
             d = todo.pop()
             t0 = time.perf_counter()
             got, dirs, mtime_ns = self._scan_dir(d)
             slow = time.perf_counter() - t0 > FAST_DIR_S + FAST_ENTRY_S * (len(got) + len(dirs))
-            todo.extend(dirs)
-            yield DirScan(d, mtime_ns, got if rx is None else [e for e in got if rx.match(e.path)])
+            yield found(d, got, dirs, mtime_ns)
             if slow and self.list_threads > 1:
                 break
+        if not todo:
+            return
         pending: deque[tuple[str, Any]] = deque()
         ahead = 4 * self.list_threads  # bounded: results waiting for a slow consumer hold memory
         with ThreadPoolExecutor(self.list_threads, thread_name_prefix="ucmagic-list") as pool:
@@ -353,9 +359,7 @@ class LocalVolume(Volume):
                     d = todo.pop()
                     pending.append((d, pool.submit(self._scan_dir, d)))
                 rel, fut = pending.popleft()
-                got, dirs, mtime_ns = fut.result()
-                todo.extend(dirs)
-                yield DirScan(rel, mtime_ns, got if rx is None else [e for e in got if rx.match(e.path)])
+                yield found(rel, *fut.result())
 
     def list(self, pattern: str | None = None) -> list[FileEntry]:
         """Recursive listing (directories read as :meth:`scan` does)."""
