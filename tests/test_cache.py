@@ -1,16 +1,20 @@
 import multiprocessing as mp
 import os
+import shutil
 import stat
 import threading
 import time
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from ucmagic.cache import (
+    TOUCH_EVERY_S,
     FileCache,
     KeyLocks,
+    SeenEntries,
     cache_key,
     cache_keys,
     choose_victims,
@@ -89,6 +93,65 @@ def test_a_run_lookup_returns_the_leading_hits_as_single_lookups_would(tmp_path)
     assert got == [c.lookup(k, ".bin", 5) for k in keys[:2]]  # stops at the missing third entry
     assert c.lookup_run(names[3:], [5, 4, 5]) == [c.lookup(keys[3], ".bin", 5)]  # a size mismatch ends the run
     assert c.lookup_run([], []) == []
+
+
+def test_a_run_lookup_trusts_what_it_found_until_the_cache_removes_something(tmp_path, monkeypatch):
+    c = FileCache(str(tmp_path / "c"))
+    keys = [cache_key("v", f"f{i}", 5, 0) for i in range(4)]
+    for k in keys:
+        c.fill(k, ".bin", 5, writer(b"hello"))
+    names, idx = [k + ".bin" for k in keys], np.arange(4)
+    seen = c.seen_entries(4)
+    paths = [c.data_path(k, ".bin") for k in keys]
+    assert c.lookup_run(names, [5] * 4, idx, seen) == paths
+    assert seen.known(idx).all()
+    calls = []
+    monkeypatch.setattr(os, "stat", lambda *a, **k: calls.append(a))
+    assert c.lookup_run(names, [5] * 4, idx, seen) == paths and not calls  # found before: no system call
+    monkeypatch.undo()
+    other = FileCache(c.root)  # another process's view of the same cache: its removals count too
+    other.remove(paths[1:2])
+    assert c.lookup_run(names, [5] * 4, idx, seen) == paths[:1]  # never a removed entry
+    other.evict(keep_below=0)  # evictions count too
+    assert c.lookup_run(names, [5] * 4, idx, seen) == []
+
+
+def test_a_run_lookup_touches_found_entries_again_once_the_touch_window_ends(tmp_path):
+    c = FileCache(str(tmp_path / "c"))
+    key = cache_key("v", "f", 5, 0)
+    path, _ = c.fill(key, ".bin", 5, writer(b"hello"))
+    seen = c.seen_entries(1)
+    seen.filled(0)
+    old = time.time() - 3600
+    os.utime(path, (old, old))
+    assert c.lookup_run([key + ".bin"], [5], np.arange(1), seen) == [path]
+    assert os.stat(path).st_mtime == old  # within the window: trusted as found, not touched
+    seen.sync(c.removals(), time.time() + TOUCH_EVERY_S + 1)  # the window ends
+    assert not seen.known(np.arange(1)).any()
+    assert c.lookup_run([key + ".bin"], [5], np.arange(1), seen) == [path]
+    assert os.stat(path).st_mtime > old + 3000  # looked up again and touched (LRU)
+
+
+@given(st.sets(st.integers(0, 999), max_size=60), st.sets(st.integers(0, 999), max_size=60))
+def test_seen_entries_know_exactly_what_was_added_or_filled(added, filled):
+    seen = SeenEntries(1000, b"t")
+    seen.add(np.array(sorted(added), dtype=np.int64))
+    for i in filled:
+        seen.filled(i)
+    assert set(np.flatnonzero(seen.known(np.arange(1000)))) == added | filled
+    seen.sync(b"other", time.time())
+    assert not seen.known(np.arange(1000)).any()
+
+
+def test_the_removal_token_changes_with_every_removal_and_with_a_new_cache_dir(tmp_path):
+    c = FileCache(str(tmp_path / "c"))
+    t = c.removals()
+    assert c.removals() == t and FileCache(c.root).removals() == t
+    c.remove([])
+    assert c.removals() != t
+    t = c.removals()
+    shutil.rmtree(c.root)
+    assert c.removals() != t
 
 
 def test_short_copy_is_refused(tmp_path):

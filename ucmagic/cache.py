@@ -32,6 +32,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, Sequence
 
+import numpy as np
+
 try:
     import fcntl
 except ImportError:  # pragma: no cover - not POSIX
@@ -44,7 +46,7 @@ from .units import format_size, parse_size
 
 DEFAULT_MIN_FREE = 0.10
 TMP_STALE_S = 6 * 3600.0  # a temp file whose writer cannot be identified is dropped after this long
-TOUCH_EVERY_S = 30.0  # LRU resolution: a hit refreshes an entry's last-use time at most this often
+TOUCH_EVERY_S = 300.0  # LRU resolution: a hit refreshes an entry's last-use time at most this often
 SUBDIRS = ("data", "tmp", "locks", "prot")
 _SUFFIX_RE = re.compile(r"\.[A-Za-z0-9_\-]{1,16}$")
 
@@ -288,6 +290,40 @@ class CacheUsage:
 _tmp_counter = itertools.count()
 
 
+class SeenEntries:
+    """Which cache entries of ``n`` files (by index) this process found, a bit per file.
+
+    A bit stands for "found since the cache's removal token (:meth:`FileCache.removals`) last
+    changed and within the current touch window": nothing has been removed from the cache since
+    (ucmagic removes entries only through :class:`FileCache`), so the entry is still there, and its
+    last-use time was refreshed less than a window ago. Every bit is forgotten when the token changes
+    or the window (``TOUCH_EVERY_S``) ends. Made by :meth:`FileCache.seen_entries`; n/8 bytes.
+    """
+
+    def __init__(self, n: int, token: bytes) -> None:
+        self._bits = bytearray((n + 7) // 8)
+        self._view = np.frombuffer(self._bits, dtype=np.uint8)
+        self._token = token
+        self._since = time.time()
+
+    def sync(self, token: bytes, now: float) -> None:
+        """Forget everything if the removal token is no longer the one seen, or the window ended."""
+        if token != self._token or now - self._since > TOUCH_EVERY_S:
+            self._view[:] = 0
+            self._token, self._since = token, now
+
+    def known(self, indices: np.ndarray) -> np.ndarray:
+        """A bool per index: found (and not forgotten since)."""
+        return (self._view[indices >> 3] >> (indices & 7) & 1).astype(bool)
+
+    def add(self, indices: np.ndarray) -> None:
+        np.bitwise_or.at(self._view, indices >> 3, (1 << (indices & 7)).astype(np.uint8))
+
+    def filled(self, index: int) -> None:
+        """Entry ``index`` was just created by a fill of this process."""
+        self._bits[index >> 3] |= 1 << (index & 7)  # a bit lost to a race is only a lookup more
+
+
 class FileCache:
     """A directory of complete cached files shared by every process of the user on this machine.
 
@@ -319,6 +355,8 @@ class FileCache:
         self._buckets: set[str] = set()  # data/<xx> directories known to exist
         self._record_fds: dict[str, int] = {}  # protection records this process writes, kept open
         self._fds_pid = os.getpid()
+        self._removals_fd = -1  # locks/removals, opened once per process
+        self._removals_pid = 0
 
     # pickles as its settings; each process rebuilds its own state
     def __getstate__(self):
@@ -366,17 +404,35 @@ class FileCache:
                 return None
         return path
 
-    def lookup_run(self, names: Sequence[str], sizes: Sequence[int]) -> list[str]:
+    def lookup_run(self, names: Sequence[str], sizes: Sequence[int], indices: np.ndarray | None = None,
+                   seen: SeenEntries | None = None) -> list[str]:
         """Paths of the leading entries (``key + suffix`` names with their sizes) that :meth:`lookup`
         would return, stopping at the first one it would not: the warm path's lookup of a run of items,
-        one ``stat`` each and no per-item call."""
+        one ``stat`` each and no per-item call.
+
+        With ``seen`` (and the items' ``indices`` in it), an entry this process found or filled since
+        the cache last removed anything, within the touch window, is served with no system call
+        (entries never change in place); the others are looked up and then remembered there.
+        """
         data = self._data + os.sep
+        sep = os.sep
+        now = time.time()
+        known: list[bool] | None = None
+        if seen is not None and indices is not None and len(indices):
+            seen.sync(self.removals(), now)  # after the caller protected the run: a removal since shows
+            known_a = seen.known(indices)
+            if known_a.all():
+                return [data + name[:2] + sep + name for name in names]
+            known = known_a.tolist()
         uid = os.getuid() if hasattr(os, "getuid") else None
-        stale_before = time.time() - TOUCH_EVERY_S
+        stale_before = now - TOUCH_EVERY_S
         stat = os.stat
         out: list[str] = []
-        for name, size in zip(names, sizes):
-            path = data + name[:2] + os.sep + name
+        for i, (name, size) in enumerate(zip(names, sizes)):
+            path = data + name[:2] + sep + name
+            if known is not None and known[i]:
+                out.append(path)
+                continue
             try:
                 st = stat(path)
             except FileNotFoundError:
@@ -389,7 +445,38 @@ class FileCache:
                 except OSError:
                     break
             out.append(path)
+        if seen is not None and indices is not None and out:
+            seen.add(indices[:len(out)])
         return out
+
+    def seen_entries(self, n: int) -> SeenEntries:
+        """A fresh :class:`SeenEntries` for ``n`` files of this cache."""
+        return SeenEntries(n, self.removals())
+
+    def removals(self) -> bytes:
+        """A token that changes whenever this cache removes an entry (any process): :meth:`remove`,
+        evictions, :meth:`clear`. A different value each time the cache directory is made anew."""
+        pid = os.getpid()
+        if self._removals_pid != pid:  # a forked child must not use the parent's descriptor
+            self._removals_fd, self._removals_pid = -1, pid
+        fd = self._removals_fd
+        if fd >= 0 and os.fstat(fd).st_nlink == 0:  # the cache directory was removed under us
+            os.close(fd)
+            fd = -1
+        if fd < 0:
+            try:
+                fd = self._removals_fd = os.open(os.path.join(self._locks, "removals"), os.O_RDWR | os.O_CREAT, 0o600)
+            except FileNotFoundError:
+                return os.urandom(8)  # no cache directory: never equal to what was seen before
+            if os.fstat(fd).st_size == 0:
+                os.pwrite(fd, os.urandom(8), 0)  # a new file: a new token (another may write one too)
+        return os.pread(fd, 8, 0)
+
+    def _removing(self) -> None:
+        """Change the removal token: called before and after entries are unlinked."""
+        self.removals()
+        if self._removals_fd >= 0:
+            os.pwrite(self._removals_fd, os.urandom(8), 0)
 
     def fill(self, key: str, suffix: str, size: int, write: Callable[[str], int], *,
              may_exceed: Callable[[], bool] | None = None, on_wait: Callable[[], None] | None = None,
@@ -458,12 +545,14 @@ class FileCache:
     def remove(self, paths: Iterable[str]) -> int:
         """Delete entries. Returns the number removed."""
         n = 0
+        self._removing()
         for p in paths:
             try:
                 os.unlink(p)
                 n += 1
             except FileNotFoundError:
                 pass
+        self._removing()
         self._synced_at = 0.0  # the ledger is stale now
         return n
 
@@ -652,14 +741,17 @@ class FileCache:
         if keep_below is not None:
             bytes_to_free = total - keep_below
         freed = 0
-        if bytes_to_free > 0:
+        victims = choose_victims(free, bytes_to_free) if bytes_to_free > 0 else []
+        if victims:
             sizes = {p: s for p, s, _ in free}
-            for p in choose_victims(free, bytes_to_free):
+            self._removing()
+            for p in victims:
                 try:
                     os.unlink(p)
                     freed += sizes[p]
                 except FileNotFoundError:
                     pass
+            self._removing()
         self._write_ledger(total - freed)
         self._synced_at = time.monotonic()
         return freed, total - freed

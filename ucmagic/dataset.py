@@ -18,7 +18,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from . import plan, telemetry
 from ._util import DEFAULT_RETRIES
-from .cache import FileCache, cache_key, cache_keys, process_tag, release_at_exit, safe_suffix
+from .cache import FileCache, SeenEntries, cache_key, cache_keys, process_tag, release_at_exit, safe_suffix
 from .dist import dist_info, local_world_size
 from .epochs import EpochTracking, check_state_kind
 from .errors import FetchError, ListingChangedError, SourceChangedError
@@ -469,12 +469,14 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
         self._delivered_main = 0
         self._epoch_main = 0
         self._owner = ""  # the consuming process (set when pickled for DataLoader workers)
+        self._seen: SeenEntries | None = None  # the cache entries this process found (warm lookups)
         self.cache.reap()  # protection and temp files left by dead processes go at once
 
     # ------------------------------------------------------------ basics
 
     def __getstate__(self) -> dict[str, Any]:
         st = self.__dict__.copy()  # the listing pickles as its file path
+        st["_seen"] = None  # per process
         if get_worker_info() is None:
             st["_owner"] = process_tag()  # workers protect items for the process that will consume them
         return st
@@ -709,6 +711,9 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
         timing: dict[int, tuple[bool, float, bool]] = {}
 
         checked = self._checked
+        if self._seen is None:
+            self._seen = cache.seen_entries(len(self.listing))
+        seen = self._seen
 
         def get(pos: int) -> str | BaseException:
             e = items.entry(pos)
@@ -725,6 +730,8 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
                     return exc
                 raise
             probed.discard(pos)
+            if _last_fetch.fetched:
+                seen.filled(items.index(pos))  # the next epoch's warm run need not look it up
             timing[pos] = (not _last_fetch.fetched, time.perf_counter() - t0, False)  # _fetch counted it
             return got
 
@@ -763,7 +770,7 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
                 cut = checked.checked_prefix(idx)
                 idx, names, sizes = idx[:cut], names[:cut], sizes[:cut]
             t0 = time.perf_counter()
-            paths = cache.lookup_run(names, sizes)
+            paths = cache.lookup_run(names, sizes, np.asarray(idx, dtype=np.int64), seen)
             return paths, idx, sizes, (time.perf_counter() - t0) / max(1, len(paths)), len(paths) == end - pos
 
         def handed(pos: int) -> None:
