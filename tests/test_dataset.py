@@ -74,6 +74,19 @@ def test_a_warm_epoch_with_evicted_entries_delivers_everything_in_order_and_refe
     assert list(ds) == first and ds.stats()["misses"] == len(rels) + 5
 
 
+def test_a_second_epoch_in_the_same_process_looks_up_no_entry_it_filled(tree, tmp_path, monkeypatch):
+    """Entries this process filled are served again with no stat while nothing was removed."""
+    root, rels = tree
+    ds = UCVolumeDataset(root, cache_dir=str(tmp_path / "c"))
+    first = list(ds)
+    looked = []
+    real = os.stat
+    monkeypatch.setattr(os, "stat", lambda p, *a, **k: (looked.append(p), real(p, *a, **k))[1])
+    assert list(ds) == first
+    assert not [p for p in looked if str(p).startswith(ds.cache.root)]
+    monkeypatch.undo()
+
+
 def test_state_dict_is_exact_part_way_through_a_warm_epoch(tree, tmp_path):
     root, rels = tree
     ds = UCVolumeDataset(root, cache_dir=str(tmp_path / "c"), shuffle=True, seed=3)
