@@ -353,10 +353,9 @@ class FileCache:
         self._free_est = 0
         self._floor = 0
         self._buckets: set[str] = set()  # data/<xx> directories known to exist
-        self._record_fds: dict[str, int] = {}  # protection records this process writes, kept open
+        self._record_fds: dict[str, int] = {}  # protection records and the removal token, kept open
         self._fds_pid = os.getpid()
-        self._removals_fd = -1  # locks/removals, opened once per process
-        self._removals_pid = 0
+        self._removals = os.path.join(self._locks, "removals")
 
     # pickles as its settings; each process rebuilds its own state
     def __getstate__(self):
@@ -456,27 +455,20 @@ class FileCache:
     def removals(self) -> bytes:
         """A token that changes whenever this cache removes an entry (any process): :meth:`remove`,
         evictions, :meth:`clear`. A different value each time the cache directory is made anew."""
-        pid = os.getpid()
-        if self._removals_pid != pid:  # a forked child must not use the parent's descriptor
-            self._removals_fd, self._removals_pid = -1, pid
-        fd = self._removals_fd
-        if fd >= 0 and os.fstat(fd).st_nlink == 0:  # the cache directory was removed under us
-            os.close(fd)
-            fd = -1
-        if fd < 0:
-            try:
-                fd = self._removals_fd = os.open(os.path.join(self._locks, "removals"), os.O_RDWR | os.O_CREAT, 0o600)
-            except FileNotFoundError:
-                return os.urandom(8)  # no cache directory: never equal to what was seen before
-            if os.fstat(fd).st_size == 0:
-                os.pwrite(fd, os.urandom(8), 0)  # a new file: a new token (another may write one too)
-        return os.pread(fd, 8, 0)
+        try:
+            fd = self._record_fd(self._removals)  # reopened when the directory was removed under us
+        except FileNotFoundError:
+            return os.urandom(8)  # no cache directory: never equal to what was seen before
+        token = os.pread(fd, 8, 0)
+        if not token:  # a new file: a new token (another process may write one too)
+            os.pwrite(fd, os.urandom(8), 0)
+            token = os.pread(fd, 8, 0)
+        return token
 
     def _removing(self) -> None:
         """Change the removal token: called before and after entries are unlinked."""
-        self.removals()
-        if self._removals_fd >= 0:
-            os.pwrite(self._removals_fd, os.urandom(8), 0)
+        with contextlib.suppress(FileNotFoundError):
+            os.pwrite(self._record_fd(self._removals), os.urandom(8), 0)
 
     def fill(self, key: str, suffix: str, size: int, write: Callable[[str], int], *,
              may_exceed: Callable[[], bool] | None = None, on_wait: Callable[[], None] | None = None,
@@ -579,7 +571,8 @@ class FileCache:
             os.ftruncate(fd, len(data))
 
     def _record_fd(self, path: str) -> int:
-        """This process's open descriptor of the record at ``path`` (reopened after a fork or a drop)."""
+        """This process's open descriptor of the record (or the removal token) at ``path``, reopened
+        after a fork or once the file was removed."""
         pid = os.getpid()
         if self._fds_pid != pid:
             self._record_fds, self._fds_pid = {}, pid  # a forked child must not write through the parent's
@@ -588,7 +581,7 @@ class FileCache:
             self._close_record(path)
             fd = None
         if fd is None:
-            fd = self._record_fds[path] = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+            fd = self._record_fds[path] = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         return fd
 
     def _close_record(self, path: str) -> None:

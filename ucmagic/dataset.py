@@ -107,7 +107,7 @@ class CheckedFiles:
     def add(self, i: int) -> None:
         self._a[i >> 3] |= 1 << (i & 7)
 
-    def checked_prefix(self, indices: Sequence[int]) -> int:
+    def checked_prefix(self, indices: Sequence[int] | np.ndarray) -> int:
         """How many of ``indices``, from the first, are checked (vectorised: a warm run's test)."""
         if not len(indices):
             return 0
@@ -335,12 +335,13 @@ class StreamItems:
     def key_at(self, pos: int) -> tuple[str, str]:
         return self._at(pos // self.chunk).keys[pos % self.chunk]
 
-    def run(self, lo: int, hi: int) -> tuple[list[int], list[str], list[int]]:
-        """Listing indices, cache entry names and sizes of positions ``[lo, hi)`` (within one chunk)."""
+    def run(self, lo: int, hi: int) -> tuple[np.ndarray, list[int], list[str], list[int]]:
+        """Listing indices (as an array, for vectorised tests, and as a list), cache entry names and
+        sizes of positions ``[lo, hi)`` (within one chunk)."""
         c = lo // self.chunk
         a, b = lo - c * self.chunk, hi - c * self.chunk
         got = self._at(c)
-        return got.idx[a:b], got.names[a:b], got.sizes[a:b]
+        return got.arr[a:b], got.idx[a:b], got.names[a:b], got.sizes[a:b]
 
     def names(self, lo: int, hi: int) -> list[str]:
         """Cache entry names (key + suffix) of positions ``[lo, hi)`` (for protection records)."""
@@ -764,13 +765,13 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
             read-ahead, no per-item calls): ``(paths, indices, sizes, seconds each, whole run hit)``."""
             end = min(n, pos + stream.chunk, (pos // items.chunk + 1) * items.chunk)
             stream.cover(end - 1)  # protected before they are looked up, as in the read-ahead
-            idx, names, sizes = items.run(pos, end)
-            if checked is not None and checked.checked_prefix(idx) < len(idx):
+            at, idx, names, sizes = items.run(pos, end)
+            if checked is not None and checked.checked_prefix(at) < len(at):
                 self._check_ahead(items, pos)
-                cut = checked.checked_prefix(idx)
-                idx, names, sizes = idx[:cut], names[:cut], sizes[:cut]
+                cut = checked.checked_prefix(at)
+                at, idx, names, sizes = at[:cut], idx[:cut], names[:cut], sizes[:cut]
             t0 = time.perf_counter()
-            paths = cache.lookup_run(names, sizes, np.asarray(idx, dtype=np.int64), seen)
+            paths = cache.lookup_run(names, sizes, at, seen)
             return paths, idx, sizes, (time.perf_counter() - t0) / max(1, len(paths)), len(paths) == end - pos
 
         def handed(pos: int) -> None:
