@@ -1,0 +1,174 @@
+"""The shard index: which samples a tar shard holds and where each member's bytes lie.
+
+``<dest>/index.json`` (written by :func:`ucmagic.pack`, or built from the tar headers of foreign
+shards)::
+
+    {"format": "ucmagic.shards", "version": 1,
+     "shards": [{"name": "shard-000000.tar", "size": <bytes>, "samples": <n>,
+                 "members": [[key, ext, data_offset, size], ...]}, ...]}
+
+Members are in tar order; ``data_offset`` is the byte offset of the member's data in the tar. A
+sample is a run of consecutive members sharing a key (the WebDataset convention: the key is the
+member path up to the first dot of its base name, the extension the rest: ``a/000123.seg.png`` ->
+``("a/000123", "seg.png")``); a repeated extension within a run starts a new sample, as
+``webdataset`` groups them. Members that are not regular files, have no dot in their base name or
+are WebDataset metadata (``__*__``) are left out.
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import tarfile
+from dataclasses import dataclass
+from typing import IO, Any, Iterable, Sequence
+
+from .._util import atomic_write
+
+FORMAT = "ucmagic.shards"
+VERSION = 1
+INDEX_NAME = "index.json"
+
+_KEY_EXT = re.compile(r"^((?:.*/|)[^./]+)\.([^/]*)$")  # webdataset's base_plus_ext
+_META = re.compile(r"__[^/]*__($|/)")                   # webdataset's skip_meta
+
+
+@dataclass(frozen=True)
+class Member:
+    """One member of a tar shard: its sample key, extension, data offset and size in bytes."""
+
+    key: str
+    ext: str
+    offset: int
+    size: int
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """One shard of an index: file name (relative to the index's directory), size, sample count, members."""
+
+    name: str
+    size: int
+    samples: int
+    members: tuple[Member, ...]
+
+
+def split_key(name: str) -> tuple[str, str] | None:
+    """``(key, ext)`` of a member path by the WebDataset convention, or None for a path without one."""
+    if _META.match(name.rsplit("/", 1)[-1]) or _META.match(name):
+        return None
+    m = _KEY_EXT.match(name)
+    return (m.group(1), m.group(2)) if m else None
+
+
+def sample_starts(members: Sequence[Member]) -> list[int]:
+    """Index of the first member of each sample (runs of one key; a repeated extension starts a new one)."""
+    starts: list[int] = []
+    key: str | None = None
+    seen: set[str] = set()
+    for i, m in enumerate(members):
+        if m.key != key or m.ext in seen:
+            starts.append(i)
+            key, seen = m.key, set()
+        seen.add(m.ext)
+    return starts
+
+
+def scan_tar(source: str | os.PathLike[str] | IO[bytes]) -> list[Member]:
+    """The members of an uncompressed tar (a path or a seekable binary file object), reading headers only.
+
+    GNU and pax long names are resolved as :mod:`tarfile` does; data blocks are skipped by seeking, so
+    a file object whose reads are ranged (a remote shard) fetches only the header blocks.
+    """
+    if isinstance(source, (str, os.PathLike)):
+        with open(source, "rb") as f:
+            return scan_tar(f)
+    out: list[Member] = []
+    with tarfile.open(fileobj=source, mode="r:") as tf:
+        for info in tf:  # TarFile.next() seeks past each member's data
+            if info.isreg() and (ke := split_key(info.name)) is not None:
+                out.append(Member(ke[0], ke[1], info.offset_data, info.size))
+            tf.members.clear()  # type: ignore[attr-defined]  # headers only: no TarInfo list for 10 GiB
+    return out
+
+
+def shard_info(name: str, size: int, members: Sequence[Member]) -> ShardInfo:
+    """A :class:`ShardInfo` whose sample count is derived from ``members``."""
+    return ShardInfo(name, size, len(sample_starts(members)), tuple(members))
+
+
+def dumps_index(shards: Iterable[ShardInfo]) -> bytes:
+    """The JSON text of an index over ``shards``."""
+    doc = {"format": FORMAT, "version": VERSION, "shards": [
+        {"name": s.name, "size": s.size, "samples": s.samples,
+         "members": [[m.key, m.ext, m.offset, m.size] for m in s.members]} for s in shards]}
+    return json.dumps(doc, separators=(",", ":")).encode()
+
+
+def loads_index(data: bytes | str, where: str = INDEX_NAME) -> list[ShardInfo]:
+    """Parse an index's JSON text; a foreign or newer format raises ``ValueError`` naming ``where``."""
+    doc = json.loads(data)
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise ValueError(f"{where} is not a ucmagic shard index (format {FORMAT!r} expected)")
+    if doc.get("version") != VERSION:
+        raise ValueError(f"{where} has shard index version {doc.get('version')!r}; "
+                         f"this ucmagic reads version {VERSION}: upgrade ucmagic or re-run pack")
+    return [ShardInfo(s["name"], int(s["size"]), int(s["samples"]),
+                      tuple(Member(k, e, int(o), int(n)) for k, e, o, n in s["members"]))
+            for s in doc["shards"]]
+
+
+def write_index(dest: str | os.PathLike[str], shards: Iterable[ShardInfo]) -> str:
+    """Write ``<dest>/index.json`` atomically (readers see the old index or the new); return its path."""
+    path = os.path.join(os.fspath(dest), INDEX_NAME)
+    atomic_write(path, dumps_index(shards), sync=True)
+    return path
+
+
+def read_index(dest: str | os.PathLike[str]) -> list[ShardInfo]:
+    """The shards of ``<dest>/index.json``, in index order."""
+    path = os.path.join(os.fspath(dest), INDEX_NAME)
+    with open(path, "rb") as f:
+        return loads_index(f.read(), path)
+
+
+class RangedFile(io.RawIOBase):
+    """A seekable read-only file object over a ``readinto_at`` stream (:class:`ucmagic.ranged.RangeReader`).
+
+    :func:`scan_tar` over it reads only header blocks of a remote shard.
+    """
+
+    def __init__(self, reader: Any, size: int) -> None:
+        self._reader, self._size, self._pos = reader, size, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self._pos, 2: self._size}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def readinto(self, buf: Any) -> int:
+        view = memoryview(buf).cast("B")
+        want = min(len(view), max(0, self._size - self._pos))
+        got = 0
+        while got < want:
+            n = self._reader.readinto_at(self._pos + got, view[got:want])
+            if n <= 0:
+                break
+            got += n
+        self._pos += got
+        return got
+
+    def close(self) -> None:
+        if not self.closed:
+            self._reader.close()
+        super().close()
