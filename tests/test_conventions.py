@@ -32,15 +32,16 @@ PACKAGE = "ucmagic"
 TORCH_COMPAT = "._torch_compat"  # may touch torch's private attributes (that is its job), by name
 
 # The layers, lowest first: a module may import its own layer and those listed for it.
-SUBPACKAGES = ("checkpoints", "tables", "notebook", "testing")
+SUBPACKAGES = ("checkpoints", "tables", "shards", "notebook", "testing")
 LAYERS: dict[str, set[str]] = {
     "engine": set(),
     "checkpoints": {"engine"},
     "tables": {"engine"},
+    "shards": {"engine", "tables"},                                 # samples of big files (tables.rows: windows)
     "testing": {"engine"},
-    "api": {"engine", "tables"},                                    # ucmagic.load
-    "notebook": {"engine", "checkpoints", "tables", "api"},
-    "top": {"engine", "checkpoints", "tables", "testing", "api", "notebook"},  # ucmagic, ucmagic.__main__
+    "api": {"engine", "tables", "shards"},                          # ucmagic.load
+    "notebook": {"engine", "checkpoints", "tables", "shards", "api"},
+    "top": {"engine", "checkpoints", "tables", "shards", "testing", "api", "notebook"},  # ucmagic, __main__
 }
 
 # The engine's only ways into the notebook layer: a convenience method imports it when called (the
