@@ -224,3 +224,67 @@ def test_stage_jobs_is_an_alias_of_concurrency(tmp_path):
     make_files(str(src), 5, 100)
     r = cli("stage", str(src), str(dest), "--jobs", "2", "--no-progress")
     assert r.returncode == 0 and "staged 5 files" in r.stdout, r.stderr
+
+
+# ------------------------------------------------------------------ help, version, usage errors (issue 24)
+
+def _commands(parser=None, path=()):
+    """Every command path of the CLI (``()``, ``("stage",)``, ``("ckpt", "list")`` ...), new ones included."""
+    import argparse
+
+    from ucmagic.__main__ import build_parser
+
+    parser = parser or build_parser()
+    yield path
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sp in action.choices.items():
+                yield from _commands(sp, (*path, name))
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_every_command_and_subcommand_answers_help(flag, capsys):
+    from ucmagic.__main__ import main
+
+    paths = list(_commands())
+    assert {("stage",), ("export",), ("ckpt", "list"), ("cache", "prune")} <= set(paths)
+    for path in paths:
+        with pytest.raises(SystemExit) as ei:
+            main([*path, flag])
+        out = capsys.readouterr().out
+        assert ei.value.code == 0, path
+        assert out.startswith("usage: python -m ucmagic" + "".join(f" {p}" for p in path)), (path, out[:200])
+
+
+def test_version_prints_the_package_version():
+    import ucmagic
+
+    r = cli("--version")
+    assert r.returncode == 0 and r.stdout.strip() == f"ucmagic {ucmagic.__version__}"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["-j", "0"], "argument -j/--concurrency/--jobs: must be an integer >= 1, got 0"),
+    (["-j", "-5"], "argument -j/--concurrency/--jobs: must be an integer >= 1, got -5"),
+    (["--jobs", "many"], "argument -j/--concurrency/--jobs: expected an integer >= 1, got 'many'"),
+    (["--processes", "0"], "argument --processes: must be an integer >= 1, got 0"),
+    (["--retries", "-1"], "argument --retries: must be an integer >= 0, got -1"),
+])
+def test_stage_rejects_bad_counts_as_usage_errors(args, message, tmp_path):
+    src = tmp_path / "src"
+    make_files(str(src), 2, 10)
+    r = cli("stage", str(src), str(tmp_path / "dest"), *args)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert r.stderr.strip().splitlines()[-1] == f"python -m ucmagic stage: error: {message}"
+    assert not (tmp_path / "dest").exists()
+
+
+def test_export_unknown_partition_column_is_one_clean_line(tmp_path):
+    csv = tmp_path / "t.csv"
+    csv.write_text("a,b\n1,2\n")
+    r = cli("export", str(csv), str(tmp_path / "out"), "--partition-by", "nosuchcol")
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("ucmagic: error: partition_by column 'nosuchcol' is not in "), last
+    assert last.endswith("columns: a, b"), last  # no quotes around the whole message (a KeyError's str())
+    assert not (tmp_path / "out").exists()

@@ -406,3 +406,65 @@ def test_ucckpt_mistakes_are_usage_lines(ip, model_ns, tmp_path):
     run(ip, "%ucckpt save $ck -m model --step 1")
     assert "holds no loader state" in usage(ip, "%ucckpt load $ck 1 -m model --loader loader")
     assert "no checkpoint for step 9" in usage(ip, "%ucckpt load $ck 9 -m model")
+
+
+# ------------------------------------------------------------------ -h/--help, shapes, -j (issue 24)
+
+@pytest.mark.parametrize("line, usage_of", [
+    ("%ucload --help", "%ucload ["), ("%ucload -h", "%ucload ["), ("%ucload {undefined_name} -b 3 -h", "%ucload ["),
+    ("%ucstage --help", "%ucstage ["), ("%ucstage --export -h", "%ucstage ["),
+    ("%ucckpt --help", "%ucckpt ["), ("%ucckpt save --help", "%ucckpt ["),
+    ("%ucckpt load /nope latest -h", "%ucckpt ["),
+])
+def test_help_flag_prints_the_magics_help_and_does_nothing_else(ip, line, usage_of, capsys):
+    before = set(ip.user_ns)
+    assert run(ip, line + " -o bound") is None
+    out = capsys.readouterr().out
+    assert out.startswith("usage:") and usage_of in out and "Examples" in out
+    assert out.rstrip().splitlines()[-1].startswith("ucmagic ")  # the installed version
+    assert set(ip.user_ns) == before  # -o was not bound, nothing ran
+
+
+def test_every_magic_answers_help(ip, capsys):
+    """New magics (and subcommands) get -h/--help from the shared parsing: checked on every registered one."""
+    names = [n for n, f in ip.magics_manager.magics["line"].items()
+             if getattr(getattr(f, "__self__", None), "__class__", None) is magics.UcMagics]
+    assert set(MAGICS) <= set(names)
+    for name in names:
+        assert ip.run_line_magic(name, "--help") is None
+        assert f"%{name} [" in capsys.readouterr().out
+
+
+def test_help_after_double_dash_is_an_argument():
+    assert magics.wants_help(["x", "--", "-h"]) is False
+    assert magics.wants_help(["x", "-b", "3", "--help"]) is True
+
+
+def test_ucckpt_load_into_other_shapes_is_one_usage_line(ip, model_ns, tmp_path):
+    import torch
+
+    ip.user_ns["ck"] = str(tmp_path / "ckpt")
+    run(ip, "%ucckpt save $ck -m model --step 1")
+    ip.user_ns["model"] = torch.nn.Linear(4, 3)  # saved: Linear(4, 2)
+    msg = usage(ip, "%ucckpt load $ck latest -m model")
+    assert msg.startswith("%ucckpt: ") and ("size mismatch" in msg.lower() or "shape" in msg.lower()), msg
+    assert "Traceback" not in msg
+
+
+def test_ucckpt_load_into_other_shapes_raises_the_real_error_with_ucmagic_raise(ip, model_ns, tmp_path, monkeypatch):
+    import torch
+
+    ip.user_ns["ck"] = str(tmp_path / "ckpt")
+    run(ip, "%ucckpt save $ck -m model --step 1")
+    ip.user_ns["model"] = torch.nn.Linear(4, 3)
+    monkeypatch.setenv("UCMAGIC_RAISE", "1")
+    with pytest.raises(BaseException) as ei:  # CheckpointMismatchError, or torch's CheckpointException
+        run(ip, "%ucckpt load $ck latest -m model")
+    assert not isinstance(ei.value, UsageError) and not isinstance(ei.value, KeyboardInterrupt)
+
+
+@pytest.mark.parametrize("jobs", ["0", "-5"])
+def test_ucstage_rejects_jobs_below_one(ip, tree, tmp_path, jobs):
+    ip.user_ns["root"] = tree[0]
+    assert f"-j must be >= 1, got {jobs}" in usage(ip, f"%ucstage $root {tmp_path}/d -j {jobs}")
+    assert not os.path.exists(f"{tmp_path}/d")

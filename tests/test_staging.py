@@ -178,6 +178,15 @@ def test_refuses_nested_source_and_destination(src, tmp_path):
         stage(src, str(tmp_path / "d"), verify="md5", progress=False)
 
 
+@pytest.mark.parametrize("kw", [{"concurrency": 0}, {"concurrency": -5}, {"concurrency": 2.5}, {"concurrency": True},
+                                {"processes": 0}, {"retries": -1}])
+def test_refuses_counts_below_their_minimum_before_copying(src, tmp_path, kw):
+    (name, value), = kw.items()
+    with pytest.raises(StagingError, match=f"{name} must be an integer >= "):
+        stage(src, str(tmp_path / "d"), progress=False, **kw)
+    assert not (tmp_path / "d").exists()
+
+
 def test_empty_listing_raises_clear_error(src, tmp_path):
     with pytest.raises(EmptyListingError, match="no files"):
         stage(src, str(tmp_path / "dest"), pattern="*.nothing", progress=False)

@@ -3,6 +3,22 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Callable
+
+
+def at_least(low: int) -> Callable[[str], int]:
+    """An argparse ``type``: an integer >= ``low``, else a usage error (exit code 2) saying so."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {value}")
+        return value
+
+    return parse
 
 
 def _add_demo(sub: argparse._SubParsersAction) -> None:
@@ -42,10 +58,10 @@ def _add_stage(sub: argparse._SubParsersAction) -> None:
     p.add_argument("src", help="directory, /Volumes/<catalog>/<schema>/<volume>/... path or fsspec URL")
     p.add_argument("dest", help="local destination directory (created if needed)")
     p.add_argument("-p", "--pattern", default=None, help="glob over relative paths, e.g. '**/*.jpg' (default: all)")
-    p.add_argument("-j", "--concurrency", "--jobs", dest="concurrency", type=int, default=256,
+    p.add_argument("-j", "--concurrency", "--jobs", dest="concurrency", type=at_least(1), default=256,
                    help="copies in flight (default 256; --jobs is an alias)")
-    p.add_argument("--processes", type=int, default=None, help="worker processes (default: up to 4)")
-    p.add_argument("--retries", type=int, default=3, help="retries of a failing copy (default 3)")
+    p.add_argument("--processes", type=at_least(1), default=None, help="worker processes (default: up to 4)")
+    p.add_argument("--retries", type=at_least(0), default=3, help="retries of a failing copy (default 3)")
     p.add_argument("--verify", choices=["size", "none"], default="size", help="check each copy's size (default size)")
     p.add_argument("--no-progress", action="store_true", help="do not show progress")
 
@@ -222,6 +238,9 @@ def _add_load(sub: argparse._SubParsersAction) -> None:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m ucmagic",
                                  description="ucmagic: training data from slow volumes into PyTorch, fast.")
+    from . import __version__
+
+    ap.add_argument("-V", "--version", action="version", version=f"ucmagic {__version__}")
     sub = ap.add_subparsers(dest="command", metavar="COMMAND")
     _add_demo(sub)
     _add_load(sub)
@@ -260,7 +279,9 @@ def main(argv: list[str] | None = None) -> int:
 
         if os.environ.get("UCMAGIC_DEBUG"):
             raise
-        print(f"ucmagic: error: {e}", file=sys.stderr)
+        from ._util import error_line
+
+        print(f"ucmagic: error: {error_line(e)}", file=sys.stderr)
         return 1
 
 

@@ -124,6 +124,19 @@ def copy_local(src: str, dest: str, *, crc: bool = False, sync: bool = False,
     return n, c
 
 
+def error_line(exc: BaseException) -> str:
+    """The one line a user sees for ``exc``: its message's first line (a KeyError's without the quotes
+    ``str()`` adds; for torch's multi-line ``CheckpointException``, its first rank's error), else its type name."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:  # torch.distributed.checkpoint.CheckpointException
+        inner = next(iter(failures.values()))
+        inner = inner[0] if isinstance(inner, tuple) and inner else inner
+        if isinstance(inner, BaseException) and inner is not exc:
+            return error_line(inner)
+    text = (str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 _tmp_counter = itertools.count()
 
 

@@ -353,6 +353,9 @@ def stage(src: Any, dest: str | os.PathLike[str], *, pattern: str | None = None,
         print(res)   # staged 120,000 files (18.0 GB) in 95.2 s, ...
     """
     t0 = time.monotonic()
+    for name, value, low in (("concurrency", concurrency, 1), ("processes", processes, 1), ("retries", retries, 0)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
+            raise StagingError(f"{name} must be an integer >= {low}, got {value!r}")
     verify = _normalise_verify(verify)
     vol = open_volume(src, storage_options)
     dest_root = os.path.abspath(os.path.expanduser(os.fspath(dest)))

@@ -23,10 +23,24 @@ from IPython.core.magic_arguments import argument, kwds, magic_arguments  # noqa
 from IPython.utils.text import DollarFormatter  # noqa: E402
 from traitlets import Bool, Enum, Int, Unicode  # noqa: E402
 
-from .._util import is_url  # noqa: E402 - after the import_extra check above
+from .._util import error_line, is_url  # noqa: E402 - after the import_extra check above
 from ..errors import LoadUsageError, MagicUsageError, UCMagicError  # noqa: E402 - same
 
 
+
+
+class _HelpShown(Exception):  # noqa: N818 - a signal, not an error: the magic printed its help
+    """Raised by :meth:`UcMagics._parse` after printing the help; the magic returns None."""
+
+
+def wants_help(args: list[str]) -> bool:
+    """True when ``-h`` or ``--help`` is among the arguments (before any ``--``)."""
+    for arg in args:
+        if arg == "--":
+            return False
+        if arg in ("-h", "--help"):
+            return True
+    return False
 
 
 def _raise_mode() -> bool:
@@ -42,21 +56,25 @@ def _fail(magic: str, message: str) -> NoReturn:
 
 
 def _friendly(magic: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Turn engine errors (UCMagicError, OSError, ValueError) into one UsageError line."""
+    """Turn engine errors (UCMagicError, OSError, ValueError, KeyError, torch's CheckpointException)
+    into one UsageError line; ``-h``/``--help`` (see :meth:`UcMagics._parse`) prints the help and returns None."""
 
     def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(fn)
         def wrapper(self: Any, line: str = "", local_ns: dict[str, Any] | None = None) -> Any:
             try:
                 return fn(self, line, local_ns)
+            except _HelpShown:
+                return None
             except (UsageError, MagicUsageError):
                 raise
-            except (UCMagicError, OSError, ValueError, KeyError) as exc:
-                if _raise_mode():
+            except BaseException as exc:
+                # torch's CheckpointException is a BaseException whose text is a traceback per rank
+                known = isinstance(exc, (UCMagicError, OSError, ValueError, KeyError)) or (
+                    type(exc).__name__ == "CheckpointException")
+                if not known or _raise_mode():
                     raise
-                text = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
-                msg = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
-                raise UsageError(f"%{magic}: {msg}") from None
+                raise UsageError(f"%{magic}: {error_line(exc)}") from None
 
         return wrapper
 
@@ -169,6 +187,15 @@ class UcMagics(Magics):
         ns = dict(self.shell.user_ns) if self.shell is not None else {}
         if local_ns:
             ns.update(local_ns)
+        try:
+            raw = split_args(line)
+        except ValueError:
+            raw = []
+        if wants_help(raw):  # every magic and subcommand: -h/--help prints the help, whatever else is there
+            text = fn.parser.format_help().strip()
+            text = text[2:].lstrip("\n") if text.startswith("::") else text  # the docstring's literal-block mark
+            print(f"usage:\n{text}\n\nucmagic {_version()}")
+            raise _HelpShown
         try:
             expanded = expand(line, ns)
         except LookupError as exc:
@@ -384,7 +411,8 @@ class UcMagics(Magics):
     @magic_arguments()
     @kwds(epilog=_CKPT_EXAMPLES)
     @argument("action", choices=["save", "load", "list"], help="save, load or list")
-    @argument("root", help="checkpoint directory (a volume path, local directory or URL)")
+    @argument("root", help="checkpoint directory: a local directory or a mounted volume (/Volumes/...); "
+                           "not a URL")
     @argument("step_arg", nargs="?", default=None, metavar="STEP",
               help="load: the step to restore, or latest (default)")
     @argument("-m", "--model", metavar="MODEL", help="name of the torch.nn.Module variable")
@@ -477,6 +505,15 @@ class UcMagics(Magics):
 
 
 # ------------------------------------------------------------------ small helpers
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("ucmagic")
+    except PackageNotFoundError:  # a source tree on sys.path, not installed
+        return "(not installed)"
+
 
 def _check_exists(magic: str, path: str, *, directory: bool) -> None:
     if is_url(path):
