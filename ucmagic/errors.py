@@ -125,6 +125,10 @@ class StagingError(UCMagicError, ValueError):
     """Bad staging arguments (destination inside the source, unknown verify mode...)."""
 
 
+class PackError(UCMagicError, ValueError):
+    """Bad ``pack`` input: no samples, a destination inside the source or not empty, a bad shard size..."""
+
+
 class DistributedRunError(UCMagicError, RuntimeError):
     """A rank failed in a way that cannot be re-raised as its own exception (it died, or its error
     could not be pickled)."""
