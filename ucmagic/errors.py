@@ -119,6 +119,10 @@ class TableTooLargeError(UCMagicError, MemoryError):
     """``load_table`` would need more memory than its budget."""
 
 
+class UnsupportedTableFeatureError(UCMagicError, NotImplementedError):
+    """A Delta table needs a reader feature ucmagic cannot honour (rather than return different rows)."""
+
+
 # ---------------------------------------------------------------- staging, launch, magics
 
 class StagingError(UCMagicError, ValueError):
@@ -127,6 +131,10 @@ class StagingError(UCMagicError, ValueError):
 
 class PackError(UCMagicError, ValueError):
     """Bad ``pack`` input: no samples, a destination inside the source or not empty, a bad shard size..."""
+
+
+class ShardFormatError(UCMagicError, ValueError):
+    """A shard, token file or shard index is not in a format the shard datasets read (a compressed tar...)."""
 
 
 class DistributedRunError(UCMagicError, RuntimeError):

@@ -1,0 +1,286 @@
+"""The ranged chunk cache: big files cached as byte ranges (chunks) instead of whole.
+
+A shard of 1-10 GiB is cut into chunks of ``chunk_size`` bytes (32 MiB by default); each chunk is
+one :class:`~ucmagic.cache.FileCache` entry keyed by (volume, path, size, mtime, chunk size, chunk
+index), so every rule of whole files holds per chunk: one fill per chunk across threads and
+processes, the budget (fills wait for room; a fill the reader is blocked on may go over by itself,
+so the bound is the budget plus about one chunk per stream), least-recently-used eviction that
+skips what a live reader protects, and validation: the source's size and mtime are part of the
+key and are checked before the first fill and after every fill, so a source rewritten after it was
+listed raises :class:`~ucmagic.errors.SourceChangedError` and chunks of two versions are never
+mixed. A chunk fill reads its range with the parallel ranged reads of :mod:`ucmagic.ranged`.
+
+:class:`ChunkReader` is one stream's view (one per iterating process): ``read(file, offset, size)``
+returns bytes, ``prefetch`` starts fills of the chunks the plan needs next on a small thread pool,
+``release`` lets chunks go. Chunks being read or filled are named in the stream's protection
+record; an open descriptor keeps a held chunk readable even if it is evicted meanwhile.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Callable, Iterable, Sequence
+
+from .. import ranged
+from ..cache import FileCache, cache_key, process_tag
+from ..fetch import shared_pool, with_retries
+from ..telemetry import SharedCounters
+from ..volume import FileEntry, Volume, check_unchanged
+
+CHUNK_SIZE = 32 << 20
+"""Default bytes per chunk."""
+SUFFIX = ".chunk"
+FILL_THREADS = 4  # read-ahead fills per process (each fill reads its chunk on several range streams)
+
+
+@dataclass(frozen=True)
+class ChunkedFile:
+    """One version of a source file cut into chunks of ``chunk_size`` bytes."""
+
+    volume: Volume
+    entry: FileEntry
+    chunk_size: int = CHUNK_SIZE
+
+    @property
+    def chunks(self) -> int:
+        return -(-self.entry.size // self.chunk_size)
+
+    def span(self, c: int) -> tuple[int, int]:
+        """Byte range ``[start, end)`` of chunk ``c``."""
+        start = c * self.chunk_size
+        return start, min(start + self.chunk_size, self.entry.size)
+
+    def chunks_of(self, offset: int, size: int) -> range:
+        """Chunk indices holding bytes ``[offset, offset + size)`` (one chunk for an empty range)."""
+        first = offset // self.chunk_size
+        last = (offset + max(size, 1) - 1) // self.chunk_size
+        return range(first, last + 1)
+
+    def key(self, c: int) -> str:
+        """Cache key of chunk ``c`` of this version (a changed size or mtime gives new keys)."""
+        e = self.entry
+        return cache_key(f"{self.volume.uri}#chunks/{self.chunk_size}/{c}", e.path, e.size, e.mtime)
+
+    def name(self, c: int) -> str:
+        """The cache entry's file name (what protection records list)."""
+        return self.key(c) + SUFFIX
+
+
+class _OffsetReader:
+    """A range reader shifted by ``base`` bytes: ranged_copy of one chunk reads the source at its offset."""
+
+    def __init__(self, reader: ranged.RangeReader, base: int) -> None:
+        self.reader, self.base = reader, base
+
+    def readinto_at(self, offset: int, buf: memoryview) -> int:
+        return self.reader.readinto_at(self.base + offset, buf)
+
+    def close(self) -> None:
+        self.reader.close()
+
+
+def fill_chunk(cache: FileCache, f: ChunkedFile, c: int, *, may_exceed: Callable[[], bool] | None = None,
+               retries: int = 3, checked: set[str] | None = None) -> tuple[str, bool]:
+    """``(path, filled)`` of chunk ``c`` of ``f`` in ``cache``: a hit, or one ranged copy of its bytes.
+
+    The source is stat'ed before the first fill of ``f`` (tracked in ``checked``) and after every
+    fill; a source that no longer matches ``f.entry`` raises SourceChangedError and the chunk is dropped.
+    """
+    vol, e = f.volume, f.entry
+    start, end = f.span(c)
+    key = f.key(c)
+    hit = cache.lookup(key, SUFFIX, end - start)
+    if hit:
+        return hit, False
+    if checked is None or e.path not in checked:
+        check_unchanged(vol, e, vol.stat(e.path))
+        if checked is not None:
+            checked.add(e.path)
+    range_size = max(1 << 20, min(vol.range_size, f.chunk_size // 4))
+
+    def write(tmp: str) -> int:
+        return ranged.ranged_copy(lambda: _OffsetReader(vol.range_reader(e.path), start), end - start, tmp,
+                                  range_size=range_size, chunk=vol.range_chunk, retries=vol.range_retries)
+
+    path, filled = with_retries(lambda _: cache.fill(key, SUFFIX, end - start, write, may_exceed=may_exceed),
+                                None, retries)
+    if filled:
+        try:
+            check_unchanged(vol, e, vol.stat(e.path))
+        except BaseException:
+            cache.remove([path])
+            raise
+    return path, filled
+
+
+class ChunkReader:
+    """One stream's reads of chunked files through the cache (create one per process; not thread-safe
+    except :meth:`prefetch`, whose fills run on a pool).
+
+    Args:
+        cache: the file cache.
+        files: the chunked files, addressed by index.
+        keep: chunks kept open (and protected) at most, least recently used dropped first.
+        owner: process the protection record speaks for (default: this one); ``slot``: stream id.
+        counters: hits (chunks found cached), misses (chunks filled) and bytes fetched are added here.
+    """
+
+    def __init__(self, cache: FileCache, files: Sequence[ChunkedFile], *, keep: int = 4, owner: str | None = None,
+                 slot: int | str = 0, counters: SharedCounters | None = None, threads: int = FILL_THREADS,
+                 retries: int = 3) -> None:
+        self.cache, self.files = cache, list(files)
+        self.keep = max(1, int(keep))
+        self.counters = counters
+        self.retries = retries
+        self._threads = max(1, int(threads))
+        self._record = cache.record_path(owner or process_tag(), f"chunks-{slot}-{id(self):x}")
+        self._held: OrderedDict[tuple[int, int], int] = OrderedDict()  # (file, chunk) -> open descriptor
+        self._inflight: dict[tuple[int, int], tuple[Future, threading.Event]] = {}
+        self._mu = threading.Lock()
+        self._checked: set[str] = set()
+        self._named: frozenset[str] = frozenset()
+        self.last_wait_s = 0.0  # seconds the last read waited for a fill
+        self.last_hit = True  # the last read's chunks were all cached or held already
+        self.fills = 0
+
+    # ------------------------------------------------------------ protection
+
+    def _protect(self) -> None:
+        with self._mu:
+            names = frozenset([self.files[i].name(c) for i, c in self._held]
+                              + [self.files[i].name(c) for i, c in self._inflight])
+        if names != self._named:
+            self.cache.write_record(self._record, sorted(names))
+            self._named = names
+
+    # ------------------------------------------------------------ fills
+
+    def _fill(self, fc: tuple[int, int], wanted: threading.Event) -> str:
+        path, filled = fill_chunk(self.cache, self.files[fc[0]], fc[1], may_exceed=wanted.is_set,
+                                  retries=self.retries, checked=self._checked)
+        if self.counters is not None:
+            start, end = self.files[fc[0]].span(fc[1])
+            if filled:
+                self.counters.add(misses=1, bytes_fetched=end - start)
+            else:
+                self.counters.add(hits=1)
+        if filled:
+            self.fills += 1
+        return path
+
+    def prefetch(self, chunks: Iterable[tuple[int, int]]) -> None:
+        """Start fills of ``(file, chunk)`` pairs not held or in flight yet (in order, on the pool)."""
+        pool = shared_pool(self._threads, "chunks")
+        started = False
+        for fc in chunks:
+            with self._mu:
+                if fc in self._held or fc in self._inflight:
+                    continue
+                ev = threading.Event()
+                self._inflight[fc] = (pool.submit(self._fill, fc, ev), ev)
+            started = True
+        if started:
+            self._protect()
+
+    def inflight(self) -> int:
+        """Fills started and not yet taken by a read."""
+        with self._mu:
+            return len(self._inflight)
+
+    def _open(self, fc: tuple[int, int]) -> int:
+        fd = self._held.get(fc)
+        if fd is not None:
+            self._held.move_to_end(fc)
+            return fd
+        t0 = time.perf_counter()
+        with self._mu:
+            job = self._inflight.get(fc)
+        self.last_hit = False
+        if job is None:
+            ev = threading.Event()
+            ev.set()
+            fut: Future = Future()
+            with self._mu:
+                self._inflight[fc] = (fut, ev)
+            self._protect()  # named before the fill: nobody evicts it between fill and open
+            try:
+                fut.set_result(self._fill(fc, ev))
+            except BaseException as exc:  # noqa: BLE001 - raised below through the future
+                fut.set_exception(exc)
+        else:
+            fut, ev = job
+            ev.set()  # the reader waits for it now: its fill may go over the budget
+        try:
+            path = fut.result()
+            fd = os.open(path, os.O_RDONLY)
+        finally:
+            with self._mu:
+                self._inflight.pop(fc, None)
+        self._held[fc] = fd
+        self.last_wait_s += time.perf_counter() - t0
+        while len(self._held) > self.keep:
+            _, old = self._held.popitem(last=False)
+            os.close(old)
+        self._protect()
+        return fd
+
+    # ------------------------------------------------------------ reads
+
+    def read(self, file: int, offset: int, size: int) -> bytes:
+        """Bytes ``[offset, offset + size)`` of file ``file`` (its chunks filled or found in the cache)."""
+        f = self.files[file]
+        out = bytearray(size)
+        view = memoryview(out)
+        got = 0
+        for c in f.chunks_of(offset, size):
+            fd = self._open((file, c))
+            start, end = f.span(c)
+            lo = max(offset + got, start)
+            hi = min(offset + size, end)
+            while lo < hi:
+                n = os.preadv(fd, [view[got:got + hi - lo]], lo - start)
+                if n <= 0:
+                    raise OSError(f"chunk {c} of {f.volume.display(f.entry.path)} is shorter than expected")
+                got += n
+                lo += n
+        return bytes(out)
+
+    def begin(self) -> None:
+        """Start timing one item's reads (:attr:`last_wait_s`, :attr:`last_hit`)."""
+        self.last_wait_s, self.last_hit = 0.0, True
+
+    def release(self, chunks: Iterable[tuple[int, int]]) -> None:
+        """Close and unprotect these held chunks (the plan needs them no more)."""
+        changed = False
+        for fc in chunks:
+            fd = self._held.pop(fc, None)
+            if fd is not None:
+                os.close(fd)
+                changed = True
+        if changed:
+            self._protect()
+
+    def held(self) -> list[tuple[int, int]]:
+        return list(self._held)
+
+    def close(self) -> None:
+        """Drop every held chunk and the protection record; cancel fills not started."""
+        with self._mu:
+            jobs = list(self._inflight.values())
+        for fut, _ in jobs:
+            fut.cancel()
+        for fut, _ in jobs:
+            with contextlib.suppress(BaseException):
+                fut.result()
+        with self._mu:
+            self._inflight.clear()
+        for fd in self._held.values():
+            os.close(fd)
+        self._held.clear()
+        self.cache.drop_record(self._record)
+        self._named = frozenset()

@@ -1,0 +1,363 @@
+"""Sample datasets over big files: map-style access by index and a planned, resumable stream.
+
+A :class:`ShardDataset` knows, for each sample index, which byte ranges of which files hold it
+and how to turn those bytes into a sample (:mod:`.webdataset`: tar members; :mod:`.tokens`:
+token windows). Bytes come through the ranged chunk cache (:mod:`.chunks`), never whole files.
+``ds[i]`` reads one sample (random access); ``ds.stream(...)`` is a :class:`SampleStream`, an
+IterableDataset split over ranks x workers with equal lengths (:mod:`ucmagic.plan`), seeded
+epochs, a sample-level shuffle that keeps only a few chunks per stream in flight (:mod:`.shuffle`),
+and exact, elastic resume (``state_dict`` / ``load_state_dict``, or ``ucmagic.DataLoader``'s).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+from torch.utils.data import Dataset, IterableDataset, get_worker_info
+
+from .. import plan, telemetry
+from ..cache import FileCache, process_tag
+from ..dist import dist_info, local_world_size
+from ..epochs import EpochTracking, check_state_kind
+from ..errors import ListingChangedError
+from ..telemetry import SharedCounters
+from ..volume import FileEntry, Volume
+from .chunks import CHUNK_SIZE, SUFFIX, ChunkedFile, ChunkReader
+from .shuffle import DEFAULT_WINDOW, sample_layout
+
+STATE_VERSION = 1
+Span = tuple[int, int, int]  # (file index, byte offset, size)
+
+
+def fingerprint(entries: Sequence[FileEntry], samples: int) -> str:
+    """Identity of a dataset's files (paths, sizes, mtimes) and sample count, for resume checks."""
+    h = hashlib.blake2b(digest_size=12)
+    for e in entries:
+        h.update(f"{e.path}\0{e.size}\0{e.mtime!r}\n".encode("utf-8", "surrogateescape"))
+    h.update(str(samples).encode())
+    return h.hexdigest()
+
+
+class ShardDataset(Dataset):
+    """Base of the map-style sample datasets: ``len(ds)`` samples, ``ds[i]`` reads sample ``i``.
+
+    Subclasses set ``files`` (:class:`ChunkedFile` each), ``num_samples`` and ``group_sizes``
+    (samples per run of consecutive samples that start in one chunk, in order: the shuffle's unit),
+    and implement :meth:`spans` and :meth:`decode`.
+    """
+
+    kind = "ShardDataset"
+    files: list[ChunkedFile]
+    num_samples: int
+    group_sizes: list[int]
+
+    def __init__(self, volume: Volume, entries: Sequence[FileEntry], *, cache_dir: str | None = None,
+                 cache_limit: int | str | None = None, chunk_size: int = CHUNK_SIZE, min_free: float = 0.10) -> None:
+        if chunk_size <= 0:
+            raise ValueError(f"chunk_size must be > 0, got {chunk_size}")
+        self.volume = volume
+        self.entries = list(entries)
+        self.chunk_size = int(chunk_size)
+        self.cache = FileCache(cache_dir, cache_limit, min_free)
+        self.files = [ChunkedFile(volume, e, self.chunk_size) for e in self.entries]
+        self._counters = SharedCounters()
+        self._reader: tuple[int, ChunkReader] | None = None
+
+    # ------------------------------------------------------------ to implement
+
+    def spans(self, i: int) -> list[Span]:
+        """``(file, offset, size)`` byte ranges holding sample ``i``, in the order :meth:`decode` takes them."""
+        raise NotImplementedError
+
+    def decode(self, i: int, parts: list[bytes]) -> Any:
+        """The sample ``i`` from the bytes of its spans."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------ basics
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    @property
+    def fingerprint(self) -> str:
+        return fingerprint(self.entries, self.num_samples)
+
+    @property
+    def counters(self) -> SharedCounters:
+        """Chunk hits, fills (misses) and bytes fetched, shared with DataLoader workers."""
+        return self._counters
+
+    def __getstate__(self) -> dict[str, Any]:
+        st = self.__dict__.copy()
+        st["_reader"] = None  # per process
+        return st
+
+    def reader(self, *, keep: int = 4, slot: int | str = "map") -> ChunkReader:
+        """This process's chunk reader for random access (a new one after fork or in a worker)."""
+        r = self._reader
+        if r is None or r[0] != os.getpid():
+            r = self._reader = (os.getpid(), ChunkReader(self.cache, self.files, keep=keep, slot=slot,
+                                                         counters=self._counters))
+        return r[1]
+
+    def read_sample(self, reader: ChunkReader, i: int) -> Any:
+        if not 0 <= i < self.num_samples:
+            raise IndexError(f"sample {i} out of range for {self.num_samples} samples")
+        parts = [reader.read(f, off, n) for f, off, n in self.spans(i)]
+        return self.decode(i, parts)
+
+    def __getitem__(self, i: int) -> Any:
+        i = int(i)
+        if i < 0:
+            i += self.num_samples
+        reader = self.reader()
+        reader.begin()
+        out = self.read_sample(reader, i)
+        self.record_sample(reader, i)
+        return out
+
+    def record_sample(self, reader: ChunkReader, i: int) -> None:
+        """One per-item fetch record for sample ``i`` (its first chunk, hit or fill, wait)."""
+        sp = self.spans(i)
+        f = sp[0][0] if sp else 0
+        chunk = self.files[f].chunks_of(sp[0][1], sp[0][2])[0] if sp else 0
+        telemetry.record_item(self.chunk_id(f, chunk), reader.last_hit, reader.last_wait_s,
+                              sum(n for _, _, n in sp))
+
+    def chunks_of_sample(self, i: int) -> list[tuple[int, int]]:
+        """``(file, chunk)`` pairs sample ``i`` reads."""
+        return [(f, c) for f, off, n in self.spans(i) for c in self.files[f].chunks_of(off, n)]
+
+    # ------------------------------------------------------------ names for telemetry
+
+    def chunk_id(self, file: int, chunk: int) -> int:
+        """One integer per (file, chunk): what per-item fetch records carry."""
+        return file * (1 << 20) + chunk
+
+    def describe_item(self, index: int) -> tuple[str, int]:
+        """``(file#chunk, bytes)`` of a chunk id of :meth:`chunk_id` (the explorer names slow shards and chunks)."""
+        file, chunk = divmod(int(index), 1 << 20)
+        if not 0 <= file < len(self.files):
+            return f"chunk {index}", 0
+        f = self.files[file]
+        start, end = f.span(chunk)
+        return f"{self.volume.display(f.entry.path)}#chunk{chunk}", max(0, end - start)
+
+    def clear_cache(self) -> int:
+        """Remove this dataset's cached chunks. Returns the number removed."""
+        found = (self.cache.lookup(f.key(c), SUFFIX, end - start) for f in self.files for c in range(f.chunks)
+                 for start, end in (f.span(c),))
+        return self.cache.remove(p for p in found if p)
+
+    def stream(self, *, shuffle: bool | str = False, seed: int = 0, shuffle_window: int = DEFAULT_WINDOW,
+               partition: str = "pad", reshuffle_every: int | None = None, read_ahead: int = 4) -> "SampleStream":
+        """This dataset as an iterable stream (see :class:`SampleStream`)."""
+        return SampleStream(self, shuffle=shuffle, seed=seed, shuffle_window=shuffle_window, partition=partition,
+                            reshuffle_every=reshuffle_every, read_ahead=read_ahead)
+
+
+class SampleStream(EpochTracking, IterableDataset):
+    """The samples of a :class:`ShardDataset`, streamed: split over ranks x workers, seeded epochs, resumable.
+
+    Every (rank, worker) stream gets a contiguous run of the epoch's order with equal lengths per
+    rank (``partition="pad"`` repeats a few samples, ``"drop"`` leaves the remainder out).
+    ``shuffle``: ``False`` (file order), ``True`` / ``"global"`` (runs of samples that start in one
+    chunk are permuted, ``shuffle_window`` of them are mixed at a time and the samples of each
+    window permuted: a stream reads about ``shuffle_window`` chunks at once), ``"node"`` (each node
+    keeps its slice of the samples across epochs, shuffled the same way within it; ``True`` means
+    this on several nodes). ``read_ahead``: chunks filled ahead of the reader per stream.
+
+    Resume: :meth:`state_dict` (plain iteration) or ``ucmagic.DataLoader.state_dict()`` (workers,
+    ranks), then :meth:`load_state_dict`: the next iteration delivers exactly what was not yet
+    delivered in the saved epoch, under any number of workers or ranks.
+    """
+
+    kind = "SampleStream"
+
+    def __init__(self, dataset: ShardDataset, *, shuffle: bool | str = False, seed: int = 0,
+                 shuffle_window: int = DEFAULT_WINDOW, partition: str = "pad", reshuffle_every: int | None = None,
+                 read_ahead: int = 4) -> None:
+        if partition not in plan.PARTITION_MODES:
+            raise ValueError(f"partition must be one of {plan.PARTITION_MODES}, got {partition!r}")
+        if shuffle not in (False, True, "global", "node"):
+            raise ValueError(f"shuffle must be False, True, 'global' or 'node', got {shuffle!r}")
+        self.dataset = dataset
+        self.shuffle = shuffle
+        self.seed = int(seed)
+        self.shuffle_window = max(1, int(shuffle_window))
+        self.partition = partition
+        self.reshuffle_every = int(reshuffle_every) if reshuffle_every else None
+        self.read_ahead = max(0, int(read_ahead))
+        self.batch_quantum = 1
+        self.lease_items = 1024
+        self._init_epochs()
+        self._epoch_main: int | None = None
+        self._delivered_main = 0
+        self._layouts: dict[Any, Any] = {}
+
+    def __len__(self) -> int:
+        """Samples this rank delivers in the coming epoch (the remainder after a resume)."""
+        pool, _ = self.epoch_plan(self.upcoming_epoch())
+        return plan.per_rank(plan.ranges_len(pool), dist_info().world, self.partition)
+
+    def __repr__(self) -> str:
+        return (f"SampleStream({type(self.dataset).__name__}, samples={self.dataset.num_samples}, "
+                f"shuffle={self.shuffle!r}, seed={self.seed})")
+
+    def __getstate__(self) -> dict[str, Any]:
+        st = self.__dict__.copy()
+        st["_layouts"] = {}
+        return st
+
+    @property
+    def counters(self) -> SharedCounters:
+        return self.dataset.counters
+
+    def set_epoch(self, epoch: int) -> None:
+        super().set_epoch(epoch)
+        self._epoch_main, self._delivered_main = None, 0
+
+    # ------------------------------------------------------------ plan
+
+    def _order_params(self, epoch: int, world: int | None = None) -> tuple[bool | str, int, int]:
+        r = self._resume
+        if r is not None and r["epoch"] == epoch:
+            return r["shuffle"], int(r["order_world"]), int(r["order_local_world"])
+        if world is None:
+            world = dist_info().world
+        return self._shuffle_mode(world), world, local_world_size(world)
+
+    def layout(self, epoch: int, world: int | None = None) -> Any:
+        """The sample order of ``epoch`` (a :class:`ucmagic.tables.rows.EpochLayout` over chunk runs)."""
+        mode, ow, olws = self._order_params(epoch, world)
+        key = (epoch, mode, ow, olws)
+        lay = self._layouts.get(key)
+        if lay is None:
+            lay = sample_layout(self.dataset.group_sizes, shuffle=mode, seed=self.seed, epoch=epoch,
+                                window=self.shuffle_window, world=ow, local_world=olws, partition=self.partition,
+                                reshuffle_every=self.reshuffle_every)
+            self._layouts = {key: lay}
+        return lay
+
+    def epoch_plan(self, epoch: int) -> tuple[list[plan.Range], None]:
+        r = self._resume
+        if r is not None and r["epoch"] == epoch:
+            return [tuple(x) for x in r["pool"]], None
+        return [(0, self.dataset.num_samples)], None
+
+    def stream_ranges(self, epoch: int, rank: int, world: int, worker: int, num_workers: int) -> list[plan.Range]:
+        """Epoch positions stream (rank, worker) delivers, in order."""
+        pool, _ = self.epoch_plan(epoch)
+        return plan.stream_positions(pool, world, rank, num_workers, worker, self.partition, self.batch_quantum)
+
+    def stream_samples(self, epoch: int | None = None, rank: int | None = None, world: int | None = None,
+                       worker: int | None = None, num_workers: int | None = None) -> np.ndarray:
+        """Sample indices one stream delivers in ``epoch`` (default: the calling stream and epoch)."""
+        d = dist_info()
+        rank = d.rank if rank is None else rank
+        world = d.world if world is None else world
+        worker = d.worker if worker is None else worker
+        num_workers = d.num_workers if num_workers is None else num_workers
+        ep = self.epoch if epoch is None else epoch
+        lay = self.layout(ep, world)
+        return lay.rows_of(self.stream_ranges(ep, rank, world, worker, num_workers))
+
+    # ------------------------------------------------------------ iteration
+
+    def __iter__(self) -> Iterator[Any]:
+        info = get_worker_info()
+        main = info is None
+        ds = self.dataset
+        if main:
+            self.begin_epoch()
+            epoch = self.epoch
+            self._epoch_main, self._delivered_main = epoch, 0
+        else:
+            epoch = self._worker_epoch(os.path.join(ds.cache.root, "locks", f"epoch-{self._epoch_id}.lock"))
+        rank, world, _, _, worker, nworkers = dist_info()
+        lay = self.layout(epoch, world)
+        segs = lay.segments(self.stream_ranges(epoch, rank, world, worker, nworkers))
+        reader = ChunkReader(ds.cache, ds.files, keep=1 << 30, owner=process_tag(), slot=f"s{worker}",
+                             counters=ds.counters)
+        try:
+            yield from self._deliver(reader, lay, segs, main)
+        finally:
+            reader.close()
+
+    def _deliver(self, reader: ChunkReader, lay: Any, segs: list[Any], main: bool) -> Iterator[Any]:
+        ds = self.dataset
+        nxt = lay.segment_rows(segs[0]) if segs else np.zeros(0, dtype=np.int64)
+        for k in range(len(segs)):
+            rows = nxt
+            nxt = lay.segment_rows(segs[k + 1]) if k + 1 < len(segs) else np.zeros(0, dtype=np.int64)
+            chunks = [ds.chunks_of_sample(int(i)) for i in rows]
+            upcoming = {fc for i in nxt[:64] for fc in ds.chunks_of_sample(int(i))}
+            last: dict[tuple[int, int], int] = {}
+            for j, cs in enumerate(chunks):
+                for fc in cs:
+                    last[fc] = j
+            order = list(dict.fromkeys(fc for cs in chunks for fc in cs))
+            order += [fc for fc in dict.fromkeys(upcoming) if fc not in last]
+            first = {fc: n for n, fc in enumerate(order)}
+            for j, i in enumerate(rows.tolist()):
+                if self.read_ahead:
+                    at = first[chunks[j][0]] if chunks[j] else 0
+                    reader.prefetch(order[at:at + 1 + self.read_ahead])
+                reader.begin()
+                sample = ds.read_sample(reader, i)
+                ds.record_sample(reader, i)
+                done = [fc for fc in chunks[j] if last[fc] == j and fc not in upcoming]
+                if done:
+                    reader.release(done)
+                if main:
+                    self._delivered_main += 1
+                yield sample
+
+    # ------------------------------------------------------------ resume
+
+    def state_dict(self) -> dict[str, Any]:
+        """Samples the loop received so far in this epoch (single-process iteration; with workers or
+        ranks use ``ucmagic.DataLoader.state_dict()``). Small and JSON-serialisable."""
+        if dist_info().world > 1:
+            raise RuntimeError("SampleStream.state_dict() sees one rank only: use ucmagic.DataLoader.state_dict()")
+        epoch = self.upcoming_epoch() if self._epoch_main is None else self._epoch_main
+        return self.make_state(epoch, [self._delivered_main], world=1, num_workers=1)
+
+    def make_state(self, epoch: int, delivered: Sequence[int], *, world: int, num_workers: int) -> dict[str, Any]:
+        """Resume state after stream ``s`` (rank-major) delivered ``delivered[s]`` samples of ``epoch``."""
+        pool, _ = self.epoch_plan(epoch)
+        mode, ow, olws = self._order_params(epoch, world)
+        left = plan.remaining_pool(pool, world, num_workers, self.partition, self.batch_quantum, list(delivered))
+        return {
+            "version": STATE_VERSION, "kind": self.kind, "epoch": int(epoch), "seed": self.seed,
+            "shuffle": mode, "shuffle_option": self.shuffle, "shuffle_window": self.shuffle_window,
+            "order_world": ow, "order_local_world": olws, "reshuffle_every": self.reshuffle_every,
+            "partition": self.partition, "samples": self.dataset.num_samples,
+            "fingerprint": self.dataset.fingerprint,
+            "pool": [list(x) for x in left], "remaining": plan.ranges_len(left),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume: the next iteration delivers exactly the samples not yet delivered in the saved epoch
+        (any world size or number of workers). Raises ListingChangedError if the files changed."""
+        check_state_kind(state, self.kind)
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"unsupported SampleStream state version {state.get('version')!r}")
+        if state["fingerprint"] != self.dataset.fingerprint or state["samples"] != self.dataset.num_samples:
+            raise ListingChangedError(
+                f"the files of this {type(self.dataset).__name__} changed since the state was saved "
+                f"({state['samples']} samples then, {self.dataset.num_samples} now): resume needs the same files; "
+                "start a new epoch instead (set_epoch)")
+        self.seed = int(state["seed"])
+        self.shuffle = state.get("shuffle_option", state["shuffle"])
+        self.shuffle_window = int(state["shuffle_window"])
+        self.reshuffle_every = state.get("reshuffle_every")
+        self._layouts = {}
+        self._resume = dict(state)
+        self.restart_epochs(int(state["epoch"]))
+        self._epoch_main, self._delivered_main = None, 0
+
+    def describe_item(self, index: int) -> tuple[str, int]:
+        return self.dataset.describe_item(index)
