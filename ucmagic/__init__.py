@@ -68,6 +68,7 @@ _EXPORTS = {
     "TableNotFoundError": "errors",
     "UnsupportedSourceError": "errors",
     "TableTooLargeError": "errors",
+    "UnsupportedTableFeatureError": "errors",
     "StagingError": "errors",
     "PackError": "errors",
     "DistributedRunError": "errors",

@@ -101,7 +101,10 @@ def load_table(name_or_path: Any, *, columns: Sequence[str] | None = None, limit
         try:
             con = connect()
             try:
-                rel = select_columns(duckdb_relation(con, src), columns, src.describe())
+                if src.kind == "delta":  # the snapshot reads only these columns (and applies deletion vectors)
+                    rel = duckdb_relation(con, src, columns or None)
+                else:
+                    rel = select_columns(duckdb_relation(con, src), columns, src.describe())
                 if limit is not None:
                     rel = rel.limit(limit)
                 return rel.df()

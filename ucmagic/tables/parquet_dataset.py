@@ -26,7 +26,8 @@ from ..epochs import EpochTracking, check_state_kind
 from ..errors import ListingChangedError, UnsupportedSourceError
 from ..fetch import read_ahead, with_retries
 from .rows import EpochLayout, Segment
-from .sources import delta_files, resolve_source
+from .delta import keep_mask, live_counts
+from .sources import delta_snapshot, resolve_source
 
 STATE_VERSION = 1
 DEFAULT_SHUFFLE_BUFFER = 65536
@@ -35,10 +36,18 @@ __all__ = ["ParquetDataset"]
 
 
 class _File:
-    __slots__ = ("path", "size", "mtime", "group_rows")
+    """One Parquet file: ``group_rows`` are the rows each row group yields (after a Delta deletion vector);
+    ``delta`` is its Delta add (None for plain Parquet), ``stored_rows`` the rows stored (with a DV only)."""
 
-    def __init__(self, path: str, size: int, mtime: float, group_rows: list[int]) -> None:
+    __slots__ = ("path", "size", "mtime", "group_rows", "delta", "stored_rows")
+
+    def __init__(self, path: str, size: int, mtime: float, group_rows: list[int], delta: Any = None,
+                 stored_rows: list[int] | None = None) -> None:
         self.path, self.size, self.mtime, self.group_rows = path, size, mtime, group_rows
+        self.delta, self.stored_rows = delta, stored_rows
+
+
+FORMATS = ("torch", "numpy", "arrow", "pandas")
 
 
 _NP_DTYPES = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16,
@@ -67,11 +76,56 @@ def _output_kind(t: Any) -> str:
     return _column_kind(t.value_type) if pa.types.is_dictionary(t) else _column_kind(t)
 
 
+def _temporal_int64(col: Any) -> Any:
+    """A date/time/timestamp/duration column as int64 in its own unit (days for date32, else the type's unit)."""
+    import pyarrow as pa
+
+    width = col.type.bit_width
+    return col.cast(pa.int32() if width == 32 else pa.int64()).cast(pa.int64())
+
+
+def _numpy_column(col: Any) -> np.ndarray:
+    """``format="numpy"``: numbers and booleans as arrays, temporal as datetime64/timedelta64, decimals as
+    float64, everything else (strings, binary, nested) as an object array of Python values."""
+    import pyarrow as pa
+
+    t = col.type
+    if pa.types.is_dictionary(t):
+        col = col.cast(t.value_type)
+        t = col.type
+    if pa.types.is_decimal(t):
+        col = col.cast(pa.float64())
+    elif pa.types.is_time(t):
+        col = _temporal_int64(col)
+    if pa.types.is_integer(col.type) or pa.types.is_floating(col.type) or pa.types.is_boolean(col.type) or \
+            pa.types.is_timestamp(col.type) or pa.types.is_date(col.type) or pa.types.is_duration(col.type):
+        return np.asarray(col.to_numpy())
+    out = np.empty(len(col), dtype=object)
+    out[:] = col.to_pylist()
+    return out
+
+
+def _batch_len(batch: Any) -> int:
+    """Rows in a batch of any ``format`` (a dict of columns, a pyarrow Table, a DataFrame)."""
+    if isinstance(batch, dict):
+        return len(next(iter(batch.values()))) if batch else 0
+    return len(batch)
+
+
+def pa_schema_of(schema: Any, columns: Sequence[str]) -> Any:
+    import pyarrow as pa
+
+    return pa.schema([schema.field(c) for c in columns])
+
+
 class ParquetDataset(EpochTracking, IterableDataset):
     """An IterableDataset of column batches: ``{"col": tensor, "text_col": [str, ...]}``.
 
     Use it with ``DataLoader(ds, batch_size=None)`` (the dataset batches). Numeric, boolean and
-    temporal (as int64) columns become tensors; strings and nested values become lists.
+    temporal (as int64: days for dates, the type's unit for times and timestamps, microseconds since the
+    epoch for Delta timestamps) columns become tensors, decimals float64 tensors; strings, binary and
+    nested values (as Python lists/dicts) become lists. A Delta table yields the rows its snapshot
+    defines: deletion vectors applied, logical column names, partition columns (see docs/tables.md).
 
     Args:
         path: a directory of Parquet files (recursive; ``_``/``.`` side files ignored), a file, a
@@ -91,6 +145,9 @@ class ParquetDataset(EpochTracking, IterableDataset):
         partition: ``"pad"`` (ranks equal by wrap-around) or ``"drop"`` (drop the remainder).
         dtype: a torch dtype for every numeric column (e.g. ``torch.float32``), or a dict per column.
         version: Delta table version (time travel).
+        format: ``"torch"`` (default: dicts of tensors and lists), ``"numpy"`` (dicts of numpy arrays:
+            datetime64 for dates and timestamps, object arrays for strings and nested values),
+            ``"arrow"`` (a ``pyarrow.Table`` per batch) or ``"pandas"`` (a DataFrame per batch).
         cache: copy files to the local cache before reading (default: for URLs and ``/Volumes`` mounts).
         cache_dir, cache_limit: the file cache (see :class:`ucmagic.cache.FileCache`).
         prefetch: row-group windows decoded ahead per stream.
@@ -104,7 +161,11 @@ class ParquetDataset(EpochTracking, IterableDataset):
                  partition: str = "pad", dtype: Any = None, version: int | None = None,
                  cache: bool | None = None, cache_dir: str | None = None, cache_limit: int | str | None = None,
                  prefetch: int = 2, timeout: float | None = 300.0,
-                 storage_options: dict[str, Any] | None = None, reshuffle_every: int | None = None) -> None:
+                 storage_options: dict[str, Any] | None = None, reshuffle_every: int | None = None,
+                 format: str = "torch") -> None:  # noqa: A002 - the option's documented name
+        if format not in FORMATS:
+            raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
+        self.format = format
         if partition not in plan.PARTITION_MODES:
             raise ValueError(f"partition must be one of {plan.PARTITION_MODES}, got {partition!r}")
         if not isinstance(batch_size, int) or batch_size < 1:
@@ -131,7 +192,8 @@ class ParquetDataset(EpochTracking, IterableDataset):
                         f"ParquetDataset reads Parquet files or a Delta table, not a {src.kind} source "
                         f"({src.describe()}): write it with export_parquet(source, dest) and pass dest"
                     )
-                paths = delta_files(src) if src.kind == "delta" else list(src.paths)
+                self.snapshot = delta_snapshot(src) if src.kind == "delta" else None
+                paths = [f.path for f in self.snapshot.files] if self.snapshot is not None else list(src.paths)
                 self.remote = any("://" in p for p in paths)
                 self.files, schema = self._read_footers(paths)
                 break
@@ -173,15 +235,21 @@ class ParquetDataset(EpochTracking, IterableDataset):
         return fsspec.core.url_to_fs(self.files[0].path, **(self.storage_options or {}))[0]
 
     def _read_footers(self, paths: list[str]) -> tuple[list[_File], Any]:
+        """Footers of every file: row groups and (Delta) rows left per row group after its deletion vector,
+        each vector read and dropped in turn; the schema (the Delta table's, or the files' unified)."""
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
+        snap = self.snapshot
+        dfiles = snap.files if snap is not None else [None] * len(paths)
         fs = None
         if self.remote:
             import fsspec
 
             fs = fsspec.core.url_to_fs(paths[0], **(self.storage_options or {}))[0]
 
-        def footer(p: str) -> tuple[_File, Any]:
+        def footer(item: tuple[str, Any]) -> tuple[_File, Any]:
+            p, dfile = item
             if fs is not None:
                 info = fs.info(p)
                 with fs.open(p, "rb") as f:
@@ -194,19 +262,37 @@ class ParquetDataset(EpochTracking, IterableDataset):
                 md = pq.read_metadata(p)
                 size, mtime = st.st_size, st.st_mtime
             rows = [md.row_group(i).num_rows for i in range(md.num_row_groups)]
-            return _File(p, size, mtime, rows), md.schema.to_arrow_schema()
+            stored = None
+            if dfile is not None and dfile.dv is not None:
+                stored, rows = rows, live_counts(snap.deleted_rows(dfile), rows)
+            return _File(p, size, mtime, rows, dfile, stored), md.schema.to_arrow_schema()
 
-        got = list(read_ahead(footer, paths, depth=16, timeout=self.timeout))
+        got = list(read_ahead(footer, list(zip(paths, dfiles)), depth=16, timeout=self.timeout,
+                              describe=lambda it: it[0]))
+        if snap is not None:  # the table's schema: files may predate columns (nulls) or name them physically
+            return [f for f, _ in got], snap.schema
         schema = got[0][1]
         for f, s in got[1:]:
             missing = [n for n in schema.names if n not in s.names]
             if missing:
                 raise ValueError(f"{f.path} lacks column {missing[0]!r} that {got[0][0].path} has: "
                                  "all files of a ParquetDataset need the same columns")
+        if any(s != schema for _, s in got[1:]):  # e.g. string in one file, large_string in another
+            try:
+                schema = pa.unify_schemas([s for _, s in got], promote_options="permissive")
+            except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
+                raise ValueError(f"the files of {self.path!r} have columns of incompatible types ({e}): "
+                                 "write them with one schema") from e
+            schema = pa.schema([schema.field(n) for n in got[0][1].names])
         return [f for f, _ in got], schema
 
     def _fingerprint(self) -> str:
         h = hashlib.sha256()
+        if self.snapshot is not None:  # a DELETE that only adds a deletion vector is a new version
+            h.update(f"delta\0{self.snapshot.root}\0{self.snapshot.version}\n".encode("utf-8", "surrogateescape"))
+            for f in self.files:
+                dv = f.delta.dv.unique_id if f.delta is not None and f.delta.dv is not None else ""
+                h.update(f"{dv}\n".encode("utf-8", "surrogateescape"))
         for f in self.files:
             h.update(f"{f.path}\0{f.size}\0{','.join(map(str, f.group_rows))}\n".encode("utf-8", "surrogateescape"))
         return h.hexdigest()[:16]
@@ -344,14 +430,37 @@ class ParquetDataset(EpochTracking, IterableDataset):
         if os.fstat(f.fileno()).st_size != self.files[fi].size:
             f.close()
             raise self._changed(fi, "changed size")
-        pf = pq.ParquetFile(f)
+        # Delta timestamps are microseconds: INT96 files (Spark) read as us, so far dates do not overflow
+        pf = pq.ParquetFile(f, coerce_int96_timestamp_unit="us") if self.snapshot is not None else pq.ParquetFile(f)
         with lock:
             readers[key] = (pf, f)
         return pf
 
     def _read_group(self, readers: dict, lock: threading.Lock, g: int) -> Any:
+        """Row group ``g`` as the rows it yields: for Delta, the table's rows (its deletion vector applied,
+        logical names, partition columns, nulls for columns the file predates); for Parquet, the unified types."""
         fi, j = self._group_file[g]
-        return self._open(readers, lock, fi).read_row_group(j, columns=self.columns, use_threads=False)
+        pf = self._open(readers, lock, fi)
+        snap = self.snapshot
+        if snap is None:
+            t = pf.read_row_group(j, columns=self.columns, use_threads=False)
+            want = pa_schema_of(self.schema, self.columns)
+            return t if t.schema.equals(want) else t.cast(want)
+        f = self.files[fi]
+        key = (threading.get_ident(), "delta")
+        with lock:
+            cur = readers.get(key)
+        if cur is None or cur[0] != fi:  # this thread moves to another file: its mask replaces the last one
+            cols = snap.file_columns(pf.schema_arrow, [c for c in self.columns if c not in snap.partition_columns])
+            deleted = snap.deleted_rows(f.delta) if f.stored_rows is not None else None
+            starts = np.concatenate([[0], np.cumsum(f.stored_rows)]) if f.stored_rows is not None else None
+            cur = (fi, cols, deleted, starts)
+            with lock:
+                readers[key] = cur
+        _, cols, deleted, starts = cur
+        data = pf.read_row_group(j, columns=sorted({v for v in cols.values() if v is not None}), use_threads=False)
+        mask = keep_mask(deleted, int(starts[j]), int(starts[j + 1])) if deleted is not None else None
+        return snap.logical(data, f.delta, self.columns, cols, mask)
 
     def _load(self, lay: EpochLayout, seg: Segment, readers: dict, lock: threading.Lock) -> tuple[dict[str, Any], int]:
         """Decode one segment: tensors (numeric columns, converted once) or arrow arrays (the rest)."""
@@ -369,6 +478,8 @@ class ParquetDataset(EpochTracking, IterableDataset):
                 parts.append(t if lo == 0 and hi == t.num_rows else t.slice(lo, hi - lo))
             table = parts[0] if len(parts) == 1 else pa.concat_tables(parts)
             table = table.take(pa.array(perm[seg.lo:seg.hi]))
+        if self.format != "torch":  # numpy, arrow, pandas: converted when a batch is cut
+            return {"": table}, seg.hi - seg.lo
         out: dict[str, Any] = {}
         for c in self.columns:
             col = table.column(c)
@@ -377,7 +488,7 @@ class ParquetDataset(EpochTracking, IterableDataset):
                 col = col.cast(col.type.value_type)
                 kind = _column_kind(col.type)
             if kind == "int64":
-                col = col.cast(pa.int64())
+                col = _temporal_int64(col)
             elif kind == "float64":
                 col = col.cast(pa.float64())
             if kind == "list":
@@ -401,6 +512,9 @@ class ParquetDataset(EpochTracking, IterableDataset):
         """
         import pyarrow as pa
 
+        if self.format != "torch":
+            yield from self._table_batches(pieces)
+            return
         bs = self.batch_size
         cols = self.columns
         tensor_cols = [c for c in cols if c not in self._lists]
@@ -457,6 +571,36 @@ class ParquetDataset(EpochTracking, IterableDataset):
         if npend:
             yield emit(pending)
 
+    def _table_batches(self, pieces: Iterator[tuple[dict[str, Any], int]]) -> Iterator[Any]:
+        """``format`` numpy/arrow/pandas: re-cut the decoded tables into batches of ``batch_size`` rows."""
+        import pyarrow as pa
+
+        bs = self.batch_size
+        pending: list[Any] = []
+        npend = 0
+
+        def emit(parts: list[Any]) -> Any:
+            t = parts[0] if len(parts) == 1 else pa.concat_tables(parts)
+            if self.format == "arrow":
+                return t
+            if self.format == "pandas":
+                return t.to_pandas()
+            return {c: _numpy_column(t.column(c)) for c in self.columns}
+
+        for piece, n in pieces:
+            table = piece[""]
+            off = 0
+            while off < n:
+                take = min(bs - npend, n - off)
+                pending.append(table.slice(off, take))
+                npend += take
+                off += take
+                if npend == bs:
+                    yield emit(pending)
+                    pending, npend = [], 0
+        if npend:
+            yield emit(pending)
+
     def iter_stream(self, epoch: int, rank: int = 0, world: int = 1, worker: int = 0,
                     num_workers: int = 1) -> Iterator[dict[str, Any]]:
         """Batches of one (rank, worker) stream of ``epoch`` (what ``__iter__`` runs in each process)."""
@@ -479,12 +623,14 @@ class ParquetDataset(EpochTracking, IterableDataset):
             pieces = read_ahead(load, segs, depth=self.prefetch,
                                 timeout=self.timeout, describe=lambda s: f"row-group window {s.window}")
             for batch in self._batches(unpack(pieces), own):
-                nbytes = sum(v.nbytes for v in batch.values() if isinstance(v, torch.Tensor))
+                nbytes = (sum(v.nbytes for v in batch.values() if isinstance(v, (torch.Tensor, np.ndarray)))
+                          if isinstance(batch, dict) else int(getattr(batch, "nbytes", 0) or 0))
                 telemetry.record_item(cur[0], True, cur[1], nbytes)
                 yield batch
         finally:
-            for _, f in list(readers.values()):
-                f.close()
+            for key, val in list(readers.items()):
+                if key[1] != "delta":  # (ParquetFile, file) pairs; "delta" entries hold a deletion vector
+                    val[1].close()
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         main = get_worker_info() is None
@@ -496,7 +642,7 @@ class ParquetDataset(EpochTracking, IterableDataset):
             self._epoch_main, self._delivered_main = epoch, 0
         for batch in self.iter_stream(epoch, rank, world, worker, nworkers):
             if main:
-                self._delivered_main += len(next(iter(batch.values())))
+                self._delivered_main += _batch_len(batch)
             yield batch
 
     def describe_item(self, group: int) -> tuple[str, int]:

@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from .._util import is_remote_url, is_url
-from ..errors import (InvalidTableNameError, SourceNotFoundError, TableNotFoundError, UnsupportedSourceError,
-                     import_extra)
+from ..errors import InvalidTableNameError, SourceNotFoundError, TableNotFoundError, UnsupportedSourceError
 from ..units import parse_size
 from ..volume import existing_local_path, resolve_local_path
+from .journal import committed_listing
 
 
 # ---------------------------------------------------------------- names (pure)
@@ -252,7 +252,7 @@ def resolve_path_source(path: str, *, version: int | None = None,
     if os.path.isdir(real):
         if is_delta_dir(real):
             return Source("delta", root=real, version=version)
-        files = _local_dir_files(real)
+        files = committed_listing(real, _local_dir_files)  # an unfinished append: none of its files
         if not files:
             raise SourceNotFoundError(f"no Parquet or CSV files under {path}: pass a directory of .parquet/.csv files")
         return Source(_files_kind(files, path), paths=files, root=real)
@@ -320,18 +320,21 @@ def _fs_for(src: Source) -> Any:
     return pafs.PyFileSystem(pafs.FSSpecHandler(fs)), fs
 
 
-def arrow_dataset(src: Source) -> Any:
-    """A lazy pyarrow dataset over a Delta, Parquet or CSV source (streams; projects columns)."""
+def delta_snapshot(src: Source) -> Any:
+    """The :class:`~ucmagic.tables.delta.DeltaSnapshot` of a ``delta`` source (its version, files, schema)."""
+    from .delta import open_snapshot
+
+    return open_snapshot(src.root or "", version=src.version, name=src.describe(), storage_options=src.storage_options)
+
+
+def arrow_dataset(src: Source, columns: Sequence[str] | None = None) -> Any:
+    """A lazy pyarrow dataset over a Parquet or CSV source (streams; projects columns); for a Delta
+    table, a RecordBatchReader of the rows its snapshot defines (deletion vectors applied, logical names,
+    partition columns), in log order."""
     import pyarrow.dataset as pads
 
     if src.kind == "delta":
-        DeltaTable = import_extra("deltalake", feature="reading a Delta table").DeltaTable  # noqa: N806 - a class
-
-        try:
-            dt = DeltaTable(src.root, version=src.version, storage_options=src.storage_options)
-        except Exception as e:  # noqa: BLE001 - deltalake raises its own types
-            raise SourceNotFoundError(f"cannot open Delta table {src.describe()} (version {src.version}): {e}") from e
-        return dt.to_pyarrow_dataset()
+        return delta_snapshot(src).reader(columns)
     fmt = "parquet" if src.kind == "parquet" else "csv"
     if src.remote:
         pafs, fs = _fs_for(src)
@@ -341,19 +344,21 @@ def arrow_dataset(src: Source) -> Any:
 
 
 def delta_files(src: Source) -> list[str]:
-    """Data files of the Delta table's selected version (local paths, or URLs for remote tables)."""
-    DeltaTable = import_extra("deltalake", feature="reading a Delta table").DeltaTable  # noqa: N806 - a class
-
-    uris = DeltaTable(src.root, version=src.version, storage_options=src.storage_options).file_uris()
-    return [u[len("file://"):] if u.startswith("file://") else u for u in uris]
+    """Data files of the Delta table's selected version, in log order (local paths, or URLs for remote
+    tables). Their rows are not the table's rows when it has deletion vectors: read through delta_snapshot."""
+    return [f.path for f in delta_snapshot(src).files]
 
 
 def fsspec_strip(url: str) -> str:
     return url.split("://", 1)[1] if is_url(url) else url
 
 
-def duckdb_relation(con: Any, src: Source) -> Any:
-    """A DuckDB relation reading ``src`` lazily (DuckDB streams it: memory stays bounded)."""
+def duckdb_relation(con: Any, src: Source, columns: Sequence[str] | None = None) -> Any:
+    """A DuckDB relation reading ``src`` lazily (DuckDB streams it: memory stays bounded).
+
+    ``columns`` projects a Delta table before its rows are read (other kinds: use :func:`select_columns`)."""
+    if src.kind == "delta":
+        return con.from_arrow(delta_snapshot(src).reader(columns))
     if src.kind == "pandas":
         return con.from_df(src.obj)
     if src.kind == "arrow":
