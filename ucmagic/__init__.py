@@ -77,6 +77,11 @@ _EXPORTS = {
     "LoadUsageError": "errors",
     "describe_load": "api",
     "load": "api",
+    "TarShards": "shards.webdataset",
+    "TokenWindows": "shards.tokens",
+    "SampleStream": "shards.samples",
+    "mix": "shards.mix",
+    "ShardFormatError": "errors",
 }
 
 __all__ = sorted(_EXPORTS)
