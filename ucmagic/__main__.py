@@ -1,4 +1,4 @@
-"""Command line: ``python -m ucmagic demo|stage|export|ckpt|cache|bench ...``."""
+"""Command line: ``python -m ucmagic demo|stage|pack|export|ckpt|cache|bench ...``."""
 from __future__ import annotations
 
 import argparse
@@ -77,6 +77,40 @@ def _add_stage(sub: argparse._SubParsersAction) -> None:
         if text:
             print(text)
         return 0 if res.ok else 1
+
+    p.set_defaults(func=run)
+
+
+def _add_pack(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("pack", help="pack a tree of small files or a table into tar shards of a target size",
+                       description="Pack the files under SRC (samples grouped by key: the same stem with different "
+                                   "extensions) or a table (Parquet/CSV path, Delta directory) into uncompressed "
+                                   "WebDataset tar shards with an index.json, in DEST. Each shard appears whole or "
+                                   "not at all; running it again after a kill keeps the complete shards.")
+    p.add_argument("src", help="directory, /Volumes/... path or fsspec URL of files; or a Parquet/CSV path or Delta "
+                               "directory")
+    p.add_argument("dest", help="local or mounted destination directory (created; not inside SRC)")
+    p.add_argument("--shard-size", default="1GB", help="target size of each shard (default 1GB)")
+    p.add_argument("--label-from-folder", action="store_true",
+                   help="files: add a cls member with the index of each sample's top folder (class names in "
+                        "index.json)")
+    p.add_argument("-p", "--pattern", default=None, help="files: glob over relative paths, e.g. '**/*.jpg'")
+    p.add_argument("-j", "--workers", type=at_least(1), default=None, help="files: reads in flight (default 64)")
+    p.add_argument("--columns", default=None,
+                   help="table: comma-separated columns, each optionally COLUMN=EXT (e.g. image=jpg,label=cls)")
+    p.add_argument("--key-column", default=None, help="table: a column of unique sample keys (default: row number)")
+    p.add_argument("--kind", choices=["files", "table"], default=None, help="treat SRC as files or as a table")
+    p.add_argument("--retries", type=at_least(0), default=3, help="retries of a failing read (default 3)")
+    p.add_argument("--no-progress", action="store_true", help="do not show progress")
+
+    def run(a: argparse.Namespace) -> int:
+        from .shards.pack import pack, parse_columns
+
+        res = pack(a.src, a.dest, a.shard_size, label_from_folder=a.label_from_folder, pattern=a.pattern,
+                   workers=a.workers, columns=parse_columns(a.columns), key_column=a.key_column, kind=a.kind,
+                   retries=a.retries, progress=False if a.no_progress else "text")
+        print(res)
+        return 0
 
     p.set_defaults(func=run)
 
@@ -245,6 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_demo(sub)
     _add_load(sub)
     _add_stage(sub)
+    _add_pack(sub)
     _add_export(sub)
     _add_ckpt(sub)
     _add_cache(sub)

@@ -152,6 +152,8 @@ Examples::
   %ucstage s3://bucket/audio /tmp/audio -p "*.wav"
   %ucstage --export main.default.events /Volumes/main/default/export --file-size 512MB
   %ucstage --export df /tmp/df_parquet          # df: a pandas/pyarrow/Spark frame in your namespace
+  %ucstage /Volumes/main/default/images /Volumes/main/default/shards --pack --shard-size 1GB --label-from-folder
+  %ucstage --pack df /tmp/shards --columns image=jpg,label=cls   # a table: a member per column
 """
 
 _CKPT_EXAMPLES = """\
@@ -356,15 +358,30 @@ class UcMagics(Magics):
     @argument("-p", "--pattern", metavar="GLOB", help="only files matching GLOB")
     @argument("--export", action="store_true", help="export a table as Parquet files instead of copying files")
     @argument("--file-size", metavar="SIZE", default=None, help="--export: target size of each file (default 1GB)")
+    @argument("--pack", action="store_true",
+              help="pack files (or a table) into tar shards with an index instead of copying them (ucmagic.pack)")
+    @argument("--shard-size", metavar="SIZE", default=None, help="--pack: target size of each shard (default 1GB)")
+    @argument("--label-from-folder", action="store_true",
+              help="--pack: a cls member per sample, the index of its top folder")
+    @argument("--columns", metavar="COLS", help="--pack of a table: columns, each optionally COLUMN=EXT")
+    @argument("--key-column", metavar="COL", help="--pack of a table: a column of unique sample keys")
     @argument("-o", "--out", metavar="VAR", help="bind the result to VAR instead of returning it")
     @_friendly("ucstage")
     def ucstage(self, line: str = "", local_ns: dict[str, Any] | None = None) -> Any:
         """Copy a tree of small files to local disk in parallel (skipping unchanged files), or
-        with --export write a table as Parquet files of a target size."""
+        with --export write a table as Parquet files of a target size, or with --pack pack files
+        (or a table) into WebDataset tar shards of a target size (ucmagic.pack; a rerun resumes)."""
         a = self._parse("ucstage", UcMagics.ucstage, line, local_ns)
         self._check_out("ucstage", a.out)
-        result: Any  # ExportResult or StageResult
-        if a.export:
+        result: Any  # ExportResult, StageResult or PackSummary
+        pack_only = [f for f, v in (("--shard-size", a.shard_size), ("--columns", a.columns),
+                                    ("--label-from-folder", a.label_from_folder or None),
+                                    ("--key-column", a.key_column)) if v is not None]
+        if a.pack:
+            result = self._pack(a, local_ns)
+        elif pack_only:
+            _fail("ucstage", f"{pack_only[0]} applies to --pack only")
+        elif a.export:
             if a.concurrency is not None or a.pattern is not None:
                 _fail("ucstage", "-j and -p apply to file staging, not to --export")
             size = "1GB"
@@ -402,6 +419,27 @@ class UcMagics(Magics):
             self._bind(a.out, result)
             return None
         return result
+
+    def _pack(self, a: Any, local_ns: dict[str, Any] | None) -> Any:
+        """``%ucstage SRC DEST --pack``: one :func:`ucmagic.pack` call (SRC may name a DataFrame variable)."""
+        if a.export or a.file_size is not None:
+            _fail("ucstage", "--pack and --export/--file-size do not go together: --pack writes tar shards "
+                             "(--shard-size), --export Parquet files")
+        from ..shards.pack import pack, parse_columns
+        from ..units import parse_size
+
+        try:
+            parse_size(a.shard_size)
+        except ValueError as exc:
+            _fail("ucstage", f"--shard-size: {exc}")
+        source: Any = a.source
+        if check_identifier(a.source) and not os.path.exists(a.source):  # a DataFrame variable: looked up
+            source = self._lookup("ucstage", "--pack", a.source, local_ns)
+        elif not is_url(a.source):
+            _check_exists("ucstage", a.source, directory=False)
+        return pack(source, a.dest, a.shard_size or "1GB", label_from_folder=a.label_from_folder,
+                    pattern=a.pattern, workers=a.concurrency, columns=parse_columns(a.columns),
+                    key_column=a.key_column, progress=self.progress)
 
     # -------------------------------------------------------------- %ucckpt
 

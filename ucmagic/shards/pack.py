@@ -556,6 +556,17 @@ def _table_batches(src: Any, columns: Sequence[str] | None, batch_rows: int) -> 
     yield from obj.to_batches(max_chunksize=batch_rows)
 
 
+def parse_columns(text: str | None) -> list[str] | dict[str, str] | None:
+    """The ``--columns`` option of the CLI and ``%ucstage --pack``: ``"image,label"`` -> a list,
+    ``"image=jpg,label=cls"`` -> a mapping column -> extension (a bare name keeps its own)."""
+    if not text:
+        return None
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    if not any("=" in p for p in parts):
+        return parts
+    return {c.strip(): (e.strip() if sep else c.strip()) for c, sep, e in (p.partition("=") for p in parts)}
+
+
 def _check_ext(col: str, ext: str) -> str:
     if not ext or ext.startswith(".") or "/" in ext or "\0" in ext:
         raise PackError(f"column {col!r}: extension {ext!r} cannot name a tar member; pass columns={{column: ext}} "
@@ -871,5 +882,5 @@ def _shard_number(name: str) -> int:
     return int(name[len("shard-"):-len(".tar")]) if _SHARD_RE.match(name) else -1
 
 
-__all__ = ["pack", "PackSummary", "PackError", "plan_boundaries", "plan_shards", "group_files", "tar_header",
-           "tar_size"]
+__all__ = ["pack", "PackSummary", "PackError", "parse_columns", "plan_boundaries", "plan_shards", "group_files",
+           "tar_header", "tar_size"]

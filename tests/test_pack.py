@@ -1,0 +1,372 @@
+"""pack(): small files or a table into WebDataset tar shards that `webdataset` and `tar` read unchanged,
+whole or absent, resumable after a kill; the CLI and the notebook command that run it."""
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import ucmagic
+from ucmagic.errors import EmptyListingError, FetchError, PackError
+from ucmagic.shards import read_index
+from ucmagic.shards.pack import (RECORD, STATE_NAME, PlannedMember, group_files, header_size, plan_boundaries,
+                                 plan_shards, tar_header, tar_size)
+from ucmagic.volume import FileEntry
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CLASSES = ("cat", "dog", "eel")
+
+
+def make_tree(root, per_class=20, size=700):
+    """<class>/<n>.jpg + <n>.json per sample, of varied sizes, plus a README the pack leaves out."""
+    files = {}
+    for c in CLASSES:
+        for i in range(per_class):
+            files[f"{c}/{i:04d}.jpg"] = bytes([(i * 7 + len(c)) % 256]) * (size + 13 * i)
+            files[f"{c}/{i:04d}.json"] = json.dumps({"i": i, "c": c}).encode()
+    files["README"] = b"not a sample"
+    for rel, data in files.items():
+        p = os.path.join(root, *rel.split("/"))
+        os.makedirs(os.path.dirname(p), exist_ok=True)
+        with open(p, "wb") as f:
+            f.write(data)
+    return files
+
+
+def snapshot(root):
+    out = {}
+    for d, _, names in os.walk(root):
+        for n in names:
+            p = os.path.join(d, n)
+            st_ = os.stat(p)
+            out[os.path.relpath(p, root)] = (open(p, "rb").read(), st_.st_mtime_ns)
+    return out
+
+
+def shard_paths(dest):
+    return [os.path.join(dest, s.name) for s in read_index(dest)]
+
+
+def shard_bytes(dest):
+    return {os.path.basename(p): open(p, "rb").read() for p in shard_paths(dest)}
+
+
+def webdataset_samples(dest):
+    wds = pytest.importorskip("webdataset")
+    ds = wds.WebDataset(shard_paths(dest), shardshuffle=False)
+    return [{k: v for k, v in s.items() if not k.startswith("__") or k == "__key__"} for s in ds]
+
+
+@pytest.fixture
+def src(tmp_path):
+    root = str(tmp_path / "src")
+    files = make_tree(root)
+    return root, files
+
+
+# ---------------------------------------------------------------- the plan (pure)
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 5000).map(lambda n: n * 512), max_size=60), st.integers(RECORD, 40_000))
+def test_plan_cuts_samples_in_order_into_shards_within_the_size_unless_one_sample_is_bigger(spans, target):
+    cuts = plan_boundaries(spans, target)
+    assert [i for a, b in cuts for i in range(a, b)] == list(range(len(spans)))  # all, in order, once
+    assert all(b > a for a, b in cuts)
+    for a, b in cuts:
+        assert tar_size(spans[a:b]) <= target or b - a == 1  # only a lone oversized sample exceeds it
+        if b < len(spans):
+            assert tar_size(spans[a:b + 1]) > target  # greedy: the next sample did not fit
+    assert plan_boundaries(spans, target) == cuts
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\0/"), min_size=1, max_size=150),
+       st.integers(0, 20 * 2**30))
+def test_header_size_is_the_size_of_the_header_tarfile_writes(stem, size):
+    name = f"d/{stem}.bin"
+    assert header_size(name, size) == len(tar_header(name, size)) and header_size(name, size) % 512 == 0
+
+
+def test_samples_are_grouped_by_key_sorted_and_labelled_by_top_folder():
+    entries = [FileEntry(p, 10, 1.0) for p in
+               ("dog/b/0001.jpg", "cat/0002.json", "cat/0002.jpg", "dog/b/0001.seg.png", "cat/.hidden.jpg", "LICENSE")]
+    tree = group_files(entries, label_from_folder=True)
+    assert tree.classes == ["cat", "dog"]
+    assert [[m.name for m in s] for s in tree.samples] == [
+        ["cat/0002.jpg", "cat/0002.json", "cat/0002.cls"], ["dog/b/0001.jpg", "dog/b/0001.seg.png", "dog/b/0001.cls"]]
+    assert [s[-1].data for s in tree.samples] == [b"0", b"1"]
+    assert tree.skipped == ["LICENSE", "cat/.hidden.jpg"]
+    with pytest.raises(PackError, match="no class folder"):
+        group_files([FileEntry("0001.jpg", 1, 0.0)], label_from_folder=True)
+
+
+def test_plan_shards_gives_the_same_plan_for_the_same_listing():
+    samples = [[PlannedMember.make(f"k{i:03d}.bin", 100 + i, src=f"k{i:03d}.bin", mtime=5.0)] for i in range(50)]
+    a, b = plan_shards(samples, 4 * RECORD), plan_shards(list(samples), 4 * RECORD)
+    assert [(s.name, s.size, s.digest) for s in a] == [(s.name, s.size, s.digest) for s in b]
+    assert len(a) > 1 and all(s.size % RECORD == 0 for s in a)
+
+
+# ---------------------------------------------------------------- packing a tree of files
+
+@pytest.mark.timeout(120)
+def test_packed_tree_reads_back_exactly_with_webdataset_tar_and_the_index(src, tmp_path):
+    root, files = src
+    before = snapshot(root)
+    dest = str(tmp_path / "shards")
+    res = ucmagic.pack(root, dest, shard_size="20KB", label_from_folder=True, progress=False)
+    assert snapshot(root) == before  # the source is never written
+    assert res.samples == 60 and res.files == 180 and res.shards == len(read_index(dest)) > 2
+    assert res.skipped == ["README"] and res.classes == list(CLASSES) and res.kept == 0
+    assert "60 samples" in str(res) and "MB/s" in str(res)
+    got = webdataset_samples(dest)
+    assert [s["__key__"] for s in got] == sorted({r.rsplit(".", 1)[0] for r in files if r != "README"})
+    for s in got:
+        assert s["jpg"] == files[s["__key__"] + ".jpg"] and s["json"] == files[s["__key__"] + ".json"]
+        assert int(s["cls"]) == CLASSES.index(s["__key__"].split("/")[0])
+    listed = []
+    for p in shard_paths(dest):
+        out = subprocess.run(["tar", "-tf", p], capture_output=True, text=True, timeout=30, check=True)
+        assert not out.stderr
+        listed += out.stdout.split()
+    assert listed == [f"{s['__key__']}.{e}" for s in got for e in ("jpg", "json", "cls")]
+    doc = json.load(open(os.path.join(dest, "index.json")))
+    assert doc["classes"] == list(CLASSES)
+    for info in read_index(dest):  # every member's data offset is exact
+        data = open(os.path.join(dest, info.name), "rb").read()
+        assert len(data) == info.size and info.size <= 20_000
+        with tarfile.open(fileobj=io.BytesIO(data)) as tf:
+            assert [(m.name, m.offset_data, m.size) for m in tf.getmembers()] == [
+                (f"{m.key}.{m.ext}", m.offset, m.size) for m in info.members]
+
+
+@pytest.mark.timeout(120)
+def test_a_sample_bigger_than_the_shard_size_gets_a_shard_of_its_own(tmp_path):
+    root = tmp_path / "src"
+    root.mkdir()
+    (root / "a.bin").write_bytes(b"a" * 100)
+    (root / "b.bin").write_bytes(b"b" * 50_000)
+    (root / "c.bin").write_bytes(b"c" * 100)
+    dest = str(tmp_path / "d")
+    ucmagic.pack(str(root), dest, shard_size=RECORD, progress=False)
+    assert [[m.key for m in s.members] for s in read_index(dest)] == [["a"], ["b"], ["c"]]
+    assert [s["bin"] for s in webdataset_samples(dest)] == [b"a" * 100, b"b" * 50_000, b"c" * 100]
+
+
+@pytest.mark.timeout(120)
+def test_slow_volume_and_volumes_paths_pack_like_a_local_directory(src, tmp_path, monkeypatch):
+    root, _ = src
+    local = str(tmp_path / "local")
+    ucmagic.pack(root, local, shard_size="30KB", progress=False)
+    slow = str(tmp_path / "slow")
+    ucmagic.pack("slow://" + root, slow, shard_size="30KB", workers=8, progress=False,
+                 storage_options={"open_ms": 1, "mbps": 0, "list_ms": 0})
+    assert shard_bytes(slow) == shard_bytes(local)
+    vol = tmp_path / "catalog" / "main" / "default" / "volumes" / "imgs"
+    vol.parent.mkdir(parents=True)
+    os.symlink(root, vol)
+    monkeypatch.setenv("UCMAGIC_CATALOG_ROOT", str(tmp_path / "catalog"))
+    out = str(tmp_path / "catalog" / "main" / "default" / "volumes" / "shards")
+    res = ucmagic.pack("/Volumes/main/default/imgs", "/Volumes/main/default/shards", shard_size="30KB",
+                       progress=False)
+    assert res.dest == out and shard_bytes(out) == shard_bytes(local)
+
+
+def test_bad_input_is_refused_with_what_to_do(src, tmp_path):
+    root, _ = src
+    with pytest.raises(PackError, match="inside the source"):
+        ucmagic.pack(root, os.path.join(root, "shards"), progress=False)
+    with pytest.raises(PackError, match="inside the source"):
+        ucmagic.pack(root, root, progress=False)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(EmptyListingError):
+        ucmagic.pack(str(empty), str(tmp_path / "d1"), progress=False)
+    (empty / "LICENSE").write_text("x")
+    with pytest.raises(PackError, match="lacks an extension"):
+        ucmagic.pack(str(empty), str(tmp_path / "d2"), progress=False)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    with pytest.raises(PackError, match="not empty"):
+        ucmagic.pack(root, str(other), progress=False)
+    assert os.listdir(other) == ["notes.txt"]
+    with pytest.raises(PackError, match="shard_size"):
+        ucmagic.pack(root, str(tmp_path / "d3"), shard_size=100, progress=False)
+    with pytest.raises(PackError, match="URL"):
+        ucmagic.pack(root, "s3://bucket/shards", progress=False)
+    with pytest.raises(PackError, match="table"):
+        ucmagic.pack(root, str(tmp_path / "d4"), columns=["image"], progress=False)
+
+
+# ---------------------------------------------------------------- whole or absent; resume
+
+@pytest.mark.timeout(120)
+def test_a_failing_read_stops_the_pack_leaving_only_whole_shards_and_a_rerun_completes_it(src, tmp_path):
+    root, _ = src
+    ref = str(tmp_path / "ref")
+    ucmagic.pack(root, ref, shard_size="20KB", progress=False)
+    dest = str(tmp_path / "dest")
+    with pytest.raises(FetchError, match="injected"):
+        ucmagic.pack("slow://" + root, dest, shard_size="20KB", workers=1, retries=0, progress=False,
+                     storage_options={"open_ms": 0, "mbps": 0, "list_ms": 0, "fail_every": 70})
+    names = os.listdir(dest)
+    assert "index.json" not in names and not [n for n in names if n.endswith(".tmp")]
+    whole = [n for n in names if n.endswith(".tar")]
+    assert whole, "shards finished before the failure are kept"
+    for n in whole:
+        assert open(os.path.join(dest, n), "rb").read() == open(os.path.join(ref, n), "rb").read()
+    res = ucmagic.pack(root, dest, shard_size="20KB", progress=False)
+    assert res.kept == len(whole) and res.written == res.shards - len(whole)
+    assert shard_bytes(dest) == shard_bytes(ref)
+
+
+_KILLED_PACK = """
+import sys, ucmagic
+ucmagic.pack("slow://" + sys.argv[1], sys.argv[2], shard_size="20KB", workers=2, progress=False,
+             storage_options={"open_ms": 15, "mbps": 0, "list_ms": 0})
+"""
+
+
+@pytest.mark.timeout(180)
+def test_a_killed_pack_resumes_where_it_stopped_and_ends_as_a_fresh_pack_would(src, tmp_path):
+    root, _ = src
+    ref = str(tmp_path / "ref")
+    ucmagic.pack(root, ref, shard_size="20KB", progress=False)
+    dest = str(tmp_path / "dest")
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED_PACK, root, dest], env=env)
+    try:
+        deadline = time.monotonic() + 60
+        state = os.path.join(dest, STATE_NAME)
+        while time.monotonic() < deadline:
+            try:
+                if len(json.load(open(state))["shards"]) >= 2:
+                    break
+            except (OSError, ValueError, KeyError):
+                pass
+            time.sleep(0.01)
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait(timeout=30)
+    names = os.listdir(dest)
+    assert "index.json" not in names, "killed before the end: no index yet"
+    done = [n for n in names if n.endswith(".tar")]
+    assert len(done) >= 2
+    res = ucmagic.pack(root, dest, shard_size="20KB", progress=False)
+    assert res.kept >= 2 and res.kept + res.written == res.shards
+    assert shard_bytes(dest) == shard_bytes(ref)
+    assert not [n for n in os.listdir(dest) if n.endswith(".tmp")]  # the killed run's temp file is gone
+    again = ucmagic.pack(root, dest, shard_size="20KB", progress=False)
+    assert again.written == 0 and again.kept == again.shards
+
+
+@pytest.mark.timeout(120)
+def test_a_changed_source_rewrites_the_shards_it_touches_and_drops_extra_ones(src, tmp_path):
+    root, _ = src
+    dest = str(tmp_path / "dest")
+    first = ucmagic.pack(root, dest, shard_size="20KB", progress=False)
+    with open(os.path.join(root, "dog", "0005.jpg"), "wb") as f:
+        f.write(b"changed")
+    os.unlink(os.path.join(root, "eel", "0019.jpg"))
+    os.unlink(os.path.join(root, "eel", "0019.json"))
+    res = ucmagic.pack(root, dest, shard_size="20KB", progress=False)
+    assert 0 < res.kept < first.shards and res.written > 0
+    ref = str(tmp_path / "ref")
+    ucmagic.pack(root, ref, shard_size="20KB", progress=False)
+    assert shard_bytes(dest) == shard_bytes(ref)
+    assert sorted(n for n in os.listdir(dest) if n.endswith(".tar")) == sorted(shard_bytes(ref))
+
+
+# ---------------------------------------------------------------- tables
+
+def _frame(n=40, changed=None):
+    pd = pytest.importorskip("pandas")
+    rows = [{"image": bytes([i % 256]) * (300 + 11 * i), "label": i % 4, "caption": f"row {i}"} for i in range(n)]
+    if changed is not None:
+        rows[changed]["image"] = b"changed"
+    return pd.DataFrame(rows)
+
+
+@pytest.mark.timeout(120)
+def test_a_table_packs_a_member_per_column_readable_by_webdataset(tmp_path):
+    df = _frame()
+    dest = str(tmp_path / "t")
+    res = ucmagic.pack(df, dest, shard_size="12KB", columns={"image": "jpg", "label": "cls", "caption": "txt"},
+                       progress=False)
+    assert res.samples == 40 and res.shards > 2
+    got = webdataset_samples(dest)
+    assert [s["__key__"] for s in got] == [f"{i:09d}" for i in range(40)]
+    for i, s in enumerate(got):
+        assert s["jpg"] == df["image"][i] and int(s["cls"]) == i % 4 and s["txt"] == f"row {i}".encode()
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+
+    path = str(tmp_path / "table.parquet")
+    df2 = df.assign(id=[f"id{i:03d}" for i in range(40)])
+    pq.write_table(pa.Table.from_pandas(df2, preserve_index=False), path, row_group_size=7)
+    dest2 = str(tmp_path / "t2")
+    ucmagic.pack(path, dest2, shard_size="12KB", columns=["image", "label"], key_column="id", progress=False)
+    got2 = webdataset_samples(dest2)
+    assert [s["__key__"] for s in got2] == list(df2["id"])
+    assert all(set(s) == {"__key__", "image", "label"} for s in got2)
+    with pytest.raises(PackError, match="twice"):
+        ucmagic.pack(df2.assign(id="same"), str(tmp_path / "t3"), key_column="id", progress=False)
+
+
+@pytest.mark.timeout(120)
+def test_a_table_pack_resumes_and_a_changed_row_rewrites_from_its_shard(tmp_path):
+    dest = str(tmp_path / "t")
+    first = ucmagic.pack(_frame(), dest, shard_size="12KB", progress=False)
+    last = sorted(n for n in os.listdir(dest) if n.endswith(".tar"))[-1]
+    os.unlink(os.path.join(dest, last))
+    res = ucmagic.pack(_frame(), dest, shard_size="12KB", progress=False)
+    assert res.kept == first.shards - 1 and res.written == 1
+    changed = ucmagic.pack(_frame(changed=30), dest, shard_size="12KB", progress=False)
+    ref = str(tmp_path / "ref")
+    ucmagic.pack(_frame(changed=30), ref, shard_size="12KB", progress=False)
+    assert shard_bytes(dest) == shard_bytes(ref)
+    assert 0 < changed.kept < changed.shards
+
+
+# ---------------------------------------------------------------- command line and notebook
+
+@pytest.mark.timeout(120)
+def test_cli_pack_writes_shards_and_prints_the_summary(src, tmp_path, capsys):
+    from ucmagic.__main__ import main
+
+    root, _ = src
+    dest = str(tmp_path / "cli")
+    assert main(["pack", root, dest, "--shard-size", "20KB", "--label-from-folder", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "packed 60 samples" in out and "3 classes" in out
+    assert [s["cls"] for s in webdataset_samples(dest)][:1] == [b"0"]
+    assert main(["pack", root, os.path.join(root, "x"), "--no-progress"]) == 1
+    assert "inside the source" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(120)
+def test_ucstage_pack_packs_from_a_notebook(magic_shell, src, tmp_path):
+    root, _ = src
+    dest = str(tmp_path / "nb")
+    res = magic_shell.run_line_magic("ucstage", f"{root} {dest} --pack --shard-size 20KB --label-from-folder")
+    assert res.samples == 60 and res.classes == list(CLASSES)
+    assert len(webdataset_samples(dest)) == 60
+    magic_shell.user_ns["frame"] = _frame()
+    table = str(tmp_path / "nb_table")
+    magic_shell.run_line_magic("ucstage", f"--pack frame {table} --columns image=jpg,label=cls --shard-size 12KB")
+    assert [int(s["cls"]) for s in webdataset_samples(table)] == [i % 4 for i in range(40)]
+    del magic_shell.user_ns["frame"]
+    from ucmagic.errors import MagicUsageError
+
+    with pytest.raises(MagicUsageError, match="--export"):
+        magic_shell.run_line_magic("ucstage", f"{root} {dest} --pack --export")
