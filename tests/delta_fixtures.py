@@ -157,11 +157,21 @@ def commit(table: str, actions: list[dict[str, Any]], operation: str = "DELETE")
     return v
 
 
+def current_protocol(table: str) -> dict[str, Any]:
+    protocol: dict[str, Any] = {}
+    for v in range(last_version(table) + 1):
+        for a in read_actions(table, v):
+            protocol = a.get("protocol", protocol)
+    return protocol
+
+
 def enable_dv_protocol(table: str) -> None:
-    """Make sure the table's protocol lists deletionVectors (writes a protocol action when needed)."""
-    commit(table, [{"protocol": {"minReaderVersion": 3, "minWriterVersion": 7,
-                                 "readerFeatures": ["deletionVectors"],
-                                 "writerFeatures": ["deletionVectors"]}}], "SET TBLPROPERTIES")
+    """Add deletionVectors to the table's protocol (a protocol action keeping the features it had)."""
+    p = current_protocol(table)
+    readers = sorted({*(p.get("readerFeatures") or []), "deletionVectors"})
+    writers = sorted({*(p.get("writerFeatures") or []), "deletionVectors"})
+    commit(table, [{"protocol": {"minReaderVersion": 3, "minWriterVersion": 7, "readerFeatures": readers,
+                                 "writerFeatures": writers}}], "SET TBLPROPERTIES")
 
 
 def delete_rows(table: str, deleted: dict[str, Iterable[int]], *, storage: str = "u", runs: bool = False,
@@ -303,3 +313,45 @@ def _delta_type(t: pa.DataType) -> str:
     if pa.types.is_date32(t):
         return "date"
     raise ValueError(f"no Delta type for {t} in this fixture writer")
+
+
+# ---------------------------------------------------------------- v2 checkpoints
+
+_DV_TYPE = pa.struct([("storageType", pa.string()), ("pathOrInlineDv", pa.string()), ("offset", pa.int32()),
+                      ("sizeInBytes", pa.int32()), ("cardinality", pa.int64())])
+_ADD_TYPE = pa.struct([("path", pa.string()), ("partitionValues", pa.map_(pa.string(), pa.string())),
+                       ("size", pa.int64()), ("modificationTime", pa.int64()), ("dataChange", pa.bool_()),
+                       ("stats", pa.string()), ("deletionVector", _DV_TYPE)])
+
+
+def write_v2_checkpoint(table: str) -> int:
+    """A UUID-named v2 checkpoint of the latest version (``v2Checkpoint`` enabled first, in its own commit):
+    a JSON checkpoint holding checkpointMetadata, protocol, metaData and a sidecar action, the add actions in
+    a Parquet sidecar under ``_delta_log/_sidecars``, and ``_last_checkpoint``."""
+    protocol = current_protocol(table)
+    meta: dict[str, Any] = {}
+    for v in range(last_version(table) + 1):
+        for a in read_actions(table, v):
+            meta = a.get("metaData", meta)
+    readers = sorted({*(protocol.get("readerFeatures") or []), "v2Checkpoint"})
+    writers = sorted({*(protocol.get("writerFeatures") or []), "v2Checkpoint"})
+    protocol = {"minReaderVersion": 3, "minWriterVersion": 7, "readerFeatures": readers, "writerFeatures": writers}
+    version = commit(table, [{"protocol": protocol}], "SET TBLPROPERTIES")
+    adds = live_adds(table)
+    rows = [{**{k: a.get(k) for k in ("path", "size", "modificationTime", "dataChange", "stats", "deletionVector")},
+             "partitionValues": list((a.get("partitionValues") or {}).items())} for a in adds]
+    side = f"{uuid.uuid4()}.parquet"
+    sdir = os.path.join(table, "_delta_log", "_sidecars")
+    os.makedirs(sdir, exist_ok=True)
+    pq.write_table(pa.table({"add": pa.array(rows, _ADD_TYPE)}), os.path.join(sdir, side))
+    name = f"{version:020d}.checkpoint.{uuid.uuid4()}.json"
+    actions = [{"checkpointMetadata": {"version": version}}, {"protocol": protocol}, {"metaData": meta},
+               {"sidecar": {"path": side, "sizeInBytes": os.path.getsize(os.path.join(sdir, side)),
+                            "modificationTime": int(time.time() * 1000)}}]
+    with open(os.path.join(table, "_delta_log", name), "w") as f:
+        for a in actions:
+            f.write(json.dumps(a) + "\n")
+    with open(os.path.join(table, "_delta_log", "_last_checkpoint"), "w") as f:
+        json.dump({"version": version, "size": len(actions) + len(adds), "sizeInBytes": 0,
+                   "numOfAddFiles": len(adds)}, f)
+    return version

@@ -576,6 +576,10 @@ def open_snapshot(root: str, *, version: int | None = None, name: str | None = N
     try:
         dt = DeltaTable(root, version=version, storage_options=storage_options)
     except Exception as e:  # noqa: BLE001 - deltalake raises its own types
+        if "not supported" in str(e).lower() or "unsupported" in str(e).lower():
+            raise UnsupportedTableFeatureError(
+                f"Delta table {what} needs a feature deltalake (ucmagic's Delta engine) cannot read ({e}): "
+                "read it with Spark (spark.read.table / toPandas) or export it to Parquet there") from e
         raise SourceNotFoundError(f"cannot open Delta table {what} (version {version}): {e}") from e
     schema_json = json.loads(dt.schema().to_json())
     _check_features(what, dt.protocol(), schema_json)

@@ -1,0 +1,423 @@
+"""Delta tables exactly as Delta defines them, through every tables entry point.
+
+Tables are built the way real writers build them: deltalake (partitions with null and special-character
+values, schema evolution, deletes, time travel, checkpoints, change data), and, for what deltalake 1.6.6
+does not write, fixtures that follow the Delta protocol (tests/delta_fixtures.py: deletion vectors inline
+and in files, column mapping in name and id modes). Each table's expected rows are deltalake's own reading
+(``DeltaTable.scan()``, which applies deletion vectors and column mapping).
+"""
+from __future__ import annotations
+
+import datetime
+import decimal
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import delta_fixtures as fx
+from ucmagic import ListingChangedError, UnsupportedTableFeatureError
+from ucmagic.tables import ParquetDataset, export_parquet, load_table
+from ucmagic.tables.delta import decode_dv, keep_mask, live_counts, open_snapshot, z85_decode
+
+deltalake = pytest.importorskip("deltalake")
+DeltaTable, write_deltalake = deltalake.DeltaTable, deltalake.write_deltalake
+
+
+# ---------------------------------------------------------------- helpers
+
+def delta_rows(path, version=None):
+    """Rows deltalake's engine defines for the table (sorted by every column, as Python values)."""
+    t = pa.table(pa.RecordBatchReader.from_stream(DeltaTable(path, version=version).scan()))
+    return _sorted(t.to_pylist())
+
+
+def _sorted(rows):
+    return sorted(rows, key=lambda r: [(v is None, str(v)) for v in r.values()])
+
+
+def _norm(v):
+    """One spelling for values pandas (load_table) and Arrow write differently: dates as datetimes,
+    decimals as floats, maps as dicts, aware datetimes in UTC, NaN/NaT as None."""
+    if v is not None and type(v).__name__ in ("NaTType", "NAType"):
+        return None
+    if isinstance(v, datetime.datetime):
+        return v.astimezone(datetime.timezone.utc).replace(tzinfo=None) if v.tzinfo else v
+    if isinstance(v, datetime.date):
+        return datetime.datetime(v.year, v.month, v.day)
+    if isinstance(v, decimal.Decimal):
+        return float(v)
+    if isinstance(v, float) and v != v:
+        return None
+    if isinstance(v, list) and v and all(isinstance(x, tuple) and len(x) == 2 for x in v):
+        return {k: _norm(x) for k, x in v}
+    if isinstance(v, dict):
+        return {k: _norm(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple, np.ndarray)):
+        return [_norm(x) for x in v]
+    if hasattr(v, "to_pydatetime"):  # pandas Timestamp
+        return _norm(v.to_pydatetime())
+    if isinstance(v, np.generic):
+        return v.item()
+    return v
+
+
+def _norm_rows(rows):
+    return _sorted([{k: _norm(v) for k, v in r.items()} for r in rows])
+
+
+def ds_rows(ds):
+    """Every row a ParquetDataset yields (format="arrow"), as Python values."""
+    parts = list(ds)
+    if not parts:
+        return []
+    return pa.concat_tables(parts).to_pylist()
+
+
+def hf_rows(files):
+    datasets = pytest.importorskip("datasets")
+    d = datasets.load_dataset("parquet", data_files=list(files), split="train")
+    return d.to_list()
+
+
+def base_table(n=200, seed=0):
+    rng = np.random.default_rng(seed)
+    return pa.table({"id": pa.array(np.arange(n), pa.int64()), "x": pa.array(rng.random(n)),
+                     "s": pa.array([f"row-{i}" for i in range(n)])})
+
+
+def check_all_entry_points(path, tmp_path, *, version=None, key="id", hf=True):
+    """ParquetDataset (torch and arrow), load_table, export_parquet (read back with Hugging Face datasets,
+    or pyarrow with ``hf=False`` for types datasets has no dtype for, e.g. maps) all give deltalake's rows."""
+    want = delta_rows(path, version)
+    got = ds_rows(ParquetDataset(path, version=version, format="arrow", batch_size=7))
+    assert _sorted(got) == want
+    df = load_table(path, version=version)  # pandas: DuckDB's spelling of dates, decimals and maps
+    assert _norm_rows(df.to_dict("records")) == _norm_rows(want)
+    out = tmp_path / f"export-{os.path.basename(path)}-{version}"
+    res = export_parquet(path, out, version=version)
+    assert res.rows == len(want)
+    if not res.files:
+        assert want == []
+    elif hf:
+        assert _sorted(hf_rows(res.files)) == want
+    else:
+        assert _sorted(pa.concat_tables([pq.read_table(f) for f in res.files]).to_pylist()) == want
+    tds = ParquetDataset(path, version=version, batch_size=16, columns=[key])
+    ids = torch.cat([b[key] for b in tds]).tolist() if len(want) else []
+    assert sorted(ids) == sorted(r[key] for r in want)
+    return want
+
+
+# ---------------------------------------------------------------- pure: deletion vector format
+
+@settings(max_examples=60, deadline=None)
+@given(st.sets(st.integers(0, 300_000), max_size=400), st.booleans())
+def test_deletion_vector_bitmaps_decode_to_the_rows_written(rows, runs):
+    data = fx.serialize_dv(rows, runs=runs)
+    assert decode_dv(data).tolist() == sorted(rows)
+
+
+def test_deletion_vector_bitset_and_run_containers_and_high_buckets_decode():
+    dense = set(range(0, 60_000, 3))  # > 4096 in one container: a bitset
+    runs = set(range(70_000, 90_000))  # long runs
+    high = {(1 << 32) + 5, (2 << 32) + 7}  # other 32-bit buckets
+    for r in (False, True):
+        assert decode_dv(fx.serialize_dv(dense | runs | high, runs=r)).tolist() == sorted(dense | runs | high)
+
+
+def test_a_bitmap_without_the_magic_number_is_refused():
+    with pytest.raises(ValueError, match="magic number"):
+        decode_dv(b"\0" * 16)
+
+
+def test_z85_round_trips_with_delta_padding():
+    data = bytes(range(7))
+    assert z85_decode(fx.z85_encode(data), len(data)) == data
+
+
+def test_keep_mask_and_live_counts_follow_the_deleted_rows():
+    deleted = np.array([0, 5, 6, 19], dtype=np.int64)
+    assert live_counts(deleted, [5, 10, 5]) == [4, 8, 4]
+    assert keep_mask(deleted, 5, 10).tolist() == [False, False, True, True, True]
+    assert keep_mask(deleted, 7, 19) is None
+
+
+# ---------------------------------------------------------------- deletion vectors
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("storage", ["i", "u", "p"])
+def test_rows_deleted_through_deletion_vectors_never_come_back(tmp_path, storage):
+    path = str(tmp_path / "t")
+    write_deltalake(path, base_table(300).slice(0, 150))
+    write_deltalake(path, base_table(300).slice(150), mode="append")
+    fx.enable_dv_protocol(path)
+    adds = fx.live_adds(path)
+    fx.delete_rows(path, {adds[0]["path"]: [0, 3, 4, 149], adds[1]["path"]: range(10, 40)}, storage=storage)
+    # deltalake's own reader decodes the fixture's vectors to the same rows
+    sv = pa.table(DeltaTable(path).deletion_vectors())
+    assert sorted(sum(1 for k in v if not k) for v in sv.column("selection_vector").to_pylist()) == [4, 30]
+    want = check_all_entry_points(path, tmp_path)
+    assert len(want) == 300 - 34
+    assert {0, 3, 4, 149, 160, 189}.isdisjoint(r["id"] for r in want)
+
+
+@pytest.mark.timeout(120)
+def test_a_second_delete_extends_the_vector_and_time_travel_sees_each_version(tmp_path):
+    path = str(tmp_path / "t")
+    write_deltalake(path, base_table(100))
+    fx.enable_dv_protocol(path)
+    add = fx.live_adds(path)[0]["path"]
+    v1 = fx.delete_rows(path, {add: [1, 2]}, storage="i")
+    v2 = fx.delete_rows(path, {add: range(50, 100)}, storage="u", runs=True)
+    for v, n in ((0, 100), (v1, 98), (v2, 48)):
+        assert len(check_all_entry_points(path, tmp_path, version=v)) == n
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("workers", [0, 2])
+def test_every_live_row_once_per_epoch_over_ranks_and_workers_with_deletion_vectors(tmp_path, workers):
+    path = str(tmp_path / "t")
+    for k in range(3):
+        pq_t = base_table(600).slice(200 * k, 200)
+        write_deltalake(path, pq_t, mode="append" if k else "error",
+                        writer_properties=deltalake.WriterProperties(max_row_group_size=64))
+    fx.enable_dv_protocol(path)
+    adds = fx.live_adds(path)
+    deleted_idx = {adds[0]["path"]: range(0, 200, 2), adds[2]["path"]: range(60, 130)}
+    fx.delete_rows(path, deleted_idx, storage="u")
+    want = sorted(r["id"] for r in delta_rows(path))
+    ds = ParquetDataset(path, columns=["id"], batch_size=10, partition="drop", shuffle=True, seed=3)
+    assert ds.num_rows == len(want) == 600 - 100 - 70
+    dv_files = [f for f in ds.files if f.stored_rows is not None]  # row-group counts after the vector
+    assert len(dv_files) == 2 and all(len(f.group_rows) > 1 for f in dv_files)
+    # ranks x workers streams of one epoch: disjoint, together every live row once
+    got = []
+    for rank in range(2):
+        for w in range(2):
+            got += [int(i) for b in ds.iter_stream(0, rank, 2, w, 2) for i in b["id"]]
+    assert len(got) == len(set(got)) and set(got) <= set(want) and len(want) - len(got) < 2 * 2 * 10
+    full = ParquetDataset(path, columns=["id"], batch_size=10, shuffle=True, seed=3)
+    loader = torch.utils.data.DataLoader(full, batch_size=None, num_workers=workers)
+    ids = [int(i) for b in loader for i in b["id"]]
+    if workers:
+        assert sorted(set(ids)) == want
+    else:
+        assert sorted(ids) == want
+
+
+@pytest.mark.timeout(120)
+def test_resume_after_a_delete_that_only_adds_a_deletion_vector_is_a_changed_listing(tmp_path):
+    path = str(tmp_path / "t")
+    write_deltalake(path, base_table(100))
+    fx.enable_dv_protocol(path)
+    ds = ParquetDataset(path, columns=["id"], batch_size=10)
+    it = iter(ds)
+    first = [next(it) for _ in range(3)]
+    state = ds.state_dict()
+    same = ParquetDataset(path, columns=["id"], batch_size=10)
+    same.load_state_dict(state)
+    rest = [int(i) for b in same for i in b["id"]]
+    assert sorted([int(i) for b in first for i in b["id"]] + rest) == list(range(100))
+    fx.delete_rows(path, {fx.live_adds(path)[0]["path"]: [99]}, storage="i")  # same files, same sizes
+    changed = ParquetDataset(path, columns=["id"], batch_size=10)
+    with pytest.raises(ListingChangedError):
+        changed.load_state_dict(state)
+
+
+@pytest.mark.timeout(120)
+def test_a_corrupt_deletion_vector_file_is_an_error_not_different_rows(tmp_path):
+    path = str(tmp_path / "t")
+    write_deltalake(path, base_table(50))
+    fx.enable_dv_protocol(path)
+    fx.delete_rows(path, {fx.live_adds(path)[0]["path"]: [1, 2]}, storage="u", prefix="")
+    dv = next(p for p in os.listdir(path) if p.startswith("deletion_vector_"))
+    with open(os.path.join(path, dv), "r+b") as f:
+        f.seek(12)
+        f.write(b"\xff")
+    with pytest.raises(UnsupportedTableFeatureError, match="CRC-32"):
+        ParquetDataset(path)
+
+
+# ---------------------------------------------------------------- column mapping
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["name", "id"])
+def test_column_mapping_yields_logical_names_and_values(tmp_path, mode):
+    path = str(tmp_path / "t")
+    data = pa.table({"Super Name": pa.array(range(40), pa.int64()), "q": ["u", "v"] * 20,
+                     "when": pa.array([datetime.date(2024, 1, 1 + i % 28) for i in range(40)])})
+    phys = fx.write_column_mapped(path, data, mode=mode, partition_by=["q"])
+    assert all(p.startswith("col-") for p in phys.values())
+    fx.enable_dv_protocol(path)  # and a deletion vector on a mapped table
+    fx.delete_rows(path, {fx.live_adds(path)[0]["path"]: [0]}, storage="i")
+    want = check_all_entry_points(path, tmp_path, key="Super Name")
+    assert len(want) == 39 and set(want[0]) == {"Super Name", "q", "when"}
+    b = next(iter(ParquetDataset(path, batch_size=100)))
+    assert set(b) == {"Super Name", "q", "when"} and b["Super Name"].dtype == torch.int64
+
+
+# ---------------------------------------------------------------- deltalake-written shapes
+
+@pytest.mark.timeout(120)
+def test_partition_columns_with_null_and_special_values_are_present_and_typed(tmp_path):
+    path = str(tmp_path / "t")
+    t = pa.table({"id": pa.array(range(12), pa.int64()),
+                  "p": ["a b", "x/y%z", None, "é=1", "a b", None] * 2,
+                  "d": pa.array([datetime.date(2020, 1, 1), None] * 6),
+                  "n": pa.array([1, 2, None] * 4, pa.int32())})
+    write_deltalake(path, t, partition_by=["p", "d", "n"])
+    want = check_all_entry_points(path, tmp_path)
+    assert {r["p"] for r in want} == {"a b", "x/y%z", None, "é=1"}
+    ds = ParquetDataset(path, batch_size=100, format="numpy")
+    b = next(iter(ds))
+    assert b["d"].dtype == np.dtype("datetime64[D]") and b["n"].dtype == np.float64  # nulls -> NaN
+    assert ParquetDataset(path).schema.field("n").type == pa.int32()
+
+
+@pytest.mark.timeout(120)
+def test_columns_added_later_are_null_in_older_files(tmp_path):
+    path = str(tmp_path / "t")
+    write_deltalake(path, pa.table({"id": pa.array([1, 2], pa.int64())}))
+    write_deltalake(path, pa.table({"id": pa.array([3], pa.int64()), "extra": ["e"]}), mode="append",
+                    schema_mode="merge")
+    want = check_all_entry_points(path, tmp_path)
+    assert sorted((r["id"], r["extra"]) for r in want) == [(1, None), (2, None), (3, "e")]
+
+
+@pytest.mark.timeout(120)
+def test_deletes_updates_checkpoints_and_change_data_give_the_snapshot(tmp_path):
+    path = str(tmp_path / "t")
+    write_deltalake(path, base_table(60), configuration={"delta.enableChangeDataFeed": "true"})
+    dt = DeltaTable(path)
+    dt.update(updates={"x": "x + 100"}, predicate="id < 5")
+    DeltaTable(path).delete("id >= 50")
+    DeltaTable(path).create_checkpoint()
+    write_deltalake(path, base_table(70).slice(60), mode="append")
+    assert os.path.isdir(os.path.join(path, "_change_data"))
+    want = check_all_entry_points(path, tmp_path)
+    assert len(want) == 60 and "_change_type" not in want[0]
+    assert [r["id"] for r in want if r["x"] > 100] == [0, 1, 2, 3, 4]
+    assert len(check_all_entry_points(path, tmp_path, version=0)) == 60
+
+
+@pytest.mark.timeout(120)
+def test_every_arrow_type_yields_something_usable(tmp_path):
+    path = str(tmp_path / "t")
+    n = 6
+    t = pa.table({
+        "i8": pa.array(range(n), pa.int8()), "f": pa.array(np.linspace(0, 1, n), pa.float32()),
+        "b": pa.array([True, False] * 3), "s": [f"s{i}" for i in range(n)],
+        "bin": pa.array([b"\x00\x01"] * n, pa.binary()),
+        "d": pa.array([datetime.date(2024, 1, 1 + i) for i in range(n)]),
+        "ts": pa.array([datetime.datetime(2024, 1, 1, i, tzinfo=datetime.timezone.utc) for i in range(n - 1)]
+                       + [datetime.datetime(3000, 1, 1, tzinfo=datetime.timezone.utc)], pa.timestamp("us", "UTC")),
+        "ntz": pa.array([datetime.datetime(1500, 1, 1)] * n, pa.timestamp("us")),
+        "dec": pa.array([decimal.Decimal("1.25")] * n, pa.decimal128(10, 2)),
+        "st": pa.array([{"a": i, "b": "x"} for i in range(n)]),
+        "l": pa.array([[i, i + 1] for i in range(n)]),
+        "m": pa.array([[("k", i)] for i in range(n)], pa.map_(pa.string(), pa.int64())),
+    })
+    write_deltalake(path, t)
+    check_all_entry_points(path, tmp_path, key="i8", hf=False)  # datasets has no dtype for maps
+    assert len(hf_rows(export_parquet(t.drop_columns(["m"]), tmp_path / "hf").files)) == n
+    b = next(iter(ParquetDataset(path, batch_size=n)))
+    assert b["i8"].dtype == torch.int8 and b["b"].dtype == torch.bool and b["f"].dtype == torch.float32
+    assert b["d"].dtype == torch.int64 and b["d"][0].item() == (datetime.date(2024, 1, 1) - datetime.date(1970, 1, 1)).days
+    assert b["ts"][-1].item() == int(datetime.datetime(3000, 1, 1, tzinfo=datetime.timezone.utc).timestamp()) * 10**6
+    assert b["dec"].dtype == torch.float64 and b["dec"][0].item() == 1.25
+    assert b["s"][0] == "s0" and b["bin"][0] == b"\x00\x01"
+    assert b["st"][1] == {"a": 1, "b": "x"} and b["l"][1] == [1, 2] and b["m"][1] == [("k", 1)]
+    nb = next(iter(ParquetDataset(path, batch_size=n, format="numpy")))
+    assert nb["ts"].dtype == np.dtype("datetime64[us]") and nb["s"].dtype == object
+    pdf = next(iter(ParquetDataset(path, batch_size=n, format="pandas")))
+    assert list(pdf.columns) == t.column_names and len(pdf) == n
+    at = next(iter(ParquetDataset(path, batch_size=4, format="arrow")))
+    assert isinstance(at, pa.Table) and at.num_rows == 4
+
+
+@pytest.mark.timeout(60)
+def test_an_empty_table_gives_zero_batches(tmp_path):
+    path = str(tmp_path / "t")
+    write_deltalake(path, base_table(0))
+    ds = ParquetDataset(path)
+    assert ds.num_rows == 0 and list(ds) == [] and len(ds) == 0
+    assert len(load_table(path)) == 0
+    assert export_parquet(path, tmp_path / "out").rows == 0
+
+
+@pytest.mark.timeout(60)
+def test_string_and_large_string_files_unify(tmp_path):
+    d = tmp_path / "pq"
+    d.mkdir()
+    pq.write_table(pa.table({"s": pa.array(["a", "b"], pa.string())}), d / "a.parquet")
+    pq.write_table(pa.table({"s": pa.array(["c"], pa.large_string())}), d / "b.parquet")
+    assert [s for b in ParquetDataset(str(d)) for s in b["s"]] == ["a", "b", "c"]
+
+
+# ---------------------------------------------------------------- features
+
+def _add_features(path, reader=(), writer=()):
+    fx.commit(path, [{"protocol": {"minReaderVersion": 3, "minWriterVersion": 7, "readerFeatures": list(reader),
+                                   "writerFeatures": list({*reader, *writer})}}], "SET TBLPROPERTIES")
+
+
+@pytest.mark.timeout(60)
+def test_liquid_clustering_and_timestamp_ntz_read_as_the_table(tmp_path):
+    path = str(tmp_path / "t")
+    write_deltalake(path, pa.table({"id": pa.array([1, 2], pa.int64()),
+                                    "ntz": pa.array([datetime.datetime(2020, 1, 1)] * 2, pa.timestamp("us"))}))
+    _add_features(path, reader=["timestampNtz"], writer=["clustering", "domainMetadata"])
+    fx.commit(path, [{"domainMetadata": {"domain": "delta.clustering", "configuration":
+                                         '{"clusteringColumns":[["id"]]}', "removed": False}}], "CLUSTER BY")
+    check_all_entry_points(path, tmp_path)
+
+
+@pytest.mark.timeout(60)
+def test_a_reader_feature_ucmagic_cannot_honour_is_a_clear_error(tmp_path):
+    path = str(tmp_path / "t")
+    write_deltalake(path, base_table(5))
+    _add_features(path, reader=["someFutureFeature"])
+    for fn in (ParquetDataset, load_table, lambda p: export_parquet(p, tmp_path / "o")):
+        with pytest.raises(UnsupportedTableFeatureError, match="someFutureFeature"):
+            fn(path)
+
+
+@pytest.mark.timeout(120)
+def test_v2_checkpoint_with_sidecars_reads_the_snapshot(tmp_path):
+    path = str(tmp_path / "t")
+    write_deltalake(path, base_table(30).slice(0, 10))
+    write_deltalake(path, base_table(30).slice(10, 10), mode="append")
+    fx.enable_dv_protocol(path)
+    fx.delete_rows(path, {fx.live_adds(path)[0]["path"]: [0, 1]}, storage="i")
+    fx.write_v2_checkpoint(path)
+    write_deltalake(path, base_table(30).slice(20, 10), mode="append")
+    for v in range(fx.last_version(path) - 1):  # the json commits before the checkpoint are gone
+        os.unlink(fx.log_path(path, v))
+    want = check_all_entry_points(path, tmp_path)
+    assert len(want) == 28
+
+
+@pytest.mark.timeout(300)
+def test_the_cli_export_and_ucmagic_load_read_the_snapshot(tmp_path):
+    path = str(tmp_path / "t")
+    write_deltalake(path, base_table(40))
+    fx.enable_dv_protocol(path)
+    fx.delete_rows(path, {fx.live_adds(path)[0]["path"]: range(10)}, storage="u")
+    out = tmp_path / "cli"
+    subprocess.run([sys.executable, "-m", "ucmagic", "export", path, str(out)], check=True, timeout=240,
+                   capture_output=True)
+    files = sorted(str(p) for p in out.rglob("*.parquet"))
+    assert _sorted(hf_rows(files)) == delta_rows(path)
+    import ucmagic
+
+    assert len(ucmagic.load(path)) == 30
+    loader = ucmagic.load(path, stream=True, batch_size=8, num_workers=0)
+    assert sorted(int(i) for b in loader for i in b["id"]) == list(range(10, 40))
