@@ -49,10 +49,7 @@ def _roaring32(values: np.ndarray, runs: bool) -> bytes:
     conts: list[tuple[int, str, np.ndarray]] = []
     for k in keys:
         low = (values[(values >> 16) == k] & 0xFFFF).astype(np.uint16)
-        if runs and len(low) > 2:
-            kind = "run"
-        else:
-            kind = "array" if len(low) <= 4096 else "bitset"
+        kind = "run" if runs and len(low) > 2 else ("array" if len(low) <= 4096 else "bitset")
         conts.append((int(k), kind, low))
     n = len(conts)
     out = bytearray()

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 import delta_fixtures as fx
 from ucmagic import ListingChangedError, UnsupportedTableFeatureError
 from ucmagic.tables import ParquetDataset, export_parquet, load_table
-from ucmagic.tables.delta import decode_dv, keep_mask, live_counts, open_snapshot, z85_decode
+from ucmagic.tables.delta import decode_dv, keep_mask, live_counts, z85_decode
 
 deltalake = pytest.importorskip("deltalake")
 DeltaTable, write_deltalake = deltalake.DeltaTable, deltalake.write_deltalake
@@ -330,7 +330,8 @@ def test_every_arrow_type_yields_something_usable(tmp_path):
     assert len(hf_rows(export_parquet(t.drop_columns(["m"]), tmp_path / "hf").files)) == n
     b = next(iter(ParquetDataset(path, batch_size=n)))
     assert b["i8"].dtype == torch.int8 and b["b"].dtype == torch.bool and b["f"].dtype == torch.float32
-    assert b["d"].dtype == torch.int64 and b["d"][0].item() == (datetime.date(2024, 1, 1) - datetime.date(1970, 1, 1)).days
+    days = (datetime.date(2024, 1, 1) - datetime.date(1970, 1, 1)).days
+    assert b["d"].dtype == torch.int64 and b["d"][0].item() == days  # days since the epoch
     assert b["ts"][-1].item() == int(datetime.datetime(3000, 1, 1, tzinfo=datetime.timezone.utc).timestamp()) * 10**6
     assert b["dec"].dtype == torch.float64 and b["dec"][0].item() == 1.25
     assert b["s"][0] == "s0" and b["bin"][0] == b"\x00\x01"

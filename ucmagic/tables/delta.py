@@ -495,7 +495,7 @@ def _checkpoint_adds(log: _Log, names: list[str], version: int) -> tuple[int, li
     for v in sorted(found, reverse=True):
         entries = found[v]
         parts = sorted(e for e in entries if e[2] is not None)
-        if parts and len(parts) != int(parts[0][2]):
+        if parts and len(parts) != int(parts[0][2] or 0):
             continue  # an incomplete multi-part checkpoint
         chosen = parts if parts else [entries[0]]
         adds: list[dict[str, Any]] = []

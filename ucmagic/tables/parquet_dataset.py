@@ -263,7 +263,7 @@ class ParquetDataset(EpochTracking, IterableDataset):
                 size, mtime = st.st_size, st.st_mtime
             rows = [md.row_group(i).num_rows for i in range(md.num_row_groups)]
             stored = None
-            if dfile is not None and dfile.dv is not None:
+            if snap is not None and dfile is not None and dfile.dv is not None:
                 stored, rows = rows, live_counts(snap.deleted_rows(dfile), rows)
             return _File(p, size, mtime, rows, dfile, stored), md.schema.to_arrow_schema()
 
@@ -459,7 +459,8 @@ class ParquetDataset(EpochTracking, IterableDataset):
                 readers[key] = cur
         _, cols, deleted, starts = cur
         data = pf.read_row_group(j, columns=sorted({v for v in cols.values() if v is not None}), use_threads=False)
-        mask = keep_mask(deleted, int(starts[j]), int(starts[j + 1])) if deleted is not None else None
+        mask = (keep_mask(deleted, int(starts[j]), int(starts[j + 1]))
+                if deleted is not None and starts is not None else None)
         return snap.logical(data, f.delta, self.columns, cols, mask)
 
     def _load(self, lay: EpochLayout, seg: Segment, readers: dict, lock: threading.Lock) -> tuple[dict[str, Any], int]:
