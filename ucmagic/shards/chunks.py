@@ -66,9 +66,13 @@ class ChunkedFile:
         e = self.entry
         return cache_key(f"{self.volume.uri}#chunks/{self.chunk_size}/{c}", e.path, e.size, e.mtime)
 
-    def name(self, c: int) -> str:
-        """The cache entry's file name (what protection records list)."""
-        return self.key(c) + SUFFIX
+    def names(self, c: int) -> list[str]:
+        """What a protection record lists for chunk ``c``: the cache's name of its entry -- the file name
+        ``<key><suffix>`` under ``data/``, or the entry directory ``<key>-<size>`` under ``files/``
+        (``ucmagic.cache.entry_name``), whichever layout the cache uses."""
+        key = self.key(c)
+        start, end = self.span(c)
+        return [key + SUFFIX, f"{key}-{end - start}"]
 
 
 class _OffsetReader:
@@ -152,8 +156,7 @@ class ChunkReader:
 
     def _protect(self) -> None:
         with self._mu:
-            names = frozenset([self.files[i].name(c) for i, c in self._held]
-                              + [self.files[i].name(c) for i, c in self._inflight])
+            names = frozenset(n for i, c in [*self._held, *self._inflight] for n in self.files[i].names(c))
         if names != self._named:
             self.cache.write_record(self._record, sorted(names))
             self._named = names
@@ -187,6 +190,23 @@ class ChunkReader:
         if started:
             self._protect()
 
+    def pending(self) -> list[tuple[int, int]]:
+        """Chunks filled or being filled ahead and not yet read."""
+        with self._mu:
+            return list(self._inflight)
+
+    def discard(self, chunks: Iterable[tuple[int, int]]) -> None:
+        """Forget read-ahead fills of these chunks (cancelled if not started; unprotected)."""
+        dropped = False
+        for fc in chunks:
+            with self._mu:
+                job = self._inflight.pop(fc, None)
+            if job is not None:
+                job[0].cancel()
+                dropped = True
+        if dropped:
+            self._protect()
+
     def inflight(self) -> int:
         """Fills started and not yet taken by a read."""
         with self._mu:
@@ -201,6 +221,8 @@ class ChunkReader:
         with self._mu:
             job = self._inflight.get(fc)
         self.last_hit = False
+        if job is not None and job[0].cancel():
+            job = None  # queued behind fills that wait for room: fill it here, now, instead
         if job is None:
             ev = threading.Event()
             ev.set()

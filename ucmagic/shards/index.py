@@ -75,7 +75,7 @@ def sample_starts(members: Sequence[Member]) -> list[int]:
     return starts
 
 
-def scan_tar(source: str | os.PathLike[str] | IO[bytes]) -> list[Member]:
+def scan_tar(source: str | os.PathLike[str] | IO[bytes] | io.RawIOBase) -> list[Member]:
     """The members of an uncompressed tar (a path or a seekable binary file object), reading headers only.
 
     GNU and pax long names are resolved as :mod:`tarfile` does; data blocks are skipped by seeking, so

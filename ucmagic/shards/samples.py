@@ -298,13 +298,19 @@ class SampleStream(EpochTracking, IterableDataset):
             for j, cs in enumerate(chunks):
                 for fc in cs:
                     last[fc] = j
-            order = list(dict.fromkeys(fc for cs in chunks for fc in cs))
-            order += [fc for fc in dict.fromkeys(upcoming) if fc not in last]
-            first = {fc: n for n, fc in enumerate(order)}
+            first_use: dict[tuple[int, int], int] = {}
+            for j, cs in enumerate(chunks):
+                for fc in cs:
+                    first_use.setdefault(fc, j)
+            for fc in upcoming:
+                first_use.setdefault(fc, len(chunks))
+            order = sorted(first_use, key=first_use.__getitem__)  # chunks by first use, the next segment's last
+            p = 0
             for j, i in enumerate(rows.tolist()):
+                while p < len(order) and first_use[order[p]] < j:
+                    p += 1  # in use already: opened (or being filled) when its first sample was read
                 if self.read_ahead:
-                    at = first[chunks[j][0]] if chunks[j] else 0
-                    reader.prefetch(order[at:at + 1 + self.read_ahead])
+                    reader.prefetch(order[p:p + 1 + self.read_ahead])
                 reader.begin()
                 sample = ds.read_sample(reader, i)
                 ds.record_sample(reader, i)
@@ -314,6 +320,7 @@ class SampleStream(EpochTracking, IterableDataset):
                 if main:
                     self._delivered_main += 1
                 yield sample
+            reader.discard(set(reader.pending()) - upcoming)  # read ahead for nothing: unprotect
 
     # ------------------------------------------------------------ resume
 
