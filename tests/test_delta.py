@@ -422,3 +422,52 @@ def test_the_cli_export_and_ucmagic_load_read_the_snapshot(tmp_path):
     assert len(ucmagic.load(path)) == 30
     loader = ucmagic.load(path, stream=True, batch_size=8, num_workers=0)
     assert sorted(int(i) for b in loader for i in b["id"]) == list(range(10, 40))
+
+
+# ---------------------------------------------------------------- Spark-written tables (need delta-spark jars)
+
+def _delta_spark_jars():
+    """delta-spark + delta-storage jars: $UCMAGIC_DELTA_SPARK_JARS (a directory) or pyspark's jars folder."""
+    import glob
+
+    dirs = [os.environ.get("UCMAGIC_DELTA_SPARK_JARS", "")]
+    try:
+        import pyspark
+
+        dirs.append(os.path.join(os.path.dirname(pyspark.__file__), "jars"))
+    except ImportError:
+        return []
+    for d in dirs:
+        jars = sorted(glob.glob(os.path.join(d, "delta-spark*.jar")) + glob.glob(os.path.join(d, "delta-storage*.jar")))
+        if d and len(jars) >= 2:
+            return jars
+    return []
+
+
+@pytest.mark.spark
+@pytest.mark.timeout(600)
+def test_tables_spark_writes_with_deletion_vectors_column_mapping_and_cdf(tmp_path):
+    jars = _delta_spark_jars()
+    if not jars:
+        pytest.skip("Spark-written Delta tables need the delta-spark and delta-storage jars (Maven Central is not "
+                    "reachable here): put them in $UCMAGIC_DELTA_SPARK_JARS")
+    from pyspark.sql import SparkSession
+
+    spark = (SparkSession.builder.master("local[2]").config("spark.jars", ",".join(jars))
+             .config("spark.sql.extensions", "io.delta.sql.DeltaSparkSessionExtension")
+             .config("spark.sql.catalog.spark_catalog", "org.apache.spark.sql.delta.catalog.DeltaCatalog")
+             .config("spark.ui.enabled", "false").getOrCreate())
+    try:
+        path = str(tmp_path / "spark_t")
+        spark.range(0, 1000).selectExpr("id", "id % 7 as `Super Name`", "cast(id % 3 as string) as p") \
+            .write.format("delta").partitionBy("p").option("delta.enableDeletionVectors", "true") \
+            .option("delta.columnMapping.mode", "name").option("delta.enableChangeDataFeed", "true").save(path)
+        spark.sql(f"DELETE FROM delta.`{path}` WHERE id % 10 = 0")
+        spark.sql(f"UPDATE delta.`{path}` SET `Super Name` = -1 WHERE id < 50")
+        want = sorted(tuple(r) for r in spark.read.format("delta").load(path).select("id", "Super Name", "p").collect())
+    finally:
+        spark.stop()
+    got = ds_rows(ParquetDataset(path, format="arrow", columns=["id", "Super Name", "p"]))
+    assert sorted((r["id"], r["Super Name"], r["p"]) for r in got) == want
+    df = load_table(path, columns=["id", "Super Name", "p"])
+    assert sorted(map(tuple, df.itertuples(index=False))) == want
