@@ -5,6 +5,12 @@ import tempfile
 import pytest
 
 
+def pytest_addoption(parser):
+    parser.addoption("--matrix", default=os.environ.get("UCMAGIC_MATRIX", "pairs"), choices=("pairs", "full"),
+                     help="tests/test_matrix.py: the all-pairs sample (default) or the whole product "
+                          "(also UCMAGIC_MATRIX=full)")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _private_tmp():
     """The whole session's temporary files (DuckDB spill directories, export staging, notebook and

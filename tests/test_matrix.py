@@ -1,0 +1,503 @@
+"""The scenario matrix (issue 23 item 5): consumer x budget x workers x event, each cell judged on
+delivery, errors, the budget bound and what it leaves behind.
+
+Dimensions (values as named in cell ids ``consumer-budget-workers-event``):
+
+- consumer: ``plain`` (``for p in ds``), ``wrap_uc`` (the seed's user IterableDataset wrapping
+  UCVolumeDataset, under ``ucmagic.DataLoader``), ``wrap_torch`` (the same under torch's
+  ``DataLoader``), ``uc`` (``ucmagic.DataLoader(ds)``), ``torch`` (``torch.utils.data.DataLoader(ds)``).
+  Path consumers read every path in the main process when the batch arrives; the wrapper reads it
+  in the worker, as the seed's decoding wrapper does. Batch size 8, loaders' other defaults.
+- budget: ``none``; ``large`` (4x the data); ``window`` (1 MiB: about a third of the data, below the
+  1,024-item window protected when consumption is not reported, and below ucmagic.DataLoader's
+  (prefetch + 3) batches per stream with 2 workers, yet 1.6x what torch's loader can hold queued);
+  ``tiny`` (40 KiB: two and a half files, less than any batch).
+- workers: ``w0``; ``fork2`` (2 workers, fork, persistent); ``spawn2`` (2 workers, spawn, the
+  loader's default persistence: torch's off, ucmagic's on).
+- event: ``complete``; ``break`` (after a third of the items, then a whole second epoch);
+  ``sigint`` (SIGINT to the process while the loop is in ``next()``, after a third); ``kill`` (one
+  worker SIGKILLed after a third); ``change`` (the last not-yet-delivered source file rewritten,
+  other size and mtime, after a third); ``diskfull`` (cache on a 4 MiB tmpfs; after a third a ballast
+  file leaves 48 KiB free); ``second`` (a second process iterates the same source into the same cache
+  at the same time, plain loop, no budget of its own).
+
+Expected outcomes (:func:`judge`):
+
+- an epoch that completes delivers every file exactly once with the source's bytes (content hashes),
+  at a path ending with the file's source-relative path (item 3);
+- ``tiny``: a prompt UCMagicError whose message names ``cache_limit`` (too small for a batch; the
+  plain loop, which holds one item at a time, may instead complete correctly); never a hang;
+- ``complete``/``break``: completion (``break``: the partial epoch's items correct and distinct,
+  then a whole second epoch);
+- ``sigint``: KeyboardInterrupt reaches the loop, then the process exits;
+- ``kill``: torch's worker-died RuntimeError or a UCMagicError, no hang;
+- ``change``: completion with the rewritten file's old or new bytes (never others), or
+  SourceChangedError; a fresh dataset then serves the new bytes;
+- ``diskfull``: a UCMagicError naming ``cache_limit``, or completion (the cache made room by
+  evicting its own consumed copies); never a raw OSError;
+- ``second``: both processes complete correctly, and the smaller budget bounds the directory.
+
+And in every cell: while it runs, the cache directory (every file's st_size) stays within
+``budget + metadata at start + SLACK`` with SLACK = 64 KiB + 2 files of the largest size per stream
+(a fill a blocked consumer needs next may go past the budget); after the loop no thread or worker
+process is left (idle ``ucmagic-*`` pool threads excepted: matrix_cell.leftovers documents it),
+the process burns < 0.25 s CPU in a 0.5 s idle window, no file appears or changes outside the
+cache directory (source tree, work dir, $HOME, $TMPDIR); after an event that stops the epoch a
+fresh plain loop on the same cache delivers correct bytes. Each cell has a deadline (CELL_TIMEOUT,
+and EVENT_DEADLINE after its event): a hang fails the cell with every thread's stack.
+
+Impossible cells are listed by :func:`impossible` with their reason. The default run is the
+all-pairs sample (:func:`all_pairs`); ``--matrix=full`` (or ``UCMAGIC_MATRIX=full``) runs the product.
+Cells run in child processes (tests/scripts/matrix_cell.py), a few per child; a ``sigint`` cell ends its child.
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+from typing import Any, Callable, Sequence
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CELL_SCRIPT = os.path.join(HERE, "scripts", "matrix_cell.py")
+
+FILES, MIN_SIZE, MAX_SIZE, BATCH = 240, 8 * 1024, 16 * 1024, 8
+KiB, MiB = 1024, 1024 * 1024
+CELL_TIMEOUT, EVENT_DEADLINE = 25.0, 10.0
+SLACK_FIXED = 64 * KiB
+GROUP = 6  # cells per child process
+
+DIMS: dict[str, list[str]] = {
+    "consumer": ["plain", "wrap_uc", "wrap_torch", "uc", "torch"],
+    "budget": ["none", "large", "window", "tiny"],
+    "workers": ["w0", "fork2", "spawn2"],
+    "event": ["complete", "break", "sigint", "kill", "change", "diskfull", "second"],
+}
+
+
+def impossible(cell: dict[str, str]) -> str | None:
+    """Why a combination cannot be run (None: it can)."""
+    if cell["consumer"] == "plain" and cell["workers"] != "w0":
+        return "a plain loop over the dataset has no DataLoader, hence no worker processes"
+    if cell["event"] == "kill" and cell["workers"] == "w0":
+        return "num_workers=0: there is no worker process to SIGKILL"
+    return None
+
+
+def cost(cell: dict[str, str]) -> float:
+    """Rough seconds a cell takes (spawn starts two interpreters; tie-breaker of the sample)."""
+    return {"w0": 1.0, "fork2": 1.5, "spawn2": 4.0}[cell["workers"]] + (1.0 if cell["event"] == "second" else 0)
+
+
+# ---------------------------------------------------------------- the all-pairs sample
+
+def cell_pairs(cell: dict[str, Any], names: Sequence[str]) -> set[tuple[str, Any, str, Any]]:
+    return {(a, cell[a], b, cell[b]) for a, b in itertools.combinations(names, 2)}
+
+
+def all_pairs(dims: dict[str, list[Any]], possible: Callable[[dict[str, Any]], bool],
+              cost: Callable[[dict[str, Any]], float] = lambda c: 0.0) -> list[dict[str, Any]]:
+    """A deterministic greedy all-pairs sample: every pair of values (of two dimensions) that some
+    possible cell holds is held by at least one chosen cell. Each step takes the possible cell that
+    covers the most uncovered pairs; ties go to the cheaper cell, then to product order."""
+    names = list(dims)
+    cells = [c for c in (dict(zip(names, vals)) for vals in itertools.product(*dims.values())) if possible(c)]
+    pairs = [cell_pairs(c, names) for c in cells]
+    uncovered: set[tuple[str, Any, str, Any]] = set().union(*pairs) if pairs else set()
+    chosen: list[dict[str, Any]] = []
+    while uncovered:
+        best = max(range(len(cells)), key=lambda i: (len(pairs[i] & uncovered), -cost(cells[i]), -i))
+        chosen.append(cells[best])
+        uncovered -= pairs[best]
+    return chosen
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 4), min_size=2, max_size=4), st.data())
+def test_all_pairs_covers_every_possible_pair(sizes, data):
+    dims = {f"d{i}": list(range(n)) for i, n in enumerate(sizes)}
+    product = [dict(zip(dims, v)) for v in itertools.product(*dims.values())]
+    banned = data.draw(st.sets(st.sampled_from(range(len(product)))))
+    possible = lambda c: product.index(c) not in banned  # noqa: E731
+    sample = all_pairs(dims, possible)
+    wanted = set().union(*(cell_pairs(c, list(dims)) for c in product if possible(c))) if product else set()
+    got = set().union(*(cell_pairs(c, list(dims)) for c in sample)) if sample else set()
+    assert wanted <= got
+    assert all(possible(c) for c in sample)
+    assert len({tuple(c.values()) for c in sample}) == len(sample)  # no cell twice
+    assert sample == all_pairs(dims, possible)  # deterministic
+
+
+def matrix_cells(mode: str) -> list[dict[str, str]]:
+    possible = lambda c: impossible(c) is None  # noqa: E731
+    if mode == "full":
+        return [dict(zip(DIMS, v)) for v in itertools.product(*DIMS.values()) if possible(dict(zip(DIMS, v)))]
+    return all_pairs(DIMS, possible, cost)
+
+
+def cell_id(c: dict[str, str]) -> str:
+    return "-".join(c[k] for k in DIMS)
+
+
+def test_every_combination_is_run_or_mapped_with_a_reason():
+    full = {cell_id(c) for c in matrix_cells("full")}
+    for vals in itertools.product(*DIMS.values()):
+        c = dict(zip(DIMS, vals))
+        assert (cell_id(c) in full) != bool(impossible(c)), cell_id(c)
+    sample = matrix_cells("pairs")
+    names = list(DIMS)
+    assert set().union(*(cell_pairs(c, names) for c in matrix_cells("full"))) == \
+        set().union(*(cell_pairs(c, names) for c in sample))
+    assert len(full) == 344 and len(sample) < 60
+
+
+# ---------------------------------------------------------------- running cells
+
+def write_source(root: str) -> int:
+    """FILES files under train/class<k>/ of MIN_SIZE..MAX_SIZE bytes, each starting with its relative
+    path (the child checks every delivered item against it). Returns the total size."""
+    rng = random.Random(23)
+    total = 0
+    for i in range(FILES):
+        rel = f"train/class{i % 4}/img{i:04d}.bin"
+        size = rng.randint(MIN_SIZE, MAX_SIZE)
+        head = (rel + "\n").encode()
+        os.makedirs(os.path.join(root, os.path.dirname(rel)), exist_ok=True)
+        with open(os.path.join(root, rel), "wb") as f:
+            f.write(head + rng.randbytes(size - len(head)))
+        total += size
+    return total
+
+
+def limit_of(budget: str, data_bytes: int) -> int | None:
+    return {"none": None, "large": 4 * data_bytes, "window": 1 * MiB, "tiny": 40 * KiB}[budget]
+
+
+class Runner:
+    """Runs the requested cells, GROUP per child process, on first demand; a hang or crash restarts."""
+
+    def __init__(self, root: str, cells: list[dict[str, str]]) -> None:
+        self.root = root
+        self.src = os.path.join(root, "src")
+        self.data_bytes = write_source(self.src)
+        # sigint cells end their child (the process must exit after the interrupt)
+        order = [c for c in cells if c["event"] != "sigint"]
+        self.groups: list[list[dict[str, str]]] = []
+        for c in [c for c in cells if c["event"] == "sigint"]:
+            take, order = order[:GROUP - 1], order[GROUP - 1:]
+            self.groups.append(take + [c])
+        self.groups += [order[i:i + GROUP] for i in range(0, len(order), GROUP)]
+        self.results: dict[str, dict[str, Any]] = {}
+        self.orphans: dict[str, str] = {}
+        self.runs = 0
+
+    def result(self, cid: str) -> dict[str, Any]:
+        if cid not in self.results:
+            group = next(g for g in self.groups if any(cell_id(c) == cid for c in g))
+            self._run(group)
+        res = self.results[cid]
+        if cid in self.orphans:
+            res["orphans"] = self.orphans[cid]
+        return res
+
+    def _spec(self, cells: list[dict[str, str]]) -> dict[str, Any]:
+        self.runs += 1
+        work = os.path.join(self.root, f"run{self.runs}")
+        os.makedirs(work)
+        return {"workdir": work, "src": self.src, "files": FILES, "batch": BATCH, "trigger_at": FILES // 3,
+                "cell_timeout": CELL_TIMEOUT, "event_deadline": EVENT_DEADLINE, "tmpfs_bytes": 4 * MiB,
+                "disk_leave": 48 * KiB,
+                "cells": [{**c, "id": cell_id(c), "limit": limit_of(c["budget"], self.data_bytes)} for c in cells]}
+
+    def _run(self, group: list[dict[str, str]]) -> None:
+        todo = list(group)
+        while todo:
+            spec = self._spec(todo)
+            path = os.path.join(spec["workdir"], "spec.json")
+            with open(path, "w") as f:
+                json.dump(spec, f)
+            home, tmp = os.path.join(spec["workdir"], "home"), os.path.join(spec["workdir"], "tmp")
+            os.makedirs(home)
+            os.makedirs(tmp)
+            env = {k: v for k, v in os.environ.items() if not k.startswith("UCMAGIC_CACHE")}
+            env.update(HOME=home, TMPDIR=tmp, PYTHONPATH=os.path.dirname(HERE), UCMAGIC_PROGRESS="off")
+            budget_s = CELL_TIMEOUT * 2 * len(todo) + 30  # a backstop: the child's own deadlines fire first
+            out_path, err_path = os.path.join(spec["workdir"], "stdout"), os.path.join(spec["workdir"], "stderr")
+            with open(out_path, "w") as fo, open(err_path, "w") as fe:
+                # a session of its own: worker processes it leaves behind are found (and killed) by it
+                proc = subprocess.Popen([sys.executable, CELL_SCRIPT, path], stdout=fo, stderr=fe, env=env,
+                                        start_new_session=True)
+                try:
+                    rc: int | None = proc.wait(timeout=budget_s)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+                    rc = None
+            orphans = kill_session(proc.pid)
+            with open(out_path) as f:
+                out = f.read()
+            with open(err_path) as f:
+                err = f.read()
+            started = None
+            for line in out.splitlines():
+                if line.startswith("START "):
+                    started = line.split()[1]
+                elif line.startswith("RESULT "):
+                    res = json.loads(line[len("RESULT "):])
+                    self.results[res["id"]] = res
+                    todo = [c for c in todo if cell_id(c) != res["id"]]
+                    started = None
+            finished = "DONE" in out.splitlines()
+            exit_problem = None
+            if finished and rc != 0:
+                exit_problem = f"the child did not exit cleanly after its cells (rc {rc}): {err[-3000:]}"
+            elif finished and "Exception ignored" in err:
+                exit_problem = "the child printed 'Exception ignored' at exit: " + err[-2000:]
+            if orphans:
+                blame = [started] if started is not None else [cell_id(c) for c in group]
+                for cid in blame:
+                    self.orphans[cid] = (f"processes outlived the child that started them (killed now): {orphans}"
+                                         + ("" if started is not None else "  (shared child)"))
+            if exit_problem:
+                for c in group:
+                    self.results[cell_id(c)].setdefault("exit_problem", exit_problem + "  (shared child)")
+            if started is not None:
+                if "Timeout (" in err:
+                    why = (f"hang: no outcome within {CELL_TIMEOUT:g} s (or {EVENT_DEADLINE:g} s after the event); "
+                           f"the loop's stack: {main_stack(err)}\nall threads: ")
+                else:
+                    why = f"child died (rc {rc}): "
+                self.results[started] = {"id": started, "crash": why + err[-6000:]}
+                todo = [c for c in todo if cell_id(c) != started]
+            elif todo and not finished:
+                for c in todo:
+                    self.results[cell_id(c)] = {"id": cell_id(c), "crash": f"child failed (rc {rc}): {err[-4000:]}"}
+                todo = []
+
+
+def kill_session(sid: int) -> list[str]:
+    """Kill what is left of session ``sid`` (a child's DataLoader workers that outlived it); describe them."""
+    import psutil
+
+    left = []
+    for p in psutil.process_iter(["pid", "cmdline", "ppid"]):
+        try:
+            if p.pid != sid and os.getsid(p.pid) == sid:
+                left.append(p)
+        except (ProcessLookupError, PermissionError, psutil.Error):
+            continue
+    _, left = psutil.wait_procs(left, timeout=2)  # exiting on their own (multiprocessing's resource tracker)
+    desc = [f"pid {p.pid} (ppid {p.info['ppid']}): {' '.join(p.info['cmdline'] or [])[-80:]}" for p in left]
+    for p in left:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    psutil.wait_procs(left, timeout=5)
+    return desc
+
+
+def main_stack(dump: str) -> str:
+    """The main thread's stack from a faulthandler dump (the block that runs matrix_cell's main)."""
+    blocks = re.split(r"\n(?=(?:Current thread|Thread) 0x)", dump)
+    for b in blocks:
+        if "in main" in b and "matrix_cell.py" in b:
+            return " | ".join(ln.strip() for ln in b.splitlines()[1:8])
+    return "(not found)"
+
+
+def pytest_generate_tests(metafunc):
+    if "matrix_cell" in metafunc.fixturenames:
+        cells = matrix_cells(metafunc.config.getoption("--matrix"))
+        metafunc.parametrize("matrix_cell", cells, ids=[cell_id(c) for c in cells])
+
+
+@pytest.fixture(scope="module")
+def runner(request, tmp_path_factory):
+    wanted = [item.callspec.params["matrix_cell"] for item in request.session.items
+              if getattr(item, "callspec", None) is not None and "matrix_cell" in item.callspec.params
+              and item.module is request.module]
+    return Runner(str(tmp_path_factory.mktemp("matrix")), wanted)
+
+
+# ---------------------------------------------------------------- the expected outcome of a cell
+
+def named(outcome: dict[str, Any]) -> bool:
+    return outcome.get("kind") == "error" and "UCMagicError" in outcome.get("mro", [])
+
+
+def describe(outcome: dict[str, Any]) -> str:
+    if outcome.get("kind") != "error":
+        return outcome.get("kind", "?")
+    return f"{outcome['type']}: {outcome['msg'][:300]}\n{outcome.get('tb', '')[-1200:]}"
+
+
+def delivery_problems(what: str, s: dict[str, Any], *, whole: bool, changed_ok: Sequence[str | None] = ()) -> list[str]:
+    out = []
+    if whole and (s["n"] != FILES or s["distinct"] != FILES or s["missing"]):
+        out.append(f"{what}: {s['n']} items, {s['distinct']} distinct, {s['missing']} missing of {FILES} "
+                   f"(duplicates e.g. {s['dups']})")
+    elif not whole and s["dups"]:
+        out.append(f"{what}: duplicates {s['dups']}")
+    if s["bad_n"] or s["unknown"]:
+        out.append(f"{what}: wrong bytes for {s['bad_n']} items (e.g. {s['bad']}, unknown {s['unknown']})")
+    if s["changed_tag"] not in (None, *changed_ok):
+        out.append(f"{what}: the rewritten file came as {s['changed_tag']!r} bytes (allowed {list(changed_ok)})")
+    if s["path_bad_n"]:
+        out.append(f"{what}: {s['path_bad_n']} yielded paths do not end with the source-relative path "
+                   f"(item 3), e.g. {s['path_bad']}")
+    return out
+
+
+def judge(cell: dict[str, str], r: dict[str, Any]) -> list[str]:
+    """Every expectation the cell's result breaks (empty: the cell passes)."""
+    if "crash" in r:
+        return [r["crash"]] + ([r["orphans"]] if "orphans" in r else [])
+    ev, budget, consumer = cell["event"], cell["budget"], cell["consumer"]
+    out: list[str] = []
+    oc = r["outcome"]
+    complete = oc["kind"] == "complete"
+    epochs = r["epochs"]
+
+    def need(cond: bool, msg: str) -> None:
+        if not cond:
+            out.append(msg)
+
+    def completed_correctly(changed_ok: Sequence[str | None] = ("ok",)) -> None:
+        for i, e in enumerate(epochs):
+            out.extend(delivery_problems(f"epoch {i + 1}", e["sum"], whole=not e["partial"], changed_ok=changed_ok))
+
+    tiny_error = budget == "tiny" and named(oc)
+    if budget == "tiny" and not tiny_error and (consumer != "plain" or not complete):
+        out.append(f"budget smaller than one batch: expected a UCMagicError naming cache_limit, got {describe(oc)}")
+    if tiny_error:
+        need("cache_limit" in oc["msg"], f"the error for a too-small budget does not name cache_limit: {oc['msg']}")
+    elif ev in ("complete", "break", "second"):
+        need(complete, f"expected the epoch to complete, got {describe(oc)}")
+    elif ev == "sigint":
+        need(oc["kind"] == "interrupt", f"expected KeyboardInterrupt in the loop, got {describe(oc)}")
+    elif ev == "kill":
+        need(r.get("killed"), "no worker process was found to kill")
+        died = oc["kind"] == "error" and oc["type"] == "RuntimeError" and "DataLoader worker" in oc["msg"]
+        need(died or named(oc), f"expected torch's worker-died error or a UCMagicError, got {describe(oc)}")
+    elif ev == "change":
+        need(complete or "SourceChangedError" in oc.get("mro", []),
+             f"expected completion or SourceChangedError, got {describe(oc)}")
+    elif ev == "diskfull":
+        need(complete or named(oc), f"expected completion or a UCMagicError, got {describe(oc)}")
+        if named(oc):
+            need("cache_limit" in oc["msg"], f"the disk-full error does not name cache_limit: {oc['msg']}")
+    if ev not in ("complete", "break", "second") and not tiny_error:
+        need(r["event_fired"], "the event never fired (the loop ended or failed first)")
+    # what was delivered is right, whether or not the epoch completed
+    if complete:
+        completed_correctly(("ok", "new") if ev == "change" else ("ok",))
+    else:
+        for i, e in enumerate(epochs):
+            out.extend(delivery_problems(f"epoch {i + 1} (stopped)", e["sum"], whole=False,
+                                         changed_ok=("ok", "new")))
+    if ev == "second":
+        s2 = r.get("second", {})
+        o2 = s2.get("outcome", {})
+        if o2.get("kind") == "complete":
+            out.extend(delivery_problems("second process", s2["sum"], whole=True))
+        elif not (budget == "tiny" and named(o2)):
+            out.append(f"second process: expected completion, got {describe(o2)}")
+    if "recovery" in r:
+        rec = r["recovery"]
+        if rec["kind"] == "complete":
+            out.extend(delivery_problems("fresh loop after the event", rec["sum"], whole=True,
+                                         changed_ok=("new",)))
+        else:
+            out.append(f"fresh loop after the event failed: {describe(rec)}")
+    limit = r.get("limit")
+    if limit is not None:
+        slack = SLACK_FIXED + 2 * MAX_SIZE * (r["streams"] + (ev == "second"))
+        bound = limit + r.get("meta0", 0) + slack
+        need(r["peak"] <= bound, f"cache directory peaked at {r['peak']:,} B > budget {limit:,} + metadata "
+                                 f"{r.get('meta0', 0):,} + slack {slack:,} ({r['samples']} samples)")
+    left = r["left"]
+    need(not left["threads"], f"threads left after the loop: {left['threads']}")
+    need(not left["procs"], f"processes left after the loop: {left['procs']}")
+    need(left["idle_cpu"] < 0.25, f"{left['idle_cpu']:.2f} CPU-s burnt in a 0.5 s idle window after the loop")
+    need(not r["stray"], f"files left outside the cache directory: {r['stray']}")
+    if "exit_problem" in r:
+        out.append(r["exit_problem"])
+    if "orphans" in r:
+        out.append(r["orphans"])
+    return out
+
+
+@pytest.mark.timeout(CELL_TIMEOUT * 2 * GROUP + 120)
+def test_scenario_cell(matrix_cell, runner):
+    r = runner.result(cell_id(matrix_cell))
+    if "skip" in r:
+        pytest.skip(r["skip"])
+    problems = judge(matrix_cell, r)
+    assert not problems, f"{cell_id(matrix_cell)}:\n- " + "\n- ".join(problems)
+
+
+# ---------------------------------------------------------------- the judge itself (pure, no child)
+
+def _summary(**kw: Any) -> dict[str, Any]:
+    s = {"n": FILES, "distinct": FILES, "dups": [], "missing": 0, "unknown": [], "bad": [], "bad_n": 0,
+         "changed_tag": None, "path_bad_n": 0, "path_bad": []}
+    return {**s, **kw}
+
+
+def _result(**kw: Any) -> dict[str, Any]:
+    r = {"id": "x", "limit": 1 * MiB, "meta0": 10_000, "outcome": {"kind": "complete"}, "event_fired": True,
+         "epochs": [{"partial": False, "sum": _summary()}], "peak": 900_000, "samples": 50, "streams": 1,
+         "left": {"threads": [], "procs": [], "idle_cpu": 0.01}, "stray": []}
+    return {**r, **kw}
+
+
+def _error(name: str, *mro: str, msg: str = "set cache_limit= larger") -> dict[str, Any]:
+    return {"kind": "error", "type": name, "mro": [name, *mro, "Exception"], "msg": msg, "tb": ""}
+
+
+def test_judge_passes_a_correct_epoch_and_names_each_broken_expectation():
+    cell = {"consumer": "uc", "budget": "window", "workers": "w0", "event": "complete"}
+    assert judge(cell, _result()) == []
+    broken = _result(epochs=[{"partial": False, "sum": _summary(n=FILES + 1, dups=["a"], bad_n=1, bad=["b"])}],
+                     peak=5 * MiB, left={"threads": [{"name": "t"}], "procs": [], "idle_cpu": 0.4},
+                     stray=["home:.cache"])
+    problems = " ".join(judge(cell, broken))
+    for words in ("duplicates", "wrong bytes", "peaked", "threads left", "CPU-s", "outside the cache"):
+        assert words in problems
+
+
+def test_judge_wants_a_named_error_where_an_epoch_cannot_complete():
+    tiny = {"consumer": "torch", "budget": "tiny", "workers": "fork2", "event": "complete"}
+    assert judge(tiny, _result(outcome=_error("CacheFullError", "UCMagicError"), limit=40 * KiB, peak=0)) == []
+    assert judge(tiny, _result(outcome=_error("FileNotFoundError", "OSError"), limit=40 * KiB, peak=0))
+    plain_tiny = {**tiny, "consumer": "plain", "workers": "w0"}
+    assert judge(plain_tiny, _result(limit=40 * KiB, peak=0)) == []  # one item at a time: may complete
+    full = {"consumer": "uc", "budget": "none", "workers": "w0", "event": "diskfull"}
+    ok = {"kind": "complete", "sum": _summary()}
+    assert judge(full, _result(outcome=_error("CacheFullError", "UCMagicError"), limit=None, recovery=ok)) == []
+    assert judge(full, _result(outcome=_error("OSError"), limit=None, recovery=ok))
+    kill = {"consumer": "torch", "budget": "none", "workers": "fork2", "event": "kill"}
+    died = _error("RuntimeError", msg="DataLoader worker (pid(s) 1) exited unexpectedly")
+    assert judge(kill, _result(outcome=died, limit=None, killed=[1], recovery=ok)) == []
+    assert judge(kill, _result(outcome=died, limit=None, killed=[1], recovery=_error("FetchError", "UCMagicError")))
+
+
+def test_judge_accepts_either_version_of_a_changed_file_but_never_other_bytes():
+    cell = {"consumer": "plain", "budget": "none", "workers": "w0", "event": "change"}
+    fresh = {"kind": "complete", "sum": _summary(changed_tag="new")}
+    for tag in ("ok", "new"):
+        assert judge(cell, _result(limit=None, recovery=fresh,
+                                   epochs=[{"partial": False, "sum": _summary(changed_tag=tag)}])) == []
+    mixed = [{"partial": False, "sum": _summary(changed_tag="bad")}]
+    assert judge(cell, _result(limit=None, recovery=fresh, epochs=mixed))
+    stale = {"kind": "complete", "sum": _summary(changed_tag="ok")}
+    assert judge(cell, _result(limit=None, recovery=stale))  # a fresh dataset must serve the new version
+    assert judge(cell, _result(limit=None, recovery=fresh, outcome=_error("SourceChangedError", "FetchError",
+                                                                          "UCMagicError"))) == []
