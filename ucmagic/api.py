@@ -88,7 +88,8 @@ def check_load_args(source: str, kind: str, *, pattern: str | None = None, batch
 def load(source: str | os.PathLike, *, files: bool = False, pattern: str | None = None,
          batch_size: int | None = None, num_workers: int | None = None, shuffle: bool = False, seed: int = 0,
          cache_dir: str | None = None, cache_limit: int | str | None = None, rows: int | None = None,
-         columns: Sequence[str] | None = None, stream: bool = False,
+         columns: Sequence[str] | None = None, stream: bool = False, kind: str | None = None,
+         block_size: int | None = None,
          on_start: Callable[[str], None] | None = None, listing_progress: Callable[[int], None] | None = None,
          **loader_kwargs: Any) -> Any:
     """Load training data from ``source``: a DataLoader for files (or ``stream=True`` tables), else a DataFrame.
@@ -98,9 +99,15 @@ def load(source: str | os.PathLike, *, files: bool = False, pattern: str | None 
     arguments go to :class:`~ucmagic.loader.DataLoader`. ``on_start(kind)`` is called once the arguments
     are checked, before the (slow) listing; ``listing_progress(files_so_far)`` is called while a long listing
     runs (instead of the stderr line). Raises :class:`LoadUsageError` for options that do not apply.
+    A directory of tar shards (an ``index.json`` from ``pack``, or only ``.tar`` files) streams samples
+    (:class:`~ucmagic.shards.TarShards`); ``kind="files"`` / ``"shards"`` / ``"tokens"`` (with ``block_size``)
+    overrides the guess (docs/shards.md).
     """
+    from .shards.detect import check_kind, shard_kind
+
     source = os.fspath(source)
-    kind = source_kind(source, files=files)
+    wanted = check_kind(kind)
+    kind = source_kind(source, files=files or wanted is not None)
     check_load_args(source, kind, pattern=pattern, batch_size=batch_size, num_workers=num_workers,
                     shuffle=shuffle, cache_dir=cache_dir, cache_limit=cache_limit, rows=rows, columns=columns,
                     stream=stream)
@@ -117,6 +124,13 @@ def load(source: str | os.PathLike, *, files: bool = False, pattern: str | None 
     if num_workers is not None:
         loader_kwargs["num_workers"] = num_workers
     if kind == "files":
+        shard = None if files or wanted == "files" else (wanted or shard_kind(source))
+        if shard is not None:
+            from .shards.detect import open_shards
+
+            sds = open_shards(source, shard, pattern=pattern, shuffle=shuffle, seed=seed, cache_dir=cache_dir,
+                              cache_limit=limit, block_size=block_size)
+            return DataLoader(sds, batch_size=batch_size or DEFAULT_FILE_BATCH, **loader_kwargs)
         from .dataset import UCVolumeDataset
 
         ds = UCVolumeDataset(source, pattern=pattern, cache_dir=cache_dir, cache_limit=limit, shuffle=shuffle,

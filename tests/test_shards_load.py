@@ -1,0 +1,62 @@
+"""``ucmagic.load`` of a shard directory picks the shard dataset; ``kind=`` overrides."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+import ucmagic
+from ucmagic.errors import LoadUsageError
+from ucmagic.shards import SampleStream
+from ucmagic.shards.detect import shard_kind
+from ucmagic.shards.index import scan_tar, shard_info, write_index
+
+wds = pytest.importorskip("webdataset")
+
+
+@pytest.fixture
+def tars(tmp_path):
+    src = tmp_path / "tars"
+    src.mkdir()
+    for s in range(2):
+        with wds.TarWriter(str(src / f"shard-{s:06d}.tar")) as w:
+            for i in range(10):
+                w.write({"__key__": f"{s}{i:03d}", "txt": f"sample {s}/{i}".encode(), "cls": str(i).encode()})
+    return src
+
+
+@pytest.mark.timeout(60)
+def test_load_of_a_tar_directory_streams_samples(tars, tmp_path):
+    dl = ucmagic.load(tars, batch_size=4, num_workers=0, cache_dir=str(tmp_path / "c"))
+    assert isinstance(dl.dataset, SampleStream)
+    keys = [k for batch in dl for k in batch["__key__"]]
+    assert sorted(keys) == sorted(f"{s}{i:03d}" for s in range(2) for i in range(10))
+
+
+@pytest.mark.timeout(60)
+def test_a_packed_index_is_detected_and_kind_files_overrides(tars, tmp_path):
+    write_index(tars, [shard_info(n, os.path.getsize(tars / n), scan_tar(str(tars / n)))
+                       for n in sorted(os.listdir(tars))])
+    assert shard_kind(str(tars)) == "shards"
+    dl = ucmagic.load(tars, kind="files", batch_size=2, num_workers=0, cache_dir=str(tmp_path / "c"))
+    assert type(dl.dataset).__name__ == "UCVolumeDataset"
+    assert len(dl.dataset) == 3  # two tars and the index, as files
+
+
+@pytest.mark.timeout(60)
+def test_kind_tokens_needs_a_block_size(tmp_path):
+    (tmp_path / "t").mkdir()
+    np.arange(1000, dtype=np.uint16).tofile(tmp_path / "t" / "x.bin")
+    assert shard_kind(str(tmp_path / "t")) is None  # token files are not guessed
+    with pytest.raises(LoadUsageError, match="block_size"):
+        ucmagic.load(tmp_path / "t", kind="tokens", cache_dir=str(tmp_path / "c"))
+    dl = ucmagic.load(tmp_path / "t", kind="tokens", block_size=99, batch_size=5, num_workers=0,
+                      cache_dir=str(tmp_path / "c"))
+    first = next(iter(dl))
+    assert first.shape == (5, 100) and first[0, :3].tolist() == [0, 1, 2]
+
+
+def test_unknown_kind_is_refused(tars):
+    with pytest.raises(LoadUsageError, match="--kind"):
+        ucmagic.load(tars, kind="images")
