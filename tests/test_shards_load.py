@@ -60,3 +60,15 @@ def test_kind_tokens_needs_a_block_size(tmp_path):
 def test_unknown_kind_is_refused(tars):
     with pytest.raises(LoadUsageError, match="--kind"):
         ucmagic.load(tars, kind="images")
+
+
+@pytest.mark.timeout(60)
+def test_ucload_magic_of_a_tar_directory_and_kind_override(tars, tmp_path, magic_shell, monkeypatch):
+    pytest.importorskip("IPython")
+    monkeypatch.setenv("UCMAGIC_PROGRESS", "off")
+    cache = tmp_path / "c"
+    dl = magic_shell.run_line_magic("ucload", f"{tars} -b 5 -w 0 --no-widget --cache-dir {cache}")
+    assert isinstance(dl.dataset, SampleStream)
+    assert sum(len(b["__key__"]) for b in dl) == 20
+    dl = magic_shell.run_line_magic("ucload", f"{tars} --kind files -b 5 -w 0 --no-widget --cache-dir {cache}")
+    assert type(dl.dataset).__name__ == "UCVolumeDataset"

@@ -258,6 +258,9 @@ class UcMagics(Magics):
     @argument("--columns", metavar="COLS", help="tables: comma-separated columns to load")
     @argument("--stream", action="store_true", help="tables: a ParquetDataset loader instead of a DataFrame")
     @argument("--files", action="store_true", help="treat SOURCE as a directory of files even if it holds Parquet")
+    @argument("--kind", choices=["files", "shards", "tokens"], default=None,
+              help="what SOURCE holds (default: guessed; a directory of .tar shards streams samples)")
+    @argument("--block-size", type=int, default=None, metavar="TOKENS", help="--kind tokens: tokens per window")
     @_friendly("ucload")
     def ucload(self, line: str = "", local_ns: dict[str, Any] | None = None) -> Any:
         """Load training data: a directory of files becomes a cached, prefetching DataLoader;
@@ -286,7 +289,7 @@ class UcMagics(Magics):
             result = load(a.source, files=a.files, pattern=a.pattern, batch_size=a.batch_size,
                           num_workers=a.workers if a.workers is not None else self.workers, shuffle=a.shuffle,
                           seed=a.seed, cache_dir=a.cache_dir or self.cache_dir, cache_limit=limit,
-                          rows=a.rows, columns=columns, stream=a.stream,
+                          rows=a.rows, columns=columns, stream=a.stream, kind=a.kind, block_size=a.block_size,
                           on_start=lambda kind: self._early_panel(a, kind),
                           listing_progress=((lambda count: self._listing_progress(a, count))
                                             if self._panel_wanted(a) else None),
