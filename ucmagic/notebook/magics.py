@@ -258,8 +258,8 @@ class UcMagics(Magics):
     @argument("--columns", metavar="COLS", help="tables: comma-separated columns to load")
     @argument("--stream", action="store_true", help="tables: a ParquetDataset loader instead of a DataFrame")
     @argument("--files", action="store_true", help="treat SOURCE as a directory of files even if it holds Parquet")
-    @argument("--kind", choices=["files", "shards", "tokens"], default=None,
-              help="what SOURCE holds (default: guessed; a directory of .tar shards streams samples)")
+    @argument("--kind", default=None, metavar="KIND",
+              help="files, shards or tokens: what SOURCE holds (default: guessed; .tar shards stream samples)")
     @argument("--block-size", type=int, default=None, metavar="TOKENS", help="--kind tokens: tokens per window")
     @_friendly("ucload")
     def ucload(self, line: str = "", local_ns: dict[str, Any] | None = None) -> Any:
