@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 import delta_fixtures as fx
 from ucmagic import ListingChangedError, UnsupportedTableFeatureError
 from ucmagic.tables import ParquetDataset, export_parquet, load_table
-from ucmagic.tables.delta import decode_dv, keep_mask, live_counts, z85_decode
+from ucmagic.tables.delta import decode_dv, keep_mask, live_counts, live_span, z85_decode
 
 deltalake = pytest.importorskip("deltalake")
 DeltaTable, write_deltalake = deltalake.DeltaTable, deltalake.write_deltalake
@@ -150,6 +150,18 @@ def test_keep_mask_and_live_counts_follow_the_deleted_rows():
     assert keep_mask(deleted, 7, 19) is None
 
 
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 300), st.data())
+def test_live_span_finds_the_stored_rows_of_live_positions(n, data):
+    dels = np.array(sorted(data.draw(st.sets(st.integers(0, n - 1), max_size=n - 1))), dtype=np.int64)
+    live = np.setdiff1d(np.arange(n), dels)
+    k0 = data.draw(st.integers(0, len(live) - 1))
+    k1 = data.draw(st.integers(k0 + 1, len(live)))
+    first, stop, mask = live_span(dels, k0, k1)
+    rows = np.arange(first, stop) if mask is None else np.arange(first, stop)[mask]
+    assert rows.tolist() == live[k0:k1].tolist()
+
+
 # ---------------------------------------------------------------- deletion vectors
 
 @pytest.mark.timeout(120)
@@ -183,7 +195,8 @@ def test_a_second_delete_extends_the_vector_and_time_travel_sees_each_version(tm
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("workers", [0, 2])
-def test_every_live_row_once_per_epoch_over_ranks_and_workers_with_deletion_vectors(tmp_path, workers):
+@pytest.mark.parametrize("shuffle", [False, "global"])
+def test_every_live_row_once_per_epoch_over_ranks_and_workers_with_deletion_vectors(tmp_path, workers, shuffle):
     path = str(tmp_path / "t")
     for k in range(3):
         pq_t = base_table(600).slice(200 * k, 200)
@@ -194,7 +207,7 @@ def test_every_live_row_once_per_epoch_over_ranks_and_workers_with_deletion_vect
     deleted_idx = {adds[0]["path"]: range(0, 200, 2), adds[2]["path"]: range(60, 130)}
     fx.delete_rows(path, deleted_idx, storage="u")
     want = sorted(r["id"] for r in delta_rows(path))
-    ds = ParquetDataset(path, columns=["id"], batch_size=10, partition="drop", shuffle=True, seed=3)
+    ds = ParquetDataset(path, columns=["id", "s"], batch_size=10, partition="drop", shuffle=shuffle, seed=3)
     assert ds.num_rows == len(want) == 600 - 100 - 70
     dv_files = [f for f in ds.files if f.stored_rows is not None]  # row-group counts after the vector
     assert len(dv_files) == 2 and all(len(f.group_rows) > 1 for f in dv_files)
@@ -202,9 +215,11 @@ def test_every_live_row_once_per_epoch_over_ranks_and_workers_with_deletion_vect
     got = []
     for rank in range(2):
         for w in range(2):
-            got += [int(i) for b in ds.iter_stream(0, rank, 2, w, 2) for i in b["id"]]
+            for b in ds.iter_stream(0, rank, 2, w, 2):
+                assert b["s"] == [f"row-{i}" for i in b["id"].tolist()]  # columns stay aligned
+                got += b["id"].tolist()
     assert len(got) == len(set(got)) and set(got) <= set(want) and len(want) - len(got) < 2 * 2 * 10
-    full = ParquetDataset(path, columns=["id"], batch_size=10, shuffle=True, seed=3)
+    full = ParquetDataset(path, columns=["id"], batch_size=10, shuffle=shuffle, seed=3)
     loader = torch.utils.data.DataLoader(full, batch_size=None, num_workers=workers)
     ids = [int(i) for b in loader for i in b["id"]]
     if workers:

@@ -204,6 +204,43 @@ def keep_mask(deleted: np.ndarray, lo: int, hi: int) -> np.ndarray | None:
     return mask
 
 
+def deleted_in(deleted: np.ndarray, lo: int, hi: int) -> np.ndarray | None:
+    """The rows of ``lo..hi`` (file rows) that ``deleted`` (sorted) removes, relative to ``lo``; None if none."""
+    a, b = np.searchsorted(deleted, [lo, hi])
+    return None if a == b else deleted[a:b] - lo
+
+
+def live_span(dels: np.ndarray, k0: int, k1: int) -> tuple[int, int, np.ndarray | None]:
+    """Stored rows ``first..stop`` that hold live rows ``k0..k1`` of a row group whose deleted rows are
+    ``dels`` (sorted), and the keep mask over that span (None: nothing deleted inside it)."""
+    shifted = dels - np.arange(len(dels))  # live row k is stored at k + #(shifted <= k)
+    first = k0 + int(np.searchsorted(shifted, k0, side="right"))
+    last = k1 - 1 + int(np.searchsorted(shifted, k1 - 1, side="right"))
+    inside = dels[(dels > first) & (dels < last)] - first
+    if not len(inside):
+        return first, last + 1, None
+    mask = np.ones(last + 1 - first, dtype=bool)
+    mask[inside] = False
+    return first, last + 1, mask
+
+
+def filter_rows(table: Any, mask: np.ndarray) -> Any:
+    """``table.filter(mask)``, with numpy's boolean indexing for null-free fixed-width number columns
+    (about 3x faster than Arrow's filter kernel on a row group)."""
+    import pyarrow as pa
+
+    pmask = None
+    cols = []
+    for col in table.columns:
+        t = col.type
+        if col.null_count == 0 and (pa.types.is_integer(t) or pa.types.is_floating(t)):
+            cols.append(pa.array(col.to_numpy()[mask], type=t))
+        else:
+            pmask = pa.array(mask) if pmask is None else pmask
+            cols.append(col.filter(pmask))
+    return pa.Table.from_arrays(cols, schema=table.schema) if cols else table.filter(pa.array(mask))
+
+
 def live_counts(deleted: np.ndarray, group_rows: Sequence[int]) -> list[int]:
     """Rows of each row group that ``deleted`` (sorted file row indices) leaves."""
     edges = np.concatenate([[0], np.cumsum(np.asarray(group_rows, dtype=np.int64))])
@@ -284,7 +321,7 @@ class DeltaSnapshot:
         import pyarrow as pa
 
         if mask is not None:
-            data = data.filter(pa.array(mask))
+            data = filter_rows(data, mask)
         n = data.num_rows
         parts = dict(f.partition)
         arrays = []

@@ -26,7 +26,7 @@ from ..epochs import EpochTracking, check_state_kind
 from ..errors import ListingChangedError, UnsupportedSourceError
 from ..fetch import read_ahead, with_retries
 from .rows import EpochLayout, Segment
-from .delta import keep_mask, live_counts
+from .delta import deleted_in, filter_rows, live_counts, live_span
 from .sources import delta_snapshot, resolve_source
 
 STATE_VERSION = 1
@@ -436,16 +436,17 @@ class ParquetDataset(EpochTracking, IterableDataset):
             readers[key] = (pf, f)
         return pf
 
-    def _read_group(self, readers: dict, lock: threading.Lock, g: int) -> Any:
-        """Row group ``g`` as the rows it yields: for Delta, the table's rows (its deletion vector applied,
-        logical names, partition columns, nulls for columns the file predates); for Parquet, the unified types."""
+    def _read_group(self, readers: dict, lock: threading.Lock, g: int) -> tuple[Any, np.ndarray | None]:
+        """Row group ``g`` and the mask of its rows that survive a Delta deletion vector (None: all do).
+        For Delta, the table's columns (logical names, partition columns, nulls for columns the file
+        predates); for Parquet, the unified types. The caller applies the mask (one copy, see _load)."""
         fi, j = self._group_file[g]
         pf = self._open(readers, lock, fi)
         snap = self.snapshot
         if snap is None:
             t = pf.read_row_group(j, columns=self.columns, use_threads=False)
             want = pa_schema_of(self.schema, self.columns)
-            return t if t.schema.equals(want) else t.cast(want)
+            return (t if t.schema.equals(want) else t.cast(want)), None
         f = self.files[fi]
         key = (threading.get_ident(), "delta")
         with lock:
@@ -459,9 +460,9 @@ class ParquetDataset(EpochTracking, IterableDataset):
                 readers[key] = cur
         _, cols, deleted, starts = cur
         data = pf.read_row_group(j, columns=sorted({v for v in cols.values() if v is not None}), use_threads=False)
-        mask = (keep_mask(deleted, int(starts[j]), int(starts[j + 1]))
+        dels = (deleted_in(deleted, int(starts[j]), int(starts[j + 1]))
                 if deleted is not None and starts is not None else None)
-        return snap.logical(data, f.delta, self.columns, cols, mask)
+        return snap.logical(data, f.delta, self.columns, cols), dels
 
     def _load(self, lay: EpochLayout, seg: Segment, readers: dict, lock: threading.Lock) -> tuple[dict[str, Any], int]:
         """Decode one segment: tensors (numeric columns, converted once) or arrow arrays (the rest)."""
@@ -469,19 +470,30 @@ class ParquetDataset(EpochTracking, IterableDataset):
 
         pieces = lay.window_pieces(seg.window)
         perm = lay.window_perm(seg.window)
+        pick = None  # keep mask over ``table`` (a deletion vector), applied while converting (one copy)
         if perm is None:  # one row group per window: read it, slice zero-copy
             g, lo, _ = pieces[0]
-            table = self._read_group(readers, lock, g).slice(lo + seg.lo, seg.hi - seg.lo)
+            t, dels = self._read_group(readers, lock, g)
+            if dels is None:
+                table = t.slice(lo + seg.lo, seg.hi - seg.lo)
+            else:
+                first, stop, pick = live_span(dels, lo + seg.lo, lo + seg.hi)
+                table = t.slice(first, stop - first)
         else:
             parts = []
             for g, lo, hi in pieces:  # node mode: a row group may be cut at a node's slice edge
-                t = self._read_group(readers, lock, g)
+                t, dels = self._read_group(readers, lock, g)
+                if dels is not None:
+                    keep = np.ones(t.num_rows, dtype=bool)
+                    keep[dels] = False
+                    t = filter_rows(t, keep)
                 parts.append(t if lo == 0 and hi == t.num_rows else t.slice(lo, hi - lo))
             table = parts[0] if len(parts) == 1 else pa.concat_tables(parts)
             table = table.take(pa.array(perm[seg.lo:seg.hi]))
         if self.format != "torch":  # numpy, arrow, pandas: converted when a batch is cut
-            return {"": table}, seg.hi - seg.lo
+            return {"": table if pick is None else filter_rows(table, pick)}, seg.hi - seg.lo
         out: dict[str, Any] = {}
+        apick = None
         for c in self.columns:
             col = table.column(c)
             kind = self._kinds[c]
@@ -493,9 +505,14 @@ class ParquetDataset(EpochTracking, IterableDataset):
             elif kind == "float64":
                 col = col.cast(pa.float64())
             if kind == "list":
+                if pick is not None:
+                    apick = pa.array(pick) if apick is None else apick
+                    col = col.filter(apick)
                 out[c] = col.combine_chunks()
                 continue
             arr = col.to_numpy()
+            if pick is not None:
+                arr = arr[pick]  # a fresh array (boolean indexing): the deletion vector costs no extra copy
             dt = self._dtypes.get(c)
             if dt is not None and _NP_DTYPES.get(dt) is not None:
                 arr = arr.astype(_NP_DTYPES[dt])
