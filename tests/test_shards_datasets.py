@@ -330,3 +330,59 @@ def test_resume_in_a_new_process_with_other_workers_is_exact(shards):
     assert out.returncode == 0, out.stderr[-2000:]
     rest = json.loads(out.stdout.strip().splitlines()[-1])
     assert sorted(seen + rest) == sorted(w["__key__"] for w in want)
+
+
+# ------------------------------------------------------------ more consumers and sources
+
+@pytest.mark.timeout(180)
+def test_map_style_and_stream_under_spawned_workers(shards):
+    src, want, cache = shards
+    ds = TarShards(src, cache_dir=cache, chunk_size=CHUNK)
+    dl = torch.utils.data.DataLoader(ds, batch_size=8, num_workers=2, multiprocessing_context="spawn",
+                                     collate_fn=_keys)
+    assert [k for b in dl for k in b] == [w["__key__"] for w in want]  # map-style: the sampler's order
+    sdl = torch.utils.data.DataLoader(ds.stream(shuffle=True), batch_size=8, num_workers=2,
+                                      multiprocessing_context="spawn", collate_fn=_keys)
+    assert sorted(k for b in sdl for k in b) == sorted(w["__key__"] for w in want)
+
+
+def _keys(batch):
+    return [s["__key__"] for s in batch]
+
+
+@pytest.mark.timeout(60)
+def test_remote_shards_over_fsspec_read_headers_and_chunks_by_ranges(shards):
+    src, want, cache = shards
+    ds = TarShards(f"slow://{src}", storage_options={"open_ms": 0, "mbps": 0, "list_ms": 0}, cache_dir=cache,
+                   chunk_size=CHUNK)
+    assert len(ds) == len(want)
+    assert all(same(ds[i], want[i]) for i in (0, 17, len(want) - 1))
+
+
+@pytest.mark.timeout(120)
+def test_loader_telemetry_names_shard_chunks(shards):
+    src, want, cache = shards
+    stream = TarShards(src, cache_dir=cache, chunk_size=CHUNK).stream()
+    loader = ucmagic.DataLoader(stream, batch_size=10, num_workers=0, collate_fn=_keys, log_to_mlflow=False)
+    assert sum(len(b) for b in loader) == len(want)
+    rows = loader.stats.batch_files(0)
+    assert rows and all("shard-000000.tar#chunk" in r["file"] for r in rows)
+    assert stream.counters.totals()["misses"] >= 1  # chunk fills, as the live panel shows them
+
+
+@pytest.mark.timeout(180)
+def test_token_stream_resume_with_other_workers_is_exact(tokens):
+    src, allt, cache = tokens
+    make = lambda: TokenWindows(src, block_size=16, cache_dir=cache, chunk_size=1024).stream(shuffle=True, seed=4)  # noqa: E731
+    dl = ucmagic.DataLoader(make(), batch_size=8, num_workers=2, log_to_mlflow=False)
+    seen = []
+    for n, batch in enumerate(dl):
+        seen += [tuple(w.tolist()) for w in batch]
+        if n == 6:
+            break
+    state = json.loads(json.dumps(dl.state_dict()))
+    dl2 = ucmagic.DataLoader(make(), batch_size=8, num_workers=0, log_to_mlflow=False)
+    dl2.load_state_dict(state)
+    rest = [tuple(w.tolist()) for b in dl2 for w in b]
+    ds = make().dataset
+    assert sorted(seen + rest) == sorted(tuple(ds[i].tolist()) for i in range(len(ds)))

@@ -132,15 +132,23 @@ class ShardDataset(Dataset):
 
     # ------------------------------------------------------------ names for telemetry
 
+    def _chunk_base(self) -> np.ndarray:
+        base = self.__dict__.get("_chunk_bases")
+        if base is None:
+            base = self._chunk_bases = np.concatenate([[0], np.cumsum([f.chunks for f in self.files])])
+        return base
+
     def chunk_id(self, file: int, chunk: int) -> int:
-        """One integer per (file, chunk): what per-item fetch records carry."""
-        return file * (1 << 20) + chunk
+        """The chunk's number among all chunks of the dataset (what per-item fetch records carry: int32)."""
+        return int(self._chunk_base()[file]) + chunk
 
     def describe_item(self, index: int) -> tuple[str, int]:
-        """``(file#chunk, bytes)`` of a chunk id of :meth:`chunk_id` (the explorer names slow shards and chunks)."""
-        file, chunk = divmod(int(index), 1 << 20)
-        if not 0 <= file < len(self.files):
+        """``(file#chunk, bytes)`` of a chunk number of :meth:`chunk_id` (the explorer names slow shards and chunks)."""
+        base = self._chunk_base()
+        if not 0 <= int(index) < int(base[-1]):
             return f"chunk {index}", 0
+        file = int(np.searchsorted(base, int(index), side="right")) - 1
+        chunk = int(index) - int(base[file])
         f = self.files[file]
         start, end = f.span(chunk)
         return f"{self.volume.display(f.entry.path)}#chunk{chunk}", max(0, end - start)
