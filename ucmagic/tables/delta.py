@@ -355,31 +355,42 @@ class DeltaSnapshot:
         schema = pa.schema([self.schema.field(c) for c in cols])
         files = self.files
 
+        opened: dict[int, tuple[Any, Any]] = {}  # file -> (open_parquet, ParquetFile): each file opened once
+
         def units() -> Iterator[tuple[int, int]]:
             for i, f in enumerate(files):
-                with open_parquet(f.path, self.storage_options) as pf:
-                    ngroups = pf.metadata.num_row_groups
-                yield from ((i, j) for j in range(ngroups))
+                ctx = open_parquet(f.path, self.storage_options)
+                pf = ctx.__enter__()
+                opened[i] = (ctx, pf)
+                yield from ((i, j) for j in range(pf.metadata.num_row_groups))
 
         state: dict[str, Any] = {"fi": -1}
 
-        def read(unit: tuple[int, int]) -> Any:
+        def read(unit: tuple[int, int]) -> Any:  # read_ahead(depth=1): one call at a time, in order
             i, j = unit
             f = files[i]
-            with open_parquet(f.path, self.storage_options) as pf:
-                if state["fi"] != i:  # one file's mask at a time
-                    state.update(fi=i, deleted=self.deleted_rows(f), cols=self.file_columns(pf.schema_arrow, cols),
-                                 starts=np.concatenate([[0], np.cumsum([pf.metadata.row_group(k).num_rows
-                                                                         for k in range(pf.metadata.num_row_groups)])]))
-                fc = state["cols"]
-                lo, hi = int(state["starts"][j]), int(state["starts"][j + 1])
-                mask = keep_mask(state["deleted"], lo, hi)
-                data = pf.read_row_group(j, columns=sorted({v for v in fc.values() if v is not None}))
+            pf = opened[i][1]
+            if state["fi"] != i:  # one file's mask at a time
+                for k in [k for k in opened if k < i]:
+                    opened.pop(k)[0].__exit__(None, None, None)
+                md = pf.metadata
+                state.update(fi=i, deleted=self.deleted_rows(f), cols=self.file_columns(pf.schema_arrow, cols),
+                             starts=np.concatenate([[0], np.cumsum([md.row_group(k).num_rows
+                                                                     for k in range(md.num_row_groups)])]))
+            fc = state["cols"]
+            lo, hi = int(state["starts"][j]), int(state["starts"][j + 1])
+            mask = keep_mask(state["deleted"], lo, hi)
+            data = pf.read_row_group(j, columns=sorted({v for v in fc.values() if v is not None}))
             return self.logical(data, f, cols, fc, mask)
 
         def batches() -> Iterator[Any]:
-            for t in read_ahead(read, units(), depth=1, describe=lambda u: f"{files[u[0]].path}#rg{u[1]}"):
-                yield from t.to_batches(max_chunksize=batch_rows)
+            try:
+                for t in read_ahead(read, units(), depth=1, describe=lambda u: f"{files[u[0]].path}#rg{u[1]}"):
+                    yield from t.to_batches(max_chunksize=batch_rows)
+            finally:
+                for ctx, _ in list(opened.values()):
+                    ctx.__exit__(None, None, None)
+                opened.clear()
 
         return pa.RecordBatchReader.from_batches(schema, batches())
 
