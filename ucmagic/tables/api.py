@@ -51,9 +51,13 @@ def estimate_memory(src: Source, columns: Sequence[str] | None, limit: int | Non
     if src.kind not in ("parquet", "delta") or src.remote:
         return None
     files = src.paths
-    if src.kind == "delta":
-        files = delta_files(src)
     want = set(columns or [])
+    if src.kind == "delta":
+        snap = sources.delta_snapshot(src)
+        files = [f.path for f in snap.files]
+        if want and snap.mapping_mode != "none":  # the footers name columns physically
+            want = {snap.fields.get(c, {}).get("metadata", {}).get("delta.columnMapping.physicalName", c)
+                    for c in want}
     total = rows = 0
     for f in files:
         md = pq.read_metadata(f)
