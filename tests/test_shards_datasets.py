@@ -386,3 +386,14 @@ def test_token_stream_resume_with_other_workers_is_exact(tokens):
     rest = [tuple(w.tolist()) for b in dl2 for w in b]
     ds = make().dataset
     assert sorted(seen + rest) == sorted(tuple(ds[i].tolist()) for i in range(len(ds)))
+
+
+@pytest.mark.timeout(60)
+def test_break_mid_epoch_releases_every_chunk(shards):
+    src, _, cache = shards
+    ds = TarShards(src, cache_dir=cache, cache_limit=6 * CHUNK, chunk_size=CHUNK)
+    for n, _ in enumerate(ds.stream(shuffle=True, shuffle_window=3, read_ahead=3)):
+        if n == 25:
+            break
+    assert ds.cache.usage().protected_bytes == 0
+    assert not [n for n in os.listdir(os.path.join(cache, "prot")) if "chunks-s" in n]

@@ -17,12 +17,11 @@ record; an open descriptor keeps a held chunk readable even if it is evicted mea
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
@@ -36,6 +35,7 @@ CHUNK_SIZE = 32 << 20
 """Default bytes per chunk."""
 SUFFIX = ".chunk"
 FILL_THREADS = 4  # read-ahead fills per process (each fill reads its chunk on several range streams)
+CLOSE_WAIT_S = 30.0  # a closing reader waits this long for its running read-ahead fills
 
 
 @dataclass(frozen=True)
@@ -291,18 +291,17 @@ class ChunkReader:
         return list(self._held)
 
     def close(self) -> None:
-        """Drop every held chunk and the protection record; cancel fills not started."""
-        with self._mu:
-            jobs = list(self._inflight.values())
-        for fut, _ in jobs:
-            fut.cancel()
-        for fut, _ in jobs:
-            with contextlib.suppress(BaseException):
-                fut.result()
-        with self._mu:
-            self._inflight.clear()
+        """Drop every held chunk and the protection record; cancel fills not started and let the
+        running ones finish (a fill waiting for room may take it now) for up to ``CLOSE_WAIT_S``."""
         for fd in self._held.values():
             os.close(fd)
         self._held.clear()
+        with self._mu:
+            jobs = list(self._inflight.values())
+            self._inflight.clear()
+        for fut, ev in jobs:
+            fut.cancel()
+            ev.set()
+        wait([fut for fut, _ in jobs], timeout=CLOSE_WAIT_S)
         self.cache.drop_record(self._record)
         self._named = frozenset()
