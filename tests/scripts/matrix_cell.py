@@ -48,11 +48,17 @@ def header(data: bytes) -> str:
 def tree_bytes(root: str) -> int:
     """Apparent size (st_size) of every regular file under ``root``."""
     total = 0
-    for d, _, files in os.walk(root):
-        for f in files:
-            with contextlib.suppress(FileNotFoundError):
-                st = os.lstat(os.path.join(d, f))
-                total += st.st_size
+    try:
+        with os.scandir(root) as it:
+            entries = list(it)
+    except (FileNotFoundError, NotADirectoryError):
+        return 0
+    for de in entries:
+        with contextlib.suppress(FileNotFoundError):
+            if de.is_dir(follow_symlinks=False):
+                total += tree_bytes(de.path)
+            elif de.is_file(follow_symlinks=False):
+                total += de.stat(follow_symlinks=False).st_size
     return total
 
 
@@ -72,7 +78,7 @@ def tree_state(root: str, skip: tuple[str, ...] = ()) -> dict[str, tuple[int, in
 
 
 class Sampler:
-    """Peak size of a cache directory, sampled every ~5 ms on a thread while a cell runs."""
+    """Peak size of a cache directory, sampled every ~10 ms on a thread while a cell runs."""
 
     def __init__(self, root: str) -> None:
         self.root, self.peak, self.samples = root, 0, 0
@@ -80,7 +86,7 @@ class Sampler:
         self._t = threading.Thread(target=self._run, name="matrix-sampler", daemon=True)
 
     def _run(self) -> None:
-        while not self._stop.wait(0.005):
+        while not self._stop.wait(0.01):
             self.peak = max(self.peak, tree_bytes(self.root))
             self.samples += 1
 
@@ -197,7 +203,7 @@ def summarize(items: list[tuple[str, str, str]], source: dict[str, str], new: di
 
 def error_facts(exc: BaseException) -> dict[str, Any]:
     return {"type": type(exc).__name__, "mro": [c.__name__ for c in type(exc).__mro__],
-            "msg": str(exc)[:600], "tb": "".join(traceback.format_exception(exc))[-2500:]}
+            "msg": str(exc)[-4000:], "tb": "".join(traceback.format_exception(exc))[-2500:]}
 
 
 def source_hashes(src: str) -> dict[str, str]:
@@ -213,21 +219,27 @@ def source_hashes(src: str) -> dict[str, str]:
 
 # ---------------------------------------------------------------- what a cell leaves behind
 
+POOL_LOOPS = ("_work", "_worker")  # a pool thread's own loop (ucmagic._util.DaemonPool, concurrent.futures)
+
+
 def _ucmagic_stack(th: threading.Thread) -> str | None:
-    """The stack of ``th`` when it is running ucmagic code (None: idle, or not in ucmagic)."""
+    """The stack of ``th`` when it is running ucmagic code (None: not in ucmagic, or an idle pool
+    thread: its only ucmagic frame, if any, is the pool's own loop waiting for the next call)."""
     frame = sys._current_frames().get(th.ident or -1)
     stack = traceback.extract_stack(frame) if frame is not None else []
-    if any(os.sep + "ucmagic" + os.sep in fr.filename for fr in stack):
-        return "".join(traceback.format_list(stack[-6:]))
-    return None
+    ours = [fr for fr in stack if os.sep + "ucmagic" + os.sep in fr.filename]
+    if not ours or (len(ours) == 1 and ours[0].name in POOL_LOOPS):
+        return None
+    return "".join(traceback.format_list(stack[-6:]))
 
 
 def leftovers(baseline: set[int], exclude_pids: set[int]) -> dict[str, Any]:
     """Threads and processes the cell left (after ``GRACE_S``) and CPU burnt while idle.
 
     Idle workers of ucmagic's process-wide I/O pools (``fetch.shared_pool``: threads named
-    ``ucmagic-*`` waiting for work, kept for the next epoch) are not leftovers; such a thread still
-    running ucmagic code after the grace period is one (it would spin, or block interpreter exit).
+    ``ucmagic-*`` waiting in the pool's loop for work, kept for the next epoch) are not leftovers;
+    such a thread still running a call after the grace period is one (it spins, waits for a loop
+    that is gone, or blocks interpreter exit), daemon or not.
     """
     import psutil
 
