@@ -435,6 +435,7 @@ def test_the_cli_export_and_ucmagic_load_read_the_snapshot(tmp_path):
     import ucmagic
 
     assert len(ucmagic.load(path)) == 30
+    assert ucmagic.describe_load(path).rows == 30  # what `python -m ucmagic load` and %ucload report
     loader = ucmagic.load(path, stream=True, batch_size=8, num_workers=0)
     assert sorted(int(i) for b in loader for i in b["id"]) == list(range(10, 40))
 

@@ -159,17 +159,20 @@ def describe_load(source: str | os.PathLike, *, files: bool = False, pattern: st
 
         entries = open_volume(source).list(pattern)
         return LoadPlan(source, "files", files=len(entries), bytes=sum(e.size for e in entries))
-    from .tables.sources import delta_files, resolve_source
+    from .tables.sources import delta_snapshot, resolve_source
 
     src = resolve_source(source)
     shown = "stream" if stream else "table"
     if src.kind not in ("parquet", "delta", "csv") or src.remote:
         return LoadPlan(source, shown)
-    paths = delta_files(src) if src.kind == "delta" else src.paths
+    snap = delta_snapshot(src) if src.kind == "delta" else None
+    paths = [f.path for f in snap.files] if snap is not None else src.paths
     nbytes = sum(os.path.getsize(p) for p in paths)
     rows = None
     if src.kind != "csv":
         import pyarrow.parquet as pq
 
         rows = sum(pq.read_metadata(p).num_rows for p in paths)
+        if snap is not None:  # rows a deletion vector removed are not the table's
+            rows -= sum(f.dv.cardinality for f in snap.files if f.dv is not None)
     return LoadPlan(source, shown, files=len(paths), rows=rows, bytes=nbytes)
