@@ -163,6 +163,29 @@ def test_a_sample_bigger_than_the_shard_size_gets_a_shard_of_its_own(tmp_path):
 
 
 @pytest.mark.timeout(120)
+def test_long_and_unicode_names_and_members_bigger_than_a_read_chunk_read_back_exactly(tmp_path):
+    from ucmagic.shards.pack import READ_CHUNK
+
+    root = tmp_path / "src"
+    deep = root / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    (root / "名前").mkdir()
+    files = {f"{'d' * 60}/{'e' * 60}/{'x' * 40}.bin": os.urandom(3000),   # > 100 bytes: a pax header
+             "名前/画像.bin": b"unicode",
+             "big.bin": os.urandom(2 * READ_CHUNK + 123)}                  # copied in three reads
+    for rel, data in files.items():
+        (root / rel).write_bytes(data)
+    dest = str(tmp_path / "d")
+    ucmagic.pack(str(root), dest, shard_size="1MB", workers=3, progress=False)
+    got = {s["__key__"] + ".bin": s["bin"] for s in webdataset_samples(dest)}
+    assert got == files
+    listed = []
+    for p in shard_paths(dest):
+        listed += subprocess.run(["tar", "-tf", p], capture_output=True, timeout=30, check=True).stdout.decode().split()
+    assert sorted(listed) == sorted(files)
+
+
+@pytest.mark.timeout(120)
 def test_slow_volume_and_volumes_paths_pack_like_a_local_directory(src, tmp_path, monkeypatch):
     root, _ = src
     local = str(tmp_path / "local")
