@@ -249,15 +249,17 @@ def write_column_mapped(table: str, data: pa.Table, *, mode: str = "name", parti
     Returns logical -> physical names."""
     os.makedirs(os.path.join(table, "_delta_log"), exist_ok=True)
     fields, phys, ids = [], {}, {}
+    counter = [len(data.schema)]
     for i, f in enumerate(data.schema, start=1):
         phys[f.name] = f"col-{uuid.uuid4()}"
         ids[f.name] = i
-        fields.append({"name": f.name, "type": _delta_type(f.type), "nullable": True,
+        fields.append({"name": f.name, "type": _delta_type(f.type, counter), "nullable": True,
                        "metadata": {"delta.columnMapping.id": i, "delta.columnMapping.physicalName": phys[f.name]}})
+    jtypes = {f["name"]: f["type"] for f in fields}
     schema = {"type": "struct", "fields": fields}
     meta = {"id": str(uuid.uuid4()), "format": {"provider": "parquet", "options": {}},
             "schemaString": json.dumps(schema), "partitionColumns": list(partition_by),
-            "configuration": {"delta.columnMapping.mode": mode, "delta.columnMapping.maxColumnId": str(len(fields))},
+            "configuration": {"delta.columnMapping.mode": mode, "delta.columnMapping.maxColumnId": str(counter[0])},
             "createdTime": int(time.time() * 1000)}
     protocol = {"minReaderVersion": 3, "minWriterVersion": 7, "readerFeatures": ["columnMapping"],
                 "writerFeatures": ["columnMapping"]}
@@ -278,10 +280,10 @@ def write_column_mapped(table: str, data: pa.Table, *, mode: str = "name", parti
         groups = [({}, data.slice(i, step)) for i in range(0, max(data.num_rows, 1), step)]
     for k, part in groups:
         t = part.select(data_cols)
-        t = pa.table([t.column(c) for c in data_cols],
-                     schema=pa.schema([pa.field(phys[c], t.schema.field(c).type,
-                                                metadata={b"PARQUET:field_id": str(ids[c]).encode()})
-                                       for c in data_cols]))
+        cols = [_physical(t.column(c).combine_chunks(), jtypes[c]) for c in data_cols]
+        t = pa.table(cols, schema=pa.schema([pa.field(phys[c], col.type,
+                                                      metadata={b"PARQUET:field_id": str(ids[c]).encode()})
+                                             for c, col in zip(data_cols, cols)]))
         name = f"{uuid.uuid4().hex[:2]}/part-{uuid.uuid4()}.c000.snappy.parquet"
         os.makedirs(os.path.join(table, os.path.dirname(name)), exist_ok=True)
         pq.write_table(t, os.path.join(table, name), row_group_size=row_group_size)
@@ -296,7 +298,25 @@ def write_column_mapped(table: str, data: pa.Table, *, mode: str = "name", parti
     return phys
 
 
-def _delta_type(t: pa.DataType) -> str:
+def _physical(arr: pa.Array, jtype: Any) -> pa.Array:
+    """Struct children renamed to their physical names (as a column-mapping writer stores them)."""
+    if isinstance(jtype, dict) and jtype.get("type") == "struct":
+        kids = [_physical(arr.field(k), fj["type"]) for k, fj in enumerate(jtype["fields"])]
+        names = [fj["metadata"]["delta.columnMapping.physicalName"] for fj in jtype["fields"]]
+        return pa.StructArray.from_arrays(kids, names=names, mask=arr.is_null() if arr.null_count else None)
+    return arr
+
+
+def _delta_type(t: pa.DataType, counter: list[int] | None = None) -> Any:
+    if pa.types.is_struct(t):
+        counter = counter if counter is not None else [0]
+        out = []
+        for k in range(t.num_fields):
+            counter[0] += 1
+            out.append({"name": t.field(k).name, "type": _delta_type(t.field(k).type, counter), "nullable": True,
+                        "metadata": {"delta.columnMapping.id": counter[0],
+                                     "delta.columnMapping.physicalName": f"col-{uuid.uuid4()}"}})
+        return {"type": "struct", "fields": out}
     if pa.types.is_int64(t):
         return "long"
     if pa.types.is_int32(t):

@@ -268,15 +268,17 @@ def test_a_corrupt_deletion_vector_file_is_an_error_not_different_rows(tmp_path)
 def test_column_mapping_yields_logical_names_and_values(tmp_path, mode):
     path = str(tmp_path / "t")
     data = pa.table({"Super Name": pa.array(range(40), pa.int64()), "q": ["u", "v"] * 20,
-                     "when": pa.array([datetime.date(2024, 1, 1 + i % 28) for i in range(40)])})
+                     "when": pa.array([datetime.date(2024, 1, 1 + i % 28) for i in range(40)]),
+                     "nested": pa.array([{"inner a": i, "b": f"b{i}"} if i % 5 else None for i in range(40)])})
     phys = fx.write_column_mapped(path, data, mode=mode, partition_by=["q"])
     assert all(p.startswith("col-") for p in phys.values())
     fx.enable_dv_protocol(path)  # and a deletion vector on a mapped table
     fx.delete_rows(path, {fx.live_adds(path)[0]["path"]: [0]}, storage="i")
     want = check_all_entry_points(path, tmp_path, key="Super Name")
-    assert len(want) == 39 and set(want[0]) == {"Super Name", "q", "when"}
+    assert len(want) == 39 and set(want[0]) == {"Super Name", "q", "when", "nested"}
     b = next(iter(ParquetDataset(path, batch_size=100)))
-    assert set(b) == {"Super Name", "q", "when"} and b["Super Name"].dtype == torch.int64
+    assert set(b) == {"Super Name", "q", "when", "nested"} and b["Super Name"].dtype == torch.int64
+    assert {"inner a": 1, "b": "b1"} in b["nested"] and None in b["nested"]  # nested fields by logical name
 
 
 # ---------------------------------------------------------------- deltalake-written shapes
