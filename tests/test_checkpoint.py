@@ -31,6 +31,7 @@ from ucmagic.checkpoints.api import (
     load_checkpoint,
     save_checkpoint,
 )
+from ucmagic.cache import process_tag
 from ucmagic.errors import SourceNotFoundError
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # ranks, whatever pytest's import mode
@@ -135,7 +136,7 @@ def test_stale_files_only_lists_old_shards():
 def test_staging_left_by_a_killed_process_is_swept(tmp_path):
     p = subprocess.Popen([sys.executable, "-c", "pass"])
     p.wait()
-    dead = tmp_path / f"save-abc-0-{p.pid}"
+    dead = tmp_path / f"save-abc-0-{p.pid}"  # older ucmagic's name (a bare pid): swept once untouched 10 min
     (dead / "sub").mkdir(parents=True)
     live = tmp_path / f"save-def-0-{os.getpid()}"
     live.mkdir()
@@ -143,8 +144,33 @@ def test_staging_left_by_a_killed_process_is_swept(tmp_path):
     os.utime(dead, (old, old))
     os.utime(live, (old, old))
     made = xfer.make_staging_dir(str(tmp_path), "load-x")
-    assert made.endswith(f"load-x-{os.getpid()}")
+    assert made.endswith(f"load-x@{process_tag()}")
     assert not dead.exists() and live.exists()
+
+
+def test_staging_of_an_exited_process_is_swept_at_once_and_a_reused_pid_does_not_protect_it(tmp_path):
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    fresh_dead = tmp_path / f"save-abc-0@{p.pid}-1"  # just written: no age needed once the owner is gone
+    (fresh_dead / "sub").mkdir(parents=True)
+    reused = tmp_path / f"save-def-0@{os.getpid()}-1"  # this pid, but another start time: not this process
+    reused.mkdir()
+    mine = xfer.make_staging_dir(str(tmp_path), "save-mine-0")
+    assert not fresh_dead.exists() and not reused.exists() and os.path.isdir(mine)
+    xfer.release_staging_dir(mine)
+    assert not os.path.exists(mine) and tmp_path.exists()  # a root the caller chose is not removed
+
+
+def test_the_shared_staging_root_is_removed_only_when_empty(tmp_path, monkeypatch):
+    monkeypatch.delenv("UCMAGIC_STAGING_DIR", raising=False)
+    monkeypatch.setattr(xfer.tempfile, "gettempdir", lambda: str(tmp_path))
+    root = xfer.shared_staging_root()
+    a = xfer.make_staging_dir(None, "save-a-0")
+    b = xfer.make_staging_dir(None, "save-b-0")
+    xfer.release_staging_dir(a)
+    assert os.path.isdir(b)  # another saver's staging is untouched, so is the root holding it
+    xfer.release_staging_dir(b)
+    assert not os.path.exists(root)
 
 
 def test_free_space_check_names_the_fix(tmp_path):
@@ -411,8 +437,8 @@ model, opt = trained()
 save_checkpoint({str(root)!r}, model=model, optimizer=opt, step=1)
 save_checkpoint({str(root)!r}, model=model, optimizer=opt, step=2)
 real = xfer._copy
-def slow(src, dst, sync):
-    out = real(src, dst, sync=sync)
+def slow(src, dst, **kw):
+    out = real(src, dst, **kw)
     open({str(signal_file)!r}, "w").close()
     time.sleep(120)
     return out

@@ -183,11 +183,11 @@ import torch.distributed.checkpoint as dcp
 from ucmagic import UCVolumeWriter
 from ucmagic.checkpoints import transfer as xfer
 real = xfer._copy
-def slow(src, dst, sync):
+def slow(src, dst, **kw):
     time.sleep(0.5)
     if {fail!r}:
         raise PermissionError("volume went read-only")
-    return real(src, dst, sync=sync)
+    return real(src, dst, **kw)
 xfer._copy = slow
 torch.manual_seed(0)
 state = {{"w": torch.randn(256, 1024), "step": 7}}

@@ -62,6 +62,8 @@ _EXPORTS = {
     "NoCheckpointError": "errors",
     "CheckpointCorruptError": "errors",
     "CheckpointUploadError": "errors",
+    "CheckpointDestinationError": "errors",
+    "CheckpointOverwrittenError": "errors",
     "CheckpointMismatchError": "errors",
     "UnsafeCheckpointError": "errors",
     "InvalidTableNameError": "errors",

@@ -94,12 +94,13 @@ COPY_BUFFER = 1 << 20
 
 
 def copy_local(src: str, dest: str, *, crc: bool = False, sync: bool = False,
-               buffer_size: int = COPY_BUFFER) -> tuple[int, int]:
+               buffer_size: int = COPY_BUFFER, check: Callable[[], None] | None = None) -> tuple[int, int]:
     """Copy a local or mounted file with plain reads into a reused per-thread buffer; ``(bytes, crc32)``.
 
     On a FUSE mount this is ~2x faster than ``os.sendfile`` (which splices the source page by page)
     and allocates nothing per file. ``crc=True`` computes the CRC-32 on the way (else 0);
-    ``sync=True`` fsyncs ``dest`` before returning.
+    ``sync=True`` fsyncs ``dest`` before returning. ``check`` is called before each buffer and may
+    raise to stop the copy (a cancelled save).
     """
     bufs = getattr(_buffers, "bufs", None)
     if bufs is None:
@@ -110,6 +111,8 @@ def copy_local(src: str, dest: str, *, crc: bool = False, sync: bool = False,
     n = c = 0
     with open(src, "rb", buffering=0) as fs, open(dest, "wb", buffering=0) as fd:
         while True:
+            if check is not None:
+                check()
             got = fs.readinto(buf)
             if not got:
                 break

@@ -93,6 +93,14 @@ class CheckpointUploadError(CheckpointError, OSError):
     """A staged checkpoint file could not be copied to the volume."""
 
 
+class CheckpointDestinationError(CheckpointUploadError):
+    """The checkpoint destination cannot be written: read-only, not a directory, no permission, or full."""
+
+
+class CheckpointOverwrittenError(CheckpointInProgressError):
+    """A new save into the checkpoint directory started while the checkpoint was being loaded."""
+
+
 class CheckpointMismatchError(CheckpointError, ValueError):
     """The checkpoint's keys do not match the model or optimizer it is loaded into."""
 

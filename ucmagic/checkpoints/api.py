@@ -95,8 +95,15 @@ def _root(root: str | os.PathLike, *, create: bool = False) -> str:
         return path
     if os.path.exists(path):
         raise CheckpointError(f"checkpoint root {os.fspath(root)} is a file; pass the directory that holds step_<N>/")
+    if create:
+        from . import transfer as xfer
+
+        xfer.check_destination(path)
     if create and os.path.isdir(os.path.dirname(path)):
-        os.makedirs(path, exist_ok=True)
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as e:
+            raise xfer.destination_error(e, path) from None
         return path
     what = "its parent directory does not exist" if create else "it does not exist"
     raise SourceNotFoundError(f"checkpoint root {os.fspath(root)}: {what}; {missing_path_hint(os.fspath(root))}")
@@ -161,10 +168,10 @@ def _dcp_state(model: Any, optimizer: Any) -> dict[str, Any]:
 
 
 def _unwrap(e: BaseException) -> BaseException:
-    """The ucmagic error inside torch's CheckpointException, if there is one."""
+    """The ucmagic error (or Ctrl-C) inside torch's CheckpointException, if there is one."""
     for pair in getattr(e, "failures", {}).values():
         inner = pair[0] if isinstance(pair, tuple) else pair
-        if isinstance(inner, UCMagicError):
+        if isinstance(inner, (UCMagicError, KeyboardInterrupt)):
             return inner
     return e
 
@@ -192,7 +199,7 @@ def _model_device(model: Any) -> Any:
 # ---------------------------------------------------------------- save
 
 def _save_single(path: str, state: dict[str, Any], info: dict[str, Any], writer_kw: dict[str, Any],
-                 async_: bool) -> Future | None:
+                 async_: bool, cancel: Any = None) -> Future | None:
     """Rank 0: torch.save to local staging, upload, commit. Returns a Future when ``async_``."""
     import socket
     import uuid
@@ -209,18 +216,26 @@ def _save_single(path: str, state: dict[str, Any], info: dict[str, Any], writer_
         record = make_saving_record(save_id=save_id, host=socket.gethostname(), pid=os.getpid())
         xfer.write_bytes(os.path.join(path, SAVING_NAME), record)  # readers refuse from here on
         xfer.remove_quietly(os.path.join(path, COMMIT_NAME))  # un-commit an older save of this step
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+    except BaseException as e:
+        xfer.release_staging_dir(staging)
+        if isinstance(e, OSError) and not isinstance(e, CheckpointError):
+            raise xfer.destination_error(e, path) from None
         raise
+
+    def check() -> None:
+        if cancel is not None and cancel.is_set():
+            raise CheckpointError("the checkpoint save was cancelled (Ctrl-C)")
 
     def upload() -> None:
         try:
-            rec = xfer.upload_file(local, os.path.join(path, SINGLE_FILE_NAME), verify=writer_kw.get("verify", "size"))
+            rec = xfer.upload_file(local, os.path.join(path, SINGLE_FILE_NAME), verify=writer_kw.get("verify", "size"),
+                                   check=check)
+            check()
             marker = make_commit(kind=FORMAT_SINGLE, save_id=save_id, files={SINGLE_FILE_NAME: rec}, info=info)
             xfer.write_bytes(os.path.join(path, COMMIT_NAME), marker)
             xfer.remove_quietly(os.path.join(path, SAVING_NAME))
         finally:
-            shutil.rmtree(staging, ignore_errors=True)
+            xfer.release_staging_dir(staging)
 
     if not async_:
         upload()
@@ -249,6 +264,7 @@ def save_checkpoint(root: str | os.PathLike, *, model: Any, optimizer: Any = Non
     make_commit(kind=FORMAT_SINGLE, save_id="", files={}, info=info)  # validates extra is JSON-able
     root_path = _root(root, create=True)
     path = os.path.join(root_path, name)
+    from . import transfer as xfer
 
     def finish() -> str:
         if dist_info(from_env=False).rank == 0:
@@ -260,24 +276,31 @@ def save_checkpoint(root: str | os.PathLike, *, model: Any, optimizer: Any = Non
         if optimizer is not None:
             state["optimizer"] = optimizer.state_dict()
         fut = None
-        if dist_info(from_env=False).rank == 0:
-            os.makedirs(path, exist_ok=True)
-            fut = _save_single(path, state, info, writer_kw, async_)
+        out: Future = Future()
+        pending = track_pending_save(path, out) if async_ else None
+        try:
+            if dist_info(from_env=False).rank == 0:
+                try:
+                    os.makedirs(path, exist_ok=True)
+                except OSError as e:
+                    raise xfer.destination_error(e, path) from None
+                fut = _save_single(path, state, info, writer_kw, async_, pending.cancel if pending else None)
+        except BaseException as e:
+            out.set_exception(e)  # nothing is pending at exit
+            raise
         if not async_:
             barrier()
             return finish()
-        out: Future = Future()
         if fut is None:
             out.set_result(path)
             return out
-        track_pending_save(path, out)
         fut.add_done_callback(lambda f: out.set_exception(f.exception()) if f.exception() else _settle(out, finish))
         return out
 
     import torch.distributed.checkpoint as dcp
 
     state = _dcp_state(model, optimizer)
-    writer = UCVolumeWriter(path, commit_info=info, **writer_kw)
+    writer = UCVolumeWriter(path, commit_info=info, **{"warn_overwrite": False, **writer_kw})
     if not async_:
         with _unwrapping(), _quiet():
             dcp.save(state, storage_writer=writer)

@@ -28,6 +28,7 @@ import sys
 import threading
 import time
 import uuid
+import warnings
 from collections.abc import Iterator
 from concurrent.futures import Future as CFuture
 from concurrent.futures import ThreadPoolExecutor
@@ -71,6 +72,7 @@ from .format import (
     split_buckets,
     stale_files,
 )
+from .._util import error_line
 from ..dist import dist_info
 from ..errors import (
     CheckpointCorruptError,
@@ -144,12 +146,17 @@ def read_commit(path: str) -> dict[str, Any]:
 # ---------------------------------------------------------------- saves pending at interpreter exit
 
 class _Pending:
-    """One asynchronous save: what it writes, its completion future, the thread that runs it."""
+    """One asynchronous save: what it writes, its completion future, the thread that runs it.
+
+    ``cancel`` stops its uploads at their next 8 MB (set when Ctrl-C abandons the save at exit).
+    """
 
     def __init__(self, what: str, fut: CFuture) -> None:
         self.what = what
         self.fut = fut
         self.thread: threading.Thread | None = None
+        self.cancel = threading.Event()
+        self.since = time.monotonic()
         self.pid = os.getpid()  # a forked child (a DataLoader worker) does not own its parent's saves
 
 
@@ -199,33 +206,66 @@ def _register_early_exit_hook(fn: Any) -> bool:
     return True
 
 
+NEVER_STARTED_S = 30.0  # an async save whose thread never called the writer this long after staging is lost
+
+
+def _stopped(p: _Pending) -> str | None:
+    """Why pending save ``p`` can no longer complete its future, or None while it still may."""
+    if p.thread is not None:
+        return None if p.thread.is_alive() else "the save stopped before committing (another rank or torch failed)"
+    if time.monotonic() - p.since > NEVER_STARTED_S:
+        return "the save never started after its state was copied"
+    return None
+
+
 def _finish_pending_saves() -> None:
     with _pending_mu:
         waiting = [p for p in _pending if not p.fut.done() and p.pid == os.getpid()]
     if not waiting:
         return
     paths = sorted({p.what for p in waiting})
-    print(f"ucmagic: waiting for {len(paths)} checkpoint save(s) to finish before exit: {', '.join(paths)}",
-          file=sys.stderr, flush=True)
-    lost = []
-    for p in waiting:
-        while not p.fut.done():
-            futures_wait([p.fut], timeout=0.2)
-            if p.thread is not None and not p.thread.is_alive() and not p.fut.done():
-                break
-        if p.fut.cancelled():
-            continue
-        err = p.fut.exception() if p.fut.done() else RuntimeError("the save stopped before committing")
-        if err is not None:
-            lost.append((p, err))
+    print(f"ucmagic: waiting for {len(paths)} checkpoint save(s) to finish before exit (Ctrl-C abandons "
+          f"them): {', '.join(paths)}", file=sys.stderr, flush=True)
+    lost: list[tuple[_Pending, Any]] = []
+    try:
+        for p in waiting:
+            why = None
+            while not p.fut.done() and why is None:
+                futures_wait([p.fut], timeout=0.2)
+                why = None if p.fut.done() else _stopped(p)
+            if p.fut.cancelled():
+                continue
+            err = p.fut.exception() if p.fut.done() else RuntimeError(why)
+            if err is not None:
+                lost.append((p, err))
+    except KeyboardInterrupt:
+        _abandon(waiting)
+        return
     if lost:
         lost = list({p.what: (p, err) for p, err in lost}.values())
         for p, err in lost:
-            first = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
-            print(f"ucmagic: checkpoint NOT saved: {p.what}: {first}", file=sys.stderr)
+            print(f"ucmagic: checkpoint NOT saved: {p.what}: {error_line(err)}", file=sys.stderr)
         print("ucmagic: exiting with status 1 because a checkpoint save was lost", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(1)
+
+
+def _abandon(waiting: list[_Pending]) -> None:
+    """Ctrl-C while waiting at exit: stop the saves' uploads, let them mark their directories failed, exit 130."""
+    for p in waiting:
+        p.cancel.set()
+    deadline = time.monotonic() + 10
+    with contextlib.suppress(KeyboardInterrupt):
+        for p in waiting:
+            while not p.fut.done() and _stopped(p) is None and time.monotonic() < deadline:
+                futures_wait([p.fut], timeout=0.1)
+    for p in waiting:
+        if not (p.fut.done() and not p.fut.cancelled() and p.fut.exception() is None):
+            print(f"ucmagic: checkpoint NOT saved: {p.what}: interrupted (Ctrl-C); the directory is not "
+                  "loadable until a new save into it commits", file=sys.stderr)
+    sys.stderr.flush()
+    sys.stdout.flush()
+    os._exit(130)
 
 
 # ---------------------------------------------------------------- restricted unpickling of .metadata
@@ -263,23 +303,58 @@ def load_metadata(data: bytes, *, allow_unsafe: bool = False) -> Metadata:
 # ---------------------------------------------------------------- writer
 
 class _UploadSession:
-    """Per-save state: staging dir, uploader pool, one future per staged file."""
+    """Per-save state: staging dir, uploader pool, one future per staged file, the errors of torch's
+    writer threads (they would otherwise only be printed), and the files written on the volume."""
 
-    def __init__(self, staging: str, threads: int, verify: str) -> None:
+    def __init__(self, staging: str, threads: int, verify: str, cancel: threading.Event) -> None:
         self.staging = staging
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ucmagic-upload")
         self.verify = verify
+        self.cancel = cancel
         self.uploads: dict[str, CFuture] = {}
+        self.direct: set[str] = set()  # written straight to the volume (a replaced writer.fs)
+        self.remotes: list[str] = []
+        self.errors: list[BaseException] = []
         self.mu = threading.Lock()
+        self.closed = False
+
+    def check(self) -> None:
+        if self.cancel.is_set():
+            raise CheckpointError("the checkpoint save was cancelled (Ctrl-C or a failure elsewhere in it)")
+
+    def failed(self, exc: BaseException) -> None:
+        with self.mu:
+            self.errors.append(exc)
 
     def staged(self, name: str, local: str, remote: str) -> None:
-        fut = self.pool.submit(xfer.upload_file, local, remote, verify=self.verify)
         with self.mu:
-            self.uploads[name] = fut
+            if self.closed or self.cancel.is_set():
+                xfer.remove_quietly(local)
+                return
+            self.remotes.append(remote)
+            self.uploads[name] = self.pool.submit(xfer.upload_file, local, remote, verify=self.verify,
+                                                  check=self.check)
+
+    def wrote(self, name: str, remote: str) -> None:
+        with self.mu:
+            self.remotes.append(remote)
+            self.direct.add(name)
 
     def close(self) -> None:
+        with self.mu:
+            self.closed = True
         self.pool.shutdown(wait=True, cancel_futures=True)
-        shutil.rmtree(self.staging, ignore_errors=True)
+        xfer.release_staging_dir(self.staging)
+
+    def abort(self) -> None:
+        """Stop everything (uploads stop at their next 8 MB) and remove what reached the volume."""
+        self.cancel.set()
+        for f in list(self.uploads.values()):
+            f.cancel()
+        self.close()
+        for remote in self.remotes:
+            with contextlib.suppress(OSError):
+                xfer.remove_quietly(remote)
 
 
 class _StagingFileSystem(FileSystem):
@@ -298,9 +373,37 @@ class _StagingFileSystem(FileSystem):
             return
         name = os.path.basename(os.fspath(path))
         local = os.path.join(session.staging, name)
-        with open(local, mode) as stream:
-            yield stream  # type: ignore[misc]
+        try:
+            session.check()
+            with open(local, mode) as stream:
+                yield stream  # type: ignore[misc]
+        except BaseException as e:
+            session.failed(e)
+            raise
         session.staged(name, local, os.fspath(path))
+
+
+class _RecordingFileSystem:
+    """A FileSystem that replaced ``writer.fs`` (torch's tests do that), with its errors and files noted."""
+
+    def __init__(self, inner: Any, session: _UploadSession) -> None:
+        self.inner = inner
+        self.session = session
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
+        try:
+            self.session.check()
+            with self.inner.create_stream(path, mode) as stream:
+                yield stream
+        except BaseException as e:
+            self.session.failed(e)
+            raise
+        if "w" in mode:
+            self.session.wrote(os.path.basename(os.fspath(path)), os.fspath(path))
 
 
 class UCVolumeWriter(FileSystemWriter):
@@ -328,6 +431,8 @@ class UCVolumeWriter(FileSystemWriter):
         overwrite: replace a checkpoint already in ``path`` (default True, as torch). With False,
             ``dcp.save`` raises torch's ``CheckpointException`` ("Checkpoint already exists").
         commit_info: JSON-able dict stored in the commit marker (``save_checkpoint`` stores step and extra).
+        warn_overwrite: warn, as torch's writer does, when the save replaces a checkpoint ("Detected an
+            existing checkpoint in ..., overwriting"); ``save_checkpoint`` passes False.
         **kwargs: passed to ``FileSystemWriter`` (``cache_staged_state_dict``, ...).
     """
 
@@ -336,17 +441,19 @@ class UCVolumeWriter(FileSystemWriter):
     def __init__(self, path: str | os.PathLike, *, staging_dir: str | None = None, upload_threads: int = 16,
                  files_per_rank: int | None = None, thread_count: int | None = None, verify: str = "size",
                  min_free: int | str = "512MB", overwrite: bool = True, commit_info: dict[str, Any] | None = None,
-                 **kwargs: Any) -> None:
+                 warn_overwrite: bool = True, **kwargs: Any) -> None:
         kwargs.setdefault("sync_files", False)  # durability comes from fsync on the volume copy
         if thread_count is None:
             thread_count = min(4, os.cpu_count() or 1)
         super().__init__(volume_dir(path), thread_count=max(1, thread_count), **kwargs)
+        xfer.check_destination(os.fspath(self.path))
         if verify not in ("size", "full"):
             raise ValueError(f"verify must be 'size' or 'full', got {verify!r}")
         compat.install_filesystem(self, _StagingFileSystem())
         if not getattr(self, "save_id", None):  # torch < 2.4 has no save id
             self.save_id = uuid.uuid4().hex
         self.overwrite = bool(overwrite)
+        self.warn_overwrite = bool(warn_overwrite)
         self.staging_dir = staging_dir
         self.upload_threads = max(1, int(upload_threads))
         self.files_per_rank = None if files_per_rank is None else max(1, int(files_per_rank))
@@ -357,6 +464,7 @@ class UCVolumeWriter(FileSystemWriter):
         self._coordinator = True
         self._pending: _Pending | None = None
         self._started = threading.Event()
+        self._replaced: str | None = None  # the directory whose checkpoint this save withdrew
 
     # -- pickling (torch's process-based async checkpointer ships the writer to another process)
     def __getstate__(self) -> dict[str, Any]:
@@ -385,10 +493,23 @@ class UCVolumeWriter(FileSystemWriter):
         os.makedirs(path, exist_ok=True)
         self.save_id = uuid.uuid4().hex  # fresh per save, also when a writer object is reused
         record = make_saving_record(save_id=self.save_id, host=socket.gethostname(), pid=os.getpid())
+        present = self._checkpoint_present()
         xfer.write_bytes(os.path.join(path, SAVING_NAME), record)
         xfer.remove_quietly(os.path.join(path, COMMIT_NAME))
         xfer.remove_quietly(os.path.join(path, METADATA_NAME))
+        self._replaced = path if present else None
         self._begun = path
+
+    def _fail(self, exc: BaseException) -> BaseException:
+        """``exc`` as the one-line ucmagic error it means (an OSError on the volume), noted as this save's failure."""
+        err = xfer.destination_error(exc, os.fspath(self.path)) if isinstance(exc, OSError) \
+            and not isinstance(exc, CheckpointError) else exc
+        self._failed(err)
+        return err
+
+    def _cancel_event(self) -> threading.Event:
+        p = self._pending
+        return p.cancel if p is not None and not p.fut.done() else threading.Event()
 
     def _failed(self, exc: BaseException) -> None:
         """Note a failure in the record (readers say the save failed) and in the pending-at-exit future."""
@@ -405,12 +526,19 @@ class UCVolumeWriter(FileSystemWriter):
             p.fut.set_exception(exc)
 
     def stage(self, state_dict: Any) -> Any:
-        """``async_save``'s first step (in the caller's thread): copy the state, then begin the save."""
+        """``async_save``'s first step (in the caller's thread): copy the state, then begin the save.
+
+        A failure here is raised by ``dcp.async_save`` itself, as one ucmagic error, and completes the
+        save's pending-at-exit future (so the interpreter does not wait for it).
+        """
         staged = _unaliased(super().stage(state_dict), state_dict)
         if self._pending is None or self._pending.fut.done():
             self._pending = track_pending_save(os.fspath(self.path), CFuture())
         if dist_info(from_env=False).rank == 0:
-            self._begin()
+            try:
+                self._begin()
+            except BaseException as e:  # noqa: BLE001 - re-raised as the ucmagic error it means
+                raise self._fail(e) from None
         return staged
 
     def wait_started(self, timeout: float) -> bool:
@@ -420,6 +548,8 @@ class UCVolumeWriter(FileSystemWriter):
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         save_id = self.save_id
         super().reset(volume_dir(checkpoint_id) if checkpoint_id else None)
+        if checkpoint_id:
+            xfer.check_destination(os.fspath(self.path))
         if self._begun is not None:
             self.save_id = save_id  # the record carries this id; the commit must carry the same
 
@@ -443,31 +573,33 @@ class UCVolumeWriter(FileSystemWriter):
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         try:
-            if not self.overwrite and self._checkpoint_present():
+            present = self._checkpoint_present()
+            if not self.overwrite and present:
                 raise CheckpointExistsError(
                     f"Checkpoint already exists and overwrite=False: {self.path} holds a checkpoint; save to "
                     "another directory (e.g. one per step) or pass overwrite=True to UCVolumeWriter")
+            if self.warn_overwrite and (present or self._replaced == os.fspath(self.path)):
+                warnings.warn(f"Detected an existing checkpoint in {self.path}, overwriting since "
+                              f"{self.overwrite=}. Pass overwrite=False to UCVolumeWriter to raise instead.",
+                              stacklevel=2)
             os.makedirs(self.path, exist_ok=True)
-        except BaseException as e:
-            self._failed(e)
-            raise
+        except BaseException as e:  # noqa: BLE001 - re-raised as the ucmagic error it means
+            raise self._fail(e) from None
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         # coordinator only, after every rank planned and before any rank writes
         try:
             self._begin()
-        except BaseException as e:
-            self._failed(e)
-            raise
+        except BaseException as e:  # noqa: BLE001 - re-raised as the ucmagic error it means
+            raise self._fail(e) from None
         return super().prepare_global_plan(plans)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         try:
             out = self._write_data_staged(plan, planner)
-        except BaseException as e:
-            self._failed(e)
-            raise
+        except BaseException as e:  # noqa: BLE001 - re-raised as the ucmagic error it means
+            raise self._fail(e) from None
         p = self._pending
         if not self._coordinator and p is not None and not p.fut.done():
             p.fut.set_result(os.fspath(self.path))  # this rank's part is durable; the coordinator commits
@@ -483,34 +615,51 @@ class UCVolumeWriter(FileSystemWriter):
         else:
             buckets = [[i] for i in items]
         staging = xfer.make_staging_dir(self.staging_dir, f"save-{self.save_id}-{prefix.strip('_') or 'r'}")
-        session = _UploadSession(staging, self.upload_threads, self.verify)
+        session = _UploadSession(staging, self.upload_threads, self.verify, self._cancel_event())
+        own_fs = self.fs
+        staged = isinstance(own_fs, _StagingFileSystem)
+        file_queue: queue.Queue = queue.Queue()
         try:
-            xfer.check_free_space(staging, int(need * 1.05) + (1 << 20), self.min_free)
-            file_queue: queue.Queue = queue.Queue()
+            if staged:
+                xfer.check_free_space(staging, int(need * 1.05) + (1 << 20), self.min_free)
             names = []
             for n, bucket in enumerate(buckets):
                 name = f"{prefix}{n}.distcp"
                 names.append(name)
                 file_queue.put((os.path.join(self.path, name), name, bucket))
-            self.fs.session = session
+            if staged:
+                own_fs.session = session
+            else:  # a test replaced writer.fs: write through it, as torch's writer would, noting its errors
+                self.fs = _RecordingFileSystem(own_fs, session)  # type: ignore[assignment]
             try:
                 results = list(compat.write_files(self, planner, file_queue).value())
+            except BaseException as e:  # noqa: BLE001 - re-raised as the one-line error it means
+                raise _staging_error(session.errors[0] if session.errors else e, staging if staged else None) \
+                    from None
             finally:
-                self.fs.session = None
-            missing = [n for n in names if n not in session.uploads]
+                if staged:
+                    own_fs.session = None
+                else:
+                    self.fs = own_fs
+            if session.errors:
+                raise _staging_error(session.errors[0], staging if staged else None)
+            missing = [n for n in names if n not in session.uploads and n not in session.direct]
             if missing:
-                raise CheckpointError(f"writing checkpoint shards {missing} to local staging {staging} failed "
-                                      "(see the thread errors above); check free space and permissions there")
+                raise CheckpointError(f"torch's writer threads stopped without writing checkpoint shards {missing} "
+                                      "and without an error; save again")
             files = {}
-            try:
-                for name in names:
+            for name in names:
+                if name in session.direct:
+                    files[name] = tuple(xfer.file_crc(os.path.join(self.path, name)))
+                else:
                     files[name] = tuple(session.uploads[name].result())
-            except BaseException:
-                for f in session.uploads.values():
-                    f.cancel()
-                raise
-        finally:
-            session.close()
+        except BaseException:
+            with contextlib.suppress(queue.Empty):
+                while True:  # torch's other writer threads find nothing more to write
+                    file_queue.get_nowait()
+            session.abort()
+            raise
+        session.close()
         results.append(WriteResult(index=MetadataIndex(f"{_MANIFEST_FQN}{prefix}"), size_in_bytes=0,
                                    storage_data={"files": files}))
         fut: Future[list[WriteResult]] = Future()
@@ -520,9 +669,18 @@ class UCVolumeWriter(FileSystemWriter):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         try:
             self._commit(metadata, results)
-        except BaseException as e:
-            self._failed(e)
-            raise
+        except BaseException as e:  # noqa: BLE001 - re-raised as the ucmagic error it means
+            if self._begun is not None:  # not committed: every rank's shards are garbage now
+                for wr_list in results:
+                    for wr in wr_list:
+                        if isinstance(wr.index, MetadataIndex) and wr.index.fqn.startswith(_MANIFEST_FQN):
+                            for name in wr.storage_data["files"]:
+                                with contextlib.suppress(OSError):
+                                    xfer.remove_quietly(os.path.join(self.path, name))
+                for name in (COMMIT_NAME, METADATA_NAME):
+                    with contextlib.suppress(OSError):
+                        xfer.remove_quietly(os.path.join(self.path, name))
+            raise self._fail(e) from None
         p = self._pending
         if p is not None and not p.fut.done():
             p.fut.set_result(os.fspath(self.path))
@@ -542,11 +700,26 @@ class UCVolumeWriter(FileSystemWriter):
             metadata.storage_meta = self.storage_meta()
         files[METADATA_NAME] = xfer.write_bytes(os.path.join(self.path, METADATA_NAME), pickle.dumps(metadata))
         marker = make_commit(kind=FORMAT_DCP, save_id=self.save_id, files=files, info=self.commit_info)
+        self._cancel_event_check()
         xfer.write_bytes(os.path.join(self.path, COMMIT_NAME), marker)
-        for name in stale_files(os.listdir(self.path), files):  # shards of an older save of this directory
-            xfer.remove_quietly(os.path.join(self.path, name))
+        self._begun = None  # committed from here on: a failure below must not remove its files
+        with contextlib.suppress(OSError):
+            for name in stale_files(os.listdir(self.path), files):  # shards of an older save of this directory
+                xfer.remove_quietly(os.path.join(self.path, name))
         xfer.remove_quietly(os.path.join(self.path, SAVING_NAME))  # last: the new commit is in place
-        self._begun = None
+
+    def _cancel_event_check(self) -> None:
+        p = self._pending
+        if p is not None and p.cancel.is_set():
+            raise CheckpointError("the checkpoint save was cancelled (Ctrl-C) before its commit")
+
+
+def _staging_error(exc: BaseException, staging: str | None) -> BaseException:
+    """The error of a shard write: one line for an OS error in local staging, else the error itself."""
+    if staging is not None and isinstance(exc, OSError) and not isinstance(exc, CheckpointError):
+        return CheckpointError(f"cannot write checkpoint shards to local staging {staging}: {exc.strerror or exc}; "
+                               "pass staging_dir= (or set UCMAGIC_STAGING_DIR) to a local disk with space")
+    return exc
 
 
 def _unaliased(staged: Any, original: Any) -> Any:

@@ -8,46 +8,66 @@ SHA-256 (~1.8 GB/s): it guards against torn and bit-flipped files, not against t
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import shutil
 import tempfile
 import time
 import zlib
+from typing import Callable
 
 from .._util import RetryPolicy, copy_local
-from ..cache import pid_running
+from ..cache import pid_running, process_tag, tag_alive
 from .format import FileRecord
-from ..errors import CheckpointCorruptError, CheckpointError, CheckpointUploadError
+from ..errors import (
+    CheckpointCorruptError,
+    CheckpointDestinationError,
+    CheckpointError,
+    CheckpointUploadError,
+)
 from ..units import format_size
 
 CHUNK = 8 << 20
 RETRIES = 3
 
 
-def default_staging_root() -> str:
-    """``$UCMAGIC_STAGING_DIR`` or ``<tmp>/ucmagic-ckpt-<uid>``."""
-    env = os.environ.get("UCMAGIC_STAGING_DIR")
-    if env:
-        return os.path.abspath(os.path.expanduser(env))
+def shared_staging_root() -> str:
+    """``<tmp>/ucmagic-ckpt-<uid>``: the staging root every saver of this user shares by default."""
     uid = os.getuid() if hasattr(os, "getuid") else "user"
     return os.path.join(tempfile.gettempdir(), f"ucmagic-ckpt-{uid}")
 
 
-STALE_AFTER_S = 600
+def default_staging_root() -> str:
+    """``$UCMAGIC_STAGING_DIR`` or :func:`shared_staging_root`."""
+    env = os.environ.get("UCMAGIC_STAGING_DIR")
+    if env:
+        return os.path.abspath(os.path.expanduser(env))
+    return shared_staging_root()
+
+
+STALE_AFTER_S = 600  # staging named by a bare pid (older ucmagic): swept once that pid is gone this long
+_OWNER_SUFFIX = re.compile(r"@(\d+-\d+)$")  # <name>@<process_tag>: the cache's pid + start time identity
 _PID_SUFFIX = re.compile(r"-(\d+)$")
 
 
+def staging_owner_gone(name: str, mtime: float, now: float) -> bool:
+    """True when the process that made staging directory ``name`` has exited (so its staging is garbage)."""
+    m = _OWNER_SUFFIX.search(name)
+    if m:
+        return not tag_alive(m.group(1))
+    m = _PID_SUFFIX.search(name)
+    return bool(m) and not pid_running(int(m.group(1))) and now - mtime >= STALE_AFTER_S
+
 
 def sweep_stale(root: str, *, now: float | None = None) -> list[str]:
-    """Delete staging directories left by killed processes (dead pid suffix, untouched for 10 min)."""
+    """Delete staging directories in ``root`` whose owner process has exited (pid and start time)."""
     now = time.time() if now is None else now
     gone = []
     for name in os.listdir(root):
-        m = _PID_SUFFIX.search(name)
         path = os.path.join(root, name)
         try:
-            if not m or pid_running(int(m.group(1))) or now - os.path.getmtime(path) < STALE_AFTER_S:
+            if not staging_owner_gone(name, os.path.getmtime(path), now):
                 continue
         except OSError:
             continue
@@ -57,16 +77,92 @@ def sweep_stale(root: str, *, now: float | None = None) -> list[str]:
 
 
 def make_staging_dir(root: str | None, name: str) -> str:
-    """Create a private (0700) staging directory ``<root>/<name>-<pid>`` and return it.
+    """Create a private (0700) staging directory ``<root>/<name>@<pid>-<start time>`` and return it.
 
-    Directories that killed processes left in ``root`` are swept first.
+    Directories that exited processes left in ``root`` are swept first.
     """
     root = root or default_staging_root()
-    os.makedirs(root, mode=0o700, exist_ok=True)
-    sweep_stale(root)
-    path = os.path.join(root, f"{name}-{os.getpid()}")
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    return path
+    while True:
+        os.makedirs(root, mode=0o700, exist_ok=True)
+        sweep_stale(root)
+        path = os.path.join(root, f"{name}@{process_tag()}")
+        try:
+            os.mkdir(path, mode=0o700)
+        except FileExistsError:
+            pass
+        except FileNotFoundError:
+            continue  # another saver removed the (then empty) shared root in between: make it again
+        return path
+
+
+def release_staging_dir(path: str) -> None:
+    """Delete a staging directory, then its root if that is the shared default and now empty.
+
+    ``rmdir`` only removes an empty directory, so another saver's staging in the root is never touched
+    (and :func:`make_staging_dir` recreates a root removed under it).
+    """
+    shutil.rmtree(path, ignore_errors=True)
+    root = os.path.dirname(path)
+    if root == shared_staging_root():
+        with contextlib.suppress(OSError):
+            os.rmdir(root)
+
+
+def _nearest_existing(path: str) -> str:
+    p = os.path.abspath(path)
+    while not os.path.lexists(p):
+        parent = os.path.dirname(p)
+        if parent == p:
+            break
+        p = parent
+    return p
+
+
+def check_destination(path: str) -> None:
+    """Raise :class:`CheckpointDestinationError` when checkpoint directory ``path`` cannot be written.
+
+    Looks at the nearest existing ancestor (no write happens): a regular file there, or a directory
+    this process may not write (a read-only mount, missing permission), is refused in one line.
+    """
+    p = _nearest_existing(path)
+    if not os.path.isdir(p):
+        raise CheckpointDestinationError(
+            f"cannot save a checkpoint to {path}: {p} is a file, not a directory; choose a checkpoint path "
+            "whose parents are directories")
+    if not os.access(p, os.W_OK | os.X_OK):
+        raise destination_error(OSError(errno.EROFS if _read_only(p) else errno.EACCES, "not writable", p), path)
+
+
+def _read_only(path: str) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except (OSError, AttributeError):
+        return False
+
+
+_FULL = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
+
+
+def destination_error(exc: BaseException, path: str) -> CheckpointError:
+    """The one-line ucmagic error for an OS error while writing checkpoint ``path`` (others pass through)."""
+    if isinstance(exc, CheckpointError) or not isinstance(exc, OSError):
+        return exc if isinstance(exc, CheckpointError) else CheckpointUploadError(
+            f"cannot save a checkpoint to {path}: {type(exc).__name__}: {exc}")
+    where = exc.filename or path
+    if exc.errno == errno.EROFS or (exc.errno in (errno.EACCES, errno.EPERM) and _read_only(_nearest_existing(where))):
+        why, fix = "the file system is read-only", "save to a writable directory"
+    elif exc.errno in (errno.EACCES, errno.EPERM):
+        why, fix = "permission denied", "save to a directory you may write (on Databricks: WRITE VOLUME on the volume)"
+    elif exc.errno in (errno.ENOTDIR, errno.EEXIST) and not os.path.isdir(_nearest_existing(where)):
+        why = f"{_nearest_existing(where)} is a file, not a directory"
+        fix = "choose a path whose parents are directories"
+    elif exc.errno in _FULL:
+        why, fix = "no space left on the volume", "free space there or save to another volume"
+    else:
+        return CheckpointUploadError(f"cannot write checkpoint {where}: {exc.strerror or exc}; check that the volume "
+                                     "is mounted and writable and has space")
+    at = f" ({where})" if os.path.abspath(where) != os.path.abspath(path) else ""
+    return CheckpointDestinationError(f"cannot save a checkpoint to {path}: {why}{at}; {fix}")
 
 
 def check_free_space(path: str, need: int, reserve: int) -> None:
@@ -79,9 +175,9 @@ def check_free_space(path: str, need: int, reserve: int) -> None:
             "(or set UCMAGIC_STAGING_DIR) to a larger local disk, or free some space")
 
 
-def _copy(src_path: str, dst_path: str, *, sync: bool) -> tuple[int, int]:
+def _copy(src_path: str, dst_path: str, *, sync: bool, check: Callable[[], None] | None = None) -> tuple[int, int]:
     """Copy with a running CRC-32; return (bytes, crc)."""
-    return copy_local(src_path, dst_path, crc=True, sync=sync, buffer_size=CHUNK)
+    return copy_local(src_path, dst_path, crc=True, sync=sync, buffer_size=CHUNK, check=check)
 
 
 def file_crc(path: str) -> tuple[int, int]:
@@ -106,11 +202,14 @@ CHECKPOINT_PERMANENT = (CheckpointError, FileNotFoundError, PermissionError, IsA
 
 
 def upload_file(local: str, remote: str, *, verify: str = "size", delete: bool = True,
-                retries: int = RETRIES) -> FileRecord:
-    """Copy a staged file to the volume durably, verify it, delete the staged copy; return its record."""
+                retries: int = RETRIES, check: Callable[[], None] | None = None) -> FileRecord:
+    """Copy a staged file to the volume durably, verify it, delete the staged copy; return its record.
+
+    ``check`` is called before each 8 MB and may raise to stop the upload (a cancelled save).
+    """
 
     def once() -> FileRecord:
-        n, crc = _copy(local, remote, sync=True)
+        n, crc = _copy(local, remote, sync=True, check=check)
         size = os.stat(remote).st_size
         if size != n:
             raise OSError(f"{remote} has {size} bytes after upload, expected {n}")
@@ -122,7 +221,13 @@ def upload_file(local: str, remote: str, *, verify: str = "size", delete: bool =
 
     try:
         rec = _retry(f"upload {remote}", once, retries)
-    except Exception as e:
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            remove_quietly(remote)  # a partial copy only takes space on the volume
+        if isinstance(e, CheckpointError) or not isinstance(e, Exception):
+            raise
+        if isinstance(e, OSError):
+            raise destination_error(e, os.path.dirname(remote)) from None
         raise CheckpointUploadError(f"cannot upload checkpoint file {local} to {remote}: {e}; check that the "
                                     "volume is mounted and writable and has space") from e
     if delete:
@@ -178,7 +283,7 @@ def write_bytes(remote: str, data: bytes) -> FileRecord:
     try:
         _retry(f"write {remote}", once)
     except OSError as e:
-        raise CheckpointUploadError(f"cannot write {remote}: {e}; check that the volume is mounted and writable") from e
+        raise destination_error(e, os.path.dirname(remote)) from None
     return FileRecord(len(data), zlib.crc32(data))
 
 
