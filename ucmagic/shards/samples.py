@@ -102,10 +102,11 @@ class ShardDataset(Dataset):
                                                          counters=self._counters))
         return r[1]
 
-    def read_sample(self, reader: ChunkReader, i: int) -> Any:
+    def read_sample(self, reader: ChunkReader, i: int, spans: list[Span] | None = None) -> Any:
+        """Sample ``i`` read through ``reader`` (``spans``: :meth:`spans` of ``i``, when known)."""
         if not 0 <= i < self.num_samples:
             raise IndexError(f"sample {i} out of range for {self.num_samples} samples")
-        parts = [reader.read(f, off, n) for f, off, n in self.spans(i)]
+        parts = [reader.read(f, off, n) for f, off, n in (self.spans(i) if spans is None else spans)]
         return self.decode(i, parts)
 
     def __getitem__(self, i: int) -> Any:
@@ -118,17 +119,18 @@ class ShardDataset(Dataset):
         self.record_sample(reader, i)
         return out
 
-    def record_sample(self, reader: ChunkReader, i: int) -> None:
+    def record_sample(self, reader: ChunkReader, i: int, spans: list[Span] | None = None) -> None:
         """One per-item fetch record for sample ``i`` (its first chunk, hit or fill, wait)."""
-        sp = self.spans(i)
+        sp = self.spans(i) if spans is None else spans
         f = sp[0][0] if sp else 0
-        chunk = self.files[f].chunks_of(sp[0][1], sp[0][2])[0] if sp else 0
+        chunk = sp[0][1] // self.chunk_size if sp else 0
         telemetry.record_item(self.chunk_id(f, chunk), reader.last_hit, reader.last_wait_s,
                               sum(n for _, _, n in sp))
 
-    def chunks_of_sample(self, i: int) -> list[tuple[int, int]]:
+    def chunks_of_sample(self, i: int, spans: list[Span] | None = None) -> list[tuple[int, int]]:
         """``(file, chunk)`` pairs sample ``i`` reads."""
-        return [(f, c) for f, off, n in self.spans(i) for c in self.files[f].chunks_of(off, n)]
+        return [(f, c) for f, off, n in (self.spans(i) if spans is None else spans)
+                for c in self.files[f].chunks_of(off, n)]
 
     # ------------------------------------------------------------ names for telemetry
 
@@ -300,7 +302,8 @@ class SampleStream(EpochTracking, IterableDataset):
         for k in range(len(segs)):
             rows = nxt
             nxt = lay.segment_rows(segs[k + 1]) if k + 1 < len(segs) else np.zeros(0, dtype=np.int64)
-            chunks = [ds.chunks_of_sample(int(i)) for i in rows]
+            spans = [ds.spans(i) for i in rows.tolist()]
+            chunks = [ds.chunks_of_sample(0, sp) for sp in spans]
             upcoming = {fc for i in nxt[:64] for fc in ds.chunks_of_sample(int(i))}
             last: dict[tuple[int, int], int] = {}
             for j, cs in enumerate(chunks):
@@ -320,8 +323,8 @@ class SampleStream(EpochTracking, IterableDataset):
                 if self.read_ahead:
                     reader.prefetch(order[p:p + 1 + self.read_ahead])
                 reader.begin()
-                sample = ds.read_sample(reader, i)
-                ds.record_sample(reader, i)
+                sample = ds.read_sample(reader, i, spans[j])
+                ds.record_sample(reader, i, spans[j])
                 done = [fc for fc in chunks[j] if last[fc] == j and fc not in upcoming]
                 if done:
                     reader.release(done)
