@@ -18,6 +18,7 @@ from ucmagic.cache import (
     cache_key,
     cache_keys,
     choose_victims,
+    entry_file,
     parse_record_name,
     process_tag,
     safe_suffix,
@@ -34,6 +35,12 @@ def writer(data: bytes, delay: float = 0.0, calls: list | None = None):
             f.write(data)
         return len(data)
     return write
+
+
+def entry_of(p: str) -> str:
+    """The entry directory of a cached file of an opaque key (``files/<key>-<size>/<key><ext>``): its
+    name is what protection records hold, its mtime the entry's last use."""
+    return os.path.dirname(p)
 
 
 def test_cache_dir_is_private(tmp_path):
@@ -88,7 +95,7 @@ def test_a_run_lookup_returns_the_leading_hits_as_single_lookups_would(tmp_path)
     keys = [cache_key("v", f"f{i}", 5, 0) for i in range(6)]
     for k in keys[:2] + keys[3:]:
         c.fill(k, ".bin", 5, writer(b"hello"))
-    names = [k + ".bin" for k in keys]
+    names = [entry_file(k, ".bin", 5) for k in keys]
     got = c.lookup_run(names, [5] * 6)
     assert got == [c.lookup(k, ".bin", 5) for k in keys[:2]]  # stops at the missing third entry
     assert c.lookup_run(names[3:], [5, 4, 5]) == [c.lookup(keys[3], ".bin", 5)]  # a size mismatch ends the run
@@ -100,9 +107,9 @@ def test_a_run_lookup_trusts_what_it_found_until_the_cache_removes_something(tmp
     keys = [cache_key("v", f"f{i}", 5, 0) for i in range(4)]
     for k in keys:
         c.fill(k, ".bin", 5, writer(b"hello"))
-    names, idx = [k + ".bin" for k in keys], np.arange(4)
+    names, idx = [entry_file(k, ".bin", 5) for k in keys], np.arange(4)
     seen = c.seen_entries(4)
-    paths = [c.data_path(k, ".bin") for k in keys]
+    paths = [c.data_path(k, ".bin", 5) for k in keys]
     assert c.lookup_run(names, [5] * 4, idx, seen) == paths
     assert seen.known(idx).all()
     calls = []
@@ -124,12 +131,13 @@ def test_a_run_lookup_touches_found_entries_again_once_the_touch_window_ends(tmp
     seen.filled(0)
     old = time.time() - 3600
     os.utime(path, (old, old))
-    assert c.lookup_run([key + ".bin"], [5], np.arange(1), seen) == [path]
+    assert c.lookup_run([entry_file(key, ".bin", 5)], [5], np.arange(1), seen) == [path]
     assert os.stat(path).st_mtime == old  # within the window: trusted as found, not touched
     seen.sync(c.removals(), time.time() + TOUCH_EVERY_S + 1)  # the window ends
     assert not seen.known(np.arange(1)).any()
-    assert c.lookup_run([key + ".bin"], [5], np.arange(1), seen) == [path]
+    assert c.lookup_run([entry_file(key, ".bin", 5)], [5], np.arange(1), seen) == [path]
     assert os.stat(path).st_mtime > old + 3000  # looked up again and touched (LRU)
+    assert os.stat(entry_of(path)).st_mtime > old + 3000  # its entry too: scans read the entry's last use
 
 
 @given(st.sets(st.integers(0, 999), max_size=60), st.sets(st.integers(0, 999), max_size=60))
@@ -213,10 +221,10 @@ def test_budget_evicts_least_recently_used_but_not_protected(tmp_path):
     paths = []
     for i in range(5):
         p, _ = c.fill(cache_key("v", str(i), 200, 0), "", 200, writer(bytes(200)))
-        os.utime(p, (i, i))  # file 0 is the least recently used
+        os.utime(entry_of(p), (i, i))  # file 0 is the least recently used
         paths.append(p)
-    c.write_record(c.record_path(process_tag(), 0), [os.path.basename(paths[0])])
-    os.utime(paths[1])  # file 1 becomes most recently used
+    c.write_record(c.record_path(process_tag(), 0), [os.path.basename(entry_of(paths[0]))])
+    os.utime(entry_of(paths[1]))  # file 1 becomes most recently used
     c.fill(cache_key("v", "new", 200, 0), "", 200, writer(bytes(200)))
     assert os.path.exists(paths[0])  # protected: kept despite being oldest
     assert not os.path.exists(paths[2])  # oldest unprotected goes first
@@ -227,11 +235,11 @@ def test_budget_evicts_least_recently_used_but_not_protected(tmp_path):
 def test_protection_of_a_dead_owner_is_released_at_once(tmp_path):
     c = FileCache(str(tmp_path / "c"), limit=400)
     p, _ = c.fill(cache_key("v", "x", 200, 0), "", 200, writer(bytes(200)))
-    os.utime(p, (1, 1))
+    os.utime(entry_of(p), (1, 1))
     dead = os.path.join(c.root, "prot", f"999999999-1@{process_tag()}.0.rec")
     with open(dead, "w") as f:
-        f.write(os.path.basename(p))
-    assert os.path.basename(p) not in c.protected_names(reap=True) and not os.path.exists(dead)
+        f.write(os.path.basename(entry_of(p)))
+    assert os.path.basename(entry_of(p)) not in c.protected_names(reap=True) and not os.path.exists(dead)
     for i in range(2):  # the budget now evicts the formerly protected entry
         c.fill(cache_key("v", f"n{i}", 200, 0), "", 200, writer(bytes(200)))
     assert not os.path.exists(p)
@@ -241,7 +249,7 @@ def test_stable_path_is_the_entry_itself(tmp_path):
     c = FileCache(str(tmp_path / "c"))
     key = cache_key("v", "x", 3, 0)
     p, _ = c.fill(key, ".bin", 3, writer(b"abc"))
-    assert p == c.data_path(key, ".bin") and c.fill(key, ".bin", 3, writer(b"zzz"))[0] == p
+    assert p == c.data_path(key, ".bin", 3) and c.fill(key, ".bin", 3, writer(b"zzz"))[0] == p
     assert FileCache(str(tmp_path / "c")).lookup(key, ".bin", 3) == p  # same path in any process
 
 
@@ -268,7 +276,7 @@ def test_fill_waits_for_room_then_proceeds_when_a_consumer_frees_it(tmp_path):
     c = FileCache(str(tmp_path / "c"), limit=500)
     p, _ = c.fill(cache_key("v", "held", 400, 0), "", 400, writer(bytes(400)))
     rec = c.record_path(process_tag(), 0)
-    c.write_record(rec, [os.path.basename(p)])
+    c.write_record(rec, [os.path.basename(entry_of(p))])
     done = threading.Event()
     waits = []
     t = threading.Thread(target=lambda: (c.fill(cache_key("v", "next", 300, 0), "", 300, writer(bytes(300)),
@@ -285,7 +293,7 @@ def test_fill_waits_for_room_then_proceeds_when_a_consumer_frees_it(tmp_path):
 def test_head_of_line_fill_may_exceed_the_budget(tmp_path):
     c = FileCache(str(tmp_path / "c"), limit=500)
     p, _ = c.fill(cache_key("v", "held", 400, 0), "", 400, writer(bytes(400)))
-    c.write_record(c.record_path(process_tag(), 0), [os.path.basename(p)])
+    c.write_record(c.record_path(process_tag(), 0), [os.path.basename(entry_of(p))])
     q, fetched = c.fill(cache_key("v", "next", 300, 0), "", 300, writer(bytes(300)), may_exceed=lambda: True)
     assert fetched and os.path.exists(p) and os.path.exists(q)
 
@@ -323,7 +331,7 @@ def test_dead_process_records_and_temp_files_are_reaped(tmp_path):
     live.write_text("y")
     stale = tmp_path / "c" / "tmp" / "k.999999999-1.0.1.part"
     stale.write_bytes(b"1")
-    assert c.reap() == {"records": 1, "tmp": 1}
+    assert c.reap() == {"records": 1, "tmp": 1, "old": 0}
     assert not dead.exists() and not stale.exists()
     assert live.exists()  # its owner (this process) may still hold the batch a dead worker made
 
@@ -378,20 +386,20 @@ def test_key_lock_excludes_other_processes_and_a_killed_holder_releases_it(tmp_p
 def test_unbudgeted_fill_leaves_no_temp_file_and_replaces_an_untrusted_entry(tmp_path):
     c = FileCache(str(tmp_path / "c"))
     key = cache_key("v", "f", 5, 0)
-    stale = c.data_path(key, ".bin")
+    stale = c.data_path(key, ".bin", 5)
     os.makedirs(os.path.dirname(stale))
     with open(stale, "wb") as f:
         f.write(b"torn")  # a wrong size is never trusted
-    seen: list[int] = []
+    seen: list[str] = []
 
     def write(tmp: str) -> int:
-        assert not os.path.exists(os.path.join(tmp_path, "c", "data", key[:2], key + ".bin.part"))
-        seen.append(len(os.listdir(tmp_path / "c" / "tmp")))
+        assert not tmp.startswith(os.path.join(c.root, "files"))  # built aside, renamed in whole
+        seen.append(tmp)
         return writer(b"hello")(tmp)
 
     path, fetched = c.fill(key, ".bin", 5, write)
     assert fetched and path == stale and open(path, "rb").read() == b"hello"
-    assert seen == [0] and os.listdir(tmp_path / "c" / "tmp") == []
+    assert len(seen) == 1 and os.listdir(tmp_path / "c" / "tmp") == []
     assert os.listdir(os.path.dirname(stale)) == [key + ".bin"]
 
 

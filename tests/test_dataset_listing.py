@@ -11,6 +11,7 @@ from torch.utils.data import DataLoader as TorchLoader
 from test_listing import CountingVolume, SyntheticVolume, age
 from ucmagic import ResumeOrderError, UCVolumeDataset
 from ucmagic import plan
+from ucmagic.cache import entry_name
 from ucmagic.dataset import StreamItems
 from ucmagic.listing import open_listing
 from ucmagic.testing import make_files
@@ -123,7 +124,8 @@ def test_stream_items_match_the_epoch_order_in_any_access_order(listing, world, 
     assert [items.entry(p) for p in visit[:50]] == listing.entries([want[p] for p in visit[:50]])
     lo = data.draw(st.integers(0, len(want)))
     hi = data.draw(st.integers(lo, len(want)))
-    assert items.names(lo, hi) == [e.path + ".x" for e in listing.entries(np.array(want[lo:hi], dtype=np.int64))]
+    assert items.names(lo, hi) == [entry_name(e.path, e.size)
+                                   for e in listing.entries(np.array(want[lo:hi], dtype=np.int64))]
     assert [i for c in items.indices_chunks() for i in c.tolist()] == want
 
 
@@ -134,10 +136,12 @@ def test_a_stream_keeps_a_bounded_number_of_decoded_chunks(listing):
 
     class Counting:  # the listing, counting the chunks a stream decodes
         sizes = listing.sizes
+        mtimes = listing.mtimes
+        all_plain = listing.all_plain
 
-        def entries(self, idx):
+        def paths(self, idx):
             decoded.append(len(idx))
-            return listing.entries(idx)
+            return listing.paths(idx)
 
     n = len(listing)
     items = StreamItems(Counting(), [(0, n)], lambda pos: pos, lambda idx: [(str(i), "") for i in idx], chunk=16)

@@ -164,7 +164,7 @@ def test_world_writable_cache_directory_is_made_private(tmp_path):
     os.chmod(d, 0o777)
     fc = FileCache(str(d))
     assert os.stat(fc.root).st_mode & 0o777 == 0o700
-    for sub in ("data", "tmp", "locks", "prot"):
+    for sub in ("files", "tmp", "locks", "prot"):
         assert os.stat(os.path.join(fc.root, sub)).st_mode & 0o077 == 0
 
 
@@ -174,7 +174,7 @@ def test_a_planted_entry_not_owned_by_the_user_is_not_served(tmp_path):
     sums = write_tree(str(vol), ["a.bin"])
     ds = UCVolumeDataset(str(vol), cache_dir=str(tmp_path / "c"))
     e = ds.listing.entry(0)
-    planted = ds.cache.data_path(*ds._key(e))
+    planted = ds.cache.data_path(*ds._key(e), e.size, e.path)
     os.makedirs(os.path.dirname(planted), exist_ok=True)
     with open(planted, "wb") as f:
         f.write(b"E" * e.size)  # right size, wrong bytes, someone else's file

@@ -42,7 +42,8 @@ def test_paths_collected_across_batches_open_after_break_and_after_the_loader_is
     del loader
     gc.collect()
     assert sorted(rel_of(p) for p in again) == sorted(rels)  # after the loader and its workers are gone
-    assert all(os.path.dirname(os.path.dirname(p)) == os.path.join(ds.cache.root, "data") for p in again)
+    entries = os.path.join(ds.cache.root, "files") + os.sep  # files/<version id>/<the source's relative path>
+    assert all(p.startswith(entries) and p.endswith(os.sep + rel_of(p)) for p in again)
 
 
 def test_paths_of_a_torch_loader_stay_after_the_epoch(vol, tmp_path):

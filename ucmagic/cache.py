@@ -40,14 +40,18 @@ except ImportError:  # pragma: no cover - not POSIX
     fcntl = None  # type: ignore[assignment]
 
 
-from .errors import CacheFullError, UnsafeCacheError
+from .errors import CacheDirError, CacheFullError, UnsafeCacheError
+
 from .fetch import watch_progress
 from .units import format_size, parse_size
 
 DEFAULT_MIN_FREE = 0.10
 TMP_STALE_S = 6 * 3600.0  # a temp file whose writer cannot be identified is dropped after this long
 TOUCH_EVERY_S = 300.0  # LRU resolution: a hit refreshes an entry's last-use time at most this often
-SUBDIRS = ("data", "tmp", "locks", "prot")
+STALL_S = 120.0  # a fill no loop waits on gives up after this long without any room freed
+
+SUBDIRS = ("files", "tmp", "locks", "prot")
+OLD_DATA = "data"  # the layout before entries kept source names (data/<xx>/<key><ext>): reaped, never served
 _SUFFIX_RE = re.compile(r"\.[A-Za-z0-9_\-]{1,16}$")
 
 
@@ -172,6 +176,102 @@ def cache_keys(volume_uri: str, files: Sequence[tuple[str, int, float]]) -> list
     return list(zip(keys, safe_suffixes([f[0] for f in files])))
 
 
+# ---------------------------------------------------------------- entry names and paths
+
+ESCAPE = "%~"  # an escaped path component starts with this (and so does a kept one's escape)
+NAME_MAX = 255  # bytes of one component on Linux file systems
+REL_MAX = 3072  # bytes of a mapped relative path beyond which it becomes one hashed component
+_CTRL = "".join(map(chr, [*range(32), 127]))
+_BAD_CHAR = r"[\x00-\x1f\x7f\ud800-\udc7f\udd00-\udfff]"  # control characters, surrogates no name can hold
+_UNPLAIN = re.compile(_BAD_CHAR + r"|(?:^|/)(?:\.{0,2}(?:/|$)|%~)")  # a component to map
+_HAS_BAD = re.compile(_BAD_CHAR).search
+_QUOTE = {ord(c): f"%{ord(c):02X}" for c in _CTRL + "%#"}
+_UNQUOTE = re.compile(r"%([0-9A-F]{2})")
+
+
+def entry_name(key: str, size: int) -> str:
+    """The version id of an entry: its directory under ``files/`` (``<key>-<size>``).
+
+    The size in the name lets a scan count an entry's bytes from one directory read."""
+    return f"{key}-{size}"
+
+
+def parse_entry_name(name: str) -> tuple[str, int] | None:
+    """``(key, size)`` of an entry directory's name, else None."""
+    key, _, size = name.rpartition("-")
+    return (key, int(size)) if key and size.isascii() and size.isdigit() else None
+
+
+def _nbytes(s: str) -> int:
+    return len(s) if len(s) * 4 <= NAME_MAX else len(s.encode("utf-8", "surrogateescape"))
+
+
+def _hashed(part: str) -> str:
+    """A long or unencodable component: a hash, keeping a plain extension (decoders sniff it)."""
+    raw = part.encode("utf-8", "surrogatepass")
+    return f"{ESCAPE}#{hashlib.blake2b(raw, digest_size=16).hexdigest()}{safe_suffix(part)}"
+
+
+def _map_part(part: str) -> str:
+    try:
+        if part not in ("", ".", "..") and not part.startswith(ESCAPE) and _HAS_BAD(part) is None \
+                and _nbytes(part) <= NAME_MAX:
+            return part
+        out = ESCAPE + part.translate(_QUOTE)
+        return out if _nbytes(out) <= NAME_MAX else _hashed(part)
+    except UnicodeEncodeError:  # a lone surrogate that no file name can hold
+        return _hashed(part)
+
+
+def map_relpath(rel: str) -> str:
+    """The relative path of a source file inside its entry directory: ``rel`` itself when every
+    component is a plain Linux file name, so the entry keeps the source's folders, name and extension.
+
+    A component that is empty, ``.``, ``..``, holds a control character, or starts with ``%~`` becomes
+    ``%~`` + the component with ``%``, ``#`` and control characters percent-encoded; one still over 255
+    bytes (or not encodable) becomes ``%~#<hash><.ext>``; a path over :data:`REL_MAX` bytes becomes one
+    such hashed component. The result never leaves the entry directory, and distinct paths map to
+    distinct results (:func:`unmap_relpath` inverts all but the hashed ones). Each entry holds one
+    file, so components of different files never collide (a name that is a file for one and a
+    folder for another is fine).
+    """
+    if _UNPLAIN.search(rel) is None and _nbytes(rel) <= NAME_MAX:
+        return rel  # the common case: one regex search
+    try:
+        out = "/".join(map(_map_part, rel.split("/")))
+        if len(out.encode("utf-8", "surrogateescape")) <= REL_MAX:
+            return out
+    except UnicodeEncodeError:
+        pass
+    return _hashed(rel)
+
+
+def unmap_relpath(mapped: str) -> str | None:
+    """The source-relative path :func:`map_relpath` mapped to ``mapped``; None where it hashed a part."""
+    parts = []
+    for part in mapped.split("/"):
+        if part.startswith(ESCAPE + "#"):
+            return None
+        if part.startswith(ESCAPE):
+            part = _UNQUOTE.sub(lambda m: chr(int(m.group(1), 16)), part[len(ESCAPE):])
+        parts.append(part)
+    return "/".join(parts)
+
+
+def entry_file(key: str, suffix: str, size: int, rel: str | None = None) -> str:
+    """Where an entry's file sits under ``files/``: ``<key>-<size>/<map_relpath(rel)>``, or, for an
+    opaque key (no ``rel``), ``<key>-<size>/<key><suffix>``."""
+    return f"{key}-{size}/{key + suffix if rel is None else map_relpath(rel)}"
+
+
+def entry_files(keys: Sequence[str], sizes: Sequence[int], rels: Sequence[str], *, plain: bool = False) -> list[str]:
+    """:func:`entry_file` of many source files (the warm path's names, a chunk at a time).
+    ``plain``: every path is known to map to itself (a node listing records it), so none is checked."""
+    if plain:
+        return [f"{k}-{s}/{r}" for k, s, r in zip(keys, sizes, rels)]
+    return [f"{k}-{s}/{map_relpath(r)}" for k, s, r in zip(keys, sizes, rels)]
+
+
 def choose_victims(entries: Iterable[tuple[str, int, float]], bytes_to_free: int) -> list[str]:
     """LRU choice: the oldest (by last use) entries whose sizes add up to ``bytes_to_free``.
 
@@ -255,10 +355,19 @@ def parse_record_name(name: str) -> tuple[str, str] | None:
     return owner, rest.rsplit(".", 1)[0]
 
 
-def parse_tmp_name(name: str) -> tuple[str, int] | None:
-    """``(writer_tag, final size)`` of a fill's temp file name, else None."""
+def parse_limit_name(name: str) -> tuple[str, int] | None:
+    """``(process tag, cache_limit bytes)`` of a budget record's name in ``locks/``, else None."""
     parts = name.split(".")
-    if len(parts) != 5 or parts[-1] != "part" or not parts[3].isdigit():
+    if len(parts) != 3 or parts[0] != "limit" or not parts[2].isdigit():
+        return None
+    return parts[1], int(parts[2])
+
+
+def parse_tmp_name(name: str) -> tuple[str, int] | None:
+
+    """``(writer_tag, final size)`` of a fill's temp file (``.part``) or staged entry (``.dir``) name, else None."""
+    parts = name.split(".")
+    if len(parts) != 5 or parts[-1] not in ("part", "dir") or not parts[3].isdigit():
         return None
     return parts[1], int(parts[3])
 
@@ -340,7 +449,7 @@ class FileCache:
         self.min_free = float(min_free)
         self._ensure_layout()
         self._mu = threading.Lock()
-        self._data = os.path.join(self.root, "data")
+        self._files = os.path.join(self.root, "files")
         self._tmp = os.path.join(self.root, "tmp")
         self._locks = os.path.join(self.root, "locks")
         self._prot = os.path.join(self.root, "prot")
@@ -352,12 +461,14 @@ class FileCache:
         self._free_at = 0.0
         self._free_est = 0
         self._floor = 0
-        self._buckets: set[str] = set()  # data/<xx> directories known to exist
         self._record_fds: dict[str, int] = {}  # protection records and the removal token, kept open
         self._fds_pid = os.getpid()
         self._removals = os.path.join(self._locks, "removals")
+        self._budget, self._limits_at = self.limit, -1.0
+        self._record_limit()
 
     # pickles as its settings; each process rebuilds its own state
+
     def __getstate__(self):
         return {"root": self.root, "limit": self.limit, "min_free": self.min_free}
 
@@ -367,45 +478,78 @@ class FileCache:
     # ------------------------------------------------------------ layout and safety
 
     def _ensure_layout(self) -> None:
-        os.makedirs(self.root, mode=0o700, exist_ok=True)
-        st = os.stat(self.root)
+        try:
+            os.makedirs(self.root, mode=0o700, exist_ok=True)
+            st = os.stat(self.root)
+        except OSError as exc:
+            raise self._unusable(exc) from exc
         if hasattr(os, "getuid") and st.st_uid != os.getuid():
+
             raise UnsafeCacheError(
                 f"cache directory {self.root} belongs to another user (uid {st.st_uid}); "
                 "use a directory of your own with cache_dir= or $UCMAGIC_CACHE_DIR"
             )
-        if st.st_mode & 0o077:
-            os.chmod(self.root, 0o700)
-        for sub in SUBDIRS:
-            os.makedirs(os.path.join(self.root, sub), mode=0o700, exist_ok=True)
+        try:
+            if st.st_mode & 0o077:
+                os.chmod(self.root, 0o700)
+            for sub in SUBDIRS:
+                os.makedirs(os.path.join(self.root, sub), mode=0o700, exist_ok=True)
+            if not os.access(self.root, os.W_OK | os.X_OK):  # e.g. a read-only mount (EROFS)
+                raise PermissionError(errno.EACCES, "not writable")
+        except OSError as exc:
+            raise self._unusable(exc) from exc
 
-    def data_path(self, key: str, suffix: str = "") -> str:
-        return os.path.join(self._data, key[:2], key + suffix)
+    def _unusable(self, exc: OSError) -> CacheDirError:
+        reason = "it is a file, not a directory" if os.path.isfile(self.root) else (exc.strerror or str(exc))
+        return CacheDirError(f"cannot use {self.root} as the cache directory: {reason}. Set cache_dir= (or "
+                             "$UCMAGIC_CACHE_DIR) to a writable local directory")
+
+
+    def data_path(self, key: str, suffix: str, size: int, rel: str | None = None) -> str:
+        """Where the entry of ``key`` (``size`` bytes) is or will be: ``files/`` + :func:`entry_file`."""
+        return self._files + os.sep + entry_file(key, suffix, size, rel)
+
+    def entry_dir(self, path: str) -> str | None:
+        """The entry directory (``files/<key>-<size>``) that ``path`` lies in, else None."""
+        head = self._files + os.sep
+        path = os.path.abspath(path)
+        if not path.startswith(head):
+            return None
+        name = path[len(head):].split(os.sep, 1)[0]
+        return head + name if parse_entry_name(name) else None
 
     # ------------------------------------------------------------ lookups and fills
 
-    def lookup(self, key: str, suffix: str, size: int) -> str | None:
+    def lookup(self, key: str, suffix: str, size: int, *, rel: str | None = None) -> str | None:
         """Path of a complete, trusted entry of ``size`` bytes, marked as used; else None.
 
+        ``rel``: the source file's relative path, which the entry's path ends with (see
+        :func:`map_relpath`); without it (an opaque key) the file is named ``<key><suffix>``.
         No lock and one ``stat`` on a hit (plus a ``utime`` at most every ``TOUCH_EVERY_S``).
         """
-        path = os.path.join(self._data, key[:2], key + suffix)
+        path = self.data_path(key, suffix, size, rel)
         try:
             st = os.stat(path)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return None
         if st.st_size != size or (hasattr(os, "getuid") and st.st_uid != os.getuid()):
             return None
-        if time.time() - st.st_mtime > TOUCH_EVERY_S:
-            try:
-                os.utime(path)  # last-use time drives LRU
-            except OSError:
-                return None
+        if time.time() - st.st_mtime > TOUCH_EVERY_S and not self._touch(path):
+            return None
         return path
+
+    def _touch(self, path: str) -> bool:
+        """Mark the entry of file ``path`` as used now (its file and, for scans, its directory)."""
+        try:
+            os.utime(path)
+            os.utime(path[:path.index(os.sep, len(self._files) + 1)])  # last-use time drives LRU
+        except (OSError, ValueError):
+            return False
+        return True
 
     def lookup_run(self, names: Sequence[str], sizes: Sequence[int], indices: np.ndarray | None = None,
                    seen: SeenEntries | None = None) -> list[str]:
-        """Paths of the leading entries (``key + suffix`` names with their sizes) that :meth:`lookup`
+        """Paths of the leading entries (:func:`entry_file` names with their sizes) that :meth:`lookup`
         would return, stopping at the first one it would not: the warm path's lookup of a run of items,
         one ``stat`` each and no per-item call.
 
@@ -413,36 +557,32 @@ class FileCache:
         the cache last removed anything, within the touch window, is served with no system call
         (entries never change in place); the others are looked up and then remembered there.
         """
-        data = self._data + os.sep
-        sep = os.sep
+        files = self._files + os.sep
         now = time.time()
         known: list[bool] | None = None
         if seen is not None and indices is not None and len(indices):
             seen.sync(self.removals(), now)  # after the caller protected the run: a removal since shows
             known_a = seen.known(indices)
             if known_a.all():
-                return [data + name[:2] + sep + name for name in names]
+                return [files + name for name in names]
             known = known_a.tolist()
         uid = os.getuid() if hasattr(os, "getuid") else None
         stale_before = now - TOUCH_EVERY_S
         stat = os.stat
         out: list[str] = []
         for i, (name, size) in enumerate(zip(names, sizes)):
-            path = data + name[:2] + sep + name
+            path = files + name
             if known is not None and known[i]:
                 out.append(path)
                 continue
             try:
                 st = stat(path)
-            except FileNotFoundError:
+            except (FileNotFoundError, NotADirectoryError):
                 break
             if st.st_size != size or (uid is not None and st.st_uid != uid):
                 break
-            if st.st_mtime < stale_before:
-                try:
-                    os.utime(path)  # last-use time drives LRU
-                except OSError:
-                    break
+            if st.st_mtime < stale_before and not self._touch(path):
+                break
             out.append(path)
         if seen is not None and indices is not None and out:
             seen.add(indices[:len(out)])
@@ -472,7 +612,7 @@ class FileCache:
 
     def fill(self, key: str, suffix: str, size: int, write: Callable[[str], int], *,
              may_exceed: Callable[[], bool] | None = None, on_wait: Callable[[], None] | None = None,
-             looked_up: bool = False) -> tuple[str, bool]:
+             looked_up: bool = False, rel: str | None = None) -> tuple[str, bool]:
         """Return the entry for ``key``, calling ``write(tmp_path) -> nbytes`` once if it is missing.
 
         Returns ``(path, fetched)``. Concurrent callers (threads or processes) for one key wait for
@@ -481,69 +621,109 @@ class FileCache:
         consumers free some, unless ``may_exceed()`` says a consumer is blocked on this very file.
         ``looked_up``: the caller just found no entry, or expects none (a run of misses): the lookup
         before the lock is skipped (the one under the lock still runs, so a hit is still found).
+        ``rel``: the source's relative path, kept at the end of the entry's path (see :meth:`lookup`).
+        The entry is built under ``tmp/`` and renamed into ``files/`` whole, so a reader never sees
+        a partial file or directory.
         """
         if not looked_up:
-            path = self.lookup(key, suffix, size)
+            path = self.lookup(key, suffix, size, rel=rel)
             if path:
                 return path, False
         # With a budget, room is held by a temp file under tmp/ whose name carries the size (every
         # process's count sees it), taken without the key's lock: a fill waiting for room must not
         # block another one. Without a budget only the free-disk floor is checked.
         tmp = None
-        if self.limit is not None:
-            tmp = os.path.join(self._tmp, f"{key}.{process_tag()}.{next(_tmp_counter)}.{size}.part")
+        if self.budget() is not None:  # this process's cache_limit, or a smaller one of another live process
+            tmp = os.path.join(self._tmp,
+ f"{key}.{process_tag()}.{next(_tmp_counter)}.{size}.part")
         self.reserve(size, tmp or "", may_exceed=may_exceed, on_wait=on_wait)
+        staged = None
         try:
             with self._keys.hold(key):
-                path = self.lookup(key, suffix, size)
+                path = self.lookup(key, suffix, size, rel=rel)
                 if path:
                     if tmp is not None:
                         with contextlib.suppress(FileNotFoundError):
                             os.unlink(tmp)
                     return path, False
-                final = self.data_path(key, suffix)
-                bucket = os.path.dirname(final)
-                if bucket not in self._buckets:
-                    os.makedirs(bucket, mode=0o700, exist_ok=True)
-                    self._buckets.add(bucket)
-                anon = _open_unnamed(bucket) if tmp is None else -1
-                if anon >= 0:
-                    # an unnamed file in the entry's own directory, linked in once complete: a
-                    # killed process leaves nothing behind, and no rename across directories
-                    watch_progress(lambda: _written(os.fstat(anon)))
-                    try:
-                        _check_size(write(f"/proc/self/fd/{anon}"), size)
-                        _link_unnamed(anon, final)
-                    finally:
-                        watch_progress(None)
-                        os.close(anon)
-                else:
-                    if tmp is None:
-                        tmp = os.path.join(self._tmp, f"{key}.{process_tag()}.{next(_tmp_counter)}.{size}.part")
-                    part = tmp
-                    watch_progress(lambda: _written(os.stat(part)))
-                    try:
-                        _check_size(write(tmp), size)
-                    finally:
-                        watch_progress(None)
-                    os.replace(tmp, final)
+                inner = entry_file(key, suffix, size, rel)
+                name, _, inner = inner.partition("/")
+                # the entry directory is staged under tmp/ (its name carries the size and the writer,
+                # so counts include it and a dead writer's is reaped) and renamed into files/ whole
+                stage = os.path.join(self._tmp, f"{key}.{process_tag()}.{next(_tmp_counter)}.{size}.dir")
+                if tmp is None:
+                    staged = self._stage(stage, inner)
+                part = tmp or os.path.join(stage, inner)
+                watch_progress(lambda: _written(os.stat(part)))
+                try:
+                    _check_size(write(part), size)
+                finally:
+                    watch_progress(None)
+                if tmp is not None:  # the budget's room: moved into the entry once complete
+                    staged = self._stage(stage, inner)
+                    os.rename(tmp, os.path.join(stage, inner))
+                    tmp = None
+                final = os.path.join(self._files, name)
+                self._install(stage, final)
+                staged = None
         except BaseException:
             if tmp is not None:
                 with contextlib.suppress(OSError):
                     os.unlink(tmp)
+            if staged is not None:
+                shutil.rmtree(staged, ignore_errors=True)
             raise
-        return final, True
+        return final + os.sep + inner, True
+
+    def _stage(self, stage: str, inner: str) -> str:
+        """Make the staged entry directory ``stage`` and the folders of ``inner`` in it; return it."""
+        try:
+            os.mkdir(stage, 0o700)
+        except FileNotFoundError:  # tmp/ removed under us (a cleared cache directory)
+            os.makedirs(self._tmp, mode=0o700, exist_ok=True)
+            os.mkdir(stage, 0o700)
+        at = stage
+        for part in inner.split("/")[:-1]:
+            at = os.path.join(at, part)
+            os.mkdir(at, 0o700)
+        return stage
+
+    def _install(self, stage: str, final: str) -> None:
+        """Rename the complete staged entry ``stage`` to ``final`` (replacing one lookup did not trust)."""
+        try:
+            os.rename(stage, final)
+            return
+        except FileNotFoundError:
+            if not os.path.isdir(stage):
+                raise
+            os.makedirs(self._files, mode=0o700, exist_ok=True)  # files/ removed under us
+        except OSError as e:
+            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR):
+                raise
+            # an entry of this version that lookup did not trust (wrong size or owner, another name)
+            self._removing()
+            self._drop_entry(final)
+            self._removing()
+        os.rename(stage, final)
+
+    def _drop_entry(self, entry: str) -> bool:
+        """Remove the entry directory ``entry`` whole: renamed out of ``files/`` at once, then deleted."""
+        gone = os.path.join(self._tmp, f"{os.path.basename(entry)}.{process_tag()}.{next(_tmp_counter)}.0.dir")
+        try:
+            os.rename(entry, gone)
+        except FileNotFoundError:
+            return False
+        _remove_tree(gone)
+        return True
 
     def remove(self, paths: Iterable[str]) -> int:
-        """Delete entries. Returns the number removed."""
+        """Delete entries, each whole (``paths``: an entry's file or directory). Returns the number removed."""
         n = 0
         self._removing()
         for p in paths:
-            try:
-                os.unlink(p)
+            entry = self.entry_dir(p)
+            if entry is not None and self._drop_entry(entry):
                 n += 1
-            except FileNotFoundError:
-                pass
         self._removing()
         self._synced_at = 0.0  # the ledger is stale now
         return n
@@ -652,25 +832,29 @@ class FileCache:
         t0 = time.monotonic()
         free: list[tuple[str, int, float]] = []
         u = CacheUsage()
-        with os.scandir(self._data) as buckets:
-            for bucket in buckets:
-                if not bucket.is_dir(follow_symlinks=False):
-                    u.other_bytes += _size(bucket)
-                    continue
-                with os.scandir(bucket.path) as it:
-                    for de in it:
-                        try:
-                            st = de.stat(follow_symlinks=False)
-                        except FileNotFoundError:
-                            continue
-                        u.files += 1
-                        u.bytes += st.st_size
-                        if de.name in protected:
-                            u.protected_files += 1
-                            u.protected_bytes += st.st_size
-                        else:
-                            free.append((de.path, st.st_size, st.st_mtime))
-        for de in _scandir(self._tmp):
+        # an entry is a directory files/<key>-<size> (complete: renamed in whole); its size is in its
+        # name and its mtime is its last use, so one directory read and a stat per entry count it
+        for de in _scandir(self._files, dirs=True):
+            parsed = parse_entry_name(de.name)
+            if parsed is None or not de.is_dir(follow_symlinks=False):
+                u.other_bytes += _size(de)
+                continue
+            try:
+                mtime = de.stat(follow_symlinks=False).st_mtime
+            except FileNotFoundError:
+                continue
+            size = parsed[1]
+            u.files += 1
+            u.bytes += size
+            if de.name in protected:
+                u.protected_files += 1
+                u.protected_bytes += size
+            else:
+                free.append((de.path, size, mtime))
+        for bucket in _scandir(os.path.join(self.root, OLD_DATA), dirs=True):  # the old layout, until reaped
+            for de in _scandir(bucket.path) if bucket.is_dir(follow_symlinks=False) else [bucket]:
+                u.other_bytes += _size(de)
+        for de in _scandir(self._tmp, dirs=True):
             parsed = parse_tmp_name(de.name)
             u.tmp_files += 1
             u.tmp_bytes += max(_size(de), parsed[1] if parsed else 0)
@@ -687,14 +871,16 @@ class FileCache:
         return free, u
 
     def reap(self) -> dict[str, int]:
-        """Drop protection records of dead owners and temp files of dead writers. Returns counts."""
+        """Drop protection records of dead owners, temp files and staged entries of dead writers, and
+        entries of the old layout (``data/``) no live process protects. Returns counts."""
         before = len(_listdir(self._prot))
-        self.protected_names(reap=True)
+        protected = self.protected_names(reap=True)
         records = before - len(_listdir(self._prot))
+        old = self._reap_old_layout(protected)
         tmp = 0
         now = time.time()
         alive: dict[str, bool] = {}
-        for de in _scandir(self._tmp):
+        for de in _scandir(self._tmp, dirs=True):
             parsed = parse_tmp_name(de.name)
             try:
                 if parsed is not None:
@@ -705,11 +891,28 @@ class FileCache:
                 else:
                     dead = now - de.stat().st_mtime > TMP_STALE_S
                 if dead:
-                    os.unlink(de.path)
+                    _remove_tree(de.path)
                     tmp += 1
             except OSError:
                 pass
-        return {"records": records, "tmp": tmp}
+        return {"records": records, "tmp": tmp, "old": old}
+
+    def _reap_old_layout(self, protected: set[str]) -> int:
+        """Remove the old layout's entries (``data/<xx>/<key><ext>``, never served) that no live
+        process of an older ucmagic protects, and its directories once empty. Returns the count."""
+        old = os.path.join(self.root, OLD_DATA)
+        n = 0
+        for bucket in _scandir(old, dirs=True):
+            for de in _scandir(bucket.path) if bucket.is_dir(follow_symlinks=False) else [bucket]:
+                if de.name not in protected:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(de.path)
+                        n += 1
+            with contextlib.suppress(OSError):
+                os.rmdir(bucket.path)
+        with contextlib.suppress(OSError):
+            os.rmdir(old)
+        return n
 
     # ------------------------------------------------------------ budget and eviction
 
@@ -739,11 +942,8 @@ class FileCache:
             sizes = {p: s for p, s, _ in free}
             self._removing()
             for p in victims:
-                try:
-                    os.unlink(p)
+                if self._drop_entry(p):  # the whole entry directory
                     freed += sizes[p]
-                except FileNotFoundError:
-                    pass
             self._removing()
         self._write_ledger(total - freed)
         self._synced_at = time.monotonic()
@@ -768,42 +968,119 @@ class FileCache:
         """Hold room for ``size`` bytes at ``tmp`` (created empty; its name carries the size), within the
         budget and the free-disk floor. Waits for room while others consume; raises when a file can
         never fit or the disk is full of protected files and this fill must not wait."""
-        if self.limit is not None:
-            if size > self.limit:
+        limit = self.budget()
+        if limit is not None and tmp:
+            if size > limit:
+
                 raise CacheFullError(
-                    f"a {format_size(size)} file does not fit in cache_limit={format_size(self.limit)}: "
+                    f"a {format_size(size)} file does not fit in {self._budget_name(limit)}: "
                     f"raise cache_limit above {format_size(size)} (plus what the loop holds at once)"
                 )
             self._reserve_budget(size, tmp, may_exceed, on_wait)
+
         # without a budget the temp file appears when the copy starts (one open less per fill)
         self._ensure_disk(size, may_exceed, on_wait)
 
     def _reserve_budget(self, size: int, tmp: str, may_exceed: Callable[[], bool] | None,
                         on_wait: Callable[[], None] | None) -> None:
-        limit = self.limit
-        if limit is None:
-            raise ValueError("_reserve_budget needs a cache_limit")
         delay = 0.005
         waited = 0.0
+        best, best_at = None, time.monotonic()  # the lowest count seen while waiting, and since when
         while True:
+            limit = self.budget()
+            if limit is None:  # the process that set the only budget is gone: no limit now
+                open(tmp, "wb").close()
+                return
+
+            # checked before the lock: a blocked consumer's fill may go over, after a moment for
+            # other streams to release
+            over = waited >= 0.05 and may_exceed is not None and may_exceed()
             with file_lock(self._evict_lock):
                 total = self._read_ledger()
-                stale = time.monotonic() - self._synced_at > max(1.0, 50 * self._scan_s)
-                if total is None or stale or total + size > limit:
-                    # the ledger is a hint: re-count (and evict) before deciding there is no room
-                    _, total = self._evict_locked(0, limit - size)
-                # a blocked consumer's fill may go over, after a moment for other streams to release
-                if total + size <= limit or (waited >= 0.05 and may_exceed is not None and may_exceed()):
+                since = time.monotonic() - self._synced_at
+                # the ledger is a hint: re-count (and evict) before deciding there is no room, but
+                # once per moment per process, not once per waiting thread (they would queue on the
+                # lock behind each other's scans, the head of the loop among them)
+                if total is None or since > max(1.0, 50 * self._scan_s) or (
+                        total + size > limit and since > max(0.02, 10 * self._scan_s)):
+                    # evict a little more than this file needs: the next fills find room without a scan
+                    _, total = self._evict_locked(0, limit - size - min(limit // 16, 256 << 20))
+
+                if total + size <= limit or over:
                     open(tmp, "wb").close()  # visible to every process's count from now on
                     self._write_ledger(total + size)
                     return
+            if best is None or total < best:
+                best, best_at = total, time.monotonic()
+            elif may_exceed is None and time.monotonic() - best_at > STALL_S:
+                # no loop of this process waits on this fill, and nothing was freed for a long time
+                raise CacheFullError(
+                    f"no room for a {format_size(size)} file in {self._budget_name(limit)} for {STALL_S:g} s: "
+                    f"{format_size(total)} is held by files running loops have not consumed yet. Raise "
+                    "cache_limit, or let those loops finish first")
             if on_wait is not None:
-                on_wait()
+                on_wait()  # may raise: the loop that wanted this file is gone
             time.sleep(delay)
             waited += delay
             delay = min(0.05, max(delay * 1.5, 5 * self._scan_s))
 
+
+    def disk_full(self, size: int, free: int | None = None, floor: int | None = None) -> CacheFullError:
+        """The error of a fill of ``size`` bytes that the cache disk has no room for (``free`` and
+        ``floor``: as measured, else measured now), naming the free space, the budget and the fixes."""
+        if free is None or floor is None:
+            try:
+                du = shutil.disk_usage(self.root)
+                free, floor = du.free, int(du.total * self.min_free)
+            except OSError:
+                free, floor = 0, 0
+        limit = self.budget()
+        room = format_size(max(0, free - floor))
+        budget = (f"{self._budget_name(limit)} is more than the disk can hold: lower cache_limit below {room}, "
+                  if limit is not None else f"set cache_limit= to what the disk can hold (under {room} more), ")
+
+        return CacheFullError(
+            f"cache disk of {self.root} is full: a {format_size(size)} file does not fit in {format_size(free)} free "
+            f"({format_size(floor)} must stay free, min_free={self.min_free:g}); the rest is in use by files not yet "
+            f"consumed. {budget[0].upper() + budget[1:]}free disk space, or set cache_dir= (or $UCMAGIC_CACHE_DIR) "
+            "to a larger disk")
+
+    def budget(self) -> int | None:
+        """The byte budget fills honour: the smallest ``cache_limit`` of any live process using this
+        directory (this one's included; each records its own in ``locks/``), None when none set one.
+        Re-read at most once a second; records of exited processes are removed on the way."""
+        now = time.monotonic()
+        if now - self._limits_at < 1.0:
+            return self._budget
+        best = self.limit
+        for name in _listdir(self._locks):
+            parsed = parse_limit_name(name)
+            if parsed is None or (best is not None and parsed[1] >= best) or parsed[0] == process_tag():
+                continue
+            if tag_alive(parsed[0]):
+                best = parsed[1]
+            else:
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(self._locks, name))
+        self._budget, self._limits_at = best, now
+        return best
+
+    def _budget_name(self, limit: int) -> str:
+        own = self.limit is not None and limit >= self.limit
+        return (f"cache_limit={format_size(limit)}" if own else
+                f"cache_limit={format_size(limit)} (set by another process using {self.root})")
+
+    def _record_limit(self) -> None:
+        """Let every process using this directory honour this process's ``cache_limit`` while it lives."""
+        if self.limit is None:
+            return
+        path = os.path.join(self._locks, f"limit.{process_tag()}.{self.limit}")
+        if not os.path.exists(path):
+            with contextlib.suppress(OSError):
+                os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600))
+
     def _ensure_disk(self, size: int, may_exceed: Callable[[], bool] | None,
+
                      on_wait: Callable[[], None] | None) -> None:
         """Keep the free-disk floor. ``statvfs`` only when the estimate of free space runs low."""
         now = time.monotonic()
@@ -822,11 +1099,8 @@ class FileCache:
             if self.evict(floor - (du.free - size) + slack):
                 continue
             if may_exceed is None or may_exceed() or waited > 30.0:
-                raise CacheFullError(
-                    f"cache disk of {self.root} is full: {format_size(du.free)} free, {format_size(floor)} must stay "
-                    f"free and the rest is in use by files not yet consumed. Free disk space, set cache_dir= to a "
-                    f"larger disk, or lower min_free"
-                )
+                raise self.disk_full(size, du.free, floor)
+
             if on_wait is not None:
                 on_wait()
             time.sleep(0.02)
@@ -880,32 +1154,19 @@ def _check_size(n: int, size: int) -> None:
         raise OSError(errno.EIO, f"copied {n} bytes, the listing says {size}: the file changed while being read")
 
 
-_unnamed = {"ok": hasattr(os, "O_TMPFILE") and os.path.isdir("/proc/self/fd"), "root": -1}
-
-
-def _open_unnamed(folder: str) -> int:
-    """A new unnamed file (``O_TMPFILE``) in ``folder``, or -1 where the file system has none."""
-    if not _unnamed["ok"]:
-        return -1
+def _remove_tree(path: str) -> None:
+    """Delete ``path``, a directory tree or a file (what is already gone is fine)."""
     try:
-        return os.open(folder, os.O_TMPFILE | os.O_WRONLY, 0o600)
-    except OSError as e:
-        if e.errno in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL, errno.ENOENT):
-            _unnamed["ok"] = False  # e.g. a network file system: temp file + rename instead
-            return -1
-        raise
-
-
-def _link_unnamed(fd: int, final: str) -> None:
-    """Give the unnamed file ``fd`` the name ``final`` (replacing a stale entry there)."""
-    if _unnamed["root"] < 0:
-        _unnamed["root"] = os.open("/", os.O_RDONLY)  # a directory fd makes os.link call linkat(FOLLOW)
-    src = f"/proc/self/fd/{fd}"
-    try:
-        os.link(src, final, src_dir_fd=_unnamed["root"], follow_symlinks=True)
-    except FileExistsError:  # an entry not trusted by lookup (wrong size or owner): replace it
-        os.unlink(final)
-        os.link(src, final, src_dir_fd=_unnamed["root"], follow_symlinks=True)
+        shutil.rmtree(path)
+    except NotADirectoryError:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+    except OSError:
+        if os.path.islink(path) or os.path.isfile(path):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        else:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def _listdir(path: str) -> list[str]:
@@ -915,10 +1176,11 @@ def _listdir(path: str) -> list[str]:
         return []
 
 
-def _scandir(path: str) -> list[os.DirEntry]:
+def _scandir(path: str, *, dirs: bool = False) -> list[os.DirEntry]:
+    """The files directly in ``path`` (and its folders with ``dirs``); nothing if it is gone."""
     try:
         with os.scandir(path) as it:
-            return [de for de in it if de.is_file(follow_symlinks=False)]
+            return [de for de in it if de.is_file(follow_symlinks=False) or (dirs and de.is_dir(follow_symlinks=False))]
     except FileNotFoundError:
         return []
 

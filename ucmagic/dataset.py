@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+
 import shutil
 import sys
 import threading
@@ -18,14 +20,19 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from . import plan, telemetry
 from ._util import DEFAULT_RETRIES
-from .cache import FileCache, SeenEntries, cache_key, cache_keys, process_tag, release_at_exit, safe_suffix
+from .cache import (FileCache, SeenEntries, cache_key, cache_keys, entry_files, entry_name, process_tag,
+                    release_at_exit, safe_suffix)
 from .dist import dist_info, local_world_size
 from .epochs import EpochTracking, check_state_kind
-from .errors import FetchError, ListingChangedError, SourceChangedError
+from .errors import (BudgetTooSmallError, CacheFullError, FetchError, InvalidArgumentError, ListingChangedError,
+                     SourceChangedError)
+
 from .fetch import read_ahead, restart_timeout, shared_pool, with_retries
 from .listing import Listing, forget_listing, open_listing
 from .progress import Progress
 from .telemetry import SharedCounters, SharedInts, percentiles
+from .units import format_size
+
 from .volume import FileEntry, Volume, copy_error, open_volume
 
 STATE_VERSION = 2  # 2: the array-free epoch order (plan.ORDER_VERSION 2)
@@ -38,7 +45,17 @@ MAX_STREAMS = 64  # DataLoader workers whose consumption ucmagic.DataLoader repo
 _TRACKED = MAX_STREAMS  # index of the "ucmagic.DataLoader reports consumption" flag in the channel
 
 
+def check_seed(seed: Any) -> int:
+    """``seed`` as an int: an int, or an integral value (numpy integers); anything else is an error
+    naming ``seed`` (``"x"``, ``1.5``, ``True`` are rejected, never converted or truncated)."""
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        raise InvalidArgumentError(f"seed must be an integer, got {seed!r} ({type(seed).__name__}): "
+                                   "pass an int such as seed=0")
+    return int(seed)
+
+
 def _source_missing(exc: BaseException) -> bool:
+
     """True when a fetch failed because the source file is gone (deleted after the listing)."""
     return isinstance(exc, FetchError) and isinstance(exc.__cause__, FileNotFoundError)
 
@@ -152,8 +169,10 @@ class _Stream:
     """
 
     def __init__(self, cache: FileCache, owner: str, slot: int, items: "StreamItems", *, quantum: int,
-                 window: int, chunk: int, consumed: Callable[[], int | None]) -> None:
+                 window: int, chunk: int, consumed: Callable[[], int | None], budgeted: bool = False) -> None:
         self.cache = cache
+        self.budgeted = budgeted  # fills honour a cache_limit (this process's or another's)
+
         self.path = cache.record_path(owner, slot)
         self.items = items
         self.quantum = max(1, quantum)
@@ -196,8 +215,10 @@ class _Stream:
         done = max(0, self.yielded - self.window) if c is None else min(self.yielded, c)
         # exact with consumption reports under a budget; else release in steps (each write costs
         # syscalls; without a budget only the free-disk floor evicts, so holding a little longer is cheap)
-        exact = c is not None and self.cache.limit is not None
-        step = self.quantum if exact else max(self.quantum, 64, self.window // 4)
+        exact = c is not None and self.budgeted
+        # a window sized to fit a budget is released in steps of a quarter of it
+        step = self.quantum if exact else max(self.quantum, self.window // 4, 1 if self.budgeted else 64)
+
         if done - self.lo >= step or (exact and done > self.lo and done >= self.yielded):
             with self._mu:
                 if self._stop.is_set() and self.finished:
@@ -252,16 +273,21 @@ _active_streams: dict[str, _Stream] = {}
 
 
 class _Chunk:
-    """One decoded chunk of a stream: listing indices, cache keys, entry names and sizes; the
-    :class:`FileEntry` objects (paths) only once asked for (a warm run never needs them)."""
+    """One decoded chunk of a stream: listing indices, cache keys, relative paths, entry names (for
+    protection records), entry files (for lookups) and sizes; the :class:`FileEntry` objects only
+    once asked for (a warm run never needs them)."""
 
-    __slots__ = ("idx", "arr", "keys", "names", "sizes", "entries")
+    __slots__ = ("idx", "arr", "keys", "rels", "names", "files", "sizes", "entries")
 
-    def __init__(self, arr: np.ndarray, keys: list[tuple[str, str]], sizes: list[int]) -> None:
+    def __init__(self, arr: np.ndarray, keys: list[tuple[str, str]], sizes: list[int], rels: list[str],
+                 plain: bool = False) -> None:
         self.arr = arr
         self.idx: list[int] = arr.tolist()
         self.keys = keys
-        self.names = [k + x for k, x in keys]
+        self.rels = rels
+        just_keys = [k for k, _ in keys]
+        self.names = [entry_name(k, s) for k, s in zip(just_keys, sizes)]
+        self.files = entry_files(just_keys, sizes, rels, plain=plain)
         self.sizes = sizes
         self.entries: list[FileEntry] | None = None
 
@@ -312,7 +338,8 @@ class StreamItems:
                 return got
         a = c * self.chunk
         idx = self.order(plan.positions(plan.take(self.ranges, a, min(a + self.chunk, self._len))))
-        got = _Chunk(idx, self.keys(idx), self.listing.sizes[idx].tolist())
+        got = _Chunk(idx, self.keys(idx), self.listing.sizes[idx].tolist(), self.listing.paths(idx),
+                     self.listing.all_plain(idx))
         with self._mu:
             self._kept[c] = got
             while len(self._kept) > STREAM_CHUNKS_KEPT:
@@ -326,7 +353,8 @@ class StreamItems:
         got = self._at(pos // self.chunk)
         entries = got.entries
         if entries is None:  # decoded once per chunk (two threads at once: the same list twice)
-            entries = got.entries = self.listing.entries(got.arr)
+            entries = got.entries = [FileEntry(r, s, m) for r, s, m in
+                                     zip(got.rels, got.sizes, self.listing.mtimes[got.arr].tolist())]
         return entries[pos % self.chunk]
 
     def size(self, pos: int) -> int:
@@ -335,16 +363,20 @@ class StreamItems:
     def key_at(self, pos: int) -> tuple[str, str]:
         return self._at(pos // self.chunk).keys[pos % self.chunk]
 
+    def rel_at(self, pos: int) -> str:
+        """The relative path (in the volume) of position ``pos``."""
+        return self._at(pos // self.chunk).rels[pos % self.chunk]
+
     def run(self, lo: int, hi: int) -> tuple[np.ndarray, list[int], list[str], list[int]]:
-        """Listing indices (as an array, for vectorised tests, and as a list), cache entry names and
-        sizes of positions ``[lo, hi)`` (within one chunk)."""
+        """Listing indices (as an array, for vectorised tests, and as a list), cache entry files
+        (:func:`ucmagic.cache.entry_file`) and sizes of positions ``[lo, hi)`` (within one chunk)."""
         c = lo // self.chunk
         a, b = lo - c * self.chunk, hi - c * self.chunk
         got = self._at(c)
-        return got.arr[a:b], got.idx[a:b], got.names[a:b], got.sizes[a:b]
+        return got.arr[a:b], got.idx[a:b], got.files[a:b], got.sizes[a:b]
 
     def names(self, lo: int, hi: int) -> list[str]:
-        """Cache entry names (key + suffix) of positions ``[lo, hi)`` (for protection records)."""
+        """Cache entry names (:func:`ucmagic.cache.entry_name`) of positions ``[lo, hi)`` (for protection records)."""
         out: list[str] = []
         pos = lo
         while pos < hi:
@@ -452,8 +484,9 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
         self.fingerprint = self.listing.fingerprint
         self.shuffle = shuffle
         self.reshuffle_every = int(reshuffle_every) if reshuffle_every else None
-        self.seed = int(seed)
+        self.seed = check_seed(seed)
         self.partition = partition
+
         self.prefetch = prefetch
         self.retries = int(retries)
         self.timeout = timeout
@@ -529,10 +562,11 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
         return StreamItems(self.listing, pos, order, self._chunk_keys)
 
     def _chunk_keys(self, idx: np.ndarray) -> list[tuple[str, str]]:
-        """``(cache key, suffix)`` of a chunk of files: the keys stored in the node listing."""
+        """``(cache key, suffix)`` of a chunk of files: the keys stored in the node listing (the
+        suffix stays empty: an entry keeps the file's relative path, extension included)."""
         if self.listing.volume_uri != self.volume.uri:  # keys depend on the URI the listing was built under
             return cache_keys(self.volume.uri, self.listing.entries(idx))
-        return list(zip(self.listing.keys(idx), self.listing.suffixes(idx)))
+        return [(k, "") for k in self.listing.keys(idx)]
 
     def stream_indices(self, epoch: int | None = None) -> list[int]:
         """File indices the calling (rank, worker) stream delivers this epoch, in order (a list as
@@ -562,13 +596,21 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
             return volume.copy_to(e.path, tmp, **kw)
 
         def attempt(_: Any) -> tuple[str, bool]:
-            return self.cache.fill(key_, suffix, e.size, write, may_exceed=may_exceed, on_wait=on_wait,
-                                   looked_up=looked_up)
+            try:
+                return self.cache.fill(key_, suffix, e.size, write, may_exceed=may_exceed, on_wait=on_wait,
+                                       looked_up=looked_up, rel=e.path)
+            except OSError as exc:
+                if exc.errno in (errno.ENOSPC, errno.EDQUOT):  # the cache disk, not the file: not retried
+                    raise self.cache.disk_full(e.size) from exc
+                raise
 
         try:
             path, fetched = with_retries(attempt, None, self.retries, on_retry=lambda _: self._counters.add(retries=1))
         except FetchError:
             raise
+        except CacheFullError as exc:  # raised as itself (catchable as CacheFullError), naming the file
+            raise type(exc)(f"{self.volume.display(e.path)}: {exc}") from exc
+
         except Exception as exc:
             raise copy_error(self.volume, e.path, exc) from exc
         _last_fetch.fetched = fetched
@@ -633,7 +675,10 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
         list(shared_pool(CHECK_THREADS, "check").map(same, [todo[a:a + step] for a in range(0, len(todo), step)]))
 
     def _skippable(self, exc: BaseException) -> bool:
+        if isinstance(exc, CacheFullError):  # the cache disk or budget, not the file: every next one fails too
+            return False
         return self.on_error == "skip" or (self.on_missing == "skip" and _source_missing(exc))
+
 
     def _consumption(self, slot: int) -> Callable[[], int | None]:
         """Items of stream ``slot`` the loop has finished with (ucmagic.DataLoader), else None."""
@@ -657,7 +702,39 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
         with (shared memory, seen by every worker). Used by ucmagic.DataLoader."""
         return ConsumptionChannel(self._consumed)
 
+    def _protection(self, budget: int | None, streams: int, reported: bool) -> tuple[int, int]:
+        """``(window, read-ahead bytes)`` of one of ``streams`` streams: the items it keeps protected
+        after handing them out when the loop's consumption is not ``reported`` (torch's DataLoader, a
+        wrapper dataset, a plain loop), and the bytes it may hold in flight.
+
+        Under a budget each stream's share holds both: a third for the window (sized by the listing's
+        mean file size, at most ``lease_items``), a third for read-ahead, so the protected files fit in
+
+        ``cache_limit`` and a small budget slows the loop down instead of stopping it. A share that
+        cannot hold one file of the mean size is an error now, at the first item, naming the size
+        needed (the fill the loop waits for may go over the budget: see :meth:`_Stream.may_exceed`).
+
+        """
+        if budget is None:
+            return self.lease_items, self._read_ahead_bytes(streams)
+        share = budget // max(1, streams)
+        n = len(self.listing)
+        typical = max(1, -(-self.listing.total_bytes // n)) if n else 1
+        if n and share < typical:
+            raise BudgetTooSmallError(
+                f"cache_limit={format_size(budget)} cannot hold one file of ~{format_size(typical)} for each of "
+                f"{streams} stream(s): set cache_limit to at least {format_size(typical * max(1, streams))}"
+                + (" (or use fewer DataLoader workers)" if streams > 1 else ""))
+
+        if reported:
+            return self.lease_items, max(1, share)
+        # a third each (the window is released in steps of a quarter of it): about 3/4 of the share
+        # is held, so fills rarely wait for room
+        return max(1, min(self.lease_items, share // 3 // typical)), max(1, share // 3)
+
+
     def _read_ahead_bytes(self, streams: int) -> int:
+
         """Bytes one stream may hold in flight: its share of the budget, else of the free disk above the floor."""
         if self.cache.limit is not None:
             cap = self.cache.limit
@@ -684,12 +761,15 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
             self._epoch_main, self._delivered_main = epoch, 0
         slot = 0 if info is None else info.id
         depth = self._inflight()
-        stream = _Stream(cache, owner, slot, items, quantum=self.batch_quantum,
-                         window=self.lease_items, chunk=max(16, depth), consumed=self._consumption(slot))
         _, world, _, _, _, nworkers = dist_info()
-        max_bytes = self._read_ahead_bytes(nworkers * local_world_size(world))
-        if cache.limit is not None:
+        budget = cache.budget()
+        consumed = self._consumption(slot)
+        window, max_bytes = self._protection(budget, nworkers * local_world_size(world), consumed() is not None)
+        stream = _Stream(cache, owner, slot, items, quantum=self.batch_quantum,
+                         window=window, chunk=max(16, depth), consumed=consumed, budgeted=budget is not None)
+        if budget is not None:
             stream.start_refresher()
+
         counters = self._counters
         skipped: list[str] = []
         n = len(items)
@@ -751,7 +831,7 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
                     return None  # changed: get() reports it
             key, suffix = items.key_at(pos)
             t0 = time.perf_counter()
-            path = cache.lookup(key, suffix, items.size(pos))
+            path = cache.lookup(key, suffix, items.size(pos), rel=items.rel_at(pos))
             if path is not None:
                 timing[pos] = (True, time.perf_counter() - t0, True)  # counted when delivered
                 misses[0] = 0
@@ -926,7 +1006,7 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
     def _cached_paths(self) -> Iterator[tuple[str, int]]:
         """(path, bytes) of each file of the listing that is in the cache, in listing order."""
         for e in self.listing.iter_entries(STREAM_CHUNK):  # small chunks: a short-lived per-file transient
-            p = self.cache.data_path(*self._key(e))
+            p = self.cache.data_path(*self._key(e), e.size, e.path)
             try:
                 if os.stat(p).st_size == e.size:
                     yield p, e.size

@@ -43,11 +43,11 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from ._util import atomic_target
-from .cache import cache_key_digest, default_cache_dir, file_lock, safe_suffixes
+from .cache import cache_key_digest, default_cache_dir, file_lock, map_relpath, safe_suffixes
 from .errors import ListingChangedError
 from .volume import FileEntry, Volume
 
-LISTING_FORMAT = 2  # 2: the cache-key column
+LISTING_FORMAT = 3  # 2: the cache-key column; 3: the plain-path column (entries keep source paths)
 VALIDATE_MODES = ("files", "dirs", "none")
 RACY_S = 1.0  # an entry modified this close before the listing may change again unseen
 PROGRESS_AFTER_S = 1.0  # the progress callback starts after this long ...
@@ -79,7 +79,7 @@ def _arrow(a: np.ndarray) -> Any:
     import pyarrow as pa
 
     a = np.ascontiguousarray(a)
-    types = {"int32": pa.int32(), "int64": pa.int64(), "float64": pa.float64()}
+    types = {"uint8": pa.uint8(), "int32": pa.int32(), "int64": pa.int64(), "float64": pa.float64()}
     return pa.Array.from_buffers(types[a.dtype.name], len(a), [None, pa.py_buffer(a)])
 
 
@@ -144,6 +144,7 @@ class Listing:
         keys = rb.column(4)
         self._keys = np.frombuffer(keys.buffers()[1], dtype=np.uint8, count=20 * len(keys),
                                    offset=keys.offset * 20).reshape(-1, 20)
+        self._plain: np.ndarray = _view(rb.column(5), np.uint8)
 
     def __reduce__(self):
         return (Listing, (self.path,))
@@ -201,6 +202,34 @@ class Listing:
         h = self._keys[np.asarray(indices, dtype=np.int64)].tobytes().hex()
         return [h[a:a + 40] for a in range(0, len(h), 40)]
 
+    def all_plain(self, indices: Sequence[int] | np.ndarray) -> bool:
+        """True when every file at ``indices`` is its own path inside its cache entry
+        (:func:`ucmagic.cache.map_relpath` changes nothing), as checked when the listing was built."""
+        return bool(self._plain[np.asarray(indices, dtype=np.int64)].all())
+
+    def find(self, rel: str) -> int | None:
+        """Index of the file at relative path ``rel`` (a binary search of the sorted paths), else None."""
+        target = _enc(rel)
+        codes = self._dir_codes
+        names = self._name
+        dirs = self._dir_values
+        lo, hi = 0, len(self)
+        while lo < hi:  # about 24 probes for 10 M files
+            mid = (lo + hi) // 2
+            here = dirs[int(codes[mid])].as_py() + names[mid].as_py()
+            if here < target:
+                lo = mid + 1
+            else:
+                hi = mid
+        if lo < len(self) and dirs[int(codes[lo])].as_py() + names[lo].as_py() == target:
+            return lo
+        return None
+
+    def find_key(self, digest: bytes) -> int | None:
+        """Index of the file whose cache key digest is ``digest`` (a scan of the key column), else None."""
+        hit = np.flatnonzero((self._keys == np.frombuffer(digest, dtype=np.uint8)).all(axis=1))
+        return int(hit[0]) if len(hit) else None
+
     def entry(self, i: int) -> FileEntry:
         n = len(self)
         if not -n <= i < n:
@@ -237,6 +266,8 @@ def _collect(volume: Volume, pattern: str | None, progress: ProgressFn | None, *
     sizes: list[int] = []
     mtimes: list[float] = []
     digests: list[bytes] = []
+    plains: list[bool] = []  # the file's path is its own cache entry path (map_relpath changes nothing)
+    plain_chunks: list[np.ndarray] = []
     uri = volume.uri
     seen_dirs: list[tuple[str, int]] = []
     count = 0
@@ -250,7 +281,8 @@ def _collect(volume: Volume, pattern: str | None, progress: ProgressFn | None, *
         size_chunks.append(np.asarray(sizes, dtype=np.int64))
         mtime_chunks.append(np.asarray(mtimes, dtype=np.float64))
         key_chunks.append(np.frombuffer(b"".join(digests), dtype=np.uint8))
-        for chunk in (codes, names, paths, sizes, mtimes, digests):
+        plain_chunks.append(np.asarray(plains, dtype=np.uint8))
+        for chunk in (codes, names, paths, sizes, mtimes, digests, plains):
             chunk.clear()
 
     for d in volume.scan(pattern):
@@ -267,6 +299,7 @@ def _collect(volume: Volume, pattern: str | None, progress: ProgressFn | None, *
         mtimes.extend([e.mtime for e in files])
         if keys:
             digests.extend([cache_key_digest(uri, e.path, e.size, e.mtime) for e in files])
+            plains.extend([map_relpath(e.path) == e.path for e in files])
         count += len(files)
         if len(codes) >= BUILD_CHUNK:
             flush()
@@ -298,7 +331,9 @@ def _collect(volume: Volume, pattern: str | None, progress: ProgressFn | None, *
     name_chunks.clear()
     key_col = np.concatenate(key_chunks).reshape(-1, 20)[order] if keys else None
     key_chunks.clear()
-    return dict_values, code_arr[order], names, size_col, mtime_col, seen_dirs, fingerprint, key_col
+    plain_col = np.concatenate(plain_chunks)[order] if keys else None
+    plain_chunks.clear()
+    return dict_values, code_arr[order], names, size_col, mtime_col, seen_dirs, fingerprint, key_col, plain_col
 
 
 def _fingerprint(paths: Any, order: np.ndarray, sizes: np.ndarray) -> str:
@@ -316,7 +351,7 @@ def _write(folder: str, key: str, volume: Volume, pattern: str | None, listed_at
     import pyarrow as pa
     from pyarrow import ipc
 
-    dict_values, codes, names, sizes, mtimes, seen_dirs, fingerprint, key_col = cols
+    dict_values, codes, names, sizes, mtimes, seen_dirs, fingerprint, key_col, plain_col = cols
     racy_from = listed_at - RACY_S
     racy = bool((mtimes >= racy_from).any()) or any(m >= racy_from * 1e9 for _, m in seen_dirs if m >= 0)
     meta = {
@@ -327,8 +362,9 @@ def _write(folder: str, key: str, volume: Volume, pattern: str | None, listed_at
     batch = pa.record_batch(
         [pa.DictionaryArray.from_arrays(_arrow(codes.astype(np.int32)), dict_values), names,
          _arrow(sizes.astype(np.int64)), _arrow(mtimes.astype(np.float64)),
-         pa.Array.from_buffers(pa.binary(20), len(sizes), [None, pa.py_buffer(np.ascontiguousarray(key_col))])],
-        names=["dir", "name", "size", "mtime", "key"],
+         pa.Array.from_buffers(pa.binary(20), len(sizes), [None, pa.py_buffer(np.ascontiguousarray(key_col))]),
+         _arrow(plain_col.astype(np.uint8))],
+        names=["dir", "name", "size", "mtime", "key", "plain"],
     ).replace_schema_metadata({"ucmagic": json.dumps(meta)})
     dirs_batch = pa.record_batch(
         [_binary([_enc(d) for d, _ in seen_dirs]),
