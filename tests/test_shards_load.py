@@ -72,3 +72,18 @@ def test_ucload_magic_of_a_tar_directory_and_kind_override(tars, tmp_path, magic
     assert sum(len(b["__key__"]) for b in dl) == 20
     dl = magic_shell.run_line_magic("ucload", f"{tars} --kind files -b 5 -w 0 --no-widget --cache-dir {cache}")
     assert type(dl.dataset).__name__ == "UCVolumeDataset"
+
+
+@pytest.mark.timeout(60)
+def test_the_live_panel_shows_chunk_fills(tars, tmp_path, monkeypatch):
+    monkeypatch.setenv("UCMAGIC_PROGRESS", "text")
+    dl = ucmagic.load(tars, batch_size=5, num_workers=0, cache_dir=str(tmp_path / "c"))
+    mon = dl.monitor(mode="text", show=False)
+    before = dl.dataset.stats()
+    assert before["files"] == before["chunks"] >= 2 and before["files_cached"] == 0
+    for _ in dl:
+        pass
+    snap = mon.snapshot()
+    assert snap.files == before["chunks"] and snap.files_cached == snap.files  # every chunk filled
+    assert dl.dataset.stats()["misses"] == before["chunks"]
+    mon.detach()

@@ -155,6 +155,29 @@ class ShardDataset(Dataset):
         start, end = f.span(chunk)
         return f"{self.volume.display(f.entry.path)}#chunk{chunk}", max(0, end - start)
 
+    def cached_chunks(self) -> tuple[int, int]:
+        """``(chunks, bytes)`` of this dataset in the cache now (one lookup per chunk)."""
+        n = nbytes = 0
+        for f in self.files:
+            for c in range(f.chunks):
+                start, end = f.span(c)
+                if self.cache.lookup(f.key(c), SUFFIX, end - start):
+                    n += 1
+                    nbytes += end - start
+        return n, nbytes
+
+    def stats(self) -> dict[str, Any]:
+        """Chunks and bytes in the cache of the total (``files``/``files_cached`` count chunks: what the
+        live panel's cache bars show), chunk hits and fills (``misses``), bytes fetched, samples."""
+        n, nbytes = self.cached_chunks()
+        t = self._counters.totals()
+        chunks = sum(f.chunks for f in self.files)
+        return {"files": chunks, "files_cached": n, "bytes": sum(f.entry.size for f in self.files),
+                "bytes_cached": nbytes, "chunks": chunks, "chunks_cached": n, "shards": len(self.files),
+                "samples": self.num_samples, "hits": t["hits"], "misses": t["misses"],
+                "bytes_fetched": t["bytes_fetched"], "retries": t["retries"], "errors": t["errors"],
+                "cache_dir": self.cache.root, "cache_limit": self.cache.limit, "chunk_size": self.chunk_size}
+
     def clear_cache(self) -> int:
         """Remove this dataset's cached chunks. Returns the number removed."""
         found = (self.cache.lookup(f.key(c), SUFFIX, end - start) for f in self.files for c in range(f.chunks)
@@ -379,3 +402,11 @@ class SampleStream(EpochTracking, IterableDataset):
 
     def describe_item(self, index: int) -> tuple[str, int]:
         return self.dataset.describe_item(index)
+
+    def stats(self) -> dict[str, Any]:
+        """The dataset's :meth:`ShardDataset.stats` and the epoch (the live panel reads them)."""
+        return {**self.dataset.stats(), "epoch": self.epoch}
+
+    @property
+    def path(self) -> str:
+        return str(getattr(self.dataset, "path", ""))
