@@ -7,7 +7,10 @@ streams its input, so memory stays bounded for tables larger than RAM.
 Atomic overwrite of a local or mounted directory: the new files are written to a hidden sibling
 staging directory, then swapped in with one ``rename`` (``renameat2(RENAME_EXCHANGE)`` when the
 filesystem has it). File names carry a per-export id, so a reader that listed the old version
-finds its files gone rather than a mixture. ``dest/*.parquet`` stays readable by any tool. For
+finds its files gone rather than a mixture. ``dest/*.parquet`` stays readable by any tool.
+Appends stage the same way, then rename each file in under a journal (:mod:`.journal`): ucmagic's
+readers see an append whole or not at all, and one killed midway is rolled back by the next ucmagic
+call on ``dest`` (:func:`recover_destination`). For
 fsspec URLs (object stores have no rename) the new files are uploaded under new names, then a
 manifest (``_ucmagic_manifest.json``) naming them is written in one put, then stale files go;
 ucmagic readers follow the manifest.
@@ -29,10 +32,11 @@ from typing import Any, Sequence
 
 from .._util import is_remote_url
 from ..errors import SourceNotADirectoryError, UCMagicError, UnsupportedSourceError
-from .sources import (MANIFEST, Source, connect, delta_files, duckdb_relation, is_data_path, resolve_source,
-                      spark_dataframe)
+from .sources import (MANIFEST, Source, connect, delta_files, duckdb_relation, is_data_path, read_manifest,
+                      resolve_source, spark_dataframe)
 from ..units import format_size, parse_size
 from ..volume import resolve_local_path
+from .journal import recover_destination, remove_journal, roll_back, write_journal
 
 EXPORT_MODES = ("overwrite", "append", "error")
 MAX_ROW_GROUP_ROWS = 131072
@@ -201,15 +205,25 @@ def _finish_staging(staging: str, export_id: str, rename: bool) -> list[str]:
     return sorted(out)
 
 
-def _append_in(staging: str, rels: list[str], dest: str) -> None:
-    """Move the staged files into ``dest`` beside the files already there (each rename is atomic:
-    a reader sees a file complete or not at all), then drop the staging directory."""
-    for r in rels:
-        target = os.path.join(dest, r)
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        if os.path.exists(target):
-            raise FileExistsError(f"{target} already exists: append writes new, uniquely named files")
-        os.rename(os.path.join(staging, r), target)
+def _append_in(staging: str, rels: list[str], dest: str, export_id: str) -> None:
+    """Move the staged files into ``dest`` beside the files already there, all or nothing for ucmagic's
+    readers: the journal naming them is written first and removed last (see :mod:`.journal`); a failure
+    or Ctrl-C on the way removes what was moved. Each rename is atomic (a file appears complete)."""
+    taken = [r for r in rels if os.path.lexists(os.path.join(dest, r))]
+    if taken:
+        raise FileExistsError(f"{os.path.join(dest, taken[0])} already exists: append writes new, uniquely "
+                              "named files; nothing was changed")
+    os.makedirs(dest, exist_ok=True)
+    journal = write_journal(dest, export_id, staging, rels)
+    try:
+        for r in rels:
+            target = os.path.join(dest, r)
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            os.rename(os.path.join(staging, r), target)
+        remove_journal(journal)  # the commit point
+    except BaseException:
+        roll_back(dest, journal, {"files": rels, "staging": staging})
+        raise
     shutil.rmtree(staging, ignore_errors=True)
 
 
@@ -258,9 +272,20 @@ def _write_duckdb(src: Source, staging: str, target: int, cols: list[str], memor
                                   filename_pattern="part-{i}", compression=compression, overwrite=True)
         if cols:
             kw["partition_by"] = cols
-        rel.write_parquet(staging, **kw)
+        try:
+            rel.write_parquet(staging, **kw)
+        except Exception as e:  # DuckDB stops at Ctrl-C within a second, but reports it as its own error
+            if isinstance(e, _duckdb_interrupt()) or "interrupted" in str(e).lower():
+                raise KeyboardInterrupt from None
+            raise
     finally:
         con.close()
+
+
+def _duckdb_interrupt() -> type[BaseException]:
+    import duckdb
+
+    return getattr(duckdb, "InterruptException", KeyboardInterrupt)
 
 
 def _spark_row_bytes(df: Any, sample: int = 20000) -> float:
@@ -303,8 +328,9 @@ def _publish_remote(local_staging: str, rels: list[str], dest: str, storage_opti
     for r in rels:
         fs.put_file(os.path.join(local_staging, r), prefix + r)
     listed = rels
-    if append:  # the new files join the old ones; nothing is removed
-        listed = sorted(set(rels) | {p[len(prefix):] for p in old})
+    if append:  # the new files join the committed ones (the manifest's: not a killed append's uploads)
+        committed = read_manifest(fs, root)
+        listed = sorted(set(rels) | (set(committed) if committed is not None else {p[len(prefix):] for p in old}))
     fs.pipe_file(prefix + MANIFEST, json.dumps({"files": listed}).encode())  # the commit point
     keep = {prefix + r for r in listed}
     stale = [p for p in old if p not in keep]
@@ -335,7 +361,9 @@ def export_parquet(source: Any, dest: str | os.PathLike, *, target_file_size: in
     ``dest``: a local or mounted directory, a ``/Volumes/...`` path, or an fsspec URL.
     ``mode="overwrite"`` replaces ``dest`` atomically (readers see the old files or the new ones,
     never a mixture, and no stale file survives); ``mode="append"`` adds the new files beside the
-    old ones (uniquely named, each renamed into place complete); ``mode="error"`` refuses a non-empty ``dest``.
+    old ones (uniquely named; ucmagic's readers see all of them or none, and an append killed midway
+    is rolled back by the next ucmagic call on ``dest``, so rerunning it adds its rows once);
+    ``mode="error"`` refuses a non-empty ``dest``.
     ``partition_by`` writes Hive-style ``col=value/`` directories. The embedded engine streams its
     input under ``memory_limit``. Returns an :class:`ExportResult` (files, rows, bytes, seconds).
     """
@@ -378,6 +406,7 @@ def export_parquet(source: Any, dest: str | os.PathLike, *, target_file_size: in
     parent = os.path.dirname(dest)
     os.makedirs(parent, exist_ok=True)
     sweep_leftovers(dest)
+    recover_destination(dest)  # an append killed earlier: rolled back before anything else
     staging = os.path.join(parent, f".{os.path.basename(dest)}.ucmagic-staging-{os.getpid()}-{export_id}")
     old = None
     try:
@@ -392,7 +421,7 @@ def export_parquet(source: Any, dest: str | os.PathLike, *, target_file_size: in
         if mode == "error" and _non_empty(dest):
             raise FileExistsError(f"{dest} was created by someone else during the export; nothing was changed")
         if mode == "append":
-            _append_in(staging, rels, dest)
+            _append_in(staging, rels, dest, export_id)
         else:
             old = swap_in(staging, dest)
     except BaseException:
@@ -404,4 +433,4 @@ def export_parquet(source: Any, dest: str | os.PathLike, *, target_file_size: in
     return ExportResult(dest, files, rows, size, time.perf_counter() - t0, "spark" if spark else "duckdb")
 
 
-__all__ = ["export_parquet", "ExportResult", "UCMagicError"]
+__all__ = ["export_parquet", "ExportResult", "UCMagicError", "recover_destination"]
