@@ -185,6 +185,62 @@ def test_long_and_unicode_names_and_members_bigger_than_a_read_chunk_read_back_e
     assert sorted(listed) == sorted(files)
 
 
+class _AppendOnly:
+    """A file that accepts only writes at its end (as a /Volumes FUSE mount does): no seek, no truncate."""
+
+    def __init__(self, f):
+        self.f = f
+
+    def write(self, data):
+        return self.f.write(data)
+
+    def flush(self):
+        self.f.flush()
+
+    def fileno(self):
+        return self.f.fileno()
+
+    def close(self):
+        self.f.close()
+
+    def seek(self, *a):
+        raise OSError("random writes are not supported here")
+
+    truncate = seek
+
+
+@pytest.mark.timeout(120)
+def test_shards_are_written_front_to_back_for_volumes_that_take_only_sequential_writes(src, tmp_path, monkeypatch):
+    import builtins
+
+    import ucmagic.shards.pack as P  # noqa: N812 - the module under test
+
+    root, _ = src
+    ref = str(tmp_path / "ref")
+    ucmagic.pack(root, ref, shard_size="20KB", progress=False)
+    ucmagic.pack(_frame(), str(tmp_path / "tref"), shard_size="12KB", progress=False)
+    opened = []
+
+    def append_only(path, mode="r", *a, **kw):
+        f = builtins.open(path, mode, *a, **kw)
+        if "w" in mode or "a" in mode or "+" in mode:
+            opened.append(path)
+            return _AppendOnly(f)
+        return f
+
+    monkeypatch.setattr(P, "open", append_only, raising=False)
+    monkeypatch.setattr(P.os, "pwrite", None)
+    monkeypatch.setattr(P.os, "pwritev", None)
+    monkeypatch.setattr(P.os, "ftruncate", None)
+    dest = str(tmp_path / "dest")
+    ucmagic.pack(root, dest, shard_size="20KB", workers=8, progress=False)
+    ucmagic.pack(_frame(), str(tmp_path / "t"), shard_size="12KB", progress=False)
+    monkeypatch.undo()
+    assert len(opened) >= len(read_index(dest)) + len(read_index(str(tmp_path / "t")))
+    assert shard_bytes(dest) == shard_bytes(ref)
+    assert shard_bytes(str(tmp_path / "t")) == shard_bytes(str(tmp_path / "tref"))
+
+
 @pytest.mark.timeout(120)
 def test_slow_volume_and_volumes_paths_pack_like_a_local_directory(src, tmp_path, monkeypatch):
     root, _ = src

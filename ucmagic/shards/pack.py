@@ -32,7 +32,8 @@ import threading
 import time
 import zlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,8 +50,10 @@ RECORD = tarfile.RECORDSIZE  # 10240: tar files end on a record boundary, as GNU
 SHARD_NAME = "shard-{:06d}.tar"
 STATE_NAME = ".ucpack-state.json"
 TMP_PREFIX = ".ucpack-"
-DEFAULT_WORKERS = 64         # reads in flight: a slow volume's latency is hidden by concurrency
-READ_CHUNK = 4 << 20         # a member bigger than this is copied in pieces of this size
+DEFAULT_WORKERS = 256        # reads in flight (the seeds' 256-way copy): a slow volume's latency hides behind them
+READ_CHUNK = 8 << 20         # a member bigger than this is read in pieces of this size
+MAX_AHEAD = 256 << 20        # bytes read ahead of the shard writers, in all
+SHARD_WRITERS = 4            # shards written at once, each front to back
 _SHARD_RE = re.compile(r"^shard-\d{6}\.tar$")
 _KEY_SAFE = re.compile(r"^[^./\0]+(?:/[^/\0]+)*$")
 
@@ -379,131 +382,143 @@ def _write_index(dest: str, shards: Sequence[ShardInfo], classes: list[str] | No
 
 # ---------------------------------------------------------------- writing shards of a file tree
 
-_buffers = threading.local()
-
-
-def _buffer(n: int) -> memoryview:
-    buf = getattr(_buffers, "buf", None)
-    if buf is None or len(buf) < n:
-        buf = _buffers.buf = memoryview(bytearray(max(n, 1 << 16)))
-    return buf[:n]
-
-
-def _pwrite_all(fd: int, parts: list[Any], offset: int) -> None:
-    total = sum(len(p) for p in parts)
-    done = os.pwritev(fd, parts, offset)
-    if done < total:  # a short vectored write: finish it piece by piece
-        flat = memoryview(b"".join(bytes(p) for p in parts))[done:]
-        offset += done
-        while flat:
-            n = os.pwrite(fd, flat, offset)
-            flat, offset = flat[n:], offset + n
-
-
-def _copy_member(vol: Volume, m: PlannedMember, fd: int, offset: int) -> None:
-    """Write one member (header, then data read from the volume) at ``offset`` of the shard file."""
-    header = m.header()
-    if m.src is None:
-        _pwrite_all(fd, [header, m.data or b""], offset)
-        return
-    reader = vol.range_reader(m.src)
+def _read_piece(vol: Volume, m: PlannedMember, offset: int, size: int) -> bytearray:
+    """``size`` bytes of member ``m``'s source file from ``offset`` (one read stream, its own handle)."""
+    buf = bytearray(size)
+    view = memoryview(buf)
+    reader = vol.range_reader(m.src or "")
     try:
-        pos, head = 0, [header]
-        while pos < m.size or head:
-            want = min(READ_CHUNK, m.size - pos)
-            view = _buffer(want)
-            got = 0
-            while got < want:
-                n = reader.readinto_at(pos + got, view[got:])
-                if not n:
-                    raise SourceChangedError(f"{vol.display(m.src)} is shorter than listed ({m.size} bytes): it "
-                                             "changed while packing; run pack again")
-                got += n
-            _pwrite_all(fd, [*head, view], offset if head else offset + m.hlen + pos)
-            pos += want
-            head = []
+        got = 0
+        while got < size:
+            n = reader.readinto_at(offset + got, view[got:])
+            if not n:
+                raise SourceChangedError(f"{vol.display(m.src or '')} is shorter than listed ({m.size} bytes): it "
+                                         "changed while packing; run pack again")
+            got += n
     finally:
         reader.close()
+    return buf
 
 
-@dataclass
-class _Job:
-    shard: PlannedShard
-    tmp: str
-    fd: int
-    remaining: int
-    mu: threading.Lock = field(default_factory=threading.Lock)
-    failed: bool = False
-    done: bool = False
+def _pieces(shard: PlannedShard) -> Iterator[tuple[PlannedMember, int, int]]:
+    """``(member, offset, size)`` of every source read the shard needs, in tar order."""
+    for m in shard.members:
+        if m.src is not None:
+            for off in range(0, m.size, READ_CHUNK):
+                yield m, off, min(READ_CHUNK, m.size - off)
 
 
-def _finish(job: _Job, dest: str, state: _State) -> None:
-    os.fsync(job.fd)
-    os.close(job.fd)
-    job.fd = -1
-    os.replace(job.tmp, os.path.join(dest, job.shard.name))
-    job.done = True
-    state.complete(job.shard)
+class _Stopped(Exception):  # noqa: N818 - internal signal, never raised to the caller
+    """Another shard's writer failed: stop this one."""
+
+
+def _write_tree_shard(vol: Volume, shard: PlannedShard, dest: str, state: _State, pool: ThreadPoolExecutor,
+                      ahead_bytes: int, retries: int, prog: Progress, stop: threading.Event) -> None:
+    """Write one shard front to back (volumes such as ``/Volumes`` take only sequential writes) while
+    its reads run ahead on ``pool``, up to ``ahead_bytes``; fsync, rename, record it."""
+
+    def read(job: tuple[PlannedMember, int, int]) -> Any:
+        m, off, n = job
+        try:
+            return with_retries(lambda _: _read_piece(vol, m, off, n), None, retries)
+        except (FetchError, PackError):
+            raise
+        except OSError as exc:
+            raise copy_error(vol, m.src or m.name, exc) from exc
+
+    todo = _pieces(shard)
+    window: deque[tuple[int, Future[Any]]] = deque()
+    queued = 0
+
+    def top_up() -> None:
+        nonlocal queued
+        while queued < ahead_bytes:
+            job = next(todo, None)
+            if job is None:
+                return
+            window.append((job[2], pool.submit(read, job)))
+            queued += job[2]
+
+    tmp = _tmp_name(dest, shard.name)
+    f = open(tmp, "wb", buffering=1 << 20)  # noqa: SIM115 - closed below on every path
+    try:
+        top_up()
+        written = 0
+        for m in shard.members:
+            f.write(m.header())
+            if m.src is None:
+                f.write(m.data or b"")
+            else:
+                for _ in range(0, m.size, READ_CHUNK):
+                    if stop.is_set():
+                        raise _Stopped
+                    n, fut = window.popleft()
+                    f.write(fut.result())
+                    queued -= n
+                    top_up()
+                    prog.update(0, n)
+            f.write(bytes(padded(m.size) - m.size))
+            written += m.span
+            prog.update(1)
+        f.write(bytes(shard.size - written))  # the end blocks and the record padding
+        f.flush()
+        os.fsync(f.fileno())
+        f.close()
+        os.replace(tmp, os.path.join(dest, shard.name))
+    except BaseException:
+        for _, fut in window:
+            fut.cancel()
+        f.close()
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    state.complete(shard)
 
 
 def _write_tree_shards(vol: Volume, todo: Sequence[PlannedShard], dest: str, state: _State, workers: int,
                        retries: int, prog: Progress) -> None:
-    """Write ``todo`` shards with ``workers`` reads in flight across them; each shard is renamed into
-    place by whichever read finishes it. Stops at the first failure, removing unfinished temp files."""
-    errors: list[BaseException] = []
-    slots = threading.BoundedSemaphore(2 * workers)
-    jobs: list[_Job] = []
+    """Write ``todo`` shards, up to SHARD_WRITERS at once (in plan order), their reads on ``workers``
+    threads. The first failure stops every writer; complete shards stay, temp files go."""
+    if not todo:
+        return
+    writers = min(SHARD_WRITERS, len(todo))
+    ahead = max(READ_CHUNK, MAX_AHEAD // writers)
+    stop = threading.Event()
+    order = iter(todo)
+    mu = threading.Lock()
 
-    def one(job: _Job, m: PlannedMember, off: int) -> None:
-        try:
-            if not errors:
-                try:
-                    with_retries(lambda _: _copy_member(vol, m, job.fd, off), None, retries)
-                except (FetchError, PackError):
-                    raise
-                except OSError as exc:
-                    raise copy_error(vol, m.src or m.name, exc) from exc
-                prog.update(1, m.size)
-                with job.mu:
-                    job.remaining -= 1
-                    if job.remaining == 0 and not job.failed:
-                        _finish(job, dest, state)
-        except BaseException as exc:  # noqa: BLE001 - the first failure stops the pack; reported below
-            job.failed = True
-            errors.append(exc)
-        finally:
-            slots.release()
+    def writer() -> None:
+        while not stop.is_set():
+            with mu:
+                shard = next(order, None)
+            if shard is None:
+                return
+            try:
+                _write_tree_shard(vol, shard, dest, state, pool, ahead, retries, prog, stop)
+            except BaseException:
+                stop.set()
+                raise
 
     pool = ThreadPoolExecutor(max(1, workers), thread_name_prefix="ucmagic-pack")
+    wpool = ThreadPoolExecutor(writers, thread_name_prefix="ucmagic-pack-writer")
+    futs = [wpool.submit(writer) for _ in range(writers)]
     try:
-        for shard in todo:
-            if errors:
-                break
-            tmp = _tmp_name(dest, shard.name)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-            job = _Job(shard, tmp, fd, len(shard.members))
-            jobs.append(job)
-            os.ftruncate(fd, shard.size)  # the end blocks and all padding are zeros already
-            for m, off in zip(shard.members, shard.offsets):
-                slots.acquire()
-                if errors:
-                    slots.release()
-                    break
-                pool.submit(one, job, m, off)
-    except BaseException as exc:  # Ctrl-C: stop submitting, let reads in flight end, clean up
-        errors.append(exc)
+        wait(futs, return_when=FIRST_EXCEPTION)
+        errors = [e for e in (f.exception() for f in futs if f.done()) if e is not None and not isinstance(e, _Stopped)]
+        if errors:
+            stop.set()
+            wait(futs)
+            raise errors[0]
+        for f in futs:
+            f.result()
+    except BaseException:  # Ctrl-C too: stop the writers, drop queued reads, let reads in flight end
+        stop.set()
+        pool.shutdown(wait=False, cancel_futures=True)
+        wait(futs)
         raise
     finally:
-        pool.shutdown(wait=True, cancel_futures=bool(errors))  # queued reads of a failed pack are dropped
-        for job in jobs:
-            if not job.done:
-                with contextlib.suppress(OSError):
-                    if job.fd >= 0:
-                        os.close(job.fd)
-                with contextlib.suppress(OSError):
-                    os.unlink(job.tmp)
-    if errors:
-        raise errors[0]
+        wpool.shutdown(wait=True)
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 # ---------------------------------------------------------------- writing shards of a table
@@ -622,7 +637,7 @@ class _TableShard:
         self.members: list[Member] = []
         self.h = hashlib.sha256()
         self.tmp = _tmp_name(dest, self.name)
-        self.f: Any = None if verify else open(self.tmp, "wb")  # noqa: SIM115 - closed in finish()/discard()
+        self.f: Any = None if verify else open(self.tmp, "wb", buffering=1 << 20)  # noqa: SIM115 - closed in finish()/discard()
 
     def add(self, sample: Sequence[PlannedMember]) -> None:
         for m in sample:
@@ -645,7 +660,7 @@ class _TableShard:
 
     def finish(self, state: _State) -> None:
         """Complete the temp file (end blocks), fsync it, rename it into place, record it."""
-        self.f.truncate(self.size)
+        self.f.write(bytes(self.size - self.used))  # end blocks and record padding, written (append only)
         self.f.flush()
         os.fsync(self.f.fileno())
         self.f.close()
@@ -800,8 +815,8 @@ def pack(src: Any, dest: str | os.PathLike[str], shard_size: int | str = "1GB", 
                       samples=sum(s.samples for s in plan), files=sum(len(s.members) for s in plan),
                       total_bytes=sum(s.size for s in plan), skipped=tree.skipped, classes=tree.classes)
     state = _begin(dest_root, {n: done[n] for n in keep}, bool(todo) or set(done) != keep)
-    prog = Progress(total=sum(len(s.members) for s in todo), total_bytes=sum(s.size for s in todo), desc="pack",
-                    mode=progress)
+    prog = Progress(total=sum(len(s.members) for s in todo), desc="pack", mode=progress,
+                    total_bytes=sum(m.size for s in todo for m in s.members if m.src is not None))
     try:
         _write_tree_shards(vol, todo, dest_root, state, workers or DEFAULT_WORKERS, retries, prog)
     except BaseException:
