@@ -571,3 +571,21 @@ def test_a_table_on_s3_with_deletion_vectors_reads_its_snapshot(tmp_path, s3_env
     ds = ParquetDataset("s3://tables/t", format="arrow", cache_dir=str(tmp_path / "cache"))
     assert ds.use_cache and _sorted(ds_rows(ds)) == want and len(want) == 68
     assert _norm_rows(load_table("s3://tables/t").to_dict("records")) == _norm_rows(want)
+
+
+@pytest.mark.timeout(120)
+def test_ucload_of_a_catalog_delta_table_reads_its_snapshot(tmp_path, magic_shell, monkeypatch):
+    """%ucload of a table name (the local catalog) as a DataFrame and as a stream: deleted rows stay
+    deleted, mapped columns keep their logical names, partition columns are present."""
+    monkeypatch.setenv("UCMAGIC_PROGRESS", "off")
+    path = str(tmp_path / "catalog" / "main" / "ml" / "mapped")
+    data = pa.table({"Super Name": pa.array(range(30), pa.int64()), "q": ["u", "v", "w"] * 10})
+    fx.write_column_mapped(path, data, partition_by=["q"])
+    fx.enable_dv_protocol(path)
+    fx.delete_rows(path, {a["path"]: [0] for a in fx.live_adds(path)}, storage="i")
+    want = delta_rows(path)
+    df = magic_shell.run_line_magic("ucload", "main.ml.mapped --no-widget")
+    assert _norm_rows(df.to_dict("records")) == _norm_rows(want) and len(want) == 27
+    loader = magic_shell.run_line_magic("ucload", "main.ml.mapped --stream -b 4 -w 0 --no-widget")
+    rows = [(int(i), q) for b in loader for i, q in zip(b["Super Name"], b["q"])]
+    assert sorted(rows) == sorted((r["Super Name"], r["q"]) for r in want)
