@@ -87,3 +87,9 @@ def test_the_live_panel_shows_chunk_fills(tars, tmp_path, monkeypatch):
     assert snap.files == before["chunks"] and snap.files_cached == snap.files  # every chunk filled
     assert dl.dataset.stats()["misses"] == before["chunks"]
     mon.detach()
+
+
+def test_describe_load_names_a_shard_directory(tars):
+    plan = ucmagic.describe_load(tars)
+    assert plan.kind == "shards" and plan.files == 2
+    assert ucmagic.describe_load(tars, files=True).kind == "files"

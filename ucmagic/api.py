@@ -21,7 +21,7 @@ DEFAULT_ROW_BATCH = 1024
 
 @dataclass(frozen=True)
 class LoadPlan:
-    """What :func:`load` would build: ``kind`` is ``"files"``, ``"table"`` or ``"stream"``."""
+    """What :func:`load` would build: ``kind`` is ``"files"``, ``"shards"``, ``"table"`` or ``"stream"``."""
 
     source: str
     kind: str
@@ -155,10 +155,12 @@ def describe_load(source: str | os.PathLike, *, files: bool = False, pattern: st
     kind = source_kind(source, files=files)
     check_load_args(source, kind, pattern=pattern, stream=stream)
     if kind == "files":
+        from .shards.detect import shard_kind
         from .volume import open_volume
 
         entries = open_volume(source).list(pattern)
-        return LoadPlan(source, "files", files=len(entries), bytes=sum(e.size for e in entries))
+        shown = "shards" if not files and shard_kind(source) else "files"  # what load() would stream
+        return LoadPlan(source, shown, files=len(entries), bytes=sum(e.size for e in entries))
     from .tables.sources import delta_snapshot, resolve_source
 
     src = resolve_source(source)
