@@ -372,3 +372,23 @@ def write_v2_checkpoint(table: str) -> int:
         json.dump({"version": version, "size": len(actions) + len(adds), "sizeInBytes": 0,
                    "numOfAddFiles": len(adds)}, f)
     return version
+
+
+def split_checkpoint(table: str, parts: int = 2) -> int:
+    """Turn the table's classic checkpoint (deltalake's ``create_checkpoint``) into a multi-part one
+    (``<v>.checkpoint.<i>.<n>.parquet``), as older Spark versions write for large logs."""
+    log = os.path.join(table, "_delta_log")
+    with open(os.path.join(log, "_last_checkpoint")) as f:
+        last = json.load(f)
+    v = int(last["version"])
+    classic = os.path.join(log, f"{v:020d}.checkpoint.parquet")
+    t = pq.read_table(classic)
+    step = -(-t.num_rows // parts)
+    for i in range(parts):
+        name = f"{v:020d}.checkpoint.{i + 1:010d}.{parts:010d}.parquet"
+        pq.write_table(t.slice(i * step, step), os.path.join(log, name))
+    os.unlink(classic)
+    last["parts"] = parts
+    with open(os.path.join(log, "_last_checkpoint"), "w") as f:
+        json.dump(last, f)
+    return v

@@ -452,6 +452,21 @@ def test_v2_checkpoint_with_sidecars_reads_the_snapshot(tmp_path):
     assert len(want) == 28
 
 
+@pytest.mark.timeout(120)
+def test_a_multi_part_checkpoint_reads_the_snapshot(tmp_path):
+    path = str(tmp_path / "t")
+    for k in range(4):
+        write_deltalake(path, base_table(40).slice(10 * k, 10), mode="append" if k else "error")
+    fx.enable_dv_protocol(path)
+    fx.delete_rows(path, {fx.live_adds(path)[1]["path"]: [3]}, storage="i")
+    DeltaTable(path).create_checkpoint()
+    fx.split_checkpoint(path, parts=3)
+    write_deltalake(path, base_table(50).slice(40), mode="append")
+    for v in range(fx.last_version(path) - 1):
+        os.unlink(fx.log_path(path, v))
+    assert len(check_all_entry_points(path, tmp_path)) == 49
+
+
 @pytest.mark.timeout(300)
 def test_the_cli_export_and_ucmagic_load_read_the_snapshot(tmp_path):
     path = str(tmp_path / "t")
