@@ -1,20 +1,27 @@
 """Yielded paths keep the source's relative path: folder-name labels, extensions, a way back to the source."""
+import dataclasses
 import os
 import tempfile
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ucmagic import NotAnEntryError, UCVolumeDataset
 from ucmagic.cache import (
     NAME_MAX,
+    FileCache,
+    cache_command,
     entry_file,
     entry_files,
     entry_name,
     map_relpath,
     parse_entry_name,
+    process_tag,
     unmap_relpath,
 )
+from ucmagic.dataset import SourceFile
 
 # components users and object stores produce, plus every kind of hostile one
 _parts = st.one_of(
@@ -79,3 +86,177 @@ def test_a_long_name_keeps_its_extension():
 def test_entry_names_carry_key_and_size():
     assert parse_entry_name(entry_name("ab12", 7)) == ("ab12", 7)
     assert parse_entry_name("ab12") is None and parse_entry_name("ab-x") is None and parse_entry_name("-3") is None
+
+
+# ---------------------------------------------------------------- through a dataset
+
+CLASSES = ["cat", "dog", "zebra crossing"]
+
+
+def _image_tree(root: str, per_class: int = 6) -> dict[str, bytes]:
+    """train/<class>/<image>.jpg, torchvision ImageFolder's layout; returns rel -> bytes."""
+    out = {}
+    for c in CLASSES:
+        for i in range(per_class):
+            rel = f"train/{c}/img{i}.jpg"
+            data = f"{rel}\n".encode() * (i + 1)
+            os.makedirs(os.path.join(root, "train", c), exist_ok=True)
+            with open(os.path.join(root, rel), "wb") as f:
+                f.write(data)
+            out[rel] = data
+    return out
+
+
+def _read(p: str) -> bytes:
+    with open(p, "rb") as f:
+        return f.read()
+
+
+class LabelledImages(torch.utils.data.IterableDataset):
+    """The seed's wrapper pattern (docs 003: a second IterableDataset over UCVolumeDataset's paths),
+    labelling each file by its folder name as torchvision's ImageFolder does."""
+
+    def __init__(self, path_dataset: UCVolumeDataset) -> None:
+        self._path_dataset = path_dataset
+
+    def __iter__(self):
+        for local_path in self._path_dataset:
+            label = CLASSES.index(os.path.basename(os.path.dirname(local_path)))
+            yield label, _read(local_path)
+
+
+@pytest.mark.timeout(120)
+def test_yielded_paths_end_with_the_source_path_in_every_epoch_and_process(tmp_path):
+    src, cache = str(tmp_path / "src"), str(tmp_path / "cache")
+    tree = _image_tree(src)
+    ds = UCVolumeDataset(src, cache_dir=cache)
+    first = list(ds)
+    assert sorted(p.split(os.sep + "files" + os.sep, 1)[1].split(os.sep, 1)[1] for p in first) == sorted(tree)
+    for p in first:
+        rel = ds.source_of(p).rel
+        assert p.endswith(os.sep + rel) and _read(p) == tree[rel]
+        assert os.path.splitext(p)[1] == ".jpg"
+    assert list(ds) == first  # the same paths next epoch
+    again = UCVolumeDataset(src, cache_dir=cache)  # another dataset object, as in another process
+    assert list(again) == first and again.stats()["misses"] == 0
+    del ds, again
+    assert all(_read(p) for p in first)  # readable after the loop and the dataset are gone
+
+
+@pytest.mark.timeout(120)
+def test_source_of_maps_a_yielded_path_back_and_refuses_other_paths(tmp_path):
+    src = str(tmp_path / "src")
+    tree = _image_tree(src, per_class=2)
+    ds = UCVolumeDataset(src, cache_dir=str(tmp_path / "cache"))
+    for p in ds:
+        s = ds.source_of(p)
+        st = os.stat(os.path.join(src, s.rel))
+        assert s == SourceFile(os.path.join(src, s.rel), s.rel, st.st_size, st.st_mtime) and s.rel in tree
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            s.rel = "x"  # type: ignore[misc]
+    other_src = str(tmp_path / "other")
+    _image_tree(other_src, per_class=1)
+    other = UCVolumeDataset(other_src, cache_dir=str(tmp_path / "cache"))
+    foreign = next(iter(other))
+    entry = os.path.dirname(os.path.dirname(os.path.dirname(foreign)))
+    for bad in [foreign, "/etc/passwd", entry, foreign + ".x", foreign.replace(str(tmp_path / "cache"), "/x")]:
+        with pytest.raises(NotAnEntryError, match="is not a cached file of"):
+            ds.source_of(bad)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("loader", ["torch-0", "torch-2", "ucmagic-2"])
+def test_folder_name_labels_in_the_seed_wrapper_pattern_under_a_loader(tmp_path, loader):
+    import ucmagic
+
+    src = str(tmp_path / "src")
+    tree = _image_tree(src)
+    wrapped = LabelledImages(UCVolumeDataset(src, cache_dir=str(tmp_path / "cache")))
+    kind, workers = loader.split("-")
+    make = torch.utils.data.DataLoader if kind == "torch" else ucmagic.DataLoader
+    got = [item for batch in make(wrapped, batch_size=4, num_workers=int(workers), collate_fn=list) for item in batch]
+    want = sorted((CLASSES.index(rel.split("/")[1]), data) for rel, data in tree.items())
+    assert sorted(got) == want  # every file once, with the label of its folder
+
+
+@pytest.mark.timeout(120)
+def test_a_rewritten_source_file_gets_a_fresh_copy_at_a_new_path(tmp_path):
+    src, cache = str(tmp_path / "src"), str(tmp_path / "cache")
+    _image_tree(src, per_class=1)
+    rel = "train/cat/img0.jpg"
+    old = {UCVolumeDataset(src, cache_dir=cache).source_of(p).rel: p for p in UCVolumeDataset(src, cache_dir=cache)}
+    with open(os.path.join(src, rel), "wb") as f:
+        f.write(b"new bytes, another size")
+    os.utime(os.path.join(src, rel), (1, 1))
+    ds = UCVolumeDataset(src, cache_dir=cache)
+    new = {ds.source_of(p).rel: p for p in ds}
+    assert new[rel] != old[rel] and new[rel].endswith(rel) and _read(new[rel]) == b"new bytes, another size"
+    assert _read(old[rel]) == f"{rel}\n".encode()  # a reader of the old version still sees its own bytes
+    assert all(new[r] == old[r] for r in new if r != rel)
+    with pytest.raises(NotAnEntryError):
+        ds.source_of(old[rel])  # no longer a file of the current listing
+
+
+@pytest.mark.timeout(120)
+def test_hostile_names_stay_inside_the_cache_and_map_back(tmp_path):
+    src = str(tmp_path / "src")
+    names = ["%~a/b.jpg", "line\nbreak/x.png", "tab\there.txt", "..dots/...", "%~#x", "ok/%20name.bin", "\x7fdel"]
+    for i, rel in enumerate(names):
+        os.makedirs(os.path.dirname(os.path.join(src, rel)), exist_ok=True)
+        with open(os.path.join(src, rel), "wb") as f:
+            f.write(bytes([i]) * (i + 1))
+    ds = UCVolumeDataset(src, cache_dir=str(tmp_path / "cache"))
+    files = os.path.realpath(os.path.join(ds.cache.root, "files")) + os.sep
+    seen = {}
+    for p in ds:
+        assert os.path.realpath(p).startswith(files)
+        seen[ds.source_of(p).rel] = _read(p)
+    assert seen == {rel: bytes([i]) * (i + 1) for i, rel in enumerate(names)}
+
+
+def _old_entry(cache: FileCache, name: str) -> str:
+    bucket = os.path.join(cache.root, "data", name[:2])
+    os.makedirs(bucket, exist_ok=True)
+    with open(os.path.join(bucket, name), "wb") as f:
+        f.write(b"old layout")
+    return os.path.join(bucket, name)
+
+
+@pytest.mark.timeout(120)
+def test_entries_of_the_old_layout_are_reaped_unless_a_live_process_protects_them(tmp_path):
+    src, root = str(tmp_path / "src"), str(tmp_path / "cache")
+    _image_tree(src, per_class=1)
+    cache = FileCache(root)
+    gone = _old_entry(cache, "ab" + "0" * 38 + ".jpg")
+    held = _old_entry(cache, "cd" + "1" * 38 + ".jpg")  # named by a record of a live (older) process
+    cache.write_record(cache.record_path(process_tag(), 0), [os.path.basename(held)])
+    assert "other" in cache_command("info", root)
+    ds = UCVolumeDataset(src, cache_dir=root)  # a new dataset reaps what no live process protects
+    assert not os.path.exists(gone) and not os.path.exists(os.path.dirname(gone)) and os.path.exists(held)
+    assert all(os.sep + "files" + os.sep in p for p in ds)  # never served from data/
+    cache.drop_record(cache.record_path(process_tag(), 0))
+    assert "1 old-layout" in cache_command("prune", root)
+    assert not os.path.exists(os.path.join(root, "data"))
+
+
+@pytest.mark.timeout(120)
+def test_budget_eviction_and_clear_remove_whole_entries(tmp_path):
+    src, root = str(tmp_path / "src"), str(tmp_path / "cache")
+    tree = _image_tree(src, per_class=40)  # 120 files
+    ds = UCVolumeDataset(src, cache_dir=root)
+    list(ds)
+    cache = FileCache(root)
+    cache.drop_records(process_tag(), dead_writers_only=False)  # the loop's last items are released
+    u = cache.usage()
+    assert u.files == len(tree) and u.bytes == sum(map(len, tree.values()))
+    files = os.path.join(root, "files")
+    freed = cache.evict(keep_below=u.total_bytes - u.bytes // 2)
+    left = os.listdir(files)
+    assert freed >= u.bytes // 2 - 1000 and 0 < len(left) < len(tree)
+    for name in left:  # what stays is whole: an entry directory with its one file at its path
+        walked = [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(files, name)) for f in fs]
+        assert len(walked) == 1
+    assert os.listdir(os.path.join(root, "tmp")) == []  # nothing half-removed left behind
+    assert "removed" in cache_command("clear", root)
+    assert os.listdir(files) == [] and cache.usage().files == 0
+    assert sorted(ds.source_of(p).rel for p in ds) == sorted(tree)  # filled again, at the same paths

@@ -12,6 +12,7 @@ import time
 import warnings
 from collections import OrderedDict
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
@@ -20,8 +21,9 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from . import plan, telemetry
 from ._util import DEFAULT_RETRIES
-from .cache import (FileCache, SeenEntries, cache_key, cache_keys, entry_files, entry_name, process_tag,
-                    release_at_exit, safe_suffix)
+from .cache import (FileCache, SeenEntries, cache_key, cache_keys, entry_files, entry_name, parse_entry_name,
+                    process_tag, release_at_exit, safe_suffix, unmap_relpath)
+from .errors import NotAnEntryError
 from .dist import dist_info, local_world_size
 from .epochs import EpochTracking, check_state_kind
 from .errors import (BudgetTooSmallError, CacheFullError, FetchError, InvalidArgumentError, ListingChangedError,
@@ -105,6 +107,16 @@ _TRIM: list[Callable[[], Any] | None] = [None]
 VALIDATE_MODES = ("lazy", "files", "dirs", "none")
 CHECK_THREADS = 16  # threads of one process's validate="lazy" checks (their own pool: a hit waits on them)
 FAST_CHECK_S = 50e-6  # a check (one stat) faster than this: the rest of the chunk is checked on the calling thread
+
+
+@dataclass(frozen=True)
+class SourceFile:
+    """Where a cached file came from (:meth:`UCVolumeDataset.source_of`)."""
+
+    source: str  # the file in the volume, as ucmagic displays it (a local path or a URI)
+    rel: str  # its path relative to the dataset's root (what the cached path ends with)
+    size: int  # bytes, as listed
+    mtime: float  # modification time (seconds since the epoch), as listed
 
 
 class CheckedFiles:
@@ -1018,6 +1030,32 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
         """``(display path, bytes)`` of file ``index`` of the listing (for fetch records)."""
         e = self.listing.entry(index)
         return self.volume.display(e.path), e.size
+
+    def source_of(self, path: str | os.PathLike) -> SourceFile:
+        """The source file whose cached copy is ``path`` (a path this dataset yielded): its display
+        path or URI in the volume, relative path, size and mtime as listed.
+
+        Works on the path alone (no file access; an evicted entry's path still answers). Raises
+        :class:`~ucmagic.errors.NotAnEntryError` for a path that is not one of this dataset's files
+        in its cache (another dataset's entry, a version no longer listed, any other path).
+        """
+        given = os.path.abspath(os.fspath(path))
+        files = os.path.join(self.cache.root, "files") + os.sep
+        entry, _, inner = given[len(files):].partition(os.sep) if given.startswith(files) else ("", "", "")
+        parsed = parse_entry_name(entry)
+        index = None
+        if parsed is not None and inner:
+            rel = unmap_relpath(inner)
+            index = self.listing.find(rel) if rel is not None else \
+                self.listing.find_key(bytes.fromhex(parsed[0])) if len(parsed[0]) == 40 else None
+        if index is not None:
+            e = self.listing.entry(index)
+            key, _ = self._chunk_keys(np.array([index]))[0]
+            if (key, e.size) == parsed and self.cache.data_path(key, "", e.size, e.path) == given:
+                return SourceFile(self.volume.display(e.path), e.path, e.size, e.mtime)
+        raise NotAnEntryError(
+            f"{given} is not a cached file of {self.volume.display()} (those are under {files}<version>/<relative "
+            "path>): pass a path this dataset yielded, from its current listing")
 
     def clear_cache(self) -> int:
         """Remove this dataset's files from the cache, plus protection records of dead processes and

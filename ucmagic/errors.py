@@ -47,6 +47,24 @@ class CacheFullError(UCMagicError, OSError):
     """The cache disk has no room left and nothing can be evicted."""
 
 
+class BudgetTooSmallError(CacheFullError):
+    """``cache_limit`` cannot hold what one loop needs at once (a file, or a batch per stream); the
+    message names the size it needs. Raised at the first item, before anything waits."""
+
+
+class CacheDirError(UCMagicError, OSError):
+    """The cache directory cannot be used (a file, read-only, no permission); set ``cache_dir=``."""
+
+
+class UnreadableDirectoryError(UCMagicError, PermissionError):
+    """A directory under a dataset's path cannot be read while listing (``on_error="skip"`` skips it)."""
+
+
+class InvalidArgumentError(UCMagicError, ValueError, TypeError):
+    """An argument has the wrong type or value; the message names the argument and what it accepts."""
+
+
+
 class ListingChangedError(UCMagicError, ValueError):
     """A saved resume state does not match the dataset's current listing."""
 
@@ -57,6 +75,10 @@ class ResumeOrderError(UCMagicError, ValueError):
 
 class UnsafeCacheError(UCMagicError, PermissionError):
     """The cache directory is not private to the current user."""
+
+
+class NotAnEntryError(UCMagicError, ValueError):
+    """A path given to ``source_of`` is not a cached file of that dataset."""
 
 
 class TorchVersionError(UCMagicError, RuntimeError):
