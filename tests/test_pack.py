@@ -349,6 +349,22 @@ def test_a_killed_pack_resumes_where_it_stopped_and_ends_as_a_fresh_pack_would(s
     assert again.written == 0 and again.kept == again.shards
 
 
+@pytest.mark.timeout(60)
+def test_temp_files_of_dead_runs_are_swept_and_those_of_a_running_one_kept(src, tmp_path):
+    root, _ = src
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          timeout=30).stdout.strip()
+    stale = [f".ucpack-{dead}-shard-000001.tar.tmp", f"index.json.tmp-{dead}-0", f"{STATE_NAME}.tmp-{dead}-3"]
+    live = f".ucpack-{os.getppid()}-shard-000002.tar.tmp"
+    for n in [*stale, live]:
+        (dest / n).write_bytes(b"partial")
+    ucmagic.pack(root, str(dest), shard_size="20KB", progress=False)
+    left = set(os.listdir(dest))
+    assert not left & set(stale) and live in left
+
+
 @pytest.mark.timeout(120)
 def test_a_changed_source_rewrites_the_shards_it_touches_and_drops_extra_ones(src, tmp_path):
     root, _ = src

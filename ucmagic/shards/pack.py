@@ -296,9 +296,19 @@ def check_dest(src_root: str | None, dest: str) -> None:
         raise PackError(f"source {src_root} is inside the destination {dest}: pick a destination outside the source")
 
 
+def _temp_pid(name: str) -> int | None:
+    """The pid in the name of a temp file of ours (a shard's, or the index's or state's atomic write), else None."""
+    if name.startswith(TMP_PREFIX) and name.endswith(".tmp"):
+        pid = name[len(TMP_PREFIX):].split("-", 1)[0]
+    elif name.startswith((INDEX_NAME + ".tmp-", STATE_NAME + ".tmp-")):
+        pid = name.split(".tmp-", 1)[1].split("-", 1)[0]
+    else:
+        return None
+    return int(pid) if pid.isdigit() else None
+
+
 def _is_ours(name: str) -> bool:
-    return name in (INDEX_NAME, STATE_NAME) or bool(_SHARD_RE.match(name)) or \
-        (name.startswith(TMP_PREFIX) and name.endswith(".tmp")) or name.startswith(INDEX_NAME + ".tmp-")
+    return name in (INDEX_NAME, STATE_NAME) or bool(_SHARD_RE.match(name)) or _temp_pid(name) is not None
 
 
 def prepare_dest(dest: str) -> dict[str, dict[str, Any]]:
@@ -315,11 +325,10 @@ def prepare_dest(dest: str) -> dict[str, dict[str, Any]]:
     from ..cache import pid_running
 
     for n in names:  # temp files of a killed run (its pid no longer runs)
-        if n.startswith(TMP_PREFIX) and n.endswith(".tmp"):
-            pid = n[len(TMP_PREFIX):].split("-", 1)[0]
-            if pid.isdigit() and not pid_running(int(pid)):
-                with contextlib.suppress(OSError):
-                    os.unlink(os.path.join(dest, n))
+        pid = _temp_pid(n)
+        if pid is not None and not pid_running(pid):
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(dest, n))
     try:
         with open(os.path.join(dest, STATE_NAME), "rb") as f:
             doc = json.loads(f.read())
