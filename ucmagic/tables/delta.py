@@ -328,7 +328,9 @@ class DeltaSnapshot:
         for c in columns:
             target = self.schema.field(c).type
             if c in self.partition_columns:
-                arrays.append(pa.array([parts.get(c)] * n, type=target) if n else pa.array([], type=target))
+                value = parts.get(c)
+                arrays.append(pa.nulls(n, type=target) if value is None
+                              else pa.repeat(pa.scalar(value, type=target), n))
                 continue
             src = file_cols.get(c)
             if src is None:
