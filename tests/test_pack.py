@@ -349,6 +349,30 @@ def test_a_killed_pack_resumes_where_it_stopped_and_ends_as_a_fresh_pack_would(s
     assert again.written == 0 and again.kept == again.shards
 
 
+_PACK_ONCE = """
+import json, sys, ucmagic
+r = ucmagic.pack("slow://" + sys.argv[1], sys.argv[2], shard_size="20KB", workers=4, progress=False,
+                 storage_options={"open_ms": 3, "mbps": 0, "list_ms": 0})
+print(json.dumps({"written": r.written, "kept": r.kept, "shards": r.shards}))
+"""
+
+
+@pytest.mark.timeout(180)
+def test_two_processes_packing_into_one_destination_write_each_shard_once(src, tmp_path):
+    root, _ = src
+    ref = str(tmp_path / "ref")
+    ucmagic.pack(root, ref, shard_size="20KB", progress=False)
+    dest = str(tmp_path / "dest")
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    procs = [subprocess.Popen([sys.executable, "-c", _PACK_ONCE, root, dest], env=env, stdout=subprocess.PIPE,
+                              text=True) for _ in range(2)]
+    outs = [json.loads(p.communicate(timeout=120)[0].strip().splitlines()[-1]) for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    shards = outs[0]["shards"]
+    assert sorted(o["written"] for o in outs) == [0, shards]  # the second waited, then found them all
+    assert shard_bytes(dest) == shard_bytes(ref)
+
+
 @pytest.mark.timeout(60)
 def test_temp_files_of_dead_runs_are_swept_and_those_of_a_running_one_kept(src, tmp_path):
     root, _ = src

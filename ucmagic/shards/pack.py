@@ -49,6 +49,7 @@ BLOCK = tarfile.BLOCKSIZE    # 512
 RECORD = tarfile.RECORDSIZE  # 10240: tar files end on a record boundary, as GNU tar and tarfile write them
 SHARD_NAME = "shard-{:06d}.tar"
 STATE_NAME = ".ucpack-state.json"
+LOCK_NAME = ".ucpack.lock"   # held by the pack writing into the directory
 TMP_PREFIX = ".ucpack-"
 DEFAULT_WORKERS = 256        # reads in flight (the seeds' 256-way copy): a slow volume's latency hides behind them
 READ_CHUNK = 8 << 20         # a member bigger than this is read in pieces of this size
@@ -308,20 +309,14 @@ def _temp_pid(name: str) -> int | None:
 
 
 def _is_ours(name: str) -> bool:
-    return name in (INDEX_NAME, STATE_NAME) or bool(_SHARD_RE.match(name)) or _temp_pid(name) is not None
+    return name in (INDEX_NAME, STATE_NAME, LOCK_NAME) or bool(_SHARD_RE.match(name)) or _temp_pid(name) is not None
 
 
 def prepare_dest(dest: str) -> dict[str, dict[str, Any]]:
     """Create ``dest`` or check that it holds only an earlier pack; remove temp files of killed runs;
     return the completed shards recorded by an earlier run (name -> size, digest)."""
-    if os.path.exists(dest) and not os.path.isdir(dest):
-        raise PackError(f"destination {dest} is a file: pass a directory")
     os.makedirs(dest, exist_ok=True)
-    names = os.listdir(dest)
-    foreign = sorted(n for n in names if not _is_ours(n))
-    if foreign:
-        raise PackError(f"destination {dest} is not empty and holds no earlier pack (e.g. {foreign[0]!r}): "
-                        "pick an empty or new directory")
+    names = _check_ours(dest)
     from ..cache import pid_running
 
     for n in names:  # temp files of a killed run (its pid no longer runs)
@@ -807,11 +802,41 @@ def pack(src: Any, dest: str | os.PathLike[str], shard_size: int | str = "1GB", 
             raise PackError("label_from_folder and pattern apply to a tree of files, not to a table "
                             "(label columns of a table are packed as members)")
         check_dest(_source_root(src, None) if isinstance(src, (str, os.PathLike)) else None, dest_root)
-        return _pack_table(src, dest_root, target, columns, key_column, progress, t0)
+        with _dest_lock(dest_root):
+            return _pack_table(src, dest_root, target, columns, key_column, progress, t0)
     if columns is not None or key_column is not None:
         raise PackError("columns and key_column apply to a table, not to a tree of files")
     vol = open_volume(src, storage_options)
     check_dest(_source_root(src, vol), dest_root)
+    with _dest_lock(dest_root):
+        return _pack_tree(vol, dest_root, target, label_from_folder, pattern, workers, retries, progress, t0)
+
+
+@contextlib.contextmanager
+def _dest_lock(dest: str) -> Iterator[None]:
+    """One pack at a time per destination: a second one waits for the first, then finds its shards."""
+    from ..cache import file_lock
+
+    _check_ours(dest)  # before the lock file is made: a refused directory is left as it was
+    os.makedirs(dest, exist_ok=True)
+    with file_lock(os.path.join(dest, LOCK_NAME)):
+        yield
+
+
+def _check_ours(dest: str) -> list[str]:
+    """The names in ``dest`` (none if it does not exist yet); PackError if it is a file or holds other files."""
+    if os.path.exists(dest) and not os.path.isdir(dest):
+        raise PackError(f"destination {dest} is a file: pass a directory")
+    names = os.listdir(dest) if os.path.isdir(dest) else []
+    foreign = sorted(n for n in names if not _is_ours(n))
+    if foreign:
+        raise PackError(f"destination {dest} is not empty and holds no earlier pack (e.g. {foreign[0]!r}): "
+                        "pick an empty or new directory")
+    return names
+
+
+def _pack_tree(vol: Volume, dest_root: str, target: int, label_from_folder: bool, pattern: str | None,
+               workers: int | None, retries: int, progress: bool | str, t0: float) -> PackSummary:
     tree = group_files(vol.list(pattern), label_from_folder=label_from_folder)
     if not tree.samples:
         raise PackError(f"no samples under {vol.display()}: every file lacks an extension (e.g. "
