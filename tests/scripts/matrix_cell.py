@@ -1,7 +1,6 @@
 """Child-process runner of the scenario matrix (tests/test_matrix.py, issue 23 item 5).
 
-    python matrix_cell.py SPEC.json                      # run SPEC["cells"] in order
-    python matrix_cell.py --second SRC CACHE OUT.json    # the "second process on the same cache"
+    python matrix_cell.py SPEC.json      # run SPEC["cells"] in order
 
 For each cell it prints ``START <id>`` (flushed), runs it, then ``RESULT <json>``, and ``DONE`` after
 the last one. A cell that overruns its deadline (the whole cell, or the time allowed after its event)
@@ -33,7 +32,7 @@ sys.path.insert(0, REPO)
 import torch.utils.data as tud  # noqa: E402 - after the path: spawn workers import this module too
 
 GRACE_S = 3.0  # after a loop, threads and worker processes it started have this long to end
-IDLE_S = 0.5  # window in which the process's CPU time is measured once the loop is over
+IDLE_S = 0.3  # window in which the process's CPU time is measured once the loop is over
 
 
 def digest(data: bytes) -> str:
@@ -355,7 +354,7 @@ def run_cell(cell: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
                "home": (os.environ["HOME"], ()), "tmpdir": (os.environ["TMPDIR"], ())}
     before = {k: tree_state(root, skip) for k, (root, skip) in watched.items()}
     baseline = {t.ident for t in threading.enumerate() if t.ident is not None}
-    second: subprocess.Popen | None = None
+    second: int | None = None
     second_out = os.path.join(work, "second.json")
     exclude: set[int] = set()
     probe = Probe()
@@ -395,9 +394,8 @@ def run_cell(cell: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
             ds = UCVolumeDataset(src, cache_dir=cache, cache_limit=limit)
             res["meta0"] = tree_bytes(cache)
             if event == "second":
-                second = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--second", src, cache,
-                                           second_out], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-                exclude.add(second.pid)
+                second = start_second(src, cache, second_out, spec["cell_timeout"])
+                exclude.add(second)
             loader = make_loader(consumer, ds, workers, batch)
             k = spec["trigger_at"]
             stop = k if event == "break" else None
@@ -416,15 +414,7 @@ def run_cell(cell: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
             res["after_event_s"] = round(time.monotonic() - t_event[0], 3)
         faulthandler.dump_traceback_later(spec["cell_timeout"], exit=True)
         if second is not None:
-            try:
-                _, err = second.communicate(timeout=spec["cell_timeout"])
-                with open(second_out) as f:
-                    res["second"] = json.load(f)
-            except (subprocess.TimeoutExpired, FileNotFoundError, ValueError) as exc:
-                second.kill()
-                _, err = second.communicate()
-                res["second"] = {"outcome": {"kind": "hang" if isinstance(exc, subprocess.TimeoutExpired)
-                                             else "crash", "msg": err[-2500:]}}
+            res["second"] = wait_second(second, second_out, spec["cell_timeout"])
             if "items" in res["second"]:
                 res["second"]["sum"] = summarize(res["second"].pop("items"), source, new, None)
     res["peak"] = sampler.peak
@@ -463,26 +453,52 @@ def run_cell(cell: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
     return res
 
 
-def second_main(src: str, cache: str, out: str) -> None:
-    """The second process: a plain loop over the same source and cache, no budget of its own."""
-    from ucmagic import UCVolumeDataset
-
-    res: dict[str, Any] = {}
+def start_second(src: str, cache: str, out: str, deadline: float) -> int:
+    """The second process on the same cache: forked (a process of its own, without a second
+    interpreter start-up), a plain loop over the same source and cache with no budget of its own.
+    Writes its facts to ``out``."""
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 1
     try:
-        res["items"] = epoch(UCVolumeDataset(src, cache_dir=cache), "plain")
-        res["outcome"] = {"kind": "complete"}
-    except BaseException as exc:  # noqa: BLE001
-        res["outcome"] = {"kind": "error", **error_facts(exc)}
-    with open(out + ".part", "w") as f:
-        json.dump(res, f)
-    os.replace(out + ".part", out)
+        faulthandler.dump_traceback_later(deadline, exit=True)
+        from ucmagic import UCVolumeDataset
+
+        res: dict[str, Any] = {}
+        try:
+            res["items"] = epoch(UCVolumeDataset(src, cache_dir=cache), "plain")
+            res["outcome"] = {"kind": "complete"}
+        except BaseException as exc:  # noqa: BLE001
+            res["outcome"] = {"kind": "error", **error_facts(exc)}
+        with open(out + ".part", "w") as f:
+            json.dump(res, f)
+        os.replace(out + ".part", out)
+        code = 0
+    finally:
+        os._exit(code)
+
+
+def wait_second(pid: int, out: str, deadline: float) -> dict[str, Any]:
+    end = time.monotonic() + deadline + 5
+    status = None
+    while time.monotonic() < end:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.02)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        return {"outcome": {"kind": "hang", "msg": f"the second process did not finish in {deadline:g} s"}}
+    try:
+        with open(out) as f:
+            return json.load(f)
+    except (FileNotFoundError, ValueError):
+        return {"outcome": {"kind": "crash", "msg": f"the second process died (wait status {status})"}}
 
 
 def main() -> None:
-    if sys.argv[1] == "--second":
-        faulthandler.dump_traceback_later(60, exit=True)
-        second_main(*sys.argv[2:5])
-        return
     with open(sys.argv[1]) as f:
         spec = json.load(f)
     import multiprocessing.util
@@ -495,6 +511,7 @@ def main() -> None:
         res = run_cell(cell, spec)
         print("RESULT", json.dumps(res), flush=True)
     print("DONE", flush=True)
+    faulthandler.dump_traceback_later(10, exit=True)  # a hang at interpreter exit: stacks, and out
 
 
 if __name__ == "__main__":
