@@ -312,14 +312,23 @@ class SampleStream(EpochTracking, IterableDataset):
         rank, world, _, _, worker, nworkers = dist_info()
         lay = self.layout(epoch, world)
         segs = lay.segments(self.stream_ranges(epoch, rank, world, worker, nworkers))
-        reader = ChunkReader(ds.cache, ds.files, keep=1 << 30, owner=process_tag(), slot=f"s{worker}",
-                             counters=ds.counters)
+        reader = self.stream_reader(f"s{worker}")
         try:
-            yield from self._deliver(reader, lay, segs, main)
+            for sample in self.read_segments(reader, lay, segs):
+                if main:
+                    self._delivered_main += 1
+                yield sample
         finally:
             reader.close()
 
-    def _deliver(self, reader: ChunkReader, lay: Any, segs: list[Any], main: bool) -> Iterator[Any]:
+    def stream_reader(self, slot: str) -> ChunkReader:
+        """A chunk reader for one stream of this process (close it when the stream ends)."""
+        ds = self.dataset
+        return ChunkReader(ds.cache, ds.files, keep=1 << 30, owner=process_tag(), slot=slot, counters=ds.counters)
+
+    def read_segments(self, reader: ChunkReader, lay: Any, segs: list[Any]) -> Iterator[Any]:
+        """The samples of ``segs`` (window segments of ``lay``) in order, reading the chunks the next
+        ones need ahead and letting each chunk go after its last use."""
         ds = self.dataset
         nxt = lay.segment_rows(segs[0]) if segs else np.zeros(0, dtype=np.int64)
         for k in range(len(segs)):
@@ -351,8 +360,6 @@ class SampleStream(EpochTracking, IterableDataset):
                 done = [fc for fc in chunks[j] if last[fc] == j and fc not in upcoming]
                 if done:
                     reader.release(done)
-                if main:
-                    self._delivered_main += 1
                 yield sample
             reader.discard(set(reader.pending()) - upcoming)  # read ahead for nothing: unprotect
 
