@@ -325,15 +325,7 @@ def test_a_killed_pack_resumes_where_it_stopped_and_ends_as_a_fresh_pack_would(s
     env = {**os.environ, "PYTHONPATH": ROOT}
     proc = subprocess.Popen([sys.executable, "-c", _KILLED_PACK, root, dest], env=env)
     try:
-        deadline = time.monotonic() + 60
-        state = os.path.join(dest, STATE_NAME)
-        while time.monotonic() < deadline:
-            try:
-                if len(json.load(open(state))["shards"]) >= 2:
-                    break
-            except (OSError, ValueError, KeyError):
-                pass
-            time.sleep(0.01)
+        _wait_for_shards(dest, 2, proc)
         os.kill(proc.pid, signal.SIGKILL)
     finally:
         proc.wait(timeout=30)
@@ -387,6 +379,33 @@ def test_temp_files_of_dead_runs_are_swept_and_those_of_a_running_one_kept(src, 
     ucmagic.pack(root, str(dest), shard_size="20KB", progress=False)
     left = set(os.listdir(dest))
     assert not left & set(stale) and live in left
+
+
+def _wait_for_shards(dest, n, proc, timeout=60):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if len(json.load(open(os.path.join(dest, STATE_NAME)))["shards"]) >= n:
+                return
+        except (OSError, ValueError, KeyError):
+            pass
+        time.sleep(0.01)
+
+
+@pytest.mark.timeout(180)
+def test_ctrl_c_stops_a_pack_promptly_removing_its_temp_files(src, tmp_path):
+    root, _ = src
+    dest = str(tmp_path / "dest")
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED_PACK, root, dest], env={**os.environ, "PYTHONPATH": ROOT},
+                            stderr=subprocess.PIPE, text=True)
+    _wait_for_shards(dest, 1, proc)
+    proc.send_signal(signal.SIGINT)
+    err = proc.communicate(timeout=60)[1]
+    assert proc.returncode != 0 and "KeyboardInterrupt" in err
+    names = os.listdir(dest)
+    assert not [n for n in names if n.endswith(".tmp")] and "index.json" not in names
+    res = ucmagic.pack(root, dest, shard_size="20KB", progress=False)
+    assert res.kept >= 1 and len(webdataset_samples(dest)) == 60
 
 
 @pytest.mark.timeout(120)
