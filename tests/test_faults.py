@@ -19,7 +19,7 @@ import time
 import pytest
 
 from ucmagic import UCVolumeDataset
-from ucmagic.cache import cache_key, safe_suffix
+from ucmagic.cache import FileCache, cache_key
 from ucmagic.errors import FetchError, FetchTimeoutError
 from ucmagic.testing import make_files
 from ucmagic.volume import LocalVolume, open_volume
@@ -47,12 +47,11 @@ def assert_cache_sound(cache_root: str, root: str, volume_uri: str | None = None
     """No temp file left over, and every complete entry of this volume holds the source's bytes."""
     vol = open_volume(volume_uri or root)
     for e in LocalVolume(root).list():
-        p = os.path.join(cache_root, "data", cache_key(vol.uri, e.path, e.size, e.mtime)[:2],
-                         cache_key(vol.uri, e.path, e.size, e.mtime) + safe_suffix(e.path))
+        p = FileCache(cache_root).data_path(cache_key(vol.uri, e.path, e.size, e.mtime), "", e.size, e.path)
         if os.path.exists(p):
             assert sha(p) == sha(os.path.join(root, e.path)), f"corrupt cache entry for {e.path}"
-    for p in glob.glob(os.path.join(cache_root, "data", "*", "*")):
-        assert not p.endswith(".part"), p
+    for p in glob.glob(os.path.join(cache_root, "files", "**"), recursive=True):
+        assert not p.endswith((".part", ".dir")), p
 
 
 def deliver(ds, sums: dict[str, str]) -> list[str]:
@@ -93,7 +92,7 @@ def test_retries_exhausted_fail_with_the_file_named_and_nothing_cached(tmp_path)
     with pytest.raises(FetchError, match=r"cannot copy slow://.*f0000\d\d\.bin: .*injected I/O error"):
         list(ds)
     assert ds.stats()["retries"] >= 2
-    assert glob.glob(os.path.join(ds.cache.root, "data", "*", "*")) == []
+    assert glob.glob(os.path.join(ds.cache.root, "files", "*")) == []
     assert os.listdir(os.path.join(ds.cache.root, "tmp")) == []
 
 
@@ -161,9 +160,10 @@ def test_sigkill_mid_cache_fill_leaves_no_partial_entry(tmp_path, limit):
     parts = os.listdir(os.path.join(cache, "tmp"))
     if limit:  # the budget's reservation file under tmp/ holds the half-written bytes
         assert len(parts) == 1 and os.path.getsize(os.path.join(cache, "tmp", parts[0])) == 25_000  # killed half-way
-    else:  # an unnamed (O_TMPFILE) file vanishes with the process; a temp file elsewhere
-        assert len(parts) <= 1 and all(os.path.getsize(os.path.join(cache, "tmp", p)) == 25_000 for p in parts)
-    assert glob.glob(os.path.join(cache, "data", "*", "*")) == []  # nothing at a final name
+    else:  # the entry directory staged under tmp/ holds the half-written file
+        staged = [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(cache, "tmp")) for f in fs]
+        assert len(parts) == 1 and parts[0].endswith(".dir") and [os.path.getsize(p) for p in staged] == [25_000]
+    assert glob.glob(os.path.join(cache, "files", "*")) == []  # nothing at a final name
     ds = UCVolumeDataset(root, cache_dir=cache)
     assert sorted(deliver(ds, sums)) == sorted(rels)
     assert ds.stats()["misses"] == len(rels)
@@ -342,7 +342,7 @@ def test_four_processes_on_one_cache_copy_each_file_once(tmp_path):
 def _entry_path(ds: UCVolumeDataset, rel: str) -> str:
     e = next(e for e in ds.listing.iter_entries() if e.path == rel)
     key, suffix = ds._key(e)
-    return ds.cache.data_path(key, suffix)
+    return ds.cache.data_path(key, suffix, e.size, e.path)
 
 
 def test_changed_file_is_refetched_and_deleted_file_raises_or_is_skipped(tmp_path):

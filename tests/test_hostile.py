@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ucmagic import UCVolumeDataset, stage
-from ucmagic.cache import FileCache, cache_key, safe_suffix
+from ucmagic.cache import FileCache, cache_key, entry_file, entry_name, map_relpath
 from ucmagic.errors import UnsafeCacheError
 from ucmagic.volume import is_safe_rel
 
@@ -80,8 +80,9 @@ def test_hostile_names_are_cached_and_staged_inside_their_directories(tmp_path, 
 def test_cache_paths_never_leave_the_cache_directory(rel):
     root = "/c"
     key = cache_key("memory://vol", rel, 10, 1.0)
-    path = os.path.normpath(os.path.join(root, "data", key[:2], key + safe_suffix(rel)))
-    assert path.startswith("/c/data/") and path.count("/") == 4  # data/<k0k1>/<key><.ext>, nothing else
+    path = os.path.normpath(os.path.join(root, "files", entry_file(key, "", 10, rel)))
+    assert path.startswith(f"/c/files/{entry_name(key, 10)}/")  # files/<version id>/<the mapped relative path>
+    assert path.count("/") == 3 + len(map_relpath(rel).split("/"))  # no component collapsed or escaping
 
 
 def test_object_store_keys_with_dotdot_cannot_write_outside_cache_or_destination(tmp_path):

@@ -350,7 +350,7 @@ def test_remote_files_go_through_the_cache_and_follow_the_manifest(tmp_path):
         ds = ParquetDataset(url, batch_size=500, cache_dir=str(tmp_path / "c"))
         assert ds.use_cache and ds.num_rows == 5000
         assert sorted(ids_of(list(ds)).tolist()) == list(range(5000))
-        cached = [f for _, _, fs_ in os.walk(tmp_path / "c" / "data") for f in fs_]
+        cached = [f for _, _, fs_ in os.walk(tmp_path / "c" / "files") for f in fs_]
         assert len(cached) == r.num_files
         assert len(load_table(url)) == 5000
         export_parquet(frame(10), url, target_file_size="40KB")  # overwrite: old files removed
