@@ -462,6 +462,24 @@ def test_a_table_packs_a_member_per_column_readable_by_webdataset(tmp_path):
 
 
 @pytest.mark.timeout(120)
+def test_a_delta_table_and_a_pyarrow_table_pack_like_the_dataframe(tmp_path):
+    deltalake = pytest.importorskip("deltalake")
+    import pyarrow as pa
+
+    df = _frame()
+    ref = str(tmp_path / "ref")
+    ucmagic.pack(df, ref, shard_size="12KB", progress=False)
+    delta = str(tmp_path / "delta")
+    deltalake.write_deltalake(delta, pa.Table.from_pandas(df, preserve_index=False))
+    out = str(tmp_path / "from_delta")
+    ucmagic.pack(delta, out, shard_size="12KB", progress=False)
+    assert shard_bytes(out) == shard_bytes(ref)
+    out2 = str(tmp_path / "from_arrow")
+    ucmagic.pack(pa.Table.from_pandas(df, preserve_index=False), out2, shard_size="12KB", progress=False)
+    assert shard_bytes(out2) == shard_bytes(ref)
+
+
+@pytest.mark.timeout(120)
 def test_a_table_pack_resumes_and_a_changed_row_rewrites_from_its_shard(tmp_path):
     dest = str(tmp_path / "t")
     first = ucmagic.pack(_frame(), dest, shard_size="12KB", progress=False)

@@ -557,7 +557,12 @@ def _table_batches(src: Any, columns: Sequence[str] | None, batch_rows: int) -> 
 
     source = resolve_source(src)
     cols = list(columns) if columns is not None else None
-    if source.kind in ("delta", "parquet", "csv"):
+    if source.kind == "delta":  # the rows its snapshot defines, as a RecordBatchReader
+        for batch in arrow_dataset(source, cols):
+            for start in range(0, batch.num_rows, batch_rows):
+                yield batch.slice(start, batch_rows)
+        return
+    if source.kind in ("parquet", "csv"):
         yield from arrow_dataset(source).to_batches(columns=cols, batch_size=batch_rows)
         return
     obj = source.obj
