@@ -142,6 +142,7 @@ class Source:
     name: str | None = None
     remote: bool = False
     storage_options: dict[str, Any] | None = None
+    snapshot: Any = field(default=None, repr=False, compare=False)  # a delta source's, once resolved
 
     def describe(self) -> str:
         if self.name:
@@ -321,10 +322,14 @@ def _fs_for(src: Source) -> Any:
 
 
 def delta_snapshot(src: Source) -> Any:
-    """The :class:`~ucmagic.tables.delta.DeltaSnapshot` of a ``delta`` source (its version, files, schema)."""
+    """The :class:`~ucmagic.tables.delta.DeltaSnapshot` of a ``delta`` source (its version, files, schema),
+    resolved once per source: every reader of the source sees the same version."""
     from .delta import open_snapshot
 
-    return open_snapshot(src.root or "", version=src.version, name=src.describe(), storage_options=src.storage_options)
+    if src.snapshot is None:
+        src.snapshot = open_snapshot(src.root or "", version=src.version, name=src.describe(),
+                                     storage_options=src.storage_options)
+    return src.snapshot
 
 
 def arrow_dataset(src: Source, columns: Sequence[str] | None = None) -> Any:
