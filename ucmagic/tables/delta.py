@@ -556,7 +556,7 @@ def _checkpoint_adds(log: _Log, names: list[str], version: int) -> tuple[int, li
                     path = unquote(sc["path"])
                     sc_parts = ("_sidecars", path) if "/" not in path else (path,)
                     with log.open(*sc_parts) as f:
-                        adds += _rows(pq.read_table(f, columns=["add"]), "add")
+                        adds += _parquet_actions(pq.ParquetFile(f), "add")
         except FileNotFoundError:
             continue
         return v, adds
@@ -569,6 +569,18 @@ def _rows(table: Any, col: str) -> list[dict[str, Any]]:
     return [r for r in table.column(col).to_pylist() if r is not None]
 
 
+def _parquet_actions(pf: Any, kind: str) -> list[dict[str, Any]]:
+    """The ``kind`` actions of a Parquet checkpoint or sidecar; of ``add`` only the path and the deletion
+    vector are read (not the statistics)."""
+    if kind not in pf.schema_arrow.names:
+        return []
+    if kind == "add":
+        sub = {f.name for f in pf.schema_arrow.field("add").type}
+        cols = ["add.path"] + (["add.deletionVector"] if "deletionVector" in sub else [])
+        return _rows(pf.read(columns=cols), "add")
+    return _rows(pf.read(columns=[kind]), kind)
+
+
 def _actions_of(log: _Log, name: str, fmt: str, kind: str) -> list[dict[str, Any]]:
     import pyarrow.parquet as pq
 
@@ -579,7 +591,7 @@ def _actions_of(log: _Log, name: str, fmt: str, kind: str) -> list[dict[str, Any
         pf = pq.ParquetFile(f)
         if kind not in pf.schema_arrow.names:
             return []
-        return _rows(pf.read(columns=[kind]), kind)
+        return _parquet_actions(pf, kind)
 
 
 def _replay(root: str, version: int, storage_options: dict[str, Any] | None) -> dict[str, tuple[int, Any]]:
