@@ -459,6 +459,11 @@ def test_a_table_packs_a_member_per_column_readable_by_webdataset(tmp_path):
     assert all(set(s) == {"__key__", "image", "label"} for s in got2)
     with pytest.raises(PackError, match="twice"):
         ucmagic.pack(df2.assign(id="same"), str(tmp_path / "t3"), key_column="id", progress=False)
+    with pytest.raises(PackError, match="WebDataset key"):
+        ucmagic.pack(df2.assign(id=[f"a/b.{i}" for i in range(40)]), str(tmp_path / "t4"), key_column="id",
+                     progress=False)
+    with pytest.raises(PackError, match="one extension"):
+        ucmagic.pack(df, str(tmp_path / "t5"), columns={"image": "bin", "caption": "bin"}, progress=False)
 
 
 @pytest.mark.timeout(120)

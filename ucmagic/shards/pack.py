@@ -31,8 +31,8 @@ import tarfile
 import threading
 import time
 import zlib
-from collections.abc import Iterable, Iterator, Mapping, Sequence
 from collections import deque
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,7 +42,8 @@ from ..errors import FetchError, PackError, SourceChangedError
 from ..fetch import with_retries
 from ..progress import Progress
 from ..units import format_size, parse_size
-from ..volume import FileEntry, FsspecVolume, LocalVolume, Volume, copy_error, open_volume, resolve_local_path
+from ..volume import (FileEntry, FsspecVolume, LocalVolume, Volume, copy_error, is_safe_rel, open_volume,
+                      resolve_local_path)
 from .index import INDEX_NAME, Member, ShardInfo, dumps_index, shard_info, split_key
 
 BLOCK = tarfile.BLOCKSIZE    # 512
@@ -56,7 +57,6 @@ READ_CHUNK = 8 << 20         # a member bigger than this is read in pieces of th
 MAX_AHEAD = 256 << 20        # bytes read ahead of the shard writers, in all
 SHARD_WRITERS = 4            # shards written at once, each front to back
 _SHARD_RE = re.compile(r"^shard-\d{6}\.tar$")
-_KEY_SAFE = re.compile(r"^[^./\0]+(?:/[^/\0]+)*$")
 
 
 # ---------------------------------------------------------------- the plan (pure)
@@ -611,12 +611,14 @@ def table_samples(batches: Iterable[Any], exts: Mapping[str, str] | None, key_co
             raise PackError(f"key_column {key_column!r} is not a column of the table (columns: {', '.join(names)})")
         cols = [c for c in names if c != key_column and (exts is None or c in exts)]
         exts_of = {c: _check_ext(c, (exts or {}).get(c, c)) for c in cols}
+        if len(set(exts_of.values())) < len(exts_of):
+            raise PackError(f"two columns map to one extension ({exts_of}): each member of a sample needs its own")
         data = {c: batch.column(c).to_pylist() for c in cols}
         keys = batch.column(key_column).to_pylist() if key_column is not None else None
         for i in range(batch.num_rows):
             key = str(keys[i]) if keys is not None else f"{row:09d}"
             if keys is not None:
-                if not _KEY_SAFE.match(key):
+                if split_key(key + ".x") != (key, "x") or not is_safe_rel(key):
                     raise PackError(f"key {key!r} (row {row}) cannot be a WebDataset key: keys hold no dot in "
                                     "their last part and no empty parts; pick another key_column or none")
                 if key in seen:
