@@ -391,6 +391,29 @@ def test_every_arrow_type_yields_something_usable(tmp_path):
 
 
 @pytest.mark.timeout(60)
+def test_columns_with_nulls_and_other_parquet_types_yield_something_usable(tmp_path):
+    d = tmp_path / "pq"
+    d.mkdir()
+    t = pa.table({
+        "bn": pa.array([True, None, False]), "inull": pa.array([1, None, 3]), "u64": pa.array([1, 2, 3], pa.uint64()),
+        "f16": pa.array([1, 2, 3], pa.float16()), "fsl": pa.array([[1, 2], [3, 4], [5, 6]], pa.list_(pa.int32(), 2)),
+        "ll": pa.array([[1], [2], None], pa.large_list(pa.int64())), "nul": pa.nulls(3),
+        "dic": pa.array(["a", "b", "a"]).dictionary_encode(), "t64": pa.array([1, 2, 3], pa.time64("us")),
+        "dur": pa.array([1, 2, 3], pa.duration("ms")), "bin": pa.array([b"a", None, b"c"], pa.large_binary()),
+        "dec": pa.array([decimal.Decimal("1.5"), None, decimal.Decimal("2")], pa.decimal128(5, 1)),
+    })
+    pq.write_table(t, d / "a.parquet")
+    b = next(iter(ParquetDataset(str(d))))
+    assert b["bn"].dtype == torch.float64 and b["bn"][0].item() == 1.0 and torch.isnan(b["bn"][1])
+    assert torch.isnan(b["inull"][1]) and b["u64"].tolist() == [1, 2, 3] and b["f16"].dtype == torch.float16
+    assert b["fsl"] == [[1, 2], [3, 4], [5, 6]] and b["ll"][2] is None and b["nul"] == [None] * 3
+    assert b["dic"] == ["a", "b", "a"] and b["t64"].tolist() == [1, 2, 3] and b["dur"].tolist() == [1, 2, 3]
+    assert b["bin"] == [b"a", None, b"c"] and b["dec"][0].item() == 1.5
+    for fmt in ("numpy", "arrow", "pandas"):
+        assert len(next(iter(ParquetDataset(str(d), format=fmt)))["bn"]) == 3
+
+
+@pytest.mark.timeout(60)
 def test_an_empty_table_gives_zero_batches(tmp_path):
     path = str(tmp_path / "t")
     write_deltalake(path, base_table(0))

@@ -510,6 +510,8 @@ class ParquetDataset(EpochTracking, IterableDataset):
                     col = col.filter(apick)
                 out[c] = col.combine_chunks()
                 continue
+            if col.null_count and pa.types.is_boolean(col.type):
+                col = col.cast(pa.float64())  # nulls as NaN, as for integer columns (numpy has no null bool)
             arr = col.to_numpy()
             if pick is not None:
                 arr = arr[pick]  # a fresh array (boolean indexing): the deletion vector costs no extra copy
