@@ -1,52 +1,92 @@
-"""``ucmagic.mix``: interleave several streams with fixed, seeded proportions.
+"""``ucmagic.mix``: interleave sample streams with fixed, seeded proportions, planned like one stream.
 
-Each delivered sample picks its source by a seeded draw from ``weights`` (one draw per position
-of the stream, from ``(seed, epoch, rank, worker)``), so the sequence of sources is the same in
-every run and the proportions converge to the weights. Every source is iterated in the same
-process as the mix, so a source that splits itself over ranks x workers (a
-:class:`~ucmagic.shards.samples.SampleStream`, a ``UCVolumeDataset``) gives each worker's mix its own
-part. The epoch ends at the first source that runs out (the proportions never drift).
-
-Resume: :meth:`Mix.state_dict` (plain iteration) holds the positions delivered and each source's
-state; :meth:`Mix.load_state_dict` restores them, so the next iteration continues the same
-sequence of sources and samples. Under DataLoader workers, ``ucmagic.DataLoader`` resumes it by
-skipping the delivered batches (same number of workers).
+The mix has one global order per epoch. Position ``p`` takes its source from a seeded draw over
+``weights`` (draws depend only on ``(seed, epoch, p)``), and the ``q``-th position that drew source
+``k`` is position ``q`` of source ``k``'s own epoch order (its bounded-cache shuffle, see
+:mod:`.shuffle`). The epoch ends just before the first source would run out, so the proportions
+hold to the end. The mix positions are split over ranks x DataLoader workers by :mod:`ucmagic.plan`
+like any planned dataset: each stream reads a contiguous run of every source's order (a few chunks
+at a time), ranks get equal lengths, and ``ucmagic.DataLoader.state_dict()`` (or
+:meth:`Mix.state_dict` in plain iteration) resumes exactly, under any number of workers or ranks.
+Sources are streams (``ds.stream(...)``) or shard datasets (their default stream); in a mix they
+follow their global order (``shuffle=True`` or ``"node"`` mean ``"global"`` there).
 """
 from __future__ import annotations
 
-from typing import Any, Iterator, Sequence
+import hashlib
+import os
+from typing import Any, Generator, Iterator, Sequence
 
 import numpy as np
-from torch.utils.data import IterableDataset
+from torch.utils.data import IterableDataset, get_worker_info
 
+from .. import plan
 from ..dist import dist_info
+from ..epochs import EpochTracking, check_state_kind
+from ..errors import ListingChangedError
+from .samples import SampleStream, ShardDataset
+from .shuffle import sample_layout
 
-STATE_VERSION = 1
+STATE_VERSION = 2
 DRAW_BLOCK = 4096
 
 
-def choices(weights: Sequence[float], seed: int, epoch: int, stream: int, start: int, count: int) -> np.ndarray:
-    """Source index at positions ``start .. start + count`` of one stream's sequence (pure)."""
+def choices(weights: Sequence[float], seed: int, epoch: int, start: int, count: int) -> np.ndarray:
+    """Source index at mix positions ``start .. start + count`` (pure: the same draws for any window)."""
     w = np.asarray(weights, dtype=np.float64)
     cum = np.cumsum(w / w.sum())
     cum[-1] = 1.0
-    out = []
-    first = start // DRAW_BLOCK
-    last = (start + count + DRAW_BLOCK - 1) // DRAW_BLOCK
-    for b in range(first, max(first + 1, last)):  # blocks of draws: position p is block p // DRAW_BLOCK
-        u = np.random.default_rng([int(seed), int(epoch), int(stream), b, 0x31C5]).random(DRAW_BLOCK)
-        out.append(np.searchsorted(cum, u, side="right"))
-    arr = np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+    if count <= 0:
+        return np.zeros(0, dtype=np.int64)
+    first, last = start // DRAW_BLOCK, (start + count - 1) // DRAW_BLOCK
+    parts = [np.random.default_rng([int(seed), int(epoch), b, 0x31C5]).random(DRAW_BLOCK)
+             for b in range(first, last + 1)]
+    arr = np.searchsorted(cum, np.concatenate(parts), side="right")
     lo = start - first * DRAW_BLOCK
     return arr[lo:lo + count].astype(np.int64)
 
 
-class Mix(IterableDataset):
-    """Samples of several datasets interleaved with ``weights`` (see the module doc)."""
+class Schedule:
+    """The mix order of one epoch: draws, how many positions before ``p`` drew each source, and the
+    epoch's length (the last position before a source would run out)."""
+
+    def __init__(self, weights: Sequence[float], seed: int, epoch: int, sizes: Sequence[int]) -> None:
+        self.weights, self.seed, self.epoch = list(weights), int(seed), int(epoch)
+        k = len(self.weights)
+        sizes_a = np.asarray(sizes, dtype=np.int64)
+        prefix = [np.zeros(k, dtype=np.int64)]
+        total = None
+        b = 0
+        while total is None:  # whole blocks while every source has room, then the exact end inside one
+            c = choices(self.weights, self.seed, self.epoch, b * DRAW_BLOCK, DRAW_BLOCK)
+            counts = prefix[-1] + np.bincount(c, minlength=k)
+            if np.all(counts <= sizes_a):
+                prefix.append(counts)
+                b += 1
+                continue
+            run = prefix[-1].copy()
+            for j, src in enumerate(c.tolist()):
+                if run[src] == sizes_a[src]:
+                    total = b * DRAW_BLOCK + j
+                    break
+                run[src] += 1
+        self.prefix = np.asarray(prefix, dtype=np.int64)  # counts before each whole block
+        self.total = int(total)
+
+    def before(self, p: int) -> np.ndarray:
+        """Positions before mix position ``p`` that drew each source."""
+        b = p // DRAW_BLOCK
+        head = choices(self.weights, self.seed, self.epoch, b * DRAW_BLOCK, p - b * DRAW_BLOCK)
+        return self.prefix[b] + np.bincount(head, minlength=len(self.weights))
+
+
+class Mix(EpochTracking, IterableDataset):
+    """Samples of several streams interleaved with ``weights`` (see the module doc)."""
 
     kind = "Mix"
 
-    def __init__(self, datasets: Sequence[Any], weights: Sequence[float] | None = None, *, seed: int = 0) -> None:
+    def __init__(self, datasets: Sequence[Any], weights: Sequence[float] | None = None, *, seed: int = 0,
+                 partition: str = "pad") -> None:
         if not datasets:
             raise ValueError("mix needs at least one dataset")
         w = [1.0] * len(datasets) if weights is None else [float(x) for x in weights]
@@ -54,92 +94,162 @@ class Mix(IterableDataset):
             raise ValueError(f"mix got {len(datasets)} datasets and {len(w)} weights: give one weight per dataset")
         if any(x < 0 for x in w) or sum(w) <= 0:
             raise ValueError(f"mix weights must be >= 0 with a positive sum, got {w}")
-        self.datasets = list(datasets)
+        if partition not in plan.PARTITION_MODES:
+            raise ValueError(f"partition must be one of {plan.PARTITION_MODES}, got {partition!r}")
+        sources = []
+        for d in datasets:
+            if isinstance(d, ShardDataset):
+                d = d.stream()
+            if not isinstance(d, SampleStream):
+                raise TypeError(f"mix takes shard datasets or their streams (TarShards, TokenWindows, .stream()), "
+                                f"not {type(d).__name__}")
+            sources.append(d)
+        self.sources: list[SampleStream] = sources
         self.weights = w
         self.seed = int(seed)
-        self._epoch = 0
-        self._explicit: int | None = None
-        self._resume: dict[str, Any] | None = None
-        self._delivered = 0
-        self._taken = [0] * len(datasets)
+        self.partition = partition
+        self.shuffle = False  # the order is the schedule's; EpochTracking's shuffle mode is unused
+        self.batch_quantum = 1
+        self.lease_items = 1024
+        self._init_epochs()
+        self._schedules: dict[int, Schedule] = {}
+        self._layouts: dict[tuple[int, int], Any] = {}
+        self._epoch_main: int | None = None
+        self._delivered_main = 0
 
     def __repr__(self) -> str:
-        return f"Mix({len(self.datasets)} datasets, weights={self.weights}, seed={self.seed})"
+        return f"Mix({len(self.sources)} sources, weights={self.weights}, seed={self.seed})"
 
-    def set_epoch(self, epoch: int) -> None:
-        """The epoch of the next iteration, for the mix and every source that has ``set_epoch``."""
-        self._explicit = int(epoch)
-        for d in self.datasets:
-            fn = getattr(d, "set_epoch", None)
-            if callable(fn):
-                fn(int(epoch))
+    def __getstate__(self) -> dict[str, Any]:
+        st = self.__dict__.copy()
+        st["_schedules"], st["_layouts"] = {}, {}
+        return st
+
+    def __len__(self) -> int:
+        pool, _ = self.epoch_plan(self.upcoming_epoch())
+        return plan.per_rank(plan.ranges_len(pool), dist_info().world, self.partition)
 
     @property
-    def epoch(self) -> int:
-        return self._epoch
+    def fingerprint(self) -> str:
+        h = hashlib.blake2b(digest_size=12)
+        for s in self.sources:
+            h.update(f"{s.dataset.fingerprint}:{s.seed}:{bool(s.shuffle)}:{s.shuffle_window}\n".encode())
+        h.update(repr((self.weights, self.seed)).encode())
+        return h.hexdigest()
+
+    def set_epoch(self, epoch: int) -> None:
+        super().set_epoch(epoch)
+        self._epoch_main, self._delivered_main = None, 0
+
+    # ------------------------------------------------------------ plan
+
+    def schedule(self, epoch: int) -> Schedule:
+        """The mix order of ``epoch``."""
+        s = self._schedules.get(epoch)
+        if s is None:
+            s = Schedule(self.weights, self.seed, epoch, [src.dataset.num_samples for src in self.sources])
+            self._schedules = {epoch: s}
+        return s
+
+    def source_layout(self, k: int, epoch: int) -> Any:
+        """Source ``k``'s order in ``epoch`` as the mix reads it (global: a mix spreads sources over ranks)."""
+        key = (k, epoch)
+        lay = self._layouts.get(key)
+        if lay is None:
+            s = self.sources[k]
+            lay = sample_layout(s.dataset.group_sizes, shuffle="global" if s.shuffle else False, seed=s.seed,
+                                epoch=epoch, window=s.shuffle_window)
+            self._layouts[key] = lay
+        return lay
+
+    def epoch_plan(self, epoch: int) -> tuple[list[plan.Range], None]:
+        r = self._resume
+        if r is not None and r["epoch"] == epoch:
+            return [tuple(x) for x in r["pool"]], None
+        return [(0, self.schedule(epoch).total)], None
+
+    def stream_ranges(self, epoch: int, rank: int, world: int, worker: int, num_workers: int) -> list[plan.Range]:
+        pool, _ = self.epoch_plan(epoch)
+        return plan.stream_positions(pool, world, rank, num_workers, worker, self.partition, self.batch_quantum)
+
+    def positions_of(self, epoch: int, a: int, b: int) -> tuple[np.ndarray, list[tuple[int, int]]]:
+        """Sources drawn at mix positions ``a..b`` and, per source, the run of its order they take."""
+        sch = self.schedule(epoch)
+        c = choices(self.weights, self.seed, epoch, a, b - a)
+        q = sch.before(a)
+        counts = np.bincount(c, minlength=len(self.sources))
+        return c, [(int(q[k]), int(q[k] + counts[k])) for k in range(len(self.sources))]
+
+    # ------------------------------------------------------------ iteration
 
     def __iter__(self) -> Iterator[Any]:
-        d = dist_info()
-        stream = d.rank * max(1, d.num_workers) + d.worker
-        r = self._resume
-        self._resume = None
-        if r is not None:
-            epoch, start = int(r["epoch"]), int(r["delivered"])
+        main = get_worker_info() is None
+        if main:
+            self.begin_epoch()
+            epoch = self.epoch
+            self._epoch_main, self._delivered_main = epoch, 0
         else:
-            epoch = self._explicit if self._explicit is not None else (self._epoch + 1 if self._delivered else 0)
-            start = 0
-        self._explicit = None
-        self._epoch, self._delivered = epoch, start
-        if r is None:
-            self._taken = [0] * len(self.datasets)
-        its = [iter(ds) for ds in self.datasets]
-        pos = start
+            root = self.sources[0].dataset.cache.root
+            epoch = self._worker_epoch(os.path.join(root, "locks", f"epoch-{self._epoch_id}.lock"))
+        rank, world, _, _, worker, nworkers = dist_info()
+        readers = [s.stream_reader(f"m{worker}-{k}") for k, s in enumerate(self.sources)]
         try:
-            while True:
-                for k in choices(self.weights, self.seed, epoch, stream, pos, DRAW_BLOCK).tolist():
-                    try:
-                        item = next(its[k])
-                    except StopIteration:
-                        return
-                    pos += 1
-                    self._delivered = pos
-                    self._taken[k] += 1
-                    yield item
+            for a, b in self.stream_ranges(epoch, rank, world, worker, nworkers):
+                c, runs = self.positions_of(epoch, a, b)
+                gens: list[Generator[Any, None, None]] = []
+                for k, (lo, hi) in enumerate(runs):
+                    lay = self.source_layout(k, epoch)
+                    gens.append(self.sources[k].read_segments(readers[k], lay, lay.segments([(lo, hi)])))
+                try:
+                    for k in c.tolist():
+                        sample = next(gens[k])
+                        if main:
+                            self._delivered_main += 1
+                        yield sample
+                finally:
+                    for g in gens:
+                        g.close()
         finally:
-            for it in its:
-                close = getattr(it, "close", None)
-                if callable(close):
-                    close()
+            for r in readers:
+                r.close()
 
-    def proportions(self) -> list[float]:
-        """Share of each source among the samples delivered so far this epoch (plain iteration)."""
-        n = sum(self._taken)
-        return [t / n if n else 0.0 for t in self._taken]
+    def describe_item(self, index: int) -> tuple[str, int]:
+        return self.sources[0].describe_item(index)
+
+    # ------------------------------------------------------------ resume
 
     def state_dict(self) -> dict[str, Any]:
-        """Where plain iteration stands: the epoch, samples delivered and each source's own state."""
-        sources = []
-        for ds in self.datasets:
-            fn = getattr(ds, "state_dict", None)
-            sources.append(fn() if callable(fn) else None)
-        return {"version": STATE_VERSION, "kind": self.kind, "epoch": self._epoch, "delivered": self._delivered,
-                "taken": list(self._taken), "seed": self.seed, "weights": list(self.weights), "sources": sources}
+        """Samples the loop received so far in this epoch (plain iteration; with workers or ranks use
+        ``ucmagic.DataLoader.state_dict()``). Small and JSON-serialisable."""
+        if dist_info().world > 1:
+            raise RuntimeError("Mix.state_dict() sees one rank only: use ucmagic.DataLoader.state_dict()")
+        epoch = self.upcoming_epoch() if self._epoch_main is None else self._epoch_main
+        return self.make_state(epoch, [self._delivered_main], world=1, num_workers=1)
+
+    def make_state(self, epoch: int, delivered: Sequence[int], *, world: int, num_workers: int) -> dict[str, Any]:
+        """Resume state after stream ``s`` (rank-major) delivered ``delivered[s]`` samples of ``epoch``."""
+        pool, _ = self.epoch_plan(epoch)
+        left = plan.remaining_pool(pool, world, num_workers, self.partition, self.batch_quantum, list(delivered))
+        return {"version": STATE_VERSION, "kind": self.kind, "epoch": int(epoch), "seed": self.seed,
+                "weights": list(self.weights), "partition": self.partition, "fingerprint": self.fingerprint,
+                "total": self.schedule(epoch).total, "pool": [list(x) for x in left],
+                "remaining": plan.ranges_len(left)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from :meth:`state_dict`: the same sources and samples follow, in the same order."""
-        if state.get("kind") != self.kind or state.get("version") != STATE_VERSION:
-            raise ValueError(f"not a Mix state (kind {state.get('kind')!r}, version {state.get('version')!r})")
-        if len(state["sources"]) != len(self.datasets) or list(state["weights"]) != self.weights:
-            raise ValueError("this Mix state was saved with other datasets or weights: mix the same datasets "
-                             "with the same weights to resume")
-        for ds, s in zip(self.datasets, state["sources"]):
-            if s is not None:
-                ds.load_state_dict(s)
-        self.seed = int(state["seed"])
-        self._taken = [int(x) for x in state["taken"]]
+        """Resume: the next iteration delivers exactly the samples not yet delivered in the saved epoch
+        (any world size or number of workers). The same sources, weights and seeds are needed."""
+        check_state_kind(state, self.kind)
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"unsupported Mix state version {state.get('version')!r}")
+        if state["fingerprint"] != self.fingerprint:
+            raise ListingChangedError("this Mix state was saved with other sources, weights or seeds (or their files "
+                                      "changed): mix the same streams with the same weights and seed to resume")
         self._resume = dict(state)
+        self.restart_epochs(int(state["epoch"]))
+        self._epoch_main, self._delivered_main = None, 0
 
 
-def mix(datasets: Sequence[Any], weights: Sequence[float] | None = None, *, seed: int = 0) -> Mix:
-    """Interleave ``datasets`` (streams) with ``weights`` (default equal): ``ucmagic.mix([a, b], [0.7, 0.3])``."""
-    return Mix(datasets, weights, seed=seed)
+def mix(datasets: Sequence[Any], weights: Sequence[float] | None = None, *, seed: int = 0,
+        partition: str = "pad") -> Mix:
+    """Interleave shard streams with ``weights`` (default equal): ``ucmagic.mix([a, b], [0.7, 0.3])``."""
+    return Mix(datasets, weights, seed=seed, partition=partition)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from typing import Any, Iterator, Sequence
+from typing import Any, Generator, Iterator, Sequence
 
 import numpy as np
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
@@ -326,7 +326,7 @@ class SampleStream(EpochTracking, IterableDataset):
         ds = self.dataset
         return ChunkReader(ds.cache, ds.files, keep=1 << 30, owner=process_tag(), slot=slot, counters=ds.counters)
 
-    def read_segments(self, reader: ChunkReader, lay: Any, segs: list[Any]) -> Iterator[Any]:
+    def read_segments(self, reader: ChunkReader, lay: Any, segs: list[Any]) -> Generator[Any, None, None]:
         """The samples of ``segs`` (window segments of ``lay``) in order, reading the chunks the next
         ones need ahead and letting each chunk go after its last use."""
         ds = self.dataset
