@@ -9,7 +9,8 @@ import threading
 import pytest
 
 from ucmagic import DataLoader, UCVolumeDataset
-from ucmagic.errors import FetchError
+from ucmagic.errors import BudgetTooSmallError, CacheFullError, FetchError
+
 from ucmagic.testing import make_files
 
 
@@ -75,12 +76,29 @@ def test_big_files_never_all_on_disk_with_a_smaller_budget(tmp_path):
     assert s.peak <= limit + 2 * (20 << 20) and s.peak < 4 * (20 << 20) + 1
 
 
-def test_a_file_larger_than_the_budget_names_both_sizes(tmp_path):
+@pytest.mark.timeout(60)
+def test_a_file_larger_than_the_budget_is_a_cache_full_error_naming_file_and_both_sizes(tmp_path):
     root = str(tmp_path / "vol")
-    make_files(root, 2, 300_000, depth=0)
-    ds = UCVolumeDataset(root, cache_dir=str(tmp_path / "c"), cache_limit="100KB")
-    with pytest.raises(FetchError, match=r"300\.0 KB file does not fit in cache_limit=100\.0 KB"):
+    make_files(root, 1, 10_000, depth=0)
+    with open(os.path.join(root, "big.bin"), "wb") as f:
+        f.write(b"x" * 300_000)  # the mean (155 KB) fits, this one file does not
+    ds = UCVolumeDataset(root, cache_dir=str(tmp_path / "c"), cache_limit="200KB")
+    ds.lease_items = 1  # a window of one file: the mean fits, the budget check passes
+    with pytest.raises(CacheFullError, match=r"big\.bin: a 300\.0 KB file does not fit in cache_limit=200\.0 KB"):
         list(ds)
+
+
+@pytest.mark.timeout(60)
+def test_a_budget_below_one_file_per_stream_fails_at_the_first_item_naming_the_size_needed(tmp_path):
+    root = str(tmp_path / "vol")
+    make_files(root, 4, 300_000, depth=0)
+    ds = UCVolumeDataset(root, cache_dir=str(tmp_path / "c"), cache_limit="100KB")
+    ds.lease_items = 4
+    it = iter(ds)
+    with pytest.raises(BudgetTooSmallError, match=r"cache_limit=100\.0 KB cannot hold 4 files .* of ~300\.0 KB.*"
+                                                  r"at least 1\.2 MB"):
+        next(it)  # a plain loop: the window is lease_items (here 4) files, since nothing reports consumption
+    assert isinstance(BudgetTooSmallError("x"), CacheFullError)
 
 
 def test_budget_smaller_than_the_prefetch_window_slows_but_delivers_everything(tmp_path):

@@ -465,3 +465,89 @@ save_checkpoint({str(root)!r}, model=model2, optimizer=opt2, step=2)
     model, opt = trained()
     m2 = make_model(4)
     assert load_checkpoint(root, model=m2)[0] == 1 and same_model(model, m2)
+
+
+# ---------------------------------------------------------------- checkpoints other tools wrote
+
+@pytest.mark.parametrize("name,step", [("step_100", 100), ("epoch=3-step=1000.ckpt", 1000), ("checkpoint-500", 500),
+                                       ("ckpt_20.pt", 20), ("global_step200", 200), ("final.pt", None),
+                                       ("model", None)])
+def test_a_foreign_checkpoints_step_is_the_number_its_name_carries(name, step):
+    assert fmt.foreign_step(name) == step
+
+
+def test_latest_never_picks_an_entry_without_a_step_and_prefers_ucmagic_on_a_tie():
+    infos = [fmt.CheckpointInfo(None, "/r/final.pt", 9e9, 1, fmt.KIND_TORCH_SAVE),
+             fmt.CheckpointInfo(5, "/r/ckpt-5", 0, 1, fmt.KIND_DCP), fmt.CheckpointInfo(5, "/r/step_5", 0, 1)]
+    assert fmt.pick_latest(infos).path == "/r/step_5"
+    assert fmt.pick_latest(infos[:1]) is None
+    assert [i.path for i in fmt.sort_infos(infos)] == ["/r/step_5", "/r/ckpt-5", "/r/final.pt"]
+
+
+@pytest.mark.timeout(300)
+def test_foreign_dcp_and_torch_save_checkpoints_are_listed_marked_and_loaded(tmp_path, staging):
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    root = tmp_path / "root"
+    model, opt = trained()
+    save_checkpoint(root, model=model, optimizer=opt, step=1)
+    m5, o5 = trained(seed=5)
+    msd, osd = get_state_dict(m5, o5)
+    with pytest.warns(UserWarning, match="torch.distributed"):
+        dcp.save({"model": msd, "optim": osd, "step": 5},  # the seed's layout (databricks.air.data)
+                 storage_writer=dcp.FileSystemWriter(str(root / "torch-dcp-5")))
+    m9 = make_model(9)
+    torch.save(m9.state_dict(), root / "ckpt_9.pt")
+    m7, o7 = trained(seed=7)
+    torch.save({"model": m7.state_dict(), "opt": o7.state_dict()}, root / "final.pt")
+    (root / "unfinished-8").mkdir()  # a DCP save still running: shards, no .metadata yet
+    (root / "unfinished-8" / "__0_0.distcp").write_bytes(b"x" * 10)
+    (root / "notes.txt").write_text("not a checkpoint")
+    (root / "notes.pt").write_text("not a torch.save file either")
+
+    infos = list_checkpoints(root)
+    assert [(i.step, os.path.basename(i.path), i.kind) for i in infos] == [
+        (1, "step_1", "ucmagic.dcp"), (5, "torch-dcp-5", "dcp"), (9, "ckpt_9.pt", "torch.save"),
+        (None, "final.pt", "torch.save")]
+    target = make_model(1)
+    assert load_checkpoint(root, model=target) == (9, None) and same_model(target, m9)  # latest: the highest step
+    target, topt = make_model(1), torch.optim.Adam(make_model(1).parameters(), lr=0.01)
+    topt = torch.optim.Adam(target.parameters(), lr=0.01)
+    assert load_checkpoint(root, 5, model=target, optimizer=topt) == (5, None)
+    assert same_model(target, m5) and same_optim(topt, o5)
+    r = subprocess.run([sys.executable, "-m", "ucmagic", "ckpt", "list", str(root)], capture_output=True, text=True,
+                       timeout=120, env=dict(os.environ, PYTHONPATH=REPO), check=False)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].split()[-1] == "KIND" and len(lines) == 5, r.stdout
+    assert lines[2].split()[0] == "5" and lines[2].split()[-1] == "dcp", r.stdout
+    assert lines[4].split()[0] == "-" and lines[4].split()[-1] == "torch.save", r.stdout
+    (root / "torch-dcp-5" / fmt.SAVING_NAME).write_text("{}")  # an in-progress record: no longer complete
+    assert 5 not in [i.step for i in list_checkpoints(root)]
+
+
+def test_wrong_shapes_are_a_checkpoint_mismatch_naming_the_keys(tmp_path, staging):
+    model, opt = trained()
+    save_checkpoint(tmp_path / "dcp", model=model, step=1)
+    save_checkpoint(tmp_path / "single", model=model, step=1, single_file=True)
+    (tmp_path / "pt").mkdir()
+    torch.save(model.state_dict(), tmp_path / "pt" / "ckpt_1.pt")
+    other = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    for root in ("dcp", "single", "pt"):
+        with pytest.raises(CheckpointMismatchError,
+                           match=r"shapes \(.*0.weight: checkpoint \(32, 16\), model \(64, 16\)"):
+            load_checkpoint(tmp_path / root, model=other)
+
+
+def test_a_load_racing_an_overwrite_names_the_overwrite_not_corruption(tmp_path, staging):
+    from ucmagic.errors import CheckpointOverwrittenError
+
+    path = tmp_path / "c"
+    dcp.save({"a": torch.zeros(1000)}, storage_writer=UCVolumeWriter(path))
+    reader = UCVolumeReader(path)  # checked the commit; now a new save replaces the files under it
+    dcp.save({"a": torch.ones(1000)}, storage_writer=UCVolumeWriter(path, warn_overwrite=False))
+    with pytest.raises(CheckpointOverwrittenError, match="overwritten while it was being loaded"):
+        reader.read_metadata()
+    with pytest.raises(CheckpointException) as info:  # torch's wrapper around the same error
+        dcp.load({"a": torch.empty(1000)}, storage_reader=reader)
+    assert "overwritten while it was being loaded" in str(info.value) and "corrupted" not in str(info.value)

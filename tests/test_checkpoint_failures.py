@@ -215,7 +215,7 @@ if rank == {failing}:
     def full(src, dst, **kw):
         raise OSError(28, "No space left on device", dst)
     xfer._copy = full
-state = {{"w": torch.randn(256, 256) + rank}}
+state = {{f"w{{rank}}": torch.randn(256, 256)}}  # each rank writes its own (replicated tensors only rank 0)
 fut = dcp.async_save(state, storage_writer=UCVolumeWriter({ck!r}))
 {tail}
 """
@@ -248,8 +248,8 @@ def test_an_upload_failing_on_one_rank_ends_every_rank(tmp_path, failing, waited
     if waited:
         assert all(p.returncode == 0 for p in procs) and all("ERROR" in o for o in outs), text
     else:
-        assert procs[failing].returncode == 1 and "checkpoint NOT saved" in outs[failing], text
-        assert procs[0].returncode == 1, text  # the coordinator cannot commit: its save is lost too
+        assert procs[failing].returncode != 0 and "checkpoint NOT saved" in outs[failing], text
+        assert procs[0].returncode != 0, text  # the coordinator cannot commit: its save is lost too
     with pytest.raises((CheckpointNotCommittedError, CheckpointError)):
         UCVolumeReader(ck)
 

@@ -148,30 +148,35 @@ def _field(item: object, name: str, index: int) -> object:
 
 
 def format_checkpoints(items: list) -> str:
-    """A table of committed checkpoints: step, commit time (UTC), size, path."""
+    """A table of complete checkpoints: step (``-`` when a foreign name has none), commit time (UTC), size,
+    path, and a KIND column (``dcp``, ``torch.save``) when any was not written by ucmagic."""
     import time as _time
 
     from .units import format_size
 
-    rows = [("STEP", "COMMITTED (UTC)", "SIZE", "PATH")]
-    for it in items:
+    kinds = [str(_field(it, "kind", 4) or "ucmagic") for it in items]
+    foreign = any(not k.startswith("ucmagic") for k in kinds)
+    rows = [("STEP", "COMMITTED (UTC)", "SIZE", "PATH") + (("KIND",) if foreign else ())]
+    for it, kind in zip(items, kinds):
         step, path, t, size = (_field(it, "step", 0), _field(it, "path", 1), _field(it, "time", 2),
                                _field(it, "size", 3))
         when = (_time.strftime("%Y-%m-%d %H:%M:%S", _time.gmtime(float(t))) if isinstance(t, (int, float))
                 else str(t or ""))
-        rows.append((str(step), when, format_size(size) if isinstance(size, (int, float)) else str(size or ""),
-                     str(path or "")))
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+        rows.append((str(step) if step is not None else "-", when,
+                     format_size(size) if isinstance(size, (int, float)) else str(size or ""), str(path or ""))
+                    + ((kind,) if foreign else ()))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 
 
 def _add_ckpt(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("ckpt", help="inspect checkpoints", description="Inspect checkpoints written by ucmagic.")
     csub = p.add_subparsers(dest="ckpt_command", metavar="ACTION")
-    lp = csub.add_parser("list", help="list committed checkpoints under ROOT with their time and size",
-                         description="List the committed checkpoints under ROOT (step, commit time, size); "
-                                     "unfinished saves are not listed.")
-    lp.add_argument("root", help="checkpoint root directory, /Volumes/... path or URL")
+    lp = csub.add_parser("list", help="list complete checkpoints under ROOT with their time and size",
+                         description="List the complete checkpoints under ROOT (step, commit time, size): "
+                                     "ucmagic's committed step_<N>/, DCP directories other writers made and "
+                                     "torch.save files (KIND column); unfinished saves are not listed.")
+    lp.add_argument("root", help="checkpoint root: a local or mounted directory or a /Volumes/... path")
 
     def run_list(a: argparse.Namespace) -> int:
         from .checkpoints.api import list_checkpoints

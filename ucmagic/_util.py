@@ -8,11 +8,14 @@ import contextlib
 import importlib
 import itertools
 import os
+import queue
 import random
 import re
 import threading
 import time
 import zlib
+from concurrent.futures import Executor, Future
+from concurrent.futures import wait as _wait_futures
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, TypeVar
 
@@ -138,6 +141,74 @@ def error_line(exc: BaseException) -> str:
             return error_line(inner)
     text = (str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)).strip()
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+POLL_S = 0.2  # how often a waiting caller looks up: Ctrl-C and cancellation are seen within this
+
+
+class DaemonPool(Executor):
+    """A thread pool whose threads are daemons and are never joined, started on demand.
+
+    ``concurrent.futures.ThreadPoolExecutor`` joins its threads when the interpreter exits, so a
+    call stuck in a hung mount (or waiting for cache room that no one will free) keeps the process
+    alive for good; here such a call is abandoned and the interpreter exits. ``shutdown`` never waits.
+    """
+
+    def __init__(self, max_workers: int, name: str = "ucmagic") -> None:
+        self.max_workers = max(1, int(max_workers))
+        self._name = name
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._idle = threading.Semaphore(0)
+        self._mu = threading.Lock()
+        self._threads = 0
+        self._shut = False
+
+    def submit(self, fn: Callable[..., R], /, *args: Any, **kwargs: Any) -> Future:  # type: ignore[override]
+        fut: Future = Future()
+        with self._mu:
+            if self._shut:
+                raise RuntimeError("cannot schedule new calls after shutdown")
+            self._q.put((fut, fn, args, kwargs))
+            if not self._idle.acquire(blocking=False) and self._threads < self.max_workers:
+                self._threads += 1
+                threading.Thread(target=self._work, name=f"{self._name}_{self._threads}", daemon=True).start()
+        return fut
+
+    def _work(self) -> None:
+        while True:
+            job = self._q.get()
+            if job is None:
+                self._q.put(None)  # wake the next thread: all of them stop
+                return
+            fut, fn, args, kwargs = job
+            del job
+            if fut.set_running_or_notify_cancel():
+                try:
+                    res = fn(*args, **kwargs)
+                except BaseException as exc:  # noqa: BLE001 - handed to the caller through the future
+                    fut.set_exception(exc)
+                    del exc
+                else:
+                    fut.set_result(res)
+                    del res
+            del fut, fn, args, kwargs
+            self._idle.release()
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """No new calls; threads stop once the queue is empty. Never joins (``wait`` is ignored)."""
+        with self._mu:
+            self._shut = True
+        self._q.put(None)
+
+
+def wait_result(fut: Future, poll: float = POLL_S, on_poll: Callable[[], None] | None = None) -> Any:
+    """``fut.result()`` waited for in steps of ``poll`` seconds, so Ctrl-C is seen at once and
+    ``on_poll()`` (which may raise) runs between steps. An error of the call itself is raised as is,
+    even a ``TimeoutError``."""
+    while not _wait_futures([fut], timeout=poll).done:
+        if on_poll is not None:
+            on_poll()
+    return fut.result()
 
 
 _tmp_counter = itertools.count()

@@ -20,15 +20,24 @@ from typing import Any
 from .format import (
     COMMIT_NAME,
     FORMAT_SINGLE,
+    KIND_DCP,
+    KIND_TORCH_SAVE,
+    METADATA_NAME,
     SAVING_NAME,
     SINGLE_FILE_NAME,
     CheckpointInfo,
     describe_keys,
+    foreign_step,
+    is_torch_save_name,
     key_mismatch,
+    looks_like_torch_save,
     make_commit,
     make_saving_record,
     parse_step_dirname,
+    pick_latest,
     pick_step,
+    shape_mismatch,
+    sort_infos,
     step_dirname,
     to_delete,
 )
@@ -109,30 +118,64 @@ def _root(root: str | os.PathLike, *, create: bool = False) -> str:
     raise SourceNotFoundError(f"checkpoint root {os.fspath(root)}: {what}; {missing_path_hint(os.fspath(root))}")
 
 
-def _committed(root: str, names: list[str]) -> list[CheckpointInfo]:
-    def probe(name: str) -> CheckpointInfo | None:
-        path = os.path.join(root, name)
-        try:
-            c = read_commit(path)
-        except (CheckpointError, OSError):
+def _foreign_dcp(path: str, name: str) -> CheckpointInfo | None:
+    """A DCP directory no ucmagic save touched: complete once ``.metadata`` is there (torch writes it last)."""
+    try:
+        names = os.listdir(path)
+        if COMMIT_NAME in names or SAVING_NAME in names or METADATA_NAME not in names:
             return None
-        return CheckpointInfo(parse_step_dirname(name), path, float(c["time"]), int(c["bytes"]))  # type: ignore[arg-type]
+        sizes = [os.stat(os.path.join(path, n)).st_size for n in names if not n.startswith(".") or n == METADATA_NAME]
+        when = os.stat(os.path.join(path, METADATA_NAME)).st_mtime
+    except OSError:
+        return None
+    return CheckpointInfo(foreign_step(name), path, when, sum(sizes), KIND_DCP)
 
-    if not names:
-        return []
-    with ThreadPoolExecutor(max_workers=min(16, len(names))) as pool:
-        found = [i for i in pool.map(probe, names) if i is not None]
-    return sorted(found, key=lambda i: i.step)
+
+def _torch_save_file(path: str, name: str) -> CheckpointInfo | None:
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+        st = os.stat(path)
+    except OSError:
+        return None
+    if not looks_like_torch_save(head):
+        return None
+    return CheckpointInfo(foreign_step(name), path, st.st_mtime, st.st_size, KIND_TORCH_SAVE)
+
+
+def _probe(root: str, name: str) -> CheckpointInfo | None:
+    """The complete checkpoint ``root/name`` is, or None (unfinished, killed, not a checkpoint)."""
+    path = os.path.join(root, name)
+    if not os.path.isdir(path):
+        return _torch_save_file(path, name) if is_torch_save_name(name) else None
+    try:
+        c = read_commit(path)
+    except CheckpointInProgressError:
+        return None
+    except (CheckpointError, OSError):
+        return _foreign_dcp(path, name)
+    step = parse_step_dirname(name)
+    if step is None:  # UCVolumeWriter used directly, into a directory named otherwise
+        step = c.get("step") if isinstance(c.get("step"), int) else foreign_step(name)
+    return CheckpointInfo(step, path, float(c["time"]), int(c["bytes"]), str(c["format"]))
 
 
 def list_checkpoints(root: str | os.PathLike) -> list[CheckpointInfo]:
-    """Committed checkpoints under ``root`` as ``CheckpointInfo(step, path, time, size)``, oldest step first.
+    """Complete checkpoints under ``root`` as ``CheckpointInfo(step, path, time, size, kind)``, oldest first.
 
-    Directories whose save did not finish (no valid commit marker) are skipped.
+    Lists ucmagic's committed ``step_<N>/`` directories, DCP directories other writers made (torch's
+    ``FileSystemWriter``, ``databricks.air.data``; ``kind="dcp"``, complete once ``.metadata`` is there)
+    and ``torch.save`` files (``.pt``/``.pth``/``.ckpt``; ``kind="torch.save"``). A foreign entry's step is
+    the number in its name, None when there is none (listed last, never "latest"). Unfinished,
+    killed or failed saves are skipped.
     """
     path = _root(root)
-    names = [n for n in os.listdir(path) if parse_step_dirname(n) is not None and os.path.isdir(os.path.join(path, n))]
-    return _committed(path, names)
+    names = [n for n in os.listdir(path) if not n.startswith(".")]
+    if not names:
+        return []
+    with ThreadPoolExecutor(max_workers=min(16, len(names))) as pool:
+        found = [i for i in pool.map(lambda n: _probe(path, n), names) if i is not None]
+    return sort_infos(found)
 
 
 def _delete_checkpoint(path: str) -> None:
@@ -145,7 +188,8 @@ def _delete_checkpoint(path: str) -> None:
 def _retain(root: str, keep: int | None, newest: int) -> None:
     if keep is None:
         return
-    infos = {i.step: i for i in list_checkpoints(root)}
+    infos = {i.step: i for i in list_checkpoints(root) if i.kind.startswith("ucmagic") and i.step is not None
+             and parse_step_dirname(os.path.basename(i.path)) is not None}  # never a foreign checkpoint
     for step in to_delete(infos, keep, newest):
         try:
             _delete_checkpoint(infos[step].path)
@@ -336,22 +380,27 @@ def _settle(out: Future, fn: Any) -> None:
 # ---------------------------------------------------------------- load
 
 def resolve_step(root: str | os.PathLike, step: int | str) -> tuple[int, str]:
-    """``(step, directory)`` of the committed checkpoint ``step`` (an int or ``"latest"``) under ``root``."""
+    """``(step, path)`` of checkpoint ``step`` (an int or ``"latest"``) under ``root``: ucmagic's
+    ``step_<N>/``, else a foreign checkpoint whose name carries that number (see :func:`list_checkpoints`)."""
     root_path = _root(root)
     if step == "latest":
-        infos = list_checkpoints(root_path)
-        chosen = pick_step([i.step for i in infos], step)
+        chosen = pick_latest(list_checkpoints(root_path))
         if chosen is None:
             raise NoCheckpointError(f"no committed checkpoint under {os.fspath(root)} (looked for step_<N>/ "
-                                    f"with {COMMIT_NAME}); save one first or check the root")
-        return chosen, os.path.join(root_path, step_dirname(chosen))
-    chosen = pick_step([], step)
-    path = os.path.join(root_path, step_dirname(chosen))  # type: ignore[arg-type]
-    if not os.path.isdir(path):
-        have = [i.step for i in list_checkpoints(root_path)]
-        raise NoCheckpointError(f"no checkpoint for step {step} under {os.fspath(root)}; committed steps: "
-                                f"{have or 'none'}")
-    return chosen, path  # type: ignore[return-value]
+                                    "with its commit marker, DCP directories with .metadata and torch.save files "
+                                    "whose names carry a step); save one first or check the root")
+        return chosen.step, chosen.path  # type: ignore[return-value]
+    number = pick_step([], step)
+    path = os.path.join(root_path, step_dirname(number))  # type: ignore[arg-type]
+    if os.path.isdir(path):
+        return number, path  # type: ignore[return-value]
+    infos = list_checkpoints(root_path)
+    same = [i for i in infos if i.step == number]
+    if same:
+        return number, same[0].path  # type: ignore[return-value]
+    have = [i.step for i in infos if i.step is not None]
+    raise NoCheckpointError(f"no checkpoint for step {step} under {os.fspath(root)}; committed steps: "
+                            f"{have or 'none'}")
 
 
 def _load_single(path: str, commit: dict[str, Any], model: Any, optimizer: Any, map_location: Any,
@@ -375,13 +424,42 @@ def _load_single(path: str, commit: dict[str, Any], model: Any, optimizer: Any, 
                 f"containers ({first}); it was not loaded. Only load checkpoints you wrote yourself"
             ) from None
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    _check_keys(path, model.state_dict().keys(), state["model"].keys())
-    model.load_state_dict(state["model"])
+        xfer.release_staging_dir(staging)
+    _restore_from_dict(path, state, model, optimizer)
+
+
+_OPTIM_KEYS = ("optimizer", "optim", "opt")
+
+
+def _restore_from_dict(path: str, state: Any, model: Any, optimizer: Any) -> None:
+    """Load a ``torch.save``-style dict: ``{"model": ..., "optimizer"|"optim"|"opt": ...}``, ``{"state_dict": ...}``
+    (PyTorch Lightning) or a bare model state dict."""
+    if isinstance(state, dict) and isinstance(state.get("model"), dict):
+        msd = state["model"]
+    elif isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
+        msd = state["state_dict"]
+    elif isinstance(state, dict):
+        msd = state
+    else:
+        raise CheckpointMismatchError(f"{path} holds a {type(state).__name__}, not a state dict; load it with "
+                                      "torch.load and restore it yourself")
+    own = model.state_dict()
+    _check_keys(path, own.keys(), msd.keys())
+    _check_shapes(path, {k: tuple(v.shape) for k, v in own.items() if hasattr(v, "shape")},
+                  {k: tuple(v.shape) for k, v in msd.items() if hasattr(v, "shape")})
+    model.load_state_dict(msd)
     if optimizer is not None:
-        if "optimizer" not in state:
+        okey = next((k for k in _OPTIM_KEYS if msd is not state and isinstance(state.get(k), dict)), None)
+        if okey is None:
             raise CheckpointMismatchError(f"{path} holds no optimizer state; load it without optimizer=")
-        optimizer.load_state_dict(state["optimizer"])
+        optimizer.load_state_dict(state[okey])
+
+
+def _check_shapes(path: str, expected: dict[str, tuple[int, ...]], present: dict[str, tuple[int, ...]]) -> None:
+    bad = shape_mismatch(expected, present)
+    if bad:
+        raise CheckpointMismatchError(f"checkpoint {path} does not match the model's shapes ({describe_keys(bad, 3)}); "
+                                      "load it into the same architecture (and sizes) it was saved from")
 
 
 def _check_keys(path: str, expected: Any, present: Any) -> None:
@@ -406,7 +484,18 @@ def load_checkpoint(root: str | os.PathLike, step: int | str = "latest", *, mode
     for a damaged file and ``CheckpointMismatchError`` when the keys differ from the model's.
     """
     chosen, path = resolve_step(root, step)
-    commit = read_commit(path)  # raises CheckpointNotCommittedError for an unfinished save
+    if os.path.isfile(path):  # a torch.save file in the root
+        _load_torch_file(path, model, optimizer, map_location)
+        return chosen, None
+    try:
+        commit = read_commit(path)  # raises CheckpointNotCommittedError for an unfinished save
+    except CheckpointInProgressError:
+        raise
+    except CheckpointNotCommittedError:
+        if _foreign_dcp(path, os.path.basename(path)) is None:
+            raise
+        _load_dcp(path, model, optimizer, reader_kw)  # written by torch's FileSystemWriter or another tool
+        return chosen, None
     if commit["format"] == FORMAT_SINGLE:
         _load_single(path, commit, model, optimizer, map_location, reader_kw)
     else:
@@ -414,19 +503,42 @@ def load_checkpoint(root: str | os.PathLike, step: int | str = "latest", *, mode
     return int(commit.get("step", chosen)), commit.get("extra")
 
 
+def _load_torch_file(path: str, model: Any, optimizer: Any, map_location: Any) -> None:
+    import torch
+
+    loc = map_location if map_location is not None else _model_device(model)
+    try:
+        state = torch.load(path, map_location=loc, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise UnsafeCheckpointError(f"{path} holds objects that are not plain tensors and containers "
+                                    f"({str(exc).strip().splitlines()[0] if str(exc).strip() else 'refused'}); "
+                                    "it was not loaded. Only load checkpoints you trust") from None
+    _restore_from_dict(path, state, model, optimizer)
+
+
 def _load_dcp(path: str, model: Any, optimizer: Any, reader_kw: dict[str, Any]) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     reader = UCVolumeReader(path, **reader_kw)
-    state = _dcp_state(model, optimizer)
-    keys = list(reader.read_metadata().state_dict_metadata)
-    _check_keys(path, state["model"], (k[len("model."):] for k in keys if k.startswith("model.")))
-    if optimizer is not None and not any(k.startswith("optim.") for k in keys):
+    ours = _dcp_state(model, optimizer)
+    stored = reader.read_metadata().state_dict_metadata
+    keys = list(stored)
+    nested = any(k.startswith("model.") for k in keys)  # {"model": ..., "optim": ...} as ucmagic and the seed save
+    prefix = "model." if nested else ""
+    _check_keys(path, ours["model"], (k[len(prefix):] for k in keys if k.startswith(prefix)))
+    _check_shapes(path, {k: tuple(v.shape) for k, v in ours["model"].items() if hasattr(v, "shape")},
+                  {k[len(prefix):]: tuple(getattr(m, "size")) for k, m in stored.items()  # noqa: B009 - tensors only
+                   if k.startswith(prefix) and getattr(m, "size", None) is not None})
+    okey = next((k for k in ("optim", "optimizer", "opt") if any(n.startswith(k + ".") for n in keys)), None)
+    if optimizer is not None and (okey is None or not nested):
         raise CheckpointMismatchError(f"{path} holds no optimizer state; load it without optimizer=")
+    state: dict[str, Any] = ours["model"] if not nested else {"model": ours["model"]}
+    if optimizer is not None:
+        state[okey] = ours["optim"]  # type: ignore[index]
     with _unwrapping(), _quiet():
         dcp.load(state, storage_reader=reader)
-    set_state_dict(model, [] if optimizer is None else optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state.get("optim", {}))
+    set_state_dict(model, [] if optimizer is None else optimizer, model_state_dict=ours["model"],
+                   optim_state_dict=ours.get("optim", {}))
 
 

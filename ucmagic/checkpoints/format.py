@@ -52,13 +52,22 @@ class FileRecord(NamedTuple):
     crc32: int
 
 
-class CheckpointInfo(NamedTuple):
-    """One committed checkpoint: its step, directory, commit time (epoch seconds) and total bytes."""
+KIND_DCP = "dcp"  # a DCP directory another writer made (torch's FileSystemWriter, databricks.air.data)
+KIND_TORCH_SAVE = "torch.save"  # one file written by torch.save
+TORCH_SAVE_SUFFIXES = (".pt", ".pth", ".ckpt")
 
-    step: int
+
+class CheckpointInfo(NamedTuple):
+    """One complete checkpoint: its step (None when a foreign name carries no number), directory or file,
+    commit time (epoch seconds; a foreign one's modification time), total bytes, and ``kind``:
+    ``"ucmagic.dcp"`` / ``"ucmagic.single"`` (committed by ucmagic), ``"dcp"`` (a DCP directory written by
+    torch's ``FileSystemWriter`` or ``databricks.air.data``) or ``"torch.save"`` (one file)."""
+
+    step: int | None
     path: str
     time: float
     size: int
+    kind: str = FORMAT_DCP
 
 
 # ---------------------------------------------------------------- names
@@ -74,6 +83,50 @@ def parse_step_dirname(name: str) -> int | None:
     """The step of a ``step_<n>`` directory name, else None."""
     m = _STEP_RE.match(name)
     return int(m.group(1)) if m else None
+
+
+_NAMED_STEP_RE = re.compile(r"(?:^|[^a-z])(?:global_)?step[_=-]?(\d+)", re.IGNORECASE)
+_LAST_NUMBER_RE = re.compile(r"(\d+)(?!.*\d)")
+
+
+def foreign_step(name: str) -> int | None:
+    """The step a foreign checkpoint's name carries: ``step_100``, ``epoch=3-step=1000`` (1000),
+    ``checkpoint-500``, ``ckpt_20.pt``; None when it carries no number (never chosen as latest)."""
+    stem = name
+    for suffix in TORCH_SAVE_SUFFIXES:
+        if stem.lower().endswith(suffix):
+            stem = stem[: -len(suffix)]
+    m = _NAMED_STEP_RE.search(stem) or _LAST_NUMBER_RE.search(stem)
+    return int(m.group(1)) if m else None
+
+
+def is_torch_save_name(name: str) -> bool:
+    """True for a file name that ``torch.save`` checkpoints use (``.pt``, ``.pth``, ``.ckpt``)."""
+    return name.lower().endswith(TORCH_SAVE_SUFFIXES) and not name.startswith(".")
+
+
+def looks_like_torch_save(head: bytes) -> bool:
+    """True when a file's first bytes are a ``torch.save`` archive (zip) or a legacy pickle."""
+    return head.startswith(b"PK\x03\x04") or head[:1] == b"\x80"
+
+
+def sort_infos(infos: Iterable[CheckpointInfo]) -> list[CheckpointInfo]:
+    """Oldest step first; entries without a step last, by path."""
+    return sorted(infos, key=lambda i: (i.step is None, i.step or 0, not i.kind.startswith("ucmagic"), i.path))
+
+
+def pick_latest(infos: Iterable[CheckpointInfo]) -> CheckpointInfo | None:
+    """The entry ``"latest"`` means: the highest step (ucmagic's own on a tie); entries without a step never."""
+    numbered = [i for i in infos if i.step is not None]
+    if not numbered:
+        return None
+    return max(numbered, key=lambda i: (i.step, i.kind.startswith("ucmagic")))
+
+
+def shape_mismatch(expected: Mapping[str, tuple[int, ...]], present: Mapping[str, tuple[int, ...]]) -> list[str]:
+    """``"key: checkpoint (a, b), model (c, d)"`` for every key in both whose shape differs."""
+    return [f"{k}: checkpoint {tuple(present[k])}, model {tuple(expected[k])}"
+            for k in sorted(expected) if k in present and tuple(present[k]) != tuple(expected[k])]
 
 
 def is_shard_name(name: str) -> bool:

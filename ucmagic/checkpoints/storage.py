@@ -22,7 +22,6 @@ import logging
 import os
 import pickle
 import queue
-import shutil
 import socket
 import sys
 import threading
@@ -79,6 +78,7 @@ from ..errors import (
     CheckpointError,
     CheckpointExistsError,
     CheckpointInProgressError,
+    CheckpointOverwrittenError,
     UnsafeCheckpointError,
 )
 from ..units import parse_size
@@ -218,9 +218,15 @@ def _stopped(p: _Pending) -> str | None:
     return None
 
 
+def _finished_before_exit(p: _Pending) -> bool:
+    """The save's thread ended before the exit began without completing ``p`` (torch or another rank
+    failed it): its error went to torch's future, which the caller could wait for; it was not pending."""
+    return p.thread is not None and not p.thread.is_alive()
+
+
 def _finish_pending_saves() -> None:
     with _pending_mu:
-        waiting = [p for p in _pending if not p.fut.done() and p.pid == os.getpid()]
+        waiting = [p for p in _pending if not p.fut.done() and p.pid == os.getpid() and not _finished_before_exit(p)]
     if not waiting:
         return
     paths = sorted({p.what for p in waiting})
@@ -808,7 +814,7 @@ class _DownloadSession:
         for f in self.downloads.values():
             f.cancel()
         self.pool.shutdown(wait=True, cancel_futures=True)
-        shutil.rmtree(self.staging, ignore_errors=True)
+        xfer.release_staging_dir(self.staging)
 
 
 class _DownloadedFileSystem(FileSystem):
@@ -976,8 +982,46 @@ class UCVolumeReader(FileSystemReader):
         except FileNotFoundError:
             same = False
         if not same or os.path.exists(os.path.join(path, SAVING_NAME)):
-            raise CheckpointInProgressError(f"{path} changed while it was being loaded (a save into it started); "
-                                            "what was read may mix two saves: load again after that save commits")
+            raise self._overwritten_error()
+
+    def _overwritten(self) -> bool:
+        """True when a save into this directory started after this reader checked its commit."""
+        path = os.fspath(self.path)
+        if self.commit is None:
+            try:
+                st = os.stat(os.path.join(path, METADATA_NAME))
+                same = (st.st_ino, st.st_size, st.st_mtime_ns) == self._foreign_stamp
+            except FileNotFoundError:
+                same = False
+            return self._foreign_stamp is not None and (not same or os.path.exists(os.path.join(path, SAVING_NAME)))
+        try:
+            now = parse_commit(xfer.read_bytes(os.path.join(path, COMMIT_NAME)), path)
+        except (OSError, CheckpointError):
+            return True  # the marker was withdrawn (a save began) or is being replaced
+        record = read_saving_record(path)
+        return now.get("save_id") != self.commit.get("save_id") or (
+            record is not None and not is_committed_by(self.commit.get("save_id"), record))
+
+    def _overwritten_error(self) -> CheckpointOverwrittenError:
+        path = os.fspath(self.path)
+        record = read_saving_record(path)
+        since = ""
+        if record and isinstance(record.get("since"), (int, float)):
+            since = " at " + time.strftime("%H:%M:%S", time.localtime(record["since"]))
+        return CheckpointOverwrittenError(
+            f"{path} was overwritten while it was being loaded (a new save into it started{since}); what was read "
+            "is discarded: load again once that save commits (UCVolumeReader(path, wait=SECONDS) waits for it) "
+            "or load another step")
+
+    @contextlib.contextmanager
+    def _naming_overwrites(self) -> Iterator[None]:
+        """A damaged or missing file while loading, because a save is overwriting the directory, says so."""
+        try:
+            yield
+        except CheckpointCorruptError:
+            if self._overwritten():
+                raise self._overwritten_error() from None
+            raise
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         old = os.fspath(self.path)
@@ -990,6 +1034,10 @@ class UCVolumeReader(FileSystemReader):
         return os.path.isdir(volume_dir(checkpoint_id))
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        with self._naming_overwrites():
+            return self._read_metadata()
+
+    def _read_metadata(self) -> Metadata:
         cached = getattr(self, "_metadata", None)
         if cached is not None and cached[0] == os.fspath(self.path):
             _set_load_id(cached[1], self)
@@ -1036,7 +1084,8 @@ class UCVolumeReader(FileSystemReader):
                 raise CheckpointCorruptError(f"{path}: files {missing} are not in the manifest; re-save it")
         safe_planner: Any = planner if self.allow_unsafe_pickle else _WeightsOnlyPlanner(planner, path)
         if not names:
-            out = super().read_data(plan, safe_planner)
+            with self._naming_overwrites():
+                out = super().read_data(plan, safe_planner)
             self._check_unchanged()
             return out
         threads = min(self.download_threads, len(names))
@@ -1057,7 +1106,8 @@ class UCVolumeReader(FileSystemReader):
                     fut = session.pool.submit(self._download, name, os.path.join(staging, name), expected.get(name))
                 session.downloads[name] = fut
             self.fs.session = session
-            out = super().read_data(plan, safe_planner)
+            with self._naming_overwrites():
+                out = super().read_data(plan, safe_planner)
             self._check_unchanged()
             return out
         finally:

@@ -56,8 +56,8 @@ def staging_owner_gone(name: str, mtime: float, now: float) -> bool:
     m = _OWNER_SUFFIX.search(name)
     if m:
         return not tag_alive(m.group(1))
-    m = _PID_SUFFIX.search(name)
-    return bool(m) and not pid_running(int(m.group(1))) and now - mtime >= STALE_AFTER_S
+    legacy = _PID_SUFFIX.search(name)
+    return legacy is not None and not pid_running(int(legacy.group(1))) and now - mtime >= STALE_AFTER_S
 
 
 def sweep_stale(root: str, *, now: float | None = None) -> list[str]:
