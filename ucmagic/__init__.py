@@ -21,6 +21,7 @@ _moved.install()  # old module paths (ucmagic.magics, ucmagic.checkpoint, ...) k
 # public name -> module that defines it
 _EXPORTS = {
     "UCVolumeDataset": "dataset",
+    "SourceFile": "dataset",
     "DataLoader": "loader",
     "LoaderStats": "loader",
     "ParquetDataset": "tables",
@@ -51,10 +52,10 @@ _EXPORTS = {
     "SourceChangedError": "errors",
     "CacheFullError": "errors",
     "BudgetTooSmallError": "errors",
+    "CacheFullFetchError": "errors",
     "CacheDirError": "errors",
     "UnreadableDirectoryError": "errors",
     "InvalidArgumentError": "errors",
-
     "ListingChangedError": "errors",
     "ResumeOrderError": "errors",
     "UnsafeCacheError": "errors",

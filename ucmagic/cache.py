@@ -2,17 +2,21 @@
 
 Layout under the cache root (private to the user, mode 0700)::
 
-    data/<k0k1>/<key><.ext>            cached copies, named by a hash of (volume, path, size, mtime)
-    tmp/<key>.<tag>.<n>.<size>.part    budgeted fills in progress (renamed into data/ when complete)
+    files/<key>-<size>/<rel>           cached copies: one directory per file version (key: a hash of
+                                       volume, path, size, mtime), holding the file at its relative
+                                       path (map_relpath), or at <key><.ext> for an opaque key
+    tmp/<key>.<tag>.<n>.<size>.dir     entries being built (renamed into files/ whole when complete)
+    tmp/<key>.<tag>.<n>.<size>.part    budgeted fills in progress (the room they hold)
     locks/fill.lock, evict.lock        single-flight (one byte per key, OFD lock) and eviction (flock) locks
     prot/<owner>@<writer>.<slot>.rec   protection records: entry names a live process has not consumed yet
     usage                              the byte ledger of budgeted fills (a hint, re-counted often)
 
-Guarantees: a file in ``data/`` is always complete (an unnamed ``O_TMPFILE`` file linked in when
-complete, or a temp file + rename with a budget or where there is no ``O_TMPFILE``), so the path of an entry is
-stable: the same file version has the same path in every epoch and process, and it stays until a
-budget evicts it. One fill per file even with many threads and processes asking at once; a changed
-source file (size or mtime) gets a new key. Eviction is least-recently-used and skips every entry
+Guarantees: an entry in ``files/`` is always complete (its directory is staged under ``tmp/`` and
+renamed in whole), so the path of an entry is stable: the same file version has the same path, ending
+with the file's relative path, in every epoch and process, and it stays until a budget evicts it
+(whole: directory and file). One fill per file even with many threads and processes asking at once;
+a changed source file (size or mtime) gets a new key, hence a new path. Entries of the old layout
+(``data/<k0k1>/<key><.ext>``) are never served and are reaped. Eviction is least-recently-used and skips every entry
 named in a protection record whose owner (pid + start time) is alive; records of a dead owner are
 dropped at once. With a budget, fills wait for room instead of overshooting, except fills a blocked
 consumer needs next (``may_exceed``), so the loop always makes progress.
@@ -29,6 +33,7 @@ import shutil
 import struct
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, Sequence
 
@@ -41,7 +46,6 @@ except ImportError:  # pragma: no cover - not POSIX
 
 
 from .errors import CacheDirError, CacheFullError, UnsafeCacheError
-
 from .fetch import watch_progress
 from .units import format_size, parse_size
 
@@ -49,7 +53,6 @@ DEFAULT_MIN_FREE = 0.10
 TMP_STALE_S = 6 * 3600.0  # a temp file whose writer cannot be identified is dropped after this long
 TOUCH_EVERY_S = 300.0  # LRU resolution: a hit refreshes an entry's last-use time at most this often
 STALL_S = 120.0  # a fill no loop waits on gives up after this long without any room freed
-
 SUBDIRS = ("files", "tmp", "locks", "prot")
 OLD_DATA = "data"  # the layout before entries kept source names (data/<xx>/<key><ext>): reaped, never served
 _SUFFIX_RE = re.compile(r"\.[A-Za-z0-9_\-]{1,16}$")
@@ -358,13 +361,18 @@ def parse_record_name(name: str) -> tuple[str, str] | None:
 def parse_limit_name(name: str) -> tuple[str, int] | None:
     """``(process tag, cache_limit bytes)`` of a budget record's name in ``locks/``, else None."""
     parts = name.split(".")
-    if len(parts) != 3 or parts[0] != "limit" or not parts[2].isdigit():
+    if len(parts) != 4 or parts[0] != "limit" or not parts[3].isdigit():
         return None
-    return parts[1], int(parts[2])
+    return parts[1], int(parts[3])
+
+
+def _drop_limit_record(path: str, pid: int) -> None:
+    if os.getpid() == pid:  # a forked child inherits the finaliser: only the creating process removes it
+        with contextlib.suppress(OSError):
+            os.unlink(path)
 
 
 def parse_tmp_name(name: str) -> tuple[str, int] | None:
-
     """``(writer_tag, final size)`` of a fill's temp file (``.part``) or staged entry (``.dir``) name, else None."""
     parts = name.split(".")
     if len(parts) != 5 or parts[-1] not in ("part", "dir") or not parts[3].isdigit():
@@ -449,7 +457,7 @@ class FileCache:
         self.min_free = float(min_free)
         self._ensure_layout()
         self._mu = threading.Lock()
-        self._files = os.path.join(self.root, "files")
+        self._entries = os.path.join(self.root, "files")
         self._tmp = os.path.join(self.root, "tmp")
         self._locks = os.path.join(self.root, "locks")
         self._prot = os.path.join(self.root, "prot")
@@ -468,7 +476,6 @@ class FileCache:
         self._record_limit()
 
     # pickles as its settings; each process rebuilds its own state
-
     def __getstate__(self):
         return {"root": self.root, "limit": self.limit, "min_free": self.min_free}
 
@@ -484,7 +491,6 @@ class FileCache:
         except OSError as exc:
             raise self._unusable(exc) from exc
         if hasattr(os, "getuid") and st.st_uid != os.getuid():
-
             raise UnsafeCacheError(
                 f"cache directory {self.root} belongs to another user (uid {st.st_uid}); "
                 "use a directory of your own with cache_dir= or $UCMAGIC_CACHE_DIR"
@@ -504,14 +510,13 @@ class FileCache:
         return CacheDirError(f"cannot use {self.root} as the cache directory: {reason}. Set cache_dir= (or "
                              "$UCMAGIC_CACHE_DIR) to a writable local directory")
 
-
     def data_path(self, key: str, suffix: str, size: int, rel: str | None = None) -> str:
         """Where the entry of ``key`` (``size`` bytes) is or will be: ``files/`` + :func:`entry_file`."""
-        return self._files + os.sep + entry_file(key, suffix, size, rel)
+        return self._entries + os.sep + entry_file(key, suffix, size, rel)
 
     def entry_dir(self, path: str) -> str | None:
         """The entry directory (``files/<key>-<size>``) that ``path`` lies in, else None."""
-        head = self._files + os.sep
+        head = self._entries + os.sep
         path = os.path.abspath(path)
         if not path.startswith(head):
             return None
@@ -542,7 +547,7 @@ class FileCache:
         """Mark the entry of file ``path`` as used now (its file and, for scans, its directory)."""
         try:
             os.utime(path)
-            os.utime(path[:path.index(os.sep, len(self._files) + 1)])  # last-use time drives LRU
+            os.utime(path[:path.index(os.sep, len(self._entries) + 1)])  # last-use time drives LRU
         except (OSError, ValueError):
             return False
         return True
@@ -557,7 +562,7 @@ class FileCache:
         the cache last removed anything, within the touch window, is served with no system call
         (entries never change in place); the others are looked up and then remembered there.
         """
-        files = self._files + os.sep
+        files = self._entries + os.sep
         now = time.time()
         known: list[bool] | None = None
         if seen is not None and indices is not None and len(indices):
@@ -634,8 +639,7 @@ class FileCache:
         # block another one. Without a budget only the free-disk floor is checked.
         tmp = None
         if self.budget() is not None:  # this process's cache_limit, or a smaller one of another live process
-            tmp = os.path.join(self._tmp,
- f"{key}.{process_tag()}.{next(_tmp_counter)}.{size}.part")
+            tmp = os.path.join(self._tmp, f"{key}.{process_tag()}.{next(_tmp_counter)}.{size}.part")
         self.reserve(size, tmp or "", may_exceed=may_exceed, on_wait=on_wait)
         staged = None
         try:
@@ -663,7 +667,7 @@ class FileCache:
                     staged = self._stage(stage, inner)
                     os.rename(tmp, os.path.join(stage, inner))
                     tmp = None
-                final = os.path.join(self._files, name)
+                final = os.path.join(self._entries, name)
                 self._install(stage, final)
                 staged = None
         except BaseException:
@@ -696,7 +700,7 @@ class FileCache:
         except FileNotFoundError:
             if not os.path.isdir(stage):
                 raise
-            os.makedirs(self._files, mode=0o700, exist_ok=True)  # files/ removed under us
+            os.makedirs(self._entries, mode=0o700, exist_ok=True)  # files/ removed under us
         except OSError as e:
             if e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR):
                 raise
@@ -834,7 +838,7 @@ class FileCache:
         u = CacheUsage()
         # an entry is a directory files/<key>-<size> (complete: renamed in whole); its size is in its
         # name and its mtime is its last use, so one directory read and a stat per entry count it
-        for de in _scandir(self._files, dirs=True):
+        for de in _scandir(self._entries, dirs=True):
             parsed = parse_entry_name(de.name)
             if parsed is None or not de.is_dir(follow_symlinks=False):
                 u.other_bytes += _size(de)
@@ -971,13 +975,11 @@ class FileCache:
         limit = self.budget()
         if limit is not None and tmp:
             if size > limit:
-
                 raise CacheFullError(
                     f"a {format_size(size)} file does not fit in {self._budget_name(limit)}: "
                     f"raise cache_limit above {format_size(size)} (plus what the loop holds at once)"
                 )
             self._reserve_budget(size, tmp, may_exceed, on_wait)
-
         # without a budget the temp file appears when the copy starts (one open less per fill)
         self._ensure_disk(size, may_exceed, on_wait)
 
@@ -991,7 +993,6 @@ class FileCache:
             if limit is None:  # the process that set the only budget is gone: no limit now
                 open(tmp, "wb").close()
                 return
-
             # checked before the lock: a blocked consumer's fill may go over, after a moment for
             # other streams to release
             over = waited >= 0.05 and may_exceed is not None and may_exceed()
@@ -1005,7 +1006,6 @@ class FileCache:
                         total + size > limit and since > max(0.02, 10 * self._scan_s)):
                     # evict a little more than this file needs: the next fills find room without a scan
                     _, total = self._evict_locked(0, limit - size - min(limit // 16, 256 << 20))
-
                 if total + size <= limit or over:
                     open(tmp, "wb").close()  # visible to every process's count from now on
                     self._write_ledger(total + size)
@@ -1024,7 +1024,6 @@ class FileCache:
             waited += delay
             delay = min(0.05, max(delay * 1.5, 5 * self._scan_s))
 
-
     def disk_full(self, size: int, free: int | None = None, floor: int | None = None) -> CacheFullError:
         """The error of a fill of ``size`` bytes that the cache disk has no room for (``free`` and
         ``floor``: as measured, else measured now), naming the free space, the budget and the fixes."""
@@ -1038,7 +1037,6 @@ class FileCache:
         room = format_size(max(0, free - floor))
         budget = (f"{self._budget_name(limit)} is more than the disk can hold: lower cache_limit below {room}, "
                   if limit is not None else f"set cache_limit= to what the disk can hold (under {room} more), ")
-
         return CacheFullError(
             f"cache disk of {self.root} is full: a {format_size(size)} file does not fit in {format_size(free)} free "
             f"({format_size(floor)} must stay free, min_free={self.min_free:g}); the rest is in use by files not yet "
@@ -1055,7 +1053,7 @@ class FileCache:
         best = self.limit
         for name in _listdir(self._locks):
             parsed = parse_limit_name(name)
-            if parsed is None or (best is not None and parsed[1] >= best) or parsed[0] == process_tag():
+            if parsed is None or (best is not None and parsed[1] >= best):
                 continue
             if tag_alive(parsed[0]):
                 best = parsed[1]
@@ -1071,13 +1069,14 @@ class FileCache:
                 f"cache_limit={format_size(limit)} (set by another process using {self.root})")
 
     def _record_limit(self) -> None:
-        """Let every process using this directory honour this process's ``cache_limit`` while it lives."""
+        """Let every process using this directory honour this object's ``cache_limit`` while it (and
+        its process) lives: a record ``locks/limit.<process>.<n>.<bytes>``, removed when the object goes."""
         if self.limit is None:
             return
-        path = os.path.join(self._locks, f"limit.{process_tag()}.{self.limit}")
-        if not os.path.exists(path):
-            with contextlib.suppress(OSError):
-                os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600))
+        path = os.path.join(self._locks, f"limit.{process_tag()}.{next(_tmp_counter)}.{self.limit}")
+        with contextlib.suppress(OSError):
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600))
+            weakref.finalize(self, _drop_limit_record, path, os.getpid())
 
     def _ensure_disk(self, size: int, may_exceed: Callable[[], bool] | None,
 
@@ -1100,7 +1099,6 @@ class FileCache:
                 continue
             if may_exceed is None or may_exceed() or waited > 30.0:
                 raise self.disk_full(size, du.free, floor)
-
             if on_wait is not None:
                 on_wait()
             time.sleep(0.02)

@@ -4,7 +4,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-
 import shutil
 import sys
 import threading
@@ -26,15 +25,13 @@ from .cache import (FileCache, SeenEntries, cache_key, cache_keys, entry_files, 
 from .errors import NotAnEntryError
 from .dist import dist_info, local_world_size
 from .epochs import EpochTracking, check_state_kind
-from .errors import (BudgetTooSmallError, CacheFullError, FetchError, InvalidArgumentError, ListingChangedError,
-                     SourceChangedError)
-
+from .errors import (BudgetTooSmallError, CacheFullError, CacheFullFetchError, FetchError, InvalidArgumentError,
+                     ListingChangedError, SourceChangedError)
 from .fetch import read_ahead, restart_timeout, shared_pool, with_retries
 from .listing import Listing, forget_listing, open_listing
 from .progress import Progress
 from .telemetry import SharedCounters, SharedInts, percentiles
 from .units import format_size
-
 from .volume import FileEntry, Volume, copy_error, open_volume
 
 STATE_VERSION = 2  # 2: the array-free epoch order (plan.ORDER_VERSION 2)
@@ -42,6 +39,9 @@ STREAM_CHUNK = 512  # items of a stream decoded from the listing at once (~450 B
 STREAM_CHUNKS_KEPT = 8  # decoded chunks kept per stream (read-ahead and protection stay within them)
 DEFAULT_INFLIGHT = 128  # files in flight per rank, spread over its DataLoader workers
 WARM_STREAK = 64  # consecutive cache hits after which iteration switches to whole runs of lookups
+# Without consumption reports a stream keeps at least this many handed-out files protected (or
+# lease_items if smaller): the batch the loop holds and torch's prefetch queue (2 batches of 21)
+MIN_WINDOW = 64
 _last_fetch = threading.local()  # per-item records: did this thread's last _fetch copy the file?
 MAX_STREAMS = 64  # DataLoader workers whose consumption ucmagic.DataLoader reports (more share slots)
 _TRACKED = MAX_STREAMS  # index of the "ucmagic.DataLoader reports consumption" flag in the channel
@@ -57,7 +57,6 @@ def check_seed(seed: Any) -> int:
 
 
 def _source_missing(exc: BaseException) -> bool:
-
     """True when a fetch failed because the source file is gone (deleted after the listing)."""
     return isinstance(exc, FetchError) and isinstance(exc.__cause__, FileNotFoundError)
 
@@ -184,7 +183,6 @@ class _Stream:
                  window: int, chunk: int, consumed: Callable[[], int | None], budgeted: bool = False) -> None:
         self.cache = cache
         self.budgeted = budgeted  # fills honour a cache_limit (this process's or another's)
-
         self.path = cache.record_path(owner, slot)
         self.items = items
         self.quantum = max(1, quantum)
@@ -230,7 +228,6 @@ class _Stream:
         exact = c is not None and self.budgeted
         # a window sized to fit a budget is released in steps of a quarter of it
         step = self.quantum if exact else max(self.quantum, self.window // 4, 1 if self.budgeted else 64)
-
         if done - self.lo >= step or (exact and done > self.lo and done >= self.yielded):
             with self._mu:
                 if self._stop.is_set() and self.finished:
@@ -407,7 +404,9 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
     fetched ahead of the training loop by a thread pool in each iterating process. With
     ``torch.distributed`` and/or DataLoader workers, each (rank, worker) gets its own slice with no
     overlap and no gap; every rank gets the same number of items. The path yielded is the cache
-    entry's own: stable across epochs and processes, readable until a budget evicts it.
+    entry's own, ``<cache_dir>/files/<version id>/<the file's path relative to path>`` (folder names
+    and extension kept; unsafe names escaped: docs/cache.md): stable across epochs and processes, new
+    for a rewritten file, readable until a budget evicts it. :meth:`source_of` maps it back.
 
     Args:
         path: directory, ``/Volumes/<catalog>/<schema>/<volume>/...``, or fsspec URL.
@@ -498,7 +497,6 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
         self.reshuffle_every = int(reshuffle_every) if reshuffle_every else None
         self.seed = check_seed(seed)
         self.partition = partition
-
         self.prefetch = prefetch
         self.retries = int(retries)
         self.timeout = timeout
@@ -620,9 +618,8 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
             path, fetched = with_retries(attempt, None, self.retries, on_retry=lambda _: self._counters.add(retries=1))
         except FetchError:
             raise
-        except CacheFullError as exc:  # raised as itself (catchable as CacheFullError), naming the file
-            raise type(exc)(f"{self.volume.display(e.path)}: {exc}") from exc
-
+        except CacheFullError as exc:  # catchable as CacheFullError (and FetchError), naming the file
+            raise CacheFullFetchError(f"{self.volume.display(e.path)}: {exc}") from exc
         except Exception as exc:
             raise copy_error(self.volume, e.path, exc) from exc
         _last_fetch.fetched = fetched
@@ -691,7 +688,6 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
             return False
         return self.on_error == "skip" or (self.on_missing == "skip" and _source_missing(exc))
 
-
     def _consumption(self, slot: int) -> Callable[[], int | None]:
         """Items of stream ``slot`` the loop has finished with (ucmagic.DataLoader), else None."""
         chan = self._consumed
@@ -721,29 +717,31 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
 
         Under a budget each stream's share holds both: a third for the window (sized by the listing's
         mean file size, at most ``lease_items``), a third for read-ahead, so the protected files fit in
-
-        ``cache_limit`` and a small budget slows the loop down instead of stopping it. A share that
-        cannot hold one file of the mean size is an error now, at the first item, naming the size
-        needed (the fill the loop waits for may go over the budget: see :meth:`_Stream.may_exceed`).
-
+        ``cache_limit`` and a small budget slows the loop down instead of stopping it. The window
+        holds at least :data:`MIN_WINDOW` files (or ``lease_items`` if smaller), with reports one
+        file (the fill the loop waits for may go over the budget: see :meth:`_Stream.may_exceed`); a
+        share that cannot hold that many files of the mean size is an error now, at the first item,
+        naming the size needed.
         """
         if budget is None:
             return self.lease_items, self._read_ahead_bytes(streams)
         share = budget // max(1, streams)
         n = len(self.listing)
         typical = max(1, -(-self.listing.total_bytes // n)) if n else 1
-        if n and share < typical:
+        least = 1 if reported else min(self.lease_items, MIN_WINDOW)  # files a stream must hold at once
+        if n and share < least * typical:
+            what = "one file" if least == 1 else f"{least} files (the protection window without ucmagic.DataLoader)"
             raise BudgetTooSmallError(
-                f"cache_limit={format_size(budget)} cannot hold one file of ~{format_size(typical)} for each of "
-                f"{streams} stream(s): set cache_limit to at least {format_size(typical * max(1, streams))}"
-                + (" (or use fewer DataLoader workers)" if streams > 1 else ""))
-
+                f"cache_limit={format_size(budget)} cannot hold {what} of ~{format_size(typical)} for each of "
+                f"{streams} stream(s): set cache_limit to at least {format_size(least * typical * max(1, streams))}"
+                + (" or use fewer DataLoader workers" if streams > 1 else "")
+                + ("" if reported else "; ucmagic.DataLoader reports what the loop consumed and needs less"))
         if reported:
             return self.lease_items, max(1, share)
         # a third each (the window is released in steps of a quarter of it): about 3/4 of the share
         # is held, so fills rarely wait for room
-        return max(1, min(self.lease_items, share // 3 // typical)), max(1, share // 3)
-
+        window = max(least, min(self.lease_items, share // 3 // typical))
+        return window, max(typical, (share - window * typical) // 2)
 
     def _read_ahead_bytes(self, streams: int) -> int:
 
@@ -781,7 +779,6 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
                          window=window, chunk=max(16, depth), consumed=consumed, budgeted=budget is not None)
         if budget is not None:
             stream.start_refresher()
-
         counters = self._counters
         skipped: list[str] = []
         n = len(items)
