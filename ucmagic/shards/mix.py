@@ -214,7 +214,10 @@ class Mix(EpochTracking, IterableDataset):
                 r.close()
 
     def describe_item(self, index: int) -> tuple[str, int]:
-        return self.sources[0].describe_item(index)
+        """The chunk a fetch record names (each source numbers its own chunks: exact for one source)."""
+        if len(self.sources) == 1:
+            return self.sources[0].describe_item(index)
+        return f"chunk {index} of one of {len(self.sources)} mixed sources", 0
 
     # ------------------------------------------------------------ resume
 
