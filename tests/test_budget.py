@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from ucmagic import DataLoader, UCVolumeDataset
-from ucmagic.errors import BudgetTooSmallError, CacheFullError, FetchError
+from ucmagic.errors import BudgetTooSmallError, CacheFullError
 
 from ucmagic.testing import make_files
 

@@ -60,6 +60,7 @@ _EXPORTS = {
     "ResumeOrderError": "errors",
     "UnsafeCacheError": "errors",
     "NotAnEntryError": "errors",
+    "UnreadableDirectoryError": "errors",
     "local_path": "volume",
     "TorchVersionError": "errors",
     "CheckpointError": "errors",

@@ -47,6 +47,11 @@ class CacheFullError(UCMagicError, OSError):
     """The cache disk has no room left and nothing can be evicted."""
 
 
+class CacheFullFetchError(FetchError, CacheFullError):
+    """A file could not be cached for lack of room (larger than ``cache_limit``, or the cache disk is
+    full): catchable as :class:`CacheFullError` and as :class:`FetchError`; never retried or skipped."""
+
+
 class BudgetTooSmallError(CacheFullError):
     """``cache_limit`` cannot hold what one loop needs at once (a file, or a batch per stream); the
     message names the size it needs. Raised at the first item, before anything waits."""
@@ -64,7 +69,6 @@ class InvalidArgumentError(UCMagicError, ValueError, TypeError):
     """An argument has the wrong type or value; the message names the argument and what it accepts."""
 
 
-
 class ListingChangedError(UCMagicError, ValueError):
     """A saved resume state does not match the dataset's current listing."""
 
@@ -75,6 +79,10 @@ class ResumeOrderError(UCMagicError, ValueError):
 
 class UnsafeCacheError(UCMagicError, PermissionError):
     """The cache directory is not private to the current user."""
+
+
+class UnreadableDirectoryError(UCMagicError, PermissionError):
+    """A directory inside a dataset's tree cannot be read while listing (``on_error="skip"`` skips it)."""
 
 
 class NotAnEntryError(UCMagicError, ValueError):

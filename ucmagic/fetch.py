@@ -11,19 +11,20 @@ import random
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import Executor, Future
+from concurrent.futures import wait as wait_futures
 from functools import lru_cache
 from typing import Any, Callable, Generator, Iterable, NamedTuple, TypeVar
 
-from ._util import RetryPolicy
-from .errors import CacheFullError, FetchTimeoutError
+from ._util import POLL_S, DaemonPool, RetryPolicy
+from .errors import CacheFullError, FetchTimeoutError, SourceChangedError
 
 T = TypeVar("T")
 R = TypeVar("R")
 
-# Errors that another try will not fix.
-PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, CacheFullError)
+# Errors that another try will not fix (a source changed during its copy is deterministic: it surfaces at once).
+PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, CacheFullError,
+             SourceChangedError)
 
 
 def backoff_delays(retries: int, base: float = 0.01, cap: float = 2.0, jitter: float = 0.5,
@@ -43,30 +44,37 @@ def _policy(retries: int) -> RetryPolicy:
     return RetryPolicy(retries, PERMANENT)  # built once per count: a fill calls with_retries per file
 
 
-_pools: dict[tuple[int, str], ThreadPoolExecutor] = {}
+_pools: dict[tuple[int, str], DaemonPool] = {}
 _pools_mu = threading.Lock()
 
 
-def shared_pool(threads: int, name: str = "fetch") -> ThreadPoolExecutor:
+def shared_pool(threads: int, name: str = "fetch") -> DaemonPool:
     """The process's pool of I/O threads called ``name`` (recreated after fork; sized by the largest
-    request). Separate names keep short calls from queueing behind a full read-ahead."""
+    request). Separate names keep short calls from queueing behind a full read-ahead. Daemon threads,
+    never joined: a read stuck in a hung mount does not keep the interpreter from exiting."""
     with _pools_mu:
         key = (os.getpid(), name)
         pool = _pools.get(key)
-        if pool is None or pool._max_workers < threads:  # noqa: SLF001
+        if pool is None or pool.max_workers < threads:
             if pool is not None:
                 pool.shutdown(wait=False)
-            pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=f"ucmagic-{name}")
+            pool = DaemonPool(threads, f"ucmagic-{name}")
             for stale in [k for k in _pools if k[0] != key[0]]:  # a forked child's copies of the parent's
                 del _pools[stale]
             _pools[key] = pool
         return pool
 
 
-class _Task:
-    __slots__ = ("future", "started", "item", "cost", "result", "probe", "seen")
+class _Closed(BaseException):
+    """Raised inside a call whose :func:`read_ahead` was closed (the loop left, or failed) while the
+    call waited: it stops waiting. A BaseException, so no retry loop takes it for a failure."""
 
-    def __init__(self, item: Any, cost: int = 0) -> None:
+
+class _Task:
+    __slots__ = ("future", "started", "item", "cost", "result", "probe", "seen", "gone")
+
+    def __init__(self, item: Any, cost: int = 0, gone: list[bool] | None = None) -> None:
+        self.gone = gone if gone is not None else [False]  # shared by a read_ahead's tasks: it was closed
         self.item = item
         self.cost = cost
         self.started: float | None = None  # start, or the last time progress was seen
@@ -81,9 +89,13 @@ _current = threading.local()
 
 def restart_timeout() -> None:
     """Called from inside a :func:`read_ahead` call that is waiting (e.g. for cache room, freed as
-    the loop consumes): its per-item timeout counts from now, so a slow loop is not a hung mount."""
+    the loop consumes): its per-item timeout counts from now, so a slow loop is not a hung mount.
+    Once the read-ahead was closed (the loop ended, broke off or failed) it raises instead, so the
+    wait ends and the call's thread is free: nothing waits on for a loop that is gone."""
     task = getattr(_current, "task", None)
     if task is not None:
+        if task.gone[0]:
+            raise _Closed()
         task.started = time.monotonic()
 
 
@@ -144,7 +156,7 @@ def tune_window(w: Window, rate: float, wait_share: float, *, floor: int, ceilin
 
 
 def read_ahead(fn: Callable[[T], R], items: Iterable[T], *, depth: int = 32, timeout: float | None = 120.0,
-               pool: ThreadPoolExecutor | None = None, describe: Callable[[T], str] = str,
+               pool: Executor | None = None, describe: Callable[[T], str] = str,
                fast: Callable[[T], R | None] | None = None, cost: Callable[[T], int] | None = None,
                max_bytes: int | None = None) -> Generator[R, None, None]:
     """Yield ``fn(item)`` for each item, in order, with up to ``depth`` calls in flight.
@@ -158,13 +170,16 @@ def read_ahead(fn: Callable[[T], R], items: Iterable[T], *, depth: int = 32, tim
     ``timeout`` bounds the time each call, once started, goes without progress (see
     :func:`watch_progress`; a call that reports none is bounded as a whole): a hung mount raises
     :class:`FetchTimeoutError` naming the item instead of hanging training. Closing the generator
-    cancels calls that have not started. ``fast(item)``, when given, is tried first on the calling
-    thread; a result other than None is used as is (a cache hit needs no thread hop).
+    cancels calls that have not started, and calls still waiting (see :func:`restart_timeout`) stop.
+    The consumer waits in steps of ``POLL_S``, so Ctrl-C interrupts it at once. ``fast(item)``, when
+    given, is tried first on the calling thread; a result other than None is used as is (a cache
+    hit needs no thread hop).
     """
     depth = max(1, int(depth))
     pool = pool or shared_pool(depth)
     it = iter(items)
     pending: deque[_Task] = deque()
+    gone = [False]
 
     inflight = 0
     peeked: list[T] = []
@@ -191,7 +206,7 @@ def read_ahead(fn: Callable[[T], R], items: Iterable[T], *, depth: int = 32, tim
                 peeked.append(item)  # over the byte bound: submit it once earlier items are yielded
                 return False
             inflight += c
-            task = _Task(item, c)
+            task = _Task(item, c, gone)
             done = fast(item) if fast is not None else None
             if done is not None:
                 task.result = done  # a hit: no Future, no thread hop
@@ -209,26 +224,22 @@ def read_ahead(fn: Callable[[T], R], items: Iterable[T], *, depth: int = 32, tim
             result = task.result
             fut = task.future
             if fut is not None:
-                if fut.done():
-                    result = fut.result()
-                else:
+                if not fut.done():
                     t0 = time.perf_counter()
-                    while True:
-                        try:
-                            result = fut.result(timeout=0.5 if timeout else None)
-                            break
-                        except FutureTimeout:
-                            if not timeout or task.started is None:
-                                continue
-                            now, current = time.monotonic(), _probe(task)
-                            expired, task.started = stall_check(now, task.started, timeout, task.seen, current)
-                            task.seen = current
-                            if expired:
-                                raise FetchTimeoutError(
-                                    f"fetching {describe(task.item)} made no progress for {timeout:g} s; the "
-                                    "volume may be hung. Check the mount, or raise timeout="
-                                ) from None
+                    # timed steps, never one blocking wait: Ctrl-C and the stall check act within POLL_S
+                    while not wait_futures((fut,), timeout=POLL_S).done:
+                        if not timeout or task.started is None:
+                            continue
+                        now, current = time.monotonic(), _probe(task)
+                        expired, task.started = stall_check(now, task.started, timeout, task.seen, current)
+                        task.seen = current
+                        if expired:
+                            raise FetchTimeoutError(
+                                f"fetching {describe(task.item)} made no progress for {timeout:g} s; the "
+                                "volume may be hung. Check the mount, or raise timeout="
+                            ) from None
                     period_wait += time.perf_counter() - t0
+                result = fut.result()
             pending.popleft()
             inflight -= task.cost
             period_items += 1
@@ -241,6 +252,7 @@ def read_ahead(fn: Callable[[T], R], items: Iterable[T], *, depth: int = 32, tim
                 pass
             yield result
     finally:
+        gone[0] = True  # calls still waiting (for cache room) stop at their next look
         for task in pending:
             if task.future is not None:
                 task.future.cancel()
