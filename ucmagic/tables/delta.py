@@ -442,11 +442,11 @@ def _rename_nested(arr: Any, jtype: Any, mode: str) -> Any:
             meta = fj.get("metadata", {})
             by_phys[meta.get("delta.columnMapping.physicalName", fj["name"])] = fj
         names, children = [], []
-        for k in range(arr.type.num_fields):
+        for k, kid in enumerate(arr.flatten()):  # children with the parent's offset applied
             child = arr.type.field(k)
             fj = by_phys.get(child.name)
             names.append(fj["name"] if fj else child.name)
-            children.append(_rename_nested(arr.field(k), fj["type"] if fj else None, mode))
+            children.append(_rename_nested(kid, fj["type"] if fj else None, mode))
         return pa.StructArray.from_arrays(children, names=names, mask=arr.is_null() if arr.null_count else None)
     if kind == "array" and (pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type)):
         vals = _rename_nested(arr.values, jtype.get("elementType"), mode)
@@ -479,7 +479,7 @@ def _check_features(name: str, protocol: Any, schema_json: dict[str, Any]) -> No
             "read it with a newer Delta engine")
 
 
-def _arrow_schema(dt: Any, schema_json: dict[str, Any]) -> Any:
+def _arrow_schema(dt: Any) -> Any:
     import pyarrow as pa
 
     s = pa.schema(dt.schema().to_arrow())
@@ -650,7 +650,7 @@ def open_snapshot(root: str, *, version: int | None = None, name: str | None = N
     mode = config.get("delta.columnMapping.mode", "none") or "none"
     if mode not in ("none", "name", "id"):
         raise UnsupportedTableFeatureError(f"Delta table {what}: unknown column mapping mode {mode!r}")
-    schema = _arrow_schema(dt, schema_json)
+    schema = _arrow_schema(dt)
     pcols = list(meta.partition_columns or [])
     v = int(dt.version())
     actions = pa.table(dt.get_add_actions(flatten=False))
