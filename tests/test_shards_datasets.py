@@ -397,3 +397,29 @@ def test_break_mid_epoch_releases_every_chunk(shards):
             break
     assert ds.cache.usage().protected_bytes == 0
     assert not [n for n in os.listdir(os.path.join(cache, "prot")) if "chunks-s" in n]
+
+
+KILLED_CHILD = r"""
+import sys, time, ucmagic
+ds = ucmagic.TarShards(sys.argv[1], cache_dir=sys.argv[2], cache_limit=6 * 65536, chunk_size=65536)
+for n, s in enumerate(ds.stream(shuffle=True, read_ahead=3)):
+    if n == 5:
+        print("reading", flush=True)
+    time.sleep(0.01)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_reader_leaves_nothing_protected_and_the_cache_consistent(shards):
+    import signal
+
+    src, want, cache = shards
+    p = subprocess.Popen([sys.executable, "-c", KILLED_CHILD, src, cache], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "reading"
+    finally:
+        p.send_signal(signal.SIGKILL)
+        p.wait(timeout=30)
+    ds = TarShards(src, cache_dir=cache, cache_limit=6 * CHUNK, chunk_size=CHUNK)
+    assert ds.cache.usage().protected_bytes == 0  # the dead reader's record protects nothing
+    assert all(same(ds[i], want[i]) for i in range(len(want)))
