@@ -109,7 +109,8 @@ def _add_pack(sub: argparse._SubParsersAction) -> None:
         res = pack(a.src, a.dest, a.shard_size, label_from_folder=a.label_from_folder, pattern=a.pattern,
                    workers=a.workers, columns=parse_columns(a.columns), key_column=a.key_column, kind=a.kind,
                    retries=a.retries, progress=False if a.no_progress else "text")
-        print(res)
+        if a.no_progress or not sys.stderr.isatty():  # on a terminal the progress line ends with the summary
+            print(res)
         return 0
 
     p.set_defaults(func=run)
