@@ -423,3 +423,26 @@ def test_a_killed_reader_leaves_nothing_protected_and_the_cache_consistent(shard
     ds = TarShards(src, cache_dir=cache, cache_limit=6 * CHUNK, chunk_size=CHUNK)
     assert ds.cache.usage().protected_bytes == 0  # the dead reader's record protects nothing
     assert all(same(ds[i], want[i]) for i in range(len(want)))
+
+
+@pytest.mark.parametrize("shuffle", [False, True, "node"])
+def test_resume_is_elastic_across_ranks_and_workers(shards, shuffle, monkeypatch):
+    src, want, cache = shards
+    import ucmagic.shards.samples as samples
+
+    monkeypatch.setattr(samples, "local_world_size", lambda world: 1)  # one rank per node: node mode applies
+    make = lambda: TarShards(src, cache_dir=cache, chunk_size=CHUNK).stream(shuffle=shuffle, seed=3, partition="drop")  # noqa: E731
+    a = make()
+    world, workers = 2, 2
+    streams = [a.stream_samples(0, rank=r, world=world, worker=w, num_workers=workers)
+               for r in range(world) for w in range(workers)]
+    delivered = [3, 11, 0, 7]
+    done = np.concatenate([s[:d] for s, d in zip(streams, delivered)])
+    state = json.loads(json.dumps(a.make_state(0, delivered, world=world, num_workers=workers)))
+    b = make()
+    b.load_state_dict(state)
+    rest = np.concatenate([b.stream_samples(0, rank=r, world=3, worker=0, num_workers=1) for r in range(3)])
+    everything = set(np.concatenate(streams).tolist())  # the epoch under 2 ranks ("drop": no repeats)
+    left = len(everything) - len(done)
+    assert len(rest) == left - left % 3  # 3 ranks now, equal lengths: "drop" leaves out the remainder
+    assert set(rest.tolist()) <= everything - set(done.tolist())  # nothing twice, nothing from outside
