@@ -290,14 +290,28 @@ def test_bad_input_is_refused_with_what_to_do(src, tmp_path):
 # ---------------------------------------------------------------- whole or absent; resume
 
 @pytest.mark.timeout(120)
-def test_a_failing_read_stops_the_pack_leaving_only_whole_shards_and_a_rerun_completes_it(src, tmp_path):
+@pytest.mark.parametrize("workers", [1, 8])
+def test_a_failing_read_stops_the_pack_leaving_only_whole_shards_and_a_rerun_completes_it(src, tmp_path, workers,
+                                                                                          monkeypatch):
+    import errno
+
+    from ucmagic.volume import LocalVolume
+
     root, _ = src
     ref = str(tmp_path / "ref")
     ucmagic.pack(root, ref, shard_size="20KB", progress=False)
     dest = str(tmp_path / "dest")
-    with pytest.raises(FetchError, match="injected"):
-        ucmagic.pack("slow://" + root, dest, shard_size="20KB", workers=1, retries=0, progress=False,
-                     storage_options={"open_ms": 0, "mbps": 0, "list_ms": 0, "fail_every": 70})
+    real = LocalVolume.range_reader
+
+    def failing(self, rel):
+        if rel == "eel/0019.jpg":  # in the last shard: the earlier ones are complete when it is read
+            raise OSError(errno.EIO, "injected I/O error")
+        return real(self, rel)
+
+    monkeypatch.setattr(LocalVolume, "range_reader", failing)
+    with pytest.raises(FetchError, match="eel/0019.jpg.*injected"):
+        ucmagic.pack(root, dest, shard_size="20KB", workers=workers, retries=1, progress=False)
+    monkeypatch.undo()
     names = os.listdir(dest)
     assert "index.json" not in names and not [n for n in names if n.endswith(".tmp")]
     whole = [n for n in names if n.endswith(".tar")]

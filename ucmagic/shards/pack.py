@@ -499,7 +499,9 @@ def _write_tree_shards(vol: Volume, todo: Sequence[PlannedShard], dest: str, sta
                 return
             try:
                 _write_tree_shard(vol, shard, dest, state, pool, ahead, retries, prog, stop)
-            except BaseException:
+            except BaseException as exc:
+                if stop.is_set():  # stopped by another writer's failure (or Ctrl-C): not the cause
+                    raise _Stopped from exc
                 stop.set()
                 raise
 
@@ -508,11 +510,11 @@ def _write_tree_shards(vol: Volume, todo: Sequence[PlannedShard], dest: str, sta
     futs = [wpool.submit(writer) for _ in range(writers)]
     try:
         wait(futs, return_when=FIRST_EXCEPTION)
-        errors = [e for e in (f.exception() for f in futs if f.done()) if e is not None and not isinstance(e, _Stopped)]
-        if errors:
-            stop.set()
+        if stop.is_set():  # a writer failed: drop the queued reads, let the others stop, raise the cause
+            pool.shutdown(wait=False, cancel_futures=True)
             wait(futs)
-            raise errors[0]
+            errors = [e for e in (f.exception() for f in futs) if e is not None]
+            raise next((e for e in errors if not isinstance(e, _Stopped)), errors[0])
         for f in futs:
             f.result()
     except BaseException:  # Ctrl-C too: stop the writers, drop queued reads, let reads in flight end
