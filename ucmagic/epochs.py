@@ -30,7 +30,7 @@ from .cache import file_lock
 from .dist import dist_info, local_world_size
 from .telemetry import SharedCounters, SharedInt, SharedInts
 
-__all__ = ["PlannedDataset", "ConsumptionSink", "EpochTracking", "check_state_kind"]
+__all__ = ["PlannedDataset", "ConsumptionSink", "EpochTracking", "check_state_kind", "wrapped_planned"]
 
 # shared epoch-sync slots: set_epoch was called / a ucmagic.DataLoader sets epochs / last iteration key / seen one
 _EXPLICIT, _MANAGED, _KEY, _SEEN = range(4)
@@ -92,6 +92,35 @@ class PlannedDataset(Protocol):
 
     def describe_item(self, index: int) -> tuple[str, int]:
         """``(display name, bytes)`` of item ``index`` (for per-item fetch records)."""
+
+
+def wrapped_planned(ds: Any, depth: int = 2) -> PlannedDataset | None:
+    """The planned dataset that a wrapper dataset iterates, else None (``ds`` itself is not one).
+
+    The seed's pattern: a user ``IterableDataset`` whose ``__iter__`` loops over a
+    ``UCVolumeDataset`` it keeps as an attribute. Found as ``ds.source_dataset`` when the wrapper
+    sets it (the documented hook, for wrappers holding several datasets), else as the only planned
+    dataset among the wrapper's instance attributes (``vars(ds)``), up to ``depth`` wrappers deep.
+    ``ucmagic.DataLoader`` reports the loop's consumption to it, counting one of its items per item
+    the wrapper yields (a wrapper that yields fewer, e.g. a filter, only keeps files protected longer).
+    """
+    if isinstance(ds, PlannedDataset) or depth <= 0:
+        return None
+    hook = getattr(ds, "source_dataset", None)
+    if isinstance(hook, PlannedDataset):
+        return hook
+    try:
+        attrs = list(vars(ds).values())
+    except TypeError:  # no __dict__ (slots, builtins)
+        return None
+    found = [a for a in attrs if isinstance(a, PlannedDataset)]
+    if len(found) == 1:
+        return found[0]
+    if found:
+        return None  # several: ambiguous without the hook
+    deeper = [w for w in (wrapped_planned(a, depth - 1) for a in attrs if hasattr(a, "__iter__")
+                          and not isinstance(a, (str, bytes, dict, list, tuple, set))) if w is not None]
+    return deeper[0] if len(deeper) == 1 else None
 
 
 def check_state_kind(state: dict[str, Any], kind: str, *legacy: str) -> None:

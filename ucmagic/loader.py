@@ -23,7 +23,7 @@ import torch.utils.data as tud
 from . import _torch_compat as compat
 from . import plan
 from .dist import all_gather_ints, dist_info
-from .epochs import PlannedDataset
+from .epochs import PlannedDataset, wrapped_planned
 from .errors import ListingChangedError
 from .loader_stats import LoaderStats
 from .telemetry import ItemCollate
@@ -191,6 +191,11 @@ class DataLoader(tud.DataLoader):
             self._configure_dataset()
         elif compat.is_map_style(self):
             self._own_random_sampler(generator)
+        # the seed's pattern: a wrapper IterableDataset over a UCVolumeDataset; the loop's consumption
+        # reaches the inner dataset, so its protection follows the loop as without the wrapper
+        self._wrapped = None if uc else wrapped_planned(dataset)
+        if self._wrapped is not None:
+            self._consumed = self._wrapped.consumption_channel()
 
     # -- setup
     def _configure_dataset(self) -> None:
@@ -295,13 +300,16 @@ class DataLoader(tud.DataLoader):
             self._fresh = False
             if self._sampler_gen is not None and self._sampler_seed is not None:  # set together
                 self._sampler_gen.manual_seed((self._sampler_seed * 1_000_003 + self._epoch) % (2**63))
+            if self._wrapped is not None and self._consumed is not None:
+                self._lengths = self._stream_lengths(self._wrapped.epoch, self._wrapped)
+                self._consumed.reset(len(self._lengths))
         self._epoch_batches = 0
         self._epoch_complete = False
         self._started = True
         self.stats.begin_epoch(self._epoch)
 
-    def _stream_lengths(self, epoch: int) -> list[int]:
-        ds = self.dataset
+    def _stream_lengths(self, epoch: int, ds: Any = None) -> list[int]:
+        ds = self.dataset if ds is None else ds
         rank, world = dist_info()[:2]
         pool, _ = ds.epoch_plan(epoch)
         nw = max(1, self.num_workers)
