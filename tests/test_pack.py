@@ -242,6 +242,40 @@ def test_shards_are_written_front_to_back_for_volumes_that_take_only_sequential_
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("table", [False, True])
+def test_a_full_disk_stops_the_pack_with_what_to_do_and_a_rerun_completes_it(src, tmp_path, monkeypatch, table):
+    import builtins
+    import errno
+
+    import ucmagic.shards.pack as P  # noqa: N812 - the module under test
+
+    root, _ = src
+    source, size = (_frame(), "12KB") if table else (root, "20KB")
+    ref = str(tmp_path / "ref")
+    ucmagic.pack(source, ref, shard_size=size, progress=False)
+    budget = [3 * 20_000]  # bytes the "disk" takes before it is full
+
+    class Full(_AppendOnly):
+        def write(self, data):
+            budget[0] -= len(data)
+            if budget[0] < 0:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return self.f.write(data)
+
+    monkeypatch.setattr(P, "open", lambda path, mode="r", *a, **kw: Full(builtins.open(path, mode, *a, **kw)),
+                        raising=False)
+    dest = str(tmp_path / "dest")
+    with pytest.raises(OSError, match="no space left on the destination .*run pack again") as e:
+        ucmagic.pack(source, dest, shard_size=size, workers=2, progress=False)
+    assert e.value.errno == errno.ENOSPC
+    monkeypatch.undo()
+    names = os.listdir(dest)
+    assert "index.json" not in names and not [n for n in names if n.endswith(".tmp")]
+    res = ucmagic.pack(source, dest, shard_size=size, progress=False)
+    assert res.kept >= 1 and shard_bytes(dest) == shard_bytes(ref)
+
+
+@pytest.mark.timeout(120)
 def test_slow_volume_and_volumes_paths_pack_like_a_local_directory(src, tmp_path, monkeypatch):
     root, _ = src
     local = str(tmp_path / "local")

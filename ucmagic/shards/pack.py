@@ -22,6 +22,7 @@ sample). The source is never written to.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import math
@@ -862,14 +863,22 @@ def _pack_tree(vol: Volume, dest_root: str, target: int, label_from_folder: bool
                     total_bytes=sum(m.size for s in todo for m in s.members if m.src is not None))
     try:
         _write_tree_shards(vol, todo, dest_root, state, workers or DEFAULT_WORKERS, retries, prog)
-    except BaseException:
+    except BaseException as exc:
         prog.close()
+        _raise_if_disk_full(exc, dest_root)
         raise
     res.bytes = sum(s.size for s in todo)
     res.index = _end(dest_root, [s.index_entry() for s in plan], state, tree.classes)
     res.seconds = time.monotonic() - t0
     prog.close(text=str(res))
     return res
+
+
+def _raise_if_disk_full(exc: BaseException, dest: str) -> None:
+    """For a full disk, an OSError saying what to do instead of the bare ENOSPC."""
+    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+        raise OSError(errno.ENOSPC, f"no space left on the destination {dest}: free space (or pick another "
+                                    "destination) and run pack again; the complete shards are kept") from exc
 
 
 def _begin(dest: str, kept: dict[str, dict[str, Any]], changes: bool) -> _State:
@@ -920,8 +929,9 @@ def _pack_table(src: Any, dest: str, target: int, columns: Sequence[str] | Mappi
             except _MismatchError as m:
                 rewrite_from = m.index
                 done = {k: v for k, v in done.items() if _shard_number(k) < m.index}
-    except BaseException:
+    except BaseException as exc:
         prog.close()
+        _raise_if_disk_full(exc, dest)
         raise
     what = src if isinstance(src, (str, os.PathLike)) else type(src).__name__
     if not shards:
