@@ -509,6 +509,46 @@ def test_the_cli_export_and_ucmagic_load_read_the_snapshot(tmp_path):
     assert sorted(int(i) for b in loader for i in b["id"]) == list(range(10, 40))
 
 
+# ---------------------------------------------------------------- Spark-written files
+
+@pytest.mark.spark
+@pytest.mark.timeout(300)
+def test_spark_int96_timestamps_beyond_the_nanosecond_range_read_everywhere(tmp_path):
+    """Spark writes INT96 timestamps (years 1500 and 3000); deltalake converts the directory to a Delta
+    table (convert_to_deltalake); every entry point reads the years as written."""
+    import shutil
+
+    if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
+        pytest.skip("Java is not installed (needed by pyspark)")
+    pytest.importorskip("pyspark")
+    from pyspark.sql import SparkSession
+
+    spark = (SparkSession.builder.master("local[1]").appName("ucmagic-delta-int96")
+             .config("spark.ui.enabled", "false").config("spark.sql.session.timeZone", "UTC")
+             .config("spark.sql.parquet.outputTimestampType", "INT96")
+             .config("spark.sql.parquet.int96RebaseModeInWrite", "CORRECTED").getOrCreate())
+    path = str(tmp_path / "spark_int96")
+    try:
+        spark.sql("SELECT id, CASE WHEN id % 3 = 0 THEN timestamp'3000-01-01 00:00:00' "
+                  "WHEN id % 3 = 1 THEN timestamp'1500-06-01 12:00:00' ELSE timestamp'2024-01-01 00:00:00' END AS ts, "
+                  "cast(id AS string) AS s FROM range(30)").repartition(2).write.parquet(path)
+    finally:
+        spark.stop()
+    assert any(str(pq.ParquetFile(os.path.join(path, f)).schema.column(1).physical_type) == "INT96"
+               for f in os.listdir(path) if f.endswith(".parquet"))
+    deltalake.convert_to_deltalake(path)
+    # the years as written (deltalake's own scan reads INT96 as nanoseconds here and wraps 3000 to 1830)
+    want = [{"id": i, "ts": datetime.datetime(3000, 1, 1) if i % 3 == 0 else datetime.datetime(1500, 6, 1, 12)
+             if i % 3 == 1 else datetime.datetime(2024, 1, 1), "s": str(i)} for i in range(30)]
+    assert _sorted(ds_rows(ParquetDataset(path, format="arrow"))) == _sorted(want)
+    assert _norm_rows(load_table(path).to_dict("records")) == _norm_rows(want)
+    res = export_parquet(path, tmp_path / "out")
+    assert _sorted(pa.concat_tables([pq.read_table(f) for f in res.files]).to_pylist()) == _sorted(want)
+    ts = torch.cat([b["ts"] for b in ParquetDataset(path, columns=["ts"])])
+    us_3000 = int((datetime.datetime(3000, 1, 1) - datetime.datetime(1970, 1, 1)).total_seconds()) * 10**6
+    assert ts.max().item() == us_3000  # microseconds since the epoch
+
+
 # ---------------------------------------------------------------- Spark-written tables (need delta-spark jars)
 
 def _delta_spark_jars():
