@@ -45,7 +45,7 @@ from ..progress import Progress
 from ..units import format_size, parse_size
 from ..volume import (FileEntry, FsspecVolume, LocalVolume, Volume, copy_error, is_safe_rel, open_volume,
                       resolve_local_path)
-from .index import INDEX_NAME, Member, ShardInfo, dumps_index, shard_info, split_key
+from .index import INDEX_NAME, Member, ShardInfo, dumps_index, shard_info, split_key, write_index
 
 BLOCK = tarfile.BLOCKSIZE    # 512
 RECORD = tarfile.RECORDSIZE  # 10240: tar files end on a record boundary, as GNU tar and tarfile write them
@@ -376,10 +376,12 @@ def _fsync_dir(path: str) -> None:
 
 
 def _write_index(dest: str, shards: Sequence[ShardInfo], classes: list[str] | None) -> str:
-    """index.json in the format of :mod:`.index`, with the class names as the extra field ``classes``."""
+    """index.json through :mod:`.index`; with class names, its text plus the extra field ``classes``
+    (readers of the format ignore fields they do not know)."""
+    if classes is None:
+        return write_index(dest, shards)
     doc = json.loads(dumps_index(shards))
-    if classes is not None:
-        doc["classes"] = classes
+    doc["classes"] = classes
     path = os.path.join(dest, INDEX_NAME)
     atomic_write(path, json.dumps(doc, separators=(",", ":")).encode(), sync=True)
     return path
