@@ -8,11 +8,11 @@ Dimensions (values as named in cell ids ``consumer-budget-workers-event``):
   ``DataLoader``), ``uc`` (``ucmagic.DataLoader(ds)``), ``torch`` (``torch.utils.data.DataLoader(ds)``).
   Path consumers read every path in the main process when the batch arrives; the wrapper reads it
   in the worker, as the seed's decoding wrapper does. Batch size 4, loaders' other defaults. The
-  data: 120 files of 8-16 KiB (1.4 MB) under ``train/class<k>/``, each starting with its own path.
-- budget: ``none``; ``large`` (4x the data); ``window`` (512 KiB: about a third of the data, below the
-  1,024-item window protected when consumption is not reported, and below ucmagic.DataLoader's
-  (prefetch + 3) batches per stream with 2 workers, yet 1.6x the most torch's loader holds queued);
-  ``tiny`` (24 KiB: one and a half files, less than any batch).
+  data: 240 files of 4-8 KiB (1.4 MB) under ``train/class<k>/``, each starting with its own path.
+- budget: ``none``; ``large`` (4x the data); ``window`` (1 MiB: 70% of the data, a sixth of the
+  1,024-item window protected by default when consumption is not reported, 6x the most torch's
+  loader holds queued with 2 workers, and room for 2 streams x 64 files of the mean size);
+  ``tiny`` (12 KiB: one and a half files, less than any batch).
 - workers: ``w0``; ``fork2`` (2 workers, fork, persistent); ``spawn2`` (2 workers, spawn, the
   loader's default persistence: torch's off, ucmagic's on).
 - event: ``complete``; ``break`` (after a third of the items, then a whole second epoch);
@@ -20,7 +20,7 @@ Dimensions (values as named in cell ids ``consumer-budget-workers-event``):
   worker SIGKILLed after a third); ``change`` (the last not-yet-delivered source file rewritten,
   other size and mtime, after a third); ``diskfull`` (cache on a 4 MiB tmpfs; after a third a ballast
   file leaves 48 KiB free); ``second`` (a second process iterates the same source into the same cache
-  at the same time: forked from the cell's process, plain loop, no budget of its own).
+  at the same time: plain loop, its own dataset, no budget of its own).
 
 Expected outcomes (:func:`judge`):
 
@@ -70,7 +70,7 @@ from hypothesis import strategies as st
 HERE = os.path.dirname(os.path.abspath(__file__))
 CELL_SCRIPT = os.path.join(HERE, "scripts", "matrix_cell.py")
 
-FILES, MIN_SIZE, MAX_SIZE, BATCH = 120, 8 * 1024, 16 * 1024, 4
+FILES, MIN_SIZE, MAX_SIZE, BATCH = 240, 4 * 1024, 8 * 1024, 4
 KiB, MiB = 1024, 1024 * 1024
 CELL_TIMEOUT, EVENT_DEADLINE = 25.0, 10.0
 SLACK_FIXED = 64 * KiB
@@ -179,7 +179,7 @@ def write_source(root: str) -> int:
 
 
 def limit_of(budget: str, data_bytes: int) -> int | None:
-    return {"none": None, "large": 4 * data_bytes, "window": 512 * KiB, "tiny": 24 * KiB}[budget]
+    return {"none": None, "large": 4 * data_bytes, "window": 1 * MiB, "tiny": 12 * KiB}[budget]
 
 
 class Runner:
@@ -243,6 +243,7 @@ class Runner:
                     proc.wait()
                     rc = None
             orphans = kill_session(proc.pid)
+            unmount_under(spec["workdir"])  # a tmpfs of a cell whose child died before unmounting it
             with open(out_path) as f:
                 out = f.read()
             with open(err_path) as f:
@@ -303,6 +304,14 @@ def kill_session(sid: int) -> list[str]:
             p.kill()
     psutil.wait_procs(left, timeout=5)
     return desc
+
+
+def unmount_under(root: str) -> None:
+    with open("/proc/mounts") as f:
+        points = [line.split()[1] for line in f]
+    for mp in points:
+        if mp.startswith(root.rstrip("/") + "/"):
+            subprocess.run(["umount", "-l", mp], capture_output=True, check=False)
 
 
 def main_stack(dump: str) -> str:

@@ -354,9 +354,10 @@ def run_cell(cell: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
                "home": (os.environ["HOME"], ()), "tmpdir": (os.environ["TMPDIR"], ())}
     before = {k: tree_state(root, skip) for k, (root, skip) in watched.items()}
     baseline = {t.ident for t in threading.enumerate() if t.ident is not None}
-    second: int | None = None
+    second = spec.get("_second")
+    started_second = False
     second_out = os.path.join(work, "second.json")
-    exclude: set[int] = set()
+    exclude: set[int] = {second.pid} if second is not None else set()
     probe = Probe()
     t_event: list[float] = []
     streams = 1 if workers == "w0" else 2
@@ -394,8 +395,8 @@ def run_cell(cell: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
             ds = UCVolumeDataset(src, cache_dir=cache, cache_limit=limit)
             res["meta0"] = tree_bytes(cache)
             if event == "second":
-                second = start_second(src, cache, second_out, spec["cell_timeout"])
-                exclude.add(second)
+                second.start(src, cache, second_out, spec["cell_timeout"])
+                started_second = True
             loader = make_loader(consumer, ds, workers, batch)
             k = spec["trigger_at"]
             stop = k if event == "break" else None
@@ -413,8 +414,10 @@ def run_cell(cell: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
         if t_event:
             res["after_event_s"] = round(time.monotonic() - t_event[0], 3)
         faulthandler.dump_traceback_later(spec["cell_timeout"], exit=True)
-        if second is not None:
-            res["second"] = wait_second(second, second_out, spec["cell_timeout"])
+        if started_second:
+            res["second"] = second.wait(second_out, spec["cell_timeout"])
+            if res["second"]["outcome"]["kind"] == "hang":
+                os.kill(second.pid, signal.SIGKILL)  # stuck: the next cell that needs one starts another
             if "items" in res["second"]:
                 res["second"]["sum"] = summarize(res["second"].pop("items"), source, new, None)
     res["peak"] = sampler.peak
@@ -425,6 +428,7 @@ def run_cell(cell: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
         e["sum"] = summarize(e.pop("_items"), source, new, res["changed"])
     res["epochs"] = epochs
     del loader, ds
+    gc.collect()  # the cell's dataset is gone before the fresh one below is made
     if event in ("sigint", "kill", "change", "diskfull"):  # a fresh dataset on the same cache: correct bytes
         if mnt:
             with contextlib.suppress(FileNotFoundError):
@@ -453,52 +457,70 @@ def run_cell(cell: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
     return res
 
 
-def start_second(src: str, cache: str, out: str, deadline: float) -> int:
-    """The second process on the same cache: forked (a process of its own, without a second
-    interpreter start-up), a plain loop over the same source and cache with no budget of its own.
-    Writes its facts to ``out``."""
-    pid = os.fork()
-    if pid:
-        return pid
-    code = 1
-    try:
-        faulthandler.dump_traceback_later(deadline, exit=True)
-        from ucmagic import UCVolumeDataset
+class SecondProcess:
+    """The second process of the ``second`` cells: started once per child, before its first cell, so
+    its interpreter start-up overlaps the cells before; each job is a fresh plain loop (its own
+    UCVolumeDataset, no budget) over a cell's source and cache, its facts written to a file."""
 
+    def __init__(self, log: str) -> None:
+        self._log = open(log, "a")  # noqa: SIM115 - the server's stderr, open while it lives
+        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--second"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.DEVNULL, stderr=self._log, text=True)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def start(self, src: str, cache: str, out: str, deadline: float) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"src": src, "cache": cache, "out": out, "deadline": deadline}) + "\n")
+        self.proc.stdin.flush()
+
+    def wait(self, out: str, deadline: float) -> dict[str, Any]:
+        end = time.monotonic() + deadline
+        while not os.path.exists(out):
+            if self.proc.poll() is not None:
+                return {"outcome": {"kind": "crash", "msg": f"the second process died (rc {self.proc.returncode})"}}
+            if time.monotonic() > end:
+                return {"outcome": {"kind": "hang", "msg": f"the second process did not finish in {deadline:g} s"}}
+            time.sleep(0.02)
+        with open(out) as f:
+            return json.load(f)
+
+    def close(self) -> None:
+        if self.proc.poll() is None and self.proc.stdin is not None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+def second_server() -> None:
+    """``--second``: run the jobs of :class:`SecondProcess` read from stdin, one per line."""
+    from ucmagic import UCVolumeDataset
+
+    for line in sys.stdin:
+        job = json.loads(line)
+        faulthandler.dump_traceback_later(job["deadline"], exit=True)
         res: dict[str, Any] = {}
         try:
-            res["items"] = epoch(UCVolumeDataset(src, cache_dir=cache), "plain")
+            res["items"] = epoch(UCVolumeDataset(job["src"], cache_dir=job["cache"]), "plain")
             res["outcome"] = {"kind": "complete"}
         except BaseException as exc:  # noqa: BLE001
             res["outcome"] = {"kind": "error", **error_facts(exc)}
-        with open(out + ".part", "w") as f:
+        faulthandler.cancel_dump_traceback_later()
+        with open(job["out"] + ".part", "w") as f:
             json.dump(res, f)
-        os.replace(out + ".part", out)
-        code = 0
-    finally:
-        os._exit(code)
-
-
-def wait_second(pid: int, out: str, deadline: float) -> dict[str, Any]:
-    end = time.monotonic() + deadline + 5
-    status = None
-    while time.monotonic() < end:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        time.sleep(0.02)
-    else:
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-        return {"outcome": {"kind": "hang", "msg": f"the second process did not finish in {deadline:g} s"}}
-    try:
-        with open(out) as f:
-            return json.load(f)
-    except (FileNotFoundError, ValueError):
-        return {"outcome": {"kind": "crash", "msg": f"the second process died (wait status {status})"}}
+        os.replace(job["out"] + ".part", job["out"])
 
 
 def main() -> None:
+    if sys.argv[1] == "--second":
+        second_server()
+        return
     with open(sys.argv[1]) as f:
         spec = json.load(f)
     import multiprocessing.util
@@ -506,10 +528,20 @@ def main() -> None:
     multiprocessing.util.get_temp_dir()  # its pymp-* dir exists before any cell (removed at exit)
     import ucmagic.dataset  # noqa: F401 - imported before the first cell's thread baseline
 
+    def second_ready() -> None:
+        if spec.get("_second") is None or spec["_second"].proc.poll() is not None:
+            spec["_second"] = SecondProcess(os.path.join(spec["workdir"], "second.log"))
+
+    if any(c["event"] == "second" for c in spec["cells"]):
+        second_ready()
     for cell in spec["cells"]:
+        if cell["event"] == "second":
+            second_ready()
         print("START", cell["id"], flush=True)
         res = run_cell(cell, spec)
         print("RESULT", json.dumps(res), flush=True)
+    if spec.get("_second") is not None:
+        spec["_second"].close()
     print("DONE", flush=True)
     faulthandler.dump_traceback_later(10, exit=True)  # a hang at interpreter exit: stacks, and out
 
