@@ -451,6 +451,26 @@ def test_liquid_clustering_and_timestamp_ntz_read_as_the_table(tmp_path):
 
 
 @pytest.mark.timeout(60)
+def test_type_widening_reads_older_files_as_the_wider_type(tmp_path):
+    """typeWidening (int -> long, as Databricks' ALTER COLUMN TYPE writes it); deltalake's own scan refuses
+    the feature, so the expected rows are the values written."""
+    import json
+
+    path = str(tmp_path / "t")
+    write_deltalake(path, pa.table({"id": pa.array([1, 2], pa.int32())}))
+    meta = next(a["metaData"] for a in fx.read_actions(path, 0) if "metaData" in a)
+    schema = json.loads(meta["schemaString"])
+    schema["fields"][0].update(type="long", metadata={"delta.typeChanges": [{"fromType": "integer", "toType": "long"}]})
+    meta["schemaString"] = json.dumps(schema)
+    _add_features(path, reader=["typeWidening"])
+    fx.commit(path, [{"metaData": meta}], "ALTER TABLE")
+    b = next(iter(ParquetDataset(path)))
+    assert b["id"].dtype == torch.int64 and b["id"].tolist() == [1, 2]
+    assert load_table(path)["id"].tolist() == [1, 2]
+    assert pq.read_table(export_parquet(path, tmp_path / "o").files[0]).schema.field("id").type == pa.int64()
+
+
+@pytest.mark.timeout(60)
 def test_a_reader_feature_ucmagic_cannot_honour_is_a_clear_error(tmp_path):
     path = str(tmp_path / "t")
     write_deltalake(path, base_table(5))
