@@ -141,6 +141,8 @@ def test_packed_tree_reads_back_exactly_with_webdataset_tar_and_the_index(src, t
     assert listed == [f"{s['__key__']}.{e}" for s in got for e in ("jpg", "json", "cls")]
     doc = json.load(open(os.path.join(dest, "index.json")))
     assert doc["classes"] == list(CLASSES)
+    ds = ucmagic.TarShards(dest, cache_dir=str(tmp_path / "cache"))  # the read side: the index, no header scan
+    assert [{k: v for k, v in ds[i].items() if k != "__url__"} for i in range(len(ds))] == got
     for info in read_index(dest):  # every member's data offset is exact
         data = open(os.path.join(dest, info.name), "rb").read()
         assert len(data) == info.size and info.size <= 20_000
