@@ -95,7 +95,7 @@ def _add_pack(sub: argparse._SubParsersAction) -> None:
                    help="files: add a cls member with the index of each sample's top folder (class names in "
                         "index.json)")
     p.add_argument("-p", "--pattern", default=None, help="files: glob over relative paths, e.g. '**/*.jpg'")
-    p.add_argument("-j", "--workers", type=at_least(1), default=None, help="files: reads in flight (default 64)")
+    p.add_argument("-j", "--workers", type=at_least(1), default=None, help="files: reads in flight (default 256)")
     p.add_argument("--columns", default=None,
                    help="table: comma-separated columns, each optionally COLUMN=EXT (e.g. image=jpg,label=cls)")
     p.add_argument("--key-column", default=None, help="table: a column of unique sample keys (default: row number)")

@@ -778,7 +778,7 @@ def pack(src: Any, dest: str | os.PathLike[str], shard_size: int | str = "1GB", 
         label_from_folder: files: add a ``cls`` member per sample, the index of its top folder in the
             sorted folder names (as ``ImageFolder``); the names go to ``index.json`` as ``classes``.
         pattern: files: glob over relative paths (``"**/*.jpg"``).
-        workers: files: reads in flight (default 64).
+        workers: files: reads in flight (default 256).
         columns: table: the columns to pack (default all), or a mapping column -> extension
             (``{"image": "jpg", "label": "cls"}``).
         key_column: table: a column of unique keys (default: the row number as nine digits).
