@@ -451,6 +451,17 @@ def test_liquid_clustering_and_timestamp_ntz_read_as_the_table(tmp_path):
 
 
 @pytest.mark.timeout(60)
+def test_a_table_deltalake_creates_with_deletion_vectors_enabled_reads(tmp_path):
+    """deltalake lists variantType and deletionVectors as reader features of such a table (no variant
+    column): both are honoured, and its DELETE (which rewrites files) is read as the snapshot."""
+    path = str(tmp_path / "t")
+    write_deltalake(path, base_table(50), configuration={"delta.enableDeletionVectors": "true"})
+    assert "variantType" in DeltaTable(path).protocol().reader_features
+    DeltaTable(path).delete("id < 10")
+    assert len(check_all_entry_points(path, tmp_path)) == 40
+
+
+@pytest.mark.timeout(60)
 def test_type_widening_reads_older_files_as_the_wider_type(tmp_path):
     """typeWidening (int -> long, as Databricks' ALTER COLUMN TYPE writes it); deltalake's own scan refuses
     the feature, so the expected rows are the values written."""
