@@ -157,6 +157,7 @@ class _Pending:
         self.thread: threading.Thread | None = None
         self.cancel = threading.Event()
         self.since = time.monotonic()
+        self.watch_thread = False
         self.pid = os.getpid()  # a forked child (a DataLoader worker) does not own its parent's saves
 
 
@@ -165,14 +166,18 @@ _pending_mu = threading.Lock()
 _exit_hook_installed = False
 
 
-def track_pending_save(what: str, fut: CFuture) -> _Pending:
+def track_pending_save(what: str, fut: CFuture, *, writer: bool = False) -> _Pending:
     """Make interpreter exit wait for ``fut`` (an asynchronous save of ``what``) and report if it fails.
 
     The wait runs among ``threading``'s exit hooks, before ``concurrent.futures`` stops accepting
     work, so the save can still use thread pools; one line on stderr says what is waited for.
+    ``writer=True``: ``fut`` is a writer's own, completed from torch's save thread (which the writer
+    records), so a thread that ends, or never starts, without completing it means the save is lost;
+    otherwise ``fut`` follows another future that always completes.
     """
     global _exit_hook_installed
     entry = _Pending(what, fut)
+    entry.watch_thread = writer
     with _pending_mu:
         _pending.append(entry)
         if not _exit_hook_installed:
@@ -211,6 +216,8 @@ NEVER_STARTED_S = 30.0  # an async save whose thread never called the writer thi
 
 def _stopped(p: _Pending) -> str | None:
     """Why pending save ``p`` can no longer complete its future, or None while it still may."""
+    if not p.watch_thread:
+        return None
     if p.thread is not None:
         return None if p.thread.is_alive() else "the save stopped before committing (another rank or torch failed)"
     if time.monotonic() - p.since > NEVER_STARTED_S:
@@ -221,7 +228,7 @@ def _stopped(p: _Pending) -> str | None:
 def _finished_before_exit(p: _Pending) -> bool:
     """The save's thread ended before the exit began without completing ``p`` (torch or another rank
     failed it): its error went to torch's future, which the caller could wait for; it was not pending."""
-    return p.thread is not None and not p.thread.is_alive()
+    return p.watch_thread and p.thread is not None and not p.thread.is_alive()
 
 
 def _finish_pending_saves() -> None:
@@ -539,7 +546,7 @@ class UCVolumeWriter(FileSystemWriter):
         """
         staged = _unaliased(super().stage(state_dict), state_dict)
         if self._pending is None or self._pending.fut.done():
-            self._pending = track_pending_save(os.fspath(self.path), CFuture())
+            self._pending = track_pending_save(os.fspath(self.path), CFuture(), writer=True)
         if dist_info(from_env=False).rank == 0:
             try:
                 self._begin()
