@@ -34,6 +34,20 @@ def _private_tmp():
 
 
 @pytest.fixture(autouse=True)
+def _no_temp_leftovers(_private_tmp):
+    """A test leaves no ``ucmagic-*`` entry in the temp dir: it works in tmp_path, and what the library
+    puts in the temp dir (staging, spill directories) is gone when the call returns."""
+    def ours() -> set:
+        return {n for n in os.listdir(_private_tmp) if n.startswith("ucmagic-")}
+
+    before = ours()
+    yield
+    left = ours() - before
+    if left:
+        pytest.fail(f"the test left {sorted(left)} in the temp dir {_private_tmp}", pytrace=False)
+
+
+@pytest.fixture(autouse=True)
 def _private_cache(tmp_path, monkeypatch):
     """Every test gets its own cache directory (nothing touches ~/.cache), magics raise real
     exceptions, no live display. Set per test, so the notebooks (run by nbval in the same
