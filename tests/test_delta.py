@@ -228,6 +228,44 @@ def test_every_live_row_once_per_epoch_over_ranks_and_workers_with_deletion_vect
         assert sorted(ids) == want
 
 
+@pytest.mark.timeout(300)
+@settings(max_examples=12, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 120), st.integers(5, 50)), min_size=1, max_size=3), st.data())
+def test_any_table_with_deletion_vectors_yields_deltas_rows_on_any_layout(tmp_path_factory, files, data):
+    """Random files (rows, row-group size), random deletes in any storage, random order and layout:
+    the streams of an epoch together hold each live row once (plus "pad" repeats), as deltalake reads them."""
+    path = str(tmp_path_factory.mktemp("t") / "t")
+    start = 0
+    for k, (rows, rg) in enumerate(files):
+        write_deltalake(path, base_table(start + rows).slice(start, rows), mode="append" if k else "error",
+                        writer_properties=deltalake.WriterProperties(max_row_group_size=rg))
+        start += rows
+    fx.enable_dv_protocol(path)
+    adds = fx.live_adds(path)
+    for _ in range(data.draw(st.integers(1, 2))):  # one or two DELETEs
+        pick = data.draw(st.sets(st.sampled_from([a["path"] for a in adds]), min_size=1))
+        deleted = {p: data.draw(st.sets(st.integers(0, fx.file_rows(path, p) - 1), max_size=40)) for p in pick}
+        storage = data.draw(st.sampled_from(["i", "u", "p"]))
+        fx.delete_rows(path, deleted, storage=storage, runs=data.draw(st.booleans()))
+    want = sorted(r["id"] for r in delta_rows(path))
+    shuffle = data.draw(st.sampled_from([False, "global"]))
+    partition = data.draw(st.sampled_from(["pad", "drop"]))
+    world, workers = data.draw(st.integers(1, 3)), data.draw(st.integers(1, 2))
+    ds = ParquetDataset(path, columns=["id", "s"], batch_size=data.draw(st.integers(1, 16)), shuffle=shuffle,
+                        partition=partition, seed=data.draw(st.integers(0, 9)))
+    assert ds.num_rows == len(want)
+    got = []
+    for r in range(world):
+        for w in range(workers):
+            for b in ds.iter_stream(0, r, world, w, workers):
+                assert b["s"] == [f"row-{i}" for i in b["id"].tolist()]
+                got += b["id"].tolist()
+    if partition == "pad":
+        assert sorted(set(got)) == want and len(got) - len(want) < world
+    else:
+        assert len(got) == len(set(got)) and set(got) <= set(want) and len(want) - len(got) < world
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("shuffle", [False, "global"])
 def test_elastic_resume_on_a_table_with_deletion_vectors_delivers_each_live_row_once(tmp_path, shuffle):
