@@ -299,3 +299,26 @@ def test_roll_back_removes_only_what_the_journal_names_inside_the_destination(tm
     journal.roll_back(str(dest), path, doc)
     assert sorted(os.listdir(dest)) == ["keep.parquet"]  # the emptied partition folder went too
     assert outside.exists() and not_staging.exists()
+
+
+def test_a_url_append_lists_the_committed_files_not_a_killed_appends_uploads(tmp_path):
+    import fsspec
+
+    from ucmagic import export_parquet
+    from ucmagic.tables import load_table
+
+    fs = fsspec.filesystem("memory")
+    root = f"/ucmagic-atomic-{os.getpid()}"
+    url = f"memory://{root}/out"
+    try:
+        export_parquet(_table(OLD_ROWS, 1), url, target_file_size="40KB")
+        with fs.open(f"{root}/out/part-00000-killedappend.parquet", "wb") as f:  # uploaded, never committed
+            pq.write_table(_table(7, 3, start=90_000), f)
+        assert len(load_table(url)) == OLD_ROWS  # readers follow the manifest
+        export_parquet(_table(NEW_ROWS, 2, start=OLD_ROWS), url, mode="append", target_file_size="40KB")
+        df = load_table(url)
+        assert len(df) == OLD_ROWS + NEW_ROWS and set(df["tag"]) == {1, 2}
+        assert not fs.exists(f"{root}/out/part-00000-killedappend.parquet")  # not listed: removed as stale
+    finally:
+        if fs.exists(root):
+            fs.rm(root, recursive=True)
