@@ -1034,14 +1034,18 @@ class FileCache:
             except OSError:
                 free, floor = 0, 0
         limit = self.budget()
-        room = format_size(max(0, free - floor))
-        budget = (f"{self._budget_name(limit)} is more than the disk can hold: lower cache_limit below {room}, "
-                  if limit is not None else f"set cache_limit= to what the disk can hold (under {room} more), ")
+        try:
+            held = self.usage().total_bytes  # an error path: a scan is fine
+        except OSError:
+            held = 0
+        room = format_size(max(0, held + free - floor))  # what this cache can have on this disk
+        budget = (f"{self._budget_name(limit)} is more than the disk holds: lower it to under {room}"
+                  if limit is not None else f"set cache_limit= under {room} (what the disk holds)")
         return CacheFullError(
             f"cache disk of {self.root} is full: a {format_size(size)} file does not fit in {format_size(free)} free "
-            f"({format_size(floor)} must stay free, min_free={self.min_free:g}); the rest is in use by files not yet "
-            f"consumed. {budget[0].upper() + budget[1:]}free disk space, or set cache_dir= (or $UCMAGIC_CACHE_DIR) "
-            "to a larger disk")
+            f"({format_size(floor)} must stay free, min_free={self.min_free:g}; the cache holds {format_size(held)}, "
+            f"none of it evictable now). Either {budget}, free disk space, or set cache_dir= (or "
+            "$UCMAGIC_CACHE_DIR) to a larger disk")
 
     def budget(self) -> int | None:
         """The byte budget fills honour: the smallest ``cache_limit`` of any live process using this

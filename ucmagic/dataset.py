@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 import warnings
+import weakref
 from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -279,6 +280,25 @@ class _Stream:
 
 
 _active_streams: dict[str, _Stream] = {}
+_live_iterations: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def _close_at_exit(it: Iterator[str]) -> None:
+    """Close ``it`` at interpreter exit if it is still alive then (a loop left mid-epoch): its
+    cleanup runs while modules are intact (no "Exception ignored ... TypeError" at exit) and its
+    read-ahead stops."""
+    if not _live_iterations:
+        import atexit
+
+        atexit.unregister(_close_live_iterations)
+        atexit.register(_close_live_iterations)
+    _live_iterations.add(it)
+
+
+def _close_live_iterations() -> None:
+    for it in list(_live_iterations):
+        with contextlib.suppress(Exception):
+            it.close()  # type: ignore[attr-defined]
 
 
 class _Chunk:
@@ -754,6 +774,11 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
         return max(1, cap // max(1, streams))
 
     def __iter__(self) -> Iterator[str]:
+        it = self._iterate()
+        _close_at_exit(it)
+        return it
+
+    def _iterate(self) -> Iterator[str]:
         info = get_worker_info()
         main = info is None
         cache = self.cache

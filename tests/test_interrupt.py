@@ -1,0 +1,192 @@
+"""Issue 23 item 2: Ctrl-C returns control in every state of an epoch, a loop that breaks off or
+fails leaves no thread waiting on, and the interpreter always exits (a read stuck in a hung mount is
+abandoned, not joined). Each case runs in a subprocess that gets SIGINT; a hang fails the test at
+the subprocess timeout instead of stalling the suite (no wall-clock asserts beyond that)."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+from ucmagic import UCVolumeDataset
+from ucmagic.testing import make_files
+
+EXIT_S = 30  # generous on two loaded cores: a hang, not slowness, is what fails
+
+
+def _run_until_ready(script: str, tmp_path, *, signal_after: float = 0.5) -> subprocess.CompletedProcess:
+    """Run ``script`` (it prints READY when it reached the state to interrupt), SIGINT it then, and
+    return its result; fails if it has not exited EXIT_S seconds later."""
+    path = tmp_path / "child.py"
+    path.write_text(textwrap.dedent(script))
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    p = subprocess.Popen([sys.executable, str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=env, cwd=str(tmp_path))
+    try:
+        assert p.stdout is not None
+        line = p.stdout.readline()  # blocks until READY (or the child died)
+        assert line.strip() == "READY", (line, p.stderr.read() if p.poll() is not None else "")
+        time.sleep(signal_after)
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=EXIT_S)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        out, err = p.communicate()
+        pytest.fail(f"the process did not exit within {EXIT_S} s of SIGINT:\n{err[-3000:]}")
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+
+
+def _tree(tmp_path, n=40, size=4096, extra=None):
+    root = tmp_path / "vol"
+    make_files(str(root), n, size, depth=0)
+    for name, data in (extra or {}).items():
+        (root / name).write_bytes(data)
+    return str(root)
+
+
+CASES = {
+    # the loop waits on a fill future (every open takes 300 ms)
+    "waiting on a fill": ("""
+        ds = UCVolumeDataset("slow://" + ROOT, cache_dir=CACHE, storage_options={"open_ms": 300, "mbps": 0,
+                             "list_ms": 0}, prefetch=2)
+        it = iter(ds)
+        next(it)
+        print("READY")
+        for p in it:
+            pass
+    """, {}),
+    # the first file's open never returns (a hung mount): its fetch thread is abandoned at exit
+    "a read stuck in a hung mount": ("""
+        ds = UCVolumeDataset("slow://" + ROOT, cache_dir=CACHE, storage_options={"open_ms": 0, "mbps": 0,
+                             "list_ms": 0, "slow_files": {"a_hang": 600000}})
+        print("READY")
+        for p in ds:
+            pass
+    """, {"a_hang.bin": b"x" * 100}),
+    # a slow loop under a tight budget: read-ahead fills wait for room while the body runs
+    "waiting for room": ("""
+        import time
+        ds = UCVolumeDataset(ROOT, cache_dir=CACHE, cache_limit=64 * 4096 * 3)
+        for i, p in enumerate(ds):
+            if i == 2:
+                print("READY")
+            time.sleep(0.2)
+    """, {}),
+    # listing a volume whose directory listing never returns
+    "listing": ("""
+        print("READY")
+        ds = UCVolumeDataset("slow://" + ROOT, cache_dir=CACHE, storage_options={"list_ms": 600000})
+    """, {}),
+}
+
+
+@pytest.mark.timeout(EXIT_S * 3)
+@pytest.mark.parametrize("state", list(CASES))
+def test_ctrl_c_returns_control_and_the_interpreter_exits(tmp_path, state):
+    body, extra = CASES[state]
+    root = _tree(tmp_path, extra=extra)
+    script = (f"import sys\nfrom ucmagic import UCVolumeDataset\nROOT = {root!r}\nCACHE = {str(tmp_path / 'c')!r}\n"
+              + textwrap.dedent(body))
+    res = _run_until_ready(script, tmp_path)
+    assert res.returncode != 0 and "KeyboardInterrupt" in res.stderr, res.stderr[-3000:]
+    assert "Exception ignored" not in res.stderr, res.stderr[-3000:]
+
+
+def _engine_threads_busy() -> list[str]:
+    """Names of ucmagic threads running ucmagic code (an idle pool thread waits in the queue)."""
+    busy = []
+    frames = sys._current_frames()
+    for th in threading.enumerate():
+        f = frames.get(th.ident) if th.name.startswith("ucmagic-") else None
+        while f is not None:
+            if f.f_code.co_name in ("_reserve_budget", "_ensure_disk", "fill"):
+                busy.append(th.name)
+                break
+            f = f.f_back
+    return busy
+
+
+def _quiet_within(seconds: float) -> list[str]:
+    deadline = time.monotonic() + seconds
+    while True:
+        busy = _engine_threads_busy()
+        if not busy or time.monotonic() > deadline:
+            return busy
+        time.sleep(0.1)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["break", "exception"])
+def test_leaving_a_budgeted_loop_leaves_no_fill_waiting_for_room(tmp_path, how):
+    root = _tree(tmp_path, n=400, size=4096)
+    ds = UCVolumeDataset(root, cache_dir=str(tmp_path / "c"), cache_limit=64 * 4096 * 3)
+
+    def consume():
+        for i, _ in enumerate(ds):
+            if i == 10:
+                time.sleep(0.5)  # the read-ahead fills up the budget and waits for room
+                if how == "break":
+                    break
+                raise RuntimeError("the training step failed")
+
+    if how == "break":
+        consume()
+    else:
+        with pytest.raises(RuntimeError):
+            consume()
+    assert _quiet_within(10.0) == []
+    assert len(list(ds)) == 400  # and the next epoch runs
+
+
+TMPFS_SCRIPT = """
+import sys
+from ucmagic import UCVolumeDataset, CacheFullError
+ds = UCVolumeDataset(sys.argv[1], cache_dir=sys.argv[2], cache_limit=sys.argv[3], on_error=sys.argv[4])
+n = 0
+try:
+    for p in ds:
+        n += 1
+except CacheFullError as e:
+    print(type(e).__name__, n, e)
+    sys.exit(3)
+print("completed", n)
+"""
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 50 MB tmpfs for the cache (root only; skipped elsewhere), unmounted afterwards."""
+    mnt = tmp_path / "tmpfs"
+    mnt.mkdir()
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=50m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if res.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({res.stderr.strip() or res.returncode}): needs root")
+    try:
+        yield str(mnt)
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+@pytest.mark.timeout(EXIT_S * 4)
+@pytest.mark.parametrize("limit,on_error", [("60MB", "raise"), ("60MB", "skip"), ("30MB", "raise")])
+def test_a_full_cache_disk_fails_once_with_a_named_error_and_the_interpreter_exits(tmp_path, small_tmpfs,
+                                                                                    limit, on_error):
+    root = tmp_path / "vol"
+    make_files(str(root), 400, 512 * 1024, depth=0)  # 200 MiB through a 50 MB disk
+    script = tmp_path / "full.py"
+    script.write_text(TMPFS_SCRIPT)
+    res = subprocess.run([sys.executable, str(script), str(root), os.path.join(small_tmpfs, "c"), limit, on_error],
+                         capture_output=True, text=True, timeout=EXIT_S * 3)
+    assert res.returncode == 3, (res.stdout, res.stderr[-3000:])
+    name, n, msg = res.stdout.split(" ", 2)
+    if limit == "30MB":  # the 64-file window of a plain loop (33.6 MB) cannot fit: at the first item
+        assert name == "BudgetTooSmallError" and n == "0" and "at least 33.6 MB" in msg, res.stdout
+    else:  # over what the disk holds: one error naming the budget and the free space, even with skip
+        assert name == "CacheFullFetchError" and "cache_limit=60.0 MB" in msg and "free" in msg, res.stdout
+        assert "skipped" not in res.stderr
