@@ -288,3 +288,33 @@ def test_export_unknown_partition_column_is_one_clean_line(tmp_path):
     assert last.startswith("ucmagic: error: partition_by column 'nosuchcol' is not in "), last
     assert last.endswith("columns: a, b"), last  # no quotes around the whole message (a KeyError's str())
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.timeout(300)
+def test_ctrl_c_during_export_exits_130_and_leaves_nothing(tmp_path):
+    import glob
+    import signal
+    import time
+
+    dest = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env.pop("UCMAGIC_DEBUG", None)
+    query = "SELECT range AS id, md5(range::VARCHAR) AS s FROM range(400000000)"
+    p = subprocess.Popen([sys.executable, "-c", "import signal, sys; signal.signal(signal.SIGINT, "
+                          "signal.default_int_handler); from ucmagic.__main__ import main; sys.exit(main())",
+                          "export", query, str(dest), "--file-size", "16MB"],
+                         env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not glob.glob(str(tmp_path / ".out.ucmagic-staging-*" / "*.parquet")):  # writing
+            assert p.poll() is None, p.communicate()
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        os.kill(p.pid, signal.SIGINT)
+        out, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == 130 and "Traceback" not in err, (out, err)
+    assert os.listdir(tmp_path) == []  # no destination, no staging
