@@ -205,7 +205,7 @@ class UcMagics(Magics):
         try:
             return fn.parser.parse_args(split_args(expanded))
         except UsageError as exc:
-            _fail(magic, f"{exc}; see %{magic}? for usage")
+            _fail(magic, f"{exc}; see %{magic} --help for usage")
         except ValueError as exc:  # unbalanced quotes
             _fail(magic, f"cannot parse {expanded!r}: {exc}; quote paths with spaces as \"my dir\"")
 
