@@ -107,31 +107,37 @@ def roll_back(dest: str, path: str, doc: dict[str, Any] | None) -> None:
         os.unlink(path)
 
 
+def _recover(dest: str) -> tuple[int, set[str]]:
+    """Roll back the appends of ``dest`` whose process is gone; ``(rolled back, files of the rest)``."""
+    n, pending = 0, set()
+    for jpath, doc in _journals(dest):
+        if not _owner_running(jpath, doc):
+            try:
+                roll_back(dest, jpath, doc)
+                n += 1
+                continue
+            except OSError:  # read-only: its files stay hidden from ucmagic's readers
+                pass
+        pending.update(_named(doc))
+    return n, pending
+
+
 def recover_destination(path: str | os.PathLike[str]) -> int:
     """Roll back the appends to the Parquet directory ``path`` whose process is gone (killed mid-append).
 
     Called by ``export_parquet`` and by ucmagic's readers (through :func:`committed_listing`) before
     they use the directory. Returns the number of appends rolled back; a directory this process may not
     write is left as it is (its readers still skip the unfinished append's files)."""
-    dest = os.fspath(path)
-    n = 0
-    for jpath, doc in _journals(dest):
-        if _owner_running(jpath, doc):
-            continue
-        try:
-            roll_back(dest, jpath, doc)
-            n += 1
-        except OSError:  # read-only: committed_listing keeps hiding the files
-            continue
-    return n
+    return _recover(os.fspath(path))[0]
+
+
+def _named(doc: dict[str, Any] | None) -> set[str]:
+    return {r for r in (doc or {}).get("files", []) if isinstance(r, str)}
 
 
 def pending_files(dest: str) -> set[str]:
     """Relative paths (``/``-separated) named by the journals in ``dest``: files of unfinished appends."""
-    out: set[str] = set()
-    for _, doc in _journals(dest):
-        out.update(r for r in (doc or {}).get("files", []) if isinstance(r, str))
-    return out
+    return {r for _, doc in _journals(dest) for r in _named(doc)}
 
 
 def _mtime_ns(path: str) -> int:
@@ -143,14 +149,17 @@ def _mtime_ns(path: str) -> int:
 
 def committed_listing(root: str, list_files: Callable[[str], list[str]]) -> list[str]:
     """``list_files(root)`` without the files of unfinished appends (rolled back first when their process
-    is gone). A journal written or removed while the directory is listed changes the directory's mtime;
-    the listing is then taken again, so an append that starts and commits during one listing is seen
-    whole or not at all."""
-    recover_destination(root)
-    files: list[str] = []
-    skip: set[str] = set()
-    for _ in range(LISTING_ATTEMPTS):
+    is gone). The journals are read before and after the listing; a journal written or removed meanwhile
+    changes the directory's mtime, and the listing is then taken again, so an append that starts and
+    commits during one listing is seen whole or not at all."""
+    before = _mtime_ns(root)
+    rolled, skip = _recover(root)
+    if rolled:
         before, skip = _mtime_ns(root), pending_files(root)
+    files: list[str] = []
+    for attempt in range(LISTING_ATTEMPTS):
+        if attempt:
+            before, skip = _mtime_ns(root), pending_files(root)
         files = list_files(root)
         skip |= pending_files(root)
         if _mtime_ns(root) == before:
