@@ -367,6 +367,21 @@ def test_partition_columns_with_null_and_special_values_are_present_and_typed(tm
 
 
 @pytest.mark.timeout(120)
+def test_partition_values_of_every_type_keep_their_type(tmp_path):
+    path = str(tmp_path / "t")
+    t = pa.table({"id": pa.array([1, 2, 3], pa.int64()),
+                  "ts": pa.array([datetime.datetime(2020, 1, 1, 1, 2, 3), None, datetime.datetime(2021, 5, 6)],
+                                 pa.timestamp("us", "UTC")),
+                  "b": [True, False, None], "f": [1.5, None, 2.0],
+                  "dec": pa.array([decimal.Decimal("1.50"), None, decimal.Decimal("2.25")], pa.decimal128(6, 2))})
+    write_deltalake(path, t, partition_by=["ts", "b", "dec", "f"])
+    want = check_all_entry_points(path, tmp_path)
+    assert [r["dec"] for r in sorted(want, key=lambda r: r["id"])] == [decimal.Decimal("1.50"), None,
+                                                                         decimal.Decimal("2.25")]
+    assert ParquetDataset(path).schema.field("ts").type == pa.timestamp("us", "UTC")
+
+
+@pytest.mark.timeout(120)
 def test_columns_added_later_are_null_in_older_files(tmp_path):
     path = str(tmp_path / "t")
     write_deltalake(path, pa.table({"id": pa.array([1, 2], pa.int64())}))
