@@ -322,3 +322,23 @@ def test_a_url_append_lists_the_committed_files_not_a_killed_appends_uploads(tmp
     finally:
         if fs.exists(root):
             fs.rm(root, recursive=True)
+
+
+def test_the_spill_directory_of_a_killed_process_is_swept_by_the_next_connection():
+    import tempfile
+
+    from ucmagic.tables.sources import connect
+
+    tmp = tempfile.gettempdir()
+    dead = os.path.join(tmp, f"ucmagic-duckdb-{_dead_pid()}")
+    live = os.path.join(tmp, f"ucmagic-duckdb-{os.getppid()}")  # a running process's (the test runner's parent)
+    for d in (dead, live):
+        os.makedirs(os.path.join(d, "spill"), exist_ok=True)
+    try:
+        connect().close()
+        assert not os.path.exists(dead) and os.path.isdir(live)
+    finally:
+        import shutil
+
+        for d in (dead, live):
+            shutil.rmtree(d, ignore_errors=True)

@@ -393,12 +393,29 @@ def select_columns(rel: Any, columns: Sequence[str] | None, what: str) -> Any:
     return rel.select(*[duckdb.ColumnExpression(c) for c in columns])
 
 
+def sweep_spill_dirs(tmp: str) -> int:
+    """Remove the DuckDB spill directories (``ucmagic-duckdb-<pid>``) of processes that are gone: DuckDB
+    removes its own when the connection closes, a killed process leaves it. Returns how many went."""
+    import shutil
+
+    from ..cache import pid_running
+
+    n = 0
+    for path in globmod.glob(os.path.join(globmod.escape(tmp), "ucmagic-duckdb-*")):
+        pid = path.rsplit("-", 1)[-1]
+        if pid.isdigit() and int(pid) != os.getpid() and not pid_running(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+            n += 1
+    return n
+
+
 def connect(memory_limit: int | str | None = None, threads: int | None = None) -> Any:
     """A fresh in-memory DuckDB connection with a memory limit and a private spill directory."""
     import tempfile
 
     import duckdb
 
+    sweep_spill_dirs(tempfile.gettempdir())
     cfg: dict[str, Any] = {"temp_directory": os.path.join(tempfile.gettempdir(), f"ucmagic-duckdb-{os.getpid()}")}
     if memory_limit is not None:
         cfg["memory_limit"] = f"{parse_size(memory_limit)}B"
