@@ -348,6 +348,23 @@ def test_column_mapping_yields_logical_names_and_values(tmp_path, mode):
     assert {"inner a": 1, "b": "b1"} in b["nested"] and None in b["nested"]  # nested fields by logical name
 
 
+@pytest.mark.timeout(60)
+def test_id_mode_column_mapping_resolves_columns_by_parquet_field_id(tmp_path):
+    """In ``id`` mode a file's column is the one with the field's id, whatever the file calls it (files
+    rewritten here under other names, as converters from Iceberg leave them)."""
+    path = str(tmp_path / "t")
+    fx.write_column_mapped(path, pa.table({"a": pa.array([1, 2, 3, 4], pa.int64()), "b": ["w", "x", "y", "z"]}),
+                           mode="id", files=2)
+    for add in fx.live_adds(path):
+        f = os.path.join(path, add["path"])
+        t = pq.read_table(f)
+        fields = [pa.field(f"renamed-{i}", fld.type, metadata=fld.metadata) for i, fld in enumerate(t.schema)]
+        pq.write_table(pa.Table.from_arrays(t.columns, schema=pa.schema(fields)), f)
+    got = sorted(ds_rows(ParquetDataset(path, format="arrow")), key=lambda r: r["a"])
+    assert got == [{"a": 1, "b": "w"}, {"a": 2, "b": "x"}, {"a": 3, "b": "y"}, {"a": 4, "b": "z"}]
+    assert sorted(load_table(path)["b"]) == ["w", "x", "y", "z"]
+
+
 # ---------------------------------------------------------------- deltalake-written shapes
 
 @pytest.mark.timeout(120)
