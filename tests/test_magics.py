@@ -447,7 +447,7 @@ def test_ucckpt_load_into_other_shapes_is_one_usage_line(ip, model_ns, tmp_path)
     run(ip, "%ucckpt save $ck -m model --step 1")
     ip.user_ns["model"] = torch.nn.Linear(4, 3)  # saved: Linear(4, 2)
     msg = usage(ip, "%ucckpt load $ck latest -m model")
-    assert msg.startswith("%ucckpt: ") and ("size mismatch" in msg.lower() or "shape" in msg.lower()), msg
+    assert msg.startswith("%ucckpt: ") and "weight" in msg, msg  # names the tensor that does not fit
     assert "Traceback" not in msg
 
 
