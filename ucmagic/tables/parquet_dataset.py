@@ -5,7 +5,9 @@ row groups at the edges) with :mod:`ucmagic.plan`, so every rank gets the same n
 row is skipped or repeated (except wrap-around padding), and ``state_dict`` resumes exactly, on
 any layout. Each stream reads only the requested columns of the row groups it needs, decoding
 ahead on a thread; remote files (fsspec URLs, ``/Volumes`` FUSE mounts) go through the local
-file cache first.
+file cache first. A Delta table is read through its snapshot (:mod:`ucmagic.tables.delta`): row
+groups count the rows its deletion vectors leave, and each row group is turned into the table's
+rows (logical names, partition columns, the vector applied) as it is read.
 """
 from __future__ import annotations
 
