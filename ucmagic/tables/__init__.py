@@ -20,6 +20,7 @@ _EXPORTS = {
     "REGISTER_MODES": "api",
     "export_parquet": "export",
     "ExportResult": "export",
+    "recover_destination": "export",
     "ParquetDataset": "parquet_dataset",
     # the source names (``ucmagic.tables.resolve_source`` ... worked before sources.py was split out)
     **{name: "sources" for name in (
@@ -31,7 +32,7 @@ _EXPORTS = {
     # the errors of this layer (all defined in ucmagic.errors)
     **{name: "api" for name in (
         "InvalidTableNameError", "ListingChangedError", "SourceNotFoundError", "TableNotFoundError",
-        "TableTooLargeError", "UnsupportedSourceError")},
+        "TableTooLargeError", "UnsupportedSourceError", "UnsupportedTableFeatureError")},
 }
 
 __all__ = sorted(_EXPORTS)

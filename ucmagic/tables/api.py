@@ -16,7 +16,8 @@ from typing import Any, Sequence
 
 from . import sources
 from ..errors import (InvalidTableNameError, ListingChangedError, SourceNotFoundError,  # noqa: F401 - re-exported
-                     TableNotFoundError, TableTooLargeError, UnsupportedSourceError, import_extra)
+                     TableNotFoundError, TableTooLargeError, UnsupportedSourceError, UnsupportedTableFeatureError,
+                     import_extra)
 from .sources import (DATA_EXTS, MANIFEST, Source, TableName, active_spark, arrow_dataset,  # noqa: F401 - re-exported
                       catalog_root, connect, delta_files, duckdb_relation, fsspec_strip, is_delta_dir, is_sql,
                       is_spark_dataframe, list_tables, looks_like_table_name, parse_table_name, read_manifest,
