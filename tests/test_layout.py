@@ -1,22 +1,18 @@
-"""The package layout's promises to users: old module paths keep working for one release (same
-module, a DeprecationWarning naming the new path), the public names and new paths never warn, and
-``slow://`` reaches fsspec through the entry point, or the fallback when the metadata lacks it."""
+"""The package layout's promises to users: every public name and module imports without a
+DeprecationWarning from ucmagic's own code, ``import ucmagic`` loads no ucmagic module, the module
+paths of before the subpackages are gone (no shim), and ``slow://`` reaches fsspec through the
+entry point, or the fallback when the metadata lacks it."""
 from __future__ import annotations
 
 import importlib
 import importlib.util
 import os
-import pickle
-import re
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
-from unittest import mock
 
 import pytest
-
-from ucmagic._moved import MOVED
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -29,61 +25,9 @@ def _run(code: str, env_path: str) -> str:
     return out.stdout
 
 
-def test_every_deprecated_path_the_release_notes_promise_is_mapped():
-    promised = {"magics", "widget", "plots", "explorer", "parquet", "parquet_export", "parquet_dataset",
-                "parquet_rows", "sources", "checkpoint", "checkpoint_storage", "checkpoint_format",
-                "checkpoint_transfer", "demo"}
-    assert set(MOVED) == {f"ucmagic.{m}" for m in promised}
-    for new in MOVED.values():
-        assert importlib.util.find_spec(new) is not None, new
-
-
-@pytest.mark.parametrize("old,new", sorted(MOVED.items()))
-def test_old_module_path_gives_the_new_module_and_warns(old, new, monkeypatch):
-    new_mod = importlib.import_module(new)
-    monkeypatch.delitem(sys.modules, old, raising=False)
-    with pytest.warns(DeprecationWarning, match=re.escape(f"{old} moved to {new}")) as rec:
-        old_mod = importlib.import_module(old)
-    assert old_mod is new_mod
-    assert new_mod.__spec__.name == new            # the module keeps its own spec
-    assert [w.filename for w in rec if issubclass(w.category, DeprecationWarning)] == [__file__]
-
-
-def test_from_old_path_import_name_gives_the_same_object(monkeypatch):
-    monkeypatch.delitem(sys.modules, "ucmagic.checkpoint", raising=False)
-    with pytest.warns(DeprecationWarning, match="ucmagic.checkpoints.api"):
-        from ucmagic.checkpoint import save_checkpoint
-    from ucmagic.checkpoints import save_checkpoint as new
-    assert save_checkpoint is new
-
-
-def test_patching_through_an_old_path_patches_the_module_in_use(monkeypatch):
-    from ucmagic.notebook import panel
-
-    monkeypatch.delitem(sys.modules, "ucmagic.widget", raising=False)
-    with pytest.warns(DeprecationWarning, match="ucmagic.notebook.panel"), \
-            mock.patch("ucmagic.widget.format_size", return_value="patched"):
-        assert panel.format_size(1) == "patched"
-    assert panel.format_size(1) != "patched"
-
-
-def test_object_pickled_under_an_old_module_path_unpickles(monkeypatch):
-    from ucmagic.checkpoints.format import FileRecord
-
-    monkeypatch.delitem(sys.modules, "ucmagic.checkpoint_format", raising=False)
-    rec = FileRecord(size=345, crc32=12)
-    data = pickle.dumps(rec, protocol=2)           # protocol 2 names classes as text: module\nname
-    assert b"ucmagic.checkpoints.format\n" in data
-    old = data.replace(b"ucmagic.checkpoints.format\n", b"ucmagic.checkpoint_format\n")
-    with pytest.warns(DeprecationWarning, match="ucmagic.checkpoints.format"):
-        back = pickle.loads(old)  # noqa: S301 - bytes made above
-    assert type(back) is FileRecord and back == rec
-
-
-def test_public_names_and_new_paths_import_without_deprecation_warnings():
+def test_public_names_and_modules_import_without_deprecation_warnings_from_ucmagic():
     out = _run("""
-        import pkgutil, warnings
-        warnings.simplefilter("always")
+        import os, pkgutil, warnings
         with warnings.catch_warnings(record=True) as rec:
             warnings.simplefilter("always")
             import ucmagic
@@ -94,13 +38,17 @@ def test_public_names_and_new_paths_import_without_deprecation_warnings():
                     __import__(m.name)
             from IPython.core.interactiveshell import InteractiveShell
             InteractiveShell.instance().run_line_magic("load_ext", "ucmagic")
-        moved = [str(w.message) for w in rec if "moved to" in str(w.message)]
-        assert not moved, moved
-        import sys
-        from ucmagic._moved import MOVED
-        print(sorted(m for m in sys.modules if m in MOVED))
+        home = os.path.dirname(ucmagic.__file__) + os.sep
+        print([str(w.message) for w in rec if issubclass(w.category, DeprecationWarning)
+               and w.filename.startswith(home)])
     """, str(ROOT))
-    assert out.strip() == "[]"   # no old path was imported by the package itself
+    assert out.strip() == "[]"
+
+
+@pytest.mark.parametrize("old", ["ucmagic.magics", "ucmagic.widget", "ucmagic.checkpoint", "ucmagic.parquet",
+                                 "ucmagic.demo"])
+def test_module_paths_of_before_the_subpackages_are_gone(old):
+    assert importlib.util.find_spec(old) is None
 
 
 def test_import_ucmagic_stays_light():
@@ -109,7 +57,7 @@ def test_import_ucmagic_stays_light():
         print(sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "fsspec", "IPython", "pyarrow")
                      or m.startswith("ucmagic.")))
     """, str(ROOT))
-    assert out.strip() == "['ucmagic._moved']"
+    assert out.strip() == "[]"
 
 
 def _entry_points_from_pyproject() -> dict[str, str]:

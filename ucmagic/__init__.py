@@ -12,11 +12,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from . import _moved
-
 __version__ = "0.1.0"
-
-_moved.install()  # old module paths (ucmagic.magics, ucmagic.checkpoint, ...) keep working for one release
 
 # public name -> module that defines it
 _EXPORTS = {
@@ -97,8 +93,8 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-# Not ``_util.lazy_exports`` (which the subpackages use): ``import ucmagic`` loads no module but
-# ``_moved`` (tests/test_layout.py), so the top level keeps its own four lines.
+# Not ``_util.lazy_exports`` (which the subpackages use): ``import ucmagic`` loads no ucmagic module
+# at all (tests/test_layout.py), so the top level keeps its own four lines.
 def __getattr__(name: str) -> Any:
     mod = _EXPORTS.get(name)
     if mod is None:
