@@ -365,6 +365,7 @@ def run_cell(cell: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
     def fire() -> None:
         t_event.append(time.monotonic())
         faulthandler.dump_traceback_later(spec["event_deadline"], exit=True)  # a hang after the event
+        print("EVENT", cid, flush=True)
         if event == "sigint":
             def send() -> None:  # lands while the main thread waits inside the loader (or right after)
                 end = time.monotonic() + 2
@@ -388,14 +389,14 @@ def run_cell(cell: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
 
     got_so_far: list[tuple[str, str, str]] = []
     epochs: list[dict[str, Any]] = []
-    faulthandler.dump_traceback_later(spec["cell_timeout"], exit=True)
+    faulthandler.dump_traceback_later(cell["timeout"], exit=True)
     ds = loader = None
     with Sampler(cache) as sampler:  # not the tmpfs: its ballast is not the cache's
         try:
             ds = UCVolumeDataset(src, cache_dir=cache, cache_limit=limit)
             res["meta0"] = tree_bytes(cache)
             if event == "second":
-                second.start(src, cache, second_out, spec["cell_timeout"])
+                second.start(src, cache, second_out, cell["timeout"])
                 started_second = True
             loader = make_loader(consumer, ds, workers, batch)
             k = spec["trigger_at"]
@@ -413,9 +414,9 @@ def run_cell(cell: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
         res["event_fired"] = bool(t_event)
         if t_event:
             res["after_event_s"] = round(time.monotonic() - t_event[0], 3)
-        faulthandler.dump_traceback_later(spec["cell_timeout"], exit=True)
+        faulthandler.dump_traceback_later(cell["timeout"], exit=True)
         if started_second:
-            res["second"] = second.wait(second_out, spec["cell_timeout"])
+            res["second"] = second.wait(second_out, cell["timeout"])
             if res["second"]["outcome"]["kind"] == "hang":
                 os.kill(second.pid, signal.SIGKILL)  # stuck: the next cell that needs one starts another
             if "items" in res["second"]:
