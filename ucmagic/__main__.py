@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from typing import Callable
 
@@ -312,9 +313,17 @@ def main(argv: list[str] | None = None) -> int:
         ap.print_help()
         return 2
     try:
-        return int(a.func(a) or 0)
+        rc = int(a.func(a) or 0)
+        sys.stdout.flush()  # here, not at exit: a closed pipe is handled below
+        return rc
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # the reader went away (`... | head`): stop quietly, as Unix tools do
+        import os
+
+        with contextlib.suppress(OSError):  # no second error when Python flushes stdout at exit
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except Exception as e:  # one clear line for the terminal; tracebacks with UCMAGIC_DEBUG=1
         import os
 

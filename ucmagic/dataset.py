@@ -31,7 +31,8 @@ from .errors import (BudgetTooSmallError, CacheFullError, CacheFullFetchError, F
 from .fetch import read_ahead, restart_timeout, shared_pool, with_retries
 from .listing import Listing, forget_listing, open_listing
 from .progress import Progress
-from .telemetry import SharedCounters, SharedInts, percentiles
+from ._shared import SharedInts
+from .telemetry import SharedCounters, percentiles
 from .units import format_size
 from .volume import FileEntry, Volume, copy_error, open_volume
 
@@ -489,6 +490,8 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
         self.path = os.fspath(path) if not isinstance(path, Volume) else path.uri
         self.pattern = pattern
         self.volume: Volume = open_volume(path, storage_options)
+        if on_error == "skip":
+            self.volume.unreadable = "skip"  # an unreadable directory is left out of the listing, with a warning
         self.cache = FileCache(cache_dir, cache_limit, min_free)
         bar: list[Progress] = []
 

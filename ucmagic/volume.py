@@ -15,13 +15,13 @@ import shutil
 import stat as stat_mod
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 from typing import Any, Iterable, Iterator, NamedTuple
 
 from . import ranged
-from ._util import is_remote_url
-from .errors import EmptyListingError, FetchError, SourceChangedError, SourceNotADirectoryError, SourceNotFoundError
+from ._util import DaemonPool, is_remote_url, wait_result
+from .errors import (EmptyListingError, FetchError, SourceChangedError, SourceNotADirectoryError, SourceNotFoundError,
+                     UnreadableDirectoryError)
 
 COPY_CHUNK = 4 << 20
 # A directory read faster than this (seconds: a fixed part plus one per entry) is "local and
@@ -227,6 +227,7 @@ class Volume:
     range_chunk: int = ranged.CHUNK
     range_retries: int = 3
     keeps_dir_mtimes = False  # True where adding or removing a file changes its directory's mtime
+    unreadable = "raise"  # a directory under the root that cannot be read: "raise" or "skip" (with a warning)
 
     def list(self, pattern: str | None = None) -> list[FileEntry]:
         raise NotImplementedError
@@ -316,19 +317,30 @@ class LocalVolume(Volume):
         files: list[FileEntry] = []
         dirs: list[str] = []
         where = os.path.join(self.root, rel) if rel else self.root
-        mtime_ns = os.stat(where).st_mtime_ns  # before reading: a file added meanwhile changes it later
-        with os.scandir(where) as it:
-            for de in it:
-                name = de.name if not rel else rel + "/" + de.name
-                try:
-                    if de.is_dir(follow_symlinks=False):
-                        dirs.append(name)
+        try:
+            mtime_ns = os.stat(where).st_mtime_ns  # before reading: a file added meanwhile changes it later
+            with os.scandir(where) as it:
+                for de in it:
+                    name = de.name if not rel else rel + "/" + de.name
+                    try:
+                        if de.is_dir(follow_symlinks=False):
+                            dirs.append(name)
+                            continue
+                        st = de.stat()  # follows a symlink to a file; a dangling one raises
+                    except OSError:
                         continue
-                    st = de.stat()  # follows a symlink to a file; a dangling one raises
-                except OSError:
-                    continue
-                if stat_mod.S_ISREG(st.st_mode):
-                    files.append(FileEntry(name, st.st_size, st.st_mtime))
+                    if stat_mod.S_ISREG(st.st_mode):
+                        files.append(FileEntry(name, st.st_size, st.st_mtime))
+        except PermissionError as exc:
+            if self.unreadable == "skip" and rel:
+                import warnings
+
+                warnings.warn(f"ucmagic: skipped directory {where} while listing: it cannot be read "
+                              f"({exc.strerror})", stacklevel=2)
+                return [], [], 0
+            raise UnreadableDirectoryError(
+                f"cannot read directory {where} while listing {self.root} ({exc.strerror}): give yourself read "
+                "access to it, or pass on_error='skip' to leave it out") from exc
         return files, dirs, mtime_ns
 
     def scan(self, pattern: str | None = None) -> Iterator[DirScan]:
@@ -353,13 +365,18 @@ class LocalVolume(Volume):
             return
         pending: deque[tuple[str, Any]] = deque()
         ahead = 4 * self.list_threads  # bounded: results waiting for a slow consumer hold memory
-        with ThreadPoolExecutor(self.list_threads, thread_name_prefix="ucmagic-list") as pool:
+        pool = DaemonPool(self.list_threads, "ucmagic-list")  # never joined: a hung readdir does not block exit
+        try:
             while todo or pending:
                 while todo and len(pending) < ahead:
                     d = todo.pop()
                     pending.append((d, pool.submit(self._scan_dir, d)))
                 rel, fut = pending.popleft()
-                yield found(rel, *fut.result())
+                yield found(rel, *wait_result(fut))  # timed steps: Ctrl-C interrupts at once
+        finally:
+            for _, fut in pending:
+                fut.cancel()
+            pool.shutdown(wait=False)
 
     def list(self, pattern: str | None = None) -> list[FileEntry]:
         """Recursive listing (directories read as :meth:`scan` does)."""

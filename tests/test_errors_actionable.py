@@ -1,0 +1,158 @@
+"""Issue 23 item 4: each failure a user can meet raises a UCMagicError subclass catchable as itself,
+naming what failed and what to change."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import ucmagic
+from ucmagic import UCVolumeDataset
+from ucmagic.cache import FileCache
+from ucmagic.errors import (CacheDirError, CacheFullError, CacheFullFetchError, FetchError, InvalidArgumentError,
+                            SourceChangedError, UCMagicError, UnreadableDirectoryError)
+from ucmagic.fetch import with_retries
+from ucmagic.testing import make_files
+
+
+@pytest.fixture
+def root(tmp_path):
+    r = tmp_path / "vol"
+    make_files(str(r), 20, 1000, per_dir=10)
+    return str(r)
+
+
+@pytest.mark.parametrize("seed", ["x", 1.5, True, None, "3"])
+def test_a_seed_that_is_not_an_integer_is_an_error_naming_seed(root, tmp_path, seed):
+    with pytest.raises(InvalidArgumentError, match=r"seed must be an integer, got"):
+        UCVolumeDataset(root, cache_dir=str(tmp_path / "c"), seed=seed)
+
+
+def test_integer_seeds_of_any_integer_type_are_accepted(root, tmp_path):
+    assert UCVolumeDataset(root, cache_dir=str(tmp_path / "c"), seed=np.int64(7)).seed == 7
+
+
+def test_new_errors_are_exported_and_catchable_as_their_families():
+    for name in ("BudgetTooSmallError", "CacheFullFetchError", "CacheDirError", "UnreadableDirectoryError",
+                 "InvalidArgumentError"):
+        assert issubclass(getattr(ucmagic, name), UCMagicError)
+    assert issubclass(CacheFullFetchError, CacheFullError) and issubclass(CacheFullFetchError, FetchError)
+    assert issubclass(InvalidArgumentError, ValueError) and issubclass(UnreadableDirectoryError, PermissionError)
+
+
+def _unreadable(monkeypatch, bad: str) -> None:
+    """Make directory ``bad`` unreadable to listing (tests run as root, which chmod does not stop)."""
+    real = os.scandir
+
+    def scandir(path=".", *a, **kw):
+        if os.fspath(path) == bad:
+            raise PermissionError(13, "Permission denied", bad)
+        return real(path, *a, **kw)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+
+
+def test_an_unreadable_directory_at_listing_is_an_error_naming_it(root, tmp_path, monkeypatch):
+    bad = os.path.join(root, sorted(d for d in os.listdir(root))[0])
+    _unreadable(monkeypatch, bad)
+    with pytest.raises(UnreadableDirectoryError, match=rf"cannot read directory {bad} .*on_error='skip'"):
+        UCVolumeDataset(root, cache_dir=str(tmp_path / "c"), relist=True)
+
+
+def test_on_error_skip_leaves_an_unreadable_directory_out_with_a_warning(root, tmp_path, monkeypatch):
+    bad = os.path.join(root, sorted(d for d in os.listdir(root))[0])
+    _unreadable(monkeypatch, bad)
+    with pytest.warns(UserWarning, match=rf"skipped directory {bad}"):
+        ds = UCVolumeDataset(root, cache_dir=str(tmp_path / "c"), relist=True, on_error="skip")
+    assert len(ds.listing) == 10  # the other directory's files
+
+
+def test_a_cache_dir_that_is_a_file_names_the_path_and_the_setting(tmp_path, root):
+    f = tmp_path / "not-a-dir"
+    f.write_text("x")
+    with pytest.raises(CacheDirError, match=rf"{f} as the cache directory: it is a file.*cache_dir=.*UCMAGIC_CACHE"):
+        UCVolumeDataset(root, cache_dir=str(f))
+
+
+def test_a_read_only_cache_dir_names_the_path_and_the_setting(tmp_path):
+    mnt = tmp_path / "ro"
+    mnt.mkdir()
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(mnt)], capture_output=True,
+                         text=True)
+    if res.returncode != 0:
+        pytest.skip(f"cannot mount a read-only tmpfs here ({res.stderr.strip()}): needs root")
+    try:
+        with pytest.raises(CacheDirError, match=rf"cannot use {mnt}/c as the cache directory.*cache_dir="):
+            FileCache(str(mnt / "c"))
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def test_a_source_changed_during_its_copy_is_not_retried():
+    calls = []
+
+    def copy(_):
+        calls.append(1)
+        raise SourceChangedError("changed while being copied")
+
+    with pytest.raises(SourceChangedError):
+        with_retries(copy, None, 14)
+    assert len(calls) == 1  # deterministic: another try would copy the same changed file
+
+
+@pytest.mark.timeout(120)
+def test_the_cli_piped_into_head_exits_quietly(tmp_path):
+    env = {**os.environ, "UCMAGIC_CACHE_DIR": str(tmp_path / "c")}
+    for _ in range(3):
+        cli = subprocess.Popen([sys.executable, "-m", "ucmagic", "cache", "info"], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, env=env)
+        assert cli.stdout is not None
+        head = subprocess.run(["head", "-1"], stdin=cli.stdout, capture_output=True, text=True, timeout=60)
+        cli.stdout.close()  # only head reads the pipe: once it exits, the CLI's writes fail with EPIPE
+        _, err = cli.communicate(timeout=60)
+        assert head.stdout.startswith(str(tmp_path / "c")) and err == b"", err
+
+
+@pytest.mark.timeout(120)
+def test_a_partly_consumed_iterator_alive_at_exit_prints_nothing(root, tmp_path):
+    script = textwrap.dedent(f"""
+        from ucmagic import UCVolumeDataset
+        ds = UCVolumeDataset({root!r}, cache_dir={str(tmp_path / 'c')!r}, cache_limit="1MB")
+        it = iter(ds)
+        next(it)
+        next(it)
+    """)
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and "Exception ignored" not in res.stderr and "Error" not in res.stderr, res.stderr
+
+
+def _hold_budget(cache: str, limit: int) -> subprocess.Popen:
+    code = ("import sys, time\nfrom ucmagic.cache import FileCache\n"
+            "c = FileCache(sys.argv[1], limit=int(sys.argv[2]))\nprint('READY', flush=True)\ntime.sleep(120)\n")
+    p = subprocess.Popen([sys.executable, "-c", code, cache, str(limit)], stdout=subprocess.PIPE, text=True)
+    assert p.stdout is not None and p.stdout.readline().strip() == "READY"
+    return p
+
+
+@pytest.mark.timeout(180)
+def test_the_smallest_cache_limit_of_live_processes_bounds_every_process(tmp_path):
+    cache = str(tmp_path / "c")
+    p = _hold_budget(cache, 5_000_000)
+    try:
+        mine = FileCache(cache)  # no limit of its own
+        assert mine.budget() == 5_000_000
+        root = tmp_path / "big"
+        make_files(str(root), 400, 30_000, per_dir=100)  # 12 MB of files
+        ds = UCVolumeDataset(str(root), cache_dir=cache)
+        n = sum(1 for _ in ds)
+        assert n == 400 and ds.cache.usage().total_bytes <= 5_000_000 + 2 * 30_000
+    finally:
+        p.kill()
+        p.communicate()
+    later = FileCache(cache)
+    assert later.budget() is None  # the holder is gone: its record is reaped on the next look
+    assert not [n for n in os.listdir(os.path.join(cache, "locks")) if n.startswith("limit.")]
