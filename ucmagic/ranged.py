@@ -17,9 +17,9 @@ import errno
 import os
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
+from ._util import DaemonPool, wait_result
 from .fetch import with_retries
 import contextlib
 
@@ -52,7 +52,7 @@ class RangeReader(Protocol):
 
 
 _pool_mu = threading.Lock()
-_pool: tuple[int, ThreadPoolExecutor] | None = None
+_pool: tuple[int, DaemonPool] | None = None
 _submit_mu = threading.Lock()  # one file's streams enter the pool's queue together: files finish in order
 
 
@@ -64,12 +64,13 @@ def _after_fork() -> None:  # a lock held by a thread of the parent would stay h
 os.register_at_fork(after_in_child=_after_fork)
 
 
-def stream_pool() -> ThreadPoolExecutor:
-    """This process's pool of :data:`MAX_STREAMS` range-stream threads (a new one after fork)."""
+def stream_pool() -> DaemonPool:
+    """This process's pool of :data:`MAX_STREAMS` range-stream threads (a new one after fork; daemon
+    threads, never joined: a range read stuck in a hung mount does not keep the interpreter alive)."""
     global _pool
     with _pool_mu:
         if _pool is None or _pool[0] != os.getpid():
-            _pool = (os.getpid(), ThreadPoolExecutor(MAX_STREAMS, thread_name_prefix="ucmagic-range"))
+            _pool = (os.getpid(), DaemonPool(MAX_STREAMS, "ucmagic-range"))
         return _pool[1]
 
 
@@ -135,24 +136,40 @@ def ranged_copy(open_reader: Callable[[], RangeReader], size: int, dest: str, *,
         finally:
             _close(reader)
 
+    running = [0]  # streams still running: the last one to stop closes a file given up on
+    close_fd = [True]
+
+    def stopped(_: object) -> None:
+        with mu:
+            running[0] -= 1
+            last = running[0] == 0 and not close_fd[0]
+        if last:
+            os.close(fd)
+
     try:
         pool = stream_pool()
         with _submit_mu:
             futures = [pool.submit(stream) for _ in range(min(max(1, streams), len(ranges)))]
+        running[0] = len(futures)
         try:
             for f in futures:
-                f.result()
+                wait_result(f)  # timed steps: Ctrl-C interrupts at once
         except BaseException:
-            stop.set()  # an interrupt: let every stream stop before the file is closed under it
-            for f in futures:
-                f.exception()
+            stop.set()  # an interrupt: streams stop at their next chunk; a read stuck in a hung
+            # mount is not waited for: the file is closed by the last stream, never under one
+            with mu:
+                close_fd[0] = running[0] == 0 or all(f.done() for f in futures)
+            if not close_fd[0]:
+                for f in futures:
+                    f.add_done_callback(stopped)
             raise
         if errors:
             raise errors[0]
         if done[0] != size or os.fstat(fd).st_size != size:
             raise OSError(errno.EIO, f"ranged copy wrote {done[0]} bytes, expected {size}")
     finally:
-        os.close(fd)
+        if close_fd[0]:
+            os.close(fd)
     return size
 
 
