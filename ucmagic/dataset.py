@@ -434,7 +434,13 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
         pattern: glob over relative paths (``"**/*.jpg"``; no ``/`` means "file name at any depth").
         cache_dir: cache directory (default ``$UCMAGIC_CACHE_DIR`` or ``~/.cache/ucmagic``).
         cache_limit: budget of the whole cache directory in bytes or as a string (``"50GB"``); fills wait
-            for room the loop frees (docs/cache.md). Default: keep 10% of the disk free.
+            for room the loop frees (docs/cache.md). Default: keep 10% of the disk free. With
+            ``ucmagic.DataLoader`` (also over a wrapper dataset) exactly the items the loop has not
+            consumed are protected; otherwise each stream protects a window of the last items it handed
+            out sized to fit a third of its share of the budget (64 to ``lease_items`` files), so a small
+            budget slows the loop down; one that cannot hold 64 files per stream raises
+            :class:`BudgetTooSmallError` at the first item, naming the size needed. The smallest
+            ``cache_limit`` of any live process using the cache directory bounds this one's fills too.
         shuffle: ``False``, ``True`` (per-epoch seeded permutation; node-affine on several nodes),
             ``"global"`` (always one global permutation) or ``"node"`` (each node keeps its slice of
             the files across epochs and shuffles within it, so its cache stays hot).
