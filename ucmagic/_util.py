@@ -163,7 +163,7 @@ class DaemonPool(Executor):
         self._threads = 0
         self._shut = False
 
-    def submit(self, fn: Callable[..., R], /, *args: Any, **kwargs: Any) -> Future:  # type: ignore[override]
+    def submit(self, fn: Callable[..., R], /, *args: Any, **kwargs: Any) -> Future:
         fut: Future = Future()
         with self._mu:
             if self._shut:

@@ -299,7 +299,7 @@ def _close_at_exit(it: Iterator[str]) -> None:
 def _close_live_iterations() -> None:
     for it in list(_live_iterations):
         with contextlib.suppress(Exception):
-            it.close()  # type: ignore[attr-defined]
+            it.close()
 
 
 class _Chunk:
