@@ -34,9 +34,16 @@ import sys
 import tempfile
 import time
 
+import numpy as np
+import torch
 from _child import run_sampled  # bench/ is on sys.path when a benchmark runs as a script
 from coldwarm import _tree_pss, client_cpu
 from torch.utils.data import IterableDataset
+
+try:  # imported before anything is timed, as a training script does
+    from PIL import Image
+except ModuleNotFoundError:
+    Image = None
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 P100 = {"open_ms": 100, "mbps": 100, "list_ms": 50}
@@ -48,10 +55,6 @@ CONTENDERS = ("ucmagic", "floor")
 
 def decode(path: str):
     """PIL decode -> float tensor, as ``TF.to_tensor(Image.open(path).convert("RGB"))``."""
-    import numpy as np
-    import torch
-    from PIL import Image
-
     with Image.open(path) as im:
         arr = np.asarray(im.convert("RGB"), dtype=np.uint8)
     return torch.from_numpy(arr).permute(2, 0, 1).float().div_(255.0)
@@ -101,9 +104,6 @@ def child(mode: str, src: str, cache: str) -> dict:
 def make_jpegs(root: str, n: int, target: int) -> tuple[int, int]:
     """``n`` JPEGs of one pixel size chosen so each is about ``target`` bytes; returns (side, mean bytes)."""
     import io
-
-    import numpy as np
-    from PIL import Image
 
     def encode(side: int, seed: int) -> bytes:
         rng = np.random.default_rng(seed)
@@ -183,10 +183,8 @@ def main() -> None:
     ap.add_argument("--cache", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     sys.path.insert(0, os.path.dirname(HERE))
-    try:
-        import PIL  # noqa: F401
-    except ModuleNotFoundError:
-        raise SystemExit("needs Pillow: pip install Pillow") from None
+    if Image is None:
+        raise SystemExit("needs Pillow: pip install Pillow")
     if a.child:
         print(json.dumps(child(a.child, a.src, a.cache)), flush=True)
         return
