@@ -348,6 +348,7 @@ def run_cell(cell: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
         mnt = os.path.join(work, "mnt")
         why = mount_tmpfs(mnt, spec["tmpfs_bytes"])
         if why:
+            shutil.rmtree(work, ignore_errors=True)
             return {"id": cid, "skip": why}
         cache = os.path.join(mnt, "cache")
     watched = {"src": (src, ()), "work": (work, tuple(x for x in (cache, mnt, src) if x)),
