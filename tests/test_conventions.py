@@ -14,8 +14,10 @@
 5. Dependencies point one way (``LAYERS``): the engine (the top-level modules) imports no
    subpackage; ``checkpoints``, ``tables`` and ``testing`` import the engine and themselves;
    ``ucmagic.api`` (``ucmagic.load``) adds ``tables``; the ``notebook`` layer may import all of
-   those; ``ucmagic`` and ``ucmagic.__main__`` anything. The engine reaches the notebook layer only
-   through the lazy imports of three convenience methods, listed in ``ENGINE_TO_NOTEBOOK``.
+   those; ``ucmagic`` and ``ucmagic.__main__`` anything. The engine imports no display module, not
+   even lazily: ``monitor()``, ``plot()`` and ``explore()`` reach the notebook layer through the
+   presenters it registers (``ucmagic.presenters``), whose ``PROVIDER`` is the one place the engine
+   names it (``test_only_the_presenter_hook_names_the_notebook_layer``).
 
 The code predates these checks, so today's violations are listed in ``KNOWN_VIOLATIONS``: the
 suite fails on any violation that is not listed, and on any listed one that no longer occurs, so
@@ -44,13 +46,9 @@ LAYERS: dict[str, set[str]] = {
     "top": {"engine", "checkpoints", "tables", "shards", "testing", "api", "notebook"},  # ucmagic, __main__
 }
 
-# The engine's only ways into the notebook layer: a convenience method imports it when called (the
-# import is inside the method, so `import ucmagic.loader` never loads the notebook layer).
-ENGINE_TO_NOTEBOOK: dict[tuple[str, str], str] = {
-    ("ucmagic.loader", "ucmagic.notebook.panel"): "DataLoader.monitor() attaches the live panel",
-    ("ucmagic.loader_stats", "ucmagic.notebook.plots"): "LoaderStats.plot() draws the latency figure",
-    ("ucmagic.loader_stats", "ucmagic.notebook.explorer"): "LoaderStats.explore() opens the explorer",
-}
+# The engine's one way into the notebook layer: ucmagic.presenters imports PROVIDER by name when a
+# presenter is asked for before the notebook layer registered it.
+PRESENTER_HOOK = "ucmagic.presenters"
 
 # Each entry is "<check>: <module> <what>": an accepted exception, with its reason. Empty since the
 # architecture step (issue 17); test_known_violations_still_occur keeps it from going stale.
@@ -247,8 +245,6 @@ def _layer_violations(mods: dict[str, Module]) -> set[str]:
             theirs = _layer(target)
             if theirs == mine or theirs in LAYERS[mine]:
                 continue
-            if (mod.name, target) in ENGINE_TO_NOTEBOOK and target not in mod.eager:
-                continue
             when = " at import time" if target in mod.eager else ""
             found.add(f"layer: {mod.name} ({mine}) imports {target} ({theirs}){when}")
     return found
@@ -349,11 +345,26 @@ def test_checker_finds_imports_against_the_layers(tmp_path):
     })
     assert found == {
         "layer: ucmagic.volume (engine) imports ucmagic.notebook.plots (notebook)",
+        "layer: ucmagic.loader (engine) imports ucmagic.notebook.panel (notebook)",
         "layer: ucmagic.loader_stats (engine) imports ucmagic.notebook.plots (notebook) at import time",
         "layer: ucmagic.loader_stats (engine) imports ucmagic.tables.api (tables)",
         "layer: ucmagic.checkpoints.api (checkpoints) imports ucmagic.tables.api (tables) at import time",
         "layer: ucmagic.testing (testing) imports ucmagic.notebook.panel (notebook) at import time",
     }
+
+
+def test_only_the_presenter_hook_names_the_notebook_layer():
+    """No engine module but the hook names ``ucmagic.notebook`` (an importlib call by name would
+    slip past the import checks), and the hook names it once, as its ``PROVIDER``."""
+    named = {}
+    for mod in _load_modules(PACKAGE_DIR).values():
+        if _layer(mod.name) != "engine":
+            continue
+        hits = [n.value for n in ast.walk(mod.tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+                and n.value.startswith(f"{PACKAGE}.notebook")]
+        if hits:
+            named[mod.name] = hits
+    assert named == {PRESENTER_HOOK: [f"{PACKAGE}.notebook"]}
 
 
 def test_checker_finds_a_lazy_import_cycle_and_private_access(tmp_path):

@@ -28,7 +28,8 @@ from typing import Any, Protocol, Sequence, runtime_checkable
 
 from .cache import file_lock
 from .dist import dist_info, local_world_size
-from .telemetry import SharedCounters, SharedInt, SharedInts
+from ._shared import SharedInt, SharedInts
+from .telemetry import SharedCounters
 
 __all__ = ["PlannedDataset", "ConsumptionSink", "EpochTracking", "check_state_kind", "wrapped_planned"]
 

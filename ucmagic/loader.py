@@ -26,6 +26,7 @@ from .dist import all_gather_ints, dist_info
 from .epochs import PlannedDataset, wrapped_planned
 from .errors import ListingChangedError
 from .loader_stats import LoaderStats
+from .presenters import presenter
 from .telemetry import ItemCollate
 
 __all__ = ["DataLoader", "LoaderStats"]
@@ -263,9 +264,7 @@ class DataLoader(tud.DataLoader):
 
     def monitor(self, **kw: Any) -> Any:
         """Live display of this loader (widget in a notebook, one text line elsewhere)."""
-        from .notebook.panel import attach_monitor
-
-        return attach_monitor(self, **kw)
+        return presenter("monitor")(self, **kw)
 
     # -- epochs
     @property

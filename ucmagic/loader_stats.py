@@ -1,5 +1,17 @@
-"""LoaderStats: per-batch fetch/compute timings of a loader, the fetch records of each batch's
-items, cache counters, snapshot, plot, save/load/merge, straggler hints and the explorer."""
+"""LoaderStats: the public face of a loader's telemetry.
+
+It keeps the records (per-batch timings and each batch's item records, :mod:`.telemetry`) and
+answers from them; the work lives in one unit per job:
+
+- record keeping: :class:`~ucmagic.telemetry.BatchRecorder`, :class:`~ucmagic.telemetry.ItemLog`
+  and the dataset's :class:`~ucmagic.telemetry.SharedCounters` (:mod:`.telemetry`);
+- analysis: the batch table, filters, the cache fill of a snapshot, straggler hints
+  (:mod:`.stats_analysis`, pure);
+- the saved form: save / load / merge (:mod:`.stats_file`, pure; the file write and the MLflow
+  artifact are here);
+- presentation: ``plot()`` and ``explore()`` call the presenters a display layer registered
+  (:mod:`.presenters`; the notebook layer by default). Nothing here imports a display module.
+"""
 from __future__ import annotations
 
 import contextlib
@@ -10,11 +22,14 @@ from typing import Any, Iterable
 
 import numpy as np
 
+from . import stats_analysis as analysis
+from . import stats_file
 from ._util import atomic_write
+from .presenters import presenter
+from .stats_file import SAVE_VERSION
 from .telemetry import BatchItems, BatchRecorder, ItemLog, SharedCounters, percentiles
-from .units import short_name
 
-SAVE_VERSION = 1
+__all__ = ["LoaderStats", "SAVE_VERSION", "RECENT"]
 
 RECENT = 256  # batches in a snapshot's recent window
 
@@ -30,14 +45,14 @@ class LoaderStats:
     def __init__(self, dataset: Any = None) -> None:
         self._dataset = dataset
         self._rec = BatchRecorder()
+        self._item_log = ItemLog()
         self.epoch: int | None = None
         self.epoch_count = 0  # batches delivered in the current epoch
         self.last_fetch_s = math.nan
         self.last_compute_s = math.nan
         self._cache_base: dict[str, int] | None = None
-        self._item_log = ItemLog()
         self._pending: BatchItems | None = None
-        self._files: dict[int, tuple[str, int]] = {}  # index -> (name, bytes) of loaded stats
+        self._files: dict[int, tuple[str, int | None]] = {}  # index -> (name, bytes) of loaded stats
         self._saved_counters: dict[str, int] | None = None  # cache counters of loaded stats
 
     # -- recording (loop thread)
@@ -74,6 +89,7 @@ class LoaderStats:
     # -- timings
     @property
     def count(self) -> int:
+        """Batches recorded."""
         return len(self._rec)
 
     @property
@@ -88,6 +104,7 @@ class LoaderStats:
 
     @property
     def mean(self) -> float:
+        """Mean fetch latency (seconds; NaN before the first batch)."""
         return self._rec.fetch_total / self.count if self.count else math.nan
 
     def percentiles(self) -> dict[str, float]:
@@ -108,6 +125,7 @@ class LoaderStats:
 
     @property
     def max(self) -> float:
+        """The longest fetch latency (seconds; NaN before the first batch)."""
         return float(self._rec.fetch_array().max()) if self.count else math.nan
 
     @property
@@ -142,8 +160,7 @@ class LoaderStats:
 
     def summary(self) -> dict[str, Any]:
         """Timings and cache counters as one plain dict."""
-        pct = self.percentiles()
-        out: dict[str, Any] = {"count": self.count, "mean": self.mean, **pct, "max": self.max,
+        out: dict[str, Any] = {"count": self.count, "mean": self.mean, **self.percentiles(), "max": self.max,
                                "stall_fraction": self.stall_fraction}
         t = self._counters()
         if t:
@@ -171,15 +188,7 @@ class LoaderStats:
         if t is not None:
             if self._cache_base is None:
                 self.refresh_cache_fill()
-            b = self._cache_base or {}
-            new_files = max(0, t["misses"] - b.get("misses", 0))
-            new_bytes = max(0, t["bytes_fetched"] - b.get("bytes_fetched", 0))
-            lookups = t["hits"] + t["misses"]
-            snap.update(hits=t["hits"], misses=t["misses"], bytes_fetched=t["bytes_fetched"],
-                        hit_rate=t["hits"] / lookups if lookups else math.nan,
-                        files=b.get("files", 0), bytes=b.get("bytes", 0),
-                        files_cached=min(b.get("files", 0), b.get("files_cached", 0) + new_files),
-                        bytes_cached=min(b.get("bytes", 0), b.get("bytes_cached", 0) + new_bytes))
+            snap.update(analysis.cache_fill(t, self._cache_base or {}))
         return snap
 
     def refresh_cache_fill(self) -> None:
@@ -192,28 +201,11 @@ class LoaderStats:
                             "files_cached": int(st["files_cached"]), "bytes_cached": int(st["bytes_cached"]),
                             "misses": t["misses"], "bytes_fetched": t["bytes_fetched"]}
 
-    def plot(self, **kw: Any) -> Any:
-        """Matplotlib figure: fetch latency per batch with p50/p99 lines, and its histogram."""
-        from .notebook.plots import latency_figure
-
-        title = kw.pop("title", None) or (f"DataLoader fetch latency: {self.count} batches, "
-                                          f"{self.stall_fraction:.1%} of the time waiting for data")
-        return latency_figure(self._rec.fetch_array(), self._rec.compute_array(), title=title, **kw)
-
-    # -- per-item fetch records
+    # -- per-item fetch records (analysis: stats_analysis)
     def batches(self) -> dict[str, np.ndarray]:
         """One row per batch: ``step`` (per rank), ``fetch_s``, ``compute_s``, ``epoch``, ``worker``
         (-1: main process), ``rank``, ``items``, ``misses`` and ``bytes`` (of the recorded items)."""
-        a = self._item_log.arrays()
-        n = min(self.count, len(a["count"]))
-        rank = a["rank"][:n]
-        step = np.zeros(n, dtype=np.int64)
-        for r in np.unique(rank):
-            m = rank == r
-            step[m] = np.arange(int(m.sum()))
-        return {"step": step, "fetch_s": self._rec.fetch_array()[:n], "compute_s": self._rec.compute_array()[:n],
-                "epoch": a["epoch"][:n], "worker": a["worker"][:n], "rank": rank, "items": a["count"][:n],
-                "misses": a["misses"][:n], "bytes": a["nbytes"][:n]}
+        return analysis.batch_table(self._rec, self._item_log)
 
     def describe_item(self, index: int) -> tuple[str, int | None]:
         """``(name, bytes)`` of a recorded item index (file path, or Parquet ``file#rg``)."""
@@ -239,148 +231,64 @@ class LoaderStats:
                         epoch: int | None = None, worker: int | None = None, rank: int | None = None) -> list[int]:
         """Positions of the ``n`` slowest batches, optionally within steps ``lo..hi`` and one epoch/worker/rank."""
         b = self.batches()
-        m = self.select(b, lo=lo, hi=hi, epoch=epoch, worker=worker, rank=rank)
-        pos = np.flatnonzero(m)
-        order = pos[np.argsort(-b["fetch_s"][pos], kind="stable")]
-        return order[:n].tolist()
+        return analysis.slowest(b, n, analysis.select(b, lo=lo, hi=hi, epoch=epoch, worker=worker, rank=rank))
 
-    @staticmethod
-    def select(b: dict[str, np.ndarray], *, lo: int | None = None, hi: int | None = None,
-               epoch: int | None = None, worker: int | None = None, rank: int | None = None) -> np.ndarray:
-        """Boolean mask over :meth:`batches` rows: steps ``lo..hi`` (inclusive), one epoch/worker/rank."""
-        m = np.ones(len(b["step"]), dtype=bool)
-        if lo is not None:
-            m &= b["step"] >= lo
-        if hi is not None:
-            m &= b["step"] <= hi
-        for key, v in (("epoch", epoch), ("worker", worker), ("rank", rank)):
-            if v is not None:
-                m &= b[key] == v
-        return m
+    select = staticmethod(analysis.select)  # mask over batches() rows: steps lo..hi, one epoch/worker/rank
 
-    def records_memory(self) -> int:
-        """Bytes held by the per-batch and per-item records (timings included)."""
-        return self._item_log.memory_bytes() + 16 * self.count
+    def hints(self) -> list[str]:
+        """One-line suggestions from the records: where the wait is and what would shorten it."""
+        return analysis.straggler_hints(self.batches(), self.stall_fraction, self.batch_files)
 
-    # -- save / load / merge
+    # -- save / load / merge (the saved form: stats_file)
     def to_dict(self) -> dict[str, Any]:
         """Everything :meth:`load` needs, JSON-serialisable (file names of every recorded item included)."""
-        a = self._item_log.arrays()
-        n = min(self.count, len(a["count"]))
-        cols = {k: a[k][:n].tolist() for k in ("count", "epoch", "worker", "misses", "nbytes")}
-        cols["batch_rank"] = a["rank"][:n].tolist()
-        kept = int(a["start"][n - 1] + a["count"][n - 1]) if n else 0
-        kept = min(kept, len(a["index"]))
-        index = a["index"][:kept]
-        files = {}
-        for i in np.unique(index).tolist():
-            name, size = self.describe_item(i)
-            files[str(i)] = [name, size]
         rank = 0
         with contextlib.suppress(Exception):  # torch missing or odd env: rank 0
             from .dist import dist_info
 
             rank = dist_info().rank
-        return {"version": SAVE_VERSION, "rank": rank, "fetch_s": self._rec.fetch_array()[:n].tolist(),
-                "compute_s": self._rec.compute_array()[:n].tolist(), **cols,
-                "item_index": index.tolist(), "item_fetch_s": [float(x) for x in a["fetch"][:kept]],
-                "files": files, "counters": self._counters(), "truncated": self._item_log.truncated}
+        return stats_file.to_dict(self._rec, self._item_log, self.describe_item, self._counters(), rank)
 
-    def save(self, path: str | os.PathLike) -> str:
+    def save(self, path: str | os.PathLike[str]) -> str:
         """Write the stats as JSON (atomically); also logged as an MLflow artifact when a run is active."""
+        from .mlflow_sink import log_artifact
+
         path = os.fspath(path)
         atomic_write(path, json.dumps(self.to_dict(), separators=(",", ":")).encode())
-        from .mlflow_sink import active_run_id
-
-        run = active_run_id()
-        if run is not None:
-            try:
-                from mlflow.tracking import MlflowClient
-
-                MlflowClient().log_artifact(run, path, "ucmagic")
-            except Exception as exc:  # noqa: BLE001 - the file is written; the artifact is a bonus
-                import warnings
-
-                warnings.warn(f"ucmagic: could not log {path} to MLflow run {run}: {exc}", stacklevel=2)
+        log_artifact(path, "ucmagic")
         return path
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any], rank: int | None = None) -> "LoaderStats":
+    def from_dict(cls, d: dict[str, Any], rank: int | None = None) -> LoaderStats:
         """Stats from :meth:`to_dict` output (``rank`` overrides the saved one)."""
-        if d.get("version") != SAVE_VERSION:
-            raise ValueError(f"unsupported LoaderStats file version {d.get('version')!r} (this ucmagic reads "
-                             f"version {SAVE_VERSION})")
+        records = stats_file.from_dict(d, rank)
         st = cls()
-        r = int(d.get("rank", 0) if rank is None else rank)
-        st._rec.fetch.fromlist([float(x) for x in d["fetch_s"]])
-        st._rec.compute.fromlist([float(x) for x in d["compute_s"]])
-        st._rec.fetch_total, st._rec.compute_total = float(sum(d["fetch_s"])), float(sum(d["compute_s"]))
-        idx = np.asarray(d["item_index"], dtype=np.int32)
-        fetch = np.asarray(d["item_fetch_s"], dtype=np.float32)
-        off = 0
-        ranks = d.get("batch_rank") or [d.get("rank", 0)] * len(d["count"])
-        for c, e, w, m, nb, dr in zip(d["count"], d["epoch"], d["worker"], d["misses"], d["nbytes"], ranks):
-            take = c if off + c <= len(idx) else 0
-            st._item_log.add(int(e), int(w), idx[off:off + take].tobytes(), fetch[off:off + take].tobytes(), int(nb),
-                          rank=r if rank is not None else int(dr))
-            if not take:  # the batch's items were not kept in detail
-                st._item_log.count[-1], st._item_log.misses[-1] = int(c), int(m)
-            off += take
-        st._item_log.truncated = bool(d.get("truncated"))
-        st._files = {int(k): (v[0], v[1]) for k, v in d.get("files", {}).items()}
-        st._saved_counters = d.get("counters")
-        st.epoch = int(d["epoch"][-1]) if d["epoch"] else None
+        st._rec, st._item_log, st._files = records.rec, records.log, records.files
+        st._saved_counters, st.epoch = records.counters, records.epoch
         return st
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "LoaderStats":
+    def load(cls, path: str | os.PathLike[str]) -> LoaderStats:
         """Read stats written by :meth:`save`."""
         with open(os.fspath(path)) as f:
             return cls.from_dict(json.load(f))
 
     @classmethod
-    def merge(cls, parts: Iterable["LoaderStats | str | os.PathLike"]) -> "LoaderStats":
+    def merge(cls, parts: Iterable[LoaderStats | str | os.PathLike[str]]) -> LoaderStats:
         """One LoaderStats of several ranks (stats or saved files); each part keeps its rank, and
         the explorer's rank selector compares them. File indices are renumbered by name."""
         dicts = [(p if isinstance(p, LoaderStats) else cls.load(p)).to_dict() for p in parts]
-        ranks = [int(d["rank"]) for d in dicts]
-        if len(set(ranks)) < len(ranks):  # saved by one process (or unknown ranks): number them in order
-            ranks = list(range(len(dicts)))
-        names: dict[tuple[str, Any], int] = {}
-        files: dict[int, tuple[str, Any]] = {}
-        counters: dict[str, int] = {}
-        merged: dict[str, Any] = {"version": SAVE_VERSION, "rank": 0, "item_index": [], "item_fetch_s": [],
-                                  "truncated": False, **{k: [] for k in ("fetch_s", "compute_s", "count", "epoch",
-                                                                          "worker", "misses", "nbytes", "batch_rank")}}
-        for d, rank in zip(dicts, ranks):
-            remap = {}
-            for k, (name, size) in d["files"].items():
-                g = names.setdefault((name, size), len(names))
-                remap[int(k)] = g
-                files[g] = (name, size)
-            merged["item_index"] += [remap.get(x, x) for x in d["item_index"]]
-            merged["item_fetch_s"] += d["item_fetch_s"]
-            for k in ("fetch_s", "compute_s", "count", "epoch", "worker", "misses", "nbytes"):
-                merged[k] += d[k]
-            merged["batch_rank"] += [rank] * len(d["count"])
-            merged["truncated"] |= bool(d.get("truncated"))
-            for k, v in (d.get("counters") or {}).items():
-                counters[k] = counters.get(k, 0) + int(v)
-        merged["files"] = {str(k): list(v) for k, v in files.items()}
-        merged["counters"] = counters or None
-        return cls.from_dict(merged)
+        return cls.from_dict(stats_file.merge(dicts))
 
-    # -- hints and the explorer
-    def hints(self) -> list[str]:
-        """One-line suggestions from the records: where the wait is and what would shorten it."""
-        return straggler_hints(self)
+    # -- presentation (the presenters a display layer registered: ucmagic.presenters)
+    def plot(self, **kw: Any) -> Any:
+        """Matplotlib figure: fetch latency per batch with p50/p99 lines, and its histogram."""
+        return presenter("plot")(self, **kw)
 
     def explore(self, **kw: Any) -> Any:
         """An interactive explorer (ipywidgets + matplotlib): zoom, epoch/worker/rank, slowest batches
         and their files. Works during and after training and on :meth:`load`-ed or merged stats."""
-        from .notebook.explorer import Explorer
-
-        return Explorer(self, **kw)
+        return presenter("explore")(self, **kw)
 
     def __repr__(self) -> str:
         if not self.count:
@@ -388,66 +296,3 @@ class LoaderStats:
         pct = self.percentiles()
         return (f"LoaderStats(count={self.count}, mean={self.mean * 1e3:.2f}ms, p50={pct['p50'] * 1e3:.2f}ms, "
                 f"p99={pct['p99'] * 1e3:.2f}ms, max={self.max * 1e3:.2f}ms, stall={self.stall_fraction:.1%})")
-
-
-# ------------------------------------------------------------------ straggler hints
-
-def straggler_hints(stats: LoaderStats) -> list[str]:
-    """One-line hints from a :class:`LoaderStats` (pure: reads its records, changes nothing)."""
-    b = stats.batches()
-    n = len(b["fetch_s"])
-    if n == 0:
-        return []
-    fetch, total = b["fetch_s"], float(b["fetch_s"].sum())
-    out: list[str] = []
-    stall = stats.stall_fraction
-    misses, items = int(b["misses"].sum()), int(b["items"].sum())
-    workers = sorted({int(w) for w in b["worker"] if w >= 0})
-    if total > 0 and misses:
-        epochs = sorted({int(e) for e in b["epoch"]})
-        cold = epochs[0]
-        share = float(fetch[b["epoch"] == cold].sum()) / total
-        if len(epochs) > 1 and share >= 0.5:
-            out.append(f"{share:.0%} of the wait is in cold epoch {cold}: warm the cache first with `ds.warm()`")
-        elif len(epochs) == 1:
-            miss_share = float(fetch[b["misses"] > 0].sum()) / total
-            if miss_share >= 0.5:
-                out.append(f"{miss_share:.0%} of the wait is in batches with cache misses (cold cache): "
-                           "warm the cache first with `ds.warm()`")
-    if n >= 20 and total > 0:
-        p99 = percentiles(fetch, (99,))["p99"]
-        slow = np.flatnonzero(fetch >= p99)
-        wait = float(fetch[slow].sum())
-        per_file: dict[str, float] = {}
-        for i in slow.tolist():
-            for r in stats.batch_files(i):
-                per_file[r["file"]] = max(per_file.get(r["file"], 0.0), r["fetch_s"])
-        if per_file and wait > 0:
-            top = sorted(per_file.items(), key=lambda kv: -kv[1])[:3]
-            share = min(1.0, sum(v for _, v in top) / wait)
-            if share >= 0.3:
-                names = ", ".join(short_name(k) for k, _ in top)
-                out.append(f"{len(top)} file{'s' if len(top) > 1 else ''} account for {share:.0%} of the p99 wait: "
-                           f"{names}")
-    if stall >= 0.3 and (items == 0 or misses <= 0.05 * items):
-        now = f" (now {len(workers)})" if workers else ""
-        out.append(f"the loop waits for data {stall:.0%} of the time with a warm cache: decoding is the "
-                   f"bottleneck, raise num_workers{now}")
-    if len(workers) >= 2:
-        med = {w: float(np.median(fetch[b["worker"] == w])) for w in workers}
-        worst = max(med, key=lambda w: med[w])
-        others = float(np.median([v for w, v in med.items() if w != worst]))
-        if med[worst] >= 5e-3 and med[worst] >= 2 * max(others, 1e-9):
-            out.append(f"worker {worst}'s batches wait {med[worst] / max(others, 1e-9):.1f}x longer than the "
-                       f"others' (median {med[worst] * 1e3:.0f} ms vs {others * 1e3:.0f} ms): it reads slow files")
-    ranks = sorted({int(r) for r in b["rank"]})
-    if len(ranks) >= 2:
-        mean = {r: float(fetch[b["rank"] == r].mean()) for r in ranks}
-        worst = max(mean, key=lambda r: mean[r])
-        typical = float(np.median(list(mean.values())))
-        if mean[worst] >= 1.5 * max(typical, 1e-9) and mean[worst] >= 1e-3:
-            out.append(f"rank {worst} waits {mean[worst] / max(typical, 1e-9):.1f}x the median rank "
-                       f"({mean[worst] * 1e3:.0f} ms vs {typical * 1e3:.0f} ms per batch): the others wait for it")
-    if n >= 10 and stall < 0.05:
-        out.append(f"the loop waits for data only {stall:.0%} of the time: data loading is not the bottleneck")
-    return out

@@ -44,6 +44,19 @@ def active_run_id() -> str | None:
     return run.info.run_id if run is not None else env
 
 
+def log_artifact(path: str, folder: str = "ucmagic") -> None:
+    """Log the file ``path`` to the active MLflow run (none: nothing); a failure warns, never raises."""
+    run = active_run_id()
+    if run is None:
+        return
+    try:
+        from mlflow.tracking import MlflowClient
+
+        MlflowClient().log_artifact(run, path, folder)
+    except Exception as exc:  # noqa: BLE001 - the file is written; the artifact is a bonus
+        warnings.warn(f"ucmagic: could not log {path} to MLflow run {run}: {exc}", stacklevel=3)
+
+
 WINDOW_NAMES = ("fetch_seconds", "compute_seconds", "fetch_p50_seconds", "fetch_p99_seconds",
                 "fetch_max_seconds", "stall_fraction", "batches")
 

@@ -1,18 +1,20 @@
-"""Counters and latency percentiles.
+"""Record keeping of a loader: shared counters, per-batch timings, per-item fetch records, and the
+one home of latency percentiles.
 
 :class:`SharedCounters` lives in shared memory so DataLoader worker processes (fork, spawn or
 forkserver) bump counters that the main process reads: each process writes only its own slot,
-so no locks are needed and nothing is lost.
+so no locks are needed and nothing is lost (pickling rule: :mod:`ucmagic._shared`).
 """
 from __future__ import annotations
 
 import math
 import multiprocessing as mp
 from array import array
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from ._shared import SharedMemory
 from .dist import worker_info
 
 SLOTS = 65  # the main process + 64 workers; more workers share slots (counts stay close)
@@ -22,7 +24,10 @@ _H, _M, _B, _R, _E, _D, _N = range(len(_FIELDS))
 
 
 def percentiles(values: Sequence[float] | np.ndarray, qs: Sequence[float] = (50, 90, 99)) -> dict[str, float]:
-    """``{"p50": .., "p90": .., "p99": ..}`` of ``values`` (linear interpolation); NaN when empty."""
+    """``{"p50": .., "p90": .., "p99": ..}`` of ``values`` (linear interpolation); NaN when empty.
+
+    The package's one percentile: the loader's stats, the live panel, the explorer, the figures and
+    the MLflow metrics all read theirs here."""
     if len(values) == 0:
         return {f"p{q:g}": math.nan for q in qs}
     arr = np.asarray(values, dtype=float)
@@ -30,17 +35,18 @@ def percentiles(values: Sequence[float] | np.ndarray, qs: Sequence[float] = (50,
 
 
 def p50_p99(values: Sequence[float] | np.ndarray) -> tuple[float, float]:
-    """The median and the 99th percentile of non-empty ``values`` (as :func:`percentiles`)."""
+    """The median and the 99th percentile of ``values`` (as :func:`percentiles`; NaN when empty)."""
     pct = percentiles(values, (50, 99))
     return pct["p50"], pct["p99"]
 
 
 def current_slot() -> int:
+    """This process's counter slot: 0 in the main process, 1 + worker id (mod 64) in a worker."""
     info = worker_info()
     return 0 if info is None else 1 + info.id % (SLOTS - 1)
 
 
-class SharedCounters:
+class SharedCounters(SharedMemory):
     """Per-process counter slots plus a ring of recent fetch latencies, in shared memory."""
 
     def __init__(self) -> None:
@@ -88,51 +94,20 @@ class SharedCounters:
     def reset(self) -> None:
         np.frombuffer(self._counts, dtype=np.int64)[:] = 0
 
-    # Shared memory travels to worker processes when they start; a plain pickle (e.g. a user
-    # saving the dataset object) carries a snapshot instead.
-    def __getstate__(self):
-        from multiprocessing import context
+    def _buffers(self) -> Any:
+        return self._counts, self._lat
 
-        if context.get_spawning_popen() is not None:
-            return {"shared": (self._counts, self._lat)}
-        return {"copy": (bytes(self._counts), bytes(self._lat))}
+    def _attach(self, buffers: Any) -> None:
+        self._counts, self._lat = buffers
 
-    def __setstate__(self, st):
-        if "shared" in st:
-            self._counts, self._lat = st["shared"]
-        else:
-            type(self).__init__(self)
-            counts, lat = st["copy"]
-            np.frombuffer(self._counts, dtype=np.int64)[:] = np.frombuffer(counts, dtype=np.int64)
-            np.frombuffer(self._lat, dtype=np.float64)[:] = np.frombuffer(lat, dtype=np.float64)
+    def _snapshot(self) -> tuple[bytes, bytes]:
+        return bytes(self._counts), bytes(self._lat)
 
-
-class SharedInt:
-    """One integer in shared memory (the epoch number), same pickling rules as SharedCounters."""
-
-    def __init__(self, value: int = 0) -> None:
-        self._v = mp.get_context().RawValue("q", value)
-
-    @property
-    def value(self) -> int:
-        return int(self._v.value)
-
-    @value.setter
-    def value(self, v: int) -> None:
-        self._v.value = int(v)
-
-    def __getstate__(self):
-        from multiprocessing import context
-
-        if context.get_spawning_popen() is not None:
-            return {"shared": self._v}
-        return {"copy": self.value}
-
-    def __setstate__(self, st):
-        if "shared" in st:
-            self._v = st["shared"]
-        else:
-            self.__init__(st["copy"])
+    def _restore(self, snapshot: tuple[bytes, bytes]) -> None:
+        SharedCounters.__init__(self)
+        counts, lat = snapshot
+        np.frombuffer(self._counts, dtype=np.int64)[:] = np.frombuffer(counts, dtype=np.int64)
+        np.frombuffer(self._lat, dtype=np.float64)[:] = np.frombuffer(lat, dtype=np.float64)
 
 
 class BatchRecorder:
@@ -141,8 +116,6 @@ class BatchRecorder:
     """
 
     def __init__(self) -> None:
-        from array import array
-
         self.fetch = array("d")
         self.compute = array("d")
         self.fetch_total = 0.0
@@ -154,6 +127,13 @@ class BatchRecorder:
         self.fetch_total += fetch_s
         self.compute_total += compute_s
 
+    def extend(self, fetch_s: Sequence[float], compute_s: Sequence[float]) -> None:
+        """Append many batches at once (loading saved stats)."""
+        self.fetch.fromlist([float(x) for x in fetch_s])
+        self.compute.fromlist([float(x) for x in compute_s])
+        self.fetch_total += float(sum(fetch_s))
+        self.compute_total += float(sum(compute_s))
+
     def __len__(self) -> int:
         return len(self.fetch)
 
@@ -162,6 +142,7 @@ class BatchRecorder:
         return _tail(self.fetch, last)
 
     def compute_array(self, last: int | None = None) -> np.ndarray:
+        """Compute times as a float64 array (a copy), optionally only the ``last`` ones."""
         return _tail(self.compute, last)
 
     def stall_fraction(self) -> float:
@@ -173,7 +154,7 @@ class BatchRecorder:
         type(self).__init__(self)
 
 
-def _tail(values, last: int | None) -> np.ndarray:
+def _tail(values: array, last: int | None) -> np.ndarray:
     # Slice first (a copy), so no buffer of the growing array stays exported.
     part = values[-last:] if last else values[:]
     return np.frombuffer(part, dtype=np.float64) if len(part) else np.zeros(0)
@@ -247,7 +228,7 @@ class BatchItems:
 class ItemCollate:
     """Wraps a DataLoader's ``collate_fn``: each batch leaves its process with its items' records."""
 
-    def __init__(self, inner: Any) -> None:
+    def __init__(self, inner: Callable[[Any], Any]) -> None:
         self.inner = inner
 
     def __call__(self, data: Any) -> BatchItems:
@@ -322,36 +303,3 @@ class ItemLog:
 
     def reset(self) -> None:
         type(self).__init__(self, self.cap)
-
-
-class SharedInts:
-    """A fixed array of integers in shared memory, same pickling rules as SharedCounters.
-
-    Each index is written by one process at a time (no lock); readers see a recent value.
-    """
-
-    def __init__(self, n: int) -> None:
-        self._a = mp.get_context().RawArray("q", int(n))
-
-    def __len__(self) -> int:
-        return len(self._a)
-
-    def __getitem__(self, i: int) -> int:
-        return int(self._a[i])
-
-    def __setitem__(self, i: int, v: int) -> None:
-        self._a[i] = int(v)
-
-    def __getstate__(self):
-        from multiprocessing import context
-
-        if context.get_spawning_popen() is not None:
-            return {"shared": self._a}
-        return {"copy": list(self._a)}
-
-    def __setstate__(self, st):
-        if "shared" in st:
-            self._a = st["shared"]
-        else:
-            self.__init__(len(st["copy"]))
-            self._a[:] = st["copy"]

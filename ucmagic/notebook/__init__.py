@@ -2,7 +2,41 @@
 loader panel and its text fallback (:mod:`.panel`), the fetch-latency explorer (:mod:`.explorer`) and
 matplotlib figures (:mod:`.plots`).
 
-It sits on the engine and holds no engine logic; the engine reaches it only through the lazy imports
-of three convenience methods (``DataLoader.monitor()``, ``LoaderStats.plot()``,
-``LoaderStats.explore()``), see docs/architecture.md. Importing this package imports nothing else.
+It sits on the engine and holds no engine logic. The engine never imports it: importing this package
+registers the presenters of ``DataLoader.monitor()``, ``LoaderStats.plot()`` and
+``LoaderStats.explore()`` with :mod:`ucmagic.presenters` (the one hook; see docs/architecture.md).
+Importing it imports nothing else (the presenters import their module when called).
 """
+from __future__ import annotations
+
+from typing import Any
+
+from ..presenters import register_presenter
+
+
+def monitor(loader: Any, **kw: Any) -> Any:
+    """``loader.monitor()``: the live panel (or text line) attached to ``loader``."""
+    from .panel import attach_monitor
+
+    return attach_monitor(loader, **kw)
+
+
+def plot(stats: Any, **kw: Any) -> Any:
+    """``stats.plot()``: the fetch-latency figure of a :class:`~ucmagic.loader_stats.LoaderStats`."""
+    from .plots import latency_figure
+
+    title = kw.pop("title", None) or (f"DataLoader fetch latency: {stats.count} batches, "
+                                      f"{stats.stall_fraction:.1%} of the time waiting for data")
+    return latency_figure(stats.fetch_seconds, stats.compute_seconds, title=title, **kw)
+
+
+def explore(stats: Any, **kw: Any) -> Any:
+    """``stats.explore()``: the interactive explorer of a :class:`~ucmagic.loader_stats.LoaderStats`."""
+    from .explorer import Explorer
+
+    return Explorer(stats, **kw)
+
+
+register_presenter("monitor", monitor)
+register_presenter("plot", plot)
+register_presenter("explore", explore)

@@ -1,0 +1,111 @@
+"""Values in shared memory that DataLoader worker processes write and the main process reads, and
+their one pickling rule.
+
+The rule (:class:`SharedMemory`): while a worker process is being started (fork, spawn or
+forkserver), the object pickles as its shared buffers, so parent and workers see one memory; any
+other pickle (a user saving the dataset object, ``copy.deepcopy``) carries a plain snapshot and
+unpickles into fresh memory of its own. Each value is written by one process per slot or index,
+so no locks are needed.
+
+Home of every shared-memory type: :class:`SharedInt`, :class:`SharedInts` here,
+``telemetry.SharedCounters`` on the same base. (The per-file bitsets ``dataset.CheckedFiles`` and
+``cache.SeenEntries`` are to move onto this base too.)
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+from multiprocessing import context
+from typing import Any
+
+
+def starting_worker() -> bool:
+    """True while this pickle goes to a worker process being started (shared memory may travel)."""
+    return context.get_spawning_popen() is not None
+
+
+class SharedMemory:
+    """Base of the shared-memory types: subclasses say what their buffers and their snapshot are."""
+
+    def _buffers(self) -> Any:
+        """The shared buffers, as one picklable object (what a starting worker receives)."""
+        raise NotImplementedError
+
+    def _attach(self, buffers: Any) -> None:
+        """Use ``buffers`` (from :meth:`_buffers` in the parent) as this object's memory."""
+        raise NotImplementedError
+
+    def _snapshot(self) -> Any:
+        """A plain copy of the values (for any other pickle)."""
+        raise NotImplementedError
+
+    def _restore(self, snapshot: Any) -> None:
+        """Fresh shared memory holding ``snapshot``."""
+        raise NotImplementedError
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"shared": self._buffers()} if starting_worker() else {"copy": self._snapshot()}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        if "shared" in state:
+            self._attach(state["shared"])
+        else:
+            self._restore(state["copy"])
+
+
+class SharedInt(SharedMemory):
+    """One integer in shared memory (the epoch number)."""
+
+    def __init__(self, value: int = 0) -> None:
+        self._v = mp.get_context().RawValue("q", value)
+
+    @property
+    def value(self) -> int:
+        return int(self._v.value)
+
+    @value.setter
+    def value(self, v: int) -> None:
+        self._v.value = int(v)
+
+    def _buffers(self) -> Any:
+        return self._v
+
+    def _attach(self, buffers: Any) -> None:
+        self._v = buffers
+
+    def _snapshot(self) -> int:
+        return self.value
+
+    def _restore(self, snapshot: int) -> None:
+        SharedInt.__init__(self, snapshot)
+
+
+class SharedInts(SharedMemory):
+    """A fixed array of integers in shared memory.
+
+    Each index is written by one process at a time (no lock); readers see a recent value.
+    """
+
+    def __init__(self, n: int) -> None:
+        self._a = mp.get_context().RawArray("q", int(n))
+
+    def __len__(self) -> int:
+        return len(self._a)
+
+    def __getitem__(self, i: int) -> int:
+        return int(self._a[i])
+
+    def __setitem__(self, i: int, v: int) -> None:
+        self._a[i] = int(v)
+
+    def _buffers(self) -> Any:
+        return self._a
+
+    def _attach(self, buffers: Any) -> None:
+        self._a = buffers
+
+    def _snapshot(self) -> list[int]:
+        return list(self._a)
+
+    def _restore(self, snapshot: list[int]) -> None:
+        SharedInts.__init__(self, len(snapshot))
+        self._a[:] = snapshot

@@ -1,0 +1,168 @@
+"""Analysis of a loader's records (pure: numpy in, numbers and sentences out; nothing recorded here).
+
+The per-batch table (:func:`batch_table`), filters over it (:func:`select`, :func:`slowest`), the
+cache fill a live snapshot shows (:func:`cache_fill`) and the straggler hints
+(:func:`straggler_hints`). :class:`~ucmagic.loader_stats.LoaderStats` calls these on its records;
+the explorer and the panel read them through LoaderStats.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Dict
+
+import numpy as np
+
+from .telemetry import BatchRecorder, ItemLog, percentiles
+from .units import short_name
+
+BatchTable = Dict[str, np.ndarray]  # one row per batch, see batch_table()
+FileRows = Callable[[int], "list[dict[str, Any]]"]  # batch position -> its items, slowest first
+
+COLD_SHARE = 0.5  # a cold epoch (or the batches with misses) holding this share of the wait: warm first
+FEW_FILES = 3  # files named by the p99 hint
+FEW_FILES_SHARE = 0.3  # ... when they hold this share of the p99 wait
+DECODE_STALL = 0.3  # waiting this share of the time with a warm cache: decoding is the bottleneck
+WARM_MISS_SHARE = 0.05  # a cache is warm when at most this share of items missed
+SLOW_WORKER = 2.0  # a worker's median wait this many times the others' (and >= 5 ms)
+SLOW_RANK = 1.5  # a rank's mean wait this many times the median rank's (and >= 1 ms)
+NOT_BOTTLENECK = 0.05  # waiting under this share of the time: loading is not the bottleneck
+
+
+def batch_table(rec: BatchRecorder, log: ItemLog) -> BatchTable:
+    """One row per batch: ``step`` (per rank), ``fetch_s``, ``compute_s``, ``epoch``, ``worker``
+    (-1: main process), ``rank``, ``items``, ``misses`` and ``bytes`` (of the recorded items)."""
+    a = log.arrays()
+    n = min(len(rec), len(a["count"]))
+    rank = a["rank"][:n]
+    step = np.zeros(n, dtype=np.int64)
+    for r in np.unique(rank):
+        m = rank == r
+        step[m] = np.arange(int(m.sum()))
+    return {"step": step, "fetch_s": rec.fetch_array()[:n], "compute_s": rec.compute_array()[:n],
+            "epoch": a["epoch"][:n], "worker": a["worker"][:n], "rank": rank, "items": a["count"][:n],
+            "misses": a["misses"][:n], "bytes": a["nbytes"][:n]}
+
+
+def select(b: BatchTable, *, lo: int | None = None, hi: int | None = None, epoch: int | None = None,
+           worker: int | None = None, rank: int | None = None) -> np.ndarray:
+    """Boolean mask over ``b``'s rows: steps ``lo..hi`` (inclusive), one epoch/worker/rank."""
+    m = np.ones(len(b["step"]), dtype=bool)
+    if lo is not None:
+        m &= b["step"] >= lo
+    if hi is not None:
+        m &= b["step"] <= hi
+    for key, v in (("epoch", epoch), ("worker", worker), ("rank", rank)):
+        if v is not None:
+            m &= b[key] == v
+    return m
+
+
+def slowest(b: BatchTable, n: int, mask: np.ndarray) -> list[int]:
+    """Positions of the ``n`` slowest batches among ``mask`` (ties: the earlier first)."""
+    pos = np.flatnonzero(mask)
+    order = pos[np.argsort(-b["fetch_s"][pos], kind="stable")]
+    return [int(i) for i in order[:n]]
+
+
+def cache_fill(totals: dict[str, int], base: dict[str, int]) -> dict[str, Any]:
+    """A snapshot's cache keys: ``base`` (a measured fill and the counters then) advanced by the
+    counter ``totals`` since (each miss since filled one file)."""
+    new_files = max(0, totals["misses"] - base.get("misses", 0))
+    new_bytes = max(0, totals["bytes_fetched"] - base.get("bytes_fetched", 0))
+    lookups = totals["hits"] + totals["misses"]
+    files, size = base.get("files", 0), base.get("bytes", 0)
+    return {"hits": totals["hits"], "misses": totals["misses"], "bytes_fetched": totals["bytes_fetched"],
+            "hit_rate": totals["hits"] / lookups if lookups else math.nan, "files": files, "bytes": size,
+            "files_cached": min(files, base.get("files_cached", 0) + new_files),
+            "bytes_cached": min(size, base.get("bytes_cached", 0) + new_bytes)}
+
+
+# ------------------------------------------------------------------ straggler hints
+
+def straggler_hints(b: BatchTable, stall: float, files_of: FileRows) -> list[str]:
+    """One-line hints from a batch table: where the wait is and what would shorten it.
+
+    ``stall`` is the loop's share of time waiting for data; ``files_of(b)`` the items of batch ``b``
+    (file name and fetch time), slowest first."""
+    if len(b["fetch_s"]) == 0:
+        return []
+    return [h for h in (_cold_hint(b), _few_files_hint(b, files_of), _decode_hint(b, stall), _worker_hint(b),
+                        _rank_hint(b), _not_bottleneck_hint(b, stall)) if h]
+
+
+def _cold_hint(b: BatchTable) -> str | None:
+    fetch, total, misses = b["fetch_s"], float(b["fetch_s"].sum()), int(b["misses"].sum())
+    if total <= 0 or not misses:
+        return None
+    epochs = sorted({int(e) for e in b["epoch"]})
+    cold = epochs[0]
+    share = float(fetch[b["epoch"] == cold].sum()) / total
+    if len(epochs) > 1 and share >= COLD_SHARE:
+        return f"{share:.0%} of the wait is in cold epoch {cold}: warm the cache first with `ds.warm()`"
+    miss_share = float(fetch[b["misses"] > 0].sum()) / total
+    if len(epochs) == 1 and miss_share >= COLD_SHARE:
+        return (f"{miss_share:.0%} of the wait is in batches with cache misses (cold cache): "
+                "warm the cache first with `ds.warm()`")
+    return None
+
+
+def _few_files_hint(b: BatchTable, files_of: FileRows) -> str | None:
+    fetch = b["fetch_s"]
+    if len(fetch) < 20 or float(fetch.sum()) <= 0:
+        return None
+    slow = np.flatnonzero(fetch >= percentiles(fetch, (99,))["p99"])
+    wait = float(fetch[slow].sum())
+    per_file: dict[str, float] = {}
+    for i in slow.tolist():
+        for r in files_of(i):
+            per_file[r["file"]] = max(per_file.get(r["file"], 0.0), r["fetch_s"])
+    if not per_file or wait <= 0:
+        return None
+    top = sorted(per_file.items(), key=lambda kv: -kv[1])[:FEW_FILES]
+    share = min(1.0, sum(v for _, v in top) / wait)
+    if share < FEW_FILES_SHARE:
+        return None
+    names = ", ".join(short_name(k) for k, _ in top)
+    return f"{len(top)} file{'s' if len(top) > 1 else ''} account for {share:.0%} of the p99 wait: {names}"
+
+
+def _decode_hint(b: BatchTable, stall: float) -> str | None:
+    misses, items = int(b["misses"].sum()), int(b["items"].sum())
+    if stall < DECODE_STALL or (items and misses > WARM_MISS_SHARE * items):
+        return None
+    workers = {int(w) for w in b["worker"] if w >= 0}
+    now = f" (now {len(workers)})" if workers else ""
+    return (f"the loop waits for data {stall:.0%} of the time with a warm cache: decoding is the "
+            f"bottleneck, raise num_workers{now}")
+
+
+def _worker_hint(b: BatchTable) -> str | None:
+    workers = sorted({int(w) for w in b["worker"] if w >= 0})
+    if len(workers) < 2:
+        return None
+    med = {w: float(np.median(b["fetch_s"][b["worker"] == w])) for w in workers}
+    worst = max(med, key=lambda w: med[w])
+    others = float(np.median([v for w, v in med.items() if w != worst]))
+    if med[worst] < 5e-3 or med[worst] < SLOW_WORKER * max(others, 1e-9):
+        return None
+    return (f"worker {worst}'s batches wait {med[worst] / max(others, 1e-9):.1f}x longer than the "
+            f"others' (median {med[worst] * 1e3:.0f} ms vs {others * 1e3:.0f} ms): it reads slow files")
+
+
+def _rank_hint(b: BatchTable) -> str | None:
+    ranks = sorted({int(r) for r in b["rank"]})
+    if len(ranks) < 2:
+        return None
+    mean = {r: float(b["fetch_s"][b["rank"] == r].mean()) for r in ranks}
+    worst = max(mean, key=lambda r: mean[r])
+    typical = float(np.median(list(mean.values())))
+    if mean[worst] < SLOW_RANK * max(typical, 1e-9) or mean[worst] < 1e-3:
+        return None
+    return (f"rank {worst} waits {mean[worst] / max(typical, 1e-9):.1f}x the median rank "
+            f"({mean[worst] * 1e3:.0f} ms vs {typical * 1e3:.0f} ms per batch): the others wait for it")
+
+
+def _not_bottleneck_hint(b: BatchTable, stall: float) -> str | None:
+    if len(b["fetch_s"]) < 10 or stall >= NOT_BOTTLENECK:
+        return None
+    return f"the loop waits for data only {stall:.0%} of the time: data loading is not the bottleneck"

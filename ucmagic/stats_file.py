@@ -1,0 +1,95 @@
+"""The saved form of a loader's records (``stats.save()``, ``LoaderStats.load()``, ``merge()``).
+
+A JSON object, version :data:`SAVE_VERSION`: per-batch columns (``fetch_s``, ``compute_s``,
+``count``, ``epoch``, ``worker``, ``batch_rank``, ``misses``, ``nbytes``), the item columns kept in
+detail (``item_index``, ``item_fetch_s``: negative for a cache hit), the name and size of every
+recorded item (``files``), the cache ``counters``, ``rank`` and ``truncated``. Pure: dicts and
+records in, dicts and records out; :class:`~ucmagic.loader_stats.LoaderStats` does the I/O.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple, Sequence
+
+import numpy as np
+
+from .telemetry import BatchRecorder, ItemLog
+
+SAVE_VERSION = 1
+
+BATCH_COLUMNS = ("fetch_s", "compute_s", "count", "epoch", "worker", "misses", "nbytes")
+Describe = Callable[[int], "tuple[str, int | None]"]  # item index -> (name, bytes)
+
+
+class Records(NamedTuple):
+    """What a saved file holds, as records again."""
+
+    rec: BatchRecorder
+    log: ItemLog
+    files: dict[int, tuple[str, int | None]]
+    counters: dict[str, int] | None
+    epoch: int | None
+
+
+def to_dict(rec: BatchRecorder, log: ItemLog, describe: Describe, counters: dict[str, int] | None,
+            rank: int) -> dict[str, Any]:
+    """The saved form of ``rec`` and ``log`` (``describe`` names each recorded item)."""
+    a = log.arrays()
+    n = min(len(rec), len(a["count"]))
+    cols = {k: a[k][:n].tolist() for k in ("count", "epoch", "worker", "misses", "nbytes")}
+    cols["batch_rank"] = a["rank"][:n].tolist()
+    kept = int(a["start"][n - 1] + a["count"][n - 1]) if n else 0
+    index = a["index"][:min(kept, len(a["index"]))]
+    files = {str(i): list(describe(i)) for i in np.unique(index).tolist()}
+    return {"version": SAVE_VERSION, "rank": rank, "fetch_s": rec.fetch_array()[:n].tolist(),
+            "compute_s": rec.compute_array()[:n].tolist(), **cols,
+            "item_index": index.tolist(), "item_fetch_s": [float(x) for x in a["fetch"][:len(index)]],
+            "files": files, "counters": counters, "truncated": log.truncated}
+
+
+def from_dict(d: dict[str, Any], rank: int | None = None) -> Records:
+    """Records from :func:`to_dict` output (``rank`` overrides the saved ones)."""
+    if d.get("version") != SAVE_VERSION:
+        raise ValueError(f"unsupported LoaderStats file version {d.get('version')!r} (this ucmagic reads "
+                         f"version {SAVE_VERSION})")
+    rec = BatchRecorder()
+    rec.extend(d["fetch_s"], d["compute_s"])
+    log = ItemLog()
+    idx = np.asarray(d["item_index"], dtype=np.int32)
+    fetch = np.asarray(d["item_fetch_s"], dtype=np.float32)
+    off = 0
+    ranks = d.get("batch_rank") or [d.get("rank", 0)] * len(d["count"])
+    for c, e, w, m, nb, dr in zip(d["count"], d["epoch"], d["worker"], d["misses"], d["nbytes"], ranks):
+        take = c if off + c <= len(idx) else 0
+        log.add(int(e), int(w), idx[off:off + take].tobytes(), fetch[off:off + take].tobytes(), int(nb),
+                rank=int(dr) if rank is None else int(rank))
+        if not take:  # the batch's items were not kept in detail
+            log.count[-1], log.misses[-1] = int(c), int(m)
+        off += take
+    log.truncated = bool(d.get("truncated"))
+    files = {int(k): (v[0], v[1]) for k, v in d.get("files", {}).items()}
+    epoch = int(d["epoch"][-1]) if d["epoch"] else None
+    return Records(rec, log, files, d.get("counters"), epoch)
+
+
+def merge(dicts: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One saved form of several ranks' (each part keeps its rank; file indices renumbered by name)."""
+    ranks = [int(d["rank"]) for d in dicts]
+    if len(set(ranks)) < len(ranks):  # saved by one process (or unknown ranks): number them in order
+        ranks = list(range(len(dicts)))
+    names: dict[tuple[str, Any], int] = {}
+    counters: dict[str, int] = {}
+    merged: dict[str, Any] = {"version": SAVE_VERSION, "rank": 0, "item_index": [], "item_fetch_s": [],
+                              "truncated": False, "batch_rank": [], **{k: [] for k in BATCH_COLUMNS}}
+    for d, rank in zip(dicts, ranks):
+        remap = {int(k): names.setdefault((name, size), len(names)) for k, (name, size) in d["files"].items()}
+        merged["item_index"] += [remap.get(x, x) for x in d["item_index"]]
+        merged["item_fetch_s"] += d["item_fetch_s"]
+        for k in BATCH_COLUMNS:
+            merged[k] += d[k]
+        merged["batch_rank"] += [rank] * len(d["count"])
+        merged["truncated"] |= bool(d.get("truncated"))
+        for k, v in (d.get("counters") or {}).items():
+            counters[k] = counters.get(k, 0) + int(v)
+    merged["files"] = {str(g): list(key) for key, g in names.items()}
+    merged["counters"] = counters or None
+    return merged
