@@ -551,3 +551,22 @@ def test_a_load_racing_an_overwrite_names_the_overwrite_not_corruption(tmp_path,
     with pytest.raises(CheckpointException) as info:  # torch's wrapper around the same error
         dcp.load({"a": torch.empty(1000)}, storage_reader=reader)
     assert "overwritten while it was being loaded" in str(info.value) and "corrupted" not in str(info.value)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 10**12), st.sampled_from(["step_{}", "checkpoint-{}", "epoch=3-step={}.ckpt", "ckpt_{}.pt",
+                                                "global_step{}", "run-a-{}.pth"]))
+def test_the_step_of_any_numbered_foreign_name_is_its_number(n, form):
+    assert fmt.foreign_step(form.format(n)) == n
+
+
+@given(st.lists(st.tuples(st.one_of(st.none(), st.integers(0, 50)), st.sampled_from(["ucmagic.dcp", "dcp"])),
+                max_size=8))
+def test_latest_is_the_highest_numbered_entry_and_never_one_without_a_step(entries):
+    infos = [fmt.CheckpointInfo(s, f"/r/{i}", 0.0, 0, k) for i, (s, k) in enumerate(entries)]
+    latest = fmt.pick_latest(infos)
+    steps = [s for s, _ in entries if s is not None]
+    assert (latest is None) == (not steps)
+    if latest is not None:
+        assert latest.step == max(steps)
+    assert [i.step is None for i in fmt.sort_infos(infos)] == sorted(i.step is None for i in infos)
