@@ -24,6 +24,7 @@ from ucmagic.cache import (
     safe_suffix,
 )
 from ucmagic.errors import CacheFullError
+import ucmagic.cache as cache_mod
 
 
 def writer(data: bytes, delay: float = 0.0, calls: list | None = None):
@@ -417,3 +418,28 @@ def test_protection_record_rewritten_in_place_holds_exactly_the_new_names(tmp_pa
     c.write_record(rec, ["e" * 40])
     assert c.protected_names() == {"e" * 40}
     c.drop_record(rec)
+
+
+@pytest.mark.timeout(60)
+def test_a_fill_no_loop_waits_on_gives_up_with_an_error_when_no_room_is_ever_freed(tmp_path, monkeypatch):
+    monkeypatch.setattr(cache_mod, "STALL_S", 0.3)
+    c = FileCache(str(tmp_path / "c"), limit=10_000)
+    # another live fill holds 9 kB (its temp file's name carries its final size): nothing to evict
+    open(os.path.join(c.root, "tmp", f"{'ab' * 20}.{cache_mod.process_tag()}.0.9000.part"), "wb").close()
+    with pytest.raises(CacheFullError, match=r"no room for a 5\.0 KB file in cache_limit=10\.0 KB"):
+        c.reserve(5000, os.path.join(c.root, "tmp", "mine.part"))
+
+
+def test_budget_is_the_smallest_cache_limit_of_live_objects_and_ignores_dead_processes(tmp_path):
+    root = str(tmp_path / "c")
+    big, none = FileCache(root, limit=50_000), FileCache(root)
+    locks = os.path.join(root, "locks")
+    open(os.path.join(locks, "limit.999999999-1.0.1000"), "wb").close()  # a process that is gone
+    small = FileCache(root, limit=20_000)
+    assert small.budget() == 20_000 and none.budget() == 20_000 and big.budget() == 20_000
+    assert "limit.999999999-1.0.1000" not in os.listdir(locks)  # reaped on the way
+    del small
+    import gc
+
+    gc.collect()
+    assert FileCache(root).budget() == 50_000  # the smaller record went with its object

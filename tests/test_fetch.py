@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from ucmagic._util import RetryPolicy
 from ucmagic.errors import FetchTimeoutError
 
-from ucmagic.fetch import Window, backoff_delays, read_ahead, tune_window, with_retries
+from ucmagic.fetch import Window, backoff_delays, read_ahead, restart_timeout, tune_window, with_retries
 
 
 def _counting(fn, sleep):
@@ -224,3 +224,39 @@ def test_timeout_counts_only_time_without_progress():
             list(read_ahead(copy, ["hung"], depth=1, timeout=0.6))
     finally:
         release.set()
+
+
+@pytest.mark.timeout(60)
+def test_closing_a_read_ahead_stops_its_calls_still_waiting():
+    waiting = threading.Semaphore(0)
+    stopped: list[str] = []
+
+    def fn(i):
+        if i == 0:
+            return i
+        waiting.release()
+        try:
+            while True:  # e.g. a fill waiting for cache room: it calls restart_timeout as it waits
+                restart_timeout()
+                time.sleep(0.01)
+        except BaseException as e:
+            stopped.append(type(e).__name__)
+            raise
+
+    g = read_ahead(fn, range(3), depth=3)
+    assert next(g) == 0
+    assert waiting.acquire(timeout=10) and waiting.acquire(timeout=10)
+    g.close()  # the loop broke off
+    deadline = time.monotonic() + 10
+    while len(stopped) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(stopped) == 2
+
+
+@pytest.mark.timeout(60)
+def test_a_call_that_raises_a_timeout_error_of_its_own_is_not_waited_on_forever():
+    def fn(i):
+        raise TimeoutError(f"socket timed out on {i}")  # the call's own error, not a wait that timed out
+
+    with pytest.raises(TimeoutError, match="socket timed out on 0"):
+        list(read_ahead(fn, range(2), depth=2, timeout=None))
