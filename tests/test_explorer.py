@@ -1,148 +1,14 @@
-"""Per-item fetch records, LoaderStats save/load/merge, straggler hints and the explorer widget."""
+"""The explorer widget (ucmagic.notebook.explorer) and the per-item records it shows, from real loaders."""
 from __future__ import annotations
 
-import json
 import sys
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from test_loader_stats import synth, warm_items
 
-from ucmagic import telemetry
 from ucmagic.errors import MissingExtraError, import_extra
 from ucmagic.loader_stats import LoaderStats
-from ucmagic.telemetry import ItemLog
-
-
-# ------------------------------------------------------------------ synthetic stats
-
-def synth(fetch, *, compute=None, epoch=None, worker=None, rank=None, items=None, files=None) -> LoaderStats:
-    """LoaderStats from per-batch lists; ``items[b]`` is a list of ``(index, fetch_s, hit)``."""
-    n = len(fetch)
-    items = items if items is not None else [[] for _ in range(n)]
-    d = {"version": 1, "rank": 0, "fetch_s": list(map(float, fetch)),
-         "compute_s": list(map(float, compute if compute is not None else [0.01] * n)),
-         "count": [len(it) for it in items], "epoch": list(epoch or [0] * n), "worker": list(worker or [0] * n),
-         "batch_rank": list(rank or [0] * n), "misses": [sum(1 for _, _, h in it if not h) for it in items],
-         "nbytes": [100 * len(it) for it in items],
-         "item_index": [i for it in items for i, _, _ in it],
-         "item_fetch_s": [(-f if h else f) for it in items for _, f, h in it],
-         "files": {str(k): [v, 100] for k, v in (files or {}).items()}, "counters": None, "truncated": False}
-    return LoaderStats.from_dict(d)
-
-
-def warm_items(n, per=4, fetch=1e-4):
-    return [[(b * per + k, fetch, True) for k in range(per)] for b in range(n)]
-
-
-# ------------------------------------------------------------------ hints, one test each
-
-def test_hint_cold_epoch_says_warm_the_cache():
-    n = 40
-    fetch = [0.2] * 20 + [0.002] * 20
-    items = [[(b, 0.2, False)] for b in range(20)] + [[(b, 0.001, True)] for b in range(20)]
-    hints = synth(fetch, epoch=[0] * 20 + [1] * 20, items=items, compute=[0.5] * n).hints()
-    cold = [h for h in hints if "cold epoch 0" in h]
-    assert cold and cold[0].startswith("99% of the wait") and "ds.warm()" in cold[0]
-
-
-def test_hint_cold_single_epoch_points_at_the_misses():
-    fetch = [0.3] * 5 + [0.001] * 15
-    items = [[(b, 0.3, False)] for b in range(5)] + [[(b, 0.001, True)] for b in range(5, 20)]
-    hints = synth(fetch, items=items, compute=[0.5] * 20).hints()
-    assert any("batches with cache misses" in h and "ds.warm()" in h for h in hints)
-
-
-def test_hint_names_the_few_files_behind_p99():
-    n = 200
-    fetch = [0.002] * n
-    fetch[50] = fetch[120] = 0.9
-    items = warm_items(n)
-    items[50][0] = (10_000, 0.85, False)
-    items[120][1] = (10_001, 0.8, False)
-    stats = synth(fetch, items=items, files={10_000: "/Volumes/m/d/v/slow_a.jpg", 10_001: "/Volumes/m/d/v/slow_b.jpg"},
-                  compute=[0.05] * n)
-    hint = [h for h in stats.hints() if "of the p99 wait" in h]
-    assert hint and "/Volumes/m/d/v/slow_a.jpg" in hint[0] and "/Volumes/m/d/v/slow_b.jpg" in hint[0]
-
-
-def test_hint_warm_cache_but_waiting_says_raise_num_workers():
-    n = 50
-    hints = synth([0.06] * n, compute=[0.04] * n, worker=[b % 2 for b in range(n)], items=warm_items(n)).hints()
-    assert any(h.startswith("the loop waits for data 60% of the time") and "raise num_workers (now 2)" in h
-               for h in hints)
-
-
-def test_hint_one_slow_worker():
-    n = 60
-    fetch = [0.05 if b % 3 == 2 else 0.01 for b in range(n)]
-    hints = synth(fetch, compute=[1.0] * n, worker=[b % 3 for b in range(n)], items=warm_items(n)).hints()
-    assert any(h.startswith("worker 2's batches wait 5.0x longer") for h in hints)
-
-
-def test_hint_one_slow_rank():
-    n = 30
-    parts = [synth([0.01] * n, compute=[1.0] * n), synth([0.01] * n, compute=[1.0] * n),
-             synth([0.04] * n, compute=[1.0] * n)]
-    merged = LoaderStats.merge(parts)
-    assert any(h.startswith("rank 2 waits 4.0x the median rank") for h in merged.hints())
-
-
-def test_hint_data_loading_is_not_the_bottleneck():
-    n = 30
-    hints = synth([0.001] * n, compute=[0.5] * n, items=warm_items(n)).hints()
-    assert hints == ["the loop waits for data only 0% of the time: data loading is not the bottleneck"]
-
-
-def test_no_batches_no_hints():
-    assert LoaderStats().hints() == []
-
-
-# ------------------------------------------------------------------ records structure
-
-def test_item_log_keeps_8_bytes_per_item_and_stops_at_its_cap():
-    log = ItemLog(cap=10)
-    idx = np.arange(4, dtype=np.int32).tobytes()
-    f = np.full(4, 0.1, dtype=np.float32).tobytes()
-    for _ in range(3):
-        log.add(0, 1, idx, f, 400)
-    assert len(log) == 3 and len(log.index) == 8 and log.truncated  # the third batch kept its totals only
-    assert log.count[2] == 4 and log.items(2)[0].size == 0 and log.items(1)[0].tolist() == [0, 1, 2, 3]
-    assert log.memory_bytes() == 8 * 8 + 3 * (8 + 4 + 4 + 2 + 2 + 4 + 8)
-
-
-@settings(max_examples=40, deadline=None)
-@given(st.lists(st.lists(st.tuples(st.integers(0, 2**31 - 1), st.floats(0, 100, width=32), st.booleans()),
-                         max_size=6), max_size=12))
-def test_item_log_returns_each_batch_items_as_recorded(batches):
-    log = ItemLog()
-    for b in batches:
-        idx = np.array([i for i, _, _ in b], dtype=np.int32).tobytes()
-        f = np.array([(-x if h else x) for _, x, h in b], dtype=np.float32).tobytes()
-        log.add(0, -1, idx, f, 0)
-    for k, b in enumerate(batches):
-        idx, fetch, hit = log.items(k)
-        assert idx.tolist() == [i for i, _, _ in b]
-        assert np.allclose(fetch, [x for _, x, _ in b]) and hit.tolist() == [h for _, _, h in b]
-        assert log.misses[k] == sum(1 for _, _, h in b if not h)
-
-
-def test_records_nobody_collects_stay_bounded():
-    telemetry.drop_pending()
-    for i in range(telemetry.PENDING_CAP + 5):
-        telemetry.record_item(i, True, 0.0, 1)
-    assert len(telemetry.take_items(10**9)[0]) // 4 < telemetry.PENDING_CAP
-    assert telemetry.take_items(5) == (b"", b"", 0)
-
-
-def test_collate_takes_only_the_batch_items():
-    telemetry.drop_pending()
-    for i in range(5):  # 2 left over from a drop_last batch, then a batch of 3
-        telemetry.record_item(i, i % 2 == 0, 0.5, 10)
-    out = telemetry.ItemCollate(lambda xs: sum(xs))([1, 2, 3])
-    assert out.batch == 6 and out.worker == -1 and out.nbytes == 30
-    assert np.frombuffer(out.index, dtype=np.int32).tolist() == [2, 3, 4]
 
 
 # ------------------------------------------------------------------ real loaders
@@ -231,39 +97,6 @@ def test_parquet_dataset_records_row_groups(tmp_path):
     assert b["items"].tolist() == [1, 1, 1, 1] and b["bytes"].tolist() == [1000] * 4
     names = [loader.stats.batch_files(i)[0]["file"] for i in range(4)]
     assert [n.rsplit("#", 1)[1] for n in names] == ["rg0", "rg1", "rg2", "rg3"]
-
-
-# ------------------------------------------------------------------ save / load / merge
-
-def test_save_load_roundtrip_keeps_batches_items_and_file_names(tmp_path):
-    items = [[(0, 0.3, False), (1, 0.1, True)], [(2, 0.2, False)]]
-    st0 = synth([0.5, 0.25], epoch=[0, 1], worker=[1, 0], items=items, files={0: "a.jpg", 1: "b.jpg", 2: "c.jpg"})
-    path = st0.save(tmp_path / "stats.json")
-    assert json.loads(open(path).read())["version"] == 1 and not (tmp_path / "stats.json.tmp").exists()
-    st1 = LoaderStats.load(path)
-    for k, v in st0.batches().items():
-        assert np.array_equal(v, st1.batches()[k]), k
-    assert st1.batch_files(0) == st0.batch_files(0)
-    assert st1.batch_files(0)[0] == {"file": "a.jpg", "index": 0, "bytes": 100, "fetch_s": pytest.approx(0.3),
-                                     "hit": False}
-
-
-def test_merge_keeps_each_rank_and_renumbers_files_by_name(tmp_path):
-    a = synth([0.1, 0.2], items=[[(0, 0.1, False)], [(1, 0.2, True)]], files={0: "x.jpg", 1: "y.jpg"})
-    b = synth([0.3], items=[[(0, 0.3, False)]], files={0: "z.jpg"})
-    a.save(tmp_path / "r0.json")
-    b.save(tmp_path / "r1.json")
-    m = LoaderStats.merge([tmp_path / "r0.json", tmp_path / "r1.json"])
-    bt = m.batches()
-    assert bt["rank"].tolist() == [0, 0, 1] and bt["step"].tolist() == [0, 1, 0] and m.count == 3
-    assert m.batch_files(2)[0]["file"] == "z.jpg" and m.batch_files(0)[0]["file"] == "x.jpg"
-    assert m.slowest_batches(1, rank=0) == [1]
-
-
-def test_load_rejects_unknown_versions(tmp_path):
-    (tmp_path / "s.json").write_text(json.dumps({"version": 99}))
-    with pytest.raises(ValueError, match="version 99"):
-        LoaderStats.load(tmp_path / "s.json")
 
 
 # ------------------------------------------------------------------ the explorer

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence, TextIO
 
 from ..progress import display_mode, format_duration
+from ..telemetry import p50_p99
 from ..units import format_size
 
 DEFAULT_RATE_HZ = 4.0
@@ -80,17 +81,6 @@ class Snapshot:
         if self.total_batches is None or self.state != "running" or self.batches_per_s <= 0 or not self.rate_known:
             return None
         return max(0, self.total_batches - self.batches) / self.batches_per_s
-
-
-def quantile(sorted_values: Sequence[float], q: float) -> float:
-    """Linear-interpolated quantile (``q`` in 0..1) of an already sorted sequence; NaN when empty."""
-    n = len(sorted_values)
-    if n == 0:
-        return math.nan
-    pos = q * (n - 1)
-    lo = int(pos)
-    hi = min(lo + 1, n - 1)
-    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
 
 
 def format_ms(ms: float) -> str:
@@ -544,11 +534,11 @@ class Monitor:
         if self._state in ("done", "error") and self._final is not None:
             return dataclasses.replace(self._final)
         now = self.clock() if now is None else now
-        waits = sorted(self._waits)
+        p50_ms, p99_ms = p50_p99(self._waits)
         s = Snapshot(title=self.title, state=self._state, batches=self._batches, items=self._items,
                      total_batches=_total_batches(self.loader), error=self._error,
                      elapsed_s=(now - self._start) if self._start is not None else 0.0,
-                     waits_ms=list(self._waits), p50_ms=quantile(waits, 0.5), p99_ms=quantile(waits, 0.99),
+                     waits_ms=list(self._waits), p50_ms=p50_ms, p99_ms=p99_ms,
                      run_ms=list(self._run.values))
         c = self._loader_snapshot()
         if isinstance(c.get("epoch"), int):

@@ -1,4 +1,5 @@
-"""The live monitor (W1): pure renderers, throttling, final states, widget and text views."""
+"""ucmagic.notebook.panel, the live monitor (W1): pure renderers, throttling, final states, widget and text
+views, the monitor on real loaders."""
 from __future__ import annotations
 
 import io
@@ -8,7 +9,7 @@ import xml.etree.ElementTree as ET
 import pytest
 
 from ucmagic.notebook import panel as widget
-from ucmagic.notebook.panel import Monitor, Snapshot, TextView, quantile, sparkline_svg, text_line
+from ucmagic.notebook.panel import Monitor, Snapshot, TextView, sparkline_svg, text_line
 
 
 class FakeClock:
@@ -52,14 +53,6 @@ class FakeLoader:
 
 
 # ------------------------------------------------------------------ pure pieces
-
-def test_quantile_interpolates_and_handles_empty():
-    assert math.isnan(quantile([], 0.5))
-    assert quantile([1.0], 0.99) == 1.0
-    assert quantile([0.0, 10.0], 0.5) == 5.0
-    vals = sorted(float(i) for i in range(101))
-    assert quantile(vals, 0.99) == pytest.approx(99.0)
-
 
 def test_sparkline_is_valid_svg_with_percentile_lines():
     svg = sparkline_svg([1.0, 5.0, 2.0, 80.0], 3.5, 78.0)
