@@ -211,7 +211,7 @@ from ucmagic.tables import export_parquet
 
 try:
     export_parquet("SELECT range AS id, md5(range::VARCHAR) AS s FROM range(400000000)", sys.argv[1],
-                   mode=sys.argv[2], target_file_size="16MB", threads=1)
+                   mode=sys.argv[2], target_file_size="16MB", threads=int(sys.argv[3]) or None)
 except KeyboardInterrupt:
     print("interrupted", flush=True)
     sys.exit(130)
@@ -220,12 +220,12 @@ print("finished", flush=True)
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("mode", ["overwrite", "append"])
-def test_ctrl_c_while_an_export_writes_stops_it_and_leaves_the_destination_as_it_was(setup, mode):
+@pytest.mark.parametrize("mode, threads", [("overwrite", 1), ("append", 0)])  # 0: DuckDB's default (all cores)
+def test_ctrl_c_while_an_export_writes_stops_it_and_leaves_the_destination_as_it_was(setup, mode, threads):
     src, dest = setup
     old_files = _files(dest)
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    p = subprocess.Popen([sys.executable, "-c", WRITER, dest, mode], env=env, stdout=subprocess.PIPE,
+    p = subprocess.Popen([sys.executable, "-c", WRITER, dest, mode, str(threads)], env=env, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
     try:
         staging = os.path.join(os.path.dirname(dest), f".{os.path.basename(dest)}.ucmagic-staging-{p.pid}-*")

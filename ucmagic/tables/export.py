@@ -272,20 +272,44 @@ def _write_duckdb(src: Source, staging: str, target: int, cols: list[str], memor
                                   filename_pattern="part-{i}", compression=compression, overwrite=True)
         if cols:
             kw["partition_by"] = cols
-        try:
-            rel.write_parquet(staging, **kw)
-        except Exception as e:  # DuckDB stops at Ctrl-C within a second, but reports it as its own error
-            if isinstance(e, _duckdb_interrupt()) or "interrupted" in str(e).lower():
-                raise KeyboardInterrupt from None
-            raise
+        interruptible(con, lambda: rel.write_parquet(staging, **kw))
     finally:
         con.close()
 
 
-def _duckdb_interrupt() -> type[BaseException]:
-    import duckdb
+def interruptible(con: Any, statement: Any) -> Any:
+    """Run ``statement()`` (a DuckDB call on ``con``) so that Ctrl-C stops it promptly: on a helper thread,
+    while this thread waits and receives the KeyboardInterrupt, then interrupts DuckDB, waits for it to
+    stop and raises KeyboardInterrupt. (Run on the main thread, a multi-threaded DuckDB query checks for
+    signals only when the main thread runs a task of its own: a COPY could ignore Ctrl-C to its end.)"""
+    import threading
 
-    return getattr(duckdb, "InterruptException", KeyboardInterrupt)
+    box: dict[str, Any] = {}
+    done = threading.Event()  # not Thread.join/is_alive: a join interrupted by Ctrl-C can leave is_alive() False
+
+    def run() -> None:
+        try:
+            box["result"] = statement()
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+            box["error"] = e
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="ucmagic-duckdb", daemon=True).start()
+    try:
+        while not done.wait(0.1):
+            pass
+    except KeyboardInterrupt:
+        while not done.is_set():  # stop DuckDB before the connection closes (again at a second Ctrl-C)
+            con.interrupt()
+            try:
+                done.wait(0.1)
+            except KeyboardInterrupt:
+                continue
+        raise
+    if "error" in box:
+        raise box["error"]
+    return box.get("result")
 
 
 def _spark_row_bytes(df: Any, sample: int = 20000) -> float:
