@@ -307,8 +307,9 @@ def kill_session(sid: int) -> list[str]:
         except (ProcessLookupError, PermissionError, psutil.Error):
             continue
     _, left = psutil.wait_procs(left, timeout=2)  # exiting on their own (multiprocessing's resource tracker)
+    harness = ("resource_tracker", CELL_SCRIPT + " --second")  # it ends with the workers; our second process
     desc = [f"pid {p.pid} (ppid {p.info['ppid']}): {' '.join(p.info['cmdline'] or [])[-80:]}" for p in left
-            if "resource_tracker" not in " ".join(p.info["cmdline"] or [])]  # it ends with the workers
+            if not any(h in " ".join(p.info["cmdline"] or []) for h in harness)]
     for p in left:
         with contextlib.suppress(psutil.Error):
             p.kill()
