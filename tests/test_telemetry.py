@@ -129,3 +129,10 @@ def test_collate_takes_only_the_batch_items():
     out = telemetry.ItemCollate(lambda xs: sum(xs))([1, 2, 3])
     assert out.batch == 6 and out.worker == -1 and out.nbytes == 30
     assert np.frombuffer(out.index, dtype=np.int32).tolist() == [2, 3, 4]
+
+
+def test_a_pinned_batch_keeps_its_item_records():
+    items = telemetry.BatchItems({"label": [1, 2], "name": "b0"}, 3, b"\x01\x00\x00\x00", b"\x00\x00\x80\x3f", 7)
+    pinned = items.pin_memory()  # no tensors inside: torch's pin-memory walk hands the data back as is
+    assert pinned.batch == {"label": [1, 2], "name": "b0"}
+    assert (pinned.worker, pinned.index, pinned.fetch, pinned.nbytes) == (3, items.index, items.fetch, 7)

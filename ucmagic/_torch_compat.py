@@ -7,7 +7,6 @@ naming the feature and the torch version that has it, instead of an ``AttributeE
 """
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import torch
@@ -17,12 +16,6 @@ from .errors import TorchVersionError
 
 #: The oldest torch release ucmagic is tested with (CI runs the core tests on it).
 MIN_TORCH = "2.4.1"
-
-
-def torch_version() -> tuple[int, int]:
-    """(major, minor) of the installed torch."""
-    m = re.match(r"(\d+)\.(\d+)", torch.__version__)
-    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
 
 
 def _missing(feature: str, needs: str) -> TorchVersionError:
@@ -63,6 +56,13 @@ def forget_iterator(loader: Any) -> None:
     loader.__dict__["_iterator"] = None
 
 
+def pin_memory(data: Any, device: Any = None) -> Any:
+    """``data`` with its tensors pinned, as torch's pin-memory thread pins a batch (any nesting)."""
+    from torch.utils.data._utils.pin_memory import pin_memory as pin
+
+    return pin(data, device)
+
+
 def shutdown_workers(iterator: Any) -> None:
     """Stop the worker processes of a multi-process DataLoader iterator (no-op for others)."""
     stop = getattr(iterator, "_shutdown_workers", None)
@@ -88,7 +88,7 @@ def storage_location(storage_data: Any, index: Any) -> tuple[str, int, int]:
 def install_filesystem(writer_or_reader: Any, fs: Any) -> None:
     """Route a FileSystemWriter/Reader's file I/O through ``fs`` (a ``FileSystem`` subclass instance)."""
     if not hasattr(writer_or_reader, "fs"):
-        raise _missing("UCVolumeWriter/UCVolumeReader (they plug into FileSystemWriter.fs)", "2.3")
+        raise _missing("UCVolumeWriter/UCVolumeReader (they plug into FileSystemWriter.fs)", MIN_TORCH)
     writer_or_reader.fs = fs
 
 

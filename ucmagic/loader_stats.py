@@ -26,10 +26,9 @@ from . import stats_analysis as analysis
 from . import stats_file
 from ._util import atomic_write
 from .presenters import presenter
-from .stats_file import SAVE_VERSION
 from .telemetry import BatchItems, BatchRecorder, ItemLog, SharedCounters, percentiles
 
-__all__ = ["LoaderStats", "SAVE_VERSION", "RECENT"]
+__all__ = ["LoaderStats", "RECENT"]
 
 RECENT = 256  # batches in a snapshot's recent window
 
@@ -214,7 +213,8 @@ class LoaderStats:
         fn = getattr(self._dataset, "describe_item", None)
         if callable(fn):
             with contextlib.suppress(IndexError, KeyError):
-                return fn(int(index))
+                described: tuple[str, int | None] = fn(int(index))
+                return described
         return f"item {index}", None
 
     def batch_files(self, b: int) -> list[dict[str, Any]]:

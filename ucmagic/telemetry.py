@@ -154,7 +154,7 @@ class BatchRecorder:
         type(self).__init__(self)
 
 
-def _tail(values: array, last: int | None) -> np.ndarray:
+def _tail(values: array[float], last: int | None) -> np.ndarray:
     # Slice first (a copy), so no buffer of the growing array stays exported.
     part = values[-last:] if last else values[:]
     return np.frombuffer(part, dtype=np.float64) if len(part) else np.zeros(0)
@@ -219,8 +219,8 @@ class BatchItems:
     def __init__(self, batch: Any, worker: int, index: bytes, fetch: bytes, nbytes: int) -> None:
         self.batch, self.worker, self.index, self.fetch, self.nbytes = batch, worker, index, fetch, nbytes
 
-    def pin_memory(self, device: Any = None) -> "BatchItems":  # the pin-memory thread pins the batch inside
-        from torch.utils.data._utils.pin_memory import pin_memory
+    def pin_memory(self, device: Any = None) -> BatchItems:  # the pin-memory thread pins the batch inside
+        from ._torch_compat import pin_memory
 
         return BatchItems(pin_memory(self.batch, device), self.worker, self.index, self.fetch, self.nbytes)
 

@@ -9,19 +9,25 @@ Importing it imports nothing else (the presenters import their module when calle
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..presenters import register_presenter
 
+if TYPE_CHECKING:
+    from ..loader import DataLoader
+    from ..loader_stats import LoaderStats
+    from .explorer import Explorer
+    from .panel import Monitor
 
-def monitor(loader: Any, **kw: Any) -> Any:
+
+def monitor(loader: DataLoader, **kw: Any) -> Monitor:
     """``loader.monitor()``: the live panel (or text line) attached to ``loader``."""
     from .panel import attach_monitor
 
     return attach_monitor(loader, **kw)
 
 
-def plot(stats: Any, **kw: Any) -> Any:
+def plot(stats: LoaderStats, **kw: Any) -> Any:
     """``stats.plot()``: the fetch-latency figure of a :class:`~ucmagic.loader_stats.LoaderStats`."""
     from .plots import latency_figure
 
@@ -30,7 +36,7 @@ def plot(stats: Any, **kw: Any) -> Any:
     return latency_figure(stats.fetch_seconds, stats.compute_seconds, title=title, **kw)
 
 
-def explore(stats: Any, **kw: Any) -> Any:
+def explore(stats: LoaderStats, **kw: Any) -> Explorer:
     """``stats.explore()``: the interactive explorer of a :class:`~ucmagic.loader_stats.LoaderStats`."""
     from .explorer import Explorer
 

@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import html
 import io
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..errors import import_extra
 from ..telemetry import p50_p99
 from ..units import format_size, short_name
+
+if TYPE_CHECKING:
+    from ..loader_stats import LoaderStats
 
 ALL = "all"
 SLOWEST = 10  # batches in the slowest-batches table
@@ -81,7 +84,7 @@ def files_table(rows: list[dict[str, Any]]) -> str:
 
 
 class Explorer:
-    """The explorer widget of a :class:`~ucmagic.loader.LoaderStats`; display it as a cell's last value.
+    """The explorer widget of a :class:`~ucmagic.loader_stats.LoaderStats`; display it as a cell's last value.
 
     Attributes for scripting: ``range`` (IntRangeSlider of batch steps), ``epoch``, ``worker``,
     ``rank`` (Dropdowns), ``slowest`` (Select of the slowest batches in view), ``batch`` (IntText:
@@ -89,7 +92,7 @@ class Explorer:
     ``files`` (HTML: the selected batch's files), ``hints`` (HTML) and ``widget`` (the whole box).
     """
 
-    def __init__(self, stats: Any, *, title: str | None = None) -> None:
+    def __init__(self, stats: LoaderStats, *, title: str | None = None) -> None:
         w = import_extra("ipywidgets", feature="the explorer")
         self.stats = stats
         self.b = stats.batches()
