@@ -19,7 +19,7 @@ _EXPORTS = {
     "UCVolumeDataset": "dataset",
     "SourceFile": "dataset",
     "DataLoader": "loader",
-    "LoaderStats": "loader",
+    "LoaderStats": "loader_stats",
     "ParquetDataset": "tables",
     "export_parquet": "tables",
     "load_table": "tables",
