@@ -342,3 +342,15 @@ def test_the_spill_directory_of_a_killed_process_is_swept_by_the_next_connection
 
         for d in (dead, live):
             shutil.rmtree(d, ignore_errors=True)
+
+
+def test_mode_error_after_a_killed_first_append_sees_an_empty_destination(tmp_path):
+    from ucmagic import export_parquet
+    from ucmagic.tables import load_table
+
+    dest = str(tmp_path / "fresh")
+    os.makedirs(dest)  # what a first append into a new directory, killed after one rename, leaves
+    _fake_append(dest, "part-00000-killed.parquet", {"owner": f"{_dead_pid()}-0", "host": socket.gethostname()})
+    res = export_parquet(_table(30, 1), dest, mode="error")
+    assert res.rows == 30 and len(load_table(dest)) == 30
+    assert not [n for n in os.listdir(dest) if n.startswith("_") or "killed" in n]

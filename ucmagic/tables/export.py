@@ -425,12 +425,12 @@ def export_parquet(source: Any, dest: str | os.PathLike, *, target_file_size: in
     dest = _resolve_dest(dest[len("file://"):] if dest.startswith("file://") else dest)
     if os.path.exists(dest) and not os.path.isdir(dest):
         raise SourceNotADirectoryError(f"{dest} is a file: export_parquet writes a directory of Parquet files")
+    recover_destination(dest)  # an append killed earlier: rolled back before anything else
     if mode == "error" and _non_empty(dest):
         raise FileExistsError(f"{dest} exists and is not empty: pass mode='overwrite' to replace it atomically")
     parent = os.path.dirname(dest)
     os.makedirs(parent, exist_ok=True)
     sweep_leftovers(dest)
-    recover_destination(dest)  # an append killed earlier: rolled back before anything else
     staging = os.path.join(parent, f".{os.path.basename(dest)}.ucmagic-staging-{os.getpid()}-{export_id}")
     old = None
     try:
