@@ -41,7 +41,7 @@ class LoaderStats:
     misses and bytes fetched come from the dataset's shared counters.
     """
 
-    def __init__(self, dataset: Any = None) -> None:
+    def __init__(self, dataset: object = None) -> None:
         self._dataset = dataset
         self._rec = BatchRecorder()
         self._item_log = ItemLog()
