@@ -56,7 +56,6 @@ _EXPORTS = {
     "ResumeOrderError": "errors",
     "UnsafeCacheError": "errors",
     "NotAnEntryError": "errors",
-    "UnreadableDirectoryError": "errors",
     "local_path": "volume",
     "TorchVersionError": "errors",
     "CheckpointError": "errors",

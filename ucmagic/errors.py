@@ -81,10 +81,6 @@ class UnsafeCacheError(UCMagicError, PermissionError):
     """The cache directory is not private to the current user."""
 
 
-class UnreadableDirectoryError(UCMagicError, PermissionError):
-    """A directory inside a dataset's tree cannot be read while listing (``on_error="skip"`` skips it)."""
-
-
 class NotAnEntryError(UCMagicError, ValueError):
     """A path given to ``source_of`` is not a cached file of that dataset."""
 
