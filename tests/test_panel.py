@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import math
+import sys
 import xml.etree.ElementTree as ET
 
 import pytest
@@ -300,6 +301,38 @@ def test_stage_progress_first_line_has_no_rate_or_eta():
     line = format_progress(1, 2000, 150_000, 0.01, desc="stage")
     assert "/s" not in line and "eta" not in line
     assert "eta" in format_progress(100, 2000, 15_000_000, 2.0, desc="stage")
+
+
+def test_stage_progress_in_widget_mode_draws_the_notebook_bar_and_ends_green_or_red(monkeypatch):
+    pytest.importorskip("ipywidgets")
+    from ucmagic import presenters
+    from ucmagic.notebook.panel import ProgressBar
+    from ucmagic.progress import Progress
+
+    bars: list[ProgressBar] = []
+    monkeypatch.setitem(presenters._registry, "progress_bar", lambda desc, total: bars.append(ProgressBar(desc, total))
+                        or bars[-1])
+    with Progress(total=4, desc="stage", mode="widget", interval=0) as p:
+        p.update(3, nbytes=300)
+    assert p.mode == "widget" and len(bars) == 1
+    bar = bars[0]
+    assert (bar.bar.value, bar.bar.max, bar.bar.bar_style) == (3, 4, "success")
+    assert bar.label.value.startswith("3/4") and "stage" not in bar.label.value  # the description is on the bar
+    bar.draw(4, 4, "4/4", final=True, failed=1)
+    assert bar.bar.bar_style == "danger" and bar.label.value == "4/4"
+
+
+def test_stage_progress_falls_back_to_text_when_no_bar_can_be_shown(monkeypatch, capsys):
+    from ucmagic import presenters
+    from ucmagic.progress import Progress
+
+    def broken(desc: str, total: int | None) -> None:
+        raise RuntimeError("no frontend")
+
+    monkeypatch.setitem(presenters._registry, "progress_bar", broken)
+    with Progress(total=2, desc="stage", mode="widget", stream=sys.stderr, interval=0) as p:
+        p.update(2)
+    assert p.mode == "text" and "stage: 2/2" in capsys.readouterr().err
 
 
 def test_users_print_after_the_last_batch_starts_on_a_fresh_line():

@@ -1,14 +1,16 @@
 """The one hook from the engine to a display layer.
 
-``DataLoader.monitor()``, ``LoaderStats.plot()`` and ``LoaderStats.explore()`` show things; the
-engine holds no display code and imports no display module. A display layer registers a function
-per name when it is imported (``ucmagic.notebook`` registers ``"monitor"``, ``"plot"`` and
-``"explore"`` in its ``__init__``); the engine looks the name up here. A name nobody registered yet
+``DataLoader.monitor()``, ``LoaderStats.plot()``, ``LoaderStats.explore()`` and the notebook bar of
+``progress.Progress`` show things; the engine holds no display code and imports no display module.
+A display layer registers a function per name when it is imported (``ucmagic.notebook`` registers
+``"monitor"``, ``"plot"``, ``"explore"`` and ``"progress_bar"`` in its ``__init__``); the engine
+looks the name up here. A name nobody registered yet
 imports :data:`PROVIDER` first, by name, the way an entry point is loaded -- the one place the
 engine names the notebook layer (tests/test_conventions.py checks that).
 
 Each presenter takes the object to show as its first argument, then the method's keywords:
-``monitor(loader, **kw)``, ``plot(stats, **kw)``, ``explore(stats, **kw)``.
+``monitor(loader, **kw)``, ``plot(stats, **kw)``, ``explore(stats, **kw)``; ``progress_bar(desc, total)``
+returns an object with ``draw(done, total, text, *, final, failed)``.
 """
 from __future__ import annotations
 

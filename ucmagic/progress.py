@@ -12,15 +12,21 @@ Used by :func:`ucmagic.stage`, the command line and the notebook magics::
 Text output rewrites one line with ``\\r`` on a TTY and prints a line every ``interval`` seconds
 otherwise (CI logs, ``%sh``, files). Updates are cheap and throttled, so calling :meth:`update`
 once per file is fine.
+
+The widget itself is the notebook layer's (``ucmagic.notebook.panel.ProgressBar``, reached through
+the ``"progress_bar"`` presenter of :mod:`ucmagic.presenters`): this module imports neither
+IPython nor ipywidgets.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 import threading
 import time
 from typing import Any, TextIO
 
+from .presenters import presenter
 from .units import format_size
 
 DISPLAY_MODES = ("auto", "widget", "text", "off")  # the string values of progress= / $UCMAGIC_PROGRESS
@@ -82,12 +88,11 @@ def in_notebook() -> bool:
 
 
 def widgets_available() -> bool:
+    """True when ipywidgets and IPython are installed (looked up, not imported)."""
     try:
-        import ipywidgets  # noqa: F401
-        from IPython.display import display  # noqa: F401
-    except Exception:  # noqa: BLE001
+        return all(importlib.util.find_spec(m) is not None for m in ("ipywidgets", "IPython"))
+    except (ImportError, ValueError):
         return False
-    return True
 
 
 def display_mode(mode: str | None = "auto") -> str:
@@ -149,22 +154,15 @@ class Progress:
         self._logged: tuple[Any, ...] = ()  # the counts (and text) of the last line written to a log
         self._closed = False
         self._mu = threading.Lock()
-        self._bar: Any = None
-        self._label: Any = None
+        self._bar: Any = None  # the notebook layer's ProgressBar
         if self.mode == "widget":
             self._make_widget()
 
     def _make_widget(self) -> None:
         try:
-            import ipywidgets as w
-            from IPython.display import display
-
-            self._bar = w.IntProgress(value=0, min=0, max=max(1, self.total or 1), description=self.desc[:20],
-                                      bar_style="info", layout=w.Layout(width="50%"))
-            self._label = w.HTML(value="")
-            display(w.HBox([self._bar, self._label]))
+            self._bar = presenter("progress_bar")(self.desc, self.total)
         except Exception:  # noqa: BLE001 - no frontend after all: degrade to text
-            self.mode, self._bar, self._label = "text", None, None
+            self.mode, self._bar = "text", None
 
     # ------------------------------------------------------------ updates
 
@@ -198,11 +196,8 @@ class Progress:
     def _draw(self, final: bool, text: str | None = None) -> None:
         line = text if text is not None else self.line()
         if self.mode == "widget" and self._bar is not None:
-            self._bar.max = max(1, self.total or self.done or 1)
-            self._bar.value = min(self.done, self._bar.max)
-            if final:
-                self._bar.bar_style = "danger" if self.failed else "success"
-            self._label.value = line.split(": ", 1)[-1] if self.desc else line
+            self._bar.draw(self.done, self.total, line.split(": ", 1)[-1] if self.desc else line, final=final,
+                           failed=self.failed)
             return
         try:
             if self.tty:

@@ -3,8 +3,9 @@ loader panel and its text fallback (:mod:`.panel`), the fetch-latency explorer (
 matplotlib figures (:mod:`.plots`).
 
 It sits on the engine and holds no engine logic. The engine never imports it: importing this package
-registers the presenters of ``DataLoader.monitor()``, ``LoaderStats.plot()`` and
-``LoaderStats.explore()`` with :mod:`ucmagic.presenters` (the one hook; see docs/architecture.md).
+registers the presenters of ``DataLoader.monitor()``, ``LoaderStats.plot()``,
+``LoaderStats.explore()`` and the progress bar of ``Progress`` with :mod:`ucmagic.presenters` (the
+one hook; see docs/architecture.md).
 Importing it imports nothing else (the presenters import their module when called).
 """
 from __future__ import annotations
@@ -17,7 +18,7 @@ if TYPE_CHECKING:
     from ..loader import DataLoader
     from ..loader_stats import LoaderStats
     from .explorer import Explorer
-    from .panel import Monitor
+    from .panel import Monitor, ProgressBar
 
 
 def monitor(loader: DataLoader, **kw: Any) -> Monitor:
@@ -43,6 +44,14 @@ def explore(stats: LoaderStats, **kw: Any) -> Explorer:
     return Explorer(stats, **kw)
 
 
+def progress_bar(desc: str, total: int | None) -> ProgressBar:
+    """``Progress(mode="widget")``: the ipywidgets bar of stage(), listing and export."""
+    from .panel import ProgressBar
+
+    return ProgressBar(desc, total)
+
+
 register_presenter("monitor", monitor)
+register_presenter("progress_bar", progress_bar)
 register_presenter("plot", plot)
 register_presenter("explore", explore)

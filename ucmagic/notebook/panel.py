@@ -261,6 +261,30 @@ def _is_live(stream: Any) -> bool:
     return type(stream).__module__.startswith("ipykernel")  # Jupyter renders \r in stream output
 
 
+class ProgressBar:
+    """The ipywidgets bar of :class:`ucmagic.progress.Progress` in a notebook (its ``"progress_bar"``
+    presenter): shown when made, then drawn by the Progress."""
+
+    def __init__(self, desc: str, total: int | None) -> None:
+        from ..errors import import_extra
+
+        w = import_extra("ipywidgets", feature="the progress bar")
+        from IPython.display import display
+
+        self.bar = w.IntProgress(value=0, min=0, max=max(1, total or 1), description=desc[:20], bar_style="info",
+                                 layout=w.Layout(width="50%"))
+        self.label = w.HTML(value="")
+        display(w.HBox([self.bar, self.label]))
+
+    def draw(self, done: int, total: int | None, text: str, *, final: bool, failed: int) -> None:
+        """Show ``done`` of ``total`` and ``text``; the final state turns green, or red after failures."""
+        self.bar.max = max(1, total or done or 1)
+        self.bar.value = min(done, self.bar.max)
+        if final:
+            self.bar.bar_style = "danger" if failed else "success"
+        self.label.value = text
+
+
 class WidgetView:
     """The ipywidgets panel: title, cache fill bars, latency sparkline, status line."""
 
