@@ -165,16 +165,19 @@ def test_source_of_maps_a_yielded_path_back_and_refuses_other_paths(tmp_path):
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("loader", ["torch-0", "torch-2", "ucmagic-2"])
+@pytest.mark.parametrize("loader", ["torch-0-fork", "torch-2-fork", "torch-2-spawn", "ucmagic-0-fork",
+                                    "ucmagic-2-fork"])
 def test_folder_name_labels_in_the_seed_wrapper_pattern_under_a_loader(tmp_path, loader):
     import ucmagic
 
     src = str(tmp_path / "src")
     tree = _image_tree(src)
     wrapped = LabelledImages(UCVolumeDataset(src, cache_dir=str(tmp_path / "cache")))
-    kind, workers = loader.split("-")
+    kind, workers, start = loader.split("-")
     make = torch.utils.data.DataLoader if kind == "torch" else ucmagic.DataLoader
-    got = [item for batch in make(wrapped, batch_size=4, num_workers=int(workers), collate_fn=list) for item in batch]
+    kw = {"multiprocessing_context": start} if int(workers) else {}
+    got = [item for batch in make(wrapped, batch_size=4, num_workers=int(workers), collate_fn=list, **kw)
+           for item in batch]
     want = sorted((CLASSES.index(rel.split("/")[1]), data) for rel, data in tree.items())
     assert sorted(got) == want  # every file once, with the label of its folder
 
