@@ -367,6 +367,20 @@ def test_only_the_presenter_hook_names_the_notebook_layer():
     assert named == {PRESENTER_HOOK: [f"{PACKAGE}.notebook"]}
 
 
+def test_no_engine_module_imports_a_display_library():
+    """IPython, ipywidgets and matplotlib are the notebook layer's (the engine shows through presenters)."""
+    display = ("IPython", "ipywidgets", "matplotlib")
+    found = set()
+    for mod in _load_modules(PACKAGE_DIR).values():
+        if _layer(mod.name) != "engine":
+            continue
+        for node in ast.walk(mod.tree):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else []
+            found.update(f"{mod.name} imports {n}" for n in names if n.split(".")[0] in display)
+    assert not found, sorted(found)
+
+
 def test_checker_finds_a_lazy_import_cycle_and_private_access(tmp_path):
     found = _check_sources(tmp_path, {
         "__init__.py": "",
