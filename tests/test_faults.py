@@ -165,6 +165,7 @@ def test_sigkill_mid_cache_fill_leaves_no_partial_entry(tmp_path, limit):
         assert len(parts) == 1 and parts[0].endswith(".dir") and [os.path.getsize(p) for p in staged] == [25_000]
     assert glob.glob(os.path.join(cache, "files", "*")) == []  # nothing at a final name
     ds = UCVolumeDataset(root, cache_dir=cache)
+    assert os.listdir(os.path.join(cache, "tmp")) == []  # the dead writer's leftovers are reaped at once
     assert sorted(deliver(ds, sums)) == sorted(rels)
     assert ds.stats()["misses"] == len(rels)
     assert_cache_sound(cache, root)
