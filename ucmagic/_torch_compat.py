@@ -32,26 +32,26 @@ def _check_loader_hooks() -> None:
                        MIN_TORCH)
 
 
-def base_index_sampler(loader: Any) -> Any:
+def base_index_sampler(loader: tud.DataLoader[Any]) -> Any:
     """torch's own index sampler of ``loader`` (the one a subclass's override wraps)."""
     _check_loader_hooks()
     return tud.DataLoader._index_sampler.fget(loader)  # type: ignore[attr-defined]  # noqa: SLF001 - this module's job
 
 
-def is_map_style(loader: Any) -> bool:
+def is_map_style(loader: tud.DataLoader[Any]) -> bool:
     """True when ``loader`` iterates a map-style dataset (torch's ``_DatasetKind.Map``)."""
     kind = loader.__dict__.get("_dataset_kind")
     if kind is None:
         return not isinstance(loader.dataset, tud.IterableDataset)
-    return kind == 0
+    return bool(kind == 0)
 
 
-def live_iterator(loader: Any) -> Any:
+def live_iterator(loader: tud.DataLoader[Any]) -> Any:
     """The iterator a ``persistent_workers`` loader keeps between epochs, or None."""
     return loader.__dict__.get("_iterator")
 
 
-def forget_iterator(loader: Any) -> None:
+def forget_iterator(loader: tud.DataLoader[Any]) -> None:
     """Make the loader start a fresh iterator (and fresh workers) next epoch."""
     loader.__dict__["_iterator"] = None
 
