@@ -244,7 +244,8 @@ def test_chunk_budget_held_while_iterating(tmp_path, window):
         stop.set()
         t.join()
     assert len(got) == len(ds) and len(set(got)) == len(ds)
-    assert peak[0] <= limit + CHUNK + (64 << 10), peak[0]  # the budget plus about one chunk (one stream)
+    # the budget plus the chunks a blocked read fills over it: two when a sample straddles a chunk edge
+    assert peak[0] <= limit + 2 * CHUNK + (16 << 10), peak[0]
     assert ds.counters.totals()["misses"] > total // CHUNK  # chunks were evicted and filled again
 
 

@@ -4,11 +4,12 @@ A shard of 1-10 GiB is cut into chunks of ``chunk_size`` bytes (32 MiB by defaul
 one :class:`~ucmagic.cache.FileCache` entry keyed by (volume, path, size, mtime, chunk size, chunk
 index), so every rule of whole files holds per chunk: one fill per chunk across threads and
 processes, the budget (fills wait for room; a fill the reader is blocked on may go over by itself,
-so the bound is the budget plus about one chunk per stream), least-recently-used eviction that
-skips what a live reader protects, and validation: the source's size and mtime are part of the
-key and are checked before the first fill and after every fill, so a source rewritten after it was
-listed raises :class:`~ucmagic.errors.SourceChangedError` and chunks of two versions are never
-mixed. A chunk fill reads its range with the parallel ranged reads of :mod:`ucmagic.ranged`.
+so the bound is the budget plus one chunk per stream, two while a sample straddles a chunk edge),
+least-recently-used eviction that skips what a live reader protects, and validation: the source's
+size and mtime are part of the key and are checked before the first fill and after every fill, so
+a source rewritten after it was listed raises :class:`~ucmagic.errors.SourceChangedError` and
+chunks of two versions are never mixed. A chunk fill reads its range with the parallel ranged
+reads of :mod:`ucmagic.ranged`.
 
 :class:`ChunkReader` is one stream's view (one per iterating process): ``read(file, offset, size)``
 returns bytes, ``prefetch`` starts fills of the chunks the plan needs next on a small thread pool,
@@ -180,17 +181,29 @@ class ChunkReader:
 
     def prefetch(self, chunks: Iterable[tuple[int, int]]) -> None:
         """Start fills of ``(file, chunk)`` pairs not held or in flight yet (in order, on the pool)."""
-        pool = shared_pool(self._threads, "chunks")
-        started = False
-        for fc in chunks:
-            with self._mu:
+        new: list[tuple[tuple[int, int], Future, threading.Event]] = []
+        with self._mu:
+            for fc in chunks:
                 if fc in self._held or fc in self._inflight:
                     continue
+                fut: Future = Future()
                 ev = threading.Event()
-                self._inflight[fc] = (pool.submit(self._fill, fc, ev), ev)
-            started = True
-        if started:
-            self._protect()
+                self._inflight[fc] = (fut, ev)
+                new.append((fc, fut, ev))
+        if not new:
+            return
+        self._protect()  # named before any fill looks its chunk up: found present, it stays until read
+        pool = shared_pool(self._threads, "chunks")
+        for fc, fut, ev in new:
+            pool.submit(self._run, fc, fut, ev)
+
+    def _run(self, fc: tuple[int, int], fut: Future, ev: threading.Event) -> None:
+        if not fut.set_running_or_notify_cancel():
+            return  # the reader took it over (or closed) before a pool thread got to it
+        try:
+            fut.set_result(self._fill(fc, ev))
+        except BaseException as exc:  # noqa: BLE001 - the reader raises it through the future
+            fut.set_exception(exc)
 
     def pending(self) -> list[tuple[int, int]]:
         """Chunks filled or being filled ahead and not yet read."""
@@ -241,7 +254,10 @@ class ChunkReader:
             ev.set()  # the reader waits for it now: its fill may go over the budget
         try:
             path = fut.result()
-            fd = os.open(path, os.O_RDONLY)
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:  # removed by hand (clear_cache) since the fill: fill it again
+                fd = os.open(self._fill(fc, ev), os.O_RDONLY)
         finally:
             with self._mu:
                 self._inflight.pop(fc, None)

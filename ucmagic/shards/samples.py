@@ -330,6 +330,7 @@ class SampleStream(EpochTracking, IterableDataset):
         """The samples of ``segs`` (window segments of ``lay``) in order, reading the chunks the next
         ones need ahead and letting each chunk go after its last use."""
         ds = self.dataset
+        first = True
         nxt = lay.segment_rows(segs[0]) if segs else np.zeros(0, dtype=np.int64)
         for k in range(len(segs)):
             rows = nxt
@@ -352,12 +353,16 @@ class SampleStream(EpochTracking, IterableDataset):
             for j, i in enumerate(rows.tolist()):
                 while p < len(order) and first_use[order[p]] < j:
                     p += 1  # in use already: opened (or being filled) when its first sample was read
-                if self.read_ahead:
+                if self.read_ahead and not first:
                     reader.prefetch(order[p:p + 1 + self.read_ahead])
                 reader.begin()
                 sample = ds.read_sample(reader, i, spans[j])
                 ds.record_sample(reader, i, spans[j])
-                done = [fc for fc in chunks[j] if last[fc] == j and fc not in upcoming]
+                if first:  # the first sample's chunk had the bandwidth to itself; read ahead from now on
+                    first = False
+                    if self.read_ahead:
+                        reader.prefetch(order[p:p + 1 + self.read_ahead])
+                done = [fc for fc in chunks[j] if last[fc] == j]  # the next window finds it again if kept
                 if done:
                     reader.release(done)
                 yield sample
