@@ -335,6 +335,35 @@ def test_stage_progress_falls_back_to_text_when_no_bar_can_be_shown(monkeypatch,
     assert p.mode == "text" and "stage: 2/2" in capsys.readouterr().err
 
 
+@pytest.mark.timeout(120)
+def test_a_cell_that_iterates_the_loader_then_raises_turns_the_display_red_and_hooks_go_with_the_monitor():
+    import gc
+
+    import torch
+    from IPython.core.interactiveshell import InteractiveShell
+
+    from ucmagic import DataLoader
+
+    ip = InteractiveShell.instance()
+    try:
+        loader = DataLoader(torch.arange(40), batch_size=4, num_workers=0, log_to_mlflow=False)
+        mon = widget.attach_monitor(loader, view=RecordingView(), show=False)
+        ip.user_ns["loader"] = loader
+        ip.run_cell("for i, b in enumerate(loader):\n    if i == 3:\n        raise RuntimeError('bad batch')")
+        snap = mon.snapshot()
+        assert snap.state == "error" and "bad batch" in (snap.error or "")
+        ip.run_cell("for b in loader:\n    pass")  # a later epoch that ends normally is green again
+        assert mon.snapshot().state == "done"
+        hooks = len(ip.events.callbacks["post_run_cell"])
+        mon.detach()
+        del mon
+        gc.collect()
+        ip.run_cell("1")
+        assert len(ip.events.callbacks["post_run_cell"]) == hooks - 1
+    finally:
+        InteractiveShell.clear_instance()
+
+
 def test_users_print_after_the_last_batch_starts_on_a_fresh_line():
     """The final line (with its newline) is drawn when the last batch is delivered, before the
     loop body runs, so what the loop prints at the end of the epoch does not land on the \\r line."""

@@ -648,20 +648,17 @@ def watch_cells(mon: Monitor) -> None:
         return
     ref = weakref.ref(mon)
 
-    def pre_run_cell(info: Any = None) -> None:
-        m = ref()
-        if m is None:
-            _unhook(events, pre_run_cell, post_run_cell)
-        else:
-            m._cell_start(info)  # noqa: SLF001 - same module
+    def hook(on: Callable[[Monitor, Any], None]) -> Callable[[Any], None]:
+        def run(arg: Any = None) -> None:  # the cell's info (pre) or result (post)
+            m = ref()
+            if m is None:
+                _unhook(events, pre_run_cell, post_run_cell)
+            else:
+                on(m, arg)
+        return run
 
-    def post_run_cell(result: Any = None) -> None:
-        m = ref()
-        if m is None:
-            _unhook(events, pre_run_cell, post_run_cell)
-        else:
-            m._cell_end(result)  # noqa: SLF001 - same module
-
+    pre_run_cell = hook(Monitor._cell_start)  # noqa: SLF001 - same module
+    post_run_cell = hook(Monitor._cell_end)  # noqa: SLF001 - same module
     events.register("pre_run_cell", pre_run_cell)
     events.register("post_run_cell", post_run_cell)
     mon._cell_hooks = (events, pre_run_cell, post_run_cell)  # noqa: SLF001 - same module
