@@ -68,7 +68,8 @@ class TarShards(ShardDataset):
     Args:
         path: a directory (local, ``/Volumes/...`` or an fsspec URL) holding ``.tar`` shards, with or
             without ``index.json``.
-        pattern: which files are shards when there is no ``index.json`` (default ``"**/*.tar"``).
+        pattern: which files are shards when there is no ``index.json`` (default ``"**/*.tar"``); given,
+            the tars it matches are indexed from their headers even where ``index.json`` exists.
         transform: applied to each sample dict (e.g. decode the image) where it is read.
         cache_dir, cache_limit, min_free: the chunk cache (as for UCVolumeDataset).
         chunk_size: bytes per cached chunk (default 32 MiB).
