@@ -13,9 +13,13 @@ Home of every shared-memory type: :class:`SharedInt`, :class:`SharedInts` here,
 """
 from __future__ import annotations
 
+import ctypes
 import multiprocessing as mp
 from multiprocessing import context
-from typing import Any
+from typing import Any, Generic, TypeVar
+
+B = TypeVar("B")  # the shared buffers a starting worker receives
+S = TypeVar("S")  # the plain snapshot any other pickle carries
 
 
 def starting_worker() -> bool:
@@ -23,40 +27,40 @@ def starting_worker() -> bool:
     return context.get_spawning_popen() is not None
 
 
-class SharedMemory:
+class SharedMemory(Generic[B, S]):
     """Base of the shared-memory types: subclasses say what their buffers and their snapshot are."""
 
-    def _buffers(self) -> Any:
+    def _buffers(self) -> B:
         """The shared buffers, as one picklable object (what a starting worker receives)."""
         raise NotImplementedError
 
-    def _attach(self, buffers: Any) -> None:
+    def _attach(self, buffers: B) -> None:
         """Use ``buffers`` (from :meth:`_buffers` in the parent) as this object's memory."""
         raise NotImplementedError
 
-    def _snapshot(self) -> Any:
+    def _snapshot(self) -> S:
         """A plain copy of the values (for any other pickle)."""
         raise NotImplementedError
 
-    def _restore(self, snapshot: Any) -> None:
+    def _restore(self, snapshot: S) -> None:
         """Fresh shared memory holding ``snapshot``."""
         raise NotImplementedError
 
-    def __getstate__(self) -> dict[str, Any]:
+    def __getstate__(self) -> dict[str, B | S]:
         return {"shared": self._buffers()} if starting_worker() else {"copy": self._snapshot()}
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
+    def __setstate__(self, state: dict[str, Any]) -> None:  # what a pickle brings back
         if "shared" in state:
             self._attach(state["shared"])
         else:
             self._restore(state["copy"])
 
 
-class SharedInt(SharedMemory):
+class SharedInt(SharedMemory[ctypes.c_int64, int]):
     """One integer in shared memory (the epoch number)."""
 
     def __init__(self, value: int = 0) -> None:
-        self._v = mp.get_context().RawValue("q", value)
+        self._v = mp.get_context().RawValue(ctypes.c_int64, value)
 
     @property
     def value(self) -> int:
@@ -66,10 +70,10 @@ class SharedInt(SharedMemory):
     def value(self, v: int) -> None:
         self._v.value = int(v)
 
-    def _buffers(self) -> Any:
+    def _buffers(self) -> ctypes.c_int64:
         return self._v
 
-    def _attach(self, buffers: Any) -> None:
+    def _attach(self, buffers: ctypes.c_int64) -> None:
         self._v = buffers
 
     def _snapshot(self) -> int:
@@ -79,14 +83,14 @@ class SharedInt(SharedMemory):
         SharedInt.__init__(self, snapshot)
 
 
-class SharedInts(SharedMemory):
+class SharedInts(SharedMemory["ctypes.Array[ctypes.c_int64]", "list[int]"]):
     """A fixed array of integers in shared memory.
 
     Each index is written by one process at a time (no lock); readers see a recent value.
     """
 
     def __init__(self, n: int) -> None:
-        self._a = mp.get_context().RawArray("q", int(n))
+        self._a = mp.get_context().RawArray(ctypes.c_int64, int(n))
 
     def __len__(self) -> int:
         return len(self._a)
@@ -97,10 +101,10 @@ class SharedInts(SharedMemory):
     def __setitem__(self, i: int, v: int) -> None:
         self._a[i] = int(v)
 
-    def _buffers(self) -> Any:
+    def _buffers(self) -> ctypes.Array[ctypes.c_int64]:
         return self._a
 
-    def _attach(self, buffers: Any) -> None:
+    def _attach(self, buffers: ctypes.Array[ctypes.c_int64]) -> None:
         self._a = buffers
 
     def _snapshot(self) -> list[int]:
@@ -108,4 +112,5 @@ class SharedInts(SharedMemory):
 
     def _restore(self, snapshot: list[int]) -> None:
         SharedInts.__init__(self, len(snapshot))
-        self._a[:] = snapshot
+        values: list[ctypes.c_int64 | int] = list(snapshot)
+        self._a[:] = values

@@ -7,6 +7,7 @@ so no locks are needed and nothing is lost (pickling rule: :mod:`ucmagic._shared
 """
 from __future__ import annotations
 
+import ctypes
 import math
 import multiprocessing as mp
 from array import array
@@ -21,6 +22,7 @@ SLOTS = 65  # the main process + 64 workers; more workers share slots (counts st
 RING = 2048  # latency samples kept per slot
 _FIELDS = ("hits", "misses", "bytes_fetched", "retries", "errors", "delivered", "nsamples")
 _H, _M, _B, _R, _E, _D, _N = range(len(_FIELDS))
+Buffers = tuple["ctypes.Array[ctypes.c_int64]", "ctypes.Array[ctypes.c_double]"]  # counter slots, latency rings
 
 
 def percentiles(values: Sequence[float] | np.ndarray, qs: Sequence[float] = (50, 90, 99)) -> dict[str, float]:
@@ -46,13 +48,13 @@ def current_slot() -> int:
     return 0 if info is None else 1 + info.id % (SLOTS - 1)
 
 
-class SharedCounters(SharedMemory):
+class SharedCounters(SharedMemory[Buffers, "tuple[bytes, bytes]"]):
     """Per-process counter slots plus a ring of recent fetch latencies, in shared memory."""
 
     def __init__(self) -> None:
         ctx = mp.get_context()
-        self._counts = ctx.RawArray("q", SLOTS * len(_FIELDS))
-        self._lat = ctx.RawArray("d", SLOTS * RING)
+        self._counts = ctx.RawArray(ctypes.c_int64, SLOTS * len(_FIELDS))
+        self._lat = ctx.RawArray(ctypes.c_double, SLOTS * RING)
 
     def _base(self) -> int:
         return current_slot() * len(_FIELDS)
@@ -83,22 +85,22 @@ class SharedCounters(SharedMemory):
         self._counts[b + _N] = n + 1
 
     def totals(self) -> dict[str, int]:
-        arr = np.frombuffer(self._counts, dtype=np.int64).reshape(SLOTS, len(_FIELDS)).sum(axis=0)
+        arr = np.frombuffer(memoryview(self._counts), dtype=np.int64).reshape(SLOTS, len(_FIELDS)).sum(axis=0)
         return {k: int(v) for k, v in zip(_FIELDS, arr) if k != "nsamples"}
 
     def latencies(self) -> np.ndarray:
-        counts = np.frombuffer(self._counts, dtype=np.int64).reshape(SLOTS, len(_FIELDS))[:, _N]
-        lat = np.frombuffer(self._lat, dtype=np.float64).reshape(SLOTS, RING)
+        counts = np.frombuffer(memoryview(self._counts), dtype=np.int64).reshape(SLOTS, len(_FIELDS))[:, _N]
+        lat = np.frombuffer(memoryview(self._lat), dtype=np.float64).reshape(SLOTS, RING)
         parts = [lat[s, : min(int(n), RING)] for s, n in enumerate(counts) if n]
         return np.concatenate(parts) if parts else np.zeros(0)
 
     def reset(self) -> None:
-        np.frombuffer(self._counts, dtype=np.int64)[:] = 0
+        np.frombuffer(memoryview(self._counts), dtype=np.int64)[:] = 0
 
-    def _buffers(self) -> Any:
+    def _buffers(self) -> Buffers:
         return self._counts, self._lat
 
-    def _attach(self, buffers: Any) -> None:
+    def _attach(self, buffers: Buffers) -> None:
         self._counts, self._lat = buffers
 
     def _snapshot(self) -> tuple[bytes, bytes]:
@@ -107,8 +109,8 @@ class SharedCounters(SharedMemory):
     def _restore(self, snapshot: tuple[bytes, bytes]) -> None:
         SharedCounters.__init__(self)
         counts, lat = snapshot
-        np.frombuffer(self._counts, dtype=np.int64)[:] = np.frombuffer(counts, dtype=np.int64)
-        np.frombuffer(self._lat, dtype=np.float64)[:] = np.frombuffer(lat, dtype=np.float64)
+        np.frombuffer(memoryview(self._counts), dtype=np.int64)[:] = np.frombuffer(counts, dtype=np.int64)
+        np.frombuffer(memoryview(self._lat), dtype=np.float64)[:] = np.frombuffer(lat, dtype=np.float64)
 
 
 class BatchRecorder:
