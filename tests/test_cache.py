@@ -391,16 +391,16 @@ def test_unbudgeted_fill_leaves_no_temp_file_and_replaces_an_untrusted_entry(tmp
     os.makedirs(os.path.dirname(stale))
     with open(stale, "wb") as f:
         f.write(b"torn")  # a wrong size is never trusted
-    seen: list[str] = []
+    seen: list[int] = []
 
     def write(tmp: str) -> int:
         assert not tmp.startswith(os.path.join(c.root, "files"))  # built aside, renamed in whole
-        seen.append(tmp)
+        seen.append(len(os.listdir(tmp_path / "c" / "tmp")))  # an unnamed file: nothing a kill leaves
         return writer(b"hello")(tmp)
 
     path, fetched = c.fill(key, ".bin", 5, write)
     assert fetched and path == stale and open(path, "rb").read() == b"hello"
-    assert len(seen) == 1 and os.listdir(tmp_path / "c" / "tmp") == []
+    assert seen == [0] and os.listdir(tmp_path / "c" / "tmp") == []
     assert os.listdir(os.path.dirname(stale)) == [key + ".bin"]
 
 

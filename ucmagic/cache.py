@@ -655,18 +655,25 @@ class FileCache:
                 # the entry directory is staged under tmp/ (its name carries the size and the writer,
                 # so counts include it and a dead writer's is reaped) and renamed into files/ whole
                 stage = os.path.join(self._tmp, f"{key}.{process_tag()}.{next(_tmp_counter)}.{size}.dir")
-                if tmp is None:
-                    staged = self._stage(stage, inner)
-                part = tmp or os.path.join(stage, inner)
-                watch_progress(lambda: _written(os.stat(part)))
+                # without a budget the copy goes to an unnamed file (O_TMPFILE: a killed process leaves
+                # nothing), else (or where there is none) to the named temp file that holds the room
+                anon = _open_unnamed(self._tmp) if tmp is None else -1
+                if anon < 0 and tmp is None:
+                    tmp = os.path.join(self._tmp, f"{key}.{process_tag()}.{next(_tmp_counter)}.{size}.part")
+                part = f"/proc/self/fd/{anon}" if anon >= 0 else (tmp or "")
+                watch_progress((lambda: _written(os.fstat(anon))) if anon >= 0 else (lambda: _written(os.stat(part))))
                 try:
                     _check_size(write(part), size)
+                    staged = self._stage(stage, inner)  # complete: moved into its entry directory
+                    if anon >= 0:
+                        _link_unnamed(anon, os.path.join(stage, inner))
+                    else:
+                        os.rename(part, os.path.join(stage, inner))
+                        tmp = None
                 finally:
                     watch_progress(None)
-                if tmp is not None:  # the budget's room: moved into the entry once complete
-                    staged = self._stage(stage, inner)
-                    os.rename(tmp, os.path.join(stage, inner))
-                    tmp = None
+                    if anon >= 0:
+                        os.close(anon)
                 final = os.path.join(self._entries, name)
                 self._install(stage, final)
                 staged = None
@@ -1154,6 +1161,32 @@ def _written(st: os.stat_result) -> tuple[int, int]:
 def _check_size(n: int, size: int) -> None:
     if n != size:
         raise OSError(errno.EIO, f"copied {n} bytes, the listing says {size}: the file changed while being read")
+
+
+_unnamed = {"ok": hasattr(os, "O_TMPFILE") and os.path.isdir("/proc/self/fd"), "root": -1}
+
+
+def _open_unnamed(folder: str) -> int:
+    """A new unnamed file (``O_TMPFILE``) in ``folder``, or -1 where the file system has none."""
+    if not _unnamed["ok"]:
+        return -1
+    try:
+        return os.open(folder, os.O_TMPFILE | os.O_WRONLY, 0o600)
+    except FileNotFoundError:  # tmp/ removed under us (a cleared cache directory)
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        return os.open(folder, os.O_TMPFILE | os.O_WRONLY, 0o600)
+    except OSError as e:
+        if e.errno in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+            _unnamed["ok"] = False  # e.g. a network file system: a named temp file instead
+            return -1
+        raise
+
+
+def _link_unnamed(fd: int, path: str) -> None:
+    """Give the unnamed file ``fd`` the new name ``path``."""
+    if _unnamed["root"] < 0:
+        _unnamed["root"] = os.open("/", os.O_RDONLY)  # a directory fd makes os.link call linkat(FOLLOW)
+    os.link(f"/proc/self/fd/{fd}", path, src_dir_fd=_unnamed["root"], follow_symlinks=True)
 
 
 def _remove_tree(path: str) -> None:
