@@ -40,7 +40,7 @@ MOMENTS = {
                       "os.rmdir(os.path.dirname(CK)); open(os.path.dirname(CK), 'w').close()",
     # torch's writer threads cannot write a shard to local staging
     "during staging": textwrap.dedent("""
-        from ucmagic.checkpoints import storage as st
+        from ucmagic.checkpoints import writer as st
         real_open = open
         def failing_open(path, mode='r', *a, **k):
             if 'w' in mode and str(path).endswith('.distcp') and '@' in str(path):

@@ -396,7 +396,7 @@ def test_a_forked_child_does_not_wait_for_or_report_its_parents_saves(tmp_path):
     p = run_script(tmp_path, "fork.py", f"""
         import multiprocessing as mp
         from concurrent.futures import Future
-        from ucmagic.checkpoints.storage import track_pending_save
+        from ucmagic.checkpoints.exit import track_pending_save
         track_pending_save({str(tmp_path / "ck")!r}, Future())   # a save the parent never finishes
         child = mp.get_context("fork").Process(target=print, args=("child ran",))
         child.start(); child.join()
@@ -408,7 +408,7 @@ def test_a_forked_child_does_not_wait_for_or_report_its_parents_saves(tmp_path):
 
 def _between_reads(monkeypatch, step):
     """Run ``step()`` once, right after the first file a reader reads (a writer acting between two reads)."""
-    from ucmagic.checkpoints import storage
+    from ucmagic.checkpoints import commit
 
     real, done = xfer.read_bytes, []
 
@@ -420,13 +420,13 @@ def _between_reads(monkeypatch, step):
                 done.append(True)
                 step()
 
-    monkeypatch.setattr(storage.xfer, "read_bytes", read_bytes)
+    monkeypatch.setattr(commit.xfer, "read_bytes", read_bytes)
 
 
 def test_a_save_that_begins_between_a_readers_two_reads_is_seen_in_progress(tmp_path, monkeypatch):
     """A save withdraws the old marker only after writing its record: a reader that read the old
     marker and then finds a record refuses (never "not committed", never the old checkpoint)."""
-    from ucmagic.checkpoints.storage import read_commit
+    from ucmagic.checkpoints.commit import read_commit
 
     d = tmp_path / "ckpt"
     d.mkdir()
@@ -442,7 +442,7 @@ def test_a_save_that_begins_between_a_readers_two_reads_is_seen_in_progress(tmp_
 
 
 def test_a_save_that_commits_between_a_readers_two_reads_is_read_as_committed(tmp_path, monkeypatch):
-    from ucmagic.checkpoints.storage import read_commit
+    from ucmagic.checkpoints.commit import read_commit
 
     d = tmp_path / "ckpt"
     d.mkdir()

@@ -3,10 +3,13 @@
 torch's DataLoader and DCP file-system classes expose a few hooks only through underscore names.
 Each is looked up here; when a torch release lacks one, the caller gets :class:`TorchVersionError`
 naming the feature and the torch version that has it, instead of an ``AttributeError`` deep inside
-``dcp.save`` or a worker. Nothing else in ucmagic touches a private torch name.
+``dcp.save`` or a worker. Nothing else in ucmagic touches a private torch name. The one private
+Python hook ucmagic needs (``threading._register_atexit``, for the checkpoint exit wait) is here too,
+for the same reason: one place to look when a release changes it.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -156,3 +159,25 @@ def set_up_writer_kwargs(method: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return kwargs
     return {k: v for k, v in kwargs.items() if k in params}
+
+
+# ---------------------------------------------------------------- Python internals
+
+def register_early_exit_hook(fn: Callable[[], None]) -> None:
+    """Run ``fn`` at exit before non-daemon threads are joined and before concurrent.futures shuts down.
+
+    ``threading._register_atexit`` is the only hook that runs that early (the checkpoint exit wait
+    needs the thread pools still working); where it is missing or the interpreter is already
+    shutting down, ``atexit`` still runs ``fn`` (the thread pools may then refuse the uploads).
+    """
+    import atexit
+    import threading
+
+    early = getattr(threading, "_register_atexit", None)
+    if early is not None:
+        try:
+            early(fn)
+            return
+        except RuntimeError:  # the interpreter is already shutting down
+            pass
+    atexit.register(fn)

@@ -1,7 +1,9 @@
 """Checkpoints on a slow volume: ``save_checkpoint`` / ``load_checkpoint`` / ``list_checkpoints`` and the
 DCP storage classes ``UCVolumeWriter`` / ``UCVolumeReader``.
 
-Modules: :mod:`.api` (save, load, list, retention), :mod:`.storage` (the DCP writer and reader),
+Modules: :mod:`.api` (save, load, list, retention), :mod:`.writer` and :mod:`.reader` (the DCP storage
+classes), :mod:`.commit` (reading a directory's commit marker and save-in-progress record), :mod:`.exit`
+(asynchronous saves pending at interpreter exit), :mod:`.unpickle` (restricted unpickling),
 :mod:`.format` (layout names and the commit marker; pure), :mod:`.transfer` (CRC-checked copies).
 The names below load on first use, so importing :mod:`ucmagic.checkpoints.format` needs no torch.
 """
@@ -15,8 +17,8 @@ _EXPORTS = {
     "load_checkpoint": "api",
     "list_checkpoints": "api",
     "resolve_step": "api",
-    "UCVolumeWriter": "storage",
-    "UCVolumeReader": "storage",
+    "UCVolumeWriter": "writer",
+    "UCVolumeReader": "reader",
     "CheckpointInfo": "format",
 }
 

@@ -41,13 +41,10 @@ from .format import (
     step_dirname,
     to_delete,
 )
-from .storage import (
-    UCVolumeReader,
-    UCVolumeWriter,
-    read_commit,
-    track_pending_save,
-    volume_dir,
-)
+from .commit import read_commit, volume_dir
+from .exit import track_pending_save
+from .reader import UCVolumeReader
+from .writer import UCVolumeWriter
 from ..dist import barrier, dist_info
 from ..errors import (
     CheckpointCorruptError,

@@ -579,7 +579,7 @@ def _peek_extra(root: str, step: Any) -> Any:
     None when it cannot be read this way (the load itself then reports the problem)."""
     try:
         from ..checkpoints.api import resolve_step
-        from ..checkpoints.storage import read_commit
+        from ..checkpoints.commit import read_commit
 
         chosen, path = resolve_step(root, step)
         return chosen, read_commit(path).get("extra")

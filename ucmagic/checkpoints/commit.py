@@ -1,0 +1,68 @@
+"""Reading a checkpoint directory's state: its local path, its commit marker, its save-in-progress record.
+
+The formats (and the pure decisions on them) live in :mod:`.format`; this module does the reads, in
+the order that makes a save beginning or ending between them visible.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from . import transfer as xfer
+from .format import (
+    COMMIT_NAME,
+    SAVING_NAME,
+    in_progress_message,
+    is_committed_by,
+    not_committed,
+    parse_commit,
+    parse_saving_record,
+)
+from ..errors import CheckpointError, CheckpointInProgressError
+from ..volume import resolve_local_path
+
+
+def volume_dir(path: str | os.PathLike) -> str:
+    """The local directory of a checkpoint path (``/Volumes/...`` resolved); refuses URLs."""
+    p = os.fspath(path)
+    p = p.removeprefix("file://")
+    if "://" in p:
+        raise CheckpointError(f"{p}: checkpoints go to a directory (a local disk or a mounted volume such as "
+                              "/Volumes/...), not a URL; mount the storage or use its /Volumes path")
+    return resolve_local_path(p)
+
+
+def read_saving_record(path: str) -> dict[str, Any] | None:
+    """The save-in-progress record of checkpoint directory ``path``, or None when there is none."""
+    try:
+        return parse_saving_record(xfer.read_bytes(os.path.join(path, SAVING_NAME)))
+    except FileNotFoundError:
+        return None
+
+
+def read_commit(path: str) -> dict[str, Any]:
+    """The parsed commit marker of checkpoint directory ``path``; raises when it is not committed.
+
+    A save in progress (or killed) raises :class:`CheckpointInProgressError`, whatever marker is there.
+
+    The marker is read before the record: a save writes its record before it withdraws the old
+    marker, and writes its marker before it removes its record, so a save that begins or ends
+    between the two reads is still seen (read the other way round, a save beginning in between
+    looked like a directory that was never committed).
+    """
+    commit_path = os.path.join(path, COMMIT_NAME)
+    while True:
+        try:
+            data = xfer.read_bytes(commit_path)
+        except FileNotFoundError:
+            record = read_saving_record(path)
+            if record is not None:
+                raise CheckpointInProgressError(in_progress_message(path, record)) from None
+            if os.path.exists(commit_path):
+                continue  # a save committed between the two reads: read its marker
+            raise not_committed(path) from None
+        commit = parse_commit(data, path)
+        record = read_saving_record(path)
+        if record is not None and not is_committed_by(commit.get("save_id"), record):
+            raise CheckpointInProgressError(in_progress_message(path, record))
+        return commit

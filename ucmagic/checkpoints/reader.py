@@ -1,0 +1,401 @@
+"""The DCP storage reader for volumes: :class:`UCVolumeReader`.
+
+Refuses a directory without a valid commit marker (or, without any ucmagic file, one whose
+``.metadata`` names a file that is missing or short), unpickles ``.metadata`` with an allow-list,
+downloads only the files its load plan needs, in parallel (into memory under a byte budget, or to
+local staging for large shards), verifying size and CRC, and feeds them to torch as they arrive.
+Non-tensor entries are checked with ``torch.load(weights_only=True)``.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+import pickle
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future as CFuture
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
+from torch.futures import Future
+
+from .. import _torch_compat as compat
+from . import transfer as xfer
+from .commit import read_commit, read_saving_record, volume_dir
+from .format import (
+    COMMIT_NAME,
+    METADATA_NAME,
+    SAVING_NAME,
+    FileRecord,
+    check_record,
+    in_progress_message,
+    is_committed_by,
+    missing_or_short,
+    not_committed,
+    parse_commit,
+)
+from .unpickle import WeightsOnlyPlanner, load_metadata
+from ..errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointInProgressError,
+    CheckpointOverwrittenError,
+)
+from ..units import parse_size
+
+log = logging.getLogger("ucmagic")
+
+_foreign_logged: set[str] = set()
+
+
+def _log_foreign_once(path: str) -> None:
+    if path not in _foreign_logged:
+        _foreign_logged.add(path)
+        log.info("ucmagic: %s has no ucmagic commit marker (written by torch's FileSystemWriter or another tool); "
+                 "its .metadata and every file it references are present, loading it without checksums", path)
+
+
+def _set_load_id(metadata: Metadata, reader: Any) -> None:
+    meta = getattr(metadata, "storage_meta", None)
+    if meta is not None and hasattr(reader, "load_id"):
+        meta.load_id = reader.load_id
+
+
+class _DownloadSession:
+    """Per-load state: downloader pool, one future per needed file, and a memory budget.
+
+    Files up to ``budget / threads`` bytes are read into memory; the bytes held (downloaded, not yet
+    consumed) stay under ``budget``. Tickets are taken in the order torch consumes files, so a
+    download waiting for budget only waits on files that torch reads first: no deadlock. Larger
+    files go to the local staging directory.
+    """
+
+    def __init__(self, staging: str, threads: int, budget: int) -> None:
+        self.staging = staging
+        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ucmagic-download")
+        self.downloads: dict[str, CFuture] = {}
+        self.budget = budget
+        self.cv = threading.Condition()
+        self.held = 0
+        self.next_ticket = 0
+        self.closed = False
+
+    def acquire(self, ticket: int, size: int) -> None:
+        with self.cv:
+            self.cv.wait_for(lambda: self.closed or (ticket == self.next_ticket
+                                                     and (self.held == 0 or self.held + size <= self.budget)))
+            if self.closed:
+                raise CheckpointError("load cancelled")
+            self.held += size
+            self.next_ticket += 1
+            self.cv.notify_all()
+
+    def release(self, size: int) -> None:
+        with self.cv:
+            self.held -= size
+            self.cv.notify_all()
+
+    def close(self) -> None:
+        with self.cv:
+            self.closed = True
+            self.cv.notify_all()
+        for f in self.downloads.values():
+            f.cancel()
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        xfer.release_staging_dir(self.staging)
+
+
+class _DownloadedFileSystem(FileSystem):
+    """Serves reads of downloaded files from memory or local staging (waiting for each), others from the volume."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.session: _DownloadSession | None = None
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
+        name = os.path.basename(os.fspath(path))
+        session = self.session
+        if session is None or "r" not in mode or name not in session.downloads:
+            with super().create_stream(path, mode) as s:
+                yield s
+            return
+        got = session.downloads[name].result()
+        if isinstance(got, bytes):
+            try:
+                yield io.BytesIO(got)  # shares the bytes, no copy
+            finally:
+                session.release(len(got))
+            return
+        try:
+            with open(got, "rb") as stream:
+                yield stream
+        finally:
+            xfer.remove_quietly(got)
+
+
+class UCVolumeReader(FileSystemReader):
+    """``torch.distributed.checkpoint`` StorageReader for checkpoints on volumes.
+
+    Loads a checkpoint committed by :class:`UCVolumeWriter` (verifying each file's size and CRC),
+    or one written by torch's ``FileSystemWriter`` or any other DCP file-system writer (no ucmagic
+    file in the directory, a readable ``.metadata``, every file it references present and long
+    enough). Refuses, at construction, a save in progress, a killed or torn save, and an incomplete
+    directory. Downloads only the files this rank's load plan needs, ``download_threads`` at a time.
+
+    Args:
+        path: checkpoint directory.
+        wait: seconds to wait for a save in progress in ``path`` to commit (default: fail at once).
+        staging_dir: local directory for downloaded shards too big for memory (deleted after use).
+        download_threads: parallel downloads per rank.
+        memory_budget: bytes of downloaded shards held in memory at once; a shard larger than
+            ``memory_budget / download_threads`` goes through ``staging_dir`` instead (0 = always disk).
+        require_commit: None (default): a ucmagic checkpoint must be committed, others are checked for
+            completeness; True: refuse anything without a ucmagic commit marker; False: read whatever
+            ``.metadata`` describes, unverified.
+        allow_unsafe_pickle: accept arbitrary pickled objects in the checkpoint (only if you trust it).
+        min_free: local free space to keep beyond the downloaded bytes.
+    """
+
+    fs: _DownloadedFileSystem  # installed by compat.install_filesystem in __init__
+
+    def __init__(self, path: str | os.PathLike, *, wait: float | None = None, staging_dir: str | None = None,
+                 download_threads: int = 16, memory_budget: int | str = "1GB", require_commit: bool | None = None,
+                 allow_unsafe_pickle: bool = False, min_free: int | str = "512MB", **kwargs: Any) -> None:
+        super().__init__(volume_dir(path), **kwargs)
+        compat.install_filesystem(self, _DownloadedFileSystem())
+        self.wait = None if wait is None else max(0.0, float(wait))
+        self.staging_dir = staging_dir
+        self.download_threads = max(1, int(download_threads))
+        self.memory_budget = parse_size(memory_budget) or 0
+        self.require_commit = require_commit
+        self.allow_unsafe_pickle = allow_unsafe_pickle
+        self.min_free = parse_size(min_free) or 0
+        self.commit: dict[str, Any] | None = None
+        self._foreign_stamp: tuple[int, int, int] | None = None
+        self._check_commit()
+
+    def _check_commit(self) -> None:
+        path = os.fspath(self.path)
+        if not os.path.isdir(path):
+            from ..errors import SourceNotFoundError
+
+            raise SourceNotFoundError(f"checkpoint directory {path} does not exist; check the path")
+        self._metadata: tuple[str, Metadata] | None = None
+        self._foreign_stamp = None
+        start = time.monotonic()
+        while True:
+            try:
+                self.commit = read_commit(path)
+                return
+            except CheckpointInProgressError:
+                waited = time.monotonic() - start
+                if self.wait is None or waited >= self.wait:
+                    record = read_saving_record(path)
+                    if record is None:  # committed in the meantime
+                        continue
+                    raise CheckpointInProgressError(
+                        in_progress_message(path, record, waited=waited if self.wait else None)) from None
+                time.sleep(min(0.05 * (1 + waited), 1.0, max(0.0, self.wait - waited)))
+            except CheckpointError:
+                if os.path.exists(os.path.join(path, COMMIT_NAME)) or self.require_commit:
+                    raise  # a torn marker, or the caller asked for ucmagic checkpoints only
+                waited = time.monotonic() - start
+                if self.wait and waited < self.wait and not os.path.exists(os.path.join(path, METADATA_NAME)):
+                    time.sleep(min(0.05 * (1 + waited), 1.0, self.wait - waited))  # nothing there yet
+                    continue
+                self.commit = None
+                if self.require_commit is None:
+                    self._check_foreign(path)
+                return
+
+    def _check_foreign(self, path: str) -> None:
+        """A directory without ucmagic files: load it when its .metadata and every file it names are there."""
+        md_path = os.path.join(path, METADATA_NAME)
+        try:
+            st = os.stat(md_path)
+            metadata = self.read_metadata()
+        except FileNotFoundError:
+            raise not_committed(path) from None
+        except (pickle.UnpicklingError, EOFError, ValueError, AttributeError, ImportError, IndexError) as e:
+            raise CheckpointCorruptError(f"{path}: {METADATA_NAME} cannot be read ({type(e).__name__}: {e}); the "
+                                         "checkpoint is damaged or unfinished: save it again") from None
+        needed: dict[str, int] = {}
+        for index in (metadata.storage_data or {}):
+            name, offset, length = compat.storage_location(metadata.storage_data, index)
+            needed[name] = max(needed.get(name, 0), offset + length)
+        sizes: dict[str, int | None] = {}
+        for name in needed:
+            try:
+                sizes[name] = os.stat(os.path.join(path, name)).st_size
+            except FileNotFoundError:
+                sizes[name] = None
+        problems = missing_or_short(needed, sizes)
+        if problems:
+            raise CheckpointCorruptError(f"{path} is not a complete checkpoint: {'; '.join(problems[:5])}; its save "
+                                         "did not finish or files were removed: save it again or load another")
+        self._foreign_stamp = (st.st_ino, st.st_size, st.st_mtime_ns)
+        _log_foreign_once(path)
+
+    def _check_unchanged(self) -> None:
+        """After a load of a foreign checkpoint: no save may have started in the directory meanwhile."""
+        if self._foreign_stamp is None:
+            return
+        path = os.fspath(self.path)
+        try:
+            st = os.stat(os.path.join(path, METADATA_NAME))
+            same = (st.st_ino, st.st_size, st.st_mtime_ns) == self._foreign_stamp
+        except FileNotFoundError:
+            same = False
+        if not same or os.path.exists(os.path.join(path, SAVING_NAME)):
+            raise self._overwritten_error()
+
+    def _overwritten(self) -> bool:
+        """True when a save into this directory started after this reader checked its commit."""
+        path = os.fspath(self.path)
+        if self.commit is None:
+            try:
+                st = os.stat(os.path.join(path, METADATA_NAME))
+                same = (st.st_ino, st.st_size, st.st_mtime_ns) == self._foreign_stamp
+            except FileNotFoundError:
+                same = False
+            return self._foreign_stamp is not None and (not same or os.path.exists(os.path.join(path, SAVING_NAME)))
+        try:
+            now = parse_commit(xfer.read_bytes(os.path.join(path, COMMIT_NAME)), path)
+        except (OSError, CheckpointError):
+            return True  # the marker was withdrawn (a save began) or is being replaced
+        record = read_saving_record(path)
+        return now.get("save_id") != self.commit.get("save_id") or (
+            record is not None and not is_committed_by(self.commit.get("save_id"), record))
+
+    def _overwritten_error(self) -> CheckpointOverwrittenError:
+        path = os.fspath(self.path)
+        record = read_saving_record(path)
+        since = ""
+        if record and isinstance(record.get("since"), (int, float)):
+            since = " at " + time.strftime("%H:%M:%S", time.localtime(record["since"]))
+        return CheckpointOverwrittenError(
+            f"{path} was overwritten while it was being loaded (a new save into it started{since}); what was read "
+            "is discarded: load again once that save commits (UCVolumeReader(path, wait=SECONDS) waits for it) "
+            "or load another step")
+
+    @contextlib.contextmanager
+    def _naming_overwrites(self) -> Iterator[None]:
+        """A damaged or missing file while loading, because a save is overwriting the directory, says so."""
+        try:
+            yield
+        except CheckpointCorruptError:
+            if self._overwritten():
+                raise self._overwritten_error() from None
+            raise
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        old = os.fspath(self.path)
+        super().reset(volume_dir(checkpoint_id) if checkpoint_id else None)
+        if os.fspath(self.path) != old:
+            self._check_commit()
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return os.path.isdir(volume_dir(checkpoint_id))
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        with self._naming_overwrites():
+            return self._read_metadata()
+
+    def _read_metadata(self) -> Metadata:
+        cached = getattr(self, "_metadata", None)
+        if cached is not None and cached[0] == os.fspath(self.path):
+            _set_load_id(cached[1], self)
+            return cached[1]
+        path = os.fspath(self.path)
+        md_path = os.path.join(path, METADATA_NAME)
+        try:
+            raw = xfer.read_bytes(md_path)
+        except FileNotFoundError:
+            if self.commit is not None:
+                raise CheckpointCorruptError(f"{path}: {METADATA_NAME} is missing although the checkpoint is "
+                                             "committed; re-save it or load another step") from None
+            raise not_committed(path) from None
+        if self.commit is not None:
+            import zlib
+
+            rec = self.commit["files"].get(METADATA_NAME)
+            if rec is None:
+                raise CheckpointCorruptError(f"{path}: the manifest does not list {METADATA_NAME}")
+            check_record(METADATA_NAME, path, rec, len(raw), zlib.crc32(raw))
+        metadata = load_metadata(raw, allow_unsafe=self.allow_unsafe_pickle)
+        meta = getattr(metadata, "storage_meta", None)
+        if self.commit is not None and meta is not None and getattr(meta, "save_id", None) not in (
+                None, self.commit["save_id"]):
+            raise CheckpointCorruptError(f"{path}: {METADATA_NAME} belongs to another save than the commit "
+                                         "marker; re-save this checkpoint")
+        _set_load_id(metadata, self)
+        self._metadata = (path, metadata)
+        return metadata
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        path = os.fspath(self.path)
+        names: list[str] = []
+        seen: set[str] = set()
+        for item in plan.items:
+            name = compat.storage_location(self.storage_data, item.storage_index)[0]
+            if name not in seen:
+                seen.add(name)
+                names.append(name)
+        expected = self.commit["files"] if self.commit else {}
+        if self.commit is not None:
+            missing = [n for n in names if n not in expected]
+            if missing:
+                raise CheckpointCorruptError(f"{path}: files {missing} are not in the manifest; re-save it")
+        safe_planner: Any = planner if self.allow_unsafe_pickle else WeightsOnlyPlanner(planner, path)
+        if not names:
+            with self._naming_overwrites():
+                out = super().read_data(plan, safe_planner)
+            self._check_unchanged()
+            return out
+        threads = min(self.download_threads, len(names))
+        staging = xfer.make_staging_dir(self.staging_dir, f"load-{getattr(self, 'load_id', None) or id(self)}")
+        session = _DownloadSession(staging, threads, self.memory_budget)
+        try:
+            in_memory = {n for n in names if n in expected and expected[n].size <= self.memory_budget // threads}
+            need = sum(expected[n].size for n in names if n in expected and n not in in_memory)
+            if need:
+                xfer.check_free_space(staging, need, self.min_free)
+            ticket = 0
+            for name in names:  # same order torch reads them in, so the first file arrives first
+                fut: CFuture[bytes | str]
+                if name in in_memory:
+                    fut = session.pool.submit(self._fetch, session, ticket, name, expected[name])
+                    ticket += 1
+                else:
+                    fut = session.pool.submit(self._download, name, os.path.join(staging, name), expected.get(name))
+                session.downloads[name] = fut
+            self.fs.session = session
+            with self._naming_overwrites():
+                out = super().read_data(plan, safe_planner)
+            self._check_unchanged()
+            return out
+        finally:
+            self.fs.session = None
+            session.close()
+
+    def _fetch(self, session: _DownloadSession, ticket: int, name: str, rec: FileRecord) -> bytes:
+        path = os.fspath(self.path)
+        session.acquire(ticket, rec.size)
+        try:
+            return xfer.download_bytes(os.path.join(path, name), rec, name=name, where=path)
+        except BaseException:
+            session.release(rec.size)
+            raise
+
+    def _download(self, name: str, local: str, rec: FileRecord | None) -> str:
+        path = os.fspath(self.path)
+        xfer.download_file(os.path.join(path, name), local, rec, name=name, where=path)
+        return local
