@@ -15,6 +15,7 @@ import os
 import pickle
 import threading
 import time
+import zlib
 from collections.abc import Iterator
 from concurrent.futures import Future as CFuture
 from concurrent.futures import ThreadPoolExecutor
@@ -46,6 +47,7 @@ from ..errors import (
     CheckpointError,
     CheckpointInProgressError,
     CheckpointOverwrittenError,
+    SourceNotFoundError,
 )
 from ..units import parse_size
 
@@ -61,10 +63,26 @@ def _log_foreign_once(path: str) -> None:
                  "its .metadata and every file it references are present, loading it without checksums", path)
 
 
-def _set_load_id(metadata: Metadata, reader: Any) -> None:
-    meta = getattr(metadata, "storage_meta", None)
-    if meta is not None and hasattr(reader, "load_id"):
-        meta.load_id = reader.load_id
+def _needed_lengths(metadata: Metadata) -> dict[str, int]:
+    """The bytes each file that ``metadata`` names must hold (the end of its last item)."""
+    needed: dict[str, int] = {}
+    for index in (metadata.storage_data or {}):
+        name, offset, length = compat.storage_location(metadata.storage_data, index)
+        needed[name] = max(needed.get(name, 0), offset + length)
+    return needed
+
+
+def _size_or_none(path: str) -> int | None:
+    try:
+        return os.stat(path).st_size
+    except FileNotFoundError:
+        return None
+
+
+def _set_load_id(metadata: Metadata, load_id: str) -> None:
+    meta = getattr(metadata, "storage_meta", None)  # None in metadata written before torch had it
+    if meta is not None:
+        meta.load_id = load_id
 
 
 class _DownloadSession:
@@ -184,8 +202,6 @@ class UCVolumeReader(FileSystemReader):
     def _check_commit(self) -> None:
         path = os.fspath(self.path)
         if not os.path.isdir(path):
-            from ..errors import SourceNotFoundError
-
             raise SourceNotFoundError(f"checkpoint directory {path} does not exist; check the path")
         self._metadata: tuple[str, Metadata] | None = None
         self._foreign_stamp = None
@@ -195,25 +211,33 @@ class UCVolumeReader(FileSystemReader):
                 self.commit = read_commit(path)
                 return
             except CheckpointInProgressError:
-                waited = time.monotonic() - start
-                if self.wait is None or waited >= self.wait:
-                    record = read_saving_record(path)
-                    if record is None:  # committed in the meantime
-                        continue
-                    raise CheckpointInProgressError(
-                        in_progress_message(path, record, waited=waited if self.wait else None)) from None
-                time.sleep(min(0.05 * (1 + waited), 1.0, max(0.0, self.wait - waited)))
+                self._wait_for_save(path, time.monotonic() - start)
             except CheckpointError:
                 if os.path.exists(os.path.join(path, COMMIT_NAME)) or self.require_commit:
                     raise  # a torn marker, or the caller asked for ucmagic checkpoints only
-                waited = time.monotonic() - start
-                if self.wait and waited < self.wait and not os.path.exists(os.path.join(path, METADATA_NAME)):
-                    time.sleep(min(0.05 * (1 + waited), 1.0, self.wait - waited))  # nothing there yet
+                if self._waited_for_files(path, time.monotonic() - start):
                     continue
                 self.commit = None
                 if self.require_commit is None:
                     self._check_foreign(path)
                 return
+
+    def _wait_for_save(self, path: str, waited: float) -> None:
+        """A save is in progress in ``path``: wait a little longer for it, or raise when ``wait`` is over."""
+        if self.wait is None or waited >= self.wait:
+            record = read_saving_record(path)
+            if record is None:  # committed in the meantime: read it
+                return
+            raise CheckpointInProgressError(
+                in_progress_message(path, record, waited=waited if self.wait else None)) from None
+        time.sleep(min(0.05 * (1 + waited), 1.0, max(0.0, self.wait - waited)))
+
+    def _waited_for_files(self, path: str, waited: float) -> bool:
+        """No commit marker and no ``.metadata`` in ``path`` yet: sleep a little (True) while ``wait`` lasts."""
+        if self.wait and waited < self.wait and not os.path.exists(os.path.join(path, METADATA_NAME)):
+            time.sleep(min(0.05 * (1 + waited), 1.0, self.wait - waited))  # nothing there yet
+            return True
+        return False
 
     def _check_foreign(self, path: str) -> None:
         """A directory without ucmagic files: load it when its .metadata and every file it names are there."""
@@ -226,17 +250,8 @@ class UCVolumeReader(FileSystemReader):
         except (pickle.UnpicklingError, EOFError, ValueError, AttributeError, ImportError, IndexError) as e:
             raise CheckpointCorruptError(f"{path}: {METADATA_NAME} cannot be read ({type(e).__name__}: {e}); the "
                                          "checkpoint is damaged or unfinished: save it again") from None
-        needed: dict[str, int] = {}
-        for index in (metadata.storage_data or {}):
-            name, offset, length = compat.storage_location(metadata.storage_data, index)
-            needed[name] = max(needed.get(name, 0), offset + length)
-        sizes: dict[str, int | None] = {}
-        for name in needed:
-            try:
-                sizes[name] = os.stat(os.path.join(path, name)).st_size
-            except FileNotFoundError:
-                sizes[name] = None
-        problems = missing_or_short(needed, sizes)
+        needed = _needed_lengths(metadata)
+        problems = missing_or_short(needed, {name: _size_or_none(os.path.join(path, name)) for name in needed})
         if problems:
             raise CheckpointCorruptError(f"{path} is not a complete checkpoint: {'; '.join(problems[:5])}; its save "
                                          "did not finish or files were removed: save it again or load another")
@@ -245,27 +260,24 @@ class UCVolumeReader(FileSystemReader):
 
     def _check_unchanged(self) -> None:
         """After a load of a foreign checkpoint: no save may have started in the directory meanwhile."""
-        if self._foreign_stamp is None:
-            return
+        if self._foreign_stamp is not None and self._foreign_changed():
+            raise self._overwritten_error()
+
+    def _foreign_changed(self) -> bool:
+        """The foreign checkpoint's ``.metadata`` is not the one checked, or a save has begun in the directory."""
         path = os.fspath(self.path)
         try:
             st = os.stat(os.path.join(path, METADATA_NAME))
             same = (st.st_ino, st.st_size, st.st_mtime_ns) == self._foreign_stamp
         except FileNotFoundError:
             same = False
-        if not same or os.path.exists(os.path.join(path, SAVING_NAME)):
-            raise self._overwritten_error()
+        return not same or os.path.exists(os.path.join(path, SAVING_NAME))
 
     def _overwritten(self) -> bool:
         """True when a save into this directory started after this reader checked its commit."""
         path = os.fspath(self.path)
         if self.commit is None:
-            try:
-                st = os.stat(os.path.join(path, METADATA_NAME))
-                same = (st.st_ino, st.st_size, st.st_mtime_ns) == self._foreign_stamp
-            except FileNotFoundError:
-                same = False
-            return self._foreign_stamp is not None and (not same or os.path.exists(os.path.join(path, SAVING_NAME)))
+            return self._foreign_stamp is not None and self._foreign_changed()
         try:
             now = parse_commit(xfer.read_bytes(os.path.join(path, COMMIT_NAME)), path)
         except (OSError, CheckpointError):
@@ -312,79 +324,85 @@ class UCVolumeReader(FileSystemReader):
     def _read_metadata(self) -> Metadata:
         cached = getattr(self, "_metadata", None)
         if cached is not None and cached[0] == os.fspath(self.path):
-            _set_load_id(cached[1], self)
+            _set_load_id(cached[1], self.load_id)
             return cached[1]
         path = os.fspath(self.path)
-        md_path = os.path.join(path, METADATA_NAME)
+        metadata = load_metadata(self._metadata_bytes(path), allow_unsafe=self.allow_unsafe_pickle)
+        meta = getattr(metadata, "storage_meta", None)
+        if self.commit is not None and meta is not None and getattr(meta, "save_id", None) not in (
+                None, self.commit["save_id"]):
+            raise CheckpointCorruptError(f"{path}: {METADATA_NAME} belongs to another save than the commit "
+                                         "marker; re-save this checkpoint")
+        _set_load_id(metadata, self.load_id)
+        self._metadata = (path, metadata)
+        return metadata
+
+    def _metadata_bytes(self, path: str) -> bytes:
+        """The bytes of ``.metadata``, checked against the manifest when the checkpoint is committed."""
         try:
-            raw = xfer.read_bytes(md_path)
+            raw = xfer.read_bytes(os.path.join(path, METADATA_NAME))
         except FileNotFoundError:
             if self.commit is not None:
                 raise CheckpointCorruptError(f"{path}: {METADATA_NAME} is missing although the checkpoint is "
                                              "committed; re-save it or load another step") from None
             raise not_committed(path) from None
         if self.commit is not None:
-            import zlib
-
             rec = self.commit["files"].get(METADATA_NAME)
             if rec is None:
                 raise CheckpointCorruptError(f"{path}: the manifest does not list {METADATA_NAME}")
             check_record(METADATA_NAME, path, rec, len(raw), zlib.crc32(raw))
-        metadata = load_metadata(raw, allow_unsafe=self.allow_unsafe_pickle)
-        meta = getattr(metadata, "storage_meta", None)
-        if self.commit is not None and meta is not None and getattr(meta, "save_id", None) not in (
-                None, self.commit["save_id"]):
-            raise CheckpointCorruptError(f"{path}: {METADATA_NAME} belongs to another save than the commit "
-                                         "marker; re-save this checkpoint")
-        _set_load_id(metadata, self)
-        self._metadata = (path, metadata)
-        return metadata
+        return raw
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        path = os.fspath(self.path)
-        names: list[str] = []
-        seen: set[str] = set()
-        for item in plan.items:
-            name = compat.storage_location(self.storage_data, item.storage_index)[0]
-            if name not in seen:
-                seen.add(name)
-                names.append(name)
-        expected = self.commit["files"] if self.commit else {}
-        if self.commit is not None:
-            missing = [n for n in names if n not in expected]
-            if missing:
-                raise CheckpointCorruptError(f"{path}: files {missing} are not in the manifest; re-save it")
-        safe_planner: Any = planner if self.allow_unsafe_pickle else WeightsOnlyPlanner(planner, path)
+        names = self._needed_files(plan)
+        safe_planner: Any = planner if self.allow_unsafe_pickle else WeightsOnlyPlanner(planner, os.fspath(self.path))
         if not names:
-            with self._naming_overwrites():
-                out = super().read_data(plan, safe_planner)
-            self._check_unchanged()
-            return out
+            return self._read_checked(plan, safe_planner)
         threads = min(self.download_threads, len(names))
-        staging = xfer.make_staging_dir(self.staging_dir, f"load-{getattr(self, 'load_id', None) or id(self)}")
+        staging = xfer.make_staging_dir(self.staging_dir, f"load-{self.load_id}")
         session = _DownloadSession(staging, threads, self.memory_budget)
         try:
-            in_memory = {n for n in names if n in expected and expected[n].size <= self.memory_budget // threads}
-            need = sum(expected[n].size for n in names if n in expected and n not in in_memory)
-            if need:
-                xfer.check_free_space(staging, need, self.min_free)
-            ticket = 0
-            for name in names:  # same order torch reads them in, so the first file arrives first
-                fut: CFuture[bytes | str]
-                if name in in_memory:
-                    fut = session.pool.submit(self._fetch, session, ticket, name, expected[name])
-                    ticket += 1
-                else:
-                    fut = session.pool.submit(self._download, name, os.path.join(staging, name), expected.get(name))
-                session.downloads[name] = fut
+            self._start_downloads(session, names, threads)
             self.fs.session = session
-            with self._naming_overwrites():
-                out = super().read_data(plan, safe_planner)
-            self._check_unchanged()
-            return out
+            return self._read_checked(plan, safe_planner)
         finally:
             self.fs.session = None
             session.close()
+
+    def _needed_files(self, plan: LoadPlan) -> list[str]:
+        """The files ``plan`` reads, in the order torch reads them; each must be in the manifest."""
+        names = list(dict.fromkeys(compat.storage_location(self.storage_data, item.storage_index)[0]
+                                   for item in plan.items))
+        if self.commit is not None:
+            missing = [n for n in names if n not in self.commit["files"]]
+            if missing:
+                raise CheckpointCorruptError(f"{self.path}: files {missing} are not in the manifest; re-save it")
+        return names
+
+    def _read_checked(self, plan: LoadPlan, planner: Any) -> Future[None]:
+        """torch's read of ``plan``; a damaged file, or a save begun meanwhile, raises as an overwrite."""
+        with self._naming_overwrites():
+            out = super().read_data(plan, planner)
+        self._check_unchanged()
+        return out
+
+    def _start_downloads(self, session: _DownloadSession, names: list[str], threads: int) -> None:
+        """Submit one download per file: into memory when small enough for the budget, else to staging."""
+        expected = self.commit["files"] if self.commit else {}
+        in_memory = {n for n in names if n in expected and expected[n].size <= self.memory_budget // threads}
+        need = sum(expected[n].size for n in names if n in expected and n not in in_memory)
+        if need:
+            xfer.check_free_space(session.staging, need, self.min_free)
+        ticket = 0
+        for name in names:  # same order torch reads them in, so the first file arrives first
+            fut: CFuture[bytes | str]
+            if name in in_memory:
+                fut = session.pool.submit(self._fetch, session, ticket, name, expected[name])
+                ticket += 1
+            else:
+                fut = session.pool.submit(self._download, name, os.path.join(session.staging, name),
+                                          expected.get(name))
+            session.downloads[name] = fut
 
     def _fetch(self, session: _DownloadSession, ticket: int, name: str, rec: FileRecord) -> bytes:
         path = os.fspath(self.path)

@@ -366,56 +366,21 @@ class UCVolumeWriter(FileSystemWriter):
 
     def _write_data_staged(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         prefix = plan.storage_data.prefix
-        items = list(plan.items)
-        need = sum(_item_size(i) for i in items)
-        if self.single_file_per_rank:
-            n_files = self.files_per_rank or auto_file_count(need)
-            buckets = split_buckets(n_files, items, _item_size, is_bytes=lambda i: i.type == WriteItemType.BYTE_IO)
-        else:
-            buckets = [[i] for i in items]
+        buckets, need = self._buckets(list(plan.items))
         staging = xfer.make_staging_dir(self.staging_dir, f"save-{self.save_id}-{prefix.strip('_') or 'r'}")
         session = _UploadSession(staging, self.upload_threads, self.verify, self._cancel_event())
-        own_fs = self.fs
-        staged = isinstance(own_fs, _StagingFileSystem)
+        staged = isinstance(self.fs, _StagingFileSystem)
         file_queue: queue.Queue = queue.Queue()
         try:
             if staged:
                 xfer.check_free_space(staging, int(need * 1.05) + (1 << 20), self.min_free)
-            names = []
-            for n, bucket in enumerate(buckets):
-                name = f"{prefix}{n}.distcp"
-                names.append(name)
+            names = [f"{prefix}{n}.distcp" for n in range(len(buckets))]
+            for name, bucket in zip(names, buckets):
                 file_queue.put((os.path.join(self.path, name), name, bucket))
-            if staged:
-                own_fs.session = session
-            else:  # a test replaced writer.fs: write through it, as torch's writer would, noting its errors
-                self.fs = _RecordingFileSystem(own_fs, session)  # type: ignore[assignment]
-            try:
-                results = list(compat.write_files(self, planner, file_queue).value())
-            except BaseException as e:  # noqa: BLE001 - re-raised as the one-line error it means
-                raise _staging_error(session.errors[0] if session.errors else e, staging if staged else None) \
-                    from None
-            finally:
-                if staged:
-                    own_fs.session = None
-                else:
-                    self.fs = own_fs
-            if session.errors:
-                raise _staging_error(session.errors[0], staging if staged else None)
-            missing = [n for n in names if n not in session.uploads and n not in session.direct]
-            if missing:
-                raise CheckpointError(f"torch's writer threads stopped without writing checkpoint shards {missing} "
-                                      "and without an error; save again")
-            files = {}
-            for name in names:
-                if name in session.direct:
-                    files[name] = tuple(xfer.file_crc(os.path.join(self.path, name)))
-                else:
-                    files[name] = tuple(session.uploads[name].result())
+            results = self._write_files(session, planner, file_queue, staging if staged else None)
+            files = self._durable_files(session, names)
         except BaseException:
-            with contextlib.suppress(queue.Empty):
-                while True:  # torch's other writer threads find nothing more to write
-                    file_queue.get_nowait()
+            _drain(file_queue)  # torch's other writer threads find nothing more to write
             session.abort()
             raise
         session.close()
@@ -425,31 +390,69 @@ class UCVolumeWriter(FileSystemWriter):
         fut.set_result(results)
         return fut
 
+    def _buckets(self, items: list[Any]) -> tuple[list[list[Any]], int]:
+        """The write items grouped into shard files, and the bytes of their tensors."""
+        need = sum(_item_size(i) for i in items)
+        if not self.single_file_per_rank:
+            return [[i] for i in items], need
+        n_files = self.files_per_rank or auto_file_count(need)
+        return split_buckets(n_files, items, _item_size, is_bytes=lambda i: i.type == WriteItemType.BYTE_IO), need
+
+    def _write_files(self, session: _UploadSession, planner: SavePlanner, file_queue: queue.Queue,
+                     staging: str | None) -> list[WriteResult]:
+        """torch's writer threads write ``file_queue`` through ``session`` (staged locally unless ``staging``
+        is None: a replaced ``writer.fs``); the first error of any of them is raised as one line."""
+        own_fs = self.fs
+        if staging is not None:
+            own_fs.session = session
+        else:  # a test replaced writer.fs: write through it, as torch's writer would, noting its errors
+            self.fs = _RecordingFileSystem(own_fs, session)  # type: ignore[assignment]
+        try:
+            results = list(compat.write_files(self, planner, file_queue).value())
+        except BaseException as e:  # noqa: BLE001 - re-raised as the one-line error it means
+            raise _staging_error(session.errors[0] if session.errors else e, staging) from None
+        finally:
+            if staging is not None:
+                own_fs.session = None
+            else:
+                self.fs = own_fs
+        if session.errors:
+            raise _staging_error(session.errors[0], staging)
+        return results
+
+    def _durable_files(self, session: _UploadSession, names: list[str]) -> dict[str, tuple[Any, ...]]:
+        """(size, CRC) of each shard once it is durable on the volume (waits for its upload)."""
+        missing = [n for n in names if n not in session.uploads and n not in session.direct]
+        if missing:
+            raise CheckpointError(f"torch's writer threads stopped without writing checkpoint shards {missing} "
+                                  "and without an error; save again")
+        return {name: tuple(xfer.file_crc(os.path.join(self.path, name))) if name in session.direct
+                else tuple(session.uploads[name].result()) for name in names}
+
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         try:
             self._commit(metadata, results)
         except BaseException as e:  # noqa: BLE001 - re-raised as the ucmagic error it means
             if self._begun is not None:  # not committed: every rank's shards are garbage now
-                for wr_list in results:
-                    for wr in wr_list:
-                        if isinstance(wr.index, MetadataIndex) and wr.index.fqn.startswith(_MANIFEST_FQN):
-                            for name in wr.storage_data["files"]:
-                                with contextlib.suppress(OSError):
-                                    xfer.remove_quietly(os.path.join(self.path, name))
-                for name in (COMMIT_NAME, METADATA_NAME):
-                    with contextlib.suppress(OSError):
-                        xfer.remove_quietly(os.path.join(self.path, name))
+                self._remove_uncommitted(results)
             raise self._fail(e) from None
         p = self._pending
         if p is not None and not p.fut.done():
             p.fut.set_result(os.fspath(self.path))
+
+    def _remove_uncommitted(self, results: list[list[WriteResult]]) -> None:
+        """Remove every rank's shards of this save, its ``.metadata`` and any marker (a failed commit)."""
+        names = [name for manifest in _manifests(results) for name in manifest]
+        for name in [*names, COMMIT_NAME, METADATA_NAME]:
+            with contextlib.suppress(OSError):
+                xfer.remove_quietly(os.path.join(self.path, name))
 
     def _commit(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         files: dict[str, FileRecord] = {}
         storage_md = {}
         for wr_list in results:
             for wr in wr_list:
-                if isinstance(wr.index, MetadataIndex) and wr.index.fqn.startswith(_MANIFEST_FQN):
+                if _is_manifest(wr):
                     files.update({k: FileRecord(*v) for k, v in wr.storage_data["files"].items()})
                 else:
                     storage_md[wr.index] = wr.storage_data
@@ -470,6 +473,22 @@ class UCVolumeWriter(FileSystemWriter):
         p = self._pending
         if p is not None and p.cancel.is_set():
             raise CheckpointError("the checkpoint save was cancelled (Ctrl-C) before its commit")
+
+
+def _is_manifest(wr: WriteResult) -> bool:
+    """A rank's list of its shard files (size, CRC), carried as a write result of its own."""
+    return isinstance(wr.index, MetadataIndex) and wr.index.fqn.startswith(_MANIFEST_FQN)
+
+
+def _manifests(results: list[list[WriteResult]]) -> list[dict[str, Any]]:
+    """Each rank's ``{file name: (size, CRC)}`` from the write results the coordinator gathered."""
+    return [wr.storage_data["files"] for wr_list in results for wr in wr_list if _is_manifest(wr)]
+
+
+def _drain(file_queue: queue.Queue) -> None:
+    with contextlib.suppress(queue.Empty):
+        while True:
+            file_queue.get_nowait()
 
 
 def _staging_error(exc: BaseException, staging: str | None) -> BaseException:
