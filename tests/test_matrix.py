@@ -269,8 +269,8 @@ class Runner:
             exit_problem = None
             if finished and rc != 0:
                 exit_problem = f"the child did not exit cleanly after its cells (rc {rc}): {err[-3000:]}"
-            elif finished and "Exception ignored" in err:
-                exit_problem = "the child printed 'Exception ignored' at exit: " + err[-2000:]
+            elif finished and any("ucmagic" in chunk[:1500] for chunk in err.split("Exception ignored")[1:]):
+                exit_problem = "the child printed 'Exception ignored' in ucmagic code: " + err[-2000:]
             if orphans:
                 blame = [started] if started is not None else [cell_id(c) for c in group]
                 for cid in blame:
