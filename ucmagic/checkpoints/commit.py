@@ -1,19 +1,25 @@
-"""Reading a checkpoint directory's state: its local path, its commit marker, its save-in-progress record.
+"""A checkpoint directory's state: its local path, its commit marker, its save-in-progress record.
 
-The formats (and the pure decisions on them) live in :mod:`.format`; this module does the reads, in
-the order that makes a save beginning or ending between them visible.
+The formats (and the pure decisions on them) live in :mod:`.format`; this module does the I/O: the
+reads, in the order that makes a save beginning or ending between them visible, and the record a
+save writes before it withdraws the previous checkpoint (and marks failed when it fails).
 """
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import socket
 from typing import Any
 
 from . import transfer as xfer
 from .format import (
     COMMIT_NAME,
+    METADATA_NAME,
     SAVING_NAME,
     in_progress_message,
     is_committed_by,
+    make_saving_record,
     not_committed,
     parse_commit,
     parse_saving_record,
@@ -66,3 +72,28 @@ def read_commit(path: str) -> dict[str, Any]:
         if record is not None and not is_committed_by(commit.get("save_id"), record):
             raise CheckpointInProgressError(in_progress_message(path, record))
         return commit
+
+
+def begin_save(path: str, save_id: str) -> None:
+    """Write the save-in-progress record of ``save_id`` into ``path``, then withdraw the checkpoint there.
+
+    In this order, so that a reader between the two steps sees the save (see :func:`read_commit`).
+    """
+    record = make_saving_record(save_id=save_id, host=socket.gethostname(), pid=os.getpid())
+    xfer.write_bytes(os.path.join(path, SAVING_NAME), record)
+    xfer.remove_quietly(os.path.join(path, COMMIT_NAME))
+    xfer.remove_quietly(os.path.join(path, METADATA_NAME))
+
+
+def mark_save_failed(path: str, save_id: str, exc: BaseException) -> None:
+    """Note ``exc`` in the save-in-progress record of ``save_id`` (readers then say the save failed).
+
+    Best effort: a record that is gone, or belongs to another save, is left as it is.
+    """
+    with contextlib.suppress(Exception):
+        rec = parse_saving_record(xfer.read_bytes(os.path.join(path, SAVING_NAME)))
+        if rec.get("save_id") == save_id:
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
+            first = first if len(first) <= 400 else "..." + first[-400:]  # the cause is at the end
+            rec["failed"] = first
+            xfer.write_bytes(os.path.join(path, SAVING_NAME), json.dumps(rec).encode())

@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 import os
 import pickle
 import queue
-import socket
 import threading
 import uuid
 import warnings
@@ -34,7 +32,7 @@ from torch.futures import Future
 
 from .. import _torch_compat as compat
 from . import transfer as xfer
-from .commit import volume_dir
+from .commit import begin_save, mark_save_failed, volume_dir
 from .exit import PendingSave, track_pending_save
 from .format import (
     COMMIT_NAME,
@@ -43,8 +41,6 @@ from .format import (
     SAVING_NAME,
     FileRecord,
     make_commit,
-    make_saving_record,
-    parse_saving_record,
     split_buckets,
     stale_files,
 )
@@ -251,11 +247,8 @@ class UCVolumeWriter(FileSystemWriter):
             return  # refused in prepare_local_plan, the way torch's writer does it
         os.makedirs(path, exist_ok=True)
         self.save_id = uuid.uuid4().hex  # fresh per save, also when a writer object is reused
-        record = make_saving_record(save_id=self.save_id, host=socket.gethostname(), pid=os.getpid())
         present = self._checkpoint_present()
-        xfer.write_bytes(os.path.join(path, SAVING_NAME), record)
-        xfer.remove_quietly(os.path.join(path, COMMIT_NAME))
-        xfer.remove_quietly(os.path.join(path, METADATA_NAME))
+        begin_save(path, self.save_id)
         self._replaced = path if present else None
         self._begun = path
 
@@ -273,13 +266,7 @@ class UCVolumeWriter(FileSystemWriter):
     def _failed(self, exc: BaseException) -> None:
         """Note a failure in the record (readers say the save failed) and in the pending-at-exit future."""
         if self._begun is not None:
-            with contextlib.suppress(Exception):
-                rec = parse_saving_record(xfer.read_bytes(os.path.join(self._begun, SAVING_NAME)))
-                if rec.get("save_id") == self.save_id:
-                    first = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
-                    first = first if len(first) <= 400 else "..." + first[-400:]  # the cause is at the end
-                    rec["failed"] = first
-                    xfer.write_bytes(os.path.join(self._begun, SAVING_NAME), json.dumps(rec).encode())
+            mark_save_failed(self._begun, self.save_id, exc)
         p = self._pending
         if p is not None and not p.fut.done():
             p.fut.set_exception(exc)
