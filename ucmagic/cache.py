@@ -1077,7 +1077,8 @@ class FileCache:
     def _budget_name(self, limit: int) -> str:
         own = self.limit is not None and limit >= self.limit
         return (f"cache_limit={format_size(limit)}" if own else
-                f"cache_limit={format_size(limit)} (set by another process using {self.root})")
+                f"cache_limit={format_size(limit)} (set by another live dataset using {self.root}, in this or "
+                "another process: the smallest budget of any live one holds)")
 
     def _record_limit(self) -> None:
         """Let every process using this directory honour this object's ``cache_limit`` while it (and
