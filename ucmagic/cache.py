@@ -53,6 +53,7 @@ DEFAULT_MIN_FREE = 0.10
 TMP_STALE_S = 6 * 3600.0  # a temp file whose writer cannot be identified is dropped after this long
 TOUCH_EVERY_S = 300.0  # LRU resolution: a hit refreshes an entry's last-use time at most this often
 STALL_S = 120.0  # a fill no loop waits on gives up after this long without any room freed
+LOOP_STALL_S = 60.0  # a fill of a loop (may_exceed given) likewise: its consumption reports never free room
 SUBDIRS = ("files", "tmp", "locks", "prot")
 OLD_DATA = "data"  # the layout before entries kept source names (data/<xx>/<key><ext>): reaped, never served
 _SUFFIX_RE = re.compile(r"\.[A-Za-z0-9_\-]{1,16}$")
@@ -1025,6 +1026,14 @@ class FileCache:
                     f"no room for a {format_size(size)} file in {self._budget_name(limit)} for {STALL_S:g} s: "
                     f"{format_size(total)} is held by files running loops have not consumed yet. Raise "
                     "cache_limit, or let those loops finish first")
+            elif may_exceed is not None and time.monotonic() - best_at > LOOP_STALL_S:
+                # a loop's fill, never allowed over and nothing freed: the loop's consumption reports
+                # lag behind what it read (a wrapper that yields fewer items than it takes), a deadlock
+                raise CacheFullError(
+                    f"no room for a {format_size(size)} file in {self._budget_name(limit)} for {LOOP_STALL_S:g} s "
+                    f"while the loop waits: {format_size(total)} is held by files it has not reported consumed "
+                    "(a wrapper dataset that yields fewer items than it reads under-reports). Raise cache_limit "
+                    "to hold a few batches per DataLoader worker, or set cache_limit=None")
             if on_wait is not None:
                 on_wait()  # may raise: the loop that wanted this file is gone
             time.sleep(delay)

@@ -262,10 +262,17 @@ class _Stream:
 
         threading.Thread(target=loop, name="ucmagic-protect", daemon=True).start()
 
-    def finish(self) -> None:
-        """End of the stream's iteration: keep only what was handed out and not yet consumed."""
+    def finish(self, *, abandoned: bool = False) -> None:
+        """End of the stream's iteration: keep only what was handed out and not yet consumed. An
+        iteration left by an exception, ``break`` or ``close()`` (``abandoned``) keeps nothing: no
+        consumption will be reported for it any more, so nothing would ever release its items."""
         with self._mu:
             self.finished = True
+            if abandoned:
+                self.lo = self.hi = 0
+                self.cache.drop_record(self.path)
+                self._stop.set()
+                return
             self.lo = max(self.lo, self._done())
             self.hi = min(self.hi, self.yielded)
             if self.hi > self.lo:
@@ -280,7 +287,7 @@ class _Stream:
             self._stop.set()
 
 
-_active_streams: dict[str, _Stream] = {}
+_active_streams: "weakref.WeakValueDictionary[str, _Stream]" = weakref.WeakValueDictionary()  # no lifeline
 _live_iterations: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
@@ -822,7 +829,14 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
                 stream.cover(pos)
                 yield pos
 
+        parent = None if main else os.getppid()  # a worker's waits end when its main process is gone
+
+        def alive() -> bool:
+            return parent is None or os.getppid() == parent
+
         def on_wait() -> None:
+            if not alive():
+                raise SystemExit("ucmagic: the DataLoader's main process is gone; this worker exits")
             restart_timeout()
             stream.refresh()
 
@@ -908,6 +922,7 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
                 _release_free_heap()
 
         pos, warm = 0, True  # a warm cache (a second epoch, a restart) is found by the first run
+        abandoned = True  # until the stream is exhausted: an exception, break or close() leaves it
         try:
             while pos < n:
                 if warm:
@@ -935,7 +950,7 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
                 streak = 0  # consecutive hits: a long run switches back to warm runs
                 ahead = read_ahead(get, scheduled(pos), depth=depth, timeout=self.timeout,
                                    describe=lambda p: self.volume.display(items.entry(p).path),
-                                   fast=hit, cost=items.size, max_bytes=max_bytes)
+                                   fast=hit, cost=items.size, max_bytes=max_bytes, alive=alive)
                 try:
                     for pos, got in enumerate(ahead, pos):  # noqa: B020 - pos carries over to the warm runs
                         handed(pos)
@@ -962,9 +977,10 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
                     ahead.close()  # calls not started are cancelled; started fills still land in the cache
                     timing.clear()  # what was found ahead is looked up again by the warm run
                     probed.clear()
+            abandoned = False  # exhausted: the loop may still hold (and report) its last batches
         finally:
             flush()
-            stream.finish()
+            stream.finish(abandoned=abandoned)
             _release_free_heap()
             if skipped:
                 more = f" and {stream.skipped - len(skipped)} more" if stream.skipped > len(skipped) else ""

@@ -158,7 +158,7 @@ def tune_window(w: Window, rate: float, wait_share: float, *, floor: int, ceilin
 def read_ahead(fn: Callable[[T], R], items: Iterable[T], *, depth: int = 32, timeout: float | None = 120.0,
                pool: Executor | None = None, describe: Callable[[T], str] = str,
                fast: Callable[[T], R | None] | None = None, cost: Callable[[T], int] | None = None,
-               max_bytes: int | None = None) -> Generator[R, None, None]:
+               max_bytes: int | None = None, alive: Callable[[], bool] | None = None) -> Generator[R, None, None]:
     """Yield ``fn(item)`` for each item, in order, with up to ``depth`` calls in flight.
 
     The calls in flight start at 8 and follow :func:`tune_window`: more while the consumer waits
@@ -173,7 +173,8 @@ def read_ahead(fn: Callable[[T], R], items: Iterable[T], *, depth: int = 32, tim
     cancels calls that have not started, and calls still waiting (see :func:`restart_timeout`) stop.
     The consumer waits in steps of ``POLL_S``, so Ctrl-C interrupts it at once. ``fast(item)``, when
     given, is tried first on the calling thread; a result other than None is used as is (a cache
-    hit needs no thread hop).
+    hit needs no thread hop). ``alive()``, when given, is asked at each step of a wait: False (a
+    DataLoader worker whose main process is gone) ends the wait with SystemExit.
     """
     depth = max(1, int(depth))
     pool = pool or shared_pool(depth)
@@ -228,6 +229,8 @@ def read_ahead(fn: Callable[[T], R], items: Iterable[T], *, depth: int = 32, tim
                     t0 = time.perf_counter()
                     # timed steps, never one blocking wait: Ctrl-C and the stall check act within POLL_S
                     while not wait_futures((fut,), timeout=POLL_S).done:
+                        if alive is not None and not alive():
+                            raise SystemExit("ucmagic: the DataLoader's main process is gone; this worker exits")
                         if not timeout or task.started is None:
                             continue
                         now, current = time.monotonic(), _probe(task)

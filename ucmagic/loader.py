@@ -197,6 +197,12 @@ class DataLoader(tud.DataLoader):
         self._wrapped = None if uc else wrapped_planned(dataset)
         if self._wrapped is not None:
             self._consumed = self._wrapped.consumption_channel()
+            # batch-aligned streams as without the wrapper: the fills of the whole batch the loop
+            # waits for may go over a budget (with the default quantum of 1 only its first could,
+            # and a budget under one batch waited for room forever); epochs stay the dataset's own
+            bs = self.batch_size or 1
+            self._wrapped.batch_quantum = bs
+            self._wrapped.lease_items = ((self.prefetch_factor or 0) + 3) * bs
 
     # -- setup
     def _configure_dataset(self) -> None:
