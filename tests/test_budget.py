@@ -137,3 +137,42 @@ def test_seed_wrapper_reports_consumption_under_ucmagic_dataloader_and_a_small_b
         return
     got = [head for b in DataLoader(PathsOf(ds), **kw) for head in b]
     assert sorted(h.split(b"\n")[0].decode() for h in got) == sorted(rels)
+
+
+class EveryOther(IterableDataset):
+    """A filtering wrapper: yields half of what it reads (its consumption reports lag behind)."""
+
+    def __init__(self, path_dataset):
+        self._path_dataset = path_dataset
+
+    def __iter__(self):
+        for i, local_path in enumerate(self._path_dataset):
+            if i % 2 == 0:
+                yield local_path
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("workers", [0, 2])
+def test_seed_wrapper_under_ucmagic_dataloader_completes_with_a_budget_below_one_batch(tmp_path, workers):
+    root = str(tmp_path / "vol")
+    rels = make_files(root, 80, 6 * 1024, per_dir=40)  # a batch of 4 is 24 KiB, the budget 12 KiB
+    ds = UCVolumeDataset(root, cache_dir=str(tmp_path / "c"), cache_limit=12 * 1024)
+    kw = dict(batch_size=4, num_workers=workers, collate_fn=list)
+    if workers:
+        kw["prefetch_factor"] = 2
+    for _ in range(2):
+        got = [head for b in DataLoader(PathsOf(ds), **kw) for head in b]
+        assert sorted(h.split(b"\n")[0].decode() for h in got) == sorted(rels)
+
+
+@pytest.mark.timeout(60)
+def test_filtering_wrapper_that_cannot_get_room_ends_with_a_named_error_not_a_hang(tmp_path, monkeypatch):
+    import ucmagic.cache
+
+    monkeypatch.setattr(ucmagic.cache, "LOOP_STALL_S", 1.0)
+    root = str(tmp_path / "vol")
+    make_files(root, 80, 6 * 1024, per_dir=40)
+    ds = UCVolumeDataset(root, cache_dir=str(tmp_path / "c"), cache_limit=12 * 1024)
+    with pytest.raises(CacheFullError, match="Raise cache_limit"):
+        for _ in DataLoader(EveryOther(ds), batch_size=4, num_workers=0, collate_fn=list):
+            pass
