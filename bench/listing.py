@@ -89,8 +89,8 @@ def run_step(name: str, kw: dict) -> dict:
     import pyarrow.compute  # noqa: F401
     import pyarrow.ipc  # noqa: F401
 
-    from ucmagic.listing import open_listing
-    from ucmagic.volume import LocalVolume
+    from ucmagic.files.listing import open_listing
+    from ucmagic.files.volume import LocalVolume
 
     if name == "walk":  # single-threaded os.walk, names only or with a stat per file (sizes and mtimes)
         t0 = time.perf_counter()
@@ -188,9 +188,9 @@ def _member(kind: str, blob: bytes, streams: int, s: int, barrier, q) -> None:
     import pyarrow.compute  # noqa: F401  -- libraries load before the baseline
     import pyarrow.ipc  # noqa: F401
 
-    from ucmagic import plan
-    from ucmagic.listing import Listing  # noqa: F401  (imported before the baseline)
-    from ucmagic.volume import listing_fingerprint
+    from ucmagic.files import plan
+    from ucmagic.files.listing import Listing  # noqa: F401  (imported before the baseline)
+    from ucmagic.files.volume import listing_fingerprint
 
     proc = psutil.Process()
     gc.collect()
@@ -249,7 +249,7 @@ def _rank(root: str, cache: str, out_dir: str, workers: int) -> None:
     import torch.distributed as dist
 
     from ucmagic import DataLoader, UCVolumeDataset
-    from ucmagic.listing import Listing  # noqa: F401  (imported before the baseline)
+    from ucmagic.files.listing import Listing  # noqa: F401  (imported before the baseline)
 
     dist.init_process_group("gloo", init_method=f"file://{os.path.join(out_dir, 'store')}",
                             rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
@@ -287,8 +287,8 @@ def _rank(root: str, cache: str, out_dir: str, workers: int) -> None:
 
 def dataset_memory(root: str, cache: str, ranks: int, workers: int) -> dict:
     """Run ``ranks`` ranks x ``workers`` spawned workers over one shuffled epoch (see the module doc)."""
-    from ucmagic.listing import open_listing
-    from ucmagic.volume import LocalVolume
+    from ucmagic.files.listing import open_listing
+    from ucmagic.files.volume import LocalVolume
 
     open_listing(LocalVolume(root), None, cache)  # listed once beforehand: the ranks measure steady state
     out_dir = tempfile.mkdtemp(prefix="ucmagic-bench-ds-")
@@ -468,8 +468,8 @@ def measure_all(root: str, cache: str, work: str, args, out: dict) -> None:
 
 def memory_all(root: str, cache: str, args, out: dict) -> None:
     sys.path.insert(0, ROOT)
-    from ucmagic.listing import open_listing
-    from ucmagic.volume import LocalVolume
+    from ucmagic.files.listing import open_listing
+    from ucmagic.files.volume import LocalVolume
 
     p = run_in_child("pickles", root=root, cache=cache)
     out["pickles"] = p

@@ -2,7 +2,7 @@
 
     python bench/scale_sim.py [--files 100_000_000] [--ranks-per-node 8] [--workers 4] [--epochs 4]
 
-Pure computation over the real plan functions (``ucmagic.plan``), no I/O:
+Pure computation over the real plan functions (``ucmagic.files.plan``), no I/O:
 
 - *balance* (items per rank and per worker stream) comes from ``plan.stream_spans`` at full scale —
   O(ranks x workers), never O(files);
@@ -24,7 +24,7 @@ from collections import OrderedDict
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ucmagic import plan  # noqa: E402
+from ucmagic.files import plan  # noqa: E402
 
 
 def simulate_node_hits(nodes: int, share: int, cache_files: int, epochs: int, mode: str, local: int = 8,

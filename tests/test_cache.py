@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ucmagic.cache import (
+from ucmagic.files.cache import (
     TOUCH_EVERY_S,
     FileCache,
     KeyLocks,
@@ -24,7 +24,7 @@ from ucmagic.cache import (
     safe_suffix,
 )
 from ucmagic.errors import CacheFullError
-import ucmagic.cache as cache_mod
+import ucmagic.files.cache as cache_mod
 
 
 def writer(data: bytes, delay: float = 0.0, calls: list | None = None):

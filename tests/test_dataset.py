@@ -13,10 +13,10 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader as TorchLoader
 
 from ucmagic import UCVolumeDataset
-from ucmagic.cache import FileCache
+from ucmagic.files.cache import FileCache
 from ucmagic.errors import (EmptyListingError, FetchError, ListingChangedError, NotADirectoryErrorUC, SizeParseError,
                             SourceNotFoundError)
-from ucmagic.volume import LocalVolume
+from ucmagic.files.volume import LocalVolume
 
 
 def rel_of(path: str) -> str:
@@ -453,7 +453,7 @@ def test_restart_checks_run_on_the_loop_thread_when_a_check_is_fast_else_on_thre
     import threading
 
     root, rels, cache, stats = _listed_then_counting_stats(tree, tmp_path, monkeypatch)
-    monkeypatch.setattr("ucmagic.dataset.FAST_CHECK_S", fast_s)  # 1 s: every check "fast"; 0: none
+    monkeypatch.setattr("ucmagic.files.dataset.FAST_CHECK_S", fast_s)  # 1 s: every check "fast"; 0: none
     threads: set[int] = set()
     counting = LocalVolume.stat
 
@@ -489,7 +489,7 @@ def test_validate_files_checks_up_front_and_not_while_iterating(tree, tmp_path, 
 @settings(max_examples=60, deadline=None)
 @given(st.integers(1, 3000).flatmap(lambda n: st.tuples(st.just(n), st.sets(st.integers(0, n - 1)))))
 def test_checked_files_remember_exactly_what_was_added_and_a_plain_pickle_forgets(case):
-    from ucmagic.dataset import CheckedFiles
+    from ucmagic.files.dataset import CheckedFiles
 
     n, added = case
     c = CheckedFiles(n)

@@ -10,10 +10,10 @@ from torch.utils.data import DataLoader as TorchLoader
 
 from test_listing import CountingVolume, SyntheticVolume, age
 from ucmagic import ResumeOrderError, UCVolumeDataset
-from ucmagic import plan
-from ucmagic.cache import entry_name
-from ucmagic.dataset import StreamItems
-from ucmagic.listing import open_listing
+from ucmagic.files import plan
+from ucmagic.files.cache import entry_name
+from ucmagic.files.dataset import StreamItems
+from ucmagic.files.listing import open_listing
 from ucmagic.testing import make_files
 
 
@@ -130,7 +130,7 @@ def test_stream_items_match_the_epoch_order_in_any_access_order(listing, world, 
 
 
 def test_a_stream_keeps_a_bounded_number_of_decoded_chunks(listing):
-    from ucmagic.dataset import STREAM_CHUNKS_KEPT
+    from ucmagic.files.dataset import STREAM_CHUNKS_KEPT
 
     decoded = []
 

@@ -1,4 +1,4 @@
-"""The planned-dataset contract (ucmagic.epochs) and the one rank/world helper (ucmagic.dist)."""
+"""The planned-dataset contract (ucmagic.files.epochs) and the one rank/world helper (ucmagic.dist)."""
 import os
 from unittest import mock
 
@@ -9,10 +9,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch.utils.data import IterableDataset
 
-from ucmagic.dataset import UCVolumeDataset
+from ucmagic.files.dataset import UCVolumeDataset
 from ucmagic.dist import DistInfo, all_gather_ints, dist_info
-from ucmagic.epochs import EpochTracking, PlannedDataset, check_state_kind
-from ucmagic.loader import DataLoader
+from ucmagic.files.epochs import EpochTracking, PlannedDataset, check_state_kind
+from ucmagic.loading.loader import DataLoader
 
 
 class Epochs(EpochTracking):

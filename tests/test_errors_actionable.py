@@ -12,10 +12,10 @@ import pytest
 
 import ucmagic
 from ucmagic import UCVolumeDataset
-from ucmagic.cache import FileCache
+from ucmagic.files.cache import FileCache
 from ucmagic.errors import (CacheDirError, CacheFullError, CacheFullFetchError, FetchError, InvalidArgumentError,
                             SourceChangedError, UCMagicError, UnreadableDirectoryError)
-from ucmagic.fetch import with_retries
+from ucmagic.files.fetch import with_retries
 from ucmagic.testing import make_files
 
 
@@ -131,7 +131,7 @@ def test_a_partly_consumed_iterator_alive_at_exit_prints_nothing(root, tmp_path)
 
 
 def _hold_budget(cache: str, limit: int) -> subprocess.Popen:
-    code = ("import sys, time\nfrom ucmagic.cache import FileCache\n"
+    code = ("import sys, time\nfrom ucmagic.files.cache import FileCache\n"
             "c = FileCache(sys.argv[1], limit=int(sys.argv[2]))\nprint('READY', flush=True)\ntime.sleep(120)\n")
     p = subprocess.Popen([sys.executable, "-c", code, cache, str(limit)], stdout=subprocess.PIPE, text=True)
     assert p.stdout is not None and p.stdout.readline().strip() == "READY"

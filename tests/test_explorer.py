@@ -8,7 +8,7 @@ import pytest
 from test_loader_stats import synth, warm_items
 
 from ucmagic.errors import MissingExtraError, import_extra
-from ucmagic.loader_stats import LoaderStats
+from ucmagic.loading.loader_stats import LoaderStats
 
 
 # ------------------------------------------------------------------ real loaders

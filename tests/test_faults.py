@@ -19,10 +19,10 @@ import time
 import pytest
 
 from ucmagic import UCVolumeDataset
-from ucmagic.cache import FileCache, cache_key
+from ucmagic.files.cache import FileCache, cache_key
 from ucmagic.errors import FetchError, FetchTimeoutError
 from ucmagic.testing import make_files
-from ucmagic.volume import LocalVolume, open_volume
+from ucmagic.files.volume import LocalVolume, open_volume
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CHILD = os.path.join(HERE, "scripts", "crash_child.py")

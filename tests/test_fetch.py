@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from ucmagic._util import RetryPolicy
 from ucmagic.errors import FetchTimeoutError
 
-from ucmagic.fetch import Window, backoff_delays, read_ahead, restart_timeout, tune_window, with_retries
+from ucmagic.files.fetch import Window, backoff_delays, read_ahead, restart_timeout, tune_window, with_retries
 
 
 def _counting(fn, sleep):
@@ -204,7 +204,7 @@ def test_fetch_backoff_is_the_shared_policy():
 
 
 def test_timeout_counts_only_time_without_progress():
-    from ucmagic.fetch import watch_progress
+    from ucmagic.files.fetch import watch_progress
 
     release = threading.Event()
 

@@ -13,9 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ucmagic import UCVolumeDataset, stage
-from ucmagic.cache import FileCache, cache_key, entry_file, entry_name, map_relpath
+from ucmagic.files.cache import FileCache, cache_key, entry_file, entry_name, map_relpath
 from ucmagic.errors import UnsafeCacheError
-from ucmagic.volume import is_safe_rel
+from ucmagic.files.volume import is_safe_rel
 
 HOSTILE = ["..a", "a..b", "...", "..b/..c/d..", "new\nline.bin", "tab\tand space .bin", "ünïcødé-日本語.bin",
            "x" * 251 + ".bin", "-rf", "$(touch pwned)", "quote'\"`.bin"]

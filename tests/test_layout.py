@@ -90,7 +90,7 @@ def test_slow_protocol_falls_back_when_the_entry_point_is_missing():
         import fsspec
         known_implementations.pop("slow", None)     # as in a source tree or an install made before the entry point
         assert "slow" not in fsspec.available_protocols()
-        import ucmagic.volume
+        import ucmagic.files.volume
         cls = fsspec.get_filesystem_class("slow")
         print(f"{cls.__module__}.{cls.__qualname__}")
     """, str(ROOT))

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from ucmagic import EmptyListingError, ListingChangedError
-from ucmagic.cache import cache_key, safe_suffix
-from ucmagic.listing import RACY_S, Listing, forget_listing, listings_dir, open_listing
+from ucmagic.files.cache import cache_key, safe_suffix
+from ucmagic.files.listing import RACY_S, Listing, forget_listing, listings_dir, open_listing
 from ucmagic.testing import make_files
-from ucmagic.volume import DirScan, FileEntry, LocalVolume, Volume, listing_fingerprint, open_volume
+from ucmagic.files.volume import DirScan, FileEntry, LocalVolume, Volume, listing_fingerprint, open_volume
 
 
 class CountingVolume(LocalVolume):
@@ -296,8 +296,8 @@ def test_concurrent_relists_share_one_rebuild(vol, tmp_path):
 
 def test_building_and_reading_a_listing_loads_no_pandas(vol, tmp_path):
     # pandas would add ~1 s and tens of MB to every rank and worker that maps a listing
-    code = ("import sys, numpy as np; from ucmagic.listing import open_listing; "
-            "from ucmagic.volume import LocalVolume; "
+    code = ("import sys, numpy as np; from ucmagic.files.listing import open_listing; "
+            "from ucmagic.files.volume import LocalVolume; "
             f"l = open_listing(LocalVolume({vol.root!r}), None, {cache_root(tmp_path)!r}); "
             "l.entries(np.arange(len(l))); l.dirs(); print('pandas' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
@@ -305,7 +305,7 @@ def test_building_and_reading_a_listing_loads_no_pandas(vol, tmp_path):
 
 
 def test_superseded_builds_are_removed_after_a_day_and_recent_ones_kept(vol, tmp_path):
-    from ucmagic.listing import SUPERSEDED_GRACE_S
+    from ucmagic.files.listing import SUPERSEDED_GRACE_S
 
     old = open_listing(vol, None, cache_root(tmp_path))
     recent = open_listing(vol, None, cache_root(tmp_path), relist=True)

@@ -12,10 +12,10 @@ import pytest
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from ucmagic import plan
-from ucmagic.dataset import UCVolumeDataset
+from ucmagic.files import plan
+from ucmagic.files.dataset import UCVolumeDataset
 from ucmagic.errors import ListingChangedError
-from ucmagic.loader import DataLoader, LoaderStats
+from ucmagic.loading.loader import DataLoader, LoaderStats
 
 
 def rel_of(path: str) -> str:
@@ -258,7 +258,7 @@ def test_metrics_land_in_the_active_run_with_rank_keys_and_steps(mlflow_store, t
 
 
 def test_writes_are_batched(mlflow_store, monkeypatch):
-    from ucmagic import mlflow_sink
+    from ucmagic.loading import mlflow_sink
 
     made = []
     real = mlflow_sink.MlflowSink.for_active_run.__func__
@@ -282,7 +282,7 @@ def test_writes_are_batched(mlflow_store, monkeypatch):
 
 def test_run_from_env_and_no_run_means_no_logging(mlflow_store, monkeypatch):
     mlflow = mlflow_store
-    from ucmagic.mlflow_sink import active_run_id
+    from ucmagic.loading.mlflow_sink import active_run_id
 
     assert mlflow.active_run() is None and active_run_id() is None
     loader = DataLoader(torch.arange(4), num_workers=0)
@@ -300,7 +300,7 @@ def test_mlflow_errors_never_break_training(mlflow_store):
         def log_batch(self, *a, **k):
             raise ConnectionError("tracking server down")
 
-    from ucmagic.mlflow_sink import MlflowSink
+    from ucmagic.loading.mlflow_sink import MlflowSink
 
     sink = MlflowSink("run", 3, interval=0, client=Broken())
     with pytest.warns(UserWarning, match="could not log"):

@@ -1,4 +1,4 @@
-"""ucmagic.loader_stats (LoaderStats), stats_analysis and stats_file: straggler hints, save/load/merge,
+"""ucmagic.loading.loader_stats (LoaderStats), stats_analysis and stats_file: straggler hints, save/load/merge,
 snapshots, and the presenter hook behind plot() / explore() / monitor()."""
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ import textwrap
 import numpy as np
 import pytest
 
-from ucmagic import presenters, stats_analysis
-from ucmagic.loader_stats import LoaderStats
+from ucmagic import presenters
+from ucmagic.loading import stats_analysis
+from ucmagic.loading.loader_stats import LoaderStats
 
 
 # ------------------------------------------------------------------ synthetic stats
@@ -182,9 +183,9 @@ def test_an_unregistered_presenter_says_how_to_register_one():
 def test_the_engine_loads_the_notebook_layer_only_when_something_is_shown():
     code = textwrap.dedent("""
         import sys
-        import ucmagic.loader, ucmagic.loader_stats
+        import ucmagic.loading.loader, ucmagic.loading.loader_stats
         before = sorted(m for m in sys.modules if m.startswith("ucmagic.notebook"))
-        from ucmagic.loader_stats import LoaderStats
+        from ucmagic.loading.loader_stats import LoaderStats
         fig = LoaderStats().plot()
         after = sorted(m for m in sys.modules if m.startswith("ucmagic.notebook"))
         print(before, after, type(fig).__name__)

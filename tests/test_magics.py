@@ -136,8 +136,8 @@ def test_classify_source(tmp_path, tree, monkeypatch):
 # ------------------------------------------------------------------ %ucload: files
 
 def test_ucload_directory_builds_a_loader_with_expanded_arguments(ip, tree, tmp_path):
-    from ucmagic.dataset import UCVolumeDataset
-    from ucmagic.loader import DataLoader
+    from ucmagic.files.dataset import UCVolumeDataset
+    from ucmagic.loading.loader import DataLoader
 
     root, rels = tree
     spaced = tmp_path / "my volume"
@@ -340,8 +340,8 @@ def test_ucstage_export(ip, table, tmp_path):
 @pytest.fixture
 def model_ns(ip, tree):
     torch = pytest.importorskip("torch")
-    from ucmagic.dataset import UCVolumeDataset
-    from ucmagic.loader import DataLoader
+    from ucmagic.files.dataset import UCVolumeDataset
+    from ucmagic.loading.loader import DataLoader
 
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
@@ -368,8 +368,8 @@ def test_ucckpt_save_list_load_roundtrip_with_loader_state(ip, model_ns, tmp_pat
     saved = {k: v.clone() for k, v in model.state_dict().items()}
     with torch.no_grad():
         model.weight.add_(1.0)
-    from ucmagic.dataset import UCVolumeDataset
-    from ucmagic.loader import DataLoader
+    from ucmagic.files.dataset import UCVolumeDataset
+    from ucmagic.loading.loader import DataLoader
 
     fresh = DataLoader(UCVolumeDataset(loader.dataset.path), batch_size=10, num_workers=0, log_to_mlflow=False)
     ip.user_ns["fresh"] = fresh

@@ -20,7 +20,7 @@ from ucmagic.errors import EmptyListingError, FetchError, PackError
 from ucmagic.shards import read_index
 from ucmagic.shards.pack import (RECORD, STATE_NAME, PlannedMember, group_files, header_size, plan_boundaries,
                                  plan_shards, tar_header, tar_size)
-from ucmagic.volume import FileEntry
+from ucmagic.files.volume import FileEntry
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLASSES = ("cat", "dog", "eel")
@@ -331,7 +331,7 @@ def test_a_failing_read_stops_the_pack_leaving_only_whole_shards_and_a_rerun_com
                                                                                           monkeypatch):
     import errno
 
-    from ucmagic.volume import LocalVolume
+    from ucmagic.files.volume import LocalVolume
 
     root, _ = src
     ref = str(tmp_path / "ref")

@@ -148,8 +148,8 @@ def test_final_state_on_error_carries_the_message():
 
 
 def _uc_loader(root, **kw):
-    from ucmagic.dataset import UCVolumeDataset
-    from ucmagic.loader import DataLoader
+    from ucmagic.files.dataset import UCVolumeDataset
+    from ucmagic.loading.loader import DataLoader
 
     return DataLoader(UCVolumeDataset(root), batch_size=10, num_workers=0, log_to_mlflow=False, **kw)
 

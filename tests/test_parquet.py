@@ -14,7 +14,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ucmagic import plan
+from ucmagic.files import plan
 from ucmagic.tables import export as parquet_export
 from ucmagic.errors import ListingChangedError, SizeParseError, SourceNotFoundError
 from ucmagic.tables import ParquetDataset, export_parquet

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ucmagic import NotAnEntryError, UCVolumeDataset
-from ucmagic.cache import (
+from ucmagic.files.cache import (
     NAME_MAX,
     FileCache,
     cache_command,
@@ -21,7 +21,7 @@ from ucmagic.cache import (
     process_tag,
     unmap_relpath,
 )
-from ucmagic.dataset import SourceFile
+from ucmagic.files.dataset import SourceFile
 
 # components users and object stores produce, plus every kind of hostile one
 _parts = st.one_of(

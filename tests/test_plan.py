@@ -1,10 +1,10 @@
-"""Property tests of the resume math in ucmagic.plan: a resume on any layout delivers exactly the rest."""
+"""Property tests of the resume math in ucmagic.files.plan: a resume on any layout delivers exactly the rest."""
 import itertools
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ucmagic import plan
+from ucmagic.files import plan
 
 
 def naive_round_robin(batches, delivered):

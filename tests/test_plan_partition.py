@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ucmagic import ResumeOrderError, plan
+from ucmagic import ResumeOrderError
+from ucmagic.files import plan
 
 
 def all_streams(pool, world, workers, mode, quantum):

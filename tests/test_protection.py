@@ -11,7 +11,7 @@ import time
 import pytest
 
 from ucmagic import DataLoader, UCVolumeDataset
-from ucmagic.cache import FileCache
+from ucmagic.files.cache import FileCache
 from ucmagic.testing import make_files
 
 

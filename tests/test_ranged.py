@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ucmagic.ranged import plan_ranges, ranged_copy
+from ucmagic.files.ranged import plan_ranges, ranged_copy
 
 
 @settings(deadline=None)  # a loaded machine must not fail a pure property

@@ -5,8 +5,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ucmagic._util import DEFAULT_RETRIES, RetryPolicy, exhaustion_odds
-from ucmagic.dataset import UCVolumeDataset
-from ucmagic.fetch import PERMANENT, stall_check
+from ucmagic.files.dataset import UCVolumeDataset
+from ucmagic.files.fetch import PERMANENT, stall_check
 
 import inspect
 

@@ -9,11 +9,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ucmagic.cache import FileCache
+from ucmagic.files.cache import FileCache
 from ucmagic.errors import CacheFullError
 from ucmagic.shards.chunks import ChunkedFile, ChunkReader
 from ucmagic.telemetry import SharedCounters
-from ucmagic.volume import FsspecVolume, LocalVolume
+from ucmagic.files.volume import FsspecVolume, LocalVolume
 
 CHUNK = 4096
 
@@ -30,7 +30,7 @@ def test_chunks_of_a_range_cover_it_exactly(size, chunk, data):
 
 
 def _entry(size: int, path: str = "x", mtime: float = 1.0):
-    from ucmagic.volume import FileEntry
+    from ucmagic.files.volume import FileEntry
 
     return FileEntry(path, size, mtime)
 
@@ -95,9 +95,9 @@ def test_a_budget_smaller_than_one_chunk_is_refused_with_a_hint(big):
 
 CHILD = r"""
 import sys
-from ucmagic.cache import FileCache
+from ucmagic.files.cache import FileCache
 from ucmagic.shards.chunks import ChunkedFile, ChunkReader
-from ucmagic.volume import LocalVolume
+from ucmagic.files.volume import LocalVolume
 vol = LocalVolume(sys.argv[1])
 f = ChunkedFile(vol, vol.stat("big.bin"), 4096)
 r = ChunkReader(FileCache(sys.argv[2]), [f])

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from ucmagic.shards.index import (INDEX_NAME, Member, RangedFile, read_index, sample_starts, scan_tar, shard_info,
                                   split_key, write_index)
-from ucmagic.volume import LocalVolume
+from ucmagic.files.volume import LocalVolume
 
 
 def _check_offsets(path: str, members: list[Member], payload: dict[tuple[str, str], bytes]) -> None:

@@ -14,7 +14,7 @@ from ucmagic.progress import Progress, format_duration, format_progress, resolve
 from ucmagic.staging import (StagingError, check_not_nested, is_unchanged, plan_workers, split_balanced)
 from ucmagic.testing import make_files
 import ucmagic.staging as S  # noqa: N812 - short alias for the module under test
-from ucmagic.volume import FileEntry
+from ucmagic.files.volume import FileEntry
 
 TREE = {
     "a/b/c/deep.bin": b"deep" * 100,

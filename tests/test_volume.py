@@ -5,7 +5,7 @@ import threading
 import pytest
 
 from ucmagic.errors import EmptyListingError, NotADirectoryErrorUC, SourceChangedError, SourceNotFoundError
-from ucmagic.volume import (FileEntry, FsspecVolume, LocalVolume, compile_pattern, filter_entries,
+from ucmagic.files.volume import (FileEntry, FsspecVolume, LocalVolume, compile_pattern, filter_entries,
                             listing_fingerprint, open_volume, resolve_local_path)
 
 
@@ -197,7 +197,7 @@ class FlakyRanges(LocalVolume):
 
 
 def test_a_read_failing_in_the_middle_of_a_range_is_retried_for_that_range_only(big_file):
-    from ucmagic.dataset import UCVolumeDataset
+    from ucmagic.files.dataset import UCVolumeDataset
 
     root, data = big_file
     middle_of_range_2 = 2 * (4 << 20) + (2 << 20) + 5  # third 1 MiB read of the third 4 MiB range
@@ -230,7 +230,7 @@ class ChangesWhileCopied(LocalVolume):
 
 def test_a_source_changed_during_the_copy_is_refused_naming_it_and_a_new_dataset_gets_the_new_version(big_file):
     from ucmagic import SourceChangedError
-    from ucmagic.dataset import UCVolumeDataset
+    from ucmagic.files.dataset import UCVolumeDataset
 
     root, data = big_file
     ds = UCVolumeDataset(ranges_from_1mib(ChangesWhileCopied(root)))
@@ -309,7 +309,7 @@ class _ThreadNoting(LocalVolume):
 @pytest.mark.parametrize("delay, pooled", [(0.0, False), (0.15, True)])
 def test_fast_directories_are_read_on_the_calling_thread_and_slow_ones_concurrently(tmp_path, monkeypatch, delay,
                                                                                    pooled):
-    monkeypatch.setattr("ucmagic.volume.FAST_DIR_S", 0.1)  # a loaded machine's hiccup is not "slow"
+    monkeypatch.setattr("ucmagic.files.volume.FAST_DIR_S", 0.1)  # a loaded machine's hiccup is not "slow"
     for d in range(12):
         (tmp_path / f"d{d}").mkdir()
         (tmp_path / f"d{d}" / "f.bin").write_bytes(b"x")

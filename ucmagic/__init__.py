@@ -3,9 +3,10 @@
 ``import ucmagic`` is light: torch and the engines load when a name that needs them is first used.
 In IPython, ``%load_ext ucmagic`` adds the ``%ucload``, ``%ucstage`` and ``%ucckpt`` magics.
 
-Layout: the engine at the top level (volume -> cache -> fetch -> plan -> dataset -> loader ->
-telemetry), with ``checkpoints``, ``tables`` (and Parquet), ``notebook`` and ``testing`` (the
-slow-volume simulator) as subpackages on top of it; see docs/architecture.md.
+Layout: the engine is ``files`` (volume -> listing -> cache -> fetch -> plan -> dataset) and
+``loading`` (the DataLoader, its stats and MLflow logging), over the shared top-level helpers
+(errors, units, telemetry, dist); ``checkpoints``, ``tables`` (and Parquet), ``shards``, ``notebook``
+and ``testing`` (the slow-volume simulator) are subpackages on top; see docs/architecture.md.
 """
 from __future__ import annotations
 
@@ -16,10 +17,10 @@ __version__ = "0.1.0"
 
 # public name -> module that defines it
 _EXPORTS = {
-    "UCVolumeDataset": "dataset",
-    "SourceFile": "dataset",
-    "DataLoader": "loader",
-    "LoaderStats": "loader_stats",
+    "UCVolumeDataset": "files.dataset",
+    "SourceFile": "files.dataset",
+    "DataLoader": "loading.loader",
+    "LoaderStats": "loading.loader_stats",
     "ParquetDataset": "tables",
     "export_parquet": "tables",
     "load_table": "tables",
@@ -34,7 +35,7 @@ _EXPORTS = {
     "load_checkpoint": "checkpoints",
     "list_checkpoints": "checkpoints",
     "distributed": "launch",
-    "FileCache": "cache",
+    "FileCache": "files.cache",
     "parse_size": "units",
     "format_size": "units",
     "UCMagicError": "errors",
@@ -56,7 +57,7 @@ _EXPORTS = {
     "ResumeOrderError": "errors",
     "UnsafeCacheError": "errors",
     "NotAnEntryError": "errors",
-    "local_path": "volume",
+    "local_path": "files.volume",
     "TorchVersionError": "errors",
     "CheckpointError": "errors",
     "CheckpointNotCommittedError": "errors",

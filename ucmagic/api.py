@@ -1,7 +1,7 @@
 """``ucmagic.load``: one call from a source to what trains on it, and ``describe_load`` to preview it.
 
 A directory of files (a path, ``/Volumes/...`` or a URL) becomes a cached, prefetching
-:class:`~ucmagic.loader.DataLoader` over a :class:`~ucmagic.dataset.UCVolumeDataset`; a table
+:class:`~ucmagic.loading.loader.DataLoader` over a :class:`~ucmagic.files.dataset.UCVolumeDataset`; a table
 (a name, SQL query, Delta or Parquet directory, Parquet/CSV file or glob) becomes a pandas
 DataFrame, or with ``stream=True`` a DataLoader over a :class:`~ucmagic.tables.ParquetDataset`.
 ``%ucload`` and ``python -m ucmagic load`` are thin layers over these two functions.
@@ -96,7 +96,7 @@ def load(source: str | os.PathLike, *, files: bool = False, pattern: str | None 
 
     ``files=True`` reads a directory of Parquet files as files. ``pattern`` selects files (``"**/*.jpg"``);
     ``rows``/``columns`` cut a DataFrame; ``batch_size`` defaults to 32 files or 1024 rows; other keyword
-    arguments go to :class:`~ucmagic.loader.DataLoader`. ``on_start(kind)`` is called once the arguments
+    arguments go to :class:`~ucmagic.loading.loader.DataLoader`. ``on_start(kind)`` is called once the arguments
     are checked, before the (slow) listing; ``listing_progress(files_so_far)`` is called while a long listing
     runs (instead of the stderr line). Raises :class:`LoadUsageError` for options that do not apply.
     A directory of tar shards (an ``index.json`` from ``pack``, or only ``.tar`` files) streams samples
@@ -117,7 +117,7 @@ def load(source: str | os.PathLike, *, files: bool = False, pattern: str | None 
         return load_table(source, columns=list(columns) if columns else None, limit=rows)
     if on_start is not None:
         on_start("stream" if stream else kind)
-    from .loader import DataLoader
+    from .loading.loader import DataLoader
     from .units import parse_size
 
     limit = parse_size(cache_limit) if cache_limit is not None else None
@@ -131,7 +131,7 @@ def load(source: str | os.PathLike, *, files: bool = False, pattern: str | None 
             sds = open_shards(source, shard, pattern=pattern, shuffle=shuffle, seed=seed, cache_dir=cache_dir,
                               cache_limit=limit, block_size=block_size)
             return DataLoader(sds, batch_size=batch_size or DEFAULT_FILE_BATCH, **loader_kwargs)
-        from .dataset import UCVolumeDataset
+        from .files.dataset import UCVolumeDataset
 
         ds = UCVolumeDataset(source, pattern=pattern, cache_dir=cache_dir, cache_limit=limit, shuffle=shuffle,
                              seed=seed, listing_progress=listing_progress)
@@ -156,7 +156,7 @@ def describe_load(source: str | os.PathLike, *, files: bool = False, pattern: st
     check_load_args(source, kind, pattern=pattern, stream=stream)
     if kind == "files":
         from .shards.detect import shard_kind
-        from .volume import open_volume
+        from .files.volume import open_volume
 
         entries = open_volume(source).list(pattern)
         shown = "shards" if not files and shard_kind(source) else "files"  # what load() would stream

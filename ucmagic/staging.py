@@ -20,10 +20,10 @@ from typing import Any, Sequence
 
 from ._util import copy_local
 from .errors import FetchError, StagingError
-from .fetch import with_retries
+from .files.fetch import with_retries
 from .progress import Progress
 from .units import format_size
-from .volume import FileEntry, FsspecVolume, LocalVolume, Volume, copy_error, open_volume
+from .files.volume import FileEntry, FsspecVolume, LocalVolume, Volume, copy_error, open_volume
 
 MTIME_TOLERANCE = 1e-3  # seconds: staged copy counts as unchanged when its mtime is this close
 MAX_PROCESSES = 4
@@ -149,7 +149,7 @@ _tmp_counter = itertools.count()
 def sweep_temp_files(dest_root: str, rel_dirs: set[str]) -> int:
     """Remove hidden temp files (``.ucstage-<pid>-<n>.tmp``) that a killed earlier run left in the
     destination folders; those of a running process stay. Returns the number removed."""
-    from .cache import pid_running
+    from .files.cache import pid_running
 
     n = 0
     for rel in rel_dirs | {""}:

@@ -528,7 +528,7 @@ def main() -> None:
     import multiprocessing.util
 
     multiprocessing.util.get_temp_dir()  # its pymp-* dir exists before any cell (removed at exit)
-    import ucmagic.dataset  # noqa: F401 - imported before the first cell's thread baseline
+    import ucmagic.files.dataset  # noqa: F401 - imported before the first cell's thread baseline
 
     def second_ready() -> None:
         if spec.get("_second") is None or spec["_second"].proc.poll() is not None:

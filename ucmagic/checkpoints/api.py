@@ -94,7 +94,7 @@ def _quiet() -> Any:
 # ---------------------------------------------------------------- listing and retention
 
 def _root(root: str | os.PathLike, *, create: bool = False) -> str:
-    from ..volume import missing_path_hint
+    from ..files.volume import missing_path_hint
 
     path = volume_dir(root)
     if os.path.isdir(path):

@@ -25,7 +25,7 @@ from .format import (
     parse_saving_record,
 )
 from ..errors import CheckpointError, CheckpointInProgressError
-from ..volume import resolve_local_path
+from ..files.volume import resolve_local_path
 
 
 def volume_dir(path: str | os.PathLike) -> str:

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 from ..presenters import register_presenter
 
 if TYPE_CHECKING:
-    from ..loader import DataLoader
-    from ..loader_stats import LoaderStats
+    from ..loading.loader import DataLoader
+    from ..loading.loader_stats import LoaderStats
     from .explorer import Explorer
     from .panel import Monitor, ProgressBar
 
@@ -29,7 +29,7 @@ def monitor(loader: DataLoader, **kw: Any) -> Monitor:
 
 
 def plot(stats: LoaderStats, **kw: Any) -> Any:
-    """``stats.plot()``: the fetch-latency figure of a :class:`~ucmagic.loader_stats.LoaderStats`."""
+    """``stats.plot()``: the fetch-latency figure of a :class:`~ucmagic.loading.loader_stats.LoaderStats`."""
     from .plots import latency_figure
 
     title = kw.pop("title", None) or (f"DataLoader fetch latency: {stats.count} batches, "
@@ -38,7 +38,7 @@ def plot(stats: LoaderStats, **kw: Any) -> Any:
 
 
 def explore(stats: LoaderStats, **kw: Any) -> Explorer:
-    """``stats.explore()``: the interactive explorer of a :class:`~ucmagic.loader_stats.LoaderStats`."""
+    """``stats.explore()``: the interactive explorer of a :class:`~ucmagic.loading.loader_stats.LoaderStats`."""
     from .explorer import Explorer
 
     return Explorer(stats, **kw)

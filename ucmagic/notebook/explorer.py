@@ -19,7 +19,7 @@ from ..telemetry import p50_p99
 from ..units import format_size, short_name
 
 if TYPE_CHECKING:
-    from ..loader_stats import LoaderStats
+    from ..loading.loader_stats import LoaderStats
 
 ALL = "all"
 SLOWEST = 10  # batches in the slowest-batches table
@@ -84,7 +84,7 @@ def files_table(rows: list[dict[str, Any]]) -> str:
 
 
 class Explorer:
-    """The explorer widget of a :class:`~ucmagic.loader_stats.LoaderStats`; display it as a cell's last value.
+    """The explorer widget of a :class:`~ucmagic.loading.loader_stats.LoaderStats`; display it as a cell's last value.
 
     Attributes for scripting: ``range`` (IntRangeSlider of batch steps), ``epoch``, ``worker``,
     ``rank`` (Dropdowns), ``slowest`` (Select of the slowest batches in view), ``batch`` (IntText:

@@ -559,7 +559,7 @@ def _version() -> str:
 def _check_exists(magic: str, path: str, *, directory: bool) -> None:
     if is_url(path):
         return
-    from ..volume import resolve_local_path
+    from ..files.volume import resolve_local_path
 
     real = resolve_local_path(path)
     if not os.path.exists(real):

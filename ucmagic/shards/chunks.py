@@ -1,7 +1,7 @@
 """The ranged chunk cache: big files cached as byte ranges (chunks) instead of whole.
 
 A shard of 1-10 GiB is cut into chunks of ``chunk_size`` bytes (32 MiB by default); each chunk is
-one :class:`~ucmagic.cache.FileCache` entry keyed by (volume, path, size, mtime, chunk size, chunk
+one :class:`~ucmagic.files.cache.FileCache` entry keyed by (volume, path, size, mtime, chunk size, chunk
 index), so every rule of whole files holds per chunk: one fill per chunk across threads and
 processes, the budget (fills wait for room; a fill the reader is blocked on may go over by itself,
 so the bound is the budget plus one chunk per stream, two while a sample straddles a chunk edge),
@@ -9,7 +9,7 @@ least-recently-used eviction that skips what a live reader protects, and validat
 size and mtime are part of the key and are checked before the first fill and after every fill, so
 a source rewritten after it was listed raises :class:`~ucmagic.errors.SourceChangedError` and
 chunks of two versions are never mixed. A chunk fill reads its range with the parallel ranged
-reads of :mod:`ucmagic.ranged`.
+reads of :mod:`ucmagic.files.ranged`.
 
 :class:`ChunkReader` is one stream's view (one per iterating process): ``read(file, offset, size)``
 returns bytes, ``prefetch`` starts fills of the chunks the plan needs next on a small thread pool,
@@ -26,11 +26,11 @@ from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
-from .. import ranged
-from ..cache import FileCache, cache_key, process_tag
-from ..fetch import shared_pool, with_retries
+from ..files import ranged
+from ..files.cache import FileCache, cache_key, process_tag
+from ..files.fetch import shared_pool, with_retries
 from ..telemetry import SharedCounters
-from ..volume import FileEntry, Volume, check_unchanged
+from ..files.volume import FileEntry, Volume, check_unchanged
 
 CHUNK_SIZE = 32 << 20
 """Default bytes per chunk."""
@@ -70,7 +70,7 @@ class ChunkedFile:
     def names(self, c: int) -> list[str]:
         """What a protection record lists for chunk ``c``: the cache's name of its entry -- the file name
         ``<key><suffix>`` under ``data/``, or the entry directory ``<key>-<size>`` under ``files/``
-        (``ucmagic.cache.entry_name``), whichever layout the cache uses."""
+        (``ucmagic.files.cache.entry_name``), whichever layout the cache uses."""
         key = self.key(c)
         start, end = self.span(c)
         return [key + SUFFIX, f"{key}-{end - start}"]

@@ -5,7 +5,7 @@ import os
 from typing import Any
 
 from ..errors import LoadUsageError
-from ..volume import resolve_local_path
+from ..files.volume import resolve_local_path
 from .index import FORMAT, INDEX_NAME
 
 KINDS = ("files", "shards", "tokens")

@@ -134,7 +134,7 @@ def read_index(dest: str | os.PathLike[str]) -> list[ShardInfo]:
 
 
 class RangedFile(io.RawIOBase):
-    """A seekable read-only file object over a ``readinto_at`` stream (:class:`ucmagic.ranged.RangeReader`).
+    """A seekable read-only file object over a ``readinto_at`` stream (:class:`ucmagic.files.ranged.RangeReader`).
 
     :func:`scan_tar` over it reads only header blocks of a remote shard.
     """

@@ -4,7 +4,7 @@ The mix has one global order per epoch. Position ``p`` takes its source from a s
 ``weights`` (draws depend only on ``(seed, epoch, p)``), and the ``q``-th position that drew source
 ``k`` is position ``q`` of source ``k``'s own epoch order (its bounded-cache shuffle, see
 :mod:`.shuffle`). The epoch ends just before the first source would run out, so the proportions
-hold to the end. The mix positions are split over ranks x DataLoader workers by :mod:`ucmagic.plan`
+hold to the end. The mix positions are split over ranks x DataLoader workers by :mod:`ucmagic.files.plan`
 like any planned dataset: each stream reads a contiguous run of every source's order (a few chunks
 at a time), ranks get equal lengths, and ``ucmagic.DataLoader.state_dict()`` (or
 :meth:`Mix.state_dict` in plain iteration) resumes exactly, under any number of workers or ranks.
@@ -20,9 +20,9 @@ from typing import Any, Generator, Iterator, Sequence
 import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info
 
-from .. import plan
+from ..files import plan
 from ..dist import dist_info
-from ..epochs import EpochTracking, check_state_kind
+from ..files.epochs import EpochTracking, check_state_kind
 from ..errors import ListingChangedError
 from .samples import SampleStream, ShardDataset
 from .shuffle import sample_layout

@@ -40,10 +40,10 @@ from typing import Any
 
 from .._util import atomic_write, is_remote_url
 from ..errors import FetchError, PackError, SourceChangedError
-from ..fetch import with_retries
+from ..files.fetch import with_retries
 from ..progress import Progress
 from ..units import format_size, parse_size
-from ..volume import (FileEntry, FsspecVolume, LocalVolume, Volume, copy_error, is_safe_rel, open_volume,
+from ..files.volume import (FileEntry, FsspecVolume, LocalVolume, Volume, copy_error, is_safe_rel, open_volume,
                       resolve_local_path)
 from .index import INDEX_NAME, Member, ShardInfo, dumps_index, shard_info, split_key, write_index
 
@@ -318,7 +318,7 @@ def prepare_dest(dest: str) -> dict[str, dict[str, Any]]:
     return the completed shards recorded by an earlier run (name -> size, digest)."""
     os.makedirs(dest, exist_ok=True)
     names = _check_ours(dest)
-    from ..cache import pid_running
+    from ..files.cache import pid_running
 
     for n in names:  # temp files of a killed run (its pid no longer runs)
         pid = _temp_pid(n)
@@ -827,7 +827,7 @@ def pack(src: Any, dest: str | os.PathLike[str], shard_size: int | str = "1GB", 
 @contextlib.contextmanager
 def _dest_lock(dest: str) -> Iterator[None]:
     """One pack at a time per destination: a second one waits for the first, then finds its shards."""
-    from ..cache import file_lock
+    from ..files.cache import file_lock
 
     _check_ours(dest)  # before the lock file is made: a refused directory is left as it was
     os.makedirs(dest, exist_ok=True)

@@ -4,7 +4,7 @@ A :class:`ShardDataset` knows, for each sample index, which byte ranges of which
 and how to turn those bytes into a sample (:mod:`.webdataset`: tar members; :mod:`.tokens`:
 token windows). Bytes come through the ranged chunk cache (:mod:`.chunks`), never whole files.
 ``ds[i]`` reads one sample (random access); ``ds.stream(...)`` is a :class:`SampleStream`, an
-IterableDataset split over ranks x workers with equal lengths (:mod:`ucmagic.plan`), seeded
+IterableDataset split over ranks x workers with equal lengths (:mod:`ucmagic.files.plan`), seeded
 epochs, a sample-level shuffle that keeps only a few chunks per stream in flight (:mod:`.shuffle`),
 and exact, elastic resume (``state_dict`` / ``load_state_dict``, or ``ucmagic.DataLoader``'s).
 """
@@ -17,13 +17,14 @@ from typing import Any, Generator, Iterator, Sequence
 import numpy as np
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
-from .. import plan, telemetry
-from ..cache import FileCache, process_tag
+from ..files import plan
+from .. import telemetry
+from ..files.cache import FileCache, process_tag
 from ..dist import dist_info, local_world_size
-from ..epochs import EpochTracking, check_state_kind
+from ..files.epochs import EpochTracking, check_state_kind
 from ..errors import ListingChangedError
 from ..telemetry import SharedCounters
-from ..volume import FileEntry, Volume
+from ..files.volume import FileEntry, Volume
 from .chunks import CHUNK_SIZE, SUFFIX, ChunkedFile, ChunkReader
 from .shuffle import DEFAULT_WINDOW, sample_layout
 

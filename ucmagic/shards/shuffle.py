@@ -18,7 +18,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .. import plan
+from ..files import plan
 from ..tables.rows import EpochLayout
 
 DEFAULT_WINDOW = 8

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from ..errors import ShardFormatError
-from ..volume import FileEntry, Volume, filter_entries, open_volume
+from ..files.volume import FileEntry, Volume, filter_entries, open_volume
 from .chunks import CHUNK_SIZE
 from .index import RangedFile
 from .samples import ShardDataset, Span

@@ -19,9 +19,9 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from .._util import atomic_write
-from ..cache import cache_key, file_lock
+from ..files.cache import cache_key, file_lock
 from ..errors import ShardFormatError
-from ..volume import FileEntry, Volume, filter_entries, open_volume
+from ..files.volume import FileEntry, Volume, filter_entries, open_volume
 from .chunks import CHUNK_SIZE
 from .index import INDEX_NAME, RangedFile, ShardInfo, dumps_index, loads_index, sample_starts, scan_tar, shard_info
 from .samples import ShardDataset, Span

@@ -348,7 +348,7 @@ class DeltaSnapshot:
         (the next row group decodes on a thread while one is consumed)."""
         import pyarrow as pa
 
-        from ..fetch import read_ahead
+        from ..files.fetch import read_ahead
 
         cols = list(columns) if columns is not None else list(self.schema.names)
         bad = [c for c in cols if c not in self.schema.names]

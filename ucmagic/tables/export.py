@@ -35,7 +35,7 @@ from ..errors import SourceNotADirectoryError, UCMagicError, UnsupportedSourceEr
 from .sources import (MANIFEST, Source, connect, delta_files, duckdb_relation, is_data_path, read_manifest,
                       resolve_source, spark_dataframe)
 from ..units import format_size, parse_size
-from ..volume import resolve_local_path
+from ..files.volume import resolve_local_path
 from .journal import recover_destination, remove_journal, roll_back, write_journal
 
 EXPORT_MODES = ("overwrite", "append", "error")
@@ -138,7 +138,7 @@ def swap_in(staging: str, dest: str) -> str | None:
 def sweep_leftovers(dest: str) -> int:
     """Remove the hidden staging/old directories of ``dest`` that a killed earlier export left beside it
     (``.<name>.ucmagic-staging-<pid>-<id>``, ``.<name>.ucmagic-old-<pid>-<id>``); a running export's stay."""
-    from ..cache import pid_running
+    from ..files.cache import pid_running
 
     parent, base = os.path.dirname(dest), os.path.basename(dest)
     n = 0

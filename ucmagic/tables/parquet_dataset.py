@@ -1,7 +1,7 @@
 """ParquetDataset: stream column batches of Parquet files into PyTorch.
 
 Rows are split over ``world_size x num_workers`` streams as equal contiguous row ranges (slicing
-row groups at the edges) with :mod:`ucmagic.plan`, so every rank gets the same number of rows, no
+row groups at the edges) with :mod:`ucmagic.files.plan`, so every rank gets the same number of rows, no
 row is skipped or repeated (except wrap-around padding), and ``state_dict`` resumes exactly, on
 any layout. Each stream reads only the requested columns of the row groups it needs, decoding
 ahead on a thread; remote files (fsspec URLs, ``/Volumes`` FUSE mounts) go through the local
@@ -21,12 +21,13 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from .. import plan, telemetry
-from ..cache import FileCache, cache_key
+from ..files import plan
+from .. import telemetry
+from ..files.cache import FileCache, cache_key
 from ..dist import dist_info, local_world_size
-from ..epochs import EpochTracking, check_state_kind
+from ..files.epochs import EpochTracking, check_state_kind
 from ..errors import ListingChangedError, UnsupportedSourceError
-from ..fetch import read_ahead, with_retries
+from ..files.fetch import read_ahead, with_retries
 from .rows import EpochLayout, Segment
 from .delta import deleted_in, filter_rows, live_counts, live_span
 from .sources import delta_snapshot, resolve_source
@@ -151,7 +152,7 @@ class ParquetDataset(EpochTracking, IterableDataset):
             datetime64 for dates and timestamps, object arrays for strings and nested values),
             ``"arrow"`` (a ``pyarrow.Table`` per batch) or ``"pandas"`` (a DataFrame per batch).
         cache: copy files to the local cache before reading (default: for URLs and ``/Volumes`` mounts).
-        cache_dir, cache_limit: the file cache (see :class:`ucmagic.cache.FileCache`).
+        cache_dir, cache_limit: the file cache (see :class:`ucmagic.files.cache.FileCache`).
         prefetch: row-group windows decoded ahead per stream.
         storage_options: for fsspec URLs.
     """
@@ -256,7 +257,7 @@ class ParquetDataset(EpochTracking, IterableDataset):
                 info = fs.info(p)
                 with fs.open(p, "rb") as f:
                     md = pq.read_metadata(f)
-                from ..volume import info_mtime
+                from ..files.volume import info_mtime
 
                 size, mtime = int(info.get("size") or 0), info_mtime(info)
             else:
@@ -404,7 +405,7 @@ class ParquetDataset(EpochTracking, IterableDataset):
                 with self._fs().open(f.path, "rb") as src, open(tmp, "wb") as dst:
                     shutil.copyfileobj(src, dst, 4 << 20)
                     return dst.tell()
-            from ..volume import LocalVolume
+            from ..files.volume import LocalVolume
 
             return LocalVolume(os.path.dirname(f.path)).copy_to(os.path.basename(f.path), tmp)
 

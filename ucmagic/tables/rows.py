@@ -1,6 +1,6 @@
 """Pure row planning for ParquetDataset: the epoch's row order over row groups, as windows.
 
-Positions are indices into the epoch's row order (``0..total``); :mod:`ucmagic.plan` splits them
+Positions are indices into the epoch's row order (``0..total``); :mod:`ucmagic.files.plan` splits them
 into equal contiguous ranges per (rank, worker) stream and does the resume math. This module maps
 positions back to rows of row groups. The order is a sequence of *pieces* (a row range of one row
 group) gathered into *windows*; a reader holds one window at a time, so memory stays bounded by
@@ -12,12 +12,12 @@ is exact:
   consecutive permuted row groups are gathered into windows of at least ``buffer_rows`` rows, and
   the rows of each window are permuted (seeded by ``seed``, ``epoch`` and the window);
 - ``"node"`` with several ``blocks`` (one node's share of the positions each, see
-  :func:`ucmagic.plan.node_blocks`): block ``k`` holds the same contiguous slice of the rows (files'
+  :func:`ucmagic.files.plan.node_blocks`): block ``k`` holds the same contiguous slice of the rows (files'
   order) every epoch, so a node keeps its rows (and its cached files) across epochs. Within a
   block, its pieces (row groups cut at the block's edges) are permuted, gathered into windows that
   never cross the block's end, and the rows of each window permuted, all per epoch. With
   ``reshuffle_every=N`` the slices rotate by one block every N epochs (like
-  :func:`ucmagic.plan.epoch_order` does for files).
+  :func:`ucmagic.files.plan.epoch_order` does for files).
 """
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ from typing import Any, Sequence
 from .._util import is_remote_url, is_url
 from ..errors import InvalidTableNameError, SourceNotFoundError, TableNotFoundError, UnsupportedSourceError
 from ..units import parse_size
-from ..volume import existing_local_path, resolve_local_path
+from ..files.volume import existing_local_path, resolve_local_path
 from .journal import committed_listing
 
 
@@ -398,7 +398,7 @@ def sweep_spill_dirs(tmp: str) -> int:
     removes its own when the connection closes, a killed process leaves it. Returns how many went."""
     import shutil
 
-    from ..cache import pid_running
+    from ..files.cache import pid_running
 
     n = 0
     for path in globmod.glob(os.path.join(globmod.escape(tmp), "ucmagic-duckdb-*")):

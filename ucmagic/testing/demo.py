@@ -54,8 +54,8 @@ def run_demo(*, files: int = 2000, size: int = 150 * 1024, open_ms: float = 20.0
     """Generate files, read them through the ``slow://`` simulator, print a comparison; return timings."""
     import torch.utils.data as tud
 
-    from ..dataset import UCVolumeDataset
-    from ..loader import DataLoader
+    from ..files.dataset import UCVolumeDataset
+    from ..loading.loader import DataLoader
     from . import make_files
 
     own = workdir is None

@@ -18,7 +18,7 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from .errors import ResumeOrderError
+from ..errors import ResumeOrderError
 
 Range = tuple[int, int]
 Ranges = list[Range]

@@ -45,9 +45,9 @@ except ImportError:  # pragma: no cover - not POSIX
     fcntl = None  # type: ignore[assignment]
 
 
-from .errors import CacheDirError, CacheFullError, UnsafeCacheError
+from ..errors import CacheDirError, CacheFullError, UnsafeCacheError
 from .fetch import watch_progress
-from .units import format_size, parse_size
+from ..units import format_size, parse_size
 
 DEFAULT_MIN_FREE = 0.10
 TMP_STALE_S = 6 * 3600.0  # a temp file whose writer cannot be identified is dropped after this long
@@ -143,7 +143,7 @@ class KeyLocks:
 # ---------------------------------------------------------------- pure helpers
 
 def cache_key_digest(volume_uri: str, rel: str, size: int, mtime: float) -> bytes:
-    """The 20 bytes behind :func:`cache_key` (node listings store them: see ucmagic.listing)."""
+    """The 20 bytes behind :func:`cache_key` (node listings store them: see ucmagic.files.listing)."""
     return hashlib.blake2b(f"{volume_uri}\0{rel}\0{size}\0{mtime!r}".encode("utf-8", "surrogateescape"),
                            digest_size=20).digest()
 

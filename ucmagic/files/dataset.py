@@ -19,21 +19,22 @@ import numpy as np
 
 from torch.utils.data import IterableDataset, get_worker_info
 
-from . import plan, telemetry
-from ._util import DEFAULT_RETRIES
+from . import plan
+from .. import telemetry
+from .._util import DEFAULT_RETRIES
 from .cache import (FileCache, SeenEntries, cache_key, cache_keys, entry_files, entry_name, parse_entry_name,
                     process_tag, release_at_exit, safe_suffix, unmap_relpath)
-from .errors import NotAnEntryError
-from .dist import dist_info, local_world_size
+from ..errors import NotAnEntryError
+from ..dist import dist_info, local_world_size
 from .epochs import EpochTracking, check_state_kind
-from .errors import (BudgetTooSmallError, CacheFullError, CacheFullFetchError, FetchError, InvalidArgumentError,
+from ..errors import (BudgetTooSmallError, CacheFullError, CacheFullFetchError, FetchError, InvalidArgumentError,
                      ListingChangedError, SourceChangedError)
 from .fetch import read_ahead, restart_timeout, shared_pool, with_retries
 from .listing import Listing, forget_listing, open_listing
-from .progress import Progress
-from ._shared import SharedInts
-from .telemetry import SharedCounters, percentiles
-from .units import format_size
+from ..progress import Progress
+from .._shared import SharedInts
+from ..telemetry import SharedCounters, percentiles
+from ..units import format_size
 from .volume import FileEntry, Volume, copy_error, open_volume
 
 STATE_VERSION = 2  # 2: the array-free epoch order (plan.ORDER_VERSION 2)
@@ -406,14 +407,14 @@ class StreamItems:
 
     def run(self, lo: int, hi: int) -> tuple[np.ndarray, list[int], list[str], list[int]]:
         """Listing indices (as an array, for vectorised tests, and as a list), cache entry files
-        (:func:`ucmagic.cache.entry_file`) and sizes of positions ``[lo, hi)`` (within one chunk)."""
+        (:func:`ucmagic.files.cache.entry_file`) and sizes of positions ``[lo, hi)`` (within one chunk)."""
         c = lo // self.chunk
         a, b = lo - c * self.chunk, hi - c * self.chunk
         got = self._at(c)
         return got.arr[a:b], got.idx[a:b], got.files[a:b], got.sizes[a:b]
 
     def names(self, lo: int, hi: int) -> list[str]:
-        """Cache entry names (:func:`ucmagic.cache.entry_name`) of positions ``[lo, hi)`` (for protection records)."""
+        """Cache entry names (:func:`.cache.entry_name`) of positions ``[lo, hi)`` (for protection records)."""
         out: list[str] = []
         pos = lo
         while pos < hi:

@@ -16,8 +16,8 @@ from concurrent.futures import wait as wait_futures
 from functools import lru_cache
 from typing import Any, Callable, Generator, Iterable, NamedTuple, TypeVar
 
-from ._util import POLL_S, DaemonPool, RetryPolicy
-from .errors import CacheFullError, FetchTimeoutError, SourceChangedError
+from .._util import POLL_S, DaemonPool, RetryPolicy
+from ..errors import CacheFullError, FetchTimeoutError, SourceChangedError
 
 T = TypeVar("T")
 R = TypeVar("R")

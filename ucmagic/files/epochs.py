@@ -1,9 +1,10 @@
 """Epochs, resume state and the contract between ``ucmagic.DataLoader`` and planned datasets.
 
-A *planned* dataset (:class:`~ucmagic.dataset.UCVolumeDataset`, :class:`~ucmagic.tables.parquet_dataset.ParquetDataset`)
-fixes each epoch's order up front with :mod:`ucmagic.plan`, so a loader can turn "batches the
-training loop received" into an exact, elastic resume state. :class:`PlannedDataset` is that
-contract; :class:`EpochTracking` is the shared implementation of its epoch half. Rank and worker
+A *planned* dataset (:class:`~ucmagic.files.dataset.UCVolumeDataset`,
+:class:`~ucmagic.tables.parquet_dataset.ParquetDataset`) fixes each epoch's order up front with
+:mod:`ucmagic.files.plan`, so a loader can turn "batches the training loop received" into an exact,
+elastic resume state. :class:`PlannedDataset` is that contract; :class:`EpochTracking` is the
+shared implementation of its epoch half. Rank and worker
 identity come from :func:`ucmagic.dist.dist_info`.
 
 Call order (one loader iteration; the loader is the only caller besides the dataset itself)::
@@ -27,9 +28,9 @@ import uuid
 from typing import Any, Protocol, Sequence, runtime_checkable
 
 from .cache import file_lock
-from .dist import dist_info, local_world_size
-from ._shared import SharedInt, SharedInts
-from .telemetry import SharedCounters
+from ..dist import dist_info, local_world_size
+from .._shared import SharedInt, SharedInts
+from ..telemetry import SharedCounters
 
 __all__ = ["PlannedDataset", "ConsumptionSink", "EpochTracking", "check_state_kind", "wrapped_planned"]
 

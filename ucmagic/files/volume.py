@@ -19,8 +19,8 @@ from functools import lru_cache
 from typing import Any, Iterable, Iterator, NamedTuple
 
 from . import ranged
-from ._util import DaemonPool, is_remote_url, wait_result
-from .errors import (EmptyListingError, FetchError, SourceChangedError, SourceNotADirectoryError, SourceNotFoundError,
+from .._util import DaemonPool, is_remote_url, wait_result
+from ..errors import (EmptyListingError, FetchError, SourceChangedError, SourceNotADirectoryError, SourceNotFoundError,
                      UnreadableDirectoryError)
 
 COPY_CHUNK = 4 << 20
@@ -218,7 +218,7 @@ class Volume:
     """Interface: list files and copy one file to a local path. ``uri`` identifies the volume.
 
     Copies of files of at least ``range_threshold`` bytes read ``range_size`` ranges on several
-    streams at once (:mod:`ucmagic.ranged`); set these attributes on an instance to tune them.
+    streams at once (:mod:`ucmagic.files.ranged`); set these attributes on an instance to tune them.
     """
 
     uri: str
@@ -256,7 +256,7 @@ class Volume:
         raise NotImplementedError
 
     def range_reader(self, rel: str) -> ranged.RangeReader:
-        """A new read stream on ``rel`` for :func:`ucmagic.ranged.ranged_copy`."""
+        """A new read stream on ``rel`` for :func:`ucmagic.files.ranged.ranged_copy`."""
         raise NotImplementedError
 
     def ranged_copy(self, rel: str, dest: str, expect: FileEntry) -> int:

@@ -2,7 +2,7 @@
 
 The per-batch table (:func:`batch_table`), filters over it (:func:`select`, :func:`slowest`), the
 cache fill a live snapshot shows (:func:`cache_fill`) and the straggler hints
-(:func:`straggler_hints`). :class:`~ucmagic.loader_stats.LoaderStats` calls these on its records;
+(:func:`straggler_hints`). :class:`~ucmagic.loading.loader_stats.LoaderStats` calls these on its records;
 the explorer and the panel read them through LoaderStats.
 """
 from __future__ import annotations
@@ -12,8 +12,8 @@ from typing import Any, Callable, Dict
 
 import numpy as np
 
-from .telemetry import BatchRecorder, ItemLog, percentiles
-from .units import short_name
+from ..telemetry import BatchRecorder, ItemLog, percentiles
+from ..units import short_name
 
 BatchTable = Dict[str, np.ndarray]  # one row per batch, see batch_table()
 FileRows = Callable[[int], "list[dict[str, Any]]"]  # batch position -> its items, slowest first

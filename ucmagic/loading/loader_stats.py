@@ -24,9 +24,9 @@ import numpy as np
 
 from . import stats_analysis as analysis
 from . import stats_file
-from ._util import atomic_write
-from .presenters import presenter
-from .telemetry import BatchItems, BatchRecorder, ItemLog, SharedCounters, percentiles
+from .._util import atomic_write
+from ..presenters import presenter
+from ..telemetry import BatchItems, BatchRecorder, ItemLog, SharedCounters, percentiles
 
 __all__ = ["LoaderStats", "RECENT"]
 
@@ -37,7 +37,7 @@ class LoaderStats:
     """Per-batch timings of a :class:`DataLoader` (all epochs since creation or :meth:`reset`).
 
     ``fetch`` is how long ``next()`` waited for a batch, ``compute`` the time from one batch's
-    return to the next request. With a :class:`~ucmagic.dataset.UCVolumeDataset`, cache hits,
+    return to the next request. With a :class:`~ucmagic.files.dataset.UCVolumeDataset`, cache hits,
     misses and bytes fetched come from the dataset's shared counters.
     """
 
@@ -134,7 +134,7 @@ class LoaderStats:
 
     # -- cache (UCVolumeDataset only)
     def _counters(self) -> dict[str, int] | None:
-        c = getattr(self._dataset, "counters", None)  # a planned dataset's (ucmagic.epochs.PlannedDataset)
+        c = getattr(self._dataset, "counters", None)  # a planned dataset's (ucmagic.files.epochs.PlannedDataset)
         return c.totals() if isinstance(c, SharedCounters) else self._saved_counters
 
     @property
@@ -244,7 +244,7 @@ class LoaderStats:
         """Everything :meth:`load` needs, JSON-serialisable (file names of every recorded item included)."""
         rank = 0
         with contextlib.suppress(Exception):  # torch missing or odd env: rank 0
-            from .dist import dist_info
+            from ..dist import dist_info
 
             rank = dist_info().rank
         return stats_file.to_dict(self._rec, self._item_log, self.describe_item, self._counters(), rank)

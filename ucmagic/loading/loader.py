@@ -3,9 +3,9 @@ logging and exact (elastic) mid-epoch resume.
 
 Resume counts the batches the training loop *received* in the current epoch (not what workers
 prefetched) and turns that count into items per worker stream with the round-robin model in
-:mod:`ucmagic.plan`. For a :class:`~ucmagic.dataset.UCVolumeDataset` the state is the epoch's
+:mod:`ucmagic.files.plan`. For a :class:`~ucmagic.files.dataset.UCVolumeDataset` the state is the epoch's
 remaining pool (position ranges), valid for any ``num_workers`` and world size; the loader drives
-such planned datasets only through :class:`ucmagic.epochs.PlannedDataset`. Map-style datasets
+such planned datasets only through :class:`ucmagic.files.epochs.PlannedDataset`. Map-style datasets
 resume by skipping the delivered batches of the (re-seeded) sampler; other iterable datasets by
 skipping delivered batches with the same layout.
 """
@@ -20,14 +20,14 @@ import numpy.random  # noqa: F401  (workers seed it; importing it in a forked ch
 import torch
 import torch.utils.data as tud
 
-from . import _torch_compat as compat
-from . import plan
-from .dist import all_gather_ints, dist_info
-from .epochs import PlannedDataset, wrapped_planned
-from .errors import ListingChangedError
+from .. import _torch_compat as compat
+from ..files import plan
+from ..dist import all_gather_ints, dist_info
+from ..files.epochs import PlannedDataset, wrapped_planned
+from ..errors import ListingChangedError
 from .loader_stats import LoaderStats
-from .presenters import presenter
-from .telemetry import ItemCollate
+from ..presenters import presenter
+from ..telemetry import ItemCollate
 
 __all__ = ["DataLoader", "LoaderStats"]
 
@@ -61,7 +61,7 @@ _UNSET: Any = object()  # batch_size not given (torch's default is 1)
 
 
 def _planned_kind(ds: Any) -> str | None:
-    """The ``kind`` of a planned dataset (exact elastic resume, see :mod:`ucmagic.epochs`), else None."""
+    """The ``kind`` of a planned dataset (exact elastic resume, see :mod:`ucmagic.files.epochs`), else None."""
     return ds.kind if isinstance(ds, PlannedDataset) else None
 
 

@@ -11,7 +11,7 @@ on a node lists the volume once, under a lock, and writes an Arrow IPC file::
 ``key`` hashes the volume URI, the pattern and the listing format. Every other process waits on
 the lock and maps the same file (``pa.memory_map``): its pages are shared through the page cache,
 so a process's own memory does not grow with the number of files, and a :class:`Listing` pickles
-as its file path (a few hundred bytes). Each file's cache key (:func:`ucmagic.cache.cache_key`, 20
+as its file path (a few hundred bytes). Each file's cache key (:func:`ucmagic.files.cache.cache_key`, 20
 bytes) is stored too, so iterating never hashes paths.
 
 Reuse across restarts is guarded by a re-validation (``validate=``):
@@ -42,9 +42,9 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from ._util import atomic_target
+from .._util import atomic_target
 from .cache import cache_key_digest, default_cache_dir, file_lock, map_relpath, safe_suffixes
-from .errors import ListingChangedError
+from ..errors import ListingChangedError
 from .volume import FileEntry, Volume
 
 LISTING_FORMAT = 3  # 2: the cache-key column; 3: the plain-path column (entries keep source paths)
@@ -166,7 +166,7 @@ class Listing:
 
     @property
     def fingerprint(self) -> str:
-        """Same value as :func:`ucmagic.volume.listing_fingerprint` of the same entries."""
+        """Same value as :func:`ucmagic.files.volume.listing_fingerprint` of the same entries."""
         return self.meta["fingerprint"]
 
     @property
@@ -193,18 +193,18 @@ class Listing:
                 for p, s, m in zip(self.paths(idx), self.sizes[idx].tolist(), self.mtimes[idx].tolist())]
 
     def suffixes(self, indices: Sequence[int] | np.ndarray) -> list[str]:
-        """:func:`ucmagic.cache.safe_suffix` of the files at ``indices``, from their names alone."""
+        """:func:`ucmagic.files.cache.safe_suffix` of the files at ``indices``, from their names alone."""
         names = self._name.take(_arrow(np.asarray(indices, dtype=np.int64))).to_pylist()
         return safe_suffixes([_dec(n) for n in names])
 
     def keys(self, indices: Sequence[int] | np.ndarray) -> list[str]:
-        """The cache keys (:func:`ucmagic.cache.cache_key` under :attr:`volume_uri`) of the files at ``indices``."""
+        """The cache keys (:func:`.cache.cache_key` under :attr:`volume_uri`) of the files at ``indices``."""
         h = self._keys[np.asarray(indices, dtype=np.int64)].tobytes().hex()
         return [h[a:a + 40] for a in range(0, len(h), 40)]
 
     def all_plain(self, indices: Sequence[int] | np.ndarray) -> bool:
         """True when every file at ``indices`` is its own path inside its cache entry
-        (:func:`ucmagic.cache.map_relpath` changes nothing), as checked when the listing was built."""
+        (:func:`ucmagic.files.cache.map_relpath` changes nothing), as checked when the listing was built."""
         return bool(self._plain[np.asarray(indices, dtype=np.int64)].all())
 
     def find(self, rel: str) -> int | None:
@@ -337,7 +337,7 @@ def _collect(volume: Volume, pattern: str | None, progress: ProgressFn | None, *
 
 
 def _fingerprint(paths: Any, order: np.ndarray, sizes: np.ndarray) -> str:
-    """:func:`ucmagic.volume.listing_fingerprint` of ``paths[order]`` and ``sizes``, chunk by chunk."""
+    """:func:`ucmagic.files.volume.listing_fingerprint` of ``paths[order]`` and ``sizes``, chunk by chunk."""
     h = hashlib.sha256()
     for a in range(0, len(sizes), CHUNK):
         b = min(a + CHUNK, len(sizes))

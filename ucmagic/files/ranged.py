@@ -5,7 +5,7 @@ mount); a big file is copied at volume speed by reading many ranges of it at onc
 its own handle, writing each range at its offset of one destination file with ``os.pwrite``.
 
 :func:`plan_ranges` is the pure range planning. :func:`ranged_copy` does the I/O: a failing read is
-retried for its range only (with :func:`ucmagic.fetch.with_retries`, resuming at the byte it had
+retried for its range only (with :func:`ucmagic.files.fetch.with_retries`, resuming at the byte it had
 reached), and the file must end up exactly ``size`` bytes long. Every process runs at most
 :data:`MAX_STREAMS` range streams at once, whatever the number of files being copied: the streams
 run on one per-process pool of that many threads, taken first-come first-served with each file's
@@ -19,7 +19,7 @@ import threading
 from collections.abc import Callable
 from typing import Protocol
 
-from ._util import DaemonPool, wait_result
+from .._util import DaemonPool, wait_result
 from .fetch import with_retries
 import contextlib
 

@@ -4,7 +4,7 @@ A JSON object, version :data:`SAVE_VERSION`: per-batch columns (``fetch_s``, ``c
 ``count``, ``epoch``, ``worker``, ``batch_rank``, ``misses``, ``nbytes``), the item columns kept in
 detail (``item_index``, ``item_fetch_s``: negative for a cache hit), the name and size of every
 recorded item (``files``), the cache ``counters``, ``rank`` and ``truncated``. Pure: dicts and
-records in, dicts and records out; :class:`~ucmagic.loader_stats.LoaderStats` does the I/O.
+records in, dicts and records out; :class:`~ucmagic.loading.loader_stats.LoaderStats` does the I/O.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 
-from .telemetry import BatchRecorder, ItemLog
+from ..telemetry import BatchRecorder, ItemLog
 
 SAVE_VERSION = 1
 

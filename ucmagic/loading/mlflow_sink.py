@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .telemetry import p50_p99
+from ..telemetry import p50_p99
 
 PREFIX = "dataloader"
 MAX_METRICS_PER_CALL = 1000  # MLflow's log_batch limit
