@@ -443,3 +443,37 @@ def test_budget_is_the_smallest_cache_limit_of_live_objects_and_ignores_dead_pro
 
     gc.collect()
     assert FileCache(root).budget() == 50_000  # the smaller record went with its object
+
+
+def test_live_streams_counts_the_records_of_live_owners_in_every_process(tmp_path):
+    c = FileCache(str(tmp_path / "c"))
+    assert c.live_streams() == 0
+    mine = [c.record_path(process_tag(), slot) for slot in (0, 1)]
+    for p in mine:
+        c.write_record(p, ["a-1"])
+    ctx = mp.get_context("spawn")
+    other = ctx.Process(target=time.sleep, args=(30,))
+    other.start()
+    try:
+        other_tag = process_tag(other.pid)
+        with open(os.path.join(c.root, "prot", f"{other_tag}@{other_tag}.0.rec"), "w") as f:
+            f.write("b-1")  # a stream of another live process on this cache
+        with open(os.path.join(c.root, "prot", f"999999999-1@{process_tag()}.0.rec"), "w") as f:
+            f.write("c-1")  # a dead owner's
+        assert c.live_streams() == 3
+        c.drop_record(mine[0])
+        assert c.live_streams() == 2
+    finally:
+        other.kill()
+        other.join(10)
+    assert c.live_streams() == 1
+
+
+def test_a_record_naming_an_entry_by_its_record_names_protects_it(tmp_path):
+    c = FileCache(str(tmp_path / "c"))
+    key = cache_key("v", "x", 5, 0)
+    p, _ = c.fill(key, ".chunk", 5, writer(b"12345"))
+    names = cache_mod.entry_record_names(key, ".chunk", 5)
+    assert names == [key + ".chunk", os.path.basename(entry_of(p))]
+    c.write_record(c.record_path(process_tag(), 0), names)
+    assert c.evict(10**9) == 0 and os.path.exists(p)

@@ -200,6 +200,12 @@ def entry_name(key: str, size: int) -> str:
     return f"{key}-{size}"
 
 
+def entry_record_names(key: str, suffix: str, size: int) -> list[str]:
+    """What a protection record lists to protect the entry of ``key`` (``size`` bytes): its directory
+    name under ``files/`` (:func:`entry_name`) and its file name ``<key><suffix>`` of the old layout."""
+    return [key + suffix, entry_name(key, size)]
+
+
 def parse_entry_name(name: str) -> tuple[str, int] | None:
     """``(key, size)`` of an entry directory's name, else None."""
     key, _, size = name.rpartition("-")
@@ -830,6 +836,21 @@ class FileCache:
                 continue
         names.discard("")
         return names
+
+    def live_streams(self) -> int:
+        """How many protection records (:meth:`record_path`, one per stream) have a live owner, this
+        process's included: the streams of every process sharing this cache. Reads names only."""
+        alive: dict[str, bool] = {}
+        n = 0
+        for name in _listdir(self._prot):
+            parsed = parse_record_name(name)
+            if parsed is None:
+                continue
+            owner = parsed[0]
+            if owner not in alive:
+                alive[owner] = owner == process_tag() or tag_alive(owner)
+            n += alive[owner]
+        return n
 
     # ------------------------------------------------------------ accounting
 
