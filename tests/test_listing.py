@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from ucmagic import EmptyListingError, ListingChangedError
-from ucmagic.files.cache import cache_key, safe_suffix
+from ucmagic.files.cache_layout import cache_key, safe_suffix
 from ucmagic.files.listing import RACY_S, Listing, forget_listing, listings_dir, open_listing
 from ucmagic.testing import make_files
 from ucmagic.files.volume import DirScan, FileEntry, LocalVolume, Volume, listing_fingerprint, open_volume
@@ -43,6 +43,12 @@ class SyntheticVolume(Volume):
         self.uri = f"synthetic://{n}-{per_dir}-{size}"
         self.n, self.per_dir, self.size, self.mtime, self.delay = n, per_dir, size, mtime, delay
         self.scans = 0
+
+    def _listing_only(self, *args, **kwargs):
+        raise NotImplementedError("SyntheticVolume only lists")
+
+    list = copy_to = stat = range_reader = _listing_only
+    write_bytes = upload = read_bytes = exists = makedirs = remove = remove_tree = rename = list_names = _listing_only
 
     def scan(self, pattern=None):
         self.scans += 1

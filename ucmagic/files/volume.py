@@ -1,12 +1,14 @@
 """Volumes: resolve a path or URL, list its files with size and mtime, copy one file out.
 
-A volume is anything files are read *from*: a local or mounted directory (``/Volumes/...`` on
-Databricks, NFS, a FUSE mount) or an fsspec URL (``s3://``, ``memory://``...). Nothing here ever
-writes to a volume.
+A volume is a storage backend: a local or mounted directory (``/Volumes/...`` on Databricks, NFS, a
+FUSE mount) or an fsspec URL (``s3://``, ``memory://``...). Datasets and staging only read from it;
+checkpoints and exports write through its atomic write side (:meth:`Volume.write_bytes`...).
 """
 from __future__ import annotations
 
+import abc
 import builtins  # `list` in Volume annotations is the method
+import contextlib
 import errno
 import hashlib
 import os
@@ -19,7 +21,7 @@ from functools import lru_cache
 from typing import Any, Iterable, Iterator, NamedTuple
 
 from . import ranged
-from .._util import DaemonPool, is_remote_url, wait_result
+from .._util import DaemonPool, atomic_target, atomic_write, copy_local, is_remote_url, wait_result
 from ..errors import (EmptyListingError, FetchError, SourceChangedError, SourceNotADirectoryError, SourceNotFoundError,
                      UnreadableDirectoryError)
 
@@ -214,11 +216,13 @@ def existing_local_path(path: str) -> str:
     return real
 
 
-class Volume:
-    """Interface: list files and copy one file to a local path. ``uri`` identifies the volume.
+class Volume(abc.ABC):
+    """A storage backend: list files, copy one to a local path, and write (checkpoints, exports).
 
-    Copies of files of at least ``range_threshold`` bytes read ``range_size`` ranges on several
-    streams at once (:mod:`ucmagic.files.ranged`); set these attributes on an instance to tune them.
+    ``uri`` identifies the volume; every ``rel`` is a POSIX path relative to its root. A backend is
+    one subclass plus one :func:`register_volume` call (docs/backends.md). Copies of files of at
+    least ``range_threshold`` bytes read ``range_size`` ranges on several streams at once
+    (:mod:`ucmagic.files.ranged`); set these attributes on an instance to tune them.
     """
 
     uri: str
@@ -228,9 +232,12 @@ class Volume:
     range_retries: int = 3
     keeps_dir_mtimes = False  # True where adding or removing a file changes its directory's mtime
     unreadable = "raise"  # a directory under the root that cannot be read: "raise" or "skip" (with a warning)
+    atomic_rename = False  # True where rename() is atomic; else it is a copy then a delete
+    local_root: str | None = None  # the local directory holding the files, where they are local paths here
 
-    def list(self, pattern: str | None = None) -> list[FileEntry]:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def list(self, pattern: str | None = None) -> builtins.list[FileEntry]:
+        """Every file under the root matching ``pattern``, sorted by path; :class:`EmptyListingError` if none."""
 
     def scan(self, pattern: str | None = None) -> Iterator[DirScan]:
         """Streaming, unsorted listing: one :class:`DirScan` per directory as it is read (an empty
@@ -241,6 +248,7 @@ class Volume:
             return
         yield DirScan("", -1, files)
 
+    @abc.abstractmethod
     def copy_to(self, rel: str, dest: str, *, expect: FileEntry | None = None) -> int:
         """Copy ``rel`` to the local path ``dest``; return the number of bytes written.
 
@@ -249,15 +257,54 @@ class Volume:
         ``expect`` after the copy raises :class:`SourceChangedError` (``dest`` may then hold mixed
         bytes: discard it).
         """
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def stat(self, rel: str) -> FileEntry:
         """The file's current size and mtime (never from a cached listing)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def range_reader(self, rel: str) -> ranged.RangeReader:
         """A new read stream on ``rel`` for :func:`ucmagic.files.ranged.ranged_copy`."""
-        raise NotImplementedError
+
+    # ------------------------------------------------ the write side (checkpoints, exports)
+
+    @abc.abstractmethod
+    def write_bytes(self, rel: str, data: bytes) -> None:
+        """Create or replace ``rel`` with ``data`` atomically: it appears whole or not at all."""
+
+    @abc.abstractmethod
+    def upload(self, local_path: str, rel: str) -> None:
+        """Copy the local file ``local_path`` to ``rel`` atomically (as :meth:`write_bytes`)."""
+
+    @abc.abstractmethod
+    def read_bytes(self, rel: str) -> bytes:
+        """The whole content of ``rel`` (:class:`FileNotFoundError` if it does not exist)."""
+
+    @abc.abstractmethod
+    def exists(self, rel: str) -> bool:
+        """True when ``rel`` is a file or a directory (asked now, never from a cached listing)."""
+
+    @abc.abstractmethod
+    def makedirs(self, rel: str) -> None:
+        """Create directory ``rel`` and its parents (present ones are fine); a no-op where directories do not
+        exist (object stores)."""
+
+    @abc.abstractmethod
+    def remove(self, rel: str, *, missing_ok: bool = True) -> None:
+        """Delete the file ``rel``; a missing one raises :class:`FileNotFoundError` only when not ``missing_ok``."""
+
+    @abc.abstractmethod
+    def remove_tree(self, rel: str) -> None:
+        """Delete ``rel`` and everything under it (nothing there is fine)."""
+
+    @abc.abstractmethod
+    def rename(self, src_rel: str, dst_rel: str) -> None:
+        """Move ``src_rel`` to ``dst_rel``, replacing a file there: atomic where :attr:`atomic_rename`,
+        else a copy then a delete (a reader may see both names for a moment, never a partial file)."""
+
+    @abc.abstractmethod
+    def list_names(self, rel: str) -> builtins.list[str]:
+        """Names (files and directories) directly under ``rel``, sorted; ``[]`` when it does not exist."""
 
     def ranged_copy(self, rel: str, dest: str, expect: FileEntry) -> int:
         """Copy ``rel`` (listed as ``expect``) by parallel ranged reads, refusing a source that changed."""
@@ -302,8 +349,11 @@ class LocalVolume(Volume):
 
     keeps_dir_mtimes = True
 
+    atomic_rename = True
+
     def __init__(self, root: str, *, list_threads: int = 16) -> None:
         self.root = root
+        self.local_root = root
         self.uri = "file://" + root
         self.list_threads = list_threads
 
@@ -410,6 +460,105 @@ class LocalVolume(Volume):
     def range_reader(self, rel: str) -> ranged.RangeReader:
         return _FdReader(os.path.join(self.root, rel))
 
+    def _path(self, rel: str) -> str:
+        return os.path.join(self.root, *rel.split("/")) if rel else self.root
+
+    def write_bytes(self, rel: str, data: bytes) -> None:
+        _local_put(self._path(_writable(rel)), data)
+
+    def upload(self, local_path: str, rel: str) -> None:
+        _local_put(self._path(_writable(rel)), src=local_path)
+
+    def read_bytes(self, rel: str) -> bytes:
+        with open(self._path(rel), "rb") as f:
+            return f.read()
+
+    def exists(self, rel: str) -> bool:
+        return os.path.exists(self._path(rel))
+
+    def makedirs(self, rel: str) -> None:
+        os.makedirs(self._path(rel), exist_ok=True)
+
+    def remove(self, rel: str, *, missing_ok: bool = True) -> None:
+        _local_remove(self._path(_writable(rel)), missing_ok)
+
+    def remove_tree(self, rel: str) -> None:
+        _local_remove_tree(self._path(_writable(rel)))
+
+    def rename(self, src_rel: str, dst_rel: str) -> None:
+        _local_rename(self._path(_writable(src_rel)), self._path(_writable(dst_rel)))
+
+    def list_names(self, rel: str) -> builtins.list[str]:
+        return _local_names(self._path(rel))
+
+
+# ---------------------------------------------------------------- local write side (LocalVolume, local fsspec)
+
+def _writable(rel: str) -> str:
+    """``rel`` itself when it names something under the root (never the root, never outside it)."""
+    if not is_safe_rel(rel):
+        raise ValueError(f"{rel!r} is not a relative path under the volume root (no '..', '.' or empty parts)")
+    return rel
+
+
+def _fsync_dir(path: str) -> None:
+    """Make a rename or creation in directory ``path`` durable (a no-op where directories cannot be synced)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _local_put(path: str, data: bytes | None = None, *, src: str | None = None) -> None:
+    """Write ``data`` (or copy the local file ``src``) to a synced temp file beside ``path``, rename it
+    over ``path`` and sync the folder (created if needed): ``path`` appears whole or not at all, and a
+    failed write leaves nothing."""
+    folder = os.path.dirname(path)
+    if not os.path.isdir(folder):
+        os.makedirs(folder, exist_ok=True)
+    if src is None:
+        atomic_write(path, data or b"", sync=True)
+    else:
+        with atomic_target(path) as tmp:
+            copy_local(src, tmp, sync=True)
+    _fsync_dir(folder)
+
+
+def _local_remove(path: str, missing_ok: bool) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        if not missing_ok:
+            raise
+
+
+def _local_remove_tree(path: str) -> None:
+    try:
+        shutil.rmtree(path)
+    except NotADirectoryError:
+        _local_remove(path, True)
+    except FileNotFoundError:
+        pass
+
+
+def _local_rename(src: str, dst: str) -> None:
+    folder = os.path.dirname(dst)
+    if not os.path.isdir(folder):
+        os.makedirs(folder, exist_ok=True)
+    os.replace(src, dst)
+    _fsync_dir(folder)
+    if os.path.dirname(src) != folder:
+        _fsync_dir(os.path.dirname(src))
+
+
+def _local_names(path: str) -> list[str]:
+    try:
+        return sorted(os.listdir(path))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
 
 def _send_all(fsrc: int, fdst: int, size: int | None) -> int:
     """Copy from descriptor ``fsrc`` to ``fdst``; return the bytes written. With ``size`` (the
@@ -471,6 +620,11 @@ class FsspecVolume(Volume):
         self.root = self.root.rstrip("/")
         proto = self.fs.protocol[0] if isinstance(self.fs.protocol, (tuple, list)) else self.fs.protocol
         self.uri = f"{proto}://{self.root}"
+        from fsspec.implementations.local import LocalFileSystem
+
+        if isinstance(self.fs, LocalFileSystem):  # local files behind fsspec (``slow://``, ``local://``)
+            self.local_root = "/" + self.root.lstrip("/")
+            self.atomic_rename = True
 
     def __reduce__(self):
         return (FsspecVolume, (self.url, self.storage_options), self._tuning())
@@ -518,6 +672,92 @@ class FsspecVolume(Volume):
         except TypeError:
             f = self.fs.open(full, "rb")
         return _FileObjReader(f)
+
+    # The write side. On a filesystem of local files (``slow://``, ``local://``) it is LocalVolume's (temp
+    # file, fsync, rename); on an object store one put (``pipe_file``/``put_file``: a single PUT, or a
+    # multipart upload that only appears when completed) is atomic, and rename is a copy then a delete.
+
+    def _full(self, rel: str) -> str:
+        return self.root + "/" + rel if rel else self.root
+
+    def write_bytes(self, rel: str, data: bytes) -> None:
+        if self.local_root is not None:
+            _local_put(self._local(_writable(rel)), data)
+        else:
+            self.fs.pipe_file(self._full(_writable(rel)), data)
+
+    def upload(self, local_path: str, rel: str) -> None:
+        if self.local_root is not None:
+            _local_put(self._local(_writable(rel)), src=local_path)
+        else:
+            self.fs.put_file(local_path, self._full(_writable(rel)))
+
+    def read_bytes(self, rel: str) -> bytes:
+        return bytes(self.fs.cat_file(self._full(rel)))
+
+    def exists(self, rel: str) -> bool:
+        full = self._full(rel)
+        self.fs.invalidate_cache(full)
+        return bool(self.fs.exists(full))
+
+    def makedirs(self, rel: str) -> None:
+        if self.local_root is not None:
+            os.makedirs(self._local(rel), exist_ok=True)
+
+    def remove(self, rel: str, *, missing_ok: bool = True) -> None:
+        full = self._full(_writable(rel))
+        if self.local_root is not None:
+            _local_remove(self._local(rel), missing_ok)
+            return
+        if not missing_ok and not self.exists(rel):  # S3 answers a delete of a missing key with success
+            raise FileNotFoundError(errno.ENOENT, "no such file", self.display(rel))
+        try:
+            self.fs.rm_file(full)
+        except FileNotFoundError:
+            if not missing_ok:
+                raise
+        finally:
+            self.fs.invalidate_cache(full)
+
+    def remove_tree(self, rel: str) -> None:
+        full = self._full(_writable(rel))
+        if self.local_root is not None:
+            _local_remove_tree(self._local(rel))
+            return
+        try:
+            self.fs.rm(full, recursive=True)
+        except FileNotFoundError:
+            pass
+        finally:
+            self.fs.invalidate_cache(full)
+
+    def rename(self, src_rel: str, dst_rel: str) -> None:
+        src, dst = self._full(_writable(src_rel)), self._full(_writable(dst_rel))
+        if self.local_root is not None:
+            _local_rename(self._local(src_rel), self._local(dst_rel))
+            return
+        self.fs.copy(src, dst)
+        self.fs.rm_file(src)
+        self.fs.invalidate_cache(src)
+        self.fs.invalidate_cache(dst)
+
+    def list_names(self, rel: str) -> builtins.list[str]:
+        if self.local_root is not None:
+            return _local_names(self._local(rel))
+        full = self._full(rel)
+        self.fs.invalidate_cache(full)
+        try:
+            infos = self.fs.ls(full, detail=True)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        here = full.rstrip("/")  # the root came stripped of its protocol, as ls's names do
+        names = {str(i["name"]).rstrip("/").rsplit("/", 1)[-1] for i in infos
+                 if str(i["name"]).rstrip("/") != here}  # ls of a file answers the file itself
+        return sorted(names)
+
+    def _local(self, rel: str) -> str:
+        root = self.local_root or ""
+        return os.path.join(root, *rel.split("/")) if rel else root
 
 
 def open_volume(path: Any, storage_options: dict[str, Any] | None = None) -> Volume:
