@@ -205,9 +205,9 @@ def test_node_shuffle_keeps_each_node_on_its_slice_across_epochs(shards, monkeyp
     src, want, cache = shards
     ds = TarShards(src, cache_dir=cache, chunk_size=CHUNK)
     stream = ds.stream(shuffle="node", seed=2)
-    import ucmagic.shards.samples as samples
+    import ucmagic.files.epochs as epochs  # the resume order's home (EpochTracking._order_params)
 
-    monkeypatch.setattr(samples, "local_world_size", lambda world: 2)
+    monkeypatch.setattr(epochs, "local_world_size", lambda world: 2)
     got = []
     for epoch in (0, 1):
         lay = stream.layout(epoch, world=4)
@@ -247,6 +247,47 @@ def test_chunk_budget_held_while_iterating(tmp_path, window):
     # the budget plus the chunks a blocked read fills over it: two when a sample straddles a chunk edge
     assert peak[0] <= limit + 2 * CHUNK + (16 << 10), peak[0]
     assert ds.counters.totals()["misses"] > total // CHUNK  # chunks were evicted and filled again
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("fits", [True, False], ids=["windows-fit", "windows-exceed"])
+def test_peak_cache_under_a_budget_smaller_than_one_shard(tmp_path, workers, fits):
+    """The documented bound (docs/shards.md, "The chunk cache"): the budget plus two chunks per stream
+    when it holds every stream's working set (shuffle_window + read_ahead + 2 chunks); under that, the
+    budget plus shuffle_window + 2 chunks per stream (a blocked read goes over, and its chunk stays
+    until the last sample of the stream's window that needs it)."""
+    src = tmp_path / "s"
+    write_shards(src, shards=3, per=200)
+    sizes = [os.path.getsize(src / n) for n in os.listdir(src)]
+    streams = max(1, workers)
+    window, read_ahead = (2, 1) if fits else (8, 4)
+    limit = (streams * (window + read_ahead + 2) if fits else 4) * CHUNK
+    assert min(sizes) > limit and sum(sizes) > 2 * limit  # the budget is smaller than one shard
+    bound = limit + streams * (2 if fits else window + 2) * CHUNK
+    ds = TarShards(src, cache_dir=str(tmp_path / "c"), cache_limit=limit, chunk_size=CHUNK)
+    stream = ds.stream(shuffle=True, seed=1, shuffle_window=window, read_ahead=read_ahead)
+    peak = [0]
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            u = ds.cache.usage()  # chunks cached and fills in progress (at their full size)
+            peak[0] = max(peak[0], u.bytes + u.tmp_bytes)
+            time.sleep(0.002)
+
+    t = threading.Thread(target=sample)
+    t.start()
+    try:
+        loader = ucmagic.DataLoader(stream, batch_size=8, num_workers=workers, collate_fn=_keys)
+        got = [k for batch in loader for k in batch]
+    finally:
+        stop.set()
+        t.join()
+    print(f"peak {peak[0] / CHUNK:.2f} chunks, budget {limit // CHUNK}, bound {bound // CHUNK}")
+    assert sorted(got) == sorted(ds.keys)
+    assert limit * 3 // 4 < peak[0] <= bound, (peak[0], bound)  # the budget binds; never past the bound
+    assert ds.counters.totals()["misses"] > sum(sizes) // CHUNK  # chunks were evicted and filled again
 
 
 @pytest.mark.timeout(60)
@@ -429,9 +470,9 @@ def test_a_killed_reader_leaves_nothing_protected_and_the_cache_consistent(shard
 @pytest.mark.parametrize("shuffle", [False, True, "node"])
 def test_resume_is_elastic_across_ranks_and_workers(shards, shuffle, monkeypatch):
     src, want, cache = shards
-    import ucmagic.shards.samples as samples
+    import ucmagic.files.epochs as epochs
 
-    monkeypatch.setattr(samples, "local_world_size", lambda world: 1)  # one rank per node: node mode applies
+    monkeypatch.setattr(epochs, "local_world_size", lambda world: 1)  # one rank per node: node mode applies
     make = lambda: TarShards(src, cache_dir=cache, chunk_size=CHUNK).stream(shuffle=shuffle, seed=3, partition="drop")  # noqa: E731
     a = make()
     world, workers = 2, 2
