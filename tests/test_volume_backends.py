@@ -240,3 +240,187 @@ def test_a_failed_s3_upload_leaves_no_object(s3_endpoint, tmp_path, monkeypatch)
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
     assert not vol.exists("run/shard.bin")
     assert vol.list_names("run") == []
+
+
+# ---------------------------------------------------------------- the registry: a backend is one class
+
+class _BytesReader:
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def readinto_at(self, offset: int, buf: memoryview) -> int:
+        got = self.data[offset:offset + len(buf)]
+        buf[:len(got)] = got
+        return len(got)
+
+    def close(self) -> None:
+        pass
+
+
+_TOY_STORES: dict[str, dict[str, tuple[bytes, float]]] = {}
+
+
+class ToyVolume(Volume):
+    """A complete backend in one class: ``toy://<store>`` names a dict of ``rel -> (bytes, mtime)``."""
+
+    def __init__(self, url: str, storage_options: dict | None = None) -> None:
+        self.url = url
+        self.name = url.split("://", 1)[1].strip("/")
+        self.uri = f"toy://{self.name}"
+        self.opened = 0
+
+    @classmethod
+    def from_path(cls, path: str, storage_options: dict | None = None) -> Volume:
+        from ucmagic.errors import SourceNotFoundError
+
+        vol = cls(path, storage_options)
+        if vol.name not in _TOY_STORES:
+            raise SourceNotFoundError(f"{path} does not exist")
+        return vol
+
+    @property
+    def store(self) -> dict[str, tuple[bytes, float]]:
+        return _TOY_STORES.setdefault(self.name, {})
+
+    def list(self, pattern: str | None = None) -> list[volume_mod.FileEntry]:
+        entries = [volume_mod.FileEntry(rel, len(data), mtime) for rel, (data, mtime) in self.store.items()]
+        return self._check_listing(volume_mod.filter_entries(entries, pattern), pattern)
+
+    def stat(self, rel: str) -> volume_mod.FileEntry:
+        if rel not in self.store:
+            raise FileNotFoundError(rel)
+        data, mtime = self.store[rel]
+        return volume_mod.FileEntry(rel, len(data), mtime)
+
+    def copy_to(self, rel: str, dest: str, *, expect: volume_mod.FileEntry | None = None) -> int:
+        self.opened += 1
+        data = self.read_bytes(rel)
+        with open(dest, "wb") as f:
+            f.write(data)
+        if expect is not None:
+            volume_mod.check_unchanged(self, expect, self.stat(rel))
+        return len(data)
+
+    def range_reader(self, rel: str) -> _BytesReader:
+        return _BytesReader(self.read_bytes(rel))
+
+    def write_bytes(self, rel: str, data: bytes) -> None:
+        self.store[rel] = (bytes(data), time.time())
+
+    def upload(self, local_path: str, rel: str) -> None:
+        with open(local_path, "rb") as f:
+            self.write_bytes(rel, f.read())
+
+    def read_bytes(self, rel: str) -> bytes:
+        return self.store[rel][0]
+
+    def exists(self, rel: str) -> bool:
+        return rel in self.store or any(k.startswith(rel + "/") for k in self.store)
+
+    def makedirs(self, rel: str) -> None:
+        pass
+
+    def remove(self, rel: str, *, missing_ok: bool = True) -> None:
+        if self.store.pop(rel, None) is None and not missing_ok:
+            raise FileNotFoundError(rel)
+
+    def remove_tree(self, rel: str) -> None:
+        for k in [k for k in self.store if k == rel or k.startswith(rel + "/")]:
+            del self.store[k]
+
+    def rename(self, src_rel: str, dst_rel: str) -> None:
+        self.store[dst_rel] = self.store.pop(src_rel)
+
+    def list_names(self, rel: str) -> list[str]:
+        prefix = rel + "/" if rel else ""
+        return sorted({k[len(prefix):].split("/", 1)[0] for k in self.store if k.startswith(prefix)})
+
+
+@pytest.fixture
+def toy_store():
+    """A registered toy:// backend holding 20 files; the registry is restored afterwards."""
+    saved = list(volume_mod._backends)
+    volume_mod.register_volume("toy", ToyVolume)
+    name = f"store-{os.getpid()}-{next(_bucket_n)}"
+    _TOY_STORES[name] = {f"d{i % 3}/f{i:02d}.bin": (f"toy file {i}".encode() * 50, 1e9 + i) for i in range(20)}
+    yield name
+    _TOY_STORES.pop(name, None)
+    volume_mod._backends[:] = saved
+
+
+def test_open_volume_builds_the_registered_backend_and_leaves_other_paths_to_the_built_ins(toy_store, tmp_path):
+    from ucmagic.files.volume import open_volume
+
+    assert type(open_volume(f"toy://{toy_store}")) is ToyVolume
+    assert type(open_volume(str(tmp_path))) is LocalVolume
+    assert type(open_volume("memory://")) is FsspecVolume
+
+
+def test_a_registered_backend_feeds_ucvolumedataset_without_other_edits(toy_store):
+    from ucmagic import UCVolumeDataset
+
+    ds = UCVolumeDataset(f"toy://{toy_store}", pattern="d1/*.bin")
+    assert isinstance(ds.volume, ToyVolume)
+    got = sorted(open(p, "rb").read() for p in ds)
+    assert got == sorted(f"toy file {i}".encode() * 50 for i in range(20) if i % 3 == 1)
+    again = sorted(open(p, "rb").read() for p in ds)  # second epoch: from the local cache
+    assert again == got
+
+
+def test_a_registered_backend_is_staged_without_other_edits(toy_store, tmp_path):
+    import ucmagic
+
+    res = ucmagic.stage(f"toy://{toy_store}", tmp_path / "staged", progress=False, processes=1)
+    assert res.ok and res.files == 20
+    assert (tmp_path / "staged" / "d2" / "f05.bin").read_bytes() == b"toy file 5" * 50
+    res = ucmagic.stage(f"toy://{toy_store}", tmp_path / "staged", progress=False, processes=1)
+    assert res.skipped == 20 and res.files == 0  # staged copies carry the source's mtime
+
+
+def test_a_later_registration_of_a_scheme_replaces_the_earlier_one(toy_store):
+    class OtherToy(ToyVolume):
+        pass
+
+    volume_mod.register_volume("toy", OtherToy)
+    assert volume_mod.volume_class(f"toy://{toy_store}") is OtherToy
+    assert sum(1 for key, _, _ in volume_mod._backends if key == "toy") == 1
+
+
+def test_a_predicate_routes_paths_to_a_backend(toy_store):
+    saved = list(volume_mod._backends)
+    try:
+        volume_mod.register_volume(lambda p: p.startswith("toy-alias:"), ToyVolume)
+        assert volume_mod.volume_class("toy-alias:x") is ToyVolume
+        assert volume_mod.volume_class("/data/train") is LocalVolume
+    finally:
+        volume_mod._backends[:] = saved
+
+
+def test_register_volume_refuses_what_is_not_a_backend_or_a_scheme():
+    with pytest.raises(TypeError, match="Volume subclass"):
+        volume_mod.register_volume("toy", dict)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="not a URL scheme"):
+        volume_mod.register_volume("no spaces", ToyVolume)
+    with pytest.raises(TypeError, match="scheme or a predicate"):
+        volume_mod.register_volume(42, ToyVolume)  # type: ignore[arg-type]
+
+
+def test_a_backend_missing_a_method_cannot_be_built():
+    class Incomplete(Volume):
+        def list(self, pattern=None):
+            return []
+
+    with pytest.raises(TypeError, match="abstract"):
+        Incomplete()
+
+
+def test_the_simulator_is_a_registered_backend_and_its_reads_keep_their_latency(tmp_path):
+    from ucmagic.files.volume import open_volume
+    from ucmagic.testing import SlowVolume, make_files
+
+    make_files(str(tmp_path / "src"), 3, 100)
+    vol = open_volume(f"slow://{tmp_path / 'src'}", {"open_ms": 0, "list_ms": 0})
+    assert type(vol) is SlowVolume
+    assert vol.local_root == str(tmp_path / "src")  # staging refuses a destination inside it
+    assert vol.local_file(vol.list()[0].path) is None  # copies go through the simulator, not around it
+    assert LocalVolume(str(tmp_path)).local_file("a/b.bin") == os.path.join(str(tmp_path), "a", "b.bin")

@@ -23,7 +23,7 @@ from .errors import FetchError, StagingError
 from .files.fetch import with_retries
 from .progress import Progress
 from .units import format_size
-from .files.volume import FileEntry, FsspecVolume, LocalVolume, Volume, copy_error, open_volume
+from .files.volume import FileEntry, Volume, copy_error, open_volume
 
 MTIME_TOLERANCE = 1e-3  # seconds: staged copy counts as unchanged when its mtime is this close
 MAX_PROCESSES = 4
@@ -149,7 +149,7 @@ _tmp_counter = itertools.count()
 def sweep_temp_files(dest_root: str, rel_dirs: set[str]) -> int:
     """Remove hidden temp files (``.ucstage-<pid>-<n>.tmp``) that a killed earlier run left in the
     destination folders; those of a running process stay. Returns the number removed."""
-    from .files.cache import pid_running
+    from .files.locks import pid_running
 
     n = 0
     for rel in rel_dirs | {""}:
@@ -177,9 +177,10 @@ def copy_file(src: str, dest: str) -> int:
 
 
 def fetch_to(vol: Volume, rel: str, dest: str) -> int:
-    """Copy ``rel`` of ``vol`` to the local path ``dest`` (plain reads for local/mounted volumes)."""
-    if isinstance(vol, LocalVolume):
-        return copy_file(os.path.join(vol.root, *rel.split("/")), dest)
+    """Copy ``rel`` of ``vol`` to the local path ``dest`` (plain reads where the volume's files are local paths)."""
+    src = vol.local_file(rel)
+    if src is not None:
+        return copy_file(src, dest)
     return vol.copy_to(rel, dest)
 
 
@@ -306,16 +307,6 @@ def _run_processes(vol: Volume, todo: list[FileEntry], dest_root: str, verify: s
 
 # ---------------------------------------------------------------- the API
 
-def _local_root(vol: Volume) -> str | None:
-    if isinstance(vol, LocalVolume):
-        return vol.root
-    if isinstance(vol, FsspecVolume):
-        proto = vol.fs.protocol[0] if isinstance(vol.fs.protocol, (tuple, list)) else vol.fs.protocol
-        if proto in ("file", "local", "slow"):
-            return "/" + vol.root.lstrip("/")
-    return None
-
-
 def _normalise_verify(verify: Any) -> str | None:
     if verify in (None, False, "none"):
         return None
@@ -359,9 +350,8 @@ def stage(src: Any, dest: str | os.PathLike[str], *, pattern: str | None = None,
     verify = _normalise_verify(verify)
     vol = open_volume(src, storage_options)
     dest_root = os.path.abspath(os.path.expanduser(os.fspath(dest)))
-    local = _local_root(vol)
-    if local is not None:
-        check_not_nested(local, dest_root)
+    if vol.local_root is not None:
+        check_not_nested(vol.local_root, dest_root)
     if os.path.exists(dest_root) and not os.path.isdir(dest_root):
         raise StagingError(f"destination {dest_root} is a file: pass a directory")
     entries = vol.list(pattern)

@@ -18,7 +18,7 @@ import stat as stat_mod
 import time
 from collections import deque
 from functools import lru_cache
-from typing import Any, Iterable, Iterator, NamedTuple
+from typing import Any, Callable, Iterable, Iterator, NamedTuple, Union
 
 from . import ranged
 from .._util import DaemonPool, atomic_target, atomic_write, copy_local, is_remote_url, wait_result
@@ -233,7 +233,21 @@ class Volume(abc.ABC):
     keeps_dir_mtimes = False  # True where adding or removing a file changes its directory's mtime
     unreadable = "raise"  # a directory under the root that cannot be read: "raise" or "skip" (with a warning)
     atomic_rename = False  # True where rename() is atomic; else it is a copy then a delete
-    local_root: str | None = None  # the local directory holding the files, where they are local paths here
+    # The local directory that holds the files where they live on this machine (staging refuses a
+    # destination inside it); None for remote storage.
+    local_root: str | None = None
+
+    def local_file(self, rel: str) -> str | None:
+        """A local path to read ``rel`` from directly with plain reads, or None where reads must go
+        through :meth:`copy_to` (remote storage, and the simulator, whose reads carry its latency)."""
+        return None
+
+    @classmethod
+    def from_path(cls, path: str, storage_options: dict[str, Any] | None = None) -> Volume:
+        """The volume at ``path`` (how :func:`open_volume` builds a registered backend). Raise
+        :class:`SourceNotFoundError` when it does not exist and :class:`SourceNotADirectoryError` when it is
+        a file. Default: ``cls(path, storage_options)``."""
+        return cls(path, storage_options)  # type: ignore[call-arg]
 
     @abc.abstractmethod
     def list(self, pattern: str | None = None) -> builtins.list[FileEntry]:
@@ -360,6 +374,17 @@ class LocalVolume(Volume):
     def __reduce__(self):
         return (LocalVolume, (self.root,), {"list_threads": self.list_threads, **self._tuning()})
 
+    @classmethod
+    def from_path(cls, path: str, storage_options: dict[str, Any] | None = None) -> Volume:
+        """A directory, ``/Volumes/...`` path (see :func:`resolve_local_path`) or ``file://`` URL."""
+        if path.startswith("file://"):
+            path = path[len("file://"):]
+        real = existing_local_path(path)
+        if not os.path.isdir(real):
+            raise SourceNotADirectoryError(f"{path} is a file, not a directory: pass the directory that holds "
+                                           "your files (use pattern= to pick some)")
+        return cls(real)
+
     def display(self, rel: str = "") -> str:
         return os.path.join(self.root, rel) if rel else self.root
 
@@ -462,6 +487,9 @@ class LocalVolume(Volume):
 
     def _path(self, rel: str) -> str:
         return os.path.join(self.root, *rel.split("/")) if rel else self.root
+
+    def local_file(self, rel: str) -> str | None:
+        return self._path(rel)
 
     def write_bytes(self, rel: str, data: bytes) -> None:
         _local_put(self._path(_writable(rel)), data)
@@ -627,7 +655,22 @@ class FsspecVolume(Volume):
             self.atomic_rename = True
 
     def __reduce__(self):
-        return (FsspecVolume, (self.url, self.storage_options), self._tuning())
+        return (type(self), (self.url, self.storage_options), self._tuning())
+
+    @classmethod
+    def from_path(cls, path: str, storage_options: dict[str, Any] | None = None) -> Volume:
+        """An fsspec URL naming a directory (a prefix on object stores)."""
+        vol = cls(path, storage_options)
+        try:
+            exists, isdir = vol.fs.exists(vol.root), vol.fs.isdir(vol.root)
+        except Exception as e:  # a backend that cannot answer: let listing report the real error
+            raise SourceNotFoundError(f"cannot reach {path}: {e}") from e
+        if not exists:
+            raise SourceNotFoundError(f"{path} does not exist: check the URL and your credentials")
+        if not isdir:
+            raise SourceNotADirectoryError(f"{path} is a file, not a directory: "
+                                           "pass the directory that holds your files")
+        return vol
 
     def list(self, pattern: str | None = None) -> list[FileEntry]:
         found = self.fs.find(self.root, detail=True)
@@ -769,26 +812,59 @@ def open_volume(path: Any, storage_options: dict[str, Any] | None = None) -> Vol
     if isinstance(path, Volume):
         return path
     path = os.fspath(path)
-    if is_remote_url(path):
-        vol = FsspecVolume(path, storage_options)
-        try:
-            exists, isdir = vol.fs.exists(vol.root), vol.fs.isdir(vol.root)
-        except Exception as e:  # a backend that cannot answer: let listing report the real error
-            raise SourceNotFoundError(f"cannot reach {path}: {e}") from e
-        if not exists:
-            raise SourceNotFoundError(f"{path} does not exist: check the URL and your credentials")
-        if not isdir:
-            raise SourceNotADirectoryError(f"{path} is a file, not a directory: "
-                                           "pass the directory that holds your files")
-        return vol
-    if path.startswith("file://"):
-        path = path[len("file://"):]
-    real = existing_local_path(path)
-    if not os.path.isdir(real):
-        raise SourceNotADirectoryError(
-            f"{path} is a file, not a directory: pass the directory that holds your files (use pattern= to pick some)"
-        )
-    return LocalVolume(real)
+    return volume_class(path).from_path(path, storage_options)
+
+
+# ---------------------------------------------------------------- the backend registry
+
+VolumeMatch = Union[str, Callable[[str], bool]]
+_backends: builtins.list[tuple[VolumeMatch, Callable[[str], bool], type[Volume]]] = []  # latest first
+
+
+def register_volume(scheme_or_predicate: VolumeMatch, cls: type[Volume]) -> None:
+    """Make :func:`open_volume` (and so datasets, staging, tables and checkpoints) build ``cls`` for some paths.
+
+    ``scheme_or_predicate`` is a URL scheme (``"az"`` matches ``az://...``) or a predicate on the path
+    string. The latest registration that matches wins, so a scheme registered later overrides the
+    built-ins (local paths and ``file://``: :class:`LocalVolume`; any other URL: :class:`FsspecVolume`);
+    registering the same scheme again replaces its class. ``cls.from_path(path, storage_options)``
+    builds the volume. Register where ``cls`` is defined: a worker process that unpickles a volume
+    imports that module, and so has the registration too. See docs/backends.md.
+    """
+    if not (isinstance(cls, type) and issubclass(cls, Volume)):
+        raise TypeError(f"register_volume needs a Volume subclass, got {cls!r}")
+    if isinstance(scheme_or_predicate, str):
+        scheme = scheme_or_predicate.lower().rstrip(":/")
+        if not re.fullmatch(r"[a-z][a-z0-9+.\-]*", scheme):
+            raise ValueError(f"{scheme_or_predicate!r} is not a URL scheme (letters, digits, '+', '.', '-')")
+        prefix = scheme + "://"
+
+        def matches(path: str) -> bool:
+            return path[:len(prefix)].lower() == prefix
+        key: VolumeMatch = scheme
+    elif callable(scheme_or_predicate):
+        matches, key = scheme_or_predicate, scheme_or_predicate
+    else:
+        raise TypeError(f"register_volume needs a URL scheme or a predicate, got {scheme_or_predicate!r}")
+    _backends[:] = [b for b in _backends if b[0] != key]
+    _backends.insert(0, (key, matches, cls))
+
+
+def volume_class(path: str) -> type[Volume]:
+    """The registered backend class for ``path`` (the latest registration that matches)."""
+    for _, matches, cls in _backends:
+        if matches(path):
+            return cls
+    raise SourceNotFoundError(f"no volume backend handles {path!r}: register one with ucmagic.register_volume")
+
+
+def _is_local_path(path: str) -> bool:
+    return not is_remote_url(path)
+
+
+# The two built-ins; later registrations (a scheme such as ``slow``, ``az``) take precedence.
+register_volume(_is_local_path, LocalVolume)
+register_volume(is_remote_url, FsspecVolume)
 
 
 class _FdReader:
