@@ -58,6 +58,8 @@ _EXPORTS = {
     "UnsafeCacheError": "errors",
     "NotAnEntryError": "errors",
     "local_path": "files.volume",
+    "Volume": "files.volume",
+    "register_volume": "files.volume",
     "TorchVersionError": "errors",
     "CheckpointError": "errors",
     "CheckpointNotCommittedError": "errors",
