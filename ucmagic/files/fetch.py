@@ -12,11 +12,10 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Executor, Future
-from concurrent.futures import wait as wait_futures
 from functools import lru_cache
-from typing import Any, Callable, Generator, Iterable, NamedTuple, TypeVar
+from typing import Any, Callable, Generator, Generic, Iterable, NamedTuple, TypeVar, cast
 
-from .._util import POLL_S, DaemonPool, RetryPolicy
+from .._util import DaemonPool, RetryPolicy, wait_result
 from ..errors import CacheFullError, FetchTimeoutError, SourceChangedError
 
 T = TypeVar("T")
@@ -70,21 +69,67 @@ class _Closed(BaseException):
     call waited: it stops waiting. A BaseException, so no retry loop takes it for a failure."""
 
 
-class _Task:
-    __slots__ = ("future", "started", "item", "cost", "result", "probe", "seen", "gone")
+class _Task(Generic[T, R]):
+    """One item of a :func:`read_ahead`: its call (a Future, or the result ``fast`` gave at once) and
+    the call's progress clock. The clock and the progress probe are written by the call's pool
+    thread and read by the consumer's stall check, so both go under ``mu`` (shared by the tasks of
+    one read-ahead); ``closed`` is set once the read-ahead is closed."""
 
-    def __init__(self, item: Any, cost: int = 0, gone: list[bool] | None = None) -> None:
-        self.gone = gone if gone is not None else [False]  # shared by a read_ahead's tasks: it was closed
+    __slots__ = ("item", "cost", "future", "result", "_closed", "_mu", "_started", "_probe", "_seen")
+
+    def __init__(self, item: T, cost: int, closed: threading.Event, mu: threading.Lock) -> None:
         self.item = item
         self.cost = cost
-        self.started: float | None = None  # start, or the last time progress was seen
-        self.future: Future | None = None
-        self.result: Any = None
-        self.probe: Callable[[], Any] | None = None
-        self.seen: Any = None
+        self.future: Future[R] | None = None
+        self.result: R | None = None  # fast's result (future is None)
+        self._closed = closed
+        self._mu = mu
+        self._started: float | None = None  # start, or the last time progress was seen
+        self._probe: Callable[[], object] | None = None
+        self._seen: object = None  # what the probe read at the last look (consumer thread only)
+
+    def start(self) -> None:
+        """The call starts, or waits anew (its pool thread)."""
+        with self._mu:
+            self._started = time.monotonic()
+
+    def restart(self) -> None:
+        """:func:`restart_timeout` from the call's pool thread: raises :class:`_Closed` once closed."""
+        if self._closed.is_set():
+            raise _Closed()
+        self.start()
+
+    def watch(self, probe: Callable[[], object] | None) -> None:
+        """:func:`watch_progress` from the call's pool thread."""
+        with self._mu:
+            self._probe = probe
+
+    def stalled(self, timeout: float) -> bool:
+        """Whether the call went ``timeout`` seconds without progress (the consumer's thread)."""
+        now = time.monotonic()
+        with self._mu:
+            probe, started = self._probe, self._started
+        if started is None:
+            return False  # not started yet: queued behind other calls
+        current = _read_probe(probe)  # outside the lock: a probe does I/O
+        with self._mu:  # the clock as it is now: a restart meanwhile is kept
+            since = self._started if self._started is not None else started
+            expired, self._started = stall_check(now, since, timeout, self._seen, current)
+        self._seen = current
+        return expired
 
 
-_current = threading.local()
+_current = threading.local()  # the task whose call runs on this pool thread (see _run)
+
+
+def _run(fn: Callable[[T], R], task: _Task[T, R]) -> R:
+    """A task's call, on a pool thread: :func:`restart_timeout` and :func:`watch_progress` find it."""
+    task.start()
+    _current.task = task
+    try:
+        return fn(task.item)
+    finally:
+        _current.task = None
 
 
 def restart_timeout() -> None:
@@ -92,23 +137,21 @@ def restart_timeout() -> None:
     the loop consumes): its per-item timeout counts from now, so a slow loop is not a hung mount.
     Once the read-ahead was closed (the loop ended, broke off or failed) it raises instead, so the
     wait ends and the call's thread is free: nothing waits on for a loop that is gone."""
-    task = getattr(_current, "task", None)
+    task: _Task[Any, Any] | None = getattr(_current, "task", None)
     if task is not None:
-        if task.gone[0]:
-            raise _Closed()
-        task.started = time.monotonic()
+        task.restart()
 
 
-def watch_progress(probe: Callable[[], Any] | None) -> None:
+def watch_progress(probe: Callable[[], object] | None) -> None:
     """Called from inside a :func:`read_ahead` call: ``probe()`` returns something that changes while
     the call makes progress (e.g. the size of the file it writes), so its timeout counts only time
     without progress: a big file still copying never times out, a hung one does. ``None`` ends it."""
-    task = getattr(_current, "task", None)
+    task: _Task[Any, Any] | None = getattr(_current, "task", None)
     if task is not None:
-        task.probe = probe
+        task.watch(probe)
 
 
-def stall_check(now: float, since: float, timeout: float, seen: Any, current: Any) -> tuple[bool, float]:
+def stall_check(now: float, since: float, timeout: float, seen: object, current: object) -> tuple[bool, float]:
     """``(timed out, new since)`` for a call last seen progressing at ``since`` whose progress probe
     read ``seen`` then and reads ``current`` now (None: no probe). Pure: no clock, no I/O."""
     if current is not None and current != seen:
@@ -116,11 +159,11 @@ def stall_check(now: float, since: float, timeout: float, seen: Any, current: An
     return now - since > timeout, since
 
 
-def _probe(task: _Task) -> Any:
-    if task.probe is None:
+def _read_probe(probe: Callable[[], object] | None) -> object:
+    if probe is None:
         return None
     try:
-        return task.probe()
+        return probe()
     except OSError:
         return None
 
@@ -155,14 +198,22 @@ def tune_window(w: Window, rate: float, wait_share: float, *, floor: int, ceilin
     return Window(min(ceiling, w.size * 2), prev_size=w.size, prev_rate=rate)
 
 
+START_WINDOW = 8
+"""Calls a :func:`read_ahead` keeps in flight at first (``depth`` if smaller); :func:`tune_window` moves it."""
+FLOOR_WINDOW = 4
+"""The fewest calls :func:`tune_window` keeps in flight (``depth`` if smaller)."""
+MIN_PERIOD = 8
+"""Items yielded per tuning period at least (and at least the window)."""
+
+
 def read_ahead(fn: Callable[[T], R], items: Iterable[T], *, depth: int = 32, timeout: float | None = 120.0,
                pool: Executor | None = None, describe: Callable[[T], str] = str,
                fast: Callable[[T], R | None] | None = None, cost: Callable[[T], int] | None = None,
                max_bytes: int | None = None, alive: Callable[[], bool] | None = None) -> Generator[R, None, None]:
     """Yield ``fn(item)`` for each item, in order, with up to ``depth`` calls in flight.
 
-    The calls in flight start at 8 and follow :func:`tune_window`: more while the consumer waits
-    and more calls raise the rate (a high-latency volume), fewer when it does not wait.
+    The calls in flight start at :data:`START_WINDOW` and follow :func:`tune_window`: more while
+    the consumer waits and more calls raise the rate (a high-latency volume), fewer when it does not wait.
 
     With ``cost`` and ``max_bytes``, items submitted and not yet yielded also add up to at most
     ``max_bytes`` (the first one always goes), so big files cannot overrun a budget or a disk.
@@ -177,85 +228,120 @@ def read_ahead(fn: Callable[[T], R], items: Iterable[T], *, depth: int = 32, tim
     DataLoader worker whose main process is gone) ends the wait with SystemExit.
     """
     depth = max(1, int(depth))
-    pool = pool or shared_pool(depth)
-    it = iter(items)
-    pending: deque[_Task] = deque()
-    gone = [False]
+    ahead = _ReadAhead(fn, items, depth=depth, timeout=timeout, pool=pool or shared_pool(depth),
+                       describe=describe, fast=fast, cost=cost, max_bytes=max_bytes, alive=alive)
+    yield from ahead.results()
 
-    inflight = 0
-    peeked: list[T] = []
-    # Adaptive concurrency: up to ``depth`` calls, but only as many as make the consumer faster.
-    floor = min(depth, 4)
-    win = Window(min(depth, 8))
-    period_start = time.perf_counter()
-    period_items = 0
-    period_wait = 0.0
 
-    def run(task: _Task) -> R:
-        task.started = time.monotonic()
-        _current.task = task
+class _ReadAhead(Generic[T, R]):
+    """One :func:`read_ahead` (see there for the parameters): the tasks submitted and not yet yielded,
+    in input order, the bytes they hold and the adaptive window. All of it is the consumer's; pool
+    threads see only their :class:`_Task` (and never this object, so an abandoned call in a hung
+    mount holds none of it)."""
+
+    def __init__(self, fn: Callable[[T], R], items: Iterable[T], *, depth: int, timeout: float | None,
+                 pool: Executor, describe: Callable[[T], str], fast: Callable[[T], R | None] | None,
+                 cost: Callable[[T], int] | None, max_bytes: int | None, alive: Callable[[], bool] | None) -> None:
+        self._fn, self._items, self._pool = fn, iter(items), pool
+        self._timeout, self._describe, self._alive = timeout, describe, alive
+        self._fast, self._cost, self._max_bytes = fast, cost, max_bytes
+        self._pending: deque[_Task[T, R]] = deque()
+        self._held = 0  # cost of the items submitted and not yet yielded
+        self._peeked: list[T] = []  # an item taken that waits for the byte bound
+        self._closed = threading.Event()  # the tasks' "closed" flag
+        self._mu = threading.Lock()  # the tasks' clock lock
+        # Adaptive concurrency: up to ``depth`` calls, but only as many as make the consumer faster.
+        self._depth, self._floor = depth, min(depth, FLOOR_WINDOW)
+        self._win = Window(min(depth, START_WINDOW))
+        self._period_start = time.perf_counter()
+        self._period_items = 0
+        self._period_wait = 0.0
+
+    def results(self) -> Generator[R, None, None]:
+        """The results in input order; leaving (close, exception, break) shuts the read-ahead down."""
         try:
-            return fn(task.item)
+            self._fill()
+            while self._pending:
+                result = self._collect(self._pending[0])
+                self._retire(self._pending.popleft())
+                self._fill()
+                yield result
         finally:
-            _current.task = None
+            self._shutdown()
 
-    def submit() -> bool:
-        nonlocal inflight
-        for item in (peeked.pop(),) if peeked else it:
-            c = cost(item) if cost is not None else 0
-            if max_bytes is not None and pending and inflight + c > max_bytes:
-                peeked.append(item)  # over the byte bound: submit it once earlier items are yielded
-                return False
-            inflight += c
-            task = _Task(item, c, gone)
-            done = fast(item) if fast is not None else None
-            if done is not None:
-                task.result = done  # a hit: no Future, no thread hop
-            else:
-                task.future = pool.submit(run, task)
-            pending.append(task)
-            return True
-        return False
-
-    try:
-        while len(pending) < win.size and submit():
+    def _fill(self) -> None:
+        """Submit items until the window is full, the items run out or the byte bound is reached."""
+        while len(self._pending) < self._win.size and self._submit_next():
             pass
-        while pending:
-            task = pending[0]
-            result = task.result
-            fut = task.future
-            if fut is not None:
-                if not fut.done():
-                    t0 = time.perf_counter()
-                    # timed steps, never one blocking wait: Ctrl-C and the stall check act within POLL_S
-                    while not wait_futures((fut,), timeout=POLL_S).done:
-                        if alive is not None and not alive():
-                            raise SystemExit("ucmagic: the DataLoader's main process is gone; this worker exits")
-                        if not timeout or task.started is None:
-                            continue
-                        now, current = time.monotonic(), _probe(task)
-                        expired, task.started = stall_check(now, task.started, timeout, task.seen, current)
-                        task.seen = current
-                        if expired:
-                            raise FetchTimeoutError(
-                                f"fetching {describe(task.item)} made no progress for {timeout:g} s; the "
-                                "volume may be hung. Check the mount, or raise timeout="
-                            ) from None
-                    period_wait += time.perf_counter() - t0
-                result = fut.result()
-            pending.popleft()
-            inflight -= task.cost
-            period_items += 1
-            if period_items >= max(8, win.size) and depth > floor:
-                now = time.perf_counter()
-                span = max(now - period_start, 1e-9)
-                win = tune_window(win, period_items / span, period_wait / span, floor=floor, ceiling=depth)
-                period_start, period_items, period_wait = now, 0, 0.0
-            while len(pending) < win.size and submit():
-                pass
-            yield result
-    finally:
-        gone[0] = True  # calls still waiting (for cache room) stop at their next look
-        for task in pending:
+
+    def _take(self) -> tuple[T] | None:
+        """The next item (one put back for the byte bound first), or None when the items ran out."""
+        if self._peeked:
+            return (self._peeked.pop(),)
+        for item in self._items:
+            return (item,)
+        return None
+
+    def _submit_next(self) -> bool:
+        """Start the next item's call, or use ``fast``'s result; False if none goes now."""
+        taken = self._take()
+        if taken is None:
+            return False
+        item = taken[0]
+        c = self._cost(item) if self._cost is not None else 0
+        if self._max_bytes is not None and self._pending and self._held + c > self._max_bytes:
+            self._peeked.append(item)  # over the byte bound: submit it once earlier items are yielded
+            return False
+        self._held += c
+        task: _Task[T, R] = _Task(item, c, self._closed, self._mu)
+        done = self._fast(item) if self._fast is not None else None
+        if done is not None:
+            task.result = done  # a hit: no Future, no thread hop
+        else:
+            task.future = self._pool.submit(_run, self._fn, task)
+        self._pending.append(task)
+        return True
+
+    def _collect(self, task: _Task[T, R]) -> R:
+        """The head task's result (its call's error is raised as is). The wait goes in timed steps,
+        never one blocking wait: Ctrl-C, the alive check and the stall check act within POLL_S."""
+        fut = task.future
+        if fut is None:
+            return cast(R, task.result)
+        if fut.done():
+            return fut.result()
+        t0 = time.perf_counter()
+        try:
+            result: R = wait_result(fut, on_poll=lambda: self._check(task))
+        finally:
+            self._period_wait += time.perf_counter() - t0
+        return result
+
+    def _check(self, task: _Task[T, R]) -> None:
+        """Between two steps of a wait on ``task``: the main process and the call's progress."""
+        if self._alive is not None and not self._alive():
+            raise SystemExit("ucmagic: the DataLoader's main process is gone; this worker exits")
+        if self._timeout and task.stalled(self._timeout):
+            raise FetchTimeoutError(
+                f"fetching {self._describe(task.item)} made no progress for {self._timeout:g} s; the "
+                "volume may be hung. Check the mount, or raise timeout="
+            ) from None
+
+    def _retire(self, task: _Task[T, R]) -> None:
+        """``task`` was collected: release its bytes, and tune the window at the end of a period."""
+        self._held -= task.cost
+        self._period_items += 1
+        if self._period_items >= max(MIN_PERIOD, self._win.size) and self._depth > self._floor:
+            now = time.perf_counter()
+            span = max(now - self._period_start, 1e-9)
+            self._win = tune_window(self._win, self._period_items / span, self._period_wait / span,
+                                    floor=self._floor, ceiling=self._depth)
+            self._period_start, self._period_items, self._period_wait = now, 0, 0.0
+
+    def _shutdown(self) -> None:
+        """Calls still waiting (for cache room) stop at their next look; calls not started never start.
+        A call running (a read stuck in a hung mount) is not waited for."""
+        self._closed.set()
+        for task in self._pending:
             if task.future is not None:
                 task.future.cancel()

@@ -13,15 +13,16 @@ streams queued together, so the first file asked for finishes first.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Protocol
 
 from .._util import DaemonPool, wait_result
 from .fetch import with_retries
-import contextlib
 
 THRESHOLD = 64 << 20
 """Files of at least this many bytes are copied by ranges (``Volume.range_threshold``)."""
@@ -85,96 +86,150 @@ def ranged_copy(open_reader: Callable[[], RangeReader], size: int, dest: str, *,
     """
     ranges = plan_ranges(size, range_size)
     fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    mu = threading.Lock()
-    nxt = [0]
-    stop = threading.Event()
-    errors: list[BaseException] = []
-    done = [0]
-
-    def take() -> tuple[int, int] | None:
-        with mu:
-            if stop.is_set() or nxt[0] >= len(ranges):
-                return None
-            nxt[0] += 1
-            return ranges[nxt[0] - 1]
-
-    def stream() -> None:
-        buf = memoryview(bytearray(min(chunk, range_size)))
-        reader: list[RangeReader | None] = [None]
-
-        def copy_rest(job: tuple[list[int], int]) -> None:
-            pos, end = job
-            try:
-                rd = reader[0]
-                if rd is None:
-                    rd = reader[0] = open_reader()
-                while pos[0] < end and not stop.is_set():
-                    want = min(len(buf), end - pos[0])
-                    n = rd.readinto_at(pos[0], buf[:want])
-                    if n <= 0:
-                        raise OSError(errno.EIO, f"the source ended at byte {pos[0]}, expected {size} bytes")
-                    view, off = buf[:n], pos[0]
-                    while view:  # pwrite may write less than asked
-                        w = os.pwrite(fd, view, off)
-                        view, off = view[w:], off + w
-                    pos[0] += n
-            except BaseException:
-                _close(reader)
-                raise
-
-        try:
-            while (r := take()) is not None:
-                pos = [r[0]]
-                with_retries(copy_rest, (pos, r[1]), retries)
-                if pos[0] == r[1]:
-                    with mu:
-                        done[0] += r[1] - r[0]
-        except BaseException as e:  # noqa: BLE001 - handed to the caller below
-            with mu:
-                errors.append(e)
-            stop.set()
-        finally:
-            _close(reader)
-
-    running = [0]  # streams still running: the last one to stop closes a file given up on
-    close_fd = [True]
-
-    def stopped(_: object) -> None:
-        with mu:
-            running[0] -= 1
-            last = running[0] == 0 and not close_fd[0]
-        if last:
-            os.close(fd)
-
+    copy = _RangedCopy(open_reader, size, fd, ranges, buf_size=min(chunk, range_size), retries=retries)
     try:
+        copy.run(streams)
+    finally:
+        copy.close_fd()
+    return size
+
+
+class _Cursor:
+    """A range being copied: ``pos`` moves on as bytes land, so a retry resumes where a failed read stopped."""
+
+    __slots__ = ("pos", "end")
+
+    def __init__(self, start: int, end: int) -> None:
+        self.pos, self.end = start, end
+
+
+class _Handle:
+    """One stream's reader: opened on first use, and again after a failed read closed it."""
+
+    __slots__ = ("_open", "_reader")
+
+    def __init__(self, open_reader: Callable[[], RangeReader]) -> None:
+        self._open = open_reader
+        self._reader: RangeReader | None = None
+
+    def get(self) -> RangeReader:
+        if self._reader is None:
+            self._reader = self._open()
+        return self._reader
+
+    def close(self) -> None:
+        if self._reader is not None:
+            with contextlib.suppress(OSError):
+                self._reader.close()
+            self._reader = None
+
+
+class _RangedCopy:
+    """One :func:`ranged_copy`. Its streams run on pool threads; what they share with each other and
+    with the caller (the next range, the bytes done, the errors, the streams running, who closes the
+    destination) goes under ``_mu``; ``_stop`` tells the streams to stop at their next chunk."""
+
+    def __init__(self, open_reader: Callable[[], RangeReader], size: int, fd: int, ranges: list[tuple[int, int]],
+                 *, buf_size: int, retries: int) -> None:
+        self._open_reader, self._size, self._fd, self._ranges = open_reader, size, fd, ranges
+        self._buf_size, self._retries = buf_size, retries
+        self._mu = threading.Lock()
+        self._stop = threading.Event()
+        self._next = 0  # index of the next range to take
+        self._done = 0  # bytes of the ranges copied whole
+        self._errors: list[BaseException] = []
+        self._running = 0  # streams still running, once the caller gave up on them
+        self._caller_closes = True  # False: the caller left early; the last stream to stop closes fd
+
+    def run(self, streams: int) -> None:
+        """Run the streams and wait for them (the caller's thread); raise the first error."""
         pool = stream_pool()
         with _submit_mu:
-            futures = [pool.submit(stream) for _ in range(min(max(1, streams), len(ranges)))]
-        running[0] = len(futures)
+            futures = [pool.submit(self._stream) for _ in range(min(max(1, streams), len(self._ranges)))]
+        with self._mu:
+            self._running = len(futures)
         try:
             for f in futures:
                 wait_result(f)  # timed steps: Ctrl-C interrupts at once
         except BaseException:
-            stop.set()  # an interrupt: streams stop at their next chunk; a read stuck in a hung
-            # mount is not waited for: the file is closed by the last stream, never under one
-            with mu:
-                close_fd[0] = running[0] == 0 or all(f.done() for f in futures)
-            if not close_fd[0]:
-                for f in futures:
-                    f.add_done_callback(stopped)
+            self._abandon(futures)
             raise
-        if errors:
-            raise errors[0]
-        if done[0] != size or os.fstat(fd).st_size != size:
-            raise OSError(errno.EIO, f"ranged copy wrote {done[0]} bytes, expected {size}")
-    finally:
-        if close_fd[0]:
-            os.close(fd)
-    return size
+        self._check()
+
+    def _abandon(self, futures: list[Future[None]]) -> None:
+        """The caller leaves (an interrupt): the streams stop at their next chunk. A read stuck in a
+        hung mount is not waited for: the file is closed by the last stream, never under one."""
+        self._stop.set()
+        with self._mu:
+            self._caller_closes = self._running == 0 or all(f.done() for f in futures)
+        if not self._caller_closes:
+            for f in futures:
+                f.add_done_callback(self._stopped)
+
+    def _stopped(self, _: object) -> None:
+        with self._mu:
+            self._running -= 1
+            last = self._running == 0
+        if last:
+            os.close(self._fd)
+
+    def close_fd(self) -> None:
+        """The caller is done: it closes the file unless it left streams that still run (see _abandon)."""
+        with self._mu:
+            mine = self._caller_closes
+        if mine:
+            os.close(self._fd)
+
+    def _check(self) -> None:
+        """Every stream stopped: the first error, or the file short of ``size``, is raised."""
+        with self._mu:
+            error, done = (self._errors[0] if self._errors else None), self._done
+        if error is not None:
+            raise error
+        if done != self._size or os.fstat(self._fd).st_size != self._size:
+            raise OSError(errno.EIO, f"ranged copy wrote {done} bytes, expected {self._size}")
+
+    def _take(self) -> tuple[int, int] | None:
+        with self._mu:
+            if self._stop.is_set() or self._next >= len(self._ranges):
+                return None
+            self._next += 1
+            return self._ranges[self._next - 1]
+
+    def _stream(self) -> None:
+        """One range stream (a pool thread): copy ranges until none is left or the copy stops."""
+        buf = memoryview(bytearray(self._buf_size))
+        handle = _Handle(self._open_reader)
+        try:
+            while (r := self._take()) is not None:
+                cur = _Cursor(*r)
+                with_retries(lambda c: self._copy_rest(handle, buf, c), cur, self._retries)
+                if cur.pos == cur.end:
+                    with self._mu:
+                        self._done += r[1] - r[0]
+        except BaseException as e:  # noqa: BLE001 - handed to the caller by _check
+            with self._mu:
+                self._errors.append(e)
+            self._stop.set()
+        finally:
+            handle.close()
+
+    def _copy_rest(self, handle: _Handle, buf: memoryview, cur: _Cursor) -> None:
+        """Copy the range from ``cur.pos`` on; a failed read closes the stream's reader."""
+        try:
+            rd = handle.get()
+            while cur.pos < cur.end and not self._stop.is_set():
+                n = rd.readinto_at(cur.pos, buf[:min(len(buf), cur.end - cur.pos)])
+                if n <= 0:
+                    raise OSError(errno.EIO, f"the source ended at byte {cur.pos}, expected {self._size} bytes")
+                _pwrite_all(self._fd, buf[:n], cur.pos)
+                cur.pos += n
+        except BaseException:
+            handle.close()
+            raise
 
 
-def _close(reader: list[RangeReader | None]) -> None:
-    if reader[0] is not None:
-        with contextlib.suppress(OSError):
-            reader[0].close()
-        reader[0] = None
+def _pwrite_all(fd: int, view: memoryview, off: int) -> None:
+    while view:  # pwrite may write less than asked
+        w = os.pwrite(fd, view, off)
+        view, off = view[w:], off + w
