@@ -167,9 +167,9 @@ def test_seed_wrapper_under_ucmagic_dataloader_completes_with_a_budget_below_one
 
 @pytest.mark.timeout(60)
 def test_filtering_wrapper_that_cannot_get_room_ends_with_a_named_error_not_a_hang(tmp_path, monkeypatch):
-    import ucmagic.files.cache
+    import ucmagic.files.budget
 
-    monkeypatch.setattr(ucmagic.files.cache, "LOOP_STALL_S", 1.0)
+    monkeypatch.setattr(ucmagic.files.budget, "LOOP_STALL_S", 1.0)
     root = str(tmp_path / "vol")
     make_files(root, 80, 6 * 1024, per_dir=40)
     ds = UCVolumeDataset(root, cache_dir=str(tmp_path / "c"), cache_limit=12 * 1024)

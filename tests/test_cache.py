@@ -10,21 +10,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ucmagic.files.cache import (
-    TOUCH_EVERY_S,
-    FileCache,
-    KeyLocks,
-    SeenEntries,
-    cache_key,
-    cache_keys,
-    choose_victims,
-    entry_file,
-    parse_record_name,
-    process_tag,
-    safe_suffix,
-)
+from ucmagic.files.budget import choose_victims
+from ucmagic.files.cache import TOUCH_EVERY_S, FileCache, SeenEntries
+from ucmagic.files.cache_layout import cache_key, cache_keys, entry_file, entry_record_names, safe_suffix
+from ucmagic.files.locks import KeyLocks, process_tag
+from ucmagic.files.protection import parse_record_name
 from ucmagic.errors import CacheFullError
-import ucmagic.files.cache as cache_mod
+import ucmagic.files.budget as budget_mod
 
 
 def writer(data: bytes, delay: float = 0.0, calls: list | None = None):
@@ -422,10 +414,10 @@ def test_protection_record_rewritten_in_place_holds_exactly_the_new_names(tmp_pa
 
 @pytest.mark.timeout(60)
 def test_a_fill_no_loop_waits_on_gives_up_with_an_error_when_no_room_is_ever_freed(tmp_path, monkeypatch):
-    monkeypatch.setattr(cache_mod, "STALL_S", 0.3)
+    monkeypatch.setattr(budget_mod, "STALL_S", 0.3)
     c = FileCache(str(tmp_path / "c"), limit=10_000)
     # another live fill holds 9 kB (its temp file's name carries its final size): nothing to evict
-    open(os.path.join(c.root, "tmp", f"{'ab' * 20}.{cache_mod.process_tag()}.0.9000.part"), "wb").close()
+    open(os.path.join(c.root, "tmp", f"{'ab' * 20}.{process_tag()}.0.9000.part"), "wb").close()
     with pytest.raises(CacheFullError, match=r"no room for a 5\.0 KB file in cache_limit=10\.0 KB"):
         c.reserve(5000, os.path.join(c.root, "tmp", "mine.part"))
 
@@ -473,7 +465,7 @@ def test_a_record_naming_an_entry_by_its_record_names_protects_it(tmp_path):
     c = FileCache(str(tmp_path / "c"))
     key = cache_key("v", "x", 5, 0)
     p, _ = c.fill(key, ".chunk", 5, writer(b"12345"))
-    names = cache_mod.entry_record_names(key, ".chunk", 5)
+    names = entry_record_names(key, ".chunk", 5)
     assert names == [key + ".chunk", os.path.basename(entry_of(p))]
     c.write_record(c.record_path(process_tag(), 0), names)
     assert c.evict(10**9) == 0 and os.path.exists(p)

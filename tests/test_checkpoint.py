@@ -31,7 +31,7 @@ from ucmagic.checkpoints.api import (
     load_checkpoint,
     save_checkpoint,
 )
-from ucmagic.files.cache import process_tag
+from ucmagic.files.locks import process_tag
 from ucmagic.errors import SourceNotFoundError
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # ranks, whatever pytest's import mode

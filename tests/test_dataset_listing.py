@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader as TorchLoader
 from test_listing import CountingVolume, SyntheticVolume, age
 from ucmagic import ResumeOrderError, UCVolumeDataset
 from ucmagic.files import plan
-from ucmagic.files.cache import entry_name
+from ucmagic.files.cache_layout import entry_name
 from ucmagic.files.dataset import StreamItems
 from ucmagic.files.listing import open_listing
 from ucmagic.testing import make_files

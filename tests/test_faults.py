@@ -19,7 +19,8 @@ import time
 import pytest
 
 from ucmagic import UCVolumeDataset
-from ucmagic.files.cache import FileCache, cache_key
+from ucmagic.files.cache import FileCache
+from ucmagic.files.cache_layout import cache_key
 from ucmagic.errors import FetchError, FetchTimeoutError
 from ucmagic.testing import make_files
 from ucmagic.files.volume import LocalVolume, open_volume

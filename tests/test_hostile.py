@@ -13,7 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ucmagic import UCVolumeDataset, stage
-from ucmagic.files.cache import FileCache, cache_key, entry_file, entry_name, map_relpath
+from ucmagic.files.cache import FileCache
+from ucmagic.files.cache_layout import cache_key, entry_file, entry_name, map_relpath
 from ucmagic.errors import UnsafeCacheError
 from ucmagic.files.volume import is_safe_rel
 

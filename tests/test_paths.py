@@ -9,18 +9,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ucmagic import NotAnEntryError, UCVolumeDataset
-from ucmagic.files.cache import (
-    NAME_MAX,
-    FileCache,
-    cache_command,
-    entry_file,
-    entry_files,
-    entry_name,
-    map_relpath,
-    parse_entry_name,
-    process_tag,
-    unmap_relpath,
-)
+from ucmagic.files.cache import FileCache
+from ucmagic.files.cache_layout import (NAME_MAX, entry_file, entry_files, entry_name, map_relpath, parse_entry_name,
+                                        unmap_relpath)
+from ucmagic.files.cache_report import cache_command
+from ucmagic.files.locks import process_tag
 from ucmagic.files.dataset import SourceFile
 
 # components users and object stores produce, plus every kind of hostile one

@@ -210,7 +210,7 @@ def _add_cache(sub: argparse._SubParsersAction) -> None:
             cp.add_argument("--limit", default=None, help="evict down to this size, e.g. 20GB")
 
         def run(a: argparse.Namespace, name: str = name) -> int:
-            from .files.cache import cache_command
+            from .files.cache_report import cache_command
 
             print(cache_command(name, a.cache_dir, limit=getattr(a, "limit", None)))
             return 0

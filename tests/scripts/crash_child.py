@@ -43,7 +43,8 @@ def half_then_stall(src: str, dest: str) -> int:
 
 
 def fill(cache: str, src: str, rel: str, limit: str = "0") -> None:
-    from ucmagic.files.cache import FileCache, cache_key, safe_suffix
+    from ucmagic.files.cache import FileCache
+    from ucmagic.files.cache_layout import cache_key, safe_suffix
     from ucmagic.files.volume import open_volume
 
     vol = open_volume(src)
@@ -101,7 +102,8 @@ def ckpt(root: str, step: int, fmt: str) -> None:
 def hammer(cache: str, src: str, log: str, seed: str, go: str) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
-    from ucmagic.files.cache import FileCache, cache_key, safe_suffix
+    from ucmagic.files.cache import FileCache
+    from ucmagic.files.cache_layout import cache_key, safe_suffix
     from ucmagic.files.volume import open_volume
 
     vol = open_volume(src)

@@ -18,7 +18,7 @@ import zlib
 from typing import Callable
 
 from .._util import RetryPolicy, copy_local
-from ..files.cache import pid_running, process_tag, tag_alive
+from ..files.locks import pid_running, process_tag, tag_alive
 from .format import FileRecord
 from ..errors import (
     CheckpointCorruptError,

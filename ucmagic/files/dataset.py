@@ -22,8 +22,10 @@ from torch.utils.data import IterableDataset, get_worker_info
 from . import plan
 from .. import telemetry
 from .._util import DEFAULT_RETRIES
-from .cache import (FileCache, SeenEntries, cache_key, cache_keys, entry_files, entry_name, parse_entry_name,
-                    process_tag, release_at_exit, safe_suffix, unmap_relpath)
+from .cache import FileCache, SeenEntries
+from .cache_layout import cache_key, cache_keys, entry_files, entry_name, parse_entry_name, safe_suffix, unmap_relpath
+from .locks import process_tag
+from .protection import release_at_exit
 from ..errors import NotAnEntryError
 from ..dist import dist_info, local_world_size
 from .epochs import EpochTracking, check_state_kind

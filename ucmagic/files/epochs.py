@@ -27,7 +27,7 @@ from __future__ import annotations
 import uuid
 from typing import Any, Protocol, Sequence, runtime_checkable
 
-from .cache import file_lock
+from .locks import file_lock
 from ..dist import dist_info, local_world_size
 from .._shared import SharedInt, SharedInts
 from ..telemetry import SharedCounters

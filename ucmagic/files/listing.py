@@ -43,7 +43,8 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from .._util import atomic_target
-from .cache import cache_key_digest, default_cache_dir, file_lock, map_relpath, safe_suffixes
+from .cache_layout import cache_key_digest, default_cache_dir, map_relpath, safe_suffixes
+from .locks import file_lock
 from ..errors import ListingChangedError
 from .volume import FileEntry, Volume
 

@@ -27,7 +27,9 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
 from ..files import ranged
-from ..files.cache import FileCache, cache_key, process_tag
+from ..files.cache import FileCache
+from ..files.cache_layout import cache_key
+from ..files.locks import process_tag
 from ..files.fetch import shared_pool, with_retries
 from ..telemetry import SharedCounters
 from ..files.volume import FileEntry, Volume, check_unchanged

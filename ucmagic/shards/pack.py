@@ -318,7 +318,7 @@ def prepare_dest(dest: str) -> dict[str, dict[str, Any]]:
     return the completed shards recorded by an earlier run (name -> size, digest)."""
     os.makedirs(dest, exist_ok=True)
     names = _check_ours(dest)
-    from ..files.cache import pid_running
+    from ..files.locks import pid_running
 
     for n in names:  # temp files of a killed run (its pid no longer runs)
         pid = _temp_pid(n)
@@ -827,7 +827,7 @@ def pack(src: Any, dest: str | os.PathLike[str], shard_size: int | str = "1GB", 
 @contextlib.contextmanager
 def _dest_lock(dest: str) -> Iterator[None]:
     """One pack at a time per destination: a second one waits for the first, then finds its shards."""
-    from ..files.cache import file_lock
+    from ..files.locks import file_lock
 
     _check_ours(dest)  # before the lock file is made: a refused directory is left as it was
     os.makedirs(dest, exist_ok=True)

@@ -19,7 +19,8 @@ from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from ..files import plan
 from .. import telemetry
-from ..files.cache import FileCache, process_tag
+from ..files.cache import FileCache
+from ..files.locks import process_tag
 from ..dist import dist_info, local_world_size
 from ..files.epochs import EpochTracking, check_state_kind
 from ..errors import ListingChangedError

@@ -19,7 +19,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from .._util import atomic_write
-from ..files.cache import cache_key, file_lock
+from ..files.cache_layout import cache_key
+from ..files.locks import file_lock
 from ..errors import ShardFormatError
 from ..files.volume import FileEntry, Volume, filter_entries, open_volume
 from .chunks import CHUNK_SIZE

@@ -138,7 +138,7 @@ def swap_in(staging: str, dest: str) -> str | None:
 def sweep_leftovers(dest: str) -> int:
     """Remove the hidden staging/old directories of ``dest`` that a killed earlier export left beside it
     (``.<name>.ucmagic-staging-<pid>-<id>``, ``.<name>.ucmagic-old-<pid>-<id>``); a running export's stay."""
-    from ..files.cache import pid_running
+    from ..files.locks import pid_running
 
     parent, base = os.path.dirname(dest), os.path.basename(dest)
     n = 0

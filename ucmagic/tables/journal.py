@@ -27,7 +27,7 @@ import time
 from typing import Any, Callable
 
 from .._util import atomic_write
-from ..files.cache import process_tag, tag_alive
+from ..files.locks import process_tag, tag_alive
 
 JOURNAL_PREFIX = "_ucmagic_append-"
 JOURNAL_SUFFIX = ".json"

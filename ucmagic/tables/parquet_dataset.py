@@ -23,7 +23,8 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from ..files import plan
 from .. import telemetry
-from ..files.cache import FileCache, cache_key
+from ..files.cache import FileCache
+from ..files.cache_layout import cache_key
 from ..dist import dist_info, local_world_size
 from ..files.epochs import EpochTracking, check_state_kind
 from ..errors import ListingChangedError, UnsupportedSourceError

@@ -398,7 +398,7 @@ def sweep_spill_dirs(tmp: str) -> int:
     removes its own when the connection closes, a killed process leaves it. Returns how many went."""
     import shutil
 
-    from ..files.cache import pid_running
+    from ..files.locks import pid_running
 
     n = 0
     for path in globmod.glob(os.path.join(globmod.escape(tmp), "ucmagic-duckdb-*")):

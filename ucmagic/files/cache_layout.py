@@ -1,0 +1,412 @@
+"""Where things sit under a cache directory: keys, entry names, the mapping of source paths into
+entries, the directory layout (made private to the user) and the reaping of what dead writers and
+the old layout left.
+
+Layout under the cache root (private to the user, mode 0700)::
+
+    files/<key>-<size>/<rel>           cached copies: one directory per file version (key: a hash of
+                                       volume, path, size, mtime), holding the file at its relative
+                                       path (map_relpath), or at <key><.ext> for an opaque key
+    tmp/<key>.<tag>.<n>.<size>.dir     entries being built (renamed into files/ whole when complete)
+    tmp/<key>.<tag>.<n>.<size>.part    budgeted fills in progress (the room they hold)
+    locks/fill.lock, evict.lock        single-flight (one byte per key, OFD lock) and eviction (flock) locks
+    prot/<owner>@<writer>.<slot>.rec   protection records: entry names a live process has not consumed yet
+    usage                              the byte ledger of budgeted fills (a hint, re-counted often)
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import itertools
+import os
+import re
+import shutil
+import time
+from typing import Iterable, Sequence
+
+from ..errors import CacheDirError, UnsafeCacheError
+from .locks import process_tag, tag_alive
+
+TMP_STALE_S = 6 * 3600.0  # a temp file whose writer cannot be identified is dropped after this long
+SUBDIRS = ("files", "tmp", "locks", "prot")
+OLD_DATA = "data"  # the layout before entries kept source names (data/<xx>/<key><ext>): reaped, never served
+_SUFFIX_RE = re.compile(r"\.[A-Za-z0-9_\-]{1,16}$")
+
+
+# ---------------------------------------------------------------- keys
+
+def cache_key_digest(volume_uri: str, rel: str, size: int, mtime: float) -> bytes:
+    """The 20 bytes behind :func:`cache_key` (node listings store them: see ucmagic.files.listing)."""
+    return hashlib.blake2b(f"{volume_uri}\0{rel}\0{size}\0{mtime!r}".encode("utf-8", "surrogateescape"),
+                           digest_size=20).digest()
+
+
+def cache_key(volume_uri: str, rel: str, size: int, mtime: float) -> str:
+    """Key of one source file version. Names never reach the filesystem, only this hash does."""
+    return cache_key_digest(volume_uri, rel, size, mtime).hex()
+
+
+def safe_suffix(rel: str) -> str:
+    """The file's extension if it is short and plain (kept so decoders can sniff by extension)."""
+    m = _SUFFIX_RE.search(rel.rsplit("/", 1)[-1])
+    return m.group(0) if m else ""
+
+
+def safe_suffixes(rels: Iterable[str]) -> list[str]:
+    """:func:`safe_suffix` of many paths (one regex search per distinct extension, not per file)."""
+    memo: dict[str, str] = {}
+    out = []
+    for rel in rels:
+        dot = rel.rfind(".")
+        tail = rel[dot:] if dot > rel.rfind("/") else ""
+        sfx = memo.get(tail)
+        if sfx is None:
+            sfx = memo[tail] = safe_suffix(tail)
+        out.append(sfx)
+    return out
+
+
+def cache_keys(volume_uri: str, files: Sequence[tuple[str, int, float]]) -> list[tuple[str, str]]:
+    """``(cache_key, safe_suffix)`` of many ``(rel, size, mtime)`` at once (node listings store the
+    keys; this is for a dataset whose volume URI differs from its listing's)."""
+    keys = [cache_key_digest(volume_uri, rel, size, mtime).hex() for rel, size, mtime in files]
+    return list(zip(keys, safe_suffixes([f[0] for f in files])))
+
+
+# ---------------------------------------------------------------- entry names and paths
+
+ESCAPE = "%~"  # an escaped path component starts with this (and so does a kept one's escape)
+NAME_MAX = 255  # bytes of one component on Linux file systems
+REL_MAX = 3072  # bytes of a mapped relative path beyond which it becomes one hashed component
+_CTRL = "".join(map(chr, [*range(32), 127]))
+_BAD_CHAR = r"[\x00-\x1f\x7f\ud800-\udc7f\udd00-\udfff]"  # control characters, surrogates no name can hold
+_UNPLAIN = re.compile(_BAD_CHAR + r"|(?:^|/)(?:\.{0,2}(?:/|$)|%~)")  # a component to map
+_HAS_BAD = re.compile(_BAD_CHAR).search
+_QUOTE = {ord(c): f"%{ord(c):02X}" for c in _CTRL + "%#"}
+_UNQUOTE = re.compile(r"%([0-9A-F]{2})")
+
+
+def entry_name(key: str, size: int) -> str:
+    """The version id of an entry: its directory under ``files/`` (``<key>-<size>``).
+
+    The size in the name lets a scan count an entry's bytes from one directory read."""
+    return f"{key}-{size}"
+
+
+def entry_record_names(key: str, suffix: str, size: int) -> list[str]:
+    """What a protection record lists to protect the entry of ``key`` (``size`` bytes): its directory
+    name under ``files/`` (:func:`entry_name`) and its file name ``<key><suffix>`` of the old layout."""
+    return [key + suffix, entry_name(key, size)]
+
+
+def parse_entry_name(name: str) -> tuple[str, int] | None:
+    """``(key, size)`` of an entry directory's name, else None."""
+    key, _, size = name.rpartition("-")
+    return (key, int(size)) if key and size.isascii() and size.isdigit() else None
+
+
+def _nbytes(s: str) -> int:
+    return len(s) if len(s) * 4 <= NAME_MAX else len(s.encode("utf-8", "surrogateescape"))
+
+
+def _hashed(part: str) -> str:
+    """A long or unencodable component: a hash, keeping a plain extension (decoders sniff it)."""
+    raw = part.encode("utf-8", "surrogatepass")
+    return f"{ESCAPE}#{hashlib.blake2b(raw, digest_size=16).hexdigest()}{safe_suffix(part)}"
+
+
+def _map_part(part: str) -> str:
+    try:
+        if part not in ("", ".", "..") and not part.startswith(ESCAPE) and _HAS_BAD(part) is None \
+                and _nbytes(part) <= NAME_MAX:
+            return part
+        out = ESCAPE + part.translate(_QUOTE)
+        return out if _nbytes(out) <= NAME_MAX else _hashed(part)
+    except UnicodeEncodeError:  # a lone surrogate that no file name can hold
+        return _hashed(part)
+
+
+def map_relpath(rel: str) -> str:
+    """The relative path of a source file inside its entry directory: ``rel`` itself when every
+    component is a plain Linux file name, so the entry keeps the source's folders, name and extension.
+
+    A component that is empty, ``.``, ``..``, holds a control character, or starts with ``%~`` becomes
+    ``%~`` + the component with ``%``, ``#`` and control characters percent-encoded; one still over 255
+    bytes (or not encodable) becomes ``%~#<hash><.ext>``; a path over :data:`REL_MAX` bytes becomes one
+    such hashed component. The result never leaves the entry directory, and distinct paths map to
+    distinct results (:func:`unmap_relpath` inverts all but the hashed ones). Each entry holds one
+    file, so components of different files never collide (a name that is a file for one and a
+    folder for another is fine).
+    """
+    if _UNPLAIN.search(rel) is None and _nbytes(rel) <= NAME_MAX:
+        return rel  # the common case: one regex search
+    try:
+        out = "/".join(map(_map_part, rel.split("/")))
+        if len(out.encode("utf-8", "surrogateescape")) <= REL_MAX:
+            return out
+    except UnicodeEncodeError:
+        pass
+    return _hashed(rel)
+
+
+def unmap_relpath(mapped: str) -> str | None:
+    """The source-relative path :func:`map_relpath` mapped to ``mapped``; None where it hashed a part."""
+    parts = []
+    for part in mapped.split("/"):
+        if part.startswith(ESCAPE + "#"):
+            return None
+        if part.startswith(ESCAPE):
+            part = _UNQUOTE.sub(lambda m: chr(int(m.group(1), 16)), part[len(ESCAPE):])
+        parts.append(part)
+    return "/".join(parts)
+
+
+def entry_file(key: str, suffix: str, size: int, rel: str | None = None) -> str:
+    """Where an entry's file sits under ``files/``: ``<key>-<size>/<map_relpath(rel)>``, or, for an
+    opaque key (no ``rel``), ``<key>-<size>/<key><suffix>``."""
+    return f"{key}-{size}/{key + suffix if rel is None else map_relpath(rel)}"
+
+
+def entry_files(keys: Sequence[str], sizes: Sequence[int], rels: Sequence[str], *, plain: bool = False) -> list[str]:
+    """:func:`entry_file` of many source files (the warm path's names, a chunk at a time).
+    ``plain``: every path is known to map to itself (a node listing records it), so none is checked."""
+    if plain:
+        return [f"{k}-{s}/{r}" for k, s, r in zip(keys, sizes, rels)]
+    return [f"{k}-{s}/{map_relpath(r)}" for k, s, r in zip(keys, sizes, rels)]
+
+
+def default_cache_dir() -> str:
+    """``$UCMAGIC_CACHE_DIR``, else ``$XDG_CACHE_HOME/ucmagic``, else ``~/.cache/ucmagic``."""
+    env = os.environ.get("UCMAGIC_CACHE_DIR")
+    if env:
+        return os.path.abspath(os.path.expanduser(env))
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "ucmagic")
+
+
+def parse_tmp_name(name: str) -> tuple[str, int] | None:
+    """``(writer_tag, final size)`` of a fill's temp file (``.part``) or staged entry (``.dir``) name, else None."""
+    parts = name.split(".")
+    if len(parts) != 5 or parts[-1] not in ("part", "dir") or not parts[3].isdigit():
+        return None
+    return parts[1], int(parts[3])
+
+
+_serial = itertools.count()
+
+
+def serial() -> int:
+    """A number no earlier call in this process returned (temp and record names carry it)."""
+    return next(_serial)
+
+
+# ---------------------------------------------------------------- the directory
+
+class CacheLayout:
+    """The directories of one cache root: made (private, checked) on creation; paths of entries and
+    temp files; reaping of what dead writers and the old layout left."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self.entries = os.path.join(root, "files")
+        self.tmp = os.path.join(root, "tmp")
+        self.locks = os.path.join(root, "locks")
+        self.prot = os.path.join(root, "prot")
+        self.evict_lock = os.path.join(self.locks, "evict.lock")
+        self.removals = os.path.join(self.locks, "removals")
+        self.ledger = os.path.join(root, "usage")
+        self.ensure()
+
+    def ensure(self) -> None:
+        """Make the root and its folders, private to this user; refuse another user's or an unusable one."""
+        try:
+            os.makedirs(self.root, mode=0o700, exist_ok=True)
+            st = os.stat(self.root)
+        except OSError as exc:
+            raise self.unusable(exc) from exc
+        if hasattr(os, "getuid") and st.st_uid != os.getuid():
+            raise UnsafeCacheError(
+                f"cache directory {self.root} belongs to another user (uid {st.st_uid}); "
+                "use a directory of your own with cache_dir= or $UCMAGIC_CACHE_DIR"
+            )
+        try:
+            if st.st_mode & 0o077:
+                os.chmod(self.root, 0o700)
+            for sub in SUBDIRS:
+                os.makedirs(os.path.join(self.root, sub), mode=0o700, exist_ok=True)
+            if not os.access(self.root, os.W_OK | os.X_OK):  # e.g. a read-only mount (EROFS)
+                raise PermissionError(errno.EACCES, "not writable")
+        except OSError as exc:
+            raise self.unusable(exc) from exc
+
+    def unusable(self, exc: OSError) -> CacheDirError:
+        """The error for a cache root that cannot be used (``exc``: why)."""
+        reason = "it is a file, not a directory" if os.path.isfile(self.root) else (exc.strerror or str(exc))
+        return CacheDirError(f"cannot use {self.root} as the cache directory: {reason}. Set cache_dir= (or "
+                             "$UCMAGIC_CACHE_DIR) to a writable local directory")
+
+    def data_path(self, key: str, suffix: str, size: int, rel: str | None = None) -> str:
+        """Where the entry of ``key`` (``size`` bytes) is or will be: ``files/`` + :func:`entry_file`."""
+        return self.entries + os.sep + entry_file(key, suffix, size, rel)
+
+    def entry_dir(self, path: str) -> str | None:
+        """The entry directory (``files/<key>-<size>``) that ``path`` lies in, else None."""
+        head = self.entries + os.sep
+        path = os.path.abspath(path)
+        if not path.startswith(head):
+            return None
+        name = path[len(head):].split(os.sep, 1)[0]
+        return head + name if parse_entry_name(name) else None
+
+    def tmp_path(self, key: str, size: int, kind: str) -> str:
+        """A new name under ``tmp/`` for ``key`` (``kind``: ``part``, a fill's copy, or ``dir``, a
+        staged entry), carrying this process's tag and the final ``size`` (counts include it)."""
+        return os.path.join(self.tmp, f"{key}.{process_tag()}.{serial()}.{size}.{kind}")
+
+    def drop_entry(self, entry: str) -> bool:
+        """Remove the entry directory ``entry`` whole: renamed out of ``files/`` at once, then deleted."""
+        gone = self.tmp_path(os.path.basename(entry), 0, "dir")
+        try:
+            os.rename(entry, gone)
+        except FileNotFoundError:
+            return False
+        remove_tree(gone)
+        return True
+
+    def reap_tmp(self) -> int:
+        """Remove temp files and staged entries of dead writers (or, unnamed, stale ones). Returns the count."""
+        n = 0
+        now = time.time()
+        alive: dict[str, bool] = {}
+        for de in scandir(self.tmp, dirs=True):
+            parsed = parse_tmp_name(de.name)
+            try:
+                if parsed is not None:
+                    writer = parsed[0]
+                    if writer not in alive:
+                        alive[writer] = tag_alive(writer)
+                    dead = not alive[writer]
+                else:
+                    dead = now - de.stat().st_mtime > TMP_STALE_S
+                if dead:
+                    remove_tree(de.path)
+                    n += 1
+            except OSError:
+                pass
+        return n
+
+    def reap_old_layout(self, protected: set[str]) -> int:
+        """Remove the old layout's entries (``data/<xx>/<key><ext>``, never served) that no live
+        process of an older ucmagic protects, and its directories once empty. Returns the count."""
+        old = os.path.join(self.root, OLD_DATA)
+        n = 0
+        for bucket in scandir(old, dirs=True):
+            for de in scandir(bucket.path) if bucket.is_dir(follow_symlinks=False) else [bucket]:
+                if de.name not in protected:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(de.path)
+                        n += 1
+            with contextlib.suppress(OSError):
+                os.rmdir(bucket.path)
+        with contextlib.suppress(OSError):
+            os.rmdir(old)
+        return n
+
+
+class KeptOpen:
+    """This process's descriptors of small files rewritten often (records, the removal token), kept
+    open: reopened after a fork (a child must not write through its parent's) or once the file was
+    removed."""
+
+    def __init__(self) -> None:
+        self._fds: dict[str, int] = {}
+        self._pid = os.getpid()
+
+    def fd(self, path: str) -> int:
+        """The open descriptor of ``path`` (created if missing; FileNotFoundError if its folder is gone)."""
+        pid = os.getpid()
+        if self._pid != pid:
+            self._fds, self._pid = {}, pid
+        fd = self._fds.get(path)
+        if fd is not None and os.fstat(fd).st_nlink == 0:  # removed meanwhile (e.g. by clear_cache)
+            self.close(path)
+            fd = None
+        if fd is None:
+            fd = self._fds[path] = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        return fd
+
+    def close(self, path: str) -> None:
+        if self._pid == os.getpid():
+            fd = self._fds.pop(path, None)
+            if fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+
+
+class RemovalToken:
+    """A token that changes whenever an entry is removed from the cache (any process): a few random
+    bytes in ``locks/removals``, rewritten before and after entries are unlinked."""
+
+    def __init__(self, path: str, kept: KeptOpen) -> None:
+        self.path = path
+        self.kept = kept
+
+    def read(self) -> bytes:
+        """The current token; a different value each time the cache directory is made anew."""
+        try:
+            fd = self.kept.fd(self.path)  # reopened when the directory was removed under us
+        except FileNotFoundError:
+            return os.urandom(8)  # no cache directory: never equal to what was seen before
+        token = os.pread(fd, 8, 0)
+        if not token:  # a new file: a new token (another process may write one too)
+            os.pwrite(fd, os.urandom(8), 0)
+            token = os.pread(fd, 8, 0)
+        return token
+
+    def change(self) -> None:
+        """Change the token: called before and after entries are unlinked."""
+        with contextlib.suppress(FileNotFoundError):
+            os.pwrite(self.kept.fd(self.path), os.urandom(8), 0)
+
+
+# ---------------------------------------------------------------- directory reads that tolerate removal
+
+def remove_tree(path: str) -> None:
+    """Delete ``path``, a directory tree or a file (what is already gone is fine)."""
+    try:
+        shutil.rmtree(path)
+    except NotADirectoryError:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+    except OSError:
+        if os.path.islink(path) or os.path.isfile(path):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def listdir(path: str) -> list[str]:
+    """The names in ``path``; nothing if it is gone."""
+    try:
+        return os.listdir(path)
+    except FileNotFoundError:
+        return []
+
+
+def scandir(path: str, *, dirs: bool = False) -> list[os.DirEntry[str]]:
+    """The files directly in ``path`` (and its folders with ``dirs``); nothing if it is gone."""
+    try:
+        with os.scandir(path) as it:
+            return [de for de in it if de.is_file(follow_symlinks=False) or (dirs and de.is_dir(follow_symlinks=False))]
+    except FileNotFoundError:
+        return []
+
+
+def file_size(de: os.DirEntry[str]) -> int:
+    """Apparent size of a file entry (0 for a folder or one gone meanwhile)."""
+    try:
+        return de.stat(follow_symlinks=False).st_size if de.is_file(follow_symlinks=False) else 0
+    except FileNotFoundError:
+        return 0

@@ -1,0 +1,155 @@
+"""Protection records: per stream, the cache entries a live process has not consumed yet.
+
+A record is ``prot/<owner>@<writer>.<slot>.rec`` (owner: the consuming process's tag, writer: the
+process that writes it, e.g. a DataLoader worker), one entry name per line. Eviction skips every
+entry named in a record whose owner is alive; records of a dead owner are dropped at once.
+"""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+from typing import Iterable, Protocol
+
+from .cache_layout import CacheLayout, KeptOpen, listdir
+from .locks import file_lock, process_tag, tag_alive
+
+
+def parse_record_name(name: str) -> tuple[str, str] | None:
+    """``(owner_tag, writer_tag)`` of a protection record file name, else None."""
+    if not name.endswith(".rec") or "@" not in name:
+        return None
+    owner, rest = name[:-4].split("@", 1)
+    return owner, rest.rsplit(".", 1)[0]
+
+
+class ProtectionRecords:
+    """The protection records of one cache directory: written, dropped, read."""
+
+    def __init__(self, layout: CacheLayout, kept: KeptOpen) -> None:
+        self.prot = layout.prot
+        self.evict_lock = layout.evict_lock
+        self.kept = kept
+
+    def record_path(self, owner: str, slot: int | str) -> str:
+        """Where the writing process keeps its protection record for stream ``slot`` on behalf of ``owner``."""
+        return os.path.join(self.prot, f"{owner}@{process_tag()}.{slot}.rec")
+
+    def write_record(self, path: str, names: Iterable[str]) -> None:
+        """Atomically replace the protection record at ``path`` with ``names`` (entry file names).
+
+        Taken under the shared eviction lock: once this returns, no eviction that has not seen the
+        record is still running, so an entry found present afterwards stays until released.
+        """
+        data = "\n".join(names).encode()
+        with file_lock(self.evict_lock, shared=True):
+            # Rewritten in place on a descriptor kept open: a rename over an existing file makes
+            # ext4 flush it first (auto_da_alloc, ~5 ms a call), and evictions, which read records
+            # under the exclusive lock, never see a half-written one. A process killed between the
+            # two calls leaves the new names plus a tail of old ones: more protection, never less.
+            fd = self.kept.fd(path)
+            os.pwrite(fd, data, 0)
+            os.ftruncate(fd, len(data))
+
+    def drop_record(self, path: str) -> None:
+        self.kept.close(path)
+        for p in (path, path + ".tmp"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(p)
+
+    def drop_records(self, owner: str, *, dead_writers_only: bool = True) -> int:
+        """Remove records owned by ``owner`` (by default only those whose writing process is gone)."""
+        n = 0
+        for name in listdir(self.prot):
+            parsed = parse_record_name(name)
+            if parsed is None or parsed[0] != owner:
+                continue
+            if dead_writers_only and (parsed[1] == process_tag() or tag_alive(parsed[1])):
+                continue
+            self.drop_record(os.path.join(self.prot, name))
+            n += 1
+        return n
+
+    def protected_names(self, *, reap: bool = True) -> set[str]:
+        """Entry names protected by live owners; records of dead owners are dropped (``reap``)."""
+        names: set[str] = set()
+        alive: dict[str, bool] = {}
+        for name in listdir(self.prot):
+            full = os.path.join(self.prot, name)
+            if name.endswith(".tmp"):
+                parsed = parse_record_name(name[:-4])
+                if parsed and reap and not alive.setdefault(parsed[1], tag_alive(parsed[1])):
+                    self.drop_record(full[:-4])
+                continue
+            parsed = parse_record_name(name)
+            if parsed is None:
+                continue
+            owner = parsed[0]
+            if owner not in alive:
+                alive[owner] = tag_alive(owner)
+            if not alive[owner]:
+                if reap:
+                    self.drop_record(full)
+                continue
+            try:
+                with open(full, "rb") as f:
+                    names.update(f.read().decode().split("\n"))
+            except FileNotFoundError:
+                continue
+        names.discard("")
+        return names
+
+    def reap(self) -> tuple[set[str], int]:
+        """Drop the records of dead owners: ``(names still protected, records dropped)``."""
+        before = len(listdir(self.prot))
+        protected = self.protected_names(reap=True)
+        return protected, before - len(listdir(self.prot))
+
+    def live_streams(self) -> int:
+        """How many protection records (:meth:`record_path`, one per stream) have a live owner, this
+        process's included: the streams of every process sharing this cache. Reads names only."""
+        alive: dict[str, bool] = {}
+        n = 0
+        for name in listdir(self.prot):
+            parsed = parse_record_name(name)
+            if parsed is None:
+                continue
+            owner = parsed[0]
+            if owner not in alive:
+                alive[owner] = owner == process_tag() or tag_alive(owner)
+            n += alive[owner]
+        return n
+
+
+class Rooted(Protocol):
+    """Anything with a cache ``root`` (a :class:`~ucmagic.files.cache.FileCache`)."""
+
+    @property
+    def root(self) -> str: ...
+
+
+_cleanup_owners: set[str] = set()
+
+
+def release_at_exit(cache: Rooted, owner: str) -> None:
+    """Remove the records ``owner`` (this process) holds in ``cache`` when it exits normally.
+
+    A process killed outright leaves them behind; every other process drops them at its next
+    eviction or :meth:`FileCache.reap`, since their owner is gone.
+    """
+    key = cache.root + "\0" + owner
+    if key in _cleanup_owners:
+        return
+    _cleanup_owners.add(key)
+    atexit.register(_drop_if_owner, cache.root, owner, os.getpid())
+
+
+def _drop_if_owner(root: str, owner: str, pid: int) -> None:
+    if os.getpid() != pid:  # atexit handlers are inherited by forked children
+        return
+    prot = os.path.join(root, "prot")
+    for name in listdir(prot):
+        parsed = parse_record_name(name[:-4] if name.endswith(".tmp") else name)
+        if parsed and parsed[0] == owner:
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(prot, name))
