@@ -312,6 +312,8 @@ class ToyVolume(Volume):
             self.write_bytes(rel, f.read())
 
     def read_bytes(self, rel: str) -> bytes:
+        if rel not in self.store:
+            raise FileNotFoundError(rel)
         return self.store[rel][0]
 
     def exists(self, rel: str) -> bool:
@@ -424,3 +426,34 @@ def test_the_simulator_is_a_registered_backend_and_its_reads_keep_their_latency(
     assert vol.local_root == str(tmp_path / "src")  # staging refuses a destination inside it
     assert vol.local_file(vol.list()[0].path) is None  # copies go through the simulator, not around it
     assert LocalVolume(str(tmp_path)).local_file("a/b.bin") == os.path.join(str(tmp_path), "a", "b.bin")
+
+
+def test_url_table_sources_are_listed_through_the_volume_backend(tmp_path):
+    import fsspec
+
+    from ucmagic.tables.sources import resolve_source
+
+    fs = fsspec.filesystem("memory")
+    root = f"/ucmagic-sources-{os.getpid()}"
+    try:
+        for rel in ("a.parquet", "b.parquet", "sub/c.parquet", "_SUCCESS", "notes.txt", "_tmp/d.parquet"):
+            fs.pipe(f"{root}/{rel}", b"x")
+        src = resolve_source(f"memory://{root}")
+        assert src.kind == "parquet" and src.remote
+        assert src.paths == [f"memory://{root}/{r}" for r in ("a.parquet", "b.parquet", "sub/c.parquet")]
+        top = resolve_source(f"memory://{root}/*.parquet")  # a glob matches from its folder, as a shell's
+        assert top.paths == [f"memory://{root}/a.parquet", f"memory://{root}/b.parquet"]
+        deep = resolve_source(f"memory://{root}/**/*.parquet")
+        assert f"memory://{root}/sub/c.parquet" in deep.paths
+        one = resolve_source(f"memory://{root}/b.parquet")
+        assert one.paths == [f"memory://{root}/b.parquet"]
+    finally:
+        fs.rm(root, recursive=True)
+
+
+def test_url_table_sources_of_a_registered_backend_are_listed_through_it(toy_store):
+    from ucmagic.tables.sources import resolve_source
+
+    _TOY_STORES[toy_store] = {"part-0.parquet": (b"x", 1.0), "part-1.parquet": (b"y", 2.0), "_SUCCESS": (b"", 3.0)}
+    src = resolve_source(f"toy://{toy_store}")
+    assert src.paths == [f"toy://{toy_store}/part-0.parquet", f"toy://{toy_store}/part-1.parquet"]

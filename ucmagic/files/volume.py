@@ -73,15 +73,16 @@ class DirScan(NamedTuple):
 # ---------------------------------------------------------------- glob patterns (pure)
 
 @lru_cache(maxsize=128)
-def compile_pattern(pattern: str) -> re.Pattern[str]:
+def compile_pattern(pattern: str, *, anchored: bool = False) -> re.Pattern[str]:
     """Translate a glob into a regex over relative POSIX paths.
 
     ``*`` and ``?`` stay inside one path segment, ``**`` spans segments (``**/`` also matches
     nothing), ``[abc]`` is a character class. A pattern without ``/`` matches the file name at any
-    depth (``"*.jpg"`` finds every JPEG in the tree), like ``.gitignore``.
+    depth (``"*.jpg"`` finds every JPEG in the tree), like ``.gitignore``; with ``anchored`` it
+    matches from the root only, as a shell (and fsspec's ``glob``) does.
     """
     pat = pattern.strip().lstrip("/") if pattern.startswith("/") else pattern.strip()
-    if "/" not in pat:
+    if "/" not in pat and not anchored:
         pat = "**/" + pat
     out: list[str] = []
     i, n = 0, len(pat)

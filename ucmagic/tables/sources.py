@@ -17,9 +17,10 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from .._util import is_remote_url, is_url
-from ..errors import InvalidTableNameError, SourceNotFoundError, TableNotFoundError, UnsupportedSourceError
+from ..errors import (EmptyListingError, InvalidTableNameError, SourceNotADirectoryError, SourceNotFoundError,
+                      TableNotFoundError, UnsupportedSourceError)
 from ..units import parse_size
-from ..files.volume import existing_local_path, resolve_local_path
+from ..files.volume import Volume, compile_pattern, existing_local_path, open_volume, resolve_local_path
 from .journal import committed_listing
 
 
@@ -192,46 +193,66 @@ def _local_dir_files(root: str) -> list[str]:
     return sorted(files)
 
 
-def _remote_source(url: str, version: int | None, storage_options: dict[str, Any] | None) -> Source:
-    import fsspec
+def _rels(vol: Volume, pattern: str | None = None) -> list[str]:
+    """The volume's files (relative paths) matching ``pattern`` (anchored at its root), sorted; [] for none."""
+    try:
+        entries = vol.list(None)
+    except EmptyListingError:
+        return []
+    rx = compile_pattern(pattern, anchored=True) if pattern else None
+    return [e.path for e in entries if rx is None or rx.match(e.path)]
 
-    fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
-    proto = fs.protocol[0] if isinstance(fs.protocol, (tuple, list)) else fs.protocol
-    def full(p: str) -> str:
-        return p if is_url(p) else f"{proto}://{p}"
-    if _GLOB_CHARS & set(root):
-        files = sorted(full(p) for p in fs.glob(root) if _kind_of_file(p))
+
+def _remote_source(url: str, version: int | None, storage_options: dict[str, Any] | None) -> Source:
+    """A URL source, listed and read through its volume backend (:func:`~ucmagic.files.volume.open_volume`)."""
+    glob_at = min((url.index(c) for c in _GLOB_CHARS if c in url), default=-1)
+    if glob_at >= 0:  # the folder above the first wildcard, then the glob below it
+        cut = url.rfind("/", 0, glob_at)
+        try:
+            vol = open_volume(url[:cut], storage_options)
+            files = [vol.display(r) for r in _rels(vol, url[cut + 1:]) if _kind_of_file(r)]
+        except (SourceNotFoundError, SourceNotADirectoryError):
+            files = []
         if not files:
             raise SourceNotFoundError(f"no Parquet or CSV file matches {url}: check the glob")
         return Source(_files_kind(files, url), paths=files, remote=True, storage_options=storage_options)
-    if not fs.exists(root):
-        raise SourceNotFoundError(f"{url} does not exist: check the URL and your credentials")
-    if fs.isdir(root):
-        if fs.exists(root.rstrip("/") + "/_delta_log"):
-            return Source("delta", root=url, version=version, remote=True, storage_options=storage_options)
-        manifest = read_manifest(fs, root)
-        if manifest is not None:
-            files = [full(root.rstrip("/") + "/" + f) for f in manifest]
-        else:
-            prefix = root.rstrip("/") + "/"
-            files = sorted(full(p) for p in fs.find(root) if _kind_of_file(p) and is_data_path(p[len(prefix):]))
-        if not files:
-            raise SourceNotFoundError(f"no Parquet or CSV files under {url}")
-        return Source(_files_kind(files, url), paths=files, root=url, remote=True, storage_options=storage_options)
-    return Source(_files_kind([root], url), paths=[url], remote=True, storage_options=storage_options)
+    try:
+        vol = open_volume(url, storage_options)
+    except SourceNotADirectoryError:  # one file
+        return Source(_files_kind([url], url), paths=[url], remote=True, storage_options=storage_options)
+    if vol.exists("_delta_log"):
+        return Source("delta", root=url, version=version, remote=True, storage_options=storage_options)
+    manifest = volume_manifest(vol)
+    if manifest is not None:
+        files = [vol.display(f) for f in manifest]
+    else:
+        files = [vol.display(r) for r in _rels(vol) if _kind_of_file(r) and is_data_path(r)]
+    if not files:
+        raise SourceNotFoundError(f"no Parquet or CSV files under {url}")
+    return Source(_files_kind(files, url), paths=files, root=url, remote=True, storage_options=storage_options)
 
 
 MANIFEST = "_ucmagic_manifest.json"
 
 
-def read_manifest(fs: Any, root: str) -> list[str] | None:
-    """File names listed by an export to a URL (written last, so a reader never sees a mixture)."""
+def _manifest_files(data: bytes) -> list[str]:
     import json
 
-    path = root.rstrip("/") + "/" + MANIFEST
+    return list(json.loads(data.decode())["files"])
+
+
+def volume_manifest(vol: Volume) -> list[str] | None:
+    """File names listed by an export to the volume's root (written last, so a reader never sees a mixture)."""
     try:
-        with fs.open(path, "rb") as f:
-            return list(json.loads(f.read().decode())["files"])
+        return _manifest_files(vol.read_bytes(MANIFEST))
+    except FileNotFoundError:
+        return None
+
+
+def read_manifest(fs: Any, root: str) -> list[str] | None:
+    """:func:`volume_manifest` for an fsspec filesystem and root path (the export writer's view)."""
+    try:
+        return _manifest_files(fs.cat_file(root.rstrip("/") + "/" + MANIFEST))
     except FileNotFoundError:
         return None
 
