@@ -3,8 +3,9 @@
 A shard of 1-10 GiB is cut into chunks of ``chunk_size`` bytes (32 MiB by default); each chunk is
 one :class:`~ucmagic.files.cache.FileCache` entry keyed by (volume, path, size, mtime, chunk size, chunk
 index), so every rule of whole files holds per chunk: one fill per chunk across threads and
-processes, the budget (fills wait for room; a fill the reader is blocked on may go over by itself,
-so the bound is the budget plus one chunk per stream, two while a sample straddles a chunk edge),
+processes, the budget (fills wait for room; a fill the reader is blocked on may go over by itself:
+the most held is the budget plus one or two chunks per stream when the budget holds the streams'
+shuffle windows, the budget plus each stream's window when it does not; docs/shards.md),
 least-recently-used eviction that skips what a live reader protects, and validation: the source's
 size and mtime are part of the key and are checked before the first fill and after every fill, so
 a source rewritten after it was listed raises :class:`~ucmagic.errors.SourceChangedError` and
@@ -28,7 +29,7 @@ from typing import Callable, Iterable, Sequence
 
 from ..files import ranged
 from ..files.cache import FileCache
-from ..files.cache_layout import cache_key
+from ..files.cache_layout import cache_key, entry_record_names
 from ..files.locks import process_tag
 from ..files.fetch import shared_pool, with_retries
 from ..telemetry import SharedCounters
@@ -70,12 +71,9 @@ class ChunkedFile:
         return cache_key(f"{self.volume.uri}#chunks/{self.chunk_size}/{c}", e.path, e.size, e.mtime)
 
     def names(self, c: int) -> list[str]:
-        """What a protection record lists for chunk ``c``: the cache's name of its entry -- the file name
-        ``<key><suffix>`` under ``data/``, or the entry directory ``<key>-<size>`` under ``files/``
-        (``ucmagic.files.cache.entry_name``), whichever layout the cache uses."""
-        key = self.key(c)
+        """What a protection record lists for chunk ``c`` (the cache's names of its entry)."""
         start, end = self.span(c)
-        return [key + SUFFIX, f"{key}-{end - start}"]
+        return entry_record_names(self.key(c), SUFFIX, end - start)
 
 
 class _OffsetReader:
