@@ -85,7 +85,7 @@ def check_load_args(source: str, kind: str, *, pattern: str | None = None, batch
             raise _bad(flag, f"applies to loaders: add --stream (stream=True) to stream {source}")
 
 
-def load(source: str | os.PathLike, *, files: bool = False, pattern: str | None = None,
+def load(source: str | os.PathLike[str], *, files: bool = False, pattern: str | None = None,
          batch_size: int | None = None, num_workers: int | None = None, shuffle: bool = False, seed: int = 0,
          cache_dir: str | None = None, cache_limit: int | str | None = None, rows: int | None = None,
          columns: Sequence[str] | None = None, stream: bool = False, kind: str | None = None,
@@ -144,7 +144,7 @@ def load(source: str | os.PathLike, *, files: bool = False, pattern: str | None 
     return DataLoader(pds, batch_size=None, **loader_kwargs)
 
 
-def describe_load(source: str | os.PathLike, *, files: bool = False, pattern: str | None = None,
+def describe_load(source: str | os.PathLike[str], *, files: bool = False, pattern: str | None = None,
                   stream: bool = False) -> LoadPlan:
     """What :func:`load` would build from ``source``, without building it: kind, file count, rows, bytes.
 

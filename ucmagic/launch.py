@@ -259,7 +259,7 @@ def _worker(rank: int, world: int, env: dict[str, str], backend: str, pg_timeout
         if rank == 0:
             try:
                 body = cloudpickle.dumps(result)
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 raise TypeError(f"rank 0's return value ({type(result).__name__}) cannot be pickled back to the "
                                 f"caller: {e}. Return plain data (numbers, lists, dicts, tensors on CPU)") from e
         _flush(relay)
@@ -335,9 +335,9 @@ def _death_message(name: str, rank: int, code: int | None) -> str:
             "native code?); the other ranks were stopped. Check the rank's output above")
 
 
-def run_distributed(fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any], *, num_processes: int | None = None,
-                    backend: str | None = None, timeout: float | None = None, relay_output: bool = True,
-                    pg_timeout: float = 1800.0) -> Any:
+def run_distributed(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], *,
+                    num_processes: int | None = None, backend: str | None = None, timeout: float | None = None,
+                    relay_output: bool = True, pg_timeout: float = 1800.0) -> Any:
     """Run ``fn(*args, **kwargs)`` on ``num_processes`` local ranks; return rank 0's result.
 
     The first rank to fail has its exception re-raised here (same type, with the rank's traceback

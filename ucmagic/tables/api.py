@@ -115,7 +115,7 @@ def load_table(name_or_path: Any, *, columns: Sequence[str] | None = None, limit
                 return rel.df()
             finally:
                 con.close()
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             # An export_parquet overwrite swapped the directory between listing and reading.
             if not (src.root and src.kind in ("parquet", "csv") and _vanished(e)):
                 raise

@@ -413,7 +413,7 @@ class open_parquet:  # noqa: N801 - used as a function (a context manager)
             fs, p = fsspec.core.url_to_fs(self.path, **(self.storage_options or {}))
             self._f = fs.open(p, "rb")
         else:
-            self._f = open(self.path, "rb")  # noqa: SIM115 - closed in __exit__
+            self._f = open(self.path, "rb")  # closed in __exit__
         return pq.ParquetFile(self._f, coerce_int96_timestamp_unit="us")
 
     def __exit__(self, *exc: Any) -> None:
@@ -423,7 +423,7 @@ class open_parquet:  # noqa: N801 - used as a function (a context manager)
 def _cast(col: Any, target: Any, name: str, table: str) -> Any:
     try:
         return col.cast(target)
-    except Exception as e:  # noqa: BLE001 - pyarrow raises ArrowInvalid / ArrowNotImplementedError
+    except Exception as e:  # pyarrow raises ArrowInvalid / ArrowNotImplementedError
         raise UnsupportedTableFeatureError(
             f"Delta table {table}: column {name!r} is stored as {col.type} in a data file, which does not "
             f"convert to the table's type {target} ({e})") from e
@@ -529,7 +529,7 @@ class _Log:
 
     def open(self, *parts: str) -> Any:
         if self.fs is None:
-            return open(os.path.join(self.dir, *parts), "rb")  # noqa: SIM115 - the caller closes it
+            return open(os.path.join(self.dir, *parts), "rb")  # the caller closes it
         return self.fs.open("/".join([self.path, *parts]), "rb")
 
 
@@ -637,7 +637,7 @@ def open_snapshot(root: str, *, version: int | None = None, name: str | None = N
     what = name or root
     try:
         dt = DeltaTable(root, version=version, storage_options=storage_options)
-    except Exception as e:  # noqa: BLE001 - deltalake raises its own types
+    except Exception as e:  # deltalake raises its own types
         if "not supported" in str(e).lower() or "unsupported" in str(e).lower():
             raise UnsupportedTableFeatureError(
                 f"Delta table {what} needs a feature deltalake (ucmagic's Delta engine) cannot read ({e}): "

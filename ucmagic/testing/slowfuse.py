@@ -36,22 +36,22 @@ class Slow(fuse.Operations):
         if self.bps:
             time.sleep(n / self.bps)
 
-    def getattr(self, path, fh=None):
+    def getattr(self, path: str, fh: int | None = None) -> dict[str, float]:
         try:
             st = os.lstat(self._real(path))
         except FileNotFoundError:
             raise fuse.FuseOSError(errno.ENOENT) from None
         return {k: getattr(st, k) for k in _STAT_KEYS}
 
-    def readdir(self, path, fh):
+    def readdir(self, path: str, fh: int) -> list[str]:
         time.sleep(self.wait_list)
         return [".", "..", *os.listdir(self._real(path))]
 
-    def statfs(self, path):
+    def statfs(self, path: str) -> dict[str, int]:
         sv = os.statvfs(self._real(path))
         return {k: getattr(sv, k) for k in _STATFS_KEYS}
 
-    def open(self, path, flags):
+    def open(self, path: str, flags: int) -> int:
         time.sleep(self.wait_open)
         if self.fail_every:
             with self.mu:
@@ -61,52 +61,52 @@ class Slow(fuse.Operations):
                 raise fuse.FuseOSError(errno.EIO)
         return os.open(self._real(path), flags)
 
-    def create(self, path, mode, fi=None):
+    def create(self, path: str, mode: int, fi: object = None) -> int:
         time.sleep(self.wait_open)
         return os.open(self._real(path), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
 
-    def read(self, path, size, offset, fh):
+    def read(self, path: str, size: int, offset: int, fh: int) -> bytes:
         data = os.pread(fh, size, offset)
         self._pace(len(data))
         return data
 
-    def write(self, path, data, offset, fh):
+    def write(self, path: str, data: bytes, offset: int, fh: int) -> int:
         self._pace(len(data))
         return os.pwrite(fh, data, offset)
 
-    def truncate(self, path, length, fh=None):
+    def truncate(self, path: str, length: int, fh: int | None = None) -> None:
         os.truncate(self._real(path), length)
 
-    def flush(self, path, fh):
+    def flush(self, path: str, fh: int) -> int:
         return 0
 
-    def release(self, path, fh):
+    def release(self, path: str, fh: int) -> int:
         os.close(fh)
         return 0
 
-    def fsync(self, path, datasync, fh):
+    def fsync(self, path: str, datasync: int, fh: int) -> int:
         os.fsync(fh)
         return 0
 
-    def unlink(self, path):
+    def unlink(self, path: str) -> None:
         time.sleep(self.wait_open)
         os.unlink(self._real(path))
 
-    def mkdir(self, path, mode):
+    def mkdir(self, path: str, mode: int) -> None:
         time.sleep(self.wait_open)
         os.mkdir(self._real(path), mode)
 
-    def rmdir(self, path):
+    def rmdir(self, path: str) -> None:
         os.rmdir(self._real(path))
 
-    def rename(self, old, new):
+    def rename(self, old: str, new: str) -> None:
         time.sleep(self.wait_open)
         os.replace(self._real(old), self._real(new))
 
-    def chmod(self, path, mode):
+    def chmod(self, path: str, mode: int) -> None:
         os.chmod(self._real(path), mode)
 
-    def utimens(self, path, times=None):
+    def utimens(self, path: str, times: tuple[float, float] | None = None) -> None:
         os.utime(self._real(path), times)
 
 
