@@ -200,6 +200,18 @@ def summarize(items: list[tuple[str, str, str]], source: dict[str, str], new: di
             "path_bad_n": len(path_bad), "path_bad": path_bad[:2]}
 
 
+def release(exc: BaseException) -> None:
+    """Drop what the frames of ``exc``'s traceback hold (the loop's iterator among them), so the
+    iterator goes when the loop lets go of it, as in a script that handles the error.
+
+    torch's ``ExceptionWrapper.reraise`` keeps the exception it raises in a local: exception,
+    traceback and the loader iterator's frames form a cycle that only the garbage collector frees,
+    and it finalizes the iterator's index queues (stopping their feeder threads) before the
+    iterator's ``__del__`` sends its workers the exit signal, so each worker is joined for its
+    5 s timeout and terminated (torch 2.x, any dataset that raises in a worker; 10 s a cell)."""
+    traceback.clear_frames(exc.__traceback__)
+
+
 def error_facts(exc: BaseException) -> dict[str, Any]:
     return {"type": type(exc).__name__, "mro": [c.__name__ for c in type(exc).__mro__],
             "msg": str(exc)[-4000:], "tb": "".join(traceback.format_exception(exc))[-2500:]}
@@ -336,6 +348,13 @@ def run_cell(cell: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
     src = spec["src"]
     res: dict[str, Any] = {"id": cid, "limit": limit}
     t_cell = time.monotonic()
+    phases: dict[str, float] = {}
+    t_mark = [t_cell]
+
+    def mark(name: str) -> None:  # seconds each phase of the cell took (the harness's own cost)
+        now = time.monotonic()
+        phases[name] = round(now - t_mark[0], 3)
+        t_mark[0] = now
     if event == "change":  # this cell rewrites a source file: its own copy
         src = os.path.join(work, "src")
         shutil.copytree(spec["src"], src)
@@ -392,6 +411,7 @@ def run_cell(cell: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
     epochs: list[dict[str, Any]] = []
     faulthandler.dump_traceback_later(cell["timeout"], exit=True)
     ds = loader = None
+    mark("setup")
     with Sampler(cache) as sampler:  # not the tmpfs: its ballast is not the cache's
         try:
             ds = UCVolumeDataset(src, cache_dir=cache, cache_limit=limit)
@@ -408,10 +428,13 @@ def run_cell(cell: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
             if event == "break":
                 epochs.append({"partial": False, "_items": epoch(loader, consumer)})
             res["outcome"] = {"kind": "complete"}
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as exc:
             res["outcome"] = {"kind": "interrupt"}
+            release(exc)
         except BaseException as exc:  # noqa: BLE001 - every outcome is a fact for the judge
             res["outcome"] = {"kind": "error", **error_facts(exc)}
+            release(exc)
+        mark("loop")
         res["event_fired"] = bool(t_event)
         if t_event:
             res["after_event_s"] = round(time.monotonic() - t_event[0], 3)
@@ -440,7 +463,9 @@ def run_cell(cell: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
             res["recovery"] = {"kind": "complete", "sum": summarize(items, source, new, res["changed"])}
         except BaseException as exc:  # noqa: BLE001
             res["recovery"] = {"kind": "error", **error_facts(exc)}
+    mark("second+recovery")
     res["left"] = leftovers(baseline, exclude)
+    mark("leftovers")
     after = {k: tree_state(root, skip) for k, (root, skip) in watched.items()}
     stray = []
     for k in watched:
@@ -451,6 +476,8 @@ def run_cell(cell: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
                                                                                     "second.json")):
                 stray.append(f"{k}:{rel}")
     res["stray"] = stray[:10]
+    mark("after")
+    res["phases"] = phases
     res["secs"] = round(time.monotonic() - t_cell, 2)
     faulthandler.cancel_dump_traceback_later()
     if mnt:
@@ -529,6 +556,8 @@ def main() -> None:
 
     multiprocessing.util.get_temp_dir()  # its pymp-* dir exists before any cell (removed at exit)
     import ucmagic.files.dataset  # noqa: F401 - imported before the first cell's thread baseline
+
+    gc.freeze()  # what the imports made is never garbage: each cell's gc.collect() scans only its own objects
 
     def second_ready() -> None:
         if spec.get("_second") is None or spec["_second"].proc.poll() is not None:
