@@ -7,16 +7,18 @@ other pickle (a user saving the dataset object, ``copy.deepcopy``) carries a pla
 unpickles into fresh memory of its own. Each value is written by one process per slot or index,
 so no locks are needed.
 
-Home of every shared-memory type: :class:`SharedInt`, :class:`SharedInts` here,
-``telemetry.SharedCounters`` on the same base. (The per-file bitsets ``dataset.CheckedFiles`` and
-``cache.SeenEntries`` are to move onto this base too.)
+Home of every shared-memory type: :class:`SharedInt`, :class:`SharedInts`, :class:`SharedBits` (the
+per-file bitset of ``dataset.CheckedFiles`` and ``cache.SeenEntries``) here, ``telemetry.SharedCounters``
+on the same base.
 """
 from __future__ import annotations
 
 import ctypes
 import multiprocessing as mp
 from multiprocessing import context
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Sequence, TypeVar
+
+import numpy as np
 
 B = TypeVar("B")  # the shared buffers a starting worker receives
 S = TypeVar("S")  # the plain snapshot any other pickle carries
@@ -114,3 +116,57 @@ class SharedInts(SharedMemory["ctypes.Array[ctypes.c_int64]", "list[int]"]):
         SharedInts.__init__(self, len(snapshot))
         values: list[ctypes.c_int64 | int] = list(snapshot)
         self._a[:] = values
+
+
+class SharedBits(SharedMemory["tuple[int, ctypes.Array[ctypes.c_uint8]]", "tuple[int, bytes]"]):
+    """A bit per index ``0 .. n-1`` in shared memory (n/8 bytes): the one per-file bitset type
+    (``dataset.CheckedFiles``: files checked against the volume, seen by every worker;
+    ``cache.SeenEntries``: entries this process found).
+
+    Setting is not atomic across processes: two setting bits of one byte at once may lose one, so
+    a missing bit must only mean "look again". A plain pickle carries the bits (:meth:`_snapshot`;
+    a subclass may forget them instead).
+    """
+
+    def __init__(self, n: int) -> None:
+        self._attach((int(n), mp.get_context().RawArray(ctypes.c_uint8, int(n) // 8 + 1)))
+
+    def __contains__(self, i: int) -> bool:
+        return bool(self._a[i >> 3] >> (i & 7) & 1)
+
+    def add(self, i: int) -> None:
+        self._a[i >> 3] |= 1 << (i & 7)
+
+    def add_many(self, indices: np.ndarray) -> None:
+        """Set the bits of ``indices`` (int64 array)."""
+        np.bitwise_or.at(self._view, indices >> 3, (1 << (indices & 7)).astype(np.uint8))
+
+    def known(self, indices: np.ndarray) -> np.ndarray:
+        """A bool per index of ``indices`` (int64 array): its bit is set."""
+        return (self._view[indices >> 3] >> (indices & 7) & 1).astype(bool)
+
+    def prefix(self, indices: Sequence[int] | np.ndarray) -> int:
+        """How many of ``indices``, from the first, have their bit set (vectorised)."""
+        if not len(indices):
+            return 0
+        ok = self.known(np.asarray(indices, dtype=np.int64))
+        return len(ok) if ok.all() else int(np.argmin(ok))
+
+    def clear(self) -> None:
+        self._view[:] = 0
+
+    def _buffers(self) -> tuple[int, ctypes.Array[ctypes.c_uint8]]:
+        return self.n, self._a
+
+    def _attach(self, buffers: tuple[int, ctypes.Array[ctypes.c_uint8]]) -> None:
+        self.n, self._a = buffers
+        self._view = np.frombuffer(self._a, dtype=np.uint8)
+
+    def _snapshot(self) -> tuple[int, bytes]:
+        return self.n, bytes(self._a)
+
+    def _restore(self, snapshot: tuple[int, bytes]) -> None:
+        n, bits = snapshot
+        SharedBits.__init__(self, n)
+        if bits:
+            self._view[:len(bits)] = np.frombuffer(bits, dtype=np.uint8)

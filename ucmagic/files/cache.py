@@ -32,6 +32,7 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
+from .._shared import SharedBits
 from ..errors import CacheFullError
 from .budget import DEFAULT_MIN_FREE, BudgetKeeper, reap
 from .cache_layout import CacheLayout, KeptOpen, RemovalToken, default_cache_dir, entry_file
@@ -51,31 +52,31 @@ class SeenEntries:
     changed and within the current touch window": nothing has been removed from the cache since
     (ucmagic removes entries only through :class:`FileCache`), so the entry is still there, and its
     last-use time was refreshed less than a window ago. Every bit is forgotten when the token changes
-    or the window (``TOUCH_EVERY_S``) ends. Made by :meth:`FileCache.seen_entries`; n/8 bytes.
+    or the window (``TOUCH_EVERY_S``) ends. Made by :meth:`FileCache.seen_entries`; n/8 bytes
+    (a :class:`~ucmagic._shared.SharedBits`, kept per process: datasets do not pickle it).
     """
 
     def __init__(self, n: int, token: bytes) -> None:
-        self._bits = bytearray((n + 7) // 8)
-        self._view = np.frombuffer(self._bits, dtype=np.uint8)
+        self._bits = SharedBits(n)
         self._token = token
         self._since = time.time()
 
     def sync(self, token: bytes, now: float) -> None:
         """Forget everything if the removal token is no longer the one seen, or the window ended."""
         if token != self._token or now - self._since > TOUCH_EVERY_S:
-            self._view[:] = 0
+            self._bits.clear()
             self._token, self._since = token, now
 
     def known(self, indices: np.ndarray) -> np.ndarray:
         """A bool per index: found (and not forgotten since)."""
-        return (self._view[indices >> 3] >> (indices & 7) & 1).astype(bool)
+        return self._bits.known(indices)
 
     def add(self, indices: np.ndarray) -> None:
-        np.bitwise_or.at(self._view, indices >> 3, (1 << (indices & 7)).astype(np.uint8))
+        self._bits.add_many(indices)
 
     def filled(self, index: int) -> None:
         """Entry ``index`` was just created by a fill of this process."""
-        self._bits[index >> 3] |= 1 << (index & 7)  # a bit lost to a race is only a lookup more
+        self._bits.add(index)  # a bit lost to a race is only a lookup more
 
 
 class FileCache:

@@ -34,7 +34,7 @@ from ..errors import (BudgetTooSmallError, CacheFullError, CacheFullFetchError, 
 from .fetch import read_ahead, restart_timeout, shared_pool, with_retries
 from .listing import Listing, forget_listing, open_listing
 from ..progress import Progress
-from .._shared import SharedInts
+from .._shared import SharedBits, SharedInts
 from ..telemetry import SharedCounters, percentiles
 from ..units import format_size
 from .volume import FileEntry, Volume, copy_error, open_volume
@@ -123,40 +123,15 @@ class SourceFile:
     mtime: float  # modification time (seconds since the epoch), as listed
 
 
-class CheckedFiles:
+class CheckedFiles(SharedBits):
     """One bit per file of a listing: "its size and mtime were checked against the volume", in
     shared memory seen by every DataLoader worker (n/8 bytes). Lost updates (two processes setting
     bits of one byte at once) only cause a second check. A plain pickle forgets the checks."""
 
-    def __init__(self, n: int) -> None:
-        import multiprocessing as mp
+    checked_prefix = SharedBits.prefix  # how many of ``indices``, from the first, are checked
 
-        self.n = int(n)
-        self._a = mp.get_context().RawArray("B", self.n // 8 + 1)
-
-    def __contains__(self, i: int) -> bool:
-        return bool(self._a[i >> 3] >> (i & 7) & 1)
-
-    def add(self, i: int) -> None:
-        self._a[i >> 3] |= 1 << (i & 7)
-
-    def checked_prefix(self, indices: Sequence[int] | np.ndarray) -> int:
-        """How many of ``indices``, from the first, are checked (vectorised: a warm run's test)."""
-        if not len(indices):
-            return 0
-        i = np.asarray(indices, dtype=np.int64)
-        ok = np.frombuffer(self._a, dtype=np.uint8)[i >> 3] >> (i & 7) & 1
-        return len(i) if ok.all() else int(np.argmin(ok))
-
-    def __getstate__(self) -> dict[str, Any]:
-        from multiprocessing import context
-
-        return {"n": self.n, "shared": self._a if context.get_spawning_popen() is not None else None}
-
-    def __setstate__(self, st: dict[str, Any]) -> None:
-        self.__init__(st["n"])  # type: ignore[misc]
-        if st["shared"] is not None:
-            self._a = st["shared"]
+    def _snapshot(self) -> tuple[int, bytes]:
+        return self.n, b""  # a copy (a saved dataset) checks again
 
 
 class ConsumptionChannel:
