@@ -22,7 +22,7 @@ from functools import lru_cache
 from typing import Any, Callable, Iterable, Iterator, NamedTuple, Sequence, Union
 
 from . import ranged
-from .._util import DaemonPool, atomic_target, atomic_write, copy_local, is_remote_url, wait_result
+from .._util import DaemonPool, atomic_target, atomic_write, copy_fds, copy_local, is_remote_url, wait_result
 from ..errors import (EmptyListingError, FetchError, SourceChangedError, SourceNotADirectoryError, SourceNotFoundError,
                      UnreadableDirectoryError)
 
@@ -480,12 +480,12 @@ class LocalVolume(Volume):
     def copy_to(self, rel: str, dest: str, *, expect: FileEntry | None = None) -> int:
         if expect is not None and expect.size >= self.range_threshold:
             return self.ranged_copy(rel, dest, expect)
-        # raw descriptors: no buffered file objects (each costs an fstat, an ioctl and an lseek)
+        # the descriptors stay ours: the source's is fstat-ed after the copy (the one local copy loop: copy_fds)
         fsrc = os.open(os.path.join(self.root, rel), os.O_RDONLY | os.O_CLOEXEC)
         try:
             fdst = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
             try:
-                n = _send_all(fsrc, fdst, None if expect is None else expect.size)
+                n = copy_fds(fsrc, fdst, size=None if expect is None else expect.size, zero_copy=True)[0]
             finally:
                 os.close(fdst)
             if expect is not None:  # the file this handle read (a rename over it mid-copy leaves it intact)
@@ -599,30 +599,6 @@ def _local_names(path: str) -> list[str]:
         return sorted(os.listdir(path))
     except (FileNotFoundError, NotADirectoryError):
         return []
-
-
-def _send_all(fsrc: int, fdst: int, size: int | None) -> int:
-    """Copy from descriptor ``fsrc`` to ``fdst``; return the bytes written. With ``size`` (the
-    listed size) the copy stops there: a source that grew shows in the caller's size check."""
-    n = 0
-    try:  # zero-copy in the kernel; releases the GIL for the whole file
-        while size is None or n < size:
-            sent = os.sendfile(fdst, fsrc, n, COPY_CHUNK)
-            if sent == 0:
-                break
-            n += sent
-        return n
-    except OSError as e:
-        if n or e.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):  # no sendfile here
-            raise
-    while True:
-        buf = os.read(fsrc, COPY_CHUNK)
-        if not buf:
-            return n
-        view = memoryview(buf)
-        while view:
-            view = view[os.write(fdst, view):]
-        n += len(buf)
 
 
 def info_mtime(info: dict[str, Any]) -> float:
