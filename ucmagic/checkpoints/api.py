@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
-import shutil
 import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -93,17 +92,24 @@ def _quiet() -> Any:
 
 # ---------------------------------------------------------------- listing and retention
 
-def _root(root: str | os.PathLike, *, create: bool = False) -> str:
+def _root(root: str | os.PathLike[str], *, create: bool = False,
+          storage_options: dict[str, Any] | None = None) -> str:
     from ..files.volume import missing_path_hint
 
+    from . import transfer as xfer
+
     path = volume_dir(root)
+    if xfer.is_url(path):
+        xfer.use_storage_options(path, storage_options)
+        if create or xfer.isdir(path):  # an object store has no empty directories: one is made by its files
+            return path
+        raise SourceNotFoundError(f"checkpoint root {path}: nothing is stored there; check the URL and the "
+                                  "credentials (storage_options=), or save a checkpoint there first")
     if os.path.isdir(path):
         return path
     if os.path.exists(path):
         raise CheckpointError(f"checkpoint root {os.fspath(root)} is a file; pass the directory that holds step_<N>/")
     if create:
-        from . import transfer as xfer
-
         xfer.check_destination(path)
     if create and os.path.isdir(os.path.dirname(path)):
         try:
@@ -117,33 +123,39 @@ def _root(root: str | os.PathLike, *, create: bool = False) -> str:
 
 def _foreign_dcp(path: str, name: str) -> CheckpointInfo | None:
     """A DCP directory no ucmagic save touched: complete once ``.metadata`` is there (torch writes it last)."""
+    from . import transfer as xfer
+
     try:
-        names = os.listdir(path)
+        names = xfer.list_names(path)
         if COMMIT_NAME in names or SAVING_NAME in names or METADATA_NAME not in names:
             return None
-        sizes = [os.stat(os.path.join(path, n)).st_size for n in names if not n.startswith(".") or n == METADATA_NAME]
-        when = os.stat(os.path.join(path, METADATA_NAME)).st_mtime
+        sizes = [xfer.stat_file(os.path.join(path, n))[0] for n in names
+                 if not n.startswith(".") or n == METADATA_NAME]
+        when = xfer.stat_file(os.path.join(path, METADATA_NAME))[1]
     except OSError:
         return None
     return CheckpointInfo(foreign_step(name), path, when, sum(sizes), KIND_DCP)
 
 
 def _torch_save_file(path: str, name: str) -> CheckpointInfo | None:
+    from . import transfer as xfer
+
     try:
-        with open(path, "rb") as f:
-            head = f.read(4)
-        st = os.stat(path)
+        head = xfer.read_head(path, 4)
+        size, mtime = xfer.stat_file(path)
     except OSError:
         return None
     if not looks_like_torch_save(head):
         return None
-    return CheckpointInfo(foreign_step(name), path, st.st_mtime, st.st_size, KIND_TORCH_SAVE)
+    return CheckpointInfo(foreign_step(name), path, mtime, size, KIND_TORCH_SAVE)
 
 
 def _probe(root: str, name: str) -> CheckpointInfo | None:
     """The complete checkpoint ``root/name`` is, or None (unfinished, killed, not a checkpoint)."""
+    from . import transfer as xfer
+
     path = os.path.join(root, name)
-    if not os.path.isdir(path):
+    if not xfer.isdir(path):
         return _torch_save_file(path, name) if is_torch_save_name(name) else None
     try:
         c = read_commit(path)
@@ -157,17 +169,21 @@ def _probe(root: str, name: str) -> CheckpointInfo | None:
     return CheckpointInfo(step, path, float(c["time"]), int(c["bytes"]), str(c["format"]))
 
 
-def list_checkpoints(root: str | os.PathLike) -> list[CheckpointInfo]:
+def list_checkpoints(root: str | os.PathLike[str], *,
+                     storage_options: dict[str, Any] | None = None) -> list[CheckpointInfo]:
     """Complete checkpoints under ``root`` as ``CheckpointInfo(step, path, time, size, kind)``, oldest first.
 
     Lists ucmagic's committed ``step_<N>/`` directories, DCP directories other writers made (torch's
     ``FileSystemWriter``, ``databricks.air.data``; ``kind="dcp"``, complete once ``.metadata`` is there)
     and ``torch.save`` files (``.pt``/``.pth``/``.ckpt``; ``kind="torch.save"``). A foreign entry's step is
     the number in its name, None when there is none (listed last, never "latest"). Unfinished,
-    killed or failed saves are skipped.
+    killed or failed saves are skipped. ``root`` may be an fsspec URL (``s3://bucket/run/ckpts``;
+    ``storage_options`` as for fsspec, else the store's own configuration).
     """
-    path = _root(root)
-    names = [n for n in os.listdir(path) if not n.startswith(".")]
+    from . import transfer as xfer
+
+    path = _root(root, storage_options=storage_options)
+    names = [n for n in xfer.list_names(path) if not n.startswith(".")]
     if not names:
         return []
     with ThreadPoolExecutor(max_workers=min(16, len(names))) as pool:
@@ -177,9 +193,10 @@ def list_checkpoints(root: str | os.PathLike) -> list[CheckpointInfo]:
 
 def _delete_checkpoint(path: str) -> None:
     """Un-commit first (so a half-deleted directory is never taken for a checkpoint), then remove."""
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(os.path.join(path, COMMIT_NAME))
-    shutil.rmtree(path, ignore_errors=True)
+    from . import transfer as xfer
+
+    xfer.remove_quietly(os.path.join(path, COMMIT_NAME))
+    xfer.remove_tree(path)
 
 
 def _retain(root: str, keep: int | None, newest: int) -> None:
@@ -303,7 +320,7 @@ def save_checkpoint(root: str | os.PathLike, *, model: Any, optimizer: Any = Non
     to_delete([], keep, step)  # validates keep before anything is written
     info = {"step": step, "extra": extra}
     make_commit(kind=FORMAT_SINGLE, save_id="", files={}, info=info)  # validates extra is JSON-able
-    root_path = _root(root, create=True)
+    root_path = _root(root, create=True, storage_options=writer_kw.get("storage_options"))
     path = os.path.join(root_path, name)
     from . import transfer as xfer
 
@@ -322,7 +339,7 @@ def save_checkpoint(root: str | os.PathLike, *, model: Any, optimizer: Any = Non
         try:
             if dist_info(from_env=False).rank == 0:
                 try:
-                    os.makedirs(path, exist_ok=True)
+                    xfer.makedirs(path)
                 except OSError as e:
                     raise xfer.destination_error(e, path) from None
                 fut = _save_single(path, state, info, writer_kw, async_, pending.cancel if pending else None)
@@ -376,10 +393,13 @@ def _settle(out: Future, fn: Any) -> None:
 
 # ---------------------------------------------------------------- load
 
-def resolve_step(root: str | os.PathLike, step: int | str) -> tuple[int, str]:
+def resolve_step(root: str | os.PathLike[str], step: int | str, *,
+                 storage_options: dict[str, Any] | None = None) -> tuple[int, str]:
     """``(step, path)`` of checkpoint ``step`` (an int or ``"latest"``) under ``root``: ucmagic's
     ``step_<N>/``, else a foreign checkpoint whose name carries that number (see :func:`list_checkpoints`)."""
-    root_path = _root(root)
+    from . import transfer as xfer
+
+    root_path = _root(root, storage_options=storage_options)
     if step == "latest":
         chosen = pick_latest(list_checkpoints(root_path))
         if chosen is None:
@@ -389,7 +409,7 @@ def resolve_step(root: str | os.PathLike, step: int | str) -> tuple[int, str]:
         return chosen.step, chosen.path  # type: ignore[return-value]
     number = pick_step([], step)
     path = os.path.join(root_path, step_dirname(number))  # type: ignore[arg-type]
-    if os.path.isdir(path):
+    if xfer.isdir(path):
         return number, path  # type: ignore[return-value]
     infos = list_checkpoints(root_path)
     same = [i for i in infos if i.step == number]
@@ -480,9 +500,11 @@ def load_checkpoint(root: str | os.PathLike, step: int | str = "latest", *, mode
     is committed, ``CheckpointNotCommittedError`` for an unfinished step, ``CheckpointCorruptError``
     for a damaged file and ``CheckpointMismatchError`` when the keys differ from the model's.
     """
-    chosen, path = resolve_step(root, step)
-    if os.path.isfile(path):  # a torch.save file in the root
-        _load_torch_file(path, model, optimizer, map_location)
+    from . import transfer as xfer
+
+    chosen, path = resolve_step(root, step, storage_options=reader_kw.get("storage_options"))
+    if xfer.isfile(path):  # a torch.save file in the root
+        _load_torch_file(path, model, optimizer, map_location, reader_kw)
         return chosen, None
     try:
         commit = read_commit(path)  # raises CheckpointNotCommittedError for an unfinished save
@@ -500,7 +522,19 @@ def load_checkpoint(root: str | os.PathLike, step: int | str = "latest", *, mode
     return int(commit.get("step", chosen)), commit.get("extra")
 
 
-def _load_torch_file(path: str, model: Any, optimizer: Any, map_location: Any) -> None:
+def _load_torch_file(path: str, model: Any, optimizer: Any, map_location: Any,
+                     reader_kw: dict[str, Any] | None = None) -> None:
+    from . import transfer as xfer
+
+    if xfer.is_url(path):  # torch.load reads a local file: download it first (and delete it after)
+        staging = xfer.make_staging_dir((reader_kw or {}).get("staging_dir"), "torch-file-load")
+        try:
+            local = os.path.join(staging, os.path.basename(path))
+            xfer.download_file(path, local, None, name=os.path.basename(path), where=os.path.dirname(path))
+            _load_torch_file(local, model, optimizer, map_location)
+        finally:
+            xfer.release_staging_dir(staging)
+        return
     import torch
 
     loc = map_location if map_location is not None else _model_device(model)

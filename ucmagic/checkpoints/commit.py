@@ -28,13 +28,15 @@ from ..errors import CheckpointError, CheckpointInProgressError
 from ..files.volume import resolve_local_path
 
 
-def volume_dir(path: str | os.PathLike) -> str:
-    """The local directory of a checkpoint path (``/Volumes/...`` resolved); refuses URLs."""
+def volume_dir(path: str | os.PathLike[str]) -> str:
+    """The directory of a checkpoint path: local (``/Volumes/...`` resolved) or an fsspec URL (``s3://...``)."""
     p = os.fspath(path)
+    if xfer.is_url(p):
+        return xfer.url_path(p)
     p = p.removeprefix("file://")
     if "://" in p:
-        raise CheckpointError(f"{p}: checkpoints go to a directory (a local disk or a mounted volume such as "
-                              "/Volumes/...), not a URL; mount the storage or use its /Volumes path")
+        raise CheckpointError(f"{p}: not a checkpoint location; pass a directory (a local disk or a mounted "
+                              "volume such as /Volumes/...) or an fsspec URL such as s3://bucket/run/ckpts")
     return resolve_local_path(p)
 
 
@@ -64,7 +66,7 @@ def read_commit(path: str) -> dict[str, Any]:
             record = read_saving_record(path)
             if record is not None:
                 raise CheckpointInProgressError(in_progress_message(path, record)) from None
-            if os.path.exists(commit_path):
+            if xfer.exists(commit_path):
                 continue  # a save committed between the two reads: read its marker
             raise not_committed(path) from None
         commit = parse_commit(data, path)

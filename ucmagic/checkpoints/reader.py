@@ -21,7 +21,7 @@ from concurrent.futures import Future as CFuture
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader
+from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.futures import Future
@@ -42,6 +42,7 @@ from .format import (
     parse_commit,
 )
 from .unpickle import WeightsOnlyPlanner, load_metadata
+from .urlfs import CheckpointFileSystem
 from ..errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -74,9 +75,18 @@ def _needed_lengths(metadata: Metadata) -> dict[str, int]:
 
 def _size_or_none(path: str) -> int | None:
     try:
-        return os.stat(path).st_size
+        return xfer.stat_file(path)[0]
     except FileNotFoundError:
         return None
+
+
+def _stamp(path: str) -> tuple[int, int, int]:
+    """What identifies this version of file ``path``: (inode, size, mtime in ns); on a store (0, size, mtime)."""
+    if xfer.is_url(path):
+        size, mtime = xfer.stat_file(path)
+        return 0, size, int(mtime * 1e9)
+    st = os.stat(path)
+    return st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def _set_load_id(metadata: Metadata, load_id: str) -> None:
@@ -129,7 +139,7 @@ class _DownloadSession:
         xfer.release_staging_dir(self.staging)
 
 
-class _DownloadedFileSystem(FileSystem):
+class _DownloadedFileSystem(CheckpointFileSystem):
     """Serves reads of downloaded files from memory or local staging (waiting for each), others from the volume."""
 
     def __init__(self) -> None:
@@ -168,7 +178,9 @@ class UCVolumeReader(FileSystemReader):
     directory. Downloads only the files this rank's load plan needs, ``download_threads`` at a time.
 
     Args:
-        path: checkpoint directory.
+        path: checkpoint directory, or an fsspec URL (``s3://bucket/run/step_5``).
+        storage_options: fsspec options for a URL path (credentials, ``client_kwargs``...); default: the
+            store's own configuration (environment, fsspec config).
         wait: seconds to wait for a save in progress in ``path`` to commit (default: fail at once).
         staging_dir: local directory for downloaded shards too big for memory (deleted after use).
         download_threads: parallel downloads per rank.
@@ -185,9 +197,15 @@ class UCVolumeReader(FileSystemReader):
 
     def __init__(self, path: str | os.PathLike, *, wait: float | None = None, staging_dir: str | None = None,
                  download_threads: int = 16, memory_budget: int | str = "1GB", require_commit: bool | None = None,
-                 allow_unsafe_pickle: bool = False, min_free: int | str = "512MB", **kwargs: Any) -> None:
-        super().__init__(volume_dir(path), **kwargs)
+                 allow_unsafe_pickle: bool = False, min_free: int | str = "512MB",
+                 storage_options: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        where = volume_dir(path)
+        if xfer.is_url(where):
+            xfer.use_storage_options(where, storage_options)
+        super().__init__(where, **kwargs)
         compat.install_filesystem(self, _DownloadedFileSystem())
+        if xfer.is_url(where):
+            self.path = self.fs.init_path(where)  # torch's FileSystem made it a Path ("s3:/..."); a URL stays one
         self.wait = None if wait is None else max(0.0, float(wait))
         self.staging_dir = staging_dir
         self.download_threads = max(1, int(download_threads))
@@ -201,7 +219,7 @@ class UCVolumeReader(FileSystemReader):
 
     def _check_commit(self) -> None:
         path = os.fspath(self.path)
-        if not os.path.isdir(path):
+        if not xfer.isdir(path):
             raise SourceNotFoundError(f"checkpoint directory {path} does not exist; check the path")
         self._metadata: tuple[str, Metadata] | None = None
         self._foreign_stamp = None
@@ -213,7 +231,7 @@ class UCVolumeReader(FileSystemReader):
             except CheckpointInProgressError:
                 self._wait_for_save(path, time.monotonic() - start)
             except CheckpointError:
-                if os.path.exists(os.path.join(path, COMMIT_NAME)) or self.require_commit:
+                if xfer.exists(os.path.join(path, COMMIT_NAME)) or self.require_commit:
                     raise  # a torn marker, or the caller asked for ucmagic checkpoints only
                 if self._waited_for_files(path, time.monotonic() - start):
                     continue
@@ -234,7 +252,7 @@ class UCVolumeReader(FileSystemReader):
 
     def _waited_for_files(self, path: str, waited: float) -> bool:
         """No commit marker and no ``.metadata`` in ``path`` yet: sleep a little (True) while ``wait`` lasts."""
-        if self.wait and waited < self.wait and not os.path.exists(os.path.join(path, METADATA_NAME)):
+        if self.wait and waited < self.wait and not xfer.exists(os.path.join(path, METADATA_NAME)):
             time.sleep(min(0.05 * (1 + waited), 1.0, self.wait - waited))  # nothing there yet
             return True
         return False
@@ -243,7 +261,7 @@ class UCVolumeReader(FileSystemReader):
         """A directory without ucmagic files: load it when its .metadata and every file it names are there."""
         md_path = os.path.join(path, METADATA_NAME)
         try:
-            st = os.stat(md_path)
+            stamp = _stamp(md_path)
             metadata = self.read_metadata()
         except FileNotFoundError:
             raise not_committed(path) from None
@@ -255,7 +273,7 @@ class UCVolumeReader(FileSystemReader):
         if problems:
             raise CheckpointCorruptError(f"{path} is not a complete checkpoint: {'; '.join(problems[:5])}; its save "
                                          "did not finish or files were removed: save it again or load another")
-        self._foreign_stamp = (st.st_ino, st.st_size, st.st_mtime_ns)
+        self._foreign_stamp = stamp
         _log_foreign_once(path)
 
     def _check_unchanged(self) -> None:
@@ -267,11 +285,10 @@ class UCVolumeReader(FileSystemReader):
         """The foreign checkpoint's ``.metadata`` is not the one checked, or a save has begun in the directory."""
         path = os.fspath(self.path)
         try:
-            st = os.stat(os.path.join(path, METADATA_NAME))
-            same = (st.st_ino, st.st_size, st.st_mtime_ns) == self._foreign_stamp
+            same = _stamp(os.path.join(path, METADATA_NAME)) == self._foreign_stamp
         except FileNotFoundError:
             same = False
-        return not same or os.path.exists(os.path.join(path, SAVING_NAME))
+        return not same or xfer.exists(os.path.join(path, SAVING_NAME))
 
     def _overwritten(self) -> bool:
         """True when a save into this directory started after this reader checked its commit."""
@@ -314,8 +331,8 @@ class UCVolumeReader(FileSystemReader):
             self._check_commit()
 
     @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        return os.path.isdir(volume_dir(checkpoint_id))
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return xfer.isdir(volume_dir(checkpoint_id))
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         with self._naming_overwrites():

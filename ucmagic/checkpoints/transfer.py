@@ -13,20 +13,25 @@ import os
 import re
 import shutil
 import tempfile
+import threading
 import time
 import zlib
-from typing import Callable
+from typing import Any, Callable, TypeVar
 
-from .._util import RetryPolicy, copy_local
+from .._util import RetryPolicy, copy_local, is_remote_url
 from ..files.locks import pid_running, process_tag, tag_alive
+from ..files.volume import FsspecVolume, Volume, open_volume
 from .format import FileRecord
 from ..errors import (
     CheckpointCorruptError,
     CheckpointDestinationError,
     CheckpointError,
     CheckpointUploadError,
+    SourceNotFoundError,
 )
 from ..units import format_size
+
+_T = TypeVar("_T")
 
 CHUNK = 8 << 20
 RETRIES = 3
@@ -123,7 +128,10 @@ def check_destination(path: str) -> None:
 
     Looks at the nearest existing ancestor (no write happens): a regular file there, or a directory
     this process may not write (a read-only mount, missing permission), is refused in one line.
+    A URL is not checked here: its store answers the first write.
     """
+    if is_url(path):
+        return
     p = _nearest_existing(path)
     if not os.path.isdir(p):
         raise CheckpointDestinationError(
@@ -145,6 +153,8 @@ _FULL = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
 
 def destination_error(exc: BaseException, path: str) -> CheckpointError:
     """The one-line ucmagic error for an OS error while writing checkpoint ``path`` (others pass through)."""
+    if is_url(path) or is_url(getattr(exc, "filename", None) or ""):
+        return url_destination_error(exc, path)
     if isinstance(exc, CheckpointError) or not isinstance(exc, OSError):
         return exc if isinstance(exc, CheckpointError) else CheckpointUploadError(
             f"cannot save a checkpoint to {path}: {type(exc).__name__}: {exc}")
@@ -182,6 +192,9 @@ def _copy(src_path: str, dst_path: str, *, sync: bool, check: Callable[[], None]
 
 def file_crc(path: str) -> tuple[int, int]:
     """(size, CRC-32) of a file."""
+    if is_url(path):
+        data = read_bytes(path)
+        return len(data), zlib.crc32(data)
     crc = n = 0
     with open(path, "rb", buffering=0) as f:
         while True:
@@ -192,7 +205,7 @@ def file_crc(path: str) -> tuple[int, int]:
             n += len(b)
 
 
-def _retry(what: str, fn, retries: int = RETRIES):
+def _retry(what: str, fn: Callable[[], _T], retries: int = RETRIES) -> _T:
     return RetryPolicy(retries, CHECKPOINT_PERMANENT, transient=(OSError,), base=0.05, factor=4.0,
                        cap=float("inf"), jitter=0.0).call(fn)
 
@@ -209,6 +222,8 @@ def upload_file(local: str, remote: str, *, verify: str = "size", delete: bool =
     """
 
     def once() -> FileRecord:
+        if is_url(remote):
+            return _upload_url(local, remote, verify, check)
         n, crc = _copy(local, remote, sync=True, check=check)
         size = os.stat(remote).st_size
         if size != n:
@@ -241,7 +256,8 @@ def download_file(remote: str, local: str, expected: FileRecord | None, *, name:
     from .format import check_record
 
     try:
-        n, crc = _retry(f"download {remote}", lambda: _copy(remote, local, sync=False), retries)
+        n, crc = _retry(f"download {remote}", lambda: _download_url(remote, local) if is_url(remote)
+                        else _copy(remote, local, sync=False), retries)
     except FileNotFoundError:
         raise CheckpointCorruptError(f"{where}: {name} is missing; the checkpoint is incomplete "
                                      "(re-save it or load another step)") from None
@@ -272,9 +288,13 @@ def download_bytes(remote: str, expected: FileRecord, *, name: str, where: str, 
 
 
 def write_bytes(remote: str, data: bytes) -> FileRecord:
-    """Write a small file straight to the volume, fsync'd; return its record."""
+    """Write a small file straight to the volume, fsync'd (on a store: one atomic put); return its record."""
 
     def once() -> None:
+        if is_url(remote):
+            vol, rel = locate(remote)
+            vol.write_bytes(rel, data)
+            return
         with open(remote, "wb") as f:
             f.write(data)
             f.flush()
@@ -291,6 +311,9 @@ def read_bytes(remote: str) -> bytes:
     """Read a small file from the volume (retrying transient errors)."""
 
     def once() -> bytes:
+        if is_url(remote):
+            vol, rel = locate(remote)
+            return vol.read_bytes(rel)
         with open(remote, "rb") as f:
             return f.read()
 
@@ -299,5 +322,174 @@ def read_bytes(remote: str) -> bytes:
 
 def remove_quietly(path: str) -> None:
     """Delete a file if present."""
+    if is_url(path):
+        vol, rel = locate(path)
+        vol.remove(rel, missing_ok=True)
+        return
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
+
+
+# ---------------------------------------------------------------- URL destinations (any fsspec store)
+#
+# A checkpoint path may be a URL (``s3://bucket/run/ckpts/step_5``). Its files then go through the
+# :class:`~ucmagic.files.volume.Volume` of its store (one per ``scheme://bucket``; every ``rel`` is the
+# key under it): shards and markers are written whole or not at all (``write_bytes``/``upload``), so
+# the order the writer keeps (record, shards, ``.metadata``, marker last) gives the same guarantees
+# as on a disk. Local paths keep the code above, unchanged.
+
+_OPTIONS: dict[str, dict[str, Any]] = {}  # "s3://bucket" -> storage options a writer/reader was given
+_VOLUMES: dict[tuple[str, str], Volume] = {}
+_VOLUMES_MU = threading.Lock()
+
+
+def is_url(path: str | os.PathLike[str]) -> bool:
+    """True for a checkpoint path on an fsspec store (a URL other than ``file://``)."""
+    return is_remote_url(os.fspath(path))
+
+
+def _store(url: str) -> tuple[str, str]:
+    """``("s3://bucket", "run/ckpts/step_5")`` for ``s3://bucket/run/ckpts/step_5``."""
+    scheme, rest = url.split("://", 1)
+    head, _, rel = rest.partition("/")
+    return f"{scheme}://{head}", rel.strip("/")
+
+
+def use_storage_options(url: str, options: dict[str, Any] | None) -> None:
+    """Use fsspec ``options`` (credentials, ``client_kwargs``...) for every checkpoint file on ``url``'s store.
+
+    Without them, the store's own configuration applies (fsspec's config and environment variables,
+    ``AWS_*``, as for torch's ``FsspecReader``).
+    """
+    if options is not None:
+        with _VOLUMES_MU:
+            _OPTIONS[_store(url)[0]] = dict(options)
+
+
+def locate(url: str) -> tuple[Volume, str]:
+    """The Volume of ``url``'s store and the key of ``url`` under it."""
+    base, rel = _store(url)
+    with _VOLUMES_MU:
+        opts = _OPTIONS.get(base, {})
+        key = (base, repr(sorted(opts.items())))
+        vol = _VOLUMES.get(key)
+        if vol is None:
+            try:
+                vol = open_volume(base, opts or None)
+            except SourceNotFoundError:  # cannot be listed (a bucket policy): writes may still work
+                vol = FsspecVolume(base, opts or None)
+            _VOLUMES[key] = vol
+    return vol, rel
+
+
+def url_path(path: str | os.PathLike[str]) -> str:
+    """A checkpoint URL in the one spelling every step uses (no trailing ``/``)."""
+    return os.fspath(path).rstrip("/")
+
+
+def exists(path: str) -> bool:
+    """True when file or directory ``path`` exists (on a store: a key, or keys under it)."""
+    if not is_url(path):
+        return os.path.exists(path)
+    vol, rel = locate(path)
+    return vol.exists(rel)
+
+
+def isdir(path: str) -> bool:
+    """True for a directory (on a store: a prefix with keys under it)."""
+    if not is_url(path):
+        return os.path.isdir(path)
+    return bool(list_names(path))
+
+
+def isfile(path: str) -> bool:
+    """True for a file (on a store: a key with nothing under it)."""
+    if not is_url(path):
+        return os.path.isfile(path)
+    return exists(path) and not list_names(path)
+
+
+def list_names(path: str) -> list[str]:
+    """Names directly in directory ``path`` (``os.listdir``; on a store ``[]`` when nothing is there)."""
+    if not is_url(path):
+        return os.listdir(path)
+    vol, rel = locate(path)
+    return vol.list_names(rel)
+
+
+def makedirs(path: str) -> None:
+    """Create directory ``path`` and its parents (a no-op on an object store)."""
+    if not is_url(path):
+        os.makedirs(path, exist_ok=True)
+        return
+    vol, rel = locate(path)
+    vol.makedirs(rel)
+
+
+def remove_tree(path: str) -> None:
+    """Delete directory ``path`` and everything in it, ignoring errors (as ``shutil.rmtree``'s)."""
+    if not is_url(path):
+        shutil.rmtree(path, ignore_errors=True)
+        return
+    vol, rel = locate(path)
+    with contextlib.suppress(OSError):
+        vol.remove_tree(rel)
+
+
+def stat_file(path: str) -> tuple[int, float]:
+    """``(size, mtime)`` of file ``path``; :class:`FileNotFoundError` when it is not there."""
+    if not is_url(path):
+        st = os.stat(path)
+        return st.st_size, st.st_mtime
+    vol, rel = locate(path)
+    entry = vol.stat(rel)
+    return entry.size, entry.mtime
+
+
+def read_head(path: str, n: int) -> bytes:
+    """The first ``n`` bytes of file ``path`` (fewer when it is shorter)."""
+    if not is_url(path):
+        with open(path, "rb") as f:
+            return f.read(n)
+    vol, rel = locate(path)
+    reader = vol.range_reader(rel)
+    try:
+        buf = bytearray(n)
+        got = reader.readinto_at(0, memoryview(buf))
+        return bytes(buf[:got])
+    finally:
+        reader.close()
+
+
+def _upload_url(local: str, remote: str, verify: str, check: Callable[[], None] | None) -> FileRecord:
+    """One try of an upload to a store: CRC of the staged file, one atomic put, then the size (or bytes) back."""
+    if check is not None:
+        check()
+    n, crc = file_crc(local)
+    vol, rel = locate(remote)
+    vol.upload(local, rel)
+    if verify == "full":
+        back = vol.read_bytes(rel)
+        if (len(back), zlib.crc32(back)) != (n, crc):
+            raise OSError(f"{remote} reads back differently from what was uploaded")
+    elif vol.stat(rel).size != n:
+        raise OSError(f"{remote} has {vol.stat(rel).size} bytes after upload, expected {n}")
+    return FileRecord(n, crc)
+
+
+def _download_url(remote: str, local: str) -> tuple[int, int]:
+    """Copy a checkpoint file from its store to local disk; ``(bytes, crc)`` of what arrived."""
+    vol, rel = locate(remote)
+    vol.copy_to(rel, local)
+    return file_crc(local)
+
+
+def url_destination_error(exc: BaseException, path: str) -> CheckpointError:
+    """The one-line error for a failed write of checkpoint ``path`` on a store."""
+    if isinstance(exc, CheckpointError):
+        return exc
+    if isinstance(exc, PermissionError):
+        return CheckpointDestinationError(f"cannot save a checkpoint to {path}: permission denied ({exc}); check "
+                                          "the credentials and that they may write there")
+    return CheckpointUploadError(f"cannot write checkpoint {path}: {type(exc).__name__}: {exc}; check the URL, the "
+                                 "credentials and that the store is reachable")

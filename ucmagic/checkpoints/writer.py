@@ -6,7 +6,8 @@ closes it is handed to a pool of uploader threads that copy it to the volume (CR
 are durable, carrying their sizes and checksums; the coordinator then writes ``.metadata`` and,
 last, the commit marker (the manifest). Before anyone writes, the coordinator writes the
 save-in-progress record and removes an existing marker and ``.metadata``, so an interrupted
-overwrite is refused rather than mixed. Nothing is renamed on the volume.
+overwrite is refused rather than mixed. Nothing is renamed on the volume. On a URL
+(``s3://...``) each file is one atomic put on the store, in the same order.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
@@ -34,6 +35,7 @@ from .. import _torch_compat as compat
 from . import transfer as xfer
 from .commit import begin_save, mark_save_failed, volume_dir
 from .exit import PendingSave, track_pending_save
+from .urlfs import CheckpointFileSystem
 from .format import (
     COMMIT_NAME,
     FORMAT_DCP,
@@ -114,7 +116,7 @@ class _UploadSession:
                 xfer.remove_quietly(remote)
 
 
-class _StagingFileSystem(FileSystem):
+class _StagingFileSystem(CheckpointFileSystem):
     """torch's FileSystem on the volume, except that data files are written to local staging and uploaded."""
 
     def __init__(self) -> None:
@@ -177,7 +179,9 @@ class UCVolumeWriter(FileSystemWriter):
     reported on stderr and the process exits with status 1.
 
     Args:
-        path: checkpoint directory (local, a mount, or ``/Volumes/...``).
+        path: checkpoint directory (local, a mount, ``/Volumes/...``) or an fsspec URL (``s3://bucket/run/step_5``).
+        storage_options: fsspec options for a URL path (credentials, ``client_kwargs``...); default: the
+            store's own configuration (environment, fsspec config).
         staging_dir: local directory for staged shards (default ``$UCMAGIC_STAGING_DIR`` or the temp dir).
         upload_threads: parallel uploads per rank.
         files_per_rank: shard files per rank (more files = more parallel uploads); default: one per
@@ -198,15 +202,22 @@ class UCVolumeWriter(FileSystemWriter):
     def __init__(self, path: str | os.PathLike, *, staging_dir: str | None = None, upload_threads: int = 16,
                  files_per_rank: int | None = None, thread_count: int | None = None, verify: str = "size",
                  min_free: int | str = "512MB", overwrite: bool = True, commit_info: dict[str, Any] | None = None,
-                 warn_overwrite: bool = True, **kwargs: Any) -> None:
+                 warn_overwrite: bool = True, storage_options: dict[str, Any] | None = None,
+                 **kwargs: Any) -> None:
         kwargs.setdefault("sync_files", False)  # durability comes from fsync on the volume copy
         if thread_count is None:
             thread_count = min(4, os.cpu_count() or 1)
-        super().__init__(volume_dir(path), thread_count=max(1, thread_count), **kwargs)
+        where = volume_dir(path)
+        self.storage_options = storage_options
+        if xfer.is_url(where):
+            xfer.use_storage_options(where, storage_options)
+        super().__init__(where, thread_count=max(1, thread_count), **kwargs)
         xfer.check_destination(os.fspath(self.path))
         if verify not in ("size", "full"):
             raise ValueError(f"verify must be 'size' or 'full', got {verify!r}")
         compat.install_filesystem(self, _StagingFileSystem())
+        if xfer.is_url(where):
+            self.path = self.fs.init_path(where)  # torch's FileSystem made it a Path ("s3:/..."); a URL stays one
         self.overwrite = bool(overwrite)
         self.warn_overwrite = bool(warn_overwrite)
         self.staging_dir = staging_dir
@@ -233,10 +244,12 @@ class UCVolumeWriter(FileSystemWriter):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._started = threading.Event()
+        if xfer.is_url(self.path):
+            xfer.use_storage_options(os.fspath(self.path), self.__dict__.get("storage_options"))
 
     # -- the save-in-progress record
     def _checkpoint_present(self) -> bool:
-        return any(os.path.exists(os.path.join(self.path, n)) for n in (COMMIT_NAME, METADATA_NAME))
+        return any(xfer.exists(os.path.join(self.path, n)) for n in (COMMIT_NAME, METADATA_NAME))
 
     def _begin(self) -> None:
         """Write the save-in-progress record, then withdraw the previous checkpoint (idempotent per save)."""
@@ -245,7 +258,7 @@ class UCVolumeWriter(FileSystemWriter):
             return
         if not self.overwrite and self._checkpoint_present():
             return  # refused in prepare_local_plan, the way torch's writer does it
-        os.makedirs(path, exist_ok=True)
+        xfer.makedirs(path)
         self.save_id = uuid.uuid4().hex  # fresh per save, also when a writer object is reused
         present = self._checkpoint_present()
         begin_save(path, self.save_id)
@@ -300,8 +313,9 @@ class UCVolumeWriter(FileSystemWriter):
             self.save_id = save_id  # the record carries this id; the commit must carry the same
 
     @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        return "://" not in os.fspath(checkpoint_id) or os.fspath(checkpoint_id).startswith("file://")
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        p = os.fspath(checkpoint_id)
+        return "://" not in p or p.startswith("file://") or xfer.is_url(p)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self._coordinator = bool(is_coordinator)
@@ -328,7 +342,7 @@ class UCVolumeWriter(FileSystemWriter):
                 warnings.warn(f"Detected an existing checkpoint in {self.path}, overwriting since "
                               f"{self.overwrite=}. Pass overwrite=False to UCVolumeWriter to raise instead.",
                               stacklevel=2)
-            os.makedirs(self.path, exist_ok=True)
+            xfer.makedirs(os.fspath(self.path))
         except BaseException as e:  # noqa: BLE001 - re-raised as the ucmagic error it means
             raise self._fail(e) from None
         return plan
@@ -452,7 +466,8 @@ class UCVolumeWriter(FileSystemWriter):
         xfer.write_bytes(os.path.join(self.path, COMMIT_NAME), marker)
         self._begun = None  # committed from here on: a failure below must not remove its files
         with contextlib.suppress(OSError):
-            for name in stale_files(os.listdir(self.path), files):  # shards of an older save of this directory
+            # shards of an older save of this directory
+            for name in stale_files(xfer.list_names(os.fspath(self.path)), files):
                 xfer.remove_quietly(os.path.join(self.path, name))
         xfer.remove_quietly(os.path.join(self.path, SAVING_NAME))  # last: the new commit is in place
 

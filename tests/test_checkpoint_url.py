@@ -1,0 +1,280 @@
+"""Checkpoint roots that are fsspec URLs (``s3://bucket/run/ckpts``), on a real S3-compatible server on
+loopback (moto's standalone server): save, list, load, torch's own FsspecReader, interrupted saves and
+damaged shards keep the guarantees they have on a disk."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+pytest.importorskip("s3fs")
+pytest.importorskip("moto")
+
+import torch  # noqa: E402
+import torch.distributed.checkpoint as dcp  # noqa: E402
+
+from ucmagic.checkpoints import format as fmt  # noqa: E402
+from ucmagic.checkpoints import transfer as xfer  # noqa: E402
+from ucmagic.checkpoints.api import (  # noqa: E402
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointNotCommittedError,
+    NoCheckpointError,
+    UCVolumeReader,
+    UCVolumeWriter,
+    list_checkpoints,
+    load_checkpoint,
+    save_checkpoint,
+)
+from ucmagic.errors import SourceNotFoundError  # noqa: E402
+from ucmagic.files.volume import FsspecVolume  # noqa: E402
+
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.timeout(180)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint() -> Iterator[str]:
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            break
+        except OSError:
+            time.sleep(0.1)
+    else:
+        proc.kill()
+        pytest.fail("moto server did not start")
+    yield f"http://127.0.0.1:{port}"
+    proc.terminate()
+    proc.wait(10)
+
+
+@pytest.fixture
+def opts(s3_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    return {"client_kwargs": {"endpoint_url": s3_endpoint}, "key": "testing", "secret": "testing"}
+
+
+@pytest.fixture
+def s3fs_(opts: dict[str, Any]) -> Any:
+    import s3fs
+
+    return s3fs.S3FileSystem(**opts)
+
+
+@pytest.fixture
+def root(s3fs_: Any) -> Iterator[str]:
+    """A fresh bucket (each test its own: volumes are kept per bucket) and a checkpoint root in it."""
+    bucket = f"ckpt-{uuid.uuid4().hex[:12]}"
+    s3fs_.mkdir(bucket)
+    yield f"s3://{bucket}/run1/ckpts"
+    s3fs_.rm(bucket, recursive=True)
+
+
+def make_model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+
+
+def trained(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model = make_model(seed)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    opt.zero_grad()
+    model(torch.ones(8, 16)).pow(2).mean().backward()
+    opt.step()
+    return model, opt
+
+
+def same_model(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def keys_under(fs: Any, url: str) -> list[str]:
+    return sorted(p.rsplit("/", 1)[-1] for p in fs.find(url.removeprefix("s3://")))
+
+
+def save(root: str, model: torch.nn.Module, opt: Any, step: int, mode: str, **kw: Any) -> str:
+    fut_or_path = save_checkpoint(root, model=model, optimizer=opt, step=step, extra={"seen": step * 10},
+                                  async_=mode == "async", single_file=mode == "single_file", **kw)
+    return fut_or_path if isinstance(fut_or_path, str) else fut_or_path.result(timeout=120)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async", "single_file"])
+def test_s3_root_round_trip_save_list_load_and_retention(root: str, opts: dict[str, Any], s3fs_: Any,
+                                                         mode: str) -> None:
+    model1, opt1 = trained(1)
+    path1 = save(root, model1, opt1, 1, mode, storage_options=opts)
+    assert path1 == f"{root}/step_1"
+    model2, opt2 = trained(2)
+    save(root, model2, opt2, 2, mode, storage_options=opts)
+
+    infos = list_checkpoints(root, storage_options=opts)
+    assert [(i.step, i.path) for i in infos] == [(1, f"{root}/step_1"), (2, f"{root}/step_2")]
+    assert all(i.size > 0 and i.kind.startswith("ucmagic") for i in infos)
+    kept = keys_under(s3fs_, f"{root}/step_2")
+    assert fmt.COMMIT_NAME in kept and fmt.SAVING_NAME not in kept  # committed, no record left behind
+
+    fresh = make_model(9)
+    fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.01)
+    assert load_checkpoint(root, model=fresh, optimizer=fresh_opt, storage_options=opts) == (2, {"seen": 20})
+    assert same_model(fresh, model2)
+    assert load_checkpoint(root, 1, model=fresh, storage_options=opts) == (1, {"seen": 10})
+    assert same_model(fresh, model1)
+
+    save(root, model2, opt2, 3, mode, storage_options=opts, keep=1)  # retention deletes steps 1 and 2
+    assert [i.step for i in list_checkpoints(root, storage_options=opts)] == [3]
+    assert keys_under(s3fs_, f"{root}/step_1") == []
+
+
+def test_s3_root_from_fsspec_config_and_torch_fsspec_reader_loads_it(root: str, opts: dict[str, Any],
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without storage_options the store's fsspec configuration applies, as for torch's FsspecReader,
+    which reads a DCP checkpoint ucmagic wrote (its layout is plain DCP plus ucmagic's two markers)."""
+    import fsspec.config
+
+    monkeypatch.setitem(fsspec.config.conf, "s3", dict(opts))
+    model, opt = trained(3)
+    path = save_checkpoint(root, model=model, optimizer=opt, step=7)
+    assert [i.step for i in list_checkpoints(root)] == [7]
+
+    from torch.distributed.checkpoint import _fsspec_filesystem  # torch 2.4 has it there, not in dcp
+
+    reader_cls = getattr(dcp, "FsspecReader", None) or _fsspec_filesystem.FsspecReader
+    fresh = make_model(8)
+    state = {"model": fresh.state_dict()}
+    dcp.load(state, storage_reader=reader_cls(path))
+    fresh.load_state_dict(state["model"])
+    assert same_model(fresh, model)
+
+
+def test_dcp_save_and_load_through_the_storage_classes_on_s3(root: str, opts: dict[str, Any]) -> None:
+    model = make_model(4)
+    url = f"{root}/by-hand"
+    dcp.save({"model": model.state_dict()}, storage_writer=UCVolumeWriter(url, storage_options=opts))
+    fresh = make_model(5)
+    state = {"model": fresh.state_dict()}
+    dcp.load(state, storage_reader=UCVolumeReader(url, storage_options=opts))
+    fresh.load_state_dict(state["model"])
+    assert same_model(fresh, model)
+    assert [(i.step, i.path) for i in list_checkpoints(root, storage_options=opts)] == [(None, url)]
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_s3_save_that_fails_mid_upload_is_never_listed_nor_loaded(root: str, opts: dict[str, Any], s3fs_: Any,
+                                                                  monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+    model1, opt1 = trained(1)
+    save(root, model1, opt1, 1, mode, storage_options=opts)
+    real_upload = FsspecVolume.upload
+    calls = []
+
+    def failing_upload(self: FsspecVolume, local_path: str, rel: str) -> None:
+        calls.append(rel)
+        if len(calls) > 1:  # the first shard arrives, every later one fails
+            raise OSError("connection reset by the store")
+        real_upload(self, local_path, rel)
+
+    monkeypatch.setattr(FsspecVolume, "upload", failing_upload)
+    model2, opt2 = trained(2)
+    with pytest.raises(CheckpointError, match="step_2|connection reset"):
+        save(root, model2, opt2, 2, mode, storage_options=opts, files_per_rank=4)
+    monkeypatch.setattr(FsspecVolume, "upload", real_upload)
+
+    assert fmt.COMMIT_NAME not in keys_under(s3fs_, f"{root}/step_2")
+    assert [i.step for i in list_checkpoints(root, storage_options=opts)] == [1]
+    fresh = make_model(9)
+    assert load_checkpoint(root, model=fresh, storage_options=opts)[0] == 1
+    assert same_model(fresh, model1)
+    with pytest.raises(CheckpointError):  # in progress or failed: refused, never half-loaded
+        load_checkpoint(root, 2, model=fresh, storage_options=opts)
+
+
+_KILLED_SAVE = r"""
+import os, sys, time
+import torch
+from ucmagic.checkpoints.api import save_checkpoint
+from ucmagic.files.volume import FsspecVolume
+
+real = FsspecVolume.upload
+def slow_upload(self, local_path, rel):
+    real(self, local_path, rel)
+    print("uploaded", rel, flush=True)
+    time.sleep(60)  # killed here, one shard in
+FsspecVolume.upload = slow_upload
+torch.manual_seed(0)
+model = torch.nn.Linear(16, 4)
+opts = {"client_kwargs": {"endpoint_url": sys.argv[2]}, "key": "testing", "secret": "testing"}
+save_checkpoint(sys.argv[1], model=model, step=5, storage_options=opts)
+"""
+
+
+def test_s3_save_killed_mid_upload_leaves_nothing_committed(root: str, opts: dict[str, Any], s3fs_: Any,
+                                                           s3_endpoint: str) -> None:
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED_SAVE, root, s3_endpoint], stdout=subprocess.PIPE,
+                            text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    try:
+        line = proc.stdout.readline() if proc.stdout else ""
+        assert line.startswith("uploaded"), line
+    finally:
+        proc.kill()
+        proc.wait(30)
+    names = keys_under(s3fs_, f"{root}/step_5")
+    assert fmt.SAVING_NAME in names and fmt.COMMIT_NAME not in names
+    assert list_checkpoints(root, storage_options=opts) == []
+    with pytest.raises(NoCheckpointError):
+        load_checkpoint(root, model=make_model(), storage_options=opts)
+    with pytest.raises(CheckpointError, match="in progress|killed|not committed"):
+        UCVolumeReader(f"{root}/step_5", storage_options=opts)
+
+
+@pytest.mark.parametrize("mode", ["sync", "single_file"])
+def test_s3_damaged_shard_is_caught_by_its_crc_on_load(root: str, opts: dict[str, Any], s3fs_: Any,
+                                                       mode: str) -> None:
+    model, opt = trained(1)
+    save(root, model, opt, 1, mode, storage_options=opts)
+    shard = next(k for k in keys_under(s3fs_, f"{root}/step_1") if k.endswith((".distcp", ".pt")))
+    key = f"{root}/step_1/{shard}".removeprefix("s3://")
+    data = bytearray(s3fs_.cat_file(key))
+    data[len(data) // 2] ^= 0xFF  # same size, one byte flipped
+    s3fs_.pipe_file(key, bytes(data))
+    with pytest.raises(CheckpointCorruptError, match=shard):
+        load_checkpoint(root, model=make_model(9), storage_options=opts)
+
+
+def test_s3_root_with_nothing_there_says_so(root: str, opts: dict[str, Any]) -> None:
+    with pytest.raises(SourceNotFoundError, match="nothing is stored there"):
+        list_checkpoints(root, storage_options=opts)
+    with pytest.raises(SourceNotFoundError):
+        load_checkpoint(root, model=make_model(), storage_options=opts)
+
+
+def test_s3_directory_without_commit_nor_metadata_is_refused(root: str, opts: dict[str, Any]) -> None:
+    save_checkpoint(root, model=make_model(), step=1, storage_options=opts)
+    for name in (fmt.COMMIT_NAME, fmt.METADATA_NAME):  # shards only: what a save killed early leaves
+        xfer.remove_quietly(f"{root}/step_1/{name}")
+    with pytest.raises(CheckpointNotCommittedError):
+        UCVolumeReader(f"{root}/step_1", storage_options=opts)
+    assert list_checkpoints(root, storage_options=opts) == []
+
+
+def test_checkpoint_url_splits_into_store_and_key() -> None:
+    assert xfer.is_url("s3://b/run") and not xfer.is_url("/Volumes/c/s/v") and not xfer.is_url("file:///tmp/x")
+    assert xfer.url_path("s3://b/run/ckpts/") == "s3://b/run/ckpts"
