@@ -560,12 +560,7 @@ def judge(cell: dict[str, str], r: dict[str, Any]) -> list[str]:
 # Known failures of the engine, still open in issue 23 (each is reported as xfail with its reason
 # when it fails, and passes silently once fixed; none hides a hang: a hang still fails its cell
 # unless listed here).
-KNOWN_FAILURES: list[tuple[Callable[[dict[str, str]], bool], str, str]] = [
-    (lambda c: c["budget"] == "window" and c["event"] == "second",
-     "cache directory peaked at",
-     "two processes each size their protection windows for the whole shared budget: the directory "
-     "can exceed it by up to one process's windows"),
-]
+KNOWN_FAILURES: list[tuple[Callable[[dict[str, str]], bool], str, str]] = []
 
 
 def known_failure(cell: dict[str, str], problems: Sequence[str]) -> str | None:

@@ -13,7 +13,7 @@ import weakref
 from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 
@@ -47,6 +47,21 @@ WARM_STREAK = 64  # consecutive cache hits after which iteration switches to who
 # Without consumption reports a stream keeps at least this many handed-out files protected (or
 # lease_items if smaller): the batch the loop holds and torch's prefetch queue (2 batches of 21)
 MIN_WINDOW = 64
+# Where other processes' streams share the budget, each stream's share holds its window and the
+# window's release step (a quarter of it), its read-ahead in flight and the items its record covers
+# ahead of the loop (other processes' copies among them stay protected): fractions of the share
+SHARED_WINDOW, SHARED_AHEAD, SHARED_COVER = 0.5, 0.2, 0.15
+RESIZE_S = 1.0  # how often a stream re-reads the budget and the streams sharing the cache
+
+
+class Sizing(NamedTuple):
+    """A stream's protection: ``window`` (handed-out items kept without consumption reports), the
+    bytes its read-ahead may hold in flight, and how many items its record covers ahead at a time
+    (None: the read-ahead depth)."""
+
+    window: int
+    read_ahead_bytes: int
+    cover: int | None = None
 _last_fetch = threading.local()  # per-item records: did this thread's last _fetch copy the file?
 MAX_STREAMS = 64  # DataLoader workers whose consumption ucmagic.DataLoader reports (more share slots)
 _TRACKED = MAX_STREAMS  # index of the "ucmagic.DataLoader reports consumption" flag in the channel
@@ -160,16 +175,22 @@ class _Stream:
     """
 
     def __init__(self, cache: FileCache, owner: str, slot: int, items: "StreamItems", *, quantum: int,
-                 window: int, chunk: int, consumed: Callable[[], int | None], budgeted: bool = False) -> None:
+                 window: int, chunk: int, consumed: Callable[[], int | None], budgeted: bool = False,
+                 sizer: Callable[[], Sizing | None] | None = None, sizing: Sizing | None = None) -> None:
         self.cache = cache
+        self.sizer = sizer  # the protection for now (None: no budget), asked every RESIZE_S (see resize)
+        self._sized_at = time.monotonic()
         self.budgeted = budgeted  # fills honour a cache_limit (this process's or another's)
         self.path = cache.record_path(owner, slot)
         self.items = items
         self.quantum = max(1, quantum)
-        self.window = max(1, window)
-        self.chunk = max(1, chunk)
+        self._chunk = max(1, chunk)  # items covered ahead at a time unless a shared budget asks fewer
+        self.window, self.chunk = max(1, window), self._chunk
+        self.read_ahead_bytes: int | None = None
+        self.resized = threading.Event()  # the read-ahead's byte bound changed: its lane restarts
         self.consumed = consumed
         self.lo = self.hi = 0  # the record covers positions [lo, hi)
+        self.ahead = 0  # positions looked up or scheduled for read-ahead so far (hi covers them)
         self.yielded = 0  # positions handed out (skipped ones included)
         self.skipped = 0
         self.finished = False
@@ -180,6 +201,9 @@ class _Stream:
         if old is not None:  # this process's previous iteration of the same stream: it stops writing
             old._stop.set()  # noqa: SLF001 - same class
         _active_streams[self.path] = self
+        if sizing is not None:
+            self._apply(budgeted, sizing)
+            self.resized.clear()
 
     def _write(self) -> None:
         self.cache.write_record(self.path, self.items.names(self.lo, self.hi))
@@ -192,6 +216,8 @@ class _Stream:
 
     def cover(self, pos: int) -> None:
         """Make sure the record names position ``pos`` before it is looked up or filled."""
+        if pos >= self.ahead:
+            self.ahead = pos + 1
         if pos < self.hi:
             return
         with self._mu:
@@ -199,8 +225,43 @@ class _Stream:
             self.hi = min(len(self.items), pos + self.chunk)
             self._write()
 
+    def resize(self) -> None:
+        """Follow the budget and the streams sharing it, at most every :data:`RESIZE_S`: another
+        process's streams joining the cache shrink the window (what it protected beyond the new
+        window is released by the next refresh), their leaving lets it grow back."""
+        if self.sizer is None:
+            return
+        now = time.monotonic()
+        with self._mu:
+            if now - self._sized_at < RESIZE_S:
+                return
+            self._sized_at = now
+        try:
+            sizing = self.sizer()
+        except OSError:
+            return
+        self._apply(sizing is not None, sizing)
+        if sizing is not None:
+            self.start_refresher()
+
+    def _apply(self, budgeted: bool, sizing: Sizing | None) -> None:
+        self.budgeted = budgeted
+        if sizing is None:  # no budget (any more): the window stays as it is
+            return
+        self.window = max(1, sizing.window)
+        self.chunk = self._chunk if sizing.cover is None else max(1, min(self._chunk, sizing.cover))
+        with self._mu:  # covered fewer ahead now: what was covered beyond it goes from the record
+            hi = min(self.hi, max(self.lo, self.ahead, self.yielded) + self.chunk)
+            if hi < self.hi and not self.finished:
+                self.hi = hi
+                self._write()
+        if sizing.read_ahead_bytes != self.read_ahead_bytes:
+            self.read_ahead_bytes = sizing.read_ahead_bytes
+            self.resized.set()
+
     def refresh(self) -> None:
         """Release what the loop has consumed since the last write."""
+        self.resize()
         c = self.consumed()
         done = max(0, self.yielded - self.window) if c is None else min(self.yielded, c)
         # exact with consumption reports under a budget; else release in steps (each write costs
@@ -229,9 +290,10 @@ class _Stream:
     def start_refresher(self) -> None:
         """Release consumed items every 10 ms, also after the stream ended (the loop still holds its
         last batches), until all are consumed or this stream starts its next iteration."""
-        if self._refreshing:
-            return
-        self._refreshing = True
+        with self._mu:  # asked from the loop, the refresher and fill threads (resize)
+            if self._refreshing or self._stop.is_set():
+                return
+            self._refreshing = True
 
         def loop() -> None:
             while not self._stop.wait(0.01):
@@ -425,7 +487,8 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
             out sized to fit a third of its share of the budget (64 to ``lease_items`` files), so a small
             budget slows the loop down; one that cannot hold 64 files per stream raises
             :class:`BudgetTooSmallError` at the first item, naming the size needed. The smallest
-            ``cache_limit`` of any live process using the cache directory bounds this one's fills too.
+            ``cache_limit`` of any live process using the cache directory bounds this one's fills too,
+            and the windows of every live process's streams are sized to fit it together.
         shuffle: ``False``, ``True`` (per-epoch seeded permutation; node-affine on several nodes),
             ``"global"`` (always one global permutation) or ``"node"`` (each node keeps its slice of
             the files across epochs and shuffles within it, so its cache stays hot).
@@ -724,8 +787,8 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
         with (shared memory, seen by every worker). Used by ucmagic.DataLoader."""
         return ConsumptionChannel(self._consumed)
 
-    def _protection(self, budget: int | None, streams: int, reported: bool) -> tuple[int, int]:
-        """``(window, read-ahead bytes)`` of one of ``streams`` streams: the items it keeps protected
+    def _protection(self, budget: int | None, streams: int, reported: bool, live: int = 0) -> Sizing:
+        """The :class:`Sizing` of one of ``streams`` streams: the items it keeps protected
         after handing them out when the loop's consumption is not ``reported`` (torch's DataLoader, a
         wrapper dataset, a plain loop), and the bytes it may hold in flight.
 
@@ -736,26 +799,64 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
         file (the fill the loop waits for may go over the budget: see :meth:`_Stream.may_exceed`); a
         share that cannot hold that many files of the mean size is an error now, at the first item,
         naming the size needed.
+
+        ``live`` streams of every process share the cache (:meth:`FileCache.live_streams`): where
+        there are more than this process's ``streams``, the budget is split over all of them, and a
+        window with its release step, the read-ahead and the items covered ahead of it (which protect
+        what other processes fetched) fit the smaller share (the window below :data:`MIN_WINDOW` if
+        need be: the smallest ``cache_limit`` bounds the directory). The first-item check is on this
+        process's own share: a process joining never makes another fail.
         """
         if budget is None:
-            return self.lease_items, self._read_ahead_bytes(streams)
-        share = budget // max(1, streams)
+            return Sizing(self.lease_items, self._read_ahead_bytes(streams))
+        self._check_share(budget, streams, reported)
+        return self._sized(budget, streams, reported, live)
+
+    def _typical_size(self) -> int:
         n = len(self.listing)
-        typical = max(1, -(-self.listing.total_bytes // n)) if n else 1
-        least = 1 if reported else min(self.lease_items, MIN_WINDOW)  # files a stream must hold at once
-        if n and share < least * typical:
+        return max(1, -(-self.listing.total_bytes // n)) if n else 1
+
+    def _least(self, reported: bool) -> int:
+        """Files a stream must hold at once: with reports the one the loop waits for, else a window."""
+        return 1 if reported else min(self.lease_items, MIN_WINDOW)
+
+    def _check_share(self, budget: int, streams: int, reported: bool) -> None:
+        """:class:`BudgetTooSmallError` where one of ``streams`` shares cannot hold the least window."""
+        typical, least = self._typical_size(), self._least(reported)
+        if len(self.listing) and budget // max(1, streams) < least * typical:
             what = "one file" if least == 1 else f"{least} files (the protection window without ucmagic.DataLoader)"
             raise BudgetTooSmallError(
                 f"cache_limit={format_size(budget)} cannot hold {what} of ~{format_size(typical)} for each of "
                 f"{streams} stream(s): set cache_limit to at least {format_size(least * typical * max(1, streams))}"
                 + (" or use fewer DataLoader workers" if streams > 1 else "")
                 + ("" if reported else "; ucmagic.DataLoader reports what the loop consumed and needs less"))
-        if reported:
-            return self.lease_items, max(1, share)
+
+    def _sized(self, budget: int, streams: int, reported: bool, live: int = 0) -> Sizing:
+        """The protection of one stream under ``budget`` shared by ``max(streams, live)`` streams (no check)."""
+        total = max(1, streams, live)
+        share = budget // total
+        typical = self._typical_size()
+        files = share // typical
         # a third each (the window is released in steps of a quarter of it): about 3/4 of the share
         # is held, so fills rarely wait for room
-        window = max(least, min(self.lease_items, share // 3 // typical))
-        return window, max(typical, (share - window * typical) // 2)
+        window = self.lease_items if reported else max(self._least(reported), min(self.lease_items, files // 3))
+        if total > streams:  # shared with other processes' streams, which protect what this one fetched:
+            # the window, its release step, the read-ahead and the items covered ahead fit the share
+            return Sizing(window if reported else min(window, max(1, int(files * SHARED_WINDOW))),
+                          max(typical, int(share * SHARED_AHEAD)), max(1, int(files * SHARED_COVER)))
+        if reported:
+            return Sizing(window, max(1, share))
+        return Sizing(window, max(typical, (share - window * typical) // 2))
+
+    def _sizer(self, streams: int, reported: bool) -> Callable[[], Sizing | None]:
+        """A stream's :attr:`_Stream.sizer`: its protection for the budget and live streams now (None: no budget)."""
+        cache = self.cache
+
+        def sized() -> Sizing | None:
+            budget = cache.budget()
+            return None if budget is None else self._sized(budget, streams, reported, cache.live_streams())
+
+        return sized
 
     def _read_ahead_bytes(self, streams: int) -> int:
 
@@ -793,9 +894,17 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
         _, world, _, _, _, nworkers = dist_info()
         budget = cache.budget()
         consumed = self._consumption(slot)
-        window, max_bytes = self._protection(budget, nworkers * local_world_size(world), consumed() is not None)
-        stream = _Stream(cache, owner, slot, items, quantum=self.batch_quantum,
-                         window=window, chunk=max(16, depth), consumed=consumed, budgeted=budget is not None)
+        streams, reported = nworkers * local_world_size(world), consumed() is not None
+        record = cache.record_path(owner, slot)
+        cache.write_record(record, [])  # this stream counts among the live ones before it sizes itself
+        try:
+            sizing = self._protection(budget, streams, reported, cache.live_streams())
+        except BudgetTooSmallError:
+            cache.drop_record(record)
+            raise
+        stream = _Stream(cache, owner, slot, items, quantum=self.batch_quantum, window=sizing.window,
+                         chunk=max(16, depth), consumed=consumed, budgeted=budget is not None,
+                         sizer=self._sizer(streams, reported), sizing=sizing)
         if budget is not None:
             stream.start_refresher()
         counters = self._counters
@@ -924,11 +1033,13 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
                                 self._delivered_main = pos
                             yield path
                         a = b
+                    stream.ahead = pos  # looked up beyond the run's hits: those need no cover now
                     continue
                 streak = 0  # consecutive hits: a long run switches back to warm runs
+                stream.resized.clear()  # the read-ahead's byte bound is taken now: a change restarts it
                 ahead = read_ahead(get, scheduled(pos), depth=depth, timeout=self.timeout,
                                    describe=lambda p: self.volume.display(items.entry(p).path),
-                                   fast=hit, cost=items.size, max_bytes=max_bytes, alive=alive)
+                                   fast=hit, cost=items.size, max_bytes=stream.read_ahead_bytes, alive=alive)
                 try:
                     for pos, got in enumerate(ahead, pos):  # noqa: B020 - pos carries over to the warm runs
                         handed(pos)
@@ -949,6 +1060,8 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
                         streak = streak + 1 if hit_ else 0
                         if streak >= WARM_STREAK:
                             warm = True
+                            break
+                        if stream.resized.is_set():
                             break
                     pos += 1
                 finally:
