@@ -184,7 +184,7 @@ def resolve_local_path(path: str) -> str:
     return os.path.join(mapped, *vol[3]) if mapped else p
 
 
-def local_path(path: str | os.PathLike) -> str:
+def local_path(path: str | os.PathLike[str]) -> str:
     """The real local path of ``path``, for code that opens files itself (``torch.save``, Hugging Face).
 
     ``/Volumes/<catalog>/<schema>/<volume>/...`` is returned unchanged where the volume is mounted
@@ -384,7 +384,7 @@ class LocalVolume(Volume):
         self.uri = "file://" + root
         self.list_threads = list_threads
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Any, ...]:
         return (LocalVolume, (self.root,), {"list_threads": self.list_threads, **self._tuning()})
 
     @classmethod
@@ -626,6 +626,7 @@ class FsspecVolume(Volume):
 
         self.url = url
         self.storage_options = dict(storage_options or {})
+        self.root: str
         try:
             self.fs, self.root = fsspec.core.url_to_fs(url, **self.storage_options)
         except ImportError as exc:  # the protocol's fsspec implementation is not installed
@@ -643,7 +644,7 @@ class FsspecVolume(Volume):
             self.local_root = "/" + self.root.lstrip("/")
             self.atomic_rename = True
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.url, self.storage_options), self._tuning())
 
     @classmethod
@@ -827,9 +828,7 @@ def register_volume(scheme_or_predicate: VolumeMatch, cls: type[Volume]) -> None
         if not re.fullmatch(r"[a-z][a-z0-9+.\-]*", scheme):
             raise ValueError(f"{scheme_or_predicate!r} is not a URL scheme (letters, digits, '+', '.', '-')")
         prefix = scheme + "://"
-
-        def matches(path: str) -> bool:
-            return path[:len(prefix)].lower() == prefix
+        matches: Callable[[str], bool] = lambda path: path[:len(prefix)].lower() == prefix  # noqa: E731
         key: VolumeMatch = scheme
     elif callable(scheme_or_predicate):
         matches, key = scheme_or_predicate, scheme_or_predicate
@@ -880,7 +879,7 @@ class _FileObjReader:
             self.f.seek(offset)
         readinto = getattr(self.f, "readinto", None)
         if readinto is not None:
-            return readinto(buf)
+            return int(readinto(buf))
         data = self.f.read(len(buf))
         buf[:len(data)] = data
         return len(data)
