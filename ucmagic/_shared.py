@@ -143,7 +143,8 @@ class SharedBits(SharedMemory["tuple[int, ctypes.Array[ctypes.c_uint8]]", "tuple
 
     def known(self, indices: np.ndarray) -> np.ndarray:
         """A bool per index of ``indices`` (int64 array): its bit is set."""
-        return (self._view[indices >> 3] >> (indices & 7) & 1).astype(bool)
+        bits: np.ndarray = self._view[indices >> 3] >> (indices & 7) & 1
+        return bits.astype(bool)
 
     def prefix(self, indices: Sequence[int] | np.ndarray) -> int:
         """How many of ``indices``, from the first, have their bit set (vectorised)."""
@@ -160,7 +161,7 @@ class SharedBits(SharedMemory["tuple[int, ctypes.Array[ctypes.c_uint8]]", "tuple
 
     def _attach(self, buffers: tuple[int, ctypes.Array[ctypes.c_uint8]]) -> None:
         self.n, self._a = buffers
-        self._view = np.frombuffer(self._a, dtype=np.uint8)
+        self._view = np.frombuffer(memoryview(self._a), dtype=np.uint8)
 
     def _snapshot(self) -> tuple[int, bytes]:
         return self.n, bytes(self._a)

@@ -11,7 +11,7 @@ import contextlib
 import os
 import struct
 import threading
-from typing import Iterator
+from typing import Any, Iterator
 
 try:
     import fcntl
@@ -61,7 +61,7 @@ class KeyLocks:
     def __init__(self, path: str) -> None:
         self.path = path
         self._mu = threading.Lock()
-        self._held: dict[str, list] = {}  # key -> [threading.Lock, users]
+        self._held: dict[str, list[Any]] = {}  # key -> [threading.Lock, users]
         self._fd = -1
         self._pid = 0
 

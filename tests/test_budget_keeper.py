@@ -1,0 +1,117 @@
+"""Budget, eviction, accounting and the disk floor of the file cache (ucmagic.files.budget)."""
+import os
+import sys
+import threading
+
+import pytest
+
+import ucmagic.files.budget as budget_mod
+from ucmagic.errors import CacheFullError
+from ucmagic.files.budget import choose_victims
+from ucmagic.files.cache import FileCache
+from ucmagic.files.cache_layout import cache_key
+from ucmagic.files.locks import process_tag
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # cache_helpers, whatever pytest's import mode
+from cache_helpers import entry_of, writer  # noqa: E402
+
+
+def test_choose_victims_is_lru():
+    entries = [("a", 10, 3.0), ("b", 10, 1.0), ("c", 10, 2.0)]
+    assert choose_victims(entries, 15) == ["b", "c"]
+    assert choose_victims(entries, 0) == []
+    assert choose_victims(entries, 100) == ["b", "c", "a"]
+
+
+def test_budget_evicts_least_recently_used_but_not_protected(tmp_path):
+    c = FileCache(str(tmp_path / "c"), limit=1000)
+    paths = []
+    for i in range(5):
+        p, _ = c.fill(cache_key("v", str(i), 200, 0), "", 200, writer(bytes(200)))
+        os.utime(entry_of(p), (i, i))  # file 0 is the least recently used
+        paths.append(p)
+    c.write_record(c.record_path(process_tag(), 0), [os.path.basename(entry_of(paths[0]))])
+    os.utime(entry_of(paths[1]))  # file 1 becomes most recently used
+    c.fill(cache_key("v", "new", 200, 0), "", 200, writer(bytes(200)))
+    assert os.path.exists(paths[0])  # protected: kept despite being oldest
+    assert not os.path.exists(paths[2])  # oldest unprotected goes first
+    assert os.path.exists(paths[1])
+    assert c.usage().total_bytes <= 1000
+
+
+def test_fill_waits_for_room_then_proceeds_when_a_consumer_frees_it(tmp_path):
+    c = FileCache(str(tmp_path / "c"), limit=500)
+    p, _ = c.fill(cache_key("v", "held", 400, 0), "", 400, writer(bytes(400)))
+    rec = c.record_path(process_tag(), 0)
+    c.write_record(rec, [os.path.basename(entry_of(p))])
+    done = threading.Event()
+    waits = []
+    t = threading.Thread(target=lambda: (c.fill(cache_key("v", "next", 300, 0), "", 300, writer(bytes(300)),
+                                                on_wait=lambda: waits.append(1)), done.set()))
+    t.start()
+    assert not done.wait(0.3) and waits  # no room: it waits instead of overshooting
+    assert c.usage().total_bytes <= 500
+    c.drop_record(rec)  # the consumer is done with the held file
+    assert done.wait(10)
+    t.join()
+    assert c.usage().total_bytes <= 500 and not os.path.exists(p)
+
+
+def test_head_of_line_fill_may_exceed_the_budget(tmp_path):
+    c = FileCache(str(tmp_path / "c"), limit=500)
+    p, _ = c.fill(cache_key("v", "held", 400, 0), "", 400, writer(bytes(400)))
+    c.write_record(c.record_path(process_tag(), 0), [os.path.basename(entry_of(p))])
+    q, fetched = c.fill(cache_key("v", "next", 300, 0), "", 300, writer(bytes(300)), may_exceed=lambda: True)
+    assert fetched and os.path.exists(p) and os.path.exists(q)
+
+
+def test_file_larger_than_budget_is_a_clear_error(tmp_path):
+    c = FileCache(str(tmp_path / "c"), limit="1KB")
+    with pytest.raises(CacheFullError, match=r"5\.0 KB file does not fit in cache_limit=1\.0 KB"):
+        c.fill(cache_key("v", "big", 5000, 0), "", 5000, writer(bytes(5000)))
+
+
+def test_full_disk_is_a_clear_error(tmp_path):
+    c = FileCache(str(tmp_path / "c"), min_free=0.9999)  # the floor is above what is free
+    with pytest.raises(CacheFullError, match="full"):
+        c.fill(cache_key("v", "f", 10, 0), "", 10, writer(bytes(10)))
+    assert c.usage().files == 0
+
+
+@pytest.mark.timeout(60)
+def test_a_fill_no_loop_waits_on_gives_up_with_an_error_when_no_room_is_ever_freed(tmp_path, monkeypatch):
+    monkeypatch.setattr(budget_mod, "STALL_S", 0.3)
+    c = FileCache(str(tmp_path / "c"), limit=10_000)
+    # another live fill holds 9 kB (its temp file's name carries its final size): nothing to evict
+    open(os.path.join(c.root, "tmp", f"{'ab' * 20}.{process_tag()}.0.9000.part"), "wb").close()
+    with pytest.raises(CacheFullError, match=r"no room for a 5\.0 KB file in cache_limit=10\.0 KB"):
+        c.reserve(5000, os.path.join(c.root, "tmp", "mine.part"))
+
+
+def test_budget_is_the_smallest_cache_limit_of_live_objects_and_ignores_dead_processes(tmp_path):
+    root = str(tmp_path / "c")
+    big, none = FileCache(root, limit=50_000), FileCache(root)
+    locks = os.path.join(root, "locks")
+    open(os.path.join(locks, "limit.999999999-1.0.1000"), "wb").close()  # a process that is gone
+    small = FileCache(root, limit=20_000)
+    assert small.budget() == 20_000 and none.budget() == 20_000 and big.budget() == 20_000
+    assert "limit.999999999-1.0.1000" not in os.listdir(locks)  # reaped on the way
+    del small
+    import gc
+
+    gc.collect()
+    assert FileCache(root).budget() == 50_000  # the smaller record went with its object
+
+
+def test_usage_accounts_every_byte_under_the_cache_dir(tmp_path):
+    c = FileCache(str(tmp_path / "c"))
+    c.fill(cache_key("v", "x", 300, 0), "", 300, writer(bytes(300)))
+    c.write_record(c.record_path(process_tag(), 0), ["a" * 40])
+    with open(os.path.join(c.root, "tmp", "k.1-1.0.50.part"), "wb") as f:
+        f.write(bytes(10))  # a fill in progress counts at its final size (in its name)
+    with open(os.path.join(c.root, "stray"), "wb") as f:
+        f.write(bytes(7))
+    u = c.usage()
+    on_disk = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(c.root) for f in fs)
+    assert (u.bytes, u.records_bytes, u.tmp_bytes) == (300, 40, 50)
+    assert u.total_bytes == on_disk + 40  # the temp file counts 50 bytes, 10 written so far

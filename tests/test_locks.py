@@ -1,0 +1,49 @@
+"""Per-key fill locks across threads and processes (ucmagic.files.locks)."""
+import multiprocessing as mp
+import os
+import threading
+import time
+
+import pytest
+
+from ucmagic.files.cache_layout import cache_key
+from ucmagic.files.locks import KeyLocks
+
+
+def _hold_key(root: str, key: str, held) -> None:
+    with KeyLocks(os.path.join(root, "fill.lock")).hold(key):
+        held.set()
+        time.sleep(60)  # killed before
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_key_lock_excludes_other_processes_and_a_killed_holder_releases_it(tmp_path, method):
+    root = str(tmp_path)
+    locks = KeyLocks(os.path.join(root, "fill.lock"))
+    key = cache_key("v", "f", 1, 0)
+    with locks.hold(key):  # opened here first: a forked child must not share this descriptor's locks
+        pass
+    ctx = mp.get_context(method)
+    held = ctx.Event()
+    child = ctx.Process(target=_hold_key, args=(root, key, held))
+    child.start()
+    try:
+        assert held.wait(60)
+        got = threading.Event()
+        other = threading.Event()
+
+        def take(k: str, flag: threading.Event) -> None:
+            with locks.hold(k):
+                flag.set()
+
+        threading.Thread(target=take, args=(cache_key("v", "g", 1, 0), other), daemon=True).start()
+        assert other.wait(10)  # another key is not blocked
+        t = threading.Thread(target=take, args=(key, got), daemon=True)
+        t.start()
+        assert not got.wait(0.3)  # the child holds this key
+        child.kill()  # SIGKILL: the kernel drops the child's lock with its descriptor
+        t.join(10)
+        assert got.is_set()
+    finally:
+        child.kill()
+        child.join(10)

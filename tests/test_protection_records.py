@@ -1,0 +1,96 @@
+"""Protection records: written, read, reaped with their owner, counted per stream (ucmagic.files.protection)."""
+import multiprocessing as mp
+import os
+import sys
+import time
+
+import pytest
+
+from ucmagic.files.cache import FileCache
+from ucmagic.files.cache_layout import cache_key, entry_record_names
+from ucmagic.files.locks import process_tag
+from ucmagic.files.protection import parse_record_name
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # cache_helpers, whatever pytest's import mode
+from cache_helpers import entry_of, writer  # noqa: E402
+
+
+@pytest.mark.parametrize("name,parsed", [("a-1@b-2.0.rec", ("a-1", "b-2")), ("x.rec", None), ("a@b.0.txt", None)])
+def test_record_names_parse(name, parsed):
+    assert parse_record_name(name) == parsed
+
+
+def test_protection_record_rewritten_in_place_holds_exactly_the_new_names(tmp_path):
+    c = FileCache(str(tmp_path / "c"))
+    rec = c.record_path(process_tag(), 0)
+    c.write_record(rec, ["a" * 40 + ".bin", "b" * 40 + ".bin"])
+    c.write_record(rec, ["c" * 40])
+    assert c.protected_names() == {"c" * 40}
+    c.drop_record(rec)
+    assert c.protected_names() == set() and os.listdir(tmp_path / "c" / "prot") == []
+    c.write_record(rec, ["d" * 40])  # written again after a drop: a new file
+    assert c.protected_names() == {"d" * 40}
+    os.unlink(rec)  # removed behind the writer's back (clear_cache of a process it thought gone)
+    c.write_record(rec, ["e" * 40])
+    assert c.protected_names() == {"e" * 40}
+    c.drop_record(rec)
+
+
+def test_protection_of_a_dead_owner_is_released_at_once(tmp_path):
+    c = FileCache(str(tmp_path / "c"), limit=400)
+    p, _ = c.fill(cache_key("v", "x", 200, 0), "", 200, writer(bytes(200)))
+    os.utime(entry_of(p), (1, 1))
+    dead = os.path.join(c.root, "prot", f"999999999-1@{process_tag()}.0.rec")
+    with open(dead, "w") as f:
+        f.write(os.path.basename(entry_of(p)))
+    assert os.path.basename(entry_of(p)) not in c.protected_names(reap=True) and not os.path.exists(dead)
+    for i in range(2):  # the budget now evicts the formerly protected entry
+        c.fill(cache_key("v", f"n{i}", 200, 0), "", 200, writer(bytes(200)))
+    assert not os.path.exists(p)
+
+
+def test_dead_process_records_and_temp_files_are_reaped(tmp_path):
+    c = FileCache(str(tmp_path / "c"))
+    dead = tmp_path / "c" / "prot" / "999999999-1@999999999-1.0.rec"
+    dead.write_text("x")
+    live = tmp_path / "c" / "prot" / f"{process_tag()}@999999999-1.0.rec"
+    live.write_text("y")
+    stale = tmp_path / "c" / "tmp" / "k.999999999-1.0.1.part"
+    stale.write_bytes(b"1")
+    assert c.reap() == {"records": 1, "tmp": 1, "old": 0}
+    assert not dead.exists() and not stale.exists()
+    assert live.exists()  # its owner (this process) may still hold the batch a dead worker made
+
+
+def test_live_streams_counts_the_records_of_live_owners_in_every_process(tmp_path):
+    c = FileCache(str(tmp_path / "c"))
+    assert c.live_streams() == 0
+    mine = [c.record_path(process_tag(), slot) for slot in (0, 1)]
+    for p in mine:
+        c.write_record(p, ["a-1"])
+    ctx = mp.get_context("spawn")
+    other = ctx.Process(target=time.sleep, args=(30,))
+    other.start()
+    try:
+        other_tag = process_tag(other.pid)
+        with open(os.path.join(c.root, "prot", f"{other_tag}@{other_tag}.0.rec"), "w") as f:
+            f.write("b-1")  # a stream of another live process on this cache
+        with open(os.path.join(c.root, "prot", f"999999999-1@{process_tag()}.0.rec"), "w") as f:
+            f.write("c-1")  # a dead owner's
+        assert c.live_streams() == 3
+        c.drop_record(mine[0])
+        assert c.live_streams() == 2
+    finally:
+        other.kill()
+        other.join(10)
+    assert c.live_streams() == 1
+
+
+def test_a_record_naming_an_entry_by_its_record_names_protects_it(tmp_path):
+    c = FileCache(str(tmp_path / "c"))
+    key = cache_key("v", "x", 5, 0)
+    p, _ = c.fill(key, ".chunk", 5, writer(b"12345"))
+    names = entry_record_names(key, ".chunk", 5)
+    assert names == [key + ".chunk", os.path.basename(entry_of(p))]
+    c.write_record(c.record_path(process_tag(), 0), names)
+    assert c.evict(10**9) == 0 and os.path.exists(p)
