@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
-from typing import Callable
+from typing import Callable, Sequence
 
 
 def at_least(low: int) -> Callable[[str], int]:
@@ -22,7 +22,17 @@ def at_least(low: int) -> Callable[[str], int]:
     return parse
 
 
-def _add_demo(sub: argparse._SubParsersAction) -> None:
+def _show_help(p: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
+    """A command group's action when no subcommand is given: print its help, exit code 2."""
+
+    def run(_: argparse.Namespace) -> int:
+        p.print_help()
+        return 2
+
+    return run
+
+
+def _add_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("demo",
                        help="generate files on a simulated slow volume and compare ucmagic with a plain torch "
                             "DataLoader",
@@ -51,7 +61,7 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _add_stage(sub: argparse._SubParsersAction) -> None:
+def _add_stage(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("stage", help="copy a tree of files from a slow volume to local disk, in parallel",
                        description="Copy the files under SRC to DEST in parallel, keeping relative paths. "
                                    "Files already staged and unchanged (same size and mtime) are skipped; each file "
@@ -82,7 +92,7 @@ def _add_stage(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _add_pack(sub: argparse._SubParsersAction) -> None:
+def _add_pack(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("pack", help="pack a tree of small files or a table into tar shards of a target size",
                        description="Pack the files under SRC (samples grouped by key: the same stem with different "
                                    "extensions) or a table (Parquet/CSV path, Delta directory) into uncompressed "
@@ -117,7 +127,7 @@ def _add_pack(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _add_export(sub: argparse._SubParsersAction) -> None:
+def _add_export(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("export",
                        help="export a table, Delta directory, query or files to Parquet files of a target size",
                        description="Write SOURCE (a table name, a Delta directory, Parquet/CSV paths or globs, "
@@ -149,7 +159,7 @@ def _field(item: object, name: str, index: int) -> object:
     return item[index] if isinstance(item, (tuple, list)) and len(item) > index else None
 
 
-def format_checkpoints(items: list) -> str:
+def format_checkpoints(items: Sequence[object]) -> str:
     """A table of complete checkpoints: step (``-`` when a foreign name has none), commit time (UTC), size,
     path, and a KIND column (``dcp``, ``torch.save``) when any was not written by ucmagic."""
     import time as _time
@@ -171,7 +181,7 @@ def format_checkpoints(items: list) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 
 
-def _add_ckpt(sub: argparse._SubParsersAction) -> None:
+def _add_ckpt(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("ckpt", help="inspect checkpoints", description="Inspect checkpoints written by ucmagic.")
     csub = p.add_subparsers(dest="ckpt_command", metavar="ACTION")
     lp = csub.add_parser("list", help="list complete checkpoints under ROOT with their time and size",
@@ -191,10 +201,10 @@ def _add_ckpt(sub: argparse._SubParsersAction) -> None:
         return 0
 
     lp.set_defaults(func=run_list)
-    p.set_defaults(func=lambda a: (p.print_help(), 2)[1])
+    p.set_defaults(func=_show_help(p))
 
 
-def _add_cache(sub: argparse._SubParsersAction) -> None:
+def _add_cache(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("cache", help="inspect, prune or clear the local file cache",
                        description="Work on the whole cache directory ($UCMAGIC_CACHE_DIR, else ~/.cache/ucmagic).")
     csub = p.add_subparsers(dest="cache_command", metavar="ACTION")
@@ -216,7 +226,7 @@ def _add_cache(sub: argparse._SubParsersAction) -> None:
             return 0
 
         cp.set_defaults(func=run)
-    p.set_defaults(func=lambda a: (p.print_help(), 2)[1])
+    p.set_defaults(func=_show_help(p))
 
 
 def bench_dir() -> str | None:
@@ -227,7 +237,7 @@ def bench_dir() -> str | None:
     return d if os.path.isdir(d) else None
 
 
-def _add_bench(sub: argparse._SubParsersAction) -> None:
+def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("bench", help="run a benchmark script from bench/ by name (e.g. 'bench stage')",
                        description="Run bench/NAME.py with the remaining arguments (put them after '--'), "
                                    "e.g. python -m ucmagic bench stage -- --files 500. Without NAME, list them.")
@@ -256,7 +266,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _add_load(sub: argparse._SubParsersAction) -> None:
+def _add_load(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("load", help="show what ucmagic.load / %%ucload would build from SOURCE, without loading it",
                        description="Classify SOURCE like ucmagic.load and %%ucload do (a directory of files, a table, "
                                    "or a table streamed with --stream) and print its kind, file count, rows and "

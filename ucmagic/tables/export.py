@@ -248,10 +248,13 @@ def _bytes_per_row(src: Source) -> float | None:
         if src.kind in ("parquet", "delta") and not src.remote:
             files = src.paths if src.kind == "parquet" else delta_files(src)
             files = files[:64]
-            rows = sum(pq.read_metadata(f).num_rows for f in files)
-            return sum(os.path.getsize(f) for f in files) / rows if rows else None
+            rows: int = sum(pq.read_metadata(f).num_rows for f in files)
+            if not rows:
+                return None
+            total: int = sum(os.path.getsize(f) for f in files)
+            return total / rows
         if src.kind == "arrow" and hasattr(src.obj, "nbytes") and getattr(src.obj, "num_rows", None):
-            return src.obj.nbytes / src.obj.num_rows / 2
+            return float(src.obj.nbytes / src.obj.num_rows / 2)
         if src.kind == "pandas" and len(src.obj):
             return float(src.obj.memory_usage(deep=True).sum()) / len(src.obj) / 3
     except Exception:  # noqa: BLE001 - an estimate only steers row-group size
@@ -322,7 +325,7 @@ def _spark_row_bytes(df: Any, sample: int = 20000) -> float:
         return 100.0
     buf = io.BytesIO()
     pq.write_table(t, buf, compression="snappy")
-    return max(1.0, buf.tell() / t.num_rows)
+    return max(1.0, buf.tell() / int(t.num_rows))
 
 
 def _write_spark(src: Source, staging: str, target: int, cols: list[str], compression: str) -> None:
@@ -372,7 +375,7 @@ def _remote_non_empty(dest: str, storage_options: dict[str, Any] | None) -> bool
 
 # ---------------------------------------------------------------- public API
 
-def export_parquet(source: Any, dest: str | os.PathLike, *, target_file_size: int | str = "1GB",
+def export_parquet(source: Any, dest: str | os.PathLike[str], *, target_file_size: int | str = "1GB",
                    mode: str = "overwrite", partition_by: str | Sequence[str] | None = None,
                    version: int | None = None, memory_limit: int | str | None = DEFAULT_MEMORY_LIMIT,
                    threads: int | None = None, compression: str = "snappy",
