@@ -43,8 +43,7 @@ from ..errors import FetchError, PackError, SourceChangedError
 from ..files.fetch import with_retries
 from ..progress import Progress
 from ..units import format_size, parse_size
-from ..files.volume import (FileEntry, FsspecVolume, LocalVolume, Volume, copy_error, is_safe_rel, open_volume,
-                      resolve_local_path)
+from ..files.volume import FileEntry, Volume, copy_error, is_safe_rel, open_volume, resolve_local_path
 from .index import INDEX_NAME, Member, ShardInfo, dumps_index, shard_info, split_key, write_index
 
 BLOCK = tarfile.BLOCKSIZE    # 512
@@ -275,11 +274,8 @@ class PackSummary:
 
 def _source_root(src: Any, vol: Volume | None) -> str | None:
     """The local directory behind the source, when there is one (for the nesting check)."""
-    if isinstance(vol, LocalVolume):
-        return vol.root
-    if isinstance(vol, FsspecVolume):
-        proto = vol.fs.protocol[0] if isinstance(vol.fs.protocol, (tuple, list)) else vol.fs.protocol
-        return "/" + vol.root.lstrip("/") if proto in ("file", "local", "slow") else None
+    if vol is not None:
+        return vol.local_root
     if isinstance(src, (str, os.PathLike)) and not is_remote_url(os.fspath(src)):
         p = os.fspath(src)
         return resolve_local_path(p[len("file://"):] if p.startswith("file://") else p)
