@@ -13,6 +13,7 @@ import os
 import pickle
 import time
 import warnings
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -235,7 +236,7 @@ def _unwrap(e: BaseException) -> BaseException:
 
 
 @contextlib.contextmanager
-def _unwrapping():
+def _unwrapping() -> Iterator[None]:
     """Re-raise torch's CheckpointException as the ucmagic error it carries, if any."""
     try:
         yield
@@ -257,7 +258,7 @@ def _model_device(model: Any) -> Any:
 # ---------------------------------------------------------------- save
 
 def _save_single(path: str, state: dict[str, Any], info: dict[str, Any], writer_kw: dict[str, Any],
-                 async_: bool, cancel: Any = None) -> Future | None:
+                 async_: bool, cancel: Any = None) -> Future[None] | None:
     """Rank 0: torch.save to local staging, upload, commit. Returns a Future when ``async_``."""
     import socket
     import uuid
@@ -304,9 +305,9 @@ def _save_single(path: str, state: dict[str, Any], info: dict[str, Any], writer_
     return fut
 
 
-def save_checkpoint(root: str | os.PathLike, *, model: Any, optimizer: Any = None, step: int,
+def save_checkpoint(root: str | os.PathLike[str], *, model: Any, optimizer: Any = None, step: int,
                     extra: dict[str, Any] | None = None, async_: bool = False, keep: int | None = None,
-                    single_file: bool = False, **writer_kw: Any) -> str | Future:
+                    single_file: bool = False, **writer_kw: Any) -> str | Future[str]:
     """Save ``model`` (and ``optimizer``) to ``root/step_<step>/`` and commit it; every rank calls this.
 
     ``extra`` is a JSON-able dict (e.g. ``{"loader": loader.state_dict()}``) returned by
@@ -334,7 +335,7 @@ def save_checkpoint(root: str | os.PathLike, *, model: Any, optimizer: Any = Non
         if optimizer is not None:
             state["optimizer"] = optimizer.state_dict()
         fut = None
-        out: Future = Future()
+        out: Future[str] = Future()
         pending = track_pending_save(path, out) if async_ else None
         try:
             if dist_info(from_env=False).rank == 0:
@@ -384,7 +385,7 @@ def save_checkpoint(root: str | os.PathLike, *, model: Any, optimizer: Any = Non
     return out
 
 
-def _settle(out: Future, fn: Any) -> None:
+def _settle(out: Future[str], fn: Any) -> None:
     try:
         out.set_result(fn())
     except BaseException as e:  # noqa: BLE001
@@ -491,7 +492,7 @@ def _check_keys(path: str, expected: Any, present: Any) -> None:
                                       "load it into the same architecture it was saved from")
 
 
-def load_checkpoint(root: str | os.PathLike, step: int | str = "latest", *, model: Any, optimizer: Any = None,
+def load_checkpoint(root: str | os.PathLike[str], step: int | str = "latest", *, model: Any, optimizer: Any = None,
                     map_location: Any = None, **reader_kw: Any) -> tuple[int, Any]:
     """Restore ``model`` (and ``optimizer``) in place from ``root/step_<step>/``; return ``(step, extra)``.
 

@@ -14,6 +14,7 @@ import threading
 import time
 from concurrent.futures import Future as CFuture
 from concurrent.futures import wait as futures_wait
+from typing import Any
 
 from .. import _torch_compat as compat
 from .._util import error_line
@@ -27,7 +28,7 @@ class PendingSave:
     ``cancel`` stops its uploads at their next 8 MB (set when Ctrl-C abandons the save at exit).
     """
 
-    def __init__(self, what: str, fut: CFuture) -> None:
+    def __init__(self, what: str, fut: CFuture[Any]) -> None:
         self.what = what
         self.fut = fut
         self.thread: threading.Thread | None = None
@@ -75,7 +76,7 @@ _pending_mu = threading.Lock()
 _exit_hook_installed = False
 
 
-def track_pending_save(what: str, fut: CFuture, *, writer: bool = False) -> PendingSave:
+def track_pending_save(what: str, fut: CFuture[Any], *, writer: bool = False) -> PendingSave:
     """Make interpreter exit wait for ``fut`` (an asynchronous save of ``what``) and report if it fails.
 
     The wait runs among ``threading``'s exit hooks, before ``concurrent.futures`` stops accepting

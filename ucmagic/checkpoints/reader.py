@@ -107,7 +107,7 @@ class _DownloadSession:
     def __init__(self, staging: str, threads: int, budget: int) -> None:
         self.staging = staging
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ucmagic-download")
-        self.downloads: dict[str, CFuture] = {}
+        self.downloads: dict[str, CFuture[Any]] = {}
         self.budget = budget
         self.cv = threading.Condition()
         self.held = 0
@@ -147,7 +147,7 @@ class _DownloadedFileSystem(CheckpointFileSystem):
         self.session: _DownloadSession | None = None
 
     @contextlib.contextmanager
-    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[io.IOBase]:
         name = os.path.basename(os.fspath(path))
         session = self.session
         if session is None or "r" not in mode or name not in session.downloads:
@@ -195,7 +195,7 @@ class UCVolumeReader(FileSystemReader):
 
     fs: _DownloadedFileSystem  # installed by compat.install_filesystem in __init__
 
-    def __init__(self, path: str | os.PathLike, *, wait: float | None = None, staging_dir: str | None = None,
+    def __init__(self, path: str | os.PathLike[str], *, wait: float | None = None, staging_dir: str | None = None,
                  download_threads: int = 16, memory_budget: int | str = "1GB", require_commit: bool | None = None,
                  allow_unsafe_pickle: bool = False, min_free: int | str = "512MB",
                  storage_options: dict[str, Any] | None = None, **kwargs: Any) -> None:
@@ -324,7 +324,7 @@ class UCVolumeReader(FileSystemReader):
                 raise self._overwritten_error() from None
             raise
 
-    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         old = os.fspath(self.path)
         super().reset(volume_dir(checkpoint_id) if checkpoint_id else None)
         if os.fspath(self.path) != old:
@@ -339,7 +339,7 @@ class UCVolumeReader(FileSystemReader):
             return self._read_metadata()
 
     def _read_metadata(self) -> Metadata:
-        cached = getattr(self, "_metadata", None)
+        cached: tuple[str, Metadata] | None = getattr(self, "_metadata", None)
         if cached is not None and cached[0] == os.fspath(self.path):
             _set_load_id(cached[1], self.load_id)
             return cached[1]

@@ -40,8 +40,10 @@ class _MetadataUnpickler(pickle.Unpickler):
 def load_metadata(data: bytes, *, allow_unsafe: bool = False) -> Metadata:
     """Unpickle DCP metadata, admitting only metadata classes unless ``allow_unsafe``."""
     if allow_unsafe:
-        return pickle.loads(data)  # noqa: S301 - the caller trusts this checkpoint (allow_unsafe_pickle=True)
-    return _MetadataUnpickler(io.BytesIO(data)).load()
+        md: Metadata = pickle.loads(data)  # noqa: S301 - the caller trusts this checkpoint (allow_unsafe_pickle=True)
+        return md
+    md = _MetadataUnpickler(io.BytesIO(data)).load()
+    return md
 
 
 class WeightsOnlyPlanner:

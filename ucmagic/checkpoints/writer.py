@@ -70,7 +70,7 @@ class _UploadSession:
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ucmagic-upload")
         self.verify = verify
         self.cancel = cancel
-        self.uploads: dict[str, CFuture] = {}
+        self.uploads: dict[str, CFuture[Any]] = {}
         self.direct: set[str] = set()  # written straight to the volume (a replaced writer.fs)
         self.remotes: list[str] = []
         self.errors: list[BaseException] = []
@@ -124,7 +124,7 @@ class _StagingFileSystem(CheckpointFileSystem):
         self.session: _UploadSession | None = None
 
     @contextlib.contextmanager
-    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[io.IOBase]:
         session = self.session
         if session is None or "w" not in mode:
             with super().create_stream(path, mode) as s:
@@ -153,7 +153,7 @@ class _RecordingFileSystem:
         return getattr(self.inner, name)
 
     @contextlib.contextmanager
-    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[io.IOBase]:
         try:
             self.session.check()
             with self.inner.create_stream(path, mode) as stream:
@@ -199,7 +199,7 @@ class UCVolumeWriter(FileSystemWriter):
 
     fs: _StagingFileSystem  # installed by compat.install_filesystem in __init__
 
-    def __init__(self, path: str | os.PathLike, *, staging_dir: str | None = None, upload_threads: int = 16,
+    def __init__(self, path: str | os.PathLike[str], *, staging_dir: str | None = None, upload_threads: int = 16,
                  files_per_rank: int | None = None, thread_count: int | None = None, verify: str = "size",
                  min_free: int | str = "512MB", overwrite: bool = True, commit_info: dict[str, Any] | None = None,
                  warn_overwrite: bool = True, storage_options: dict[str, Any] | None = None,
@@ -304,7 +304,7 @@ class UCVolumeWriter(FileSystemWriter):
         """Block until torch's save thread has called into this writer (True), or ``timeout`` passed."""
         return self._started.wait(timeout)
 
-    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         save_id = self.save_id
         super().reset(volume_dir(checkpoint_id) if checkpoint_id else None)
         if checkpoint_id:
@@ -371,7 +371,7 @@ class UCVolumeWriter(FileSystemWriter):
         staging = xfer.make_staging_dir(self.staging_dir, f"save-{self.save_id}-{prefix.strip('_') or 'r'}")
         session = _UploadSession(staging, self.upload_threads, self.verify, self._cancel_event())
         staged = isinstance(self.fs, _StagingFileSystem)
-        file_queue: queue.Queue = queue.Queue()
+        file_queue: queue.Queue[Any] = queue.Queue()
         try:
             if staged:
                 xfer.check_free_space(staging, int(need * 1.05) + (1 << 20), self.min_free)
@@ -399,7 +399,7 @@ class UCVolumeWriter(FileSystemWriter):
         n_files = self.files_per_rank or auto_file_count(need)
         return split_buckets(n_files, items, _item_size, is_bytes=lambda i: i.type == WriteItemType.BYTE_IO), need
 
-    def _write_files(self, session: _UploadSession, planner: SavePlanner, file_queue: queue.Queue,
+    def _write_files(self, session: _UploadSession, planner: SavePlanner, file_queue: queue.Queue[Any],
                      staging: str | None) -> list[WriteResult]:
         """torch's writer threads write ``file_queue`` through ``session`` (staged locally unless ``staging``
         is None: a replaced ``writer.fs``); the first error of any of them is raised as one line."""
@@ -487,7 +487,7 @@ def _manifests(results: list[list[WriteResult]]) -> list[dict[str, Any]]:
     return [wr.storage_data["files"] for wr_list in results for wr in wr_list if _is_manifest(wr)]
 
 
-def _drain(file_queue: queue.Queue) -> None:
+def _drain(file_queue: queue.Queue[Any]) -> None:
     with contextlib.suppress(queue.Empty):
         while True:
             file_queue.get_nowait()
