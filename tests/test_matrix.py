@@ -560,7 +560,12 @@ def judge(cell: dict[str, str], r: dict[str, Any]) -> list[str]:
 # Known failures of the engine, still open in issue 23 (each is reported as xfail with its reason
 # when it fails, and passes silently once fixed; none hides a hang: a hang still fails its cell
 # unless listed here).
-KNOWN_FAILURES: list[tuple[Callable[[dict[str, str]], bool], str, str]] = []
+KNOWN_FAILURES: list[tuple[Callable[[dict[str, str]], bool], str, str]] = [
+    (lambda c: c["budget"] == "tiny" and c["event"] in ("sigint", "kill", "change", "diskfull"),
+     "fresh loop after the event failed: BudgetTooSmallError",
+     "a fill still in flight after the loop stopped holds the dataset (and its cache_limit record) alive for "
+     "~0.5 s: a fresh unbudgeted dataset on the same cache made at once is refused with the old budget"),
+]
 
 
 def known_failure(cell: dict[str, str], problems: Sequence[str]) -> str | None:
