@@ -1,4 +1,5 @@
 """The planned-dataset contract (ucmagic.files.epochs) and the one rank/world helper (ucmagic.dist)."""
+import json
 import os
 from unittest import mock
 
@@ -11,7 +12,8 @@ from torch.utils.data import IterableDataset
 
 from ucmagic.files.dataset import UCVolumeDataset
 from ucmagic.dist import DistInfo, all_gather_ints, dist_info
-from ucmagic.files.epochs import EpochTracking, PlannedDataset, check_state_kind
+from ucmagic.errors import ListingChangedError
+from ucmagic.files.epochs import EpochTracking, LoaderNeeds, PlannedDataset, StateSchema, check_state_kind
 from ucmagic.loading.loader import DataLoader
 
 
@@ -127,3 +129,75 @@ def test_a_parquet_state_with_the_old_kind_still_resumes(tmp_path):
     state["kind"] = "parquet"  # how ParquetDataset states were spelled before the kinds were unified
     ds.load_state_dict(state)
     assert np.concatenate([b["id"].numpy() for b in ds]).tolist() == list(range(20, 50))
+
+
+# ---------------------------------------------------------------- what a kind declares, and its state schema
+
+def test_the_loader_follows_what_each_kind_declares_not_its_name(tree, tmp_path):
+    from ucmagic.loading.loader import default_num_workers
+    from ucmagic.tables import ParquetDataset
+
+    class OwnProcess(UCVolumeDataset):  # a new kind: files decoded in the loop's own process
+        kind = "OwnProcess"
+        loader_needs = LoaderNeeds(num_workers=0)
+
+    root, _ = tree
+    pd.DataFrame({"id": np.arange(50)}).to_parquet(tmp_path / "t.parquet")
+    rows = ParquetDataset(str(tmp_path / "t.parquet"), batch_size=10)
+    files, own = UCVolumeDataset(root), OwnProcess(root)
+    assert rows.loader_needs.yields_batches and not files.loader_needs.yields_batches
+    for ds, batch_size, workers in ((rows, None, 0), (files, 1, default_num_workers()), (own, 1, 0)):
+        loader = DataLoader(ds)
+        assert (loader.batch_size, loader.num_workers) == (batch_size, workers)
+        assert loader.state_dict()["kind"] == ds.kind  # the kinds saved states carry keep their names
+    assert DataLoader(rows).state_dict()["dataset"]["kind"] == "ParquetDataset"
+    with pytest.raises(ValueError, match="ParquetDataset yields whole batches"):
+        DataLoader(rows, batch_size=4)
+
+
+SCHEMA = StateSchema("Things", 3, "things", older=(2,), legacy_kinds=("things",))
+
+
+@given(st.integers(0, 9), st.lists(st.tuples(st.integers(0, 50), st.integers(1, 50)), max_size=4),
+       st.integers(0, 2**31), st.sampled_from(["pad", "drop"]))
+def test_a_state_built_by_the_schema_carries_the_common_keys_and_checks_back(epoch, spans, seed, partition):
+    left = [(a, a + n) for a, n in spans]
+    state = SCHEMA.build(epoch, left, seed=seed, partition=partition, fingerprint="f1", count=77, extra="x")
+    assert state == {"version": 3, "kind": "Things", "epoch": epoch, "seed": seed, "partition": partition,
+                     "fingerprint": "f1", "things": 77, "extra": "x", "pool": [list(r) for r in left],
+                     "remaining": sum(n for _, n in spans)}
+    assert json.loads(json.dumps(state)) == state
+    SCHEMA.check(state, fingerprint="f1", count=77, what="the things")
+
+
+def test_the_schema_refuses_other_kinds_versions_and_changed_files_and_takes_old_spellings():
+    state = SCHEMA.build(1, [(0, 5)], seed=0, partition="pad", fingerprint="f1", count=5)
+    kindless = {k: v for k, v in state.items() if k != "kind"}  # saved before states carried a kind
+    for old in ({**state, "version": 2}, {**state, "kind": "things"}, kindless):  # older version, old spelling
+        SCHEMA.check(old, fingerprint="f1", count=5, what="the things")
+    with pytest.raises(ValueError, match="saved by a Other dataset, not a Things"):
+        SCHEMA.check({**state, "kind": "Other"}, fingerprint="f1", count=5, what="the things")
+    with pytest.raises(ValueError, match="unsupported Things state version 4"):
+        SCHEMA.check({**state, "version": 4}, fingerprint="f1", count=5, what="the things")
+    with pytest.raises(ListingChangedError, match=r"the things changed since this state was saved \(5 things then, 6"):
+        SCHEMA.check(state, fingerprint="f1", count=6, what="the things")
+    with pytest.raises(ListingChangedError):
+        SCHEMA.check(state, fingerprint="f2", count=5, what="the things")
+    strict = StateSchema("Things", 3, "things", kind_required=True)
+    with pytest.raises(ValueError, match="not a Things state"):
+        strict.check(kindless, fingerprint="f1", count=5, what="the things")
+
+
+def test_a_parquet_state_from_before_node_shuffling_still_resumes_in_its_order(tmp_path):
+    from ucmagic.tables import ParquetDataset
+
+    pd.DataFrame({"id": np.arange(200)}).to_parquet(tmp_path / "t.parquet", row_group_size=20)
+    make = lambda: ParquetDataset(str(tmp_path / "t.parquet"), batch_size=10, shuffle="global", seed=4)  # noqa: E731
+    whole = np.concatenate([b["id"].numpy() for b in make()]).tolist()
+    state = make().make_state(0, [60], world=1, num_workers=1)
+    for key in ("order_world", "order_local_world", "shuffle_option", "reshuffle_every"):
+        del state[key]  # what a state saved before node shuffling lacks
+    state["shuffle"], state["kind"] = True, "parquet"
+    ds = make()
+    ds.load_state_dict(state)
+    assert np.concatenate([b["id"].numpy() for b in ds]).tolist() == whole[60:]

@@ -15,7 +15,8 @@ from torch.utils.data import IterableDataset, get_worker_info
 from ucmagic.files import plan
 from ucmagic.files.dataset import UCVolumeDataset
 from ucmagic.errors import ListingChangedError
-from ucmagic.loading.loader import DataLoader, LoaderStats
+from ucmagic.loading.loader import DataLoader
+from ucmagic.loading.loader_stats import LoaderStats
 
 
 def rel_of(path: str) -> str:

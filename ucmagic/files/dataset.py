@@ -28,11 +28,11 @@ from .locks import process_tag
 from .protection import release_at_exit
 from ..errors import NotAnEntryError
 from ..dist import dist_info, local_world_size
-from .epochs import EpochTracking, check_state_kind
+from .epochs import EpochTracking, StateSchema
 from ..errors import (BudgetTooSmallError, CacheFullError, CacheFullFetchError, FetchError, InvalidArgumentError,
-                     ListingChangedError, SourceChangedError)
+                     SourceChangedError)
 from .fetch import read_ahead, restart_timeout, shared_pool, with_retries
-from .listing import Listing, forget_listing, open_listing
+from .listing import VALIDATE_MODES, Listing, forget_listing, open_listing
 from ..progress import Progress
 from .._shared import SharedBits, SharedInts
 from ..telemetry import SharedCounters, percentiles
@@ -123,7 +123,6 @@ def _release_free_heap() -> None:
 
 _TRIM: list[Callable[[], Any] | None] = [None]
 
-VALIDATE_MODES = ("lazy", "files", "dirs", "none")
 CHECK_THREADS = 16  # threads of one process's validate="lazy" checks (their own pool: a hit waits on them)
 FAST_CHECK_S = 50e-6  # a check (one stat) faster than this: the rest of the chunk is checked on the calling thread
 
@@ -511,18 +510,18 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
         storage_options: passed to fsspec for URLs.
         min_free: fraction of the cache disk always kept free.
         relist: list the volume again even if this node holds a valid listing (docs/scaling.md).
-        validate: how a listing this node wrote earlier is checked before reuse: ``"lazy"``
-            (default: directory mtimes up front, each file's size and mtime when it is first
-            fetched, on the read-ahead threads; a file rewritten in place raises
-            :class:`SourceChangedError` instead of being served from its old cached copy),
-            ``"files"`` (directory mtimes and every file's size and mtime up front), ``"dirs"``
-            (directory mtimes only: misses in-place rewrites, for write-once data) or ``"none"``
-            (docs/scaling.md).
+        validate: how a listing this node wrote earlier is checked before reuse, one of
+            :data:`ucmagic.files.listing.VALIDATE_MODES` (their meanings: that module's doc and
+            docs/scaling.md). Default ``"lazy"``: directory mtimes up front, each file's size and
+            mtime when it is first fetched (a file rewritten in place raises
+            :class:`SourceChangedError` instead of being served from its old cached copy).
         listing_progress: called with the number of files found so far while listing (from one second
             in); default: a line on stderr.
     """
 
     kind = "UCVolumeDataset"
+    # version 1: before the array-free order (unshuffled only); states from before kinds have none
+    state_schema = StateSchema(kind, STATE_VERSION, "files", older=(1,))
 
     def __init__(self, path: Any, *, pattern: str | None = None, cache_dir: str | None = None,
                  cache_limit: int | str | None = None, shuffle: bool | str = False, seed: int = 0,
@@ -560,7 +559,7 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
         opened_at = time.time()
         try:
             self.listing: Listing = open_listing(self.volume, pattern, self.cache.root, relist=relist,
-                                                 validate="dirs" if validate == "lazy" else validate,
+                                                 validate=validate,
                                                  progress=listing_progress or shown)
         finally:
             if bar:
@@ -1093,19 +1092,9 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
 
     def make_state(self, epoch: int, delivered: list[int], *, world: int, num_workers: int) -> dict[str, Any]:
         """Resume state after stream ``s`` delivered ``delivered[s]`` items of ``epoch``."""
-        pool, _ = self.epoch_plan(epoch)
-        r = self._resume if self._resume and self._resume["epoch"] == epoch else None
-        lws = r["order_local_world"] if r else local_world_size(world)
-        shuffle = r["shuffle"] if r else self._shuffle_mode(world)
-        left = plan.remaining_pool(pool, world, num_workers, self.partition, self.batch_quantum, delivered)
-        return {
-            "version": STATE_VERSION, "order_version": plan.ORDER_VERSION, "kind": self.kind, "epoch": int(epoch),
-            "seed": self.seed, "shuffle": shuffle,
-            "partition": self.partition, "files": len(self.listing), "fingerprint": self.fingerprint,
-            "order_world": r["order_world"] if r else world, "order_local_world": lws,
-            "reshuffle_every": self.reshuffle_every,
-            "pool": [list(x) for x in left], "remaining": plan.ranges_len(left),
-        }
+        return self._planned_state(epoch, self.epoch_plan(epoch)[0], delivered, world=world, num_workers=num_workers,
+                                   fingerprint=self.fingerprint, count=len(self.listing),
+                                   order_version=plan.ORDER_VERSION)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume: the next iteration delivers exactly the files not yet delivered in the saved epoch.
@@ -1115,19 +1104,9 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
         saved under another epoch order (an older ucmagic).
         """
         plan.check_order_version(state)
-        if state.get("version") not in (1, STATE_VERSION):  # 1: before the array-free order (unshuffled only)
-            raise ValueError(f"unsupported UCVolumeDataset state version {state.get('version')!r}")
-        check_state_kind(state, self.kind)  # states saved before every state carried a kind have none
-        if state["fingerprint"] != self.fingerprint or state["files"] != len(self.listing):
-            raise ListingChangedError(
-                f"the files under {self.volume.display()} changed since this state was saved "
-                f"({state['files']} files then, {len(self.listing)} now): resume needs the same listing; "
-                "start a new epoch instead (set_epoch) or restore the files"
-            )
-        self.seed = int(state["seed"])
-        self.reshuffle_every = state.get("reshuffle_every")
-        self._resume = dict(state)
-        self.restart_epochs(int(state["epoch"]))
+        self.state_schema.check(state, fingerprint=self.fingerprint, count=len(self.listing),
+                                what=f"the files under {self.volume.display()}")
+        self._resume_from(state)
 
     # ------------------------------------------------------------ cache management
 

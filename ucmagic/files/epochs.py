@@ -25,17 +25,81 @@ Every dataset state carries ``version``, ``kind`` (the dataset's :attr:`~Planned
 from __future__ import annotations
 
 import uuid
-from typing import Any, Protocol, Sequence, runtime_checkable
+from dataclasses import dataclass
+from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
 
+from . import plan
 from .locks import file_lock
 from ..dist import dist_info, local_world_size
+from ..errors import ListingChangedError
 from .._shared import SharedInt, SharedInts
 from ..telemetry import SharedCounters
 
-__all__ = ["PlannedDataset", "ConsumptionSink", "EpochTracking", "check_state_kind", "wrapped_planned"]
+__all__ = ["PlannedDataset", "ConsumptionSink", "EpochTracking", "LoaderNeeds", "StateSchema", "check_state_kind",
+           "stream_lengths", "wrapped_planned"]
 
 # shared epoch-sync slots: set_epoch was called / a ucmagic.DataLoader sets epochs / last iteration key / seen one
 _EXPLICIT, _MANAGED, _KEY, _SEEN = range(4)
+
+
+@dataclass(frozen=True)
+class LoaderNeeds:
+    """What ``ucmagic.DataLoader`` adapts to for one dataset kind (:attr:`PlannedDataset.loader_needs`).
+
+    ``yields_batches``: each item is one of the dataset's own batches of ``batch_quantum`` items, so
+    the loader's ``batch_size`` stays None and a delivered batch counts ``batch_quantum`` items.
+    ``num_workers``: the loader's default worker count (None: its CPU-based default).
+    """
+
+    yields_batches: bool = False
+    num_workers: int | None = None
+
+
+@dataclass(frozen=True)
+class StateSchema:
+    """One dataset kind's resume-state layout, built (:meth:`build`) and checked (:meth:`check`) here.
+
+    Every state carries ``version``, ``kind``, ``epoch``, ``seed``, ``partition``, ``fingerprint``,
+    the item count under :attr:`count` (``"files"``, ``"rows"``, ``"samples"``), ``pool`` (the
+    position ranges still to deliver) and ``remaining``; kinds add their own fields (the order that
+    fixed the epoch: :meth:`EpochTracking._planned_state`).
+    """
+
+    kind: str                            # the dataset's kind, stored in its states and its loader's
+    version: int                         # the version states are written with
+    count: str                           # key of the item count the fingerprint goes with
+    older: tuple[int, ...] = ()          # older versions that still load
+    legacy_kinds: tuple[str, ...] = ()   # older spellings of ``kind`` that still load
+    kind_required: bool = False          # this kind's states always carried a kind: refuse one without
+
+    def build(self, epoch: int, left: Sequence[plan.Range], *, seed: int, partition: str, fingerprint: str,
+              count: int, **fields: Any) -> dict[str, Any]:
+        """The state of ``epoch`` with ``left`` still to deliver (JSON-serialisable)."""
+        return {"version": self.version, "kind": self.kind, "epoch": int(epoch), "seed": seed, "partition": partition,
+                "fingerprint": fingerprint, self.count: count, **fields,
+                "pool": [list(x) for x in left], "remaining": plan.ranges_len(left)}
+
+    def check(self, state: Mapping[str, Any], *, fingerprint: str, count: int, what: str) -> None:
+        """Raise ValueError for a state of another kind or version, ListingChangedError when ``what``
+        (the dataset's files, named for the message) changed since the state was saved."""
+        if self.kind_required and "kind" not in state:
+            raise ValueError(f"not a {self.kind} state (version {state.get('version')!r}, no kind): "
+                             "load a state this kind of dataset saved")
+        check_state_kind(state, self.kind, *self.legacy_kinds)
+        if state.get("version") not in (self.version, *self.older):
+            raise ValueError(f"unsupported {self.kind} state version {state.get('version')!r}")
+        if state["fingerprint"] != fingerprint or state[self.count] != count:
+            raise ListingChangedError(
+                f"{what} changed since this state was saved ({state[self.count]} {self.count} then, {count} now): "
+                "resume needs the same files; start a new epoch instead (set_epoch) or restore the files")
+
+
+def stream_lengths(ds: PlannedDataset, epoch: int, world: int, num_workers: int) -> list[int]:
+    """Items of every (rank, worker) stream of ``ds`` in ``epoch``, rank-major: what a loader turns its
+    count of delivered batches into delivered items with (:func:`ucmagic.files.plan.items_delivered`)."""
+    pool, _ = ds.epoch_plan(epoch)
+    spans = plan.stream_spans(plan.ranges_len(pool), world, num_workers, ds.partition, ds.batch_quantum)
+    return [b - a for a, b in spans]
 
 
 class ConsumptionSink(Protocol):
@@ -56,6 +120,7 @@ class PlannedDataset(Protocol):
     partition: str       # plan.stream_spans mode ("pad" / "drop")
     batch_quantum: int   # items per stream come in multiples of this
     lease_items: int     # items each stream keeps protected without consumption reports
+    loader_needs: LoaderNeeds  # batches, default workers: what the loader adapts to (no checks of kind)
 
     @property
     def epoch(self) -> int:
@@ -125,7 +190,7 @@ def wrapped_planned(ds: Any, depth: int = 2) -> PlannedDataset | None:
     return deeper[0] if len(deeper) == 1 else None
 
 
-def check_state_kind(state: dict[str, Any], kind: str, *legacy: str) -> None:
+def check_state_kind(state: Mapping[str, Any], kind: str, *legacy: str) -> None:
     """Raise ValueError when ``state`` was saved by another kind of dataset.
 
     A state without ``kind`` (saved before every state carried one) counts as ``kind``; ``legacy``
@@ -150,6 +215,11 @@ class EpochTracking:
     shuffle: bool | str
     batch_quantum: int
     lease_items: int = 1024  # a loader's configure() sets it; datasets may set their own default
+    loader_needs = LoaderNeeds()  # items are the dataset's items; the loader's default workers
+    state_schema: StateSchema  # each kind's (kind, version, count key)
+    seed: int
+    partition: str
+    reshuffle_every: int | None
 
     def _init_epochs(self) -> None:
         self._epoch = SharedInt(0)
@@ -251,3 +321,40 @@ class EpochTracking:
         if self.shuffle is True:
             return "node" if world > local_world_size(world) else "global"
         return self.shuffle
+
+    # ------------------------------------------------------------ resume state (schema: StateSchema)
+
+    def _order_params(self, epoch: int, world: int | None = None) -> tuple[bool | str, int, int]:
+        """(shuffle mode, world, local world) that fix ``epoch``'s order: the saved ones when resuming it."""
+        r = self._resume
+        if r is not None and r["epoch"] == epoch:
+            if "order_world" in r:
+                return r["shuffle"], int(r["order_world"]), int(r["order_local_world"])
+            return ("global" if r["shuffle"] else False), 1, 1  # a ParquetDataset state from before node shuffling
+        if world is None:
+            world = dist_info().world
+        return self._shuffle_mode(world), world, local_world_size(world)
+
+    def _resumed_pool(self, epoch: int, items: int) -> list[plan.Range]:
+        """The positions of ``epoch`` still to deliver: the loaded state's remainder, else all ``items``."""
+        r = self._resume
+        if r is not None and r["epoch"] == epoch:
+            return [(int(a), int(b)) for a, b in r["pool"]]
+        return [(0, items)]
+
+    def _planned_state(self, epoch: int, pool: list[plan.Range], delivered: Sequence[int], *, world: int,
+                       num_workers: int, fingerprint: str, count: int, **fields: Any) -> dict[str, Any]:
+        """The :attr:`state_schema` state after stream ``s`` (rank-major) delivered ``delivered[s]``
+        items of ``epoch`` (whose positions are ``pool``), with the order that fixed the epoch."""
+        mode, ow, olws = self._order_params(epoch, world)
+        left = plan.remaining_pool(pool, world, num_workers, self.partition, self.batch_quantum, list(delivered))
+        return self.state_schema.build(epoch, left, seed=self.seed, partition=self.partition, fingerprint=fingerprint,
+                                       count=count, shuffle=mode, order_world=ow, order_local_world=olws,
+                                       reshuffle_every=self.reshuffle_every, **fields)
+
+    def _resume_from(self, state: Mapping[str, Any]) -> None:
+        """The next iteration delivers what ``state`` (checked by :meth:`StateSchema.check`) left of its epoch."""
+        self.seed = int(state["seed"])
+        self.reshuffle_every = state.get("reshuffle_every")
+        self._resume = dict(state)
+        self.restart_epochs(int(state["epoch"]))

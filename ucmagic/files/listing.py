@@ -14,9 +14,14 @@ so a process's own memory does not grow with the number of files, and a :class:`
 as its file path (a few hundred bytes). Each file's cache key (:func:`ucmagic.files.cache.cache_key`, 20
 bytes) is stored too, so iterating never hashes paths.
 
-Reuse across restarts is guarded by a re-validation (``validate=``):
+Reuse across restarts is guarded by a re-validation (``validate=``, one of :data:`VALIDATE_MODES`,
+the one definition ``UCVolumeDataset`` checks its option against too):
 
-* ``"files"`` (default): every directory's mtime (catches files added, removed or renamed) *and*
+* ``"lazy"`` (``UCVolumeDataset``'s default): directory mtimes up front, as ``"dirs"`` here; the
+  dataset checks each file's size and mtime when it first fetches it (on its read-ahead threads),
+  so a file rewritten in place raises :class:`~ucmagic.errors.SourceChangedError` instead of being
+  served from its old cached copy, without a ``stat`` per file before the first item.
+* ``"files"``: every directory's mtime (catches files added, removed or renamed) *and*
   every file's size and mtime (catches a file rewritten in place). One ``stat`` per file and
   directory, no directory reads, in parallel threads.
 * ``"dirs"``: directory mtimes only -- one ``stat`` per directory. Catches added, removed and
@@ -46,10 +51,10 @@ from .._util import atomic_target
 from .cache_layout import cache_key_digest, default_cache_dir, map_relpath, safe_suffixes
 from .locks import file_lock
 from ..errors import ListingChangedError
-from .volume import FileEntry, Volume, fingerprint_rows
+from .volume import FileEntry, Volume
 
 LISTING_FORMAT = 3  # 2: the cache-key column; 3: the plain-path column (entries keep source paths)
-VALIDATE_MODES = ("files", "dirs", "none")
+VALIDATE_MODES = ("lazy", "files", "dirs", "none")  # meanings: the module doc
 RACY_S = 1.0  # an entry modified this close before the listing may change again unseen
 PROGRESS_AFTER_S = 1.0  # the progress callback starts after this long ...
 PROGRESS_EVERY_S = 0.5  # ... and is called at most this often
@@ -338,9 +343,13 @@ def _collect(volume: Volume, pattern: str | None, progress: ProgressFn | None, *
 
 
 def _fingerprint(paths: Any, order: np.ndarray, sizes: np.ndarray) -> str:
-    """:func:`ucmagic.files.volume.fingerprint_rows` of ``paths[order]`` and ``sizes``, CHUNK rows at a time."""
-    return fingerprint_rows((paths.take(_arrow(order[a:a + CHUNK])).to_pylist(), sizes[a:a + CHUNK].tolist())
-                            for a in range(0, len(sizes), CHUNK))
+    """:func:`ucmagic.files.volume.listing_fingerprint` of ``paths[order]`` and ``sizes``, chunk by chunk."""
+    h = hashlib.sha256()
+    for a in range(0, len(sizes), CHUNK):
+        b = min(a + CHUNK, len(sizes))
+        rows = paths.take(_arrow(order[a:b])).to_pylist()
+        h.update(b"".join([p + b"\0%d\n" % s for p, s in zip(rows, sizes[a:b].tolist())]))
+    return h.hexdigest()[:16]
 
 
 def _write(folder: str, key: str, volume: Volume, pattern: str | None, listed_at: float, cols) -> str:

@@ -23,46 +23,41 @@ import torch.utils.data as tud
 from .. import _torch_compat as compat
 from ..files import plan
 from ..dist import all_gather_ints, dist_info
-from ..files.epochs import PlannedDataset, wrapped_planned
+from ..files.epochs import LoaderNeeds, PlannedDataset, stream_lengths, wrapped_planned
 from ..errors import ListingChangedError
 from .loader_stats import LoaderStats
 from ..presenters import presenter
 from ..telemetry import ItemCollate
 
-__all__ = ["DataLoader", "LoaderStats"]
+__all__ = ["DataLoader"]
 
 DEFAULT_NUM_WORKERS = 6
-
-
-def default_num_workers(kind: str | None = None) -> int:
-    """The default worker count for a dataset of ``kind`` (see :func:`_planned_kind`).
-
-    ``"ParquetDataset"``: 0, its decoding already runs on a read-ahead thread and every batch
-    crossing processes costs more than it brings. Anything else: 6 worker processes, or as many as
-    there are CPUs if fewer; ucmagic's file I/O runs on threads inside each iterating process, so
-    workers are only needed for decoding, and more processes than CPUs slow the epoch down, cost
-    memory and make torch warn.
-    """
-    if kind == "ParquetDataset":
-        return 0
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cpus = os.cpu_count() or 1
-    return max(1, min(DEFAULT_NUM_WORKERS, cpus))
 DEFAULT_PREFETCH_FACTOR = 4
 STATE_VERSION = 1
 
-BatchCallback = Callable[["DataLoader", "LoaderStats"], None]
-EndCallback = Callable[["DataLoader", "LoaderStats", "BaseException | None"], None]
+BatchCallback = Callable[["DataLoader", LoaderStats], None]
+EndCallback = Callable[["DataLoader", LoaderStats, "BaseException | None"], None]
 
 
 _UNSET: Any = object()  # batch_size not given (torch's default is 1)
 
 
-def _planned_kind(ds: Any) -> str | None:
-    """The ``kind`` of a planned dataset (exact elastic resume, see :mod:`ucmagic.files.epochs`), else None."""
-    return ds.kind if isinstance(ds, PlannedDataset) else None
+def default_num_workers(needs: LoaderNeeds | None = None) -> int:
+    """The default worker count for a dataset with ``needs`` (a planned dataset's :attr:`loader_needs`).
+
+    Its ``num_workers`` when it names one (a ``ParquetDataset``: 0, its decoding already runs on a
+    read-ahead thread and every batch crossing processes costs more than it brings). Otherwise 6
+    worker processes, or as many as there are CPUs if fewer; ucmagic's file I/O runs on threads
+    inside each iterating process, so workers are only needed for decoding, and more processes than
+    CPUs slow the epoch down, cost memory and make torch warn.
+    """
+    if needs is not None and needs.num_workers is not None:
+        return needs.num_workers
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return max(1, min(DEFAULT_NUM_WORKERS, cpus))
 
 
 # ------------------------------------------------------------------ sampler skipping (map-style resume)
@@ -80,7 +75,7 @@ class _ResumableIndexSampler:
 
     def __iter__(self) -> Iterator[Any]:
         skip, self.pending[0] = self.pending[0], 0
-        it = iter(self.inner)
+        it: Iterator[Any] = iter(self.inner)
         for _ in range(skip):
             if next(it, _END) is _END:
                 break
@@ -115,7 +110,7 @@ def _shutdown_held(held: list[Any]) -> None:
 
 # ------------------------------------------------------------------ the loader
 
-class DataLoader(tud.DataLoader):
+class DataLoader(tud.DataLoader[Any]):
     """Drop-in ``torch.utils.data.DataLoader`` tuned for slow volumes, with timing and resume.
 
     Defaults differ from torch's only where torch's are slow: ``num_workers=6`` (fewer on
@@ -133,28 +128,31 @@ class DataLoader(tud.DataLoader):
     ``monitor()`` shows a live display in a notebook.
     """
 
-    dataset: Any  # any torch dataset; UCVolumeDataset/ParquetDataset add configure, epoch_plan, make_state, ...
+    dataset: Any  # any torch dataset; planned ones (files.epochs.PlannedDataset) add configure, epoch_plan, ...
 
     def __init__(self, dataset: Any, batch_size: int | None = _UNSET, shuffle: bool | None = None,
                  sampler: Any = None, batch_sampler: Any = None, num_workers: int | None = None,
-                 collate_fn: Callable | None = None, pin_memory: bool | None = None, drop_last: bool = False,
-                 timeout: float = 0, worker_init_fn: Callable | None = None, multiprocessing_context: Any = None,
+                 collate_fn: Callable[..., Any] | None = None, pin_memory: bool | None = None,
+                 drop_last: bool = False, timeout: float = 0, worker_init_fn: Callable[[int], None] | None = None,
+                 multiprocessing_context: Any = None,
                  generator: torch.Generator | None = None, *, prefetch_factor: int | None = None,
                  persistent_workers: bool | None = None, log_to_mlflow: bool | None = None,
                  log_interval: float = 5.0, **kwargs: Any) -> None:
-        kind = _planned_kind(dataset)
-        uc = kind is not None
+        planned = dataset if isinstance(dataset, PlannedDataset) else None
+        kind = planned.kind if planned is not None else None
+        needs = planned.loader_needs if planned is not None else None
+        uc = planned is not None
         if uc and shuffle:
             raise ValueError(f"shuffle goes to the dataset, not the loader: {kind}(path, shuffle=True)")
-        if kind == "ParquetDataset":  # it yields whole batches itself
+        if needs is not None and needs.yields_batches:
             if batch_size is not _UNSET and batch_size is not None:
-                raise ValueError("ParquetDataset yields whole batches already: leave the loader's batch_size unset "
-                                 "(or None) and set it on the dataset: ParquetDataset(path, batch_size=...)")
+                raise ValueError(f"{kind} yields whole batches already: leave the loader's batch_size unset "
+                                 f"(or None) and set it on the dataset: {kind}(path, batch_size=...)")
             batch_size = None
         elif batch_size is _UNSET:
             batch_size = 1
         if num_workers is None:
-            num_workers = default_num_workers(kind)
+            num_workers = default_num_workers(needs)
         if prefetch_factor is None and num_workers > 0:
             prefetch_factor = DEFAULT_PREFETCH_FACTOR
         if persistent_workers is None:
@@ -166,6 +164,7 @@ class DataLoader(tud.DataLoader):
                          prefetch_factor=prefetch_factor, persistent_workers=persistent_workers, **kwargs)
         self._uc = uc
         self._uc_kind = kind
+        self._uc_needs = needs
         self.log_to_mlflow = log_to_mlflow
         self.log_interval = float(log_interval)
         self.stats = LoaderStats(dataset)
@@ -218,9 +217,14 @@ class DataLoader(tud.DataLoader):
         chan = self._consumed
         if chan is None:
             return
-        done = plan.items_delivered(self._lengths, self.batch_size, self.drop_last, self._epoch_batches)
-        for i, n in enumerate(done):
+        for i, n in enumerate(self._items_delivered()):
             chan[i] = n
+
+    def _items_delivered(self) -> list[int]:
+        """Items of each of this rank's worker streams in the batches the loop received this epoch."""
+        if self._uc_needs is not None and self._uc_needs.yields_batches:  # each item is one of the dataset's batches
+            return plan.items_delivered(self._lengths, self.dataset.batch_quantum, False, self._epoch_batches)
+        return plan.items_delivered(self._lengths, self.batch_size, self.drop_last, self._epoch_batches)
 
     def _own_random_sampler(self, generator: torch.Generator | None) -> None:
         """Make a RandomSampler's order depend only on (seed, epoch), so a resume can replay it."""
@@ -276,7 +280,8 @@ class DataLoader(tud.DataLoader):
     @property
     def epoch(self) -> int:
         if self._uc:
-            return self.dataset.epoch
+            epoch: int = self.dataset.epoch
+            return epoch
         return self._epoch if self._epoch is not None else 0
 
     def set_epoch(self, epoch: int) -> None:
@@ -313,13 +318,11 @@ class DataLoader(tud.DataLoader):
         self._started = True
         self.stats.begin_epoch(self._epoch)
 
-    def _stream_lengths(self, epoch: int, ds: Any = None) -> list[int]:
-        ds = self.dataset if ds is None else ds
+    def _stream_lengths(self, epoch: int, ds: PlannedDataset | None = None) -> list[int]:
+        """Items of each of this rank's worker streams in ``epoch``."""
         rank, world = dist_info()[:2]
-        pool, _ = ds.epoch_plan(epoch)
         nw = max(1, self.num_workers)
-        spans = plan.stream_spans(plan.ranges_len(pool), world, nw, ds.partition, ds.batch_quantum)
-        return [b - a for a, b in spans[rank * nw:(rank + 1) * nw]]
+        return stream_lengths(self.dataset if ds is None else ds, epoch, world, nw)[rank * nw:(rank + 1) * nw]
 
     # -- iteration
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
@@ -424,13 +427,7 @@ class DataLoader(tud.DataLoader):
             mine = [0] * nw
         else:
             epoch = self._epoch
-            if self._epoch_complete:
-                mine = list(self._lengths)
-            else:
-                if self._uc_kind == "ParquetDataset":  # each item is one of the dataset's own batches
-                    mine = plan.items_delivered(self._lengths, ds.batch_quantum, False, self._epoch_batches)
-                else:
-                    mine = plan.items_delivered(self._lengths, self.batch_size, self.drop_last, self._epoch_batches)
+            mine = list(self._lengths) if self._epoch_complete else self._items_delivered()
         delivered = all_gather_ints(mine, world)
         state = ds.make_state(epoch, delivered, world=world, num_workers=nw)
         return {"version": STATE_VERSION, "kind": self._uc_kind, "dataset": state,

@@ -21,9 +21,8 @@ from ..files import plan
 from .. import telemetry
 from ..files.cache import FileCache
 from ..files.locks import process_tag
-from ..dist import dist_info, local_world_size
-from ..files.epochs import EpochTracking, check_state_kind
-from ..errors import ListingChangedError
+from ..dist import dist_info
+from ..files.epochs import EpochTracking, StateSchema
 from ..telemetry import SharedCounters
 from ..files.volume import FileEntry, Volume
 from .chunks import CHUNK_SIZE, SUFFIX, ChunkedFile, ChunkReader
@@ -42,7 +41,7 @@ def fingerprint(entries: Sequence[FileEntry], samples: int) -> str:
     return h.hexdigest()
 
 
-class ShardDataset(Dataset):
+class ShardDataset(Dataset[Any]):
     """Base of the map-style sample datasets: ``len(ds)`` samples, ``ds[i]`` reads sample ``i``.
 
     Subclasses set ``files`` (:class:`ChunkedFile` each), ``num_samples`` and ``group_sizes``
@@ -193,7 +192,7 @@ class ShardDataset(Dataset):
                             reshuffle_every=reshuffle_every, read_ahead=read_ahead)
 
 
-class SampleStream(EpochTracking, IterableDataset):
+class SampleStream(EpochTracking, IterableDataset[Any]):
     """The samples of a :class:`ShardDataset`, streamed: split over ranks x workers, seeded epochs, resumable.
 
     Every (rank, worker) stream gets a contiguous run of the epoch's order with equal lengths per
@@ -210,6 +209,7 @@ class SampleStream(EpochTracking, IterableDataset):
     """
 
     kind = "SampleStream"
+    state_schema = StateSchema(kind, STATE_VERSION, "samples")
 
     def __init__(self, dataset: ShardDataset, *, shuffle: bool | str = False, seed: int = 0,
                  shuffle_window: int = DEFAULT_WINDOW, partition: str = "pad", reshuffle_every: int | None = None,
@@ -256,14 +256,6 @@ class SampleStream(EpochTracking, IterableDataset):
 
     # ------------------------------------------------------------ plan
 
-    def _order_params(self, epoch: int, world: int | None = None) -> tuple[bool | str, int, int]:
-        r = self._resume
-        if r is not None and r["epoch"] == epoch:
-            return r["shuffle"], int(r["order_world"]), int(r["order_local_world"])
-        if world is None:
-            world = dist_info().world
-        return self._shuffle_mode(world), world, local_world_size(world)
-
     def layout(self, epoch: int, world: int | None = None) -> Any:
         """The sample order of ``epoch`` (a :class:`ucmagic.tables.rows.EpochLayout` over chunk runs)."""
         mode, ow, olws = self._order_params(epoch, world)
@@ -277,10 +269,7 @@ class SampleStream(EpochTracking, IterableDataset):
         return lay
 
     def epoch_plan(self, epoch: int) -> tuple[list[plan.Range], None]:
-        r = self._resume
-        if r is not None and r["epoch"] == epoch:
-            return [tuple(x) for x in r["pool"]], None
-        return [(0, self.dataset.num_samples)], None
+        return self._resumed_pool(epoch, self.dataset.num_samples), None
 
     def stream_ranges(self, epoch: int, rank: int, world: int, worker: int, num_workers: int) -> list[plan.Range]:
         """Epoch positions stream (rank, worker) delivers, in order."""
@@ -296,8 +285,8 @@ class SampleStream(EpochTracking, IterableDataset):
         worker = d.worker if worker is None else worker
         num_workers = d.num_workers if num_workers is None else num_workers
         ep = self.epoch if epoch is None else epoch
-        lay = self.layout(ep, world)
-        return lay.rows_of(self.stream_ranges(ep, rank, world, worker, num_workers))
+        rows: np.ndarray = self.layout(ep, world).rows_of(self.stream_ranges(ep, rank, world, worker, num_workers))
+        return rows
 
     # ------------------------------------------------------------ iteration
 
@@ -382,36 +371,19 @@ class SampleStream(EpochTracking, IterableDataset):
 
     def make_state(self, epoch: int, delivered: Sequence[int], *, world: int, num_workers: int) -> dict[str, Any]:
         """Resume state after stream ``s`` (rank-major) delivered ``delivered[s]`` samples of ``epoch``."""
-        pool, _ = self.epoch_plan(epoch)
-        mode, ow, olws = self._order_params(epoch, world)
-        left = plan.remaining_pool(pool, world, num_workers, self.partition, self.batch_quantum, list(delivered))
-        return {
-            "version": STATE_VERSION, "kind": self.kind, "epoch": int(epoch), "seed": self.seed,
-            "shuffle": mode, "shuffle_option": self.shuffle, "shuffle_window": self.shuffle_window,
-            "order_world": ow, "order_local_world": olws, "reshuffle_every": self.reshuffle_every,
-            "partition": self.partition, "samples": self.dataset.num_samples,
-            "fingerprint": self.dataset.fingerprint,
-            "pool": [list(x) for x in left], "remaining": plan.ranges_len(left),
-        }
+        return self._planned_state(epoch, self.epoch_plan(epoch)[0], delivered, world=world, num_workers=num_workers,
+                                   fingerprint=self.dataset.fingerprint, count=self.dataset.num_samples,
+                                   shuffle_option=self.shuffle, shuffle_window=self.shuffle_window)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume: the next iteration delivers exactly the samples not yet delivered in the saved epoch
         (any world size or number of workers). Raises ListingChangedError if the files changed."""
-        check_state_kind(state, self.kind)
-        if state.get("version") != STATE_VERSION:
-            raise ValueError(f"unsupported SampleStream state version {state.get('version')!r}")
-        if state["fingerprint"] != self.dataset.fingerprint or state["samples"] != self.dataset.num_samples:
-            raise ListingChangedError(
-                f"the files of this {type(self.dataset).__name__} changed since the state was saved "
-                f"({state['samples']} samples then, {self.dataset.num_samples} now): resume needs the same files; "
-                "start a new epoch instead (set_epoch)")
-        self.seed = int(state["seed"])
+        self.state_schema.check(state, fingerprint=self.dataset.fingerprint, count=self.dataset.num_samples,
+                                what=f"the files of this {type(self.dataset).__name__}")
         self.shuffle = state.get("shuffle_option", state["shuffle"])
         self.shuffle_window = int(state["shuffle_window"])
-        self.reshuffle_every = state.get("reshuffle_every")
         self._layouts = {}
-        self._resume = dict(state)
-        self.restart_epochs(int(state["epoch"]))
+        self._resume_from(state)
         self._epoch_main, self._delivered_main = None, 0
 
     def describe_item(self, index: int) -> tuple[str, int]:

@@ -25,8 +25,8 @@ from ..files import plan
 from .. import telemetry
 from ..files.cache import FileCache
 from ..files.cache_layout import cache_key
-from ..dist import dist_info, local_world_size
-from ..files.epochs import EpochTracking, check_state_kind
+from ..dist import dist_info
+from ..files.epochs import EpochTracking, LoaderNeeds, StateSchema, stream_lengths
 from ..errors import ListingChangedError, UnsupportedSourceError
 from ..files.fetch import read_ahead, with_retries
 from .rows import EpochLayout, Segment
@@ -122,7 +122,7 @@ def pa_schema_of(schema: Any, columns: Sequence[str]) -> Any:
     return pa.schema([schema.field(c) for c in columns])
 
 
-class ParquetDataset(EpochTracking, IterableDataset):
+class ParquetDataset(EpochTracking, IterableDataset[Any]):
     """An IterableDataset of column batches: ``{"col": tensor, "text_col": [str, ...]}``.
 
     Use it with ``DataLoader(ds, batch_size=None)`` (the dataset batches). Numeric, boolean and
@@ -159,6 +159,10 @@ class ParquetDataset(EpochTracking, IterableDataset):
     """
 
     kind = "ParquetDataset"
+    # "parquet": how states were marked before the kinds were unified (they always carried a kind)
+    state_schema = StateSchema(kind, STATE_VERSION, "rows", legacy_kinds=("parquet",), kind_required=True)
+    # it batches itself; decoding runs on its read-ahead thread, so worker processes only add a copy per batch
+    loader_needs = LoaderNeeds(yields_batches=True, num_workers=0)
 
     def __init__(self, path: Any, *, columns: Sequence[str] | None = None, batch_size: int = 1024,
                  shuffle: bool | str = False, seed: int = 0, shuffle_buffer: int | None = None,
@@ -226,10 +230,9 @@ class ParquetDataset(EpochTracking, IterableDataset):
         self.shuffle_buffer = int(shuffle_buffer) if shuffle_buffer else max(DEFAULT_SHUFFLE_BUFFER, biggest)
         self.fingerprint = self._fingerprint()
         self._init_epochs()
-        self._resume: dict[str, Any] | None = None
         self._delivered_main = 0
         self._epoch_main: int | None = None  # epoch the main process is iterating (None: not started)
-        self._layouts: dict[tuple, EpochLayout] = {}
+        self._layouts: dict[tuple[Any, ...], EpochLayout] = {}
 
     # ------------------------------------------------------------ metadata
 
@@ -344,17 +347,6 @@ class ParquetDataset(EpochTracking, IterableDataset):
 
     # ------------------------------------------------------------ plan
 
-    def _order_params(self, epoch: int, world: int | None = None) -> tuple[bool | str, int, int]:
-        """(shuffle mode, world, local world) that fix ``epoch``'s order: the saved ones when resuming it."""
-        r = self._resume
-        if r is not None and r["epoch"] == epoch:
-            if "order_world" in r:
-                return r["shuffle"], int(r["order_world"]), int(r["order_local_world"])
-            return ("global" if r["shuffle"] else False), 1, 1  # a state from before node shuffling
-        if world is None:
-            world = dist_info().world
-        return self._shuffle_mode(world), world, local_world_size(world)
-
     def layout(self, epoch: int, world: int | None = None) -> EpochLayout:
         """The row order of ``epoch`` for a run on ``world`` ranks (default: this process's)."""
         mode, ow, olws = self._order_params(epoch, world)
@@ -370,10 +362,7 @@ class ParquetDataset(EpochTracking, IterableDataset):
         return lay
 
     def epoch_plan(self, epoch: int) -> tuple[list[plan.Range], None]:
-        r = self._resume
-        if r is not None and r["epoch"] == epoch:
-            return [tuple(x) for x in r["pool"]], None
-        return [(0, self.num_rows)], None
+        return self._resumed_pool(epoch, self.num_rows), None
 
     def stream_ranges(self, epoch: int, rank: int, world: int, worker: int, num_workers: int) -> list[plan.Range]:
         """Epoch positions (ranges) that stream (rank, worker) delivers, in order."""
@@ -382,9 +371,7 @@ class ParquetDataset(EpochTracking, IterableDataset):
 
     def stream_lengths(self, world: int, num_workers: int, epoch: int | None = None) -> list[int]:
         """Rows of every stream (rank-major) this epoch; for loaders that turn batches into rows."""
-        pool, _ = self.epoch_plan(self.epoch if epoch is None else epoch)
-        spans = plan.stream_spans(plan.ranges_len(pool), world, num_workers, self.partition, self.batch_size)
-        return [b - a for a, b in spans]
+        return stream_lengths(self, self.epoch if epoch is None else epoch, world, num_workers)
 
     # ------------------------------------------------------------ reading
 
@@ -419,7 +406,7 @@ class ParquetDataset(EpochTracking, IterableDataset):
             "by export_parquet?): create the ParquetDataset again to read the new version"
         )
 
-    def _open(self, readers: dict, lock: threading.Lock, fi: int) -> Any:
+    def _open(self, readers: dict[Any, Any], lock: threading.Lock, fi: int) -> Any:
         import pyarrow.parquet as pq
 
         key = (threading.get_ident(), fi)
@@ -440,7 +427,7 @@ class ParquetDataset(EpochTracking, IterableDataset):
             readers[key] = (pf, f)
         return pf
 
-    def _read_group(self, readers: dict, lock: threading.Lock, g: int) -> tuple[Any, np.ndarray | None]:
+    def _read_group(self, readers: dict[Any, Any], lock: threading.Lock, g: int) -> tuple[Any, np.ndarray | None]:
         """Row group ``g`` and the mask of its rows that survive a Delta deletion vector (None: all do).
         For Delta, the table's columns (logical names, partition columns, nulls for columns the file
         predates); for Parquet, the unified types. The caller applies the mask (one copy, see _load)."""
@@ -468,7 +455,8 @@ class ParquetDataset(EpochTracking, IterableDataset):
                 if deleted is not None and starts is not None else None)
         return snap.logical(data, f.delta, self.columns, cols), dels
 
-    def _load(self, lay: EpochLayout, seg: Segment, readers: dict, lock: threading.Lock) -> tuple[dict[str, Any], int]:
+    def _load(self, lay: EpochLayout, seg: Segment, readers: dict[Any, Any],
+              lock: threading.Lock) -> tuple[dict[str, Any], int]:
         """Decode one segment: tensors (numeric columns, converted once) or arrow arrays (the rest)."""
         import pyarrow as pa
 
@@ -630,7 +618,7 @@ class ParquetDataset(EpochTracking, IterableDataset):
         """Batches of one (rank, worker) stream of ``epoch`` (what ``__iter__`` runs in each process)."""
         lay = self.layout(epoch, world)
         segs = lay.segments(self.stream_ranges(epoch, rank, world, worker, num_workers))
-        readers: dict = {}
+        readers: dict[Any, Any] = {}
         lock = threading.Lock()
         own = get_worker_info() is not None  # worker batches cross processes: no views of big buffers
         cur: list[Any] = [0, 0.0]  # per-item records: row group and read seconds of the piece a batch ends in
@@ -691,36 +679,17 @@ class ParquetDataset(EpochTracking, IterableDataset):
 
     def make_state(self, epoch: int, delivered: Sequence[int], *, world: int, num_workers: int) -> dict[str, Any]:
         """Resume state after stream ``s`` (rank-major) delivered ``delivered[s]`` rows of ``epoch``."""
-        pool, _ = self.epoch_plan(epoch)
-        mode, ow, olws = self._order_params(epoch, world)
-        left = plan.remaining_pool(pool, world, num_workers, self.partition, self.batch_size, list(delivered))
-        return {
-            "version": STATE_VERSION, "kind": self.kind, "epoch": int(epoch), "seed": self.seed,
-            "shuffle": mode, "shuffle_option": self.shuffle, "order_world": ow, "order_local_world": olws,
-            "reshuffle_every": self.reshuffle_every,
-            "shuffle_buffer": self.shuffle_buffer, "partition": self.partition,
-            "rows": self.num_rows, "fingerprint": self.fingerprint,
-            "pool": [list(x) for x in left], "remaining": plan.ranges_len(left),
-        }
+        return self._planned_state(epoch, self.epoch_plan(epoch)[0], delivered, world=world, num_workers=num_workers,
+                                   fingerprint=self.fingerprint, count=self.num_rows, shuffle_option=self.shuffle,
+                                   shuffle_buffer=self.shuffle_buffer)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume: the next iteration delivers exactly the rows not yet delivered in the saved epoch
         (any world size, number of workers or batch size). Raises ListingChangedError if the files changed."""
-        if state.get("version") != STATE_VERSION or "kind" not in state:
-            raise ValueError(f"not a ParquetDataset state (version {state.get('version')!r}, "
-                             f"kind {state.get('kind')!r})")
-        check_state_kind(state, self.kind, "parquet")  # "parquet": states saved before the kinds were unified
-        if state["fingerprint"] != self.fingerprint or state["rows"] != self.num_rows:
-            raise ListingChangedError(
-                f"the Parquet files of {self.path!r} changed since this state was saved ({state['rows']} rows then, "
-                f"{self.num_rows} now): resume needs the same files; start a new epoch instead (set_epoch)"
-            )
-        self.seed = int(state["seed"])
+        self.state_schema.check(state, fingerprint=self.fingerprint, count=self.num_rows,
+                                what=f"the Parquet files of {self.path!r}")
         self.shuffle = state.get("shuffle_option", bool(state["shuffle"]))  # later epochs; this one: state's order
-        self.reshuffle_every = state.get("reshuffle_every")
         self.shuffle_buffer = int(state["shuffle_buffer"])
         self._layouts = {}
-        self._resume = dict(state)
-        self._epoch.value = int(state["epoch"])
-        self._fresh = True
+        self._resume_from(state)
         self._epoch_main, self._delivered_main = None, 0
