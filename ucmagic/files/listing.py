@@ -51,7 +51,7 @@ from .._util import atomic_target
 from .cache_layout import cache_key_digest, default_cache_dir, map_relpath, safe_suffixes
 from .locks import file_lock
 from ..errors import ListingChangedError
-from .volume import FileEntry, Volume
+from .volume import FileEntry, Volume, fingerprint_rows
 
 LISTING_FORMAT = 3  # 2: the cache-key column; 3: the plain-path column (entries keep source paths)
 VALIDATE_MODES = ("lazy", "files", "dirs", "none")  # meanings: the module doc
@@ -343,13 +343,9 @@ def _collect(volume: Volume, pattern: str | None, progress: ProgressFn | None, *
 
 
 def _fingerprint(paths: Any, order: np.ndarray, sizes: np.ndarray) -> str:
-    """:func:`ucmagic.files.volume.listing_fingerprint` of ``paths[order]`` and ``sizes``, chunk by chunk."""
-    h = hashlib.sha256()
-    for a in range(0, len(sizes), CHUNK):
-        b = min(a + CHUNK, len(sizes))
-        rows = paths.take(_arrow(order[a:b])).to_pylist()
-        h.update(b"".join([p + b"\0%d\n" % s for p, s in zip(rows, sizes[a:b].tolist())]))
-    return h.hexdigest()[:16]
+    """:func:`ucmagic.files.volume.fingerprint_rows` of ``paths[order]`` and ``sizes``, CHUNK rows at a time."""
+    return fingerprint_rows((paths.take(_arrow(order[a:a + CHUNK])).to_pylist(), sizes[a:a + CHUNK].tolist())
+                            for a in range(0, len(sizes), CHUNK))
 
 
 def _write(folder: str, key: str, volume: Volume, pattern: str | None, listed_at: float, cols) -> str:
