@@ -37,6 +37,7 @@ from ucmagic.errors import SourceNotFoundError  # noqa: E402
 from ucmagic.files.volume import FsspecVolume  # noqa: E402
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.timeout(180)]
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _free_port() -> int:
@@ -229,7 +230,7 @@ save_checkpoint(sys.argv[1], model=model, step=5, storage_options=opts)
 def test_s3_save_killed_mid_upload_leaves_nothing_committed(root: str, opts: dict[str, Any], s3fs_: Any,
                                                            s3_endpoint: str) -> None:
     proc = subprocess.Popen([sys.executable, "-c", _KILLED_SAVE, root, s3_endpoint], stdout=subprocess.PIPE,
-                            text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+                            text=True, env={**os.environ, "PYTHONPATH": REPO})
     try:
         line = proc.stdout.readline() if proc.stdout else ""
         assert line.startswith("uploaded"), line
@@ -278,3 +279,52 @@ def test_s3_directory_without_commit_nor_metadata_is_refused(root: str, opts: di
 def test_checkpoint_url_splits_into_store_and_key() -> None:
     assert xfer.is_url("s3://b/run") and not xfer.is_url("/Volumes/c/s/v") and not xfer.is_url("file:///tmp/x")
     assert xfer.url_path("s3://b/run/ckpts/") == "s3://b/run/ckpts"
+
+
+_TWO_RANKS = r"""
+import datetime, os, warnings
+warnings.simplefilter("ignore")
+import torch
+import torch.distributed as dist
+from ucmagic.checkpoints.api import load_checkpoint, save_checkpoint
+root, endpoint = os.environ["CKPT_ROOT"], os.environ["S3_ENDPOINT"]
+opts = {"client_kwargs": {"endpoint_url": endpoint}, "key": "testing", "secret": "testing"}
+rank = int(os.environ["RANK"])
+dist.init_process_group("gloo", init_method=os.environ["PG_INIT"], rank=rank, world_size=2,
+                        timeout=datetime.timedelta(seconds=90))
+print("READY", flush=True)
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+save_checkpoint(root, model=model, step=1, storage_options=opts)
+save_checkpoint(root, model=model, step=2, async_=True, keep=1, storage_options=opts).result(timeout=120)
+torch.manual_seed(1)
+fresh = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+assert load_checkpoint(root, model=fresh, storage_options=opts)[0] == 2
+assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
+dist.barrier()
+dist.destroy_process_group()
+print("OK", rank)
+"""
+
+
+def test_two_gloo_ranks_save_and_load_on_s3(root: str, opts: dict[str, Any], s3_endpoint: str, tmp_path: Any) -> None:
+    import json
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from ranks import PRELUDE, run_ranks
+
+    script = tmp_path / "two.py"
+    script.write_text(PRELUDE + _TWO_RANKS)
+    env = dict(os.environ, PYTHONPATH=REPO, UCMAGIC_STAGING_DIR=str(tmp_path / "staging"),
+               OMP_NUM_THREADS="1", CKPT_ROOT=root, S3_ENDPOINT=s3_endpoint)
+    outs = run_ranks(str(script), env=env)
+    assert all("OK" in o for o in outs)
+    assert [i.step for i in list_checkpoints(root, storage_options=opts)] == [2]
+    commit = json.loads(xfer.read_bytes(f"{root}/step_2/{fmt.COMMIT_NAME}"))
+    assert any(n.startswith("__1_") for n in commit["files"]), "rank 1's shards are in the manifest"
+
+
+def test_s3_save_to_a_missing_bucket_says_what_failed(opts: dict[str, Any]) -> None:
+    with pytest.raises(CheckpointError, match=r"s3://no-such-bucket-[0-9a-f]+/ckpts/step_1.*check the URL"):
+        save_checkpoint(f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}/ckpts", model=make_model(), step=1,
+                        storage_options=opts)
