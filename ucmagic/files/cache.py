@@ -20,6 +20,13 @@ a changed source file (size or mtime) gets a new key, hence a new path. Entries 
 named in a protection record whose owner (pid + start time) is alive; records of a dead owner are
 dropped at once. With a budget, fills wait for room instead of overshooting, except fills a blocked
 consumer needs next (``may_exceed``), so the loop always makes progress.
+
+This module holds :class:`FileCache`, the facade: lookup, fill, install and removal of entries. Its
+parts, one job each: ``cache_layout`` (keys, entry names, source paths inside entries, the directory,
+reaping of dead writers' temp files and the old layout), ``locks`` (``file_lock``, the per-key fill
+locks, process identities), ``protection`` (protection records), ``budget`` (the budget in force,
+the ledger, room for fills, eviction, the free-disk floor), ``cache_usage`` (what the directory holds)
+and ``cache_report`` (the CLI's ``cache info|prune|clear``).
 """
 from __future__ import annotations
 
