@@ -11,7 +11,7 @@ on a node lists the volume once, under a lock, and writes an Arrow IPC file::
 ``key`` hashes the volume URI, the pattern and the listing format. Every other process waits on
 the lock and maps the same file (``pa.memory_map``): its pages are shared through the page cache,
 so a process's own memory does not grow with the number of files, and a :class:`Listing` pickles
-as its file path (a few hundred bytes). Each file's cache key (:func:`ucmagic.files.cache.cache_key`, 20
+as its file path (a few hundred bytes). Each file's cache key (:func:`ucmagic.files.cache_layout.cache_key`, 20
 bytes) is stored too, so iterating never hashes paths.
 
 Reuse across restarts is guarded by a re-validation (``validate=``, one of :data:`VALIDATE_MODES`,
@@ -199,7 +199,7 @@ class Listing:
                 for p, s, m in zip(self.paths(idx), self.sizes[idx].tolist(), self.mtimes[idx].tolist())]
 
     def suffixes(self, indices: Sequence[int] | np.ndarray) -> list[str]:
-        """:func:`ucmagic.files.cache.safe_suffix` of the files at ``indices``, from their names alone."""
+        """:func:`ucmagic.files.cache_layout.safe_suffix` of the files at ``indices``, from their names alone."""
         names = self._name.take(_arrow(np.asarray(indices, dtype=np.int64))).to_pylist()
         return safe_suffixes([_dec(n) for n in names])
 
@@ -210,7 +210,7 @@ class Listing:
 
     def all_plain(self, indices: Sequence[int] | np.ndarray) -> bool:
         """True when every file at ``indices`` is its own path inside its cache entry
-        (:func:`ucmagic.files.cache.map_relpath` changes nothing), as checked when the listing was built."""
+        (:func:`ucmagic.files.cache_layout.map_relpath` changes nothing), as checked when the listing was built."""
         return bool(self._plain[np.asarray(indices, dtype=np.int64)].all())
 
     def find(self, rel: str) -> int | None:

@@ -13,7 +13,7 @@ file is in place: that removal is the commit point.
 - outside readers (Spark, pyarrow, Hugging Face ``datasets``) skip ``_``/``.`` names, so they never see
   the journal or the staging; they see the new files appear during the final renames only.
 
-Owners are identified by pid and start time (:func:`ucmagic.files.cache.process_tag`) and host name; a
+Owners are identified by pid and start time (:func:`ucmagic.files.locks.process_tag`) and host name; a
 journal from another host counts as running until it is :data:`FOREIGN_JOURNAL_TTL_S` old.
 """
 from __future__ import annotations
