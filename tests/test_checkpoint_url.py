@@ -180,10 +180,15 @@ def test_dcp_save_and_load_through_the_storage_classes_on_s3(root: str, opts: di
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("target", ["new step", "overwrite"])
 def test_s3_save_that_fails_mid_upload_is_never_listed_nor_loaded(root: str, opts: dict[str, Any], s3fs_: Any,
-                                                                  monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+                                                                  monkeypatch: pytest.MonkeyPatch, mode: str,
+                                                                  target: str) -> None:
+    """A new step that fails is skipped, step 1 stays latest; a failed re-save of step 1 has withdrawn it
+    (never the old state, never a mixture)."""
     model1, opt1 = trained(1)
     save(root, model1, opt1, 1, mode, storage_options=opts)
+    step = 2 if target == "new step" else 1
     real_upload = FsspecVolume.upload
     calls = []
 
@@ -195,17 +200,22 @@ def test_s3_save_that_fails_mid_upload_is_never_listed_nor_loaded(root: str, opt
 
     monkeypatch.setattr(FsspecVolume, "upload", failing_upload)
     model2, opt2 = trained(2)
-    with pytest.raises(CheckpointError, match="step_2|connection reset"):
-        save(root, model2, opt2, 2, mode, storage_options=opts, files_per_rank=4)
+    with pytest.raises(CheckpointError, match=f"step_{step}|connection reset"):
+        save(root, model2, opt2, step, mode, storage_options=opts, files_per_rank=4)
     monkeypatch.setattr(FsspecVolume, "upload", real_upload)
 
-    assert fmt.COMMIT_NAME not in keys_under(s3fs_, f"{root}/step_2")
-    assert [i.step for i in list_checkpoints(root, storage_options=opts)] == [1]
+    assert fmt.COMMIT_NAME not in keys_under(s3fs_, f"{root}/step_{step}")
     fresh = make_model(9)
-    assert load_checkpoint(root, model=fresh, storage_options=opts)[0] == 1
-    assert same_model(fresh, model1)
-    with pytest.raises(CheckpointError):  # in progress or failed: refused, never half-loaded
-        load_checkpoint(root, 2, model=fresh, storage_options=opts)
+    with pytest.raises(CheckpointError, match="failed|in progress"):  # refused, never half-loaded
+        load_checkpoint(root, step, model=fresh, storage_options=opts)
+    if target == "new step":
+        assert [i.step for i in list_checkpoints(root, storage_options=opts)] == [1]
+        assert load_checkpoint(root, model=fresh, storage_options=opts)[0] == 1
+        assert same_model(fresh, model1)
+    else:
+        assert list_checkpoints(root, storage_options=opts) == []
+        with pytest.raises(NoCheckpointError):
+            load_checkpoint(root, model=fresh, storage_options=opts)
 
 
 _KILLED_SAVE = r"""
