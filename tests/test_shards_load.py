@@ -93,3 +93,30 @@ def test_describe_load_names_a_shard_directory(tars):
     plan = ucmagic.describe_load(tars)
     assert plan.kind == "shards" and plan.files == 2
     assert ucmagic.describe_load(tars, files=True).kind == "files"
+
+
+@pytest.mark.timeout(120)
+def test_the_explorer_names_the_slow_shard_and_its_chunk(tmp_path):
+    pytest.importorskip("ipywidgets")
+    src = tmp_path / "tars"
+    src.mkdir()
+    for s in range(3):
+        with wds.TarWriter(str(src / f"shard-{s:06d}.tar")) as w:
+            for i in range(12):
+                w.write({"__key__": f"{s}{i:03d}", "bin": os.urandom(1500), "cls": str(i).encode()})
+    ds = ucmagic.TarShards(f"slow://{src}", cache_dir=str(tmp_path / "c"), chunk_size=8192, storage_options={
+        "open_ms": 1, "mbps": 0, "list_ms": 0, "slow_files": {"shard-000001.tar": 600}})
+    loader = ucmagic.DataLoader(ds.stream(read_ahead=0), batch_size=4, num_workers=0, log_to_mlflow=False,
+                                collate_fn=lambda b: [x["__key__"] for x in b])
+    assert sum(len(b) for b in loader) == 36
+    stats = loader.stats
+    slow = stats.slowest_batches(1)[0]
+    top = stats.batch_files(slow)[0]  # the batch's slowest item names its shard and chunk
+    assert "shard-000001.tar#chunk" in top["file"] and not top["hit"] and top["fetch_s"] >= 0.6
+    fills = [r for i in range(len(stats.batches()["step"])) for r in stats.batch_files(i) if not r["hit"]]
+    slow_fills = {r["file"] for r in fills if r["fetch_s"] >= 0.6}  # the slow shard's opens, no other shard's
+    assert slow_fills and all("shard-000001.tar#chunk" in f for f in slow_fills)
+    ex = stats.explore()
+    ex.batch.value = int(slow)
+    assert "shard-000001.tar#chunk" in ex.files.value.split("</tr>")[1]  # first (slowest) row of its files
+    assert "shard-000001.tar#chunk" in ex.table.value  # and the slowest-batches table names it
