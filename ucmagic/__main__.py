@@ -188,7 +188,8 @@ def _add_ckpt(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                          description="List the complete checkpoints under ROOT (step, commit time, size): "
                                      "ucmagic's committed step_<N>/, DCP directories other writers made and "
                                      "torch.save files (KIND column); unfinished saves are not listed.")
-    lp.add_argument("root", help="checkpoint root: a local or mounted directory or a /Volumes/... path")
+    lp.add_argument("root", help="checkpoint root: a local or mounted directory, a /Volumes/... path "
+                                 "or an fsspec URL (s3://bucket/run/ckpts)")
 
     def run_list(a: argparse.Namespace) -> int:
         from .checkpoints.api import list_checkpoints
