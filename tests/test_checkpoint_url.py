@@ -338,3 +338,27 @@ def test_s3_save_to_a_missing_bucket_says_what_failed(opts: dict[str, Any]) -> N
     with pytest.raises(CheckpointError, match=r"s3://no-such-bucket-[0-9a-f]+/ckpts/step_1.*check the URL"):
         save_checkpoint(f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}/ckpts", model=make_model(), step=1,
                         storage_options=opts)
+
+
+def test_s3_root_lists_and_loads_what_torch_fsspec_writer_and_torch_save_wrote(
+        root: str, opts: dict[str, Any], s3fs_: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Foreign checkpoints in a URL root: a DCP directory torch's FsspecWriter made (kind "dcp", no
+    checksums) and a torch.save file (kind "torch.save"), listed and loaded as on a disk."""
+    import fsspec.config
+    from torch.distributed.checkpoint import _fsspec_filesystem  # torch 2.4 has it there, not in dcp
+
+    monkeypatch.setitem(fsspec.config.conf, "s3", dict(opts))
+    writer_cls = getattr(dcp, "FsspecWriter", None) or _fsspec_filesystem.FsspecWriter
+    dcp_model, file_model = make_model(1), make_model(2)
+    dcp.save({"model": dcp_model.state_dict()}, storage_writer=writer_cls(f"{root}/checkpoint-300"))
+    with s3fs_.open(f"{root}/ckpt_400.pt".removeprefix("s3://"), "wb") as f:
+        torch.save({"model": file_model.state_dict()}, f)
+
+    infos = list_checkpoints(root, storage_options=opts)
+    assert [(i.step, i.kind, i.path) for i in infos] == [
+        (300, "dcp", f"{root}/checkpoint-300"), (400, "torch.save", f"{root}/ckpt_400.pt")]
+    fresh = make_model(9)
+    assert load_checkpoint(root, model=fresh, storage_options=opts) == (400, None)
+    assert same_model(fresh, file_model)
+    assert load_checkpoint(root, 300, model=fresh, storage_options=opts) == (300, None)
+    assert same_model(fresh, dcp_model)
