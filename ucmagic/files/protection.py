@@ -53,9 +53,8 @@ class ProtectionRecords:
 
     def drop_record(self, path: str) -> None:
         self.kept.close(path)
-        for p in (path, path + ".tmp"):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(p)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
 
     def drop_records(self, owner: str, *, dead_writers_only: bool = True) -> int:
         """Remove records owned by ``owner`` (by default only those whose writing process is gone)."""
@@ -76,11 +75,6 @@ class ProtectionRecords:
         alive: dict[str, bool] = {}
         for name in listdir(self.prot):
             full = os.path.join(self.prot, name)
-            if name.endswith(".tmp"):
-                parsed = parse_record_name(name[:-4])
-                if parsed and reap and not alive.setdefault(parsed[1], tag_alive(parsed[1])):
-                    self.drop_record(full[:-4])
-                continue
             parsed = parse_record_name(name)
             if parsed is None:
                 continue
@@ -149,7 +143,7 @@ def _drop_if_owner(root: str, owner: str, pid: int) -> None:
         return
     prot = os.path.join(root, "prot")
     for name in listdir(prot):
-        parsed = parse_record_name(name[:-4] if name.endswith(".tmp") else name)
+        parsed = parse_record_name(name)
         if parsed and parsed[0] == owner:
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join(prot, name))
