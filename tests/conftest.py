@@ -59,6 +59,53 @@ def _private_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("MPLBACKEND", "Agg")
 
 
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """One moto S3 server on loopback for the whole session (its URL); skipped where s3fs or moto are not
+    installed. Buckets persist across tests: each test names its own."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    pytest.importorskip("s3fs")
+    pytest.importorskip("moto")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    pytest.fail("moto server did not start")
+                time.sleep(0.1)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+@pytest.fixture
+def s3_env(s3_endpoint, monkeypatch):
+    """Credentials and the endpoint of :func:`s3_endpoint` in the environment (where s3fs, deltalake and
+    torch's FsspecReader read them); returns s3fs storage options for the endpoint."""
+    for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                 "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": s3_endpoint,
+                 "AWS_ALLOW_HTTP": "true"}.items():
+        monkeypatch.setenv(k, v)
+    return {"client_kwargs": {"endpoint_url": s3_endpoint}, "key": "testing", "secret": "testing"}
+
+
 @pytest.fixture
 def tree(tmp_path):
     """A nested tree of 120 files of 3000 bytes; returns (root, relative paths)."""

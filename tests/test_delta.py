@@ -702,37 +702,8 @@ def test_tables_spark_writes_with_deletion_vectors_column_mapping_and_cdf(tmp_pa
 
 # ---------------------------------------------------------------- a table on object storage
 
-@pytest.fixture
-def s3_env(monkeypatch):
-    """A moto S3 server on loopback; credentials and endpoint in the environment, where both deltalake
-    and s3fs read them."""
-    pytest.importorskip("s3fs")
-    pytest.importorskip("moto")
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        for _ in range(300):
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                break
-            except OSError:
-                import time
-
-                time.sleep(0.1)
-        for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                     "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
-                     "AWS_ALLOW_HTTP": "true"}.items():
-            monkeypatch.setenv(k, v)
-        yield
-    finally:
-        proc.terminate()
-        proc.wait(10)
-
+# s3_env (tests/conftest.py): the session's moto S3 server on loopback, credentials and endpoint in the
+# environment, where both deltalake and s3fs read them.
 
 @pytest.mark.timeout(180)
 def test_a_table_on_s3_with_deletion_vectors_reads_its_snapshot(tmp_path, s3_env):

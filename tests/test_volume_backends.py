@@ -3,9 +3,6 @@ memory:// and a real S3 server (moto on loopback), its atomicity, and the regist
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
-import sys
 import time
 
 import pytest
@@ -14,35 +11,7 @@ from ucmagic.files import volume as volume_mod
 from ucmagic.files.volume import FsspecVolume, LocalVolume, Volume
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@pytest.fixture(scope="module")
-def s3_endpoint():
-    """A moto S3 server on loopback (skipped where s3fs or moto are not installed)."""
-    pytest.importorskip("s3fs")
-    pytest.importorskip("moto")
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            break
-        except OSError:
-            time.sleep(0.1)
-    else:
-        proc.kill()
-        pytest.fail("moto server did not start")
-    yield f"http://127.0.0.1:{port}"
-    proc.terminate()
-    proc.wait(10)
-
-
+# s3_endpoint: the session's moto S3 server on loopback (tests/conftest.py; skipped without s3fs or moto).
 _bucket_n = iter(range(10**6))
 
 

@@ -31,11 +31,12 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from .._util import is_remote_url
-from ..errors import SourceNotADirectoryError, UCMagicError, UnsupportedSourceError
-from .sources import (MANIFEST, Source, connect, delta_files, duckdb_relation, is_data_path, read_manifest,
-                      resolve_source, spark_dataframe)
+from ..errors import (EmptyListingError, SourceNotADirectoryError, SourceNotFoundError, UCMagicError,
+                      UnsupportedSourceError)
+from .sources import (MANIFEST, Source, connect, delta_files, duckdb_relation, is_data_path, resolve_source,
+                      spark_dataframe, volume_manifest)
 from ..units import format_size, parse_size
-from ..files.volume import resolve_local_path
+from ..files.volume import FsspecVolume, Volume, resolve_local_path, volume_class
 from .journal import recover_destination, remove_journal, roll_back, write_journal
 
 EXPORT_MODES = ("overwrite", "append", "error")
@@ -340,37 +341,51 @@ def _write_spark(src: Source, staging: str, target: int, cols: list[str], compre
     w.parquet(staging)
 
 
-# ---------------------------------------------------------------- publishing to a URL
+# ---------------------------------------------------------------- publishing to a URL (through its Volume)
 
-def _publish_remote(local_staging: str, rels: list[str], dest: str, storage_options: dict[str, Any] | None,
-                    append: bool = False) -> list[str]:
-    import fsspec
+def _dest_volume(dest: str, storage_options: dict[str, Any] | None) -> Volume:
+    """The Volume of an export's URL destination; a prefix that does not exist yet is fine (an object
+    store creates it with its first key)."""
+    cls = volume_class(dest)
+    try:
+        return cls.from_path(dest, storage_options)
+    except SourceNotFoundError:
+        if issubclass(cls, FsspecVolume):
+            return cls(dest, storage_options)
+        raise
 
-    fs, root = fsspec.core.url_to_fs(dest, **(storage_options or {}))
-    root = root.rstrip("/")
-    fs.makedirs(root, exist_ok=True)
-    prefix = root + "/"
-    old = [p for p in (fs.find(root) if fs.exists(root) else [])
-           if p.endswith(".parquet") and is_data_path(p[len(prefix):])]
+
+def _listed_data(vol: Volume) -> list[str]:
+    """The Parquet data files under the volume's root (relative); none when it is empty or missing."""
+    try:
+        entries = vol.list()
+    except (EmptyListingError, FileNotFoundError):
+        return []
+    return [e.path for e in entries if e.path.endswith(".parquet") and is_data_path(e.path)]
+
+
+def _publish_remote(local_staging: str, rels: list[str], vol: Volume, dest: str, append: bool = False) -> list[str]:
+    """Upload the new files under new names (each upload atomic), write the manifest naming the committed
+    files (the commit point: one atomic put), then remove the stale files. No rename is needed, so the
+    same steps hold where :attr:`Volume.atomic_rename` is False."""
+    vol.makedirs("")
+    old = _listed_data(vol)
     for r in rels:
-        fs.put_file(os.path.join(local_staging, r), prefix + r)
+        vol.upload(os.path.join(local_staging, r), r)
     listed = rels
     if append:  # the new files join the committed ones (the manifest's: not a killed append's uploads)
-        committed = read_manifest(fs, root)
-        listed = sorted(set(rels) | (set(committed) if committed is not None else {p[len(prefix):] for p in old}))
-    fs.pipe_file(prefix + MANIFEST, json.dumps({"files": listed}).encode())  # the commit point
-    keep = {prefix + r for r in listed}
-    stale = [p for p in old if p not in keep]
-    if stale:
-        fs.rm(stale)
+        committed = volume_manifest(vol)
+        listed = sorted(set(rels) | set(committed if committed is not None else old))
+    vol.write_bytes(MANIFEST, json.dumps({"files": listed}).encode())  # the commit point
+    keep = set(listed)
+    for r in old:
+        if r not in keep:
+            vol.remove(r)
     return [dest.rstrip("/") + "/" + r for r in rels]
 
 
-def _remote_non_empty(dest: str, storage_options: dict[str, Any] | None) -> bool:
-    import fsspec
-
-    fs, root = fsspec.core.url_to_fs(dest, **(storage_options or {}))
-    return fs.exists(root) and bool(fs.ls(root))
+def _remote_non_empty(vol: Volume) -> bool:
+    return bool(vol.list_names(""))
 
 
 # ---------------------------------------------------------------- public API
@@ -412,7 +427,8 @@ def export_parquet(source: Any, dest: str | os.PathLike[str], *, target_file_siz
                 "export_parquet from Spark writes to a /Volumes path or a local directory; for an "
                 "object-store URL use df.write.parquet(url) in Spark, or pass a /Volumes path"
             )
-        if mode == "error" and _remote_non_empty(dest, storage_options):
+        vol = _dest_volume(dest, storage_options)
+        if mode == "error" and _remote_non_empty(vol):
             raise FileExistsError(f"{dest} exists and is not empty: pass mode='overwrite' to replace it")
         staging = tempfile.mkdtemp(prefix="ucmagic-export-")
         try:
@@ -420,7 +436,7 @@ def export_parquet(source: Any, dest: str | os.PathLike[str], *, target_file_siz
             out = os.path.join(staging, "out")
             rels = _finish_staging(out, export_id, rename=True)
             rows, size = _count(out, rels)
-            files = _publish_remote(out, rels, dest, storage_options, append=mode == "append")
+            files = _publish_remote(out, rels, vol, dest, append=mode == "append")
         finally:
             shutil.rmtree(staging, ignore_errors=True)
         return ExportResult(dest, files, rows, size, time.perf_counter() - t0, "duckdb")
