@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import threading
 from typing import Callable
@@ -11,7 +13,8 @@ def run_sampled(cmd: list[str], env: dict[str, str], mode: str, sample: Callable
                 interval: float, timeout: float) -> tuple[dict, int]:
     """Run ``cmd``; every ``interval`` s record ``sample(pid)``. Returns (the last JSON line it printed,
     or ``{"error": ..., "mode": mode}``, the peak sample)."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)  # noqa: S603 - our own script
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,  # our own script
+                            start_new_session=True)  # its own group: a timeout kills its worker processes too
     peak = [0]
     done = threading.Event()
 
@@ -21,14 +24,21 @@ def run_sampled(cmd: list[str], env: dict[str, str], mode: str, sample: Callable
 
     th = threading.Thread(target=loop, daemon=True)
     th.start()
+    timed_out = False
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        proc.kill()
+        timed_out = True
+        os.killpg(proc.pid, signal.SIGKILL)  # its workers (DataLoader, litdata.optimize) would hold the pipes open
         out, err = proc.communicate()
+    except BaseException:  # Ctrl-C: the group no longer gets the terminal's signal
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
     done.set()
     th.join()
     lines = [ln for ln in out.splitlines() if ln.startswith("{")]
+    if timed_out:
+        return {"error": [f"timed out after {timeout:g} s"], "mode": mode}, peak[0]
     if proc.returncode != 0 or not lines:
         return {"error": (err or out).strip().splitlines()[-1:] or ["no output"], "mode": mode}, peak[0]
     return json.loads(lines[-1]), peak[0]

@@ -136,7 +136,7 @@ class LabServer:
                "--ServerApp.shutdown_no_activity_timeout=600", "--MappingKernelManager.cull_idle_timeout=0"]
         if hasattr(os, "geteuid") and os.geteuid() == 0:
             cmd.append("--allow-root")
-        log = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+        log = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL  # closed once the server has it
         try:
             # own session: teardown can end the server and its kernels together
             self.proc = subprocess.Popen(cmd, cwd=self.root, env=self.env(state), stdout=log,

@@ -1,8 +1,11 @@
 """Parallel ranged copies of big files: range planning (pure) and the copy with retries per range."""
+import _thread
+import contextlib
 import errno
 import itertools
 import os
 import threading
+import time
 
 import pytest
 from hypothesis import given, settings
@@ -96,3 +99,45 @@ def test_an_empty_file_copies_to_an_empty_file(tmp_path):
     dest = tmp_path / "o"
     assert ranged_copy(lambda: BytesReader(b"", set(), []), 0, str(dest)) == 0
     assert dest.read_bytes() == b""
+
+
+def _open_fds(path) -> int:
+    """How many of this process's descriptors are open on ``path``."""
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            n += os.readlink(f"/proc/self/fd/{fd}") == str(path)
+    return n
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="reads the open descriptors from /proc")
+@pytest.mark.timeout(60)
+def test_ctrl_c_during_a_hung_range_read_returns_without_joining_it_and_the_last_stream_closes_the_file(tmp_path):
+    data = os.urandom(4000)
+    hung, release = threading.Event(), threading.Event()
+
+    class Hanging(BytesReader):
+        def readinto_at(self, offset, buf):
+            if offset >= 3000:  # the last range: a read stuck in a hung mount
+                hung.set()
+                release.wait(120)  # longer than the test's timeout: joining it fails the test
+            return super().readinto_at(offset, buf)
+
+    def interrupt() -> None:
+        if hung.wait(30):
+            _thread.interrupt_main()  # Ctrl-C
+
+    dest = tmp_path / "o"
+    threading.Thread(target=interrupt, daemon=True).start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            ranged_copy(lambda: Hanging(data, set(), []), len(data), str(dest), range_size=1000, chunk=500,
+                        streams=2)
+        assert not release.is_set() and hung.is_set()  # back while the read still hangs: it was not joined
+        assert _open_fds(dest) == 1  # the file stays open for the stream that may still write to it
+    finally:
+        release.set()
+    deadline = time.monotonic() + 20
+    while _open_fds(dest) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _open_fds(dest) == 0  # closed by the last stream once it stopped, never under it

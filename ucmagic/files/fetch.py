@@ -262,7 +262,8 @@ class _ReadAhead(Generic[T, R]):
         try:
             self._fill()
             while self._pending:
-                result = self._collect(self._pending[0])
+                task = self._pending[0]  # stays in pending while waited for: an interrupt cancels it
+                result = cast(R, task.result) if task.future is None else self._collect(task, task.future)
                 self._retire(self._pending.popleft())
                 self._fill()
                 yield result
@@ -274,20 +275,15 @@ class _ReadAhead(Generic[T, R]):
         while len(self._pending) < self._win.size and self._submit_next():
             pass
 
-    def _take(self) -> tuple[T] | None:
-        """The next item (one put back for the byte bound first), or None when the items ran out."""
-        if self._peeked:
-            return (self._peeked.pop(),)
-        for item in self._items:
-            return (item,)
-        return None
-
     def _submit_next(self) -> bool:
         """Start the next item's call, or use ``fast``'s result; False if none goes now."""
-        taken = self._take()
-        if taken is None:
-            return False
-        item = taken[0]
+        if self._peeked:
+            item = self._peeked.pop()  # put back for the byte bound
+        else:
+            for item in self._items:  # the next one, if any
+                break
+            else:
+                return False
         c = self._cost(item) if self._cost is not None else 0
         if self._max_bytes is not None and self._pending and self._held + c > self._max_bytes:
             self._peeked.append(item)  # over the byte bound: submit it once earlier items are yielded
@@ -302,12 +298,9 @@ class _ReadAhead(Generic[T, R]):
         self._pending.append(task)
         return True
 
-    def _collect(self, task: _Task[T, R]) -> R:
+    def _collect(self, task: _Task[T, R], fut: Future[R]) -> R:
         """The head task's result (its call's error is raised as is). The wait goes in timed steps,
         never one blocking wait: Ctrl-C, the alive check and the stall check act within POLL_S."""
-        fut = task.future
-        if fut is None:
-            return cast(R, task.result)
         if fut.done():
             return fut.result()
         t0 = time.perf_counter()
