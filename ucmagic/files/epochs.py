@@ -19,8 +19,10 @@ Call order (one loader iteration; the loader is the only caller besides the data
                                               # when the saved epoch had delivered everything
 
 Every dataset state carries ``version``, ``kind`` (the dataset's :attr:`~PlannedDataset.kind`),
-``epoch``, ``pool`` and ``remaining``. States saved before ``kind`` was added load unchanged
-(:func:`check_state_kind`).
+``epoch``, ``pool`` and ``remaining``, built and checked by the kind's :class:`StateSchema` (the
+one home of the layout). States saved before ``kind`` was added load unchanged
+(:func:`check_state_kind`). What the loader adapts to (the dataset's own batches, default
+workers) a kind declares in :class:`LoaderNeeds`, never through its name.
 """
 from __future__ import annotations
 
