@@ -4,6 +4,8 @@ Uploads read the staged file once, hash the bytes as they go out, ``fsync`` the 
 check its size (``verify="full"`` also reads it back). Downloads hash as they come in and compare
 with the manifest. CRC-32 (``zlib.crc32``, ~6 GB/s here, releases the GIL) is used rather than
 SHA-256 (~1.8 GB/s): it guards against torn and bit-flipped files, not against tampering.
+Checkpoint paths that are URLs (``s3://...``) go through their store's Volume instead (the last
+section): one atomic put per file, the same records and checks.
 """
 from __future__ import annotations
 
@@ -462,7 +464,8 @@ def read_head(path: str, n: int) -> bytes:
 
 
 def _upload_url(local: str, remote: str, verify: str, check: Callable[[], None] | None) -> FileRecord:
-    """One try of an upload to a store: CRC of the staged file, one atomic put, then the size (or bytes) back."""
+    """One try of an upload to a store: CRC of the staged file (a local read), one atomic put, then its size
+    (``verify="full"``: its bytes) read back. ``check`` runs once, before the put (a put cannot be paused)."""
     if check is not None:
         check()
     n, crc = file_crc(local)
@@ -472,8 +475,10 @@ def _upload_url(local: str, remote: str, verify: str, check: Callable[[], None] 
         back = vol.read_bytes(rel)
         if (len(back), zlib.crc32(back)) != (n, crc):
             raise OSError(f"{remote} reads back differently from what was uploaded")
-    elif vol.stat(rel).size != n:
-        raise OSError(f"{remote} has {vol.stat(rel).size} bytes after upload, expected {n}")
+    else:
+        size = vol.stat(rel).size
+        if size != n:
+            raise OSError(f"{remote} has {size} bytes after upload, expected {n}")
     return FileRecord(n, crc)
 
 
