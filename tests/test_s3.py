@@ -38,7 +38,7 @@ def test_dataset_reads_s3_through_the_cache(s3_opts):
 
 @pytest.mark.timeout(120)
 def test_export_to_s3_replaces_appends_and_refuses_through_the_volume(s3_env, tmp_path):
-    """export_parquet to an s3:// prefix that does not exist yet: overwrite, append and mode='error'
+    """export_parquet to an s3:// bucket that does not exist yet: overwrite, append and mode='error'
     (the destination's Volume uploads each file, then the manifest commits); ucmagic reads it back."""
     import uuid
 
@@ -50,8 +50,7 @@ def test_export_to_s3_replaces_appends_and_refuses_through_the_volume(s3_env, tm
 
     bucket = f"export-{uuid.uuid4().hex[:12]}"
     fs = s3fs.S3FileSystem(**s3_env)
-    fs.mkdir(bucket)
-    url = f"s3://{bucket}/runs/out"
+    url = f"s3://{bucket}/runs/out"  # neither the bucket nor the prefix exist yet: the export creates them
     first = export_parquet(pa.table({"i": list(range(500)), "tag": [1] * 500}), url, storage_options=s3_env)
     assert first.rows == 500 and all(f.startswith(url + "/part-") for f in first.files)
     assert sorted(load_table(url, storage_options=s3_env)["i"]) == list(range(500))

@@ -11,9 +11,9 @@ finds its files gone rather than a mixture. ``dest/*.parquet`` stays readable by
 Appends stage the same way, then rename each file in under a journal (:mod:`.journal`): ucmagic's
 readers see an append whole or not at all, and one killed midway is rolled back by the next ucmagic
 call on ``dest`` (:func:`recover_destination`). For
-fsspec URLs (object stores have no rename) the new files are uploaded under new names, then a
-manifest (``_ucmagic_manifest.json``) naming them is written in one put, then stale files go;
-ucmagic readers follow the manifest.
+fsspec URLs (object stores have no rename) the destination's :class:`~ucmagic.files.volume.Volume`
+uploads the new files under new names, then writes a manifest (``_ucmagic_manifest.json``) naming
+them in one put, then removes stale files; ucmagic readers follow the manifest.
 """
 from __future__ import annotations
 
@@ -350,9 +350,11 @@ def _dest_volume(dest: str, storage_options: dict[str, Any] | None) -> Volume:
     try:
         return cls.from_path(dest, storage_options)
     except SourceNotFoundError:
-        if issubclass(cls, FsspecVolume):
-            return cls(dest, storage_options)
-        raise
+        if not issubclass(cls, FsspecVolume):
+            raise
+        vol = cls(dest, storage_options)
+        vol.fs.makedirs(vol.root, exist_ok=True)  # as export always did: s3fs creates a missing bucket
+        return vol
 
 
 def _listed_data(vol: Volume) -> list[str]:
