@@ -13,16 +13,12 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import torch
+import torch.distributed.checkpoint as dcp
 
-pytest.importorskip("s3fs")
-pytest.importorskip("moto")
-
-import torch  # noqa: E402
-import torch.distributed.checkpoint as dcp  # noqa: E402
-
-from ucmagic.checkpoints import format as fmt  # noqa: E402
-from ucmagic.checkpoints import transfer as xfer  # noqa: E402
-from ucmagic.checkpoints.api import (  # noqa: E402
+from ucmagic.checkpoints import format as fmt
+from ucmagic.checkpoints import transfer as xfer
+from ucmagic.checkpoints.api import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointNotCommittedError,
@@ -33,8 +29,8 @@ from ucmagic.checkpoints.api import (  # noqa: E402
     load_checkpoint,
     save_checkpoint,
 )
-from ucmagic.errors import SourceNotFoundError  # noqa: E402
-from ucmagic.files.volume import FsspecVolume  # noqa: E402
+from ucmagic.errors import SourceNotFoundError
+from ucmagic.files.volume import FsspecVolume
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.timeout(180)]
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -48,6 +44,8 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def s3_endpoint() -> Iterator[str]:
+    pytest.importorskip("s3fs")
+    pytest.importorskip("moto")
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -289,6 +287,33 @@ def test_s3_directory_without_commit_nor_metadata_is_refused(root: str, opts: di
 def test_checkpoint_url_splits_into_store_and_key() -> None:
     assert xfer.is_url("s3://b/run") and not xfer.is_url("/Volumes/c/s/v") and not xfer.is_url("file:///tmp/x")
     assert xfer.url_path("s3://b/run/ckpts/") == "s3://b/run/ckpts"
+
+
+@pytest.fixture
+def memory_root() -> Iterator[str]:
+    import fsspec
+
+    prefix = f"ckpt-{uuid.uuid4().hex[:12]}"
+    yield f"memory://{prefix}/run"
+    fs = fsspec.filesystem("memory")
+    if fs.exists(f"/{prefix}"):
+        fs.rm(f"/{prefix}", recursive=True)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async", "single_file"])
+def test_memory_root_round_trip_needs_no_server(memory_root: str, mode: str) -> None:
+    """Any fsspec store serves as a root (here memory://, which needs no S3 package or server)."""
+    model, opt = trained(1)
+    assert save(memory_root, model, opt, 3, mode) == f"{memory_root}/step_3"
+    assert [(i.step, i.path) for i in list_checkpoints(memory_root)] == [(3, f"{memory_root}/step_3")]
+    fresh = make_model(9)
+    assert load_checkpoint(memory_root, model=fresh) == (3, {"seen": 30})
+    assert same_model(fresh, model)
+
+
+def test_unknown_url_protocol_is_one_checkpoint_error() -> None:
+    with pytest.raises(CheckpointError, match="nosuchproto://x/y.*whose protocol is installed"):
+        list_checkpoints("nosuchproto://x/y")
 
 
 _TWO_RANKS = r"""

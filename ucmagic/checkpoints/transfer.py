@@ -380,6 +380,9 @@ def locate(url: str) -> tuple[Volume, str]:
                 vol = open_volume(base, opts or None)
             except SourceNotFoundError:  # cannot be listed (a bucket policy): writes may still work
                 vol = FsspecVolume(base, opts or None)
+            except ValueError as e:  # fsspec knows no such protocol
+                raise CheckpointError(f"cannot open the store of checkpoint path {url}: {e}; pass a directory or "
+                                      "an fsspec URL whose protocol is installed (s3://, gs://, ...)") from None
             _VOLUMES[key] = vol
     return vol, rel
 
