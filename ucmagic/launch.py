@@ -35,10 +35,14 @@ import queue as queue_mod
 import sys
 import time
 import traceback
+import types
 from datetime import timedelta
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence, overload
 
 from .errors import DistributedRunError, DistributedTimeoutError
+
+if TYPE_CHECKING:
+    from multiprocessing.process import BaseProcess
 
 TERMINATE_GRACE_S = 5.0
 _UNSET: Any = object()
@@ -97,7 +101,7 @@ def rank_env(rank: int, world: int, master_addr: str, master_port: int) -> dict[
     return env
 
 
-def _validate(num_processes: Any, timeout: Any) -> None:
+def _validate(num_processes: object, timeout: object) -> None:
     if num_processes is not None and (isinstance(num_processes, bool) or not isinstance(num_processes, int)
                                       or num_processes < 1):
         raise ValueError(f"num_processes must be a positive int or None, got {num_processes!r}")
@@ -110,10 +114,8 @@ def _validate(num_processes: Any, timeout: Any) -> None:
 # traceback would show no file and no source line. The caller sends where each code object came from
 # and the source lines it has (notebook cells included); the rank puts them back before running.
 
-def _functions(fn: Any, seen: set[int]) -> Iterator[Any]:
+def _functions(fn: object, seen: set[int]) -> Iterator[types.FunctionType]:
     """``fn`` and the plain functions it reaches through its globals and closure (those pickled by value)."""
-    import types
-
     if id(fn) in seen or not isinstance(fn, types.FunctionType):
         return
     seen.add(id(fn))
@@ -130,7 +132,7 @@ def _functions(fn: Any, seen: set[int]) -> Iterator[Any]:
         yield from _functions(r, seen)
 
 
-def _cell_filled(cell: Any) -> bool:
+def _cell_filled(cell: types.CellType) -> bool:
     try:
         cell.cell_contents
     except ValueError:
@@ -138,10 +140,9 @@ def _cell_filled(cell: Any) -> bool:
     return True
 
 
-def code_origins(fn: Any, max_lines: int = 20000) -> tuple[dict[tuple[str, int], str], dict[str, list[str]]]:
+def code_origins(fn: object, max_lines: int = 20000) -> tuple[dict[tuple[str, int], str], dict[str, list[str]]]:
     """``({(name, first line): file}, {file: source lines})`` for the code ``fn`` runs."""
     import linecache
-    import types
 
     where: dict[tuple[str, int], str] = {}
     files: dict[str, list[str]] = {}
@@ -158,9 +159,8 @@ def code_origins(fn: Any, max_lines: int = 20000) -> tuple[dict[tuple[str, int],
     return where, files
 
 
-def _restore_origins(fn: Any, where: dict[tuple[str, int], str], files: dict[str, list[str]]) -> None:
+def _restore_origins(fn: object, where: dict[tuple[str, int], str], files: dict[str, list[str]]) -> None:
     import linecache
-    import types
 
     def fix(code: types.CodeType) -> types.CodeType:
         consts = tuple(fix(c) if isinstance(c, types.CodeType) else c for c in code.co_consts)
@@ -291,7 +291,7 @@ def _flush(relay: bool) -> None:
 
 # ---------------------------------------------------------------- the caller side
 
-def _terminate(procs: list[Any]) -> None:
+def _terminate(procs: Sequence[BaseProcess]) -> None:
     for p in procs:
         if p.is_alive():
             p.terminate()
@@ -322,7 +322,7 @@ def _raise_rank_error(name: str, rank: int, info: tuple[bytes | None, str, str])
     raise exc from remote
 
 
-def _died_silently(procs: list[Any], reported: set[int]) -> int | None:
+def _died_silently(procs: Sequence[BaseProcess], reported: set[int]) -> int | None:
     for r, p in enumerate(procs):
         if r not in reported and not p.is_alive() and p.exitcode not in (None, 0):
             return r
@@ -463,8 +463,15 @@ class DistributedFunction:
                 f"backend={self.backend}, timeout={self.timeout})")
 
 
+@overload
+def distributed(num_processes: Callable[..., Any], *, backend: str | None = None, timeout: float | None = None,
+                relay_output: bool = True) -> DistributedFunction: ...
+@overload
+def distributed(num_processes: int | None = None, *, backend: str | None = None, timeout: float | None = None,
+                relay_output: bool = True) -> Callable[[Callable[..., Any]], DistributedFunction]: ...
 def distributed(num_processes: int | Callable[..., Any] | None = None, *, backend: str | None = None,
-                timeout: float | None = None, relay_output: bool = True) -> Any:
+                timeout: float | None = None, relay_output: bool = True,
+                ) -> DistributedFunction | Callable[[Callable[..., Any]], DistributedFunction]:
     """Decorator: ``fn.distributed(*args, **kw)`` runs ``fn`` on N local processes, returns rank 0's result.
 
     Args:
