@@ -740,3 +740,34 @@ def test_ucload_of_a_catalog_delta_table_reads_its_snapshot(tmp_path, magic_shel
     loader = magic_shell.run_line_magic("ucload", "main.ml.mapped --stream -b 4 -w 0 --no-widget")
     rows = [(int(i), q) for b in loader for i, q in zip(b["Super Name"], b["q"])]
     assert sorted(rows) == sorted((r["Super Name"], r["q"]) for r in want)
+
+
+@pytest.mark.timeout(180)
+def test_a_table_on_s3_with_a_v2_checkpoint_and_sidecars_reads_its_snapshot(tmp_path, s3_env):
+    """The log replay lists and reads ``_delta_log`` on S3 through the table's Volume: the JSON v2
+    checkpoint, its Parquet sidecar under ``_sidecars`` and the commit after it (earlier commits gone)."""
+    import uuid
+
+    import s3fs
+
+    path = str(tmp_path / "t")
+    write_deltalake(path, base_table(30).slice(0, 10))
+    write_deltalake(path, base_table(30).slice(10, 10), mode="append")
+    fx.enable_dv_protocol(path)
+    fx.delete_rows(path, {fx.live_adds(path)[0]["path"]: [0, 1]}, storage="i")
+    fx.write_v2_checkpoint(path)
+    write_deltalake(path, base_table(30).slice(20, 10), mode="append")
+    for v in range(fx.last_version(path) - 1):
+        os.unlink(fx.log_path(path, v))
+    want = delta_rows(path)
+    bucket = f"tables-{uuid.uuid4().hex[:12]}"
+    fs = s3fs.S3FileSystem()
+    fs.mkdir(bucket)
+    try:
+        fs.put(path, f"{bucket}/t", recursive=True)
+        url = f"s3://{bucket}/t"
+        assert _norm_rows(load_table(url).to_dict("records")) == _norm_rows(want) and len(want) == 28
+        ds = ParquetDataset(url, format="arrow", cache_dir=str(tmp_path / "cache"))
+        assert _sorted(ds_rows(ds)) == want
+    finally:
+        fs.rm(bucket, recursive=True)

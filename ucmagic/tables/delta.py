@@ -16,19 +16,21 @@ whole-table stream (load_table, export_parquet) in the same order.
 """
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
 import struct
 import zlib
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import IO, Any, Iterator, Sequence
 from urllib.parse import unquote
 
 import numpy as np
 
 from .._util import is_url
 from ..errors import SourceNotFoundError, UnsupportedTableFeatureError, import_extra
+from ..files.volume import Volume, open_volume
 
 __all__ = ["DeletionVector", "DeltaFile", "DeltaSnapshot", "open_snapshot", "load_deleted_rows", "decode_dv",
            "z85_decode", "HANDLED_READER_FEATURES"]
@@ -512,25 +514,24 @@ _CHECKPOINT_RE = re.compile(r"^(\d{20})\.checkpoint(?:\.(\d{10})\.(\d{10}))?(?:\
 
 
 class _Log:
-    """The ``_delta_log`` directory of a local or remote table."""
+    """The ``_delta_log`` directory of a table: a local one read with plain file reads, a URL one through
+    its :class:`~ucmagic.files.volume.Volume` (``list_names``, ``read_bytes``: a commit or a checkpoint is
+    read whole, in one request, as the log replay reads all of it but the checkpoints' statistics)."""
 
     def __init__(self, root: str, storage_options: dict[str, Any] | None) -> None:
         self.dir = _join(root, "_delta_log")
-        self.fs: Any = None
-        if is_url(root):
-            import fsspec
-
-            self.fs, self.path = fsspec.core.url_to_fs(self.dir, **(storage_options or {}))
+        self.vol: Volume | None = open_volume(self.dir, storage_options) if is_url(root) else None
 
     def names(self) -> list[str]:
-        if self.fs is None:
+        if self.vol is None:
             return os.listdir(self.dir)
-        return [p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(self.path, detail=False)]
+        return self.vol.list_names("")
 
-    def open(self, *parts: str) -> Any:
-        if self.fs is None:
-            return open(os.path.join(self.dir, *parts), "rb")  # the caller closes it
-        return self.fs.open("/".join([self.path, *parts]), "rb")
+    def open(self, *parts: str) -> IO[bytes]:
+        """A binary file of ``parts`` under the log (:class:`FileNotFoundError` if missing); the caller closes it."""
+        if self.vol is None:
+            return open(os.path.join(self.dir, *parts), "rb")
+        return io.BytesIO(self.vol.read_bytes("/".join(parts)))
 
 
 def _checkpoint_adds(log: _Log, names: list[str], version: int) -> tuple[int, list[dict[str, Any]]]:
