@@ -7,8 +7,9 @@ size, DataLoader worker id and count), :func:`worker_info`, :func:`local_world_s
 from __future__ import annotations
 
 import os
+import types
 from functools import lru_cache
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Protocol
 
 __all__ = ["DistInfo", "dist_info", "worker_info", "local_world_size", "barrier", "all_gather_ints"]
 
@@ -24,7 +25,17 @@ class DistInfo(NamedTuple):
     num_workers: int  # DataLoader workers of this iteration (1 in the main process)
 
 
-def _group() -> Any:
+class WorkerView(Protocol):
+    """What ucmagic reads of ``torch.utils.data.get_worker_info()``."""
+
+    @property
+    def id(self) -> int: ...
+
+    @property
+    def num_workers(self) -> int: ...
+
+
+def _group() -> types.ModuleType | None:
     """``torch.distributed`` when a process group is initialised, else None."""
     import torch
 
@@ -37,14 +48,14 @@ def local_world_size(world: int) -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", world)) or world
 
 
-def worker_info() -> Any:
+def worker_info() -> WorkerView | None:
     """``torch.utils.data.get_worker_info()`` (None in the main process or without torch); the
     import is resolved once, not per call (it is asked for every fetched file)."""
     return _worker_info_fn()()
 
 
 @lru_cache(maxsize=None)
-def _worker_info_fn() -> Callable[[], Any]:
+def _worker_info_fn() -> Callable[[], WorkerView | None]:
     try:
         from torch.utils.data import get_worker_info
     except ImportError:  # pragma: no cover
