@@ -54,6 +54,9 @@ without ``index.json`` (a foreign shard: header reads only).
 Shuffle quality and peak cache: ucmagic's shuffled stream keeps each chunk until the last sample of
 its window needs it, so under a two-shard budget smaller than the four workers' windows the peak is
 the windows (docs/shards.md, "Sizing a budget"); the report prints that documented bound beside it.
+The budget run is repeated with the largest window the budget holds (no read-ahead; one chunk for
+256 MB shards and 4 workers): its peak (bound: budget plus two chunks per stream) and the shuffle
+quality it costs are the row "ucmagic @budget, window N".
 """
 from __future__ import annotations
 
@@ -77,6 +80,7 @@ PROFILE = {"open_ms": 100, "mbps": 100}
 CLASSES = 10
 BATCH = 32
 WORKERS = 4
+CHUNK = 32 << 20  # TarShards' default chunk size
 PEERS = {"mosaic": ("/tmp/venv-mosaic", "mosaicml-streaming==0.13.0", "streaming"),
          "litdata": ("/tmp/venv-litdata", "litdata==0.2.76", "litdata")}
 PEER_OF = {"mds": "mosaic", "mosaic": "mosaic", "litopt": "litdata", "litdata": "litdata"}
@@ -201,7 +205,7 @@ def _cum_shard(counts: list[int]):
     return lambda idx: bisect.bisect_right(cum, idx)
 
 
-def read(mode: str, vol: str, cache: str, limit: int, epochs: int) -> dict:
+def read(mode: str, vol: str, cache: str, limit: int, epochs: int, window: int = 8, read_ahead: int = 4) -> dict:
     t_setup = time.perf_counter()
     if mode == "ranged":
         files = sorted(os.path.join(vol, f) for f in os.listdir(vol) if f.endswith(".tar"))
@@ -214,7 +218,7 @@ def read(mode: str, vol: str, cache: str, limit: int, epochs: int) -> dict:
 
             ds = TarShards(vol, cache_dir=cache, cache_limit=limit or None)
             where = {k: int(f) for k, f in zip(ds.keys, ds.sample_file)}
-            source = ds.stream(shuffle=True, seed=0)
+            source = ds.stream(shuffle=True, seed=0, shuffle_window=window, read_ahead=read_ahead)
 
             def collate(b):
                 return [(s["__key__"], len(s["jpg"])) for s in b]
@@ -370,6 +374,17 @@ def make_big(root: str, gib: float, size: int) -> str:
     return root
 
 
+def peak_bound(budget: int, chunk: int, window: int, read_ahead: int, streams: int = WORKERS) -> int:
+    """The most a TarShards cache holds under ``budget`` (docs/shards.md, "Sizing a budget")."""
+    fits = budget >= streams * (window + read_ahead + 2) * chunk
+    return budget + streams * (2 if fits else window + 2) * chunk
+
+
+def fit_window(budget: int, chunk: int, streams: int = WORKERS) -> int:
+    """The largest shuffle window (no read-ahead) whose streams the budget holds, at least 1."""
+    return max(1, budget // (streams * chunk) - 2)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--images", type=int, default=15000)
@@ -392,6 +407,8 @@ def main() -> None:
     ap.add_argument("--cache", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--limit", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--epochs", type=int, default=2, help=argparse.SUPPRESS)
+    ap.add_argument("--window", type=int, default=8, help=argparse.SUPPRESS)
+    ap.add_argument("--read-ahead", type=int, default=4, help=argparse.SUPPRESS)
     ap.add_argument("--foreign", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--peer", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -411,7 +428,7 @@ def main() -> None:
         elif a.child == "big":
             out = big_shard(a.vol, a.foreign, a.cache)
         else:
-            out = read(a.child, a.vol, a.cache, a.limit, a.epochs)
+            out = read(a.child, a.vol, a.cache, a.limit, a.epochs, a.window, a.read_ahead)
         print(json.dumps(out), flush=True)
         return
 
@@ -447,6 +464,9 @@ def main() -> None:
     results: dict[str, list[dict]] = {c: [] for c in converts}
     results.update({c: [] for c in readers})
     results.update({f"{c}@budget": [] for c in readers if c not in ("ranged", "files")})
+    if "ucmagic" in readers:
+        results["ucmagic@fit"] = []
+    fit = fit_window(2 * shard_size, min(CHUNK, shard_size))
     big_results: list[dict] = []
 
     def py(c: str) -> str:
@@ -517,14 +537,17 @@ def main() -> None:
                     vol = vsrc if c == "files" else os.path.join(vout, OUT_OF[c])
                     if c != "files" and not os.path.isdir(os.path.join(outroot, OUT_OF[c])):
                         continue  # its converter did not run or failed
-                    cache = cache_dir(c)
                     args = ["--vol", vol, "--limit", str(2 * shard_size if budget else 0),
                             "--epochs", "1" if budget else "2"]
-                    name = c + ("@budget" if budget else "")
-                    r = run_child(py(c), args, c, cache, a.timeout)
-                    shutil.rmtree(cache, ignore_errors=True)
-                    results[name].append(r)
-                    show(rnd, name, r)
+                    jobs = [(c + ("@budget" if budget else ""), args)]
+                    if budget and c == "ucmagic":  # and with a window the budget holds (docs/shards.md)
+                        jobs.append(("ucmagic@fit", [*args, "--window", str(fit), "--read-ahead", "0"]))
+                    for name, job_args in jobs:
+                        cache = cache_dir(c)
+                        r = run_child(py(c), job_args, c, cache, a.timeout)
+                        shutil.rmtree(cache, ignore_errors=True)
+                        results[name].append(r)
+                        show(rnd, name, r)
             print(f"[round {rnd + 1}] done at {(time.perf_counter() - t_start) / 60:.1f} min", flush=True)
     report(results, big_results, a, done_rounds[0], shard_size)
     if a.json:
@@ -579,6 +602,18 @@ def report(results: dict[str, list[dict]], big: list[dict], a: argparse.Namespac
             bad = [r for r in results.get(name or "", []) if "error" in r]
             if bad:
                 notes.append(f"  {name}: {len(bad)} of {len(results[name or ''])} runs failed: {bad[0]['error']}")
+    fit = fit_window(2 * shard_size, min(CHUNK, shard_size))
+    eps = ok("ucmagic@fit", "epochs")
+    if eps:  # the budget run again, its window sized to the budget: cold column = that run's epoch
+        cold = _med([r["epochs"][0]["secs"] for r in eps])
+        first = _med([r["epochs"][0].get("first_from_setup") for r in eps])
+        med["fit"] = {"peak": _med([r.get("peak_cache") for r in eps])}
+        print(f"{f'ucmagic @budget, window {fit}':30s} {cell(float('nan'), '', 8)} {cell(n / cold, '.0f', 8)} "
+              f"{cell(float('nan'), '', 8)} {cell(first, '.2f', 7)} "
+              f"{cell(_med([r['epochs'][0].get('quality') for r in eps]), '.2f', 8)} "
+              f"{cell(med['fit']['peak'] / 1e6, '.0f', 14)} {cell(2 * shard_size / 1e6, '.0f', 7)}")
+    elif results.get("ucmagic@fit"):
+        notes.append(f"  ucmagic@fit: every run failed: {results['ucmagic@fit'][0].get('error')}")
     print("cold/warm: one shuffled epoch on an empty cache, then one more in the same process; first: dataset "
           "construction to the first batch (workers started); quality: distinct shards among 32 consecutive "
           "samples; peak cache: the cache directory's blocks during a cold epoch under a two-shard budget "
@@ -605,12 +640,12 @@ def report(results: dict[str, list[dict]], big: list[dict], a: argparse.Namespac
             ratio("ucmagic cold epoch / ranged raw copy of its shards", u["cold"], med["ranged"]["cold"], "<= 1.1")
         if "files" in med:
             ratio("small files' warm epoch / ucmagic's", med["files"]["warm"], u["warm"], ">= 1.5")
-        chunk = min(32 << 20, shard_size)  # TarShards' default chunk (a smaller shard is one chunk)
-        window, read_ahead, budget = 8, 4, 2 * shard_size  # the stream's defaults
-        held = 2 if budget >= WORKERS * (window + read_ahead + 2) * chunk else window + 2
-        bound = budget + WORKERS * held * chunk
+        chunk = min(CHUNK, shard_size)  # a shard smaller than a chunk is one chunk
         line("ucmagic peak cache MB under the budget (docs/shards.md)", cell(u["peak"] / 1e6, ".0f", 7),
-             f"<= {bound / 1e6:.0f}")
+             f"<= {peak_bound(2 * shard_size, chunk, 8, 4) / 1e6:.0f}")  # the stream's defaults
+        if "fit" in med:
+            line(f"the same, window {fit} and no read-ahead", cell(med["fit"]["peak"] / 1e6, ".0f", 7),
+                 f"<= {peak_bound(2 * shard_size, chunk, fit, 0) / 1e6:.0f}")
     good = [r for r in big if "first" in r]
     if good:
         line(f"first sample s from a packed {a.big_gib:g} GiB shard", cell(_med([r["first"] for r in good]), ".2f", 7),
