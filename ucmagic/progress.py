@@ -112,7 +112,7 @@ def display_mode(mode: str | None = "auto") -> str:
     return "widget" if in_notebook() and widgets_available() else "text"
 
 
-def resolve_mode(mode: Any) -> str | None:
+def resolve_mode(mode: object) -> str | None:
     """Map the user's ``progress=`` value to ``"text"``, ``"widget"`` or ``None`` (silent).
 
     ``False``/``None``/``"off"`` -> silent; ``True``/``"auto"`` and strings as :func:`display_mode`.
@@ -133,7 +133,7 @@ class Progress:
     """A throttled progress display (see the module docstring). Thread-safe."""
 
     def __init__(self, total: int | None = None, *, total_bytes: int | None = None, desc: str = "",
-                 unit: str = "files", mode: Any = True, stream: TextIO | None = None,
+                 unit: str = "files", mode: bool | str | None = True, stream: TextIO | None = None,
                  interval: float | None = None) -> None:
         self.total = total
         self.total_bytes = total_bytes
@@ -151,7 +151,7 @@ class Progress:
         self.start = time.monotonic()
         self._last = float("-inf")  # the first update draws at once
         self._width = 0
-        self._logged: tuple[Any, ...] = ()  # the counts (and text) of the last line written to a log
+        self._logged: tuple[object, ...] = ()  # the counts (and text) of the last line written to a log
         self._closed = False
         self._mu = threading.Lock()
         self._bar: Any = None  # the notebook layer's ProgressBar
