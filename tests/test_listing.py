@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from ucmagic import EmptyListingError, ListingChangedError
-from ucmagic.files.cache_layout import cache_key, safe_suffix
+from ucmagic.files.cache_layout import cache_key
 from ucmagic.files.listing import RACY_S, Listing, forget_listing, listings_dir, open_listing
 from ucmagic.testing import make_files
 from ucmagic.files.volume import DirScan, FileEntry, LocalVolume, Volume, listing_fingerprint, open_volume
@@ -246,18 +246,6 @@ def test_file_names_that_are_not_utf8_round_trip(tmp_path):
     listing = open_listing(vol, None, cache_root(tmp_path))
     assert listing.entries([0, 1]) == vol.list()
     assert listing.keys([0, 1]) == [cache_key(vol.uri, e.path, e.size, e.mtime) for e in vol.list()]
-    assert listing.suffixes([0, 1]) == [safe_suffix(e.path) for e in vol.list()]
-
-
-def test_suffixes_come_from_file_names_as_safe_suffix_gives_them(tmp_path):
-    root = tmp_path / "v"
-    for rel in ("a.b/noext", "a.b/c.JPG", "d/.hidden", "d/x.tar.gz", "d/y.", "d/z.a-very-long-extension", "e.txt"):
-        (root / rel).parent.mkdir(parents=True, exist_ok=True)
-        (root / rel).write_bytes(b"x")
-    vol = open_volume(str(root))
-    listing = open_listing(vol, None, cache_root(tmp_path))
-    n = len(listing)
-    assert listing.suffixes(np.arange(n)[::-1]) == [safe_suffix(e.path) for e in vol.list()][::-1]
 
 
 def _open_in_process(volume, root, q, barrier, relist=False):

@@ -131,17 +131,6 @@ def test_permute_is_a_permutation_for_every_n_seed_and_epoch(n, seed, epoch):
     assert perm.dtype == np.int64 and sorted(perm.tolist()) == list(range(n))
 
 
-@settings(max_examples=200, deadline=None)
-@given(n=sizes, seed=seeds, epoch=st.integers(0, 50), start=st.integers(0, 3100), length=st.integers(0, 3100),
-       chunk=st.integers(1, 700))
-def test_permutation_chunks_concatenate_to_the_permutation(n, seed, epoch, start, length, chunk):
-    full = plan.permute(n, seed, epoch, np.arange(n))
-    parts = list(plan.permutation_chunks(n, seed, epoch, start, start + length, chunk=chunk))
-    assert all(len(p) <= chunk for p in parts)
-    got = np.concatenate(parts).tolist() if parts else []
-    assert got == full[start:start + length].tolist()
-
-
 def test_orders_differ_between_epochs_and_seeds_and_are_not_the_listing_order():
     n = 1000
     base = plan.permute(n, 0, 0, np.arange(n))
@@ -153,7 +142,7 @@ def test_orders_differ_between_epochs_and_seeds_and_are_not_the_listing_order():
 
 
 def test_permute_is_the_same_in_another_process():
-    code = ("import numpy as np, sys; from ucmagic import plan; "
+    code = ("import numpy as np, sys; from ucmagic.files import plan; "
             "sys.stdout.write(','.join(map(str, plan.permute(10007, 42, 3, np.arange(0, 10007, 13)))))")
     env = dict(os.environ, PYTHONHASHSEED="123")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout

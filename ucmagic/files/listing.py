@@ -48,7 +48,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from .._util import atomic_target
-from .cache_layout import cache_key_digest, default_cache_dir, map_relpath, safe_suffixes
+from .cache_layout import cache_key_digest, default_cache_dir, map_relpath
 from .locks import file_lock
 from ..errors import ListingChangedError
 from .volume import FileEntry, Volume, fingerprint_rows
@@ -197,11 +197,6 @@ class Listing:
         idx = np.asarray(indices, dtype=np.int64)
         return [FileEntry(p, int(s), float(m))
                 for p, s, m in zip(self.paths(idx), self.sizes[idx].tolist(), self.mtimes[idx].tolist())]
-
-    def suffixes(self, indices: Sequence[int] | np.ndarray) -> list[str]:
-        """:func:`ucmagic.files.cache_layout.safe_suffix` of the files at ``indices``, from their names alone."""
-        names = self._name.take(_arrow(np.asarray(indices, dtype=np.int64))).to_pylist()
-        return safe_suffixes([_dec(n) for n in names])
 
     def keys(self, indices: Sequence[int] | np.ndarray) -> list[str]:
         """The cache keys (:func:`.cache.cache_key` under :attr:`volume_uri`) of the files at ``indices``."""

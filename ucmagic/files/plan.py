@@ -309,14 +309,6 @@ def permute(n: int, seed: int, epoch: int, positions: np.ndarray, *, block: int 
     return y.astype(np.int64)
 
 
-def permutation_chunks(n: int, seed: int, epoch: int, start: int = 0, stop: int | None = None,
-                       chunk: int = DEFAULT_CHUNK) -> Iterator[np.ndarray]:
-    """``perm[start:stop]`` of :func:`permute`'s permutation, as consecutive arrays of ``chunk`` values."""
-    stop = n if stop is None else min(int(stop), n)
-    for a in range(max(0, int(start)), stop, max(1, int(chunk))):
-        yield permute(n, seed, epoch, np.arange(a, min(a + chunk, stop), dtype=np.int64))
-
-
 def order_at(n: int, positions: np.ndarray, *, seed: int = 0, epoch: int = 0, shuffle: bool | str = False,
              blocks: Sequence[Range] | None = None, reshuffle_every: int | None = None) -> np.ndarray:
     """File index at each of ``positions`` of the epoch order (version :data:`ORDER_VERSION`).
