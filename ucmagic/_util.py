@@ -35,15 +35,9 @@ def is_remote_url(path: str) -> bool:
     return is_url(path) and not path.startswith("file://")
 
 
-def exhaustion_odds(failure_rate: float, retries: int, files: int) -> float:
-    """Chance that at least one of ``files`` copies fails all ``retries + 1`` tries when each try
-    fails independently with ``failure_rate`` (pure)."""
-    return 1.0 - (1.0 - failure_rate ** (retries + 1)) ** files
-
-
 # Retries of a failing file copy: enough that a volume failing 1 open in 3 leaves under 1% odds that
 # any of 100,000 files exhausts them (0.3% at 14), with the backoff capped so a file that never
-# succeeds fails within RetryPolicy(DEFAULT_RETRIES).worst_case_wait() (about 22 s).
+# succeeds fails within about 22 s of sleeps (tests/test_retry_defaults.py checks both).
 DEFAULT_RETRIES = 14
 
 
@@ -72,10 +66,6 @@ class RetryPolicy:
     def delay(self, attempt: int, rng: random.Random | None = None) -> float:
         """The sleep before retry ``attempt`` (0-based)."""
         return min(self.cap, self.base * self.factor ** attempt) * (1 + self.jitter * (rng or random).random())
-
-    def worst_case_wait(self) -> float:
-        """The longest total sleep before the last try (every delay at its full jitter)."""
-        return sum(min(self.cap, self.base * self.factor ** i) for i in range(self.retries)) * (1 + self.jitter)
 
     def call(self, fn: Callable[[], R], on_retry: Callable[[BaseException], None] | None = None) -> R:
         """``fn()``, retried on transient errors per this policy."""
