@@ -376,13 +376,13 @@ def make_big(root: str, gib: float, size: int) -> str:
 
 def peak_bound(budget: int, chunk: int, window: int, read_ahead: int, streams: int = WORKERS) -> int:
     """The most a TarShards cache holds under ``budget`` (docs/shards.md, "Sizing a budget")."""
-    fits = budget >= streams * (window + read_ahead + 2) * chunk
+    fits = budget >= streams * (window + read_ahead + 3) * chunk
     return budget + streams * (2 if fits else window + 2) * chunk
 
 
 def fit_window(budget: int, chunk: int, streams: int = WORKERS) -> int:
     """The largest shuffle window (no read-ahead) whose streams the budget holds, at least 1."""
-    return max(1, budget // (streams * chunk) - 2)
+    return max(1, budget // (streams * chunk) - 3)
 
 
 def main() -> None:

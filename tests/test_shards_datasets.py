@@ -253,16 +253,16 @@ def test_chunk_budget_held_while_iterating(tmp_path, window):
 @pytest.mark.parametrize("workers", [0, 2])
 @pytest.mark.parametrize("fits", [True, False], ids=["windows-fit", "windows-exceed"])
 def test_peak_cache_under_a_budget_smaller_than_one_shard(tmp_path, workers, fits):
-    """The documented bound (docs/shards.md, "The chunk cache"): the budget plus two chunks per stream
-    when it holds every stream's working set (shuffle_window + read_ahead + 2 chunks); under that, the
-    budget plus shuffle_window + 2 chunks per stream (a blocked read goes over, and its chunk stays
-    until the last sample of the stream's window that needs it)."""
+    """The documented bound (docs/shards.md, "Sizing a budget"): the budget plus two chunks per stream
+    when it holds every stream's working set (shuffle_window + read_ahead + 2 chunks) and a chunk of
+    headroom; under that, the budget plus shuffle_window + 2 chunks per stream (a blocked read goes
+    over, and its chunk stays until the last sample of the stream's window that needs it)."""
     src = tmp_path / "s"
     write_shards(src, shards=3, per=200)
     sizes = [os.path.getsize(src / n) for n in os.listdir(src)]
     streams = max(1, workers)
     window, read_ahead = (2, 1) if fits else (8, 4)
-    limit = (streams * (window + read_ahead + 2) if fits else 4) * CHUNK
+    limit = (streams * (window + read_ahead + 3) if fits else 4) * CHUNK
     assert min(sizes) > limit and sum(sizes) > 2 * limit  # the budget is smaller than one shard
     bound = limit + streams * (2 if fits else window + 2) * CHUNK
     ds = TarShards(src, cache_dir=str(tmp_path / "c"), cache_limit=limit, chunk_size=CHUNK)
