@@ -13,7 +13,7 @@ import weakref
 from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, NamedTuple, Sequence
+from typing import Any, Callable, Generator, Iterator, NamedTuple, Sequence
 
 import numpy as np
 
@@ -62,7 +62,11 @@ class Sizing(NamedTuple):
     window: int
     read_ahead_bytes: int
     cover: int | None = None
-_last_fetch = threading.local()  # per-item records: did this thread's last _fetch copy the file?
+COLD_MISSES = 8  # consecutive misses of lookups on the loop thread after which they are only probes
+COLD_PROBE_EVERY = 16  # ... of every 16th item, until hits come back
+MIN_COVER = 16  # items a stream's record covers ahead at least (unless a shared budget asks fewer)
+SKIPPED_NAMED = 3  # skipped files named in an epoch's warning (the rest are counted)
+CHECKED_HERE = 16  # validate="lazy": files checked on the calling thread before timing decides on threads
 MAX_STREAMS = 64  # DataLoader workers whose consumption ucmagic.DataLoader reports (more share slots)
 _TRACKED = MAX_STREAMS  # index of the "ucmagic.DataLoader reports consumption" flag in the channel
 
@@ -198,7 +202,7 @@ class _Stream:
         self._refreshing = False
         old = _active_streams.get(self.path)
         if old is not None:  # this process's previous iteration of the same stream: it stops writing
-            old._stop.set()  # noqa: SLF001 - same class
+            old.stop()
         _active_streams[self.path] = self
         if sizing is not None:
             self._apply(budgeted, sizing)
@@ -285,6 +289,10 @@ class _Stream:
         c = self.consumed()
         base = self.yielded if c is None else c + self.skipped
         return pos < base + self.quantum
+
+    def stop(self) -> None:
+        """Write this stream's record no more (its next iteration has started)."""
+        self._stop.set()
 
     def start_refresher(self) -> None:
         """Release consumed items every 10 ms, also after the stream ended (the loop still holds its
@@ -461,6 +469,219 @@ class StreamItems:
             out.extend(self._at(c).names[pos - c * self.chunk:end - c * self.chunk])
             pos = end
         return out
+
+
+_FetchItem = Callable[..., "tuple[str | BaseException, bool]"]  # UCVolumeDataset._fetch_item
+
+
+class _EpochStream:
+    """One iteration of one (rank, worker) stream, in two lanes that take turns.
+
+    The **warm lane** looks a run of positions up on the loop thread at once and hands out the hits
+    (a warm cache: no read-ahead, no per-item calls); a run that misses hands over to the
+    **read-ahead lane**, which fills positions through :func:`read_ahead` (hits still served on the
+    loop thread by :meth:`hit`) until a streak of :data:`WARM_STREAK` hits hands back. Both hand
+    out through :meth:`_handing`. Fills run on pool threads: what they share with the loop thread
+    (``misses``, ``probed``, ``timing``) is read and written under ``_mu``.
+    """
+
+    def __init__(self, ds: UCVolumeDataset, items: StreamItems, stream: _Stream, *, main: bool, depth: int,
+                 seen: SeenEntries, checked: CheckedFiles | None, fetch_item: _FetchItem,
+                 check_ahead: Callable[[StreamItems, int], None], on_handed: Callable[[int], None] | None) -> None:
+        self.ds, self.items, self.stream, self.depth = ds, items, stream, depth
+        self.cache, self.counters, self.n = ds.cache, ds.counters, len(items)
+        self.seen = seen  # the cache entries this process found (warm lookups)
+        self.checked = checked  # validate="lazy": the files checked against the volume
+        self.fetch_item, self.check_ahead = fetch_item, check_ahead  # the dataset's own fill and lazy check
+        self.on_handed = on_handed  # told how many items were handed out (the main process: state_dict)
+        self.parent = None if main else os.getppid()  # a worker's waits end when its main process is gone
+        self.pos = 0  # the next position to hand out
+        self._mu = threading.Lock()
+        self.misses = 0  # consecutive misses of lookups on the loop thread (a cold cache: probes only)
+        self.probed: set[int] = set()  # looked up here and missed: the fill need not look again
+        # pos -> (hit, fetch seconds, a hit found here that the shared counters have yet to count)
+        self.timing: dict[int, tuple[bool, float, bool]] = {}
+        self.hits = self.delivered = 0  # loop thread only: added to the shared counters per batch
+        self.skipped: list[str] = []  # the first SKIPPED_NAMED skipped files, for the warning
+
+    def run(self) -> Iterator[str]:
+        """Every position's path, from a warm run first (a second epoch, a restart find the cache warm)."""
+        warm = True
+        while self.pos < self.n:
+            warm = yield from (self._warm_lane() if warm else self._read_ahead_lane())
+
+    def end(self, *, abandoned: bool) -> None:
+        """Counters, protection and the skipped-files warning once the iteration ends."""
+        self.flush()
+        self.stream.finish(abandoned=abandoned)
+        _release_free_heap()
+        if self.skipped:
+            total = self.stream.skipped
+            more = f" and {total - len(self.skipped)} more" if total > len(self.skipped) else ""
+            warnings.warn(f"ucmagic: skipped {total} file(s) this epoch: {'; '.join(self.skipped)}{more} "
+                          "(counted in stats()['errors'])", stacklevel=3)
+
+    # ---------------------------------------------------------------- hand-out bookkeeping
+
+    def _handing(self, pos: int) -> None:
+        """Bookkeeping of position ``pos`` just before it is handed out (both lanes)."""
+        self.stream.yielded = pos + 1
+        if self.on_handed is not None:
+            self.on_handed(pos + 1)
+        if pos % self.stream.quantum == 0:
+            self.stream.refresh()
+
+    def count(self, hits: int, delivered: int, *, flush: bool) -> None:
+        self.hits += hits
+        self.delivered += delivered
+        if flush:
+            self.flush()
+
+    def flush(self) -> None:
+        """Add this thread's hits and deliveries to the shared counters."""
+        self.counters.add(hits=self.hits, delivered=self.delivered)
+        self.hits = self.delivered = 0
+
+    # ---------------------------------------------------------------- the warm lane
+
+    def _warm_lane(self) -> Generator[str, None, bool]:
+        """Hand out one warm run's hits; True when the whole run hit (stay warm). Counted per piece,
+        not per item (a warm epoch's cost is this loop): a piece ends at a batch boundary, so counters
+        and fetch records are exact once the loop holds a whole batch."""
+        paths, idx, sizes, each, whole = self._warm_run(self.pos)
+        quantum, a, pos = self.stream.quantum, 0, self.pos
+        while a < len(paths):
+            b = min(len(paths), a + quantum - pos % quantum)
+            self.count(b - a, b - a, flush=True)
+            telemetry.record_items(idx[a:b], True, each, sizes[a:b])
+            for path in paths[a:b]:
+                self._handing(pos)
+                pos = self.pos = pos + 1
+                yield path
+            a = b
+        self.stream.ahead = self.pos  # looked up beyond the run's hits: those need no cover now
+        return whole
+
+    def _warm_run(self, pos: int) -> tuple[list[str], list[int], list[int], float, bool]:
+        """Cache hits from ``pos`` on, looked up as one run on this thread: ``(paths, indices,
+        sizes, seconds each, whole run hit)``."""
+        items, checked, stream = self.items, self.checked, self.stream
+        end = min(self.n, pos + stream.chunk, (pos // items.chunk + 1) * items.chunk)
+        stream.cover(end - 1)  # protected before they are looked up, as in the read-ahead
+        at, idx, names, sizes = items.run(pos, end)
+        if checked is not None and checked.checked_prefix(at) < len(at):
+            self.check_ahead(items, pos)
+            cut = checked.checked_prefix(at)
+            at, idx, names, sizes = at[:cut], idx[:cut], names[:cut], sizes[:cut]
+        t0 = time.perf_counter()
+        paths = self.cache.lookup_run(names, sizes, at, self.seen)
+        return paths, idx, sizes, (time.perf_counter() - t0) / max(1, len(paths)), len(paths) == end - pos
+
+    # ---------------------------------------------------------------- the read-ahead lane
+
+    def _read_ahead_lane(self) -> Generator[str, None, bool]:
+        """Hand out positions through :func:`read_ahead` until the end, a streak of
+        :data:`WARM_STREAK` hits (True: back to warm runs) or a new byte bound for the read-ahead
+        (False: the lane starts again with it)."""
+        stream, streak = self.stream, 0
+        stream.resized.clear()  # the read-ahead's byte bound is taken now: a change restarts it
+        ahead = read_ahead(self.get, self._scheduled(self.pos), depth=self.depth, timeout=self.ds.timeout,
+                           describe=self.describe, fast=self.hit, cost=self.items.size,
+                           max_bytes=stream.read_ahead_bytes, alive=self.alive)
+        try:
+            for got in ahead:
+                pos = self.pos
+                self.pos = pos + 1
+                hit = self._delivering(pos, got)
+                if hit is None or isinstance(got, BaseException):  # skipped
+                    streak = 0
+                    continue
+                yield got
+                streak = streak + 1 if hit else 0
+                if streak >= WARM_STREAK:
+                    return True
+                if stream.resized.is_set():
+                    return False
+            return False
+        finally:
+            ahead.close()  # calls not started are cancelled; started fills still land in the cache
+            with self._mu:
+                self.timing.clear()  # what was found ahead is looked up again by the warm run
+                self.probed.clear()
+
+    def _scheduled(self, start: int) -> Iterator[int]:
+        for pos in range(start, self.n):
+            self.stream.cover(pos)
+            yield pos
+
+    def _delivering(self, pos: int, got: str | BaseException) -> bool | None:
+        """Bookkeeping of the read-ahead's result for ``pos``: whether it was a hit, None if skipped."""
+        self._handing(pos)
+        if pos % STREAM_CHUNK == STREAM_CHUNK - 1:
+            _release_free_heap()
+        with self._mu:
+            hit, fetch_s, count = self.timing.pop(pos, (True, 0.0, False))
+        if isinstance(got, BaseException):
+            self.stream.skipped += 1
+            self.counters.add(errors=1)
+            if len(self.skipped) < SKIPPED_NAMED:
+                self.skipped.append(f"{self.describe(pos)}: {got}")
+            return None
+        self.count(count, 1, flush=(pos + 1) % self.stream.quantum == 0)  # exact once the loop holds a batch
+        telemetry.record_item(self.items.index(pos), hit, fetch_s, self.items.entry(pos).size)
+        return hit
+
+    def describe(self, pos: int) -> str:
+        return self.ds.volume.display(self.items.entry(pos).path)
+
+    def alive(self) -> bool:
+        return self.parent is None or os.getppid() == self.parent
+
+    def on_wait(self) -> None:
+        """Called while a fill waits for room: a worker whose main process is gone leaves."""
+        if not self.alive():
+            raise SystemExit("ucmagic: the DataLoader's main process is gone; this worker exits")
+        restart_timeout()
+        self.stream.refresh()
+
+    def hit(self, pos: int) -> str | None:
+        """``pos`` looked up on the loop thread (no hop): its path, or None (a miss, not looked up
+        on a cold run, or a changed file that :meth:`get` reports)."""
+        items, checked = self.items, self.checked
+        if self.misses >= COLD_MISSES and pos % COLD_PROBE_EVERY:
+            return None
+        if checked is not None and items.index(pos) not in checked:
+            self.check_ahead(items, pos)  # first use of a reused listing's files: check a chunk at once
+            if items.index(pos) not in checked:
+                return None
+        key, suffix = items.key_at(pos)
+        t0 = time.perf_counter()
+        path = self.cache.lookup(key, suffix, items.size(pos), rel=items.rel_at(pos))
+        with self._mu:
+            if path is not None:
+                self.timing[pos] = (True, time.perf_counter() - t0, True)  # counted when delivered
+                self.misses = 0
+            else:
+                self.misses += 1
+                self.probed.add(pos)
+        return path
+
+    def get(self, pos: int) -> str | BaseException:
+        """Fill ``pos`` (a read-ahead call, on a pool thread): its path, or the error of a file to skip."""
+        stream = self.stream
+        with self._mu:
+            looked_up = pos in self.probed or (self.misses >= COLD_MISSES and self.cache.limit is None)
+        t0 = time.perf_counter()
+        got, fetched = self.fetch_item(self.items, pos, may_exceed=lambda: stream.may_exceed(pos),
+                                       on_wait=self.on_wait, looked_up=looked_up)
+        if isinstance(got, BaseException):
+            return got
+        if fetched:
+            self.seen.filled(self.items.index(pos))  # the next epoch's warm run need not look it up
+        with self._mu:
+            self.probed.discard(pos)
+            self.timing[pos] = (not fetched, time.perf_counter() - t0, False)  # _fetch counted it
+        return got
 
 
 class UCVolumeDataset(EpochTracking, IterableDataset):
@@ -654,11 +875,6 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
             return cache_keys(self.volume.uri, self.listing.entries(idx))
         return [(k, "") for k in self.listing.keys(idx)]
 
-    def stream_indices(self, epoch: int | None = None) -> list[int]:
-        """File indices the calling (rank, worker) stream delivers this epoch, in order (a list as
-        long as the stream: for inspection; iteration uses :meth:`stream_items`)."""
-        return [i for c in self.stream_items(epoch).indices_chunks() for i in c.tolist()]
-
     # ------------------------------------------------------------ fetching
 
     def _inflight(self) -> int:
@@ -671,8 +887,8 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
         return cache_key(self.volume.uri, e.path, e.size, e.mtime), safe_suffix(e.path)
 
     def _fetch(self, e: FileEntry, key: tuple[str, str] | None = None, *, may_exceed: Callable[[], bool] | None = None,
-               on_wait: Callable[[], None] | None = None, looked_up: bool = False) -> str:
-        """Cached path for ``e``: a hit, or one (single-flight) copy from the volume."""
+               on_wait: Callable[[], None] | None = None, looked_up: bool = False) -> tuple[str, bool]:
+        """``(cached path, copied now)`` for ``e``: a hit, or one (single-flight) copy from the volume."""
         key_, suffix = key or self._key(e)
         t0 = time.perf_counter()  # FileCache.fill looks the entry up first: a hit returns fetched=False
         volume = self.volume
@@ -698,13 +914,30 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
             raise CacheFullFetchError(f"{self.volume.display(e.path)}: {exc}") from exc
         except Exception as exc:
             raise copy_error(self.volume, e.path, exc) from exc
-        _last_fetch.fetched = fetched
         if fetched:
             self._counters.add(misses=1, bytes_fetched=e.size)
             self._counters.record_latency(time.perf_counter() - t0)
         else:
             self._counters.add(hits=1)
-        return path
+        return path, fetched
+
+    def _fetch_item(self, items: StreamItems, pos: int, *, may_exceed: Callable[[], bool],
+                    on_wait: Callable[[], None], looked_up: bool) -> tuple[str | BaseException, bool]:
+        """Position ``pos`` of ``items`` filled (a read-ahead call): ``(path, copied now)``, checked
+        against the volume where ``validate="lazy"`` asks; ``(error, False)`` for a file to skip."""
+        e = items.entry(pos)
+        try:
+            path, fetched = self._fetch(e, items.key_at(pos), may_exceed=may_exceed, on_wait=on_wait,
+                                        looked_up=looked_up)
+            if self._checked is not None:
+                self._check_source(items.index(pos), e, fetched)
+        except Exception as exc:
+            if isinstance(exc, SourceChangedError):  # the node's listing is stale: the next dataset re-lists
+                forget_listing(self.listing)
+            if self._skippable(exc):
+                return exc, False
+            raise
+        return path, fetched
 
     def _check_source(self, index: int, e: FileEntry, copied: bool) -> None:
         """``validate="lazy"``: before file ``index`` of a reused listing is first served, make sure
@@ -749,14 +982,14 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
                     checked.add(i)
 
         t0 = time.perf_counter()
-        same(todo[:16])  # timed on this thread: a local disk answers in microseconds, and threads
-        todo = todo[16:]  # contending for the GIL would cost more than they overlap
+        same(todo[:CHECKED_HERE])  # timed on this thread: a local disk answers in microseconds, and
+        todo = todo[CHECKED_HERE:]  # threads contending for the GIL would cost more than they overlap
         if not todo:
             return
-        if time.perf_counter() - t0 < FAST_CHECK_S * 16:
+        if time.perf_counter() - t0 < FAST_CHECK_S * CHECKED_HERE:
             same(todo)
             return
-        step = max(16, -(-len(todo) // CHECK_THREADS))
+        step = max(CHECKED_HERE, -(-len(todo) // CHECK_THREADS))
         list(shared_pool(CHECK_THREADS, "check").map(same, [todo[a:a + step] for a in range(0, len(todo), step)]))
 
     def _skippable(self, exc: BaseException) -> bool:
@@ -873,8 +1106,28 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
         return it
 
     def _iterate(self) -> Iterator[str]:
+        main = get_worker_info() is None
+        depth = self._inflight()
+        items, stream = self._open_stream(main, depth)
+        if self._seen is None:
+            self._seen = self.cache.seen_entries(len(self.listing))
+        lanes = _EpochStream(self, items, stream, main=main, depth=depth, seen=self._seen, checked=self._checked,
+                             fetch_item=self._fetch_item, check_ahead=self._check_ahead,
+                             on_handed=self._handed_out if main else None)
+        abandoned = True  # until the stream is exhausted: an exception, break or close() leaves it
+        try:
+            yield from lanes.run()
+            abandoned = False  # exhausted: the loop may still hold (and report) its last batches
+        finally:
+            lanes.end(abandoned=abandoned)
+
+    def _handed_out(self, n: int) -> None:
+        self._delivered_main = n  # what state_dict() reports (single-process iteration)
+
+    def _open_stream(self, main: bool, depth: int) -> tuple[StreamItems, _Stream]:
+        """This (rank, worker) stream's items this epoch and their protection (begins the epoch in
+        the main process; a worker follows the epoch its main process began)."""
         info = get_worker_info()
-        main = info is None
         cache = self.cache
         if main:
             self.begin_epoch()
@@ -888,8 +1141,12 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
         items = self.stream_items(epoch)
         if main:
             self._epoch_main, self._delivered_main = epoch, 0
-        slot = 0 if info is None else info.id
-        depth = self._inflight()
+        return items, self._protected(items, owner, 0 if info is None else info.id, depth)
+
+    def _protected(self, items: StreamItems, owner: str, slot: int, depth: int) -> _Stream:
+        """The :class:`_Stream` protecting ``items``, sized for the budget and the live streams
+        (:class:`BudgetTooSmallError` here, at the first item, where this process's share is too small)."""
+        cache = self.cache
         _, world, _, _, _, nworkers = dist_info()
         budget = cache.budget()
         consumed = self._consumption(slot)
@@ -902,180 +1159,11 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
             cache.drop_record(record)
             raise
         stream = _Stream(cache, owner, slot, items, quantum=self.batch_quantum, window=sizing.window,
-                         chunk=max(16, depth), consumed=consumed, budgeted=budget is not None,
+                         chunk=max(MIN_COVER, depth), consumed=consumed, budgeted=budget is not None,
                          sizer=self._sizer(streams, reported), sizing=sizing)
         if budget is not None:
             stream.start_refresher()
-        counters = self._counters
-        skipped: list[str] = []
-        n = len(items)
-
-        def scheduled(start: int) -> Iterator[int]:
-            for pos in range(start, n):
-                stream.cover(pos)
-                yield pos
-
-        parent = None if main else os.getppid()  # a worker's waits end when its main process is gone
-
-        def alive() -> bool:
-            return parent is None or os.getppid() == parent
-
-        def on_wait() -> None:
-            if not alive():
-                raise SystemExit("ucmagic: the DataLoader's main process is gone; this worker exits")
-            restart_timeout()
-            stream.refresh()
-
-        # Hits are served on this thread (no hop). On a cold cache that lookup is wasted, so after a
-        # run of misses only every 16th item is probed here until hits come back.
-        misses = [0]
-        probed: set[int] = set()
-
-        # pos -> (hit, fetch seconds, a hit found here that the shared counters have yet to count)
-        timing: dict[int, tuple[bool, float, bool]] = {}
-
-        checked = self._checked
-        if self._seen is None:
-            self._seen = cache.seen_entries(len(self.listing))
-        seen = self._seen
-
-        def get(pos: int) -> str | BaseException:
-            e = items.entry(pos)
-            t0, _last_fetch.fetched = time.perf_counter(), False
-            try:
-                got = self._fetch(e, items.key_at(pos), may_exceed=lambda: stream.may_exceed(pos), on_wait=on_wait,
-                                  looked_up=pos in probed or (misses[0] >= 8 and cache.limit is None))
-                if checked is not None:
-                    self._check_source(items.index(pos), e, _last_fetch.fetched)
-            except Exception as exc:
-                if isinstance(exc, SourceChangedError):  # the node's listing is stale: the next dataset re-lists
-                    forget_listing(self.listing)
-                if self._skippable(exc):
-                    return exc
-                raise
-            probed.discard(pos)
-            if _last_fetch.fetched:
-                seen.filled(items.index(pos))  # the next epoch's warm run need not look it up
-            timing[pos] = (not _last_fetch.fetched, time.perf_counter() - t0, False)  # _fetch counted it
-            return got
-
-        tally = [0, 0]  # hits served on this thread and items delivered, added to the shared counters per batch
-
-        def flush() -> None:
-            counters.add(hits=tally[0], delivered=tally[1])
-            tally[0] = tally[1] = 0
-
-        def hit(pos: int) -> str | None:
-            if misses[0] >= 8 and pos % 16:
-                return None
-            if checked is not None and items.index(pos) not in checked:
-                self._check_ahead(items, pos)  # first use of a reused listing's files: check a chunk at once
-                if items.index(pos) not in checked:
-                    return None  # changed: get() reports it
-            key, suffix = items.key_at(pos)
-            t0 = time.perf_counter()
-            path = cache.lookup(key, suffix, items.size(pos), rel=items.rel_at(pos))
-            if path is not None:
-                timing[pos] = (True, time.perf_counter() - t0, True)  # counted when delivered
-                misses[0] = 0
-            else:
-                misses[0] += 1
-                probed.add(pos)
-            return path
-
-        def warm_run(pos: int) -> tuple[list[str], list[int], list[int], float, bool]:
-            """Cache hits from ``pos`` on, looked up as one run on this thread (a warm cache: no
-            read-ahead, no per-item calls): ``(paths, indices, sizes, seconds each, whole run hit)``."""
-            end = min(n, pos + stream.chunk, (pos // items.chunk + 1) * items.chunk)
-            stream.cover(end - 1)  # protected before they are looked up, as in the read-ahead
-            at, idx, names, sizes = items.run(pos, end)
-            if checked is not None and checked.checked_prefix(at) < len(at):
-                self._check_ahead(items, pos)
-                cut = checked.checked_prefix(at)
-                at, idx, names, sizes = at[:cut], idx[:cut], names[:cut], sizes[:cut]
-            t0 = time.perf_counter()
-            paths = cache.lookup_run(names, sizes, at, seen)
-            return paths, idx, sizes, (time.perf_counter() - t0) / max(1, len(paths)), len(paths) == end - pos
-
-        def handed(pos: int) -> None:
-            """Bookkeeping of position ``pos`` just before it is handed out."""
-            if main:
-                self._delivered_main = pos + 1
-            stream.yielded = pos + 1
-            if pos % stream.quantum == 0:
-                stream.refresh()
-            if pos % STREAM_CHUNK == STREAM_CHUNK - 1:
-                _release_free_heap()
-
-        pos, warm = 0, True  # a warm cache (a second epoch, a restart) is found by the first run
-        abandoned = True  # until the stream is exhausted: an exception, break or close() leaves it
-        try:
-            while pos < n:
-                if warm:
-                    paths, idx, sizes, each, warm = warm_run(pos)
-                    # handed() per piece, not per item: a warm epoch's cost is this loop. A piece ends
-                    # at a batch boundary, so counters and fetch records are exact once the loop holds
-                    # a whole batch (they run ahead of it by less than a batch in between).
-                    quantum, a = stream.quantum, 0
-                    while a < len(paths):
-                        b = min(len(paths), a + quantum - pos % quantum)
-                        if pos % quantum == 0:
-                            stream.refresh()
-                        tally[0] += b - a
-                        tally[1] += b - a
-                        flush()
-                        telemetry.record_items(idx[a:b], True, each, sizes[a:b])
-                        for path in paths[a:b]:
-                            pos += 1
-                            stream.yielded = pos
-                            if main:
-                                self._delivered_main = pos
-                            yield path
-                        a = b
-                    stream.ahead = pos  # looked up beyond the run's hits: those need no cover now
-                    continue
-                streak = 0  # consecutive hits: a long run switches back to warm runs
-                stream.resized.clear()  # the read-ahead's byte bound is taken now: a change restarts it
-                ahead = read_ahead(get, scheduled(pos), depth=depth, timeout=self.timeout,
-                                   describe=lambda p: self.volume.display(items.entry(p).path),
-                                   fast=hit, cost=items.size, max_bytes=stream.read_ahead_bytes, alive=alive)
-                try:
-                    for pos, got in enumerate(ahead, pos):  # noqa: B020 - pos carries over to the warm runs
-                        handed(pos)
-                        hit_, fetch_s, count = timing.pop(pos, (True, 0.0, False))
-                        if isinstance(got, BaseException):
-                            stream.skipped += 1
-                            counters.add(errors=1)
-                            if len(skipped) < 3:
-                                skipped.append(f"{self.volume.display(items.entry(pos).path)}: {got}")
-                            streak = 0
-                            continue
-                        tally[0] += count
-                        tally[1] += 1
-                        if (pos + 1) % stream.quantum == 0:  # exact once the loop holds a whole batch
-                            flush()
-                        telemetry.record_item(items.index(pos), hit_, fetch_s, items.entry(pos).size)
-                        yield got
-                        streak = streak + 1 if hit_ else 0
-                        if streak >= WARM_STREAK:
-                            warm = True
-                            break
-                        if stream.resized.is_set():
-                            break
-                    pos += 1
-                finally:
-                    ahead.close()  # calls not started are cancelled; started fills still land in the cache
-                    timing.clear()  # what was found ahead is looked up again by the warm run
-                    probed.clear()
-            abandoned = False  # exhausted: the loop may still hold (and report) its last batches
-        finally:
-            flush()
-            stream.finish(abandoned=abandoned)
-            _release_free_heap()
-            if skipped:
-                more = f" and {stream.skipped - len(skipped)} more" if stream.skipped > len(skipped) else ""
-                warnings.warn(f"ucmagic: skipped {stream.skipped} file(s) this epoch: {'; '.join(skipped)}{more} "
-                              "(counted in stats()['errors'])", stacklevel=2)
+        return stream
 
     # ------------------------------------------------------------ resume
 
