@@ -121,12 +121,9 @@ def _write_files_legacy(writer: Any, planner: Any, file_queue: Any) -> Any:
     params = inspect.signature(worker).parameters
     result_queue: queue.Queue = queue.Queue()
     kw: dict[str, Any] = {"file_queue": file_queue, "result_queue": result_queue, "planner": planner,
-                          "inflight_threshhold": writer.per_thread_copy_ahead, "use_fsync": writer.sync_files}
-    if "create_stream" in params:
-        kw["create_stream"] = writer.fs.create_stream
-    if "thread_count" in params:
-        kw["thread_count"] = writer.thread_count
-    if "transforms" in params:
+                          "inflight_threshhold": writer.per_thread_copy_ahead, "use_fsync": writer.sync_files,
+                          "create_stream": writer.fs.create_stream, "thread_count": writer.thread_count}
+    if "transforms" in params:  # releases after 2.4 take the writer's transforms too
         kw["transforms"] = writer.transforms
     unknown = [p for p, v in params.items() if p not in kw and v.default is inspect.Parameter.empty]
     if unknown:
