@@ -13,7 +13,7 @@ from ucmagic.files.cache_layout import cache_key
 from ucmagic.files.locks import process_tag
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # cache_helpers, whatever pytest's import mode
-from cache_helpers import entry_of, writer  # noqa: E402
+from cache_helpers import entry_of, writer
 
 
 def test_choose_victims_is_lru():

@@ -14,7 +14,7 @@ from ucmagic.files.cache import TOUCH_EVERY_S, FileCache, SeenEntries
 from ucmagic.files.cache_layout import cache_key, entry_file
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # cache_helpers, whatever pytest's import mode
-from cache_helpers import entry_of, writer  # noqa: E402
+from cache_helpers import entry_of, writer
 
 
 def test_fill_then_hit_and_no_partial_file_visible(tmp_path):

@@ -9,12 +9,12 @@ import pytest
 
 pytest.importorskip("IPython")
 
-from IPython.core.error import UsageError  # noqa: E402
-from IPython.core.interactiveshell import InteractiveShell  # noqa: E402
+from IPython.core.error import UsageError
+from IPython.core.interactiveshell import InteractiveShell
 
-from ucmagic.notebook import magics  # noqa: E402
-from ucmagic.notebook.magics import MagicUsageError, expand, split_args  # noqa: E402
-from ucmagic.tables.sources import classify_source  # noqa: E402
+from ucmagic.notebook import magics
+from ucmagic.notebook.magics import MagicUsageError, expand, split_args
+from ucmagic.tables.sources import classify_source
 
 MAGICS = ("ucload", "ucstage", "ucckpt")
 

@@ -12,7 +12,7 @@ from ucmagic.files.locks import process_tag
 from ucmagic.files.protection import parse_record_name
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # cache_helpers, whatever pytest's import mode
-from cache_helpers import entry_of, writer  # noqa: E402
+from cache_helpers import entry_of, writer
 
 
 @pytest.mark.parametrize("name,parsed", [("a-1@b-2.0.rec", ("a-1", "b-2")), ("x.rec", None), ("a@b.0.txt", None)])
