@@ -210,6 +210,29 @@ def test_hostile_names_stay_inside_the_cache_and_map_back(tmp_path):
     assert seen == {rel: bytes([i]) * (i + 1) for i, rel in enumerate(names)}
 
 
+def _old_entry(cache: FileCache, name: str) -> str:
+    bucket = os.path.join(cache.root, "data", name[:2])
+    os.makedirs(bucket, exist_ok=True)
+    with open(os.path.join(bucket, name), "wb") as f:
+        f.write(b"old layout")
+    return os.path.join(bucket, name)
+
+
+@pytest.mark.timeout(120)
+def test_entries_of_the_old_layout_are_reaped_unless_a_live_process_protects_them(tmp_path):
+    src, root = str(tmp_path / "src"), str(tmp_path / "cache")
+    _image_tree(src, per_class=1)
+    cache = FileCache(root)
+    gone = _old_entry(cache, "ab" + "0" * 38 + ".jpg")
+    held = _old_entry(cache, "cd" + "1" * 38 + ".jpg")  # named by a record of a live (older) process
+    cache.write_record(cache.record_path(process_tag(), 0), [os.path.basename(held)])
+    assert "other" in cache_command("info", root)
+    ds = UCVolumeDataset(src, cache_dir=root)  # a new dataset reaps what no live process protects
+    assert not os.path.exists(gone) and not os.path.exists(os.path.dirname(gone)) and os.path.exists(held)
+    assert all(os.sep + "files" + os.sep in p for p in ds)  # never served from data/
+    cache.drop_record(cache.record_path(process_tag(), 0))
+    assert "1 old-layout" in cache_command("prune", root)
+    assert not os.path.exists(os.path.join(root, "data"))
 
 
 @pytest.mark.timeout(120)

@@ -57,7 +57,7 @@ def test_dead_process_records_and_temp_files_are_reaped(tmp_path):
     live.write_text("y")
     stale = tmp_path / "c" / "tmp" / "k.999999999-1.0.1.part"
     stale.write_bytes(b"1")
-    assert c.reap() == {"records": 1, "tmp": 1}
+    assert c.reap() == {"records": 1, "tmp": 1, "old": 0}
     assert not dead.exists() and not stale.exists()
     assert live.exists()  # its owner (this process) may still hold the batch a dead worker made
 

@@ -15,15 +15,15 @@ Guarantees: an entry in ``files/`` is always complete (its directory is staged u
 renamed in whole), so the path of an entry is stable: the same file version has the same path, ending
 with the file's relative path, in every epoch and process, and it stays until a budget evicts it
 (whole: directory and file). One fill per file even with many threads and processes asking at once;
-a changed source file (size or mtime) gets a new key, hence a new path. Eviction is
-least-recently-used and skips every entry named in a protection record whose owner (pid + start
-time) is alive; records of a dead owner are dropped at once. With a budget, fills wait for room
-instead of overshooting, except fills a blocked consumer needs next (``may_exceed``), so the loop
-always makes progress.
+a changed source file (size or mtime) gets a new key, hence a new path. Entries of the old layout
+(``data/<k0k1>/<key><.ext>``) are never served and are reaped. Eviction is least-recently-used and skips every entry
+named in a protection record whose owner (pid + start time) is alive; records of a dead owner are
+dropped at once. With a budget, fills wait for room instead of overshooting, except fills a blocked
+consumer needs next (``may_exceed``), so the loop always makes progress.
 
 This module holds :class:`FileCache`, the facade: lookup, fill, install and removal of entries. Its
 parts, one job each: ``cache_layout`` (keys, entry names, source paths inside entries, the directory,
-reaping of dead writers' temp files), ``locks`` (``file_lock``, the per-key fill
+reaping of dead writers' temp files and the old layout), ``locks`` (``file_lock``, the per-key fill
 locks, process identities), ``protection`` (protection records), ``budget`` (the budget in force,
 the ledger, room for fills, eviction, the free-disk floor), ``cache_usage`` (what the directory holds)
 and ``cache_report`` (the CLI's ``cache info|prune|clear``).
@@ -350,8 +350,8 @@ class FileCache:
         return self.budget_keeper.scan(self.protected_names(reap=False))[1]
 
     def reap(self) -> dict[str, int]:
-        """Drop protection records of dead owners, and temp files and staged entries of dead writers.
-        Returns counts."""
+        """Drop protection records of dead owners, temp files and staged entries of dead writers, and
+        entries of the old layout (``data/``) no live process protects. Returns counts."""
         return reap(self.layout, self.records)
 
     def eviction_lock(self) -> contextlib.AbstractContextManager[None]:

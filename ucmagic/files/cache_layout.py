@@ -1,5 +1,6 @@
 """Where things sit under a cache directory: keys, entry names, the mapping of source paths into
-entries, the directory layout (made private to the user) and the reaping of what dead writers left.
+entries, the directory layout (made private to the user) and the reaping of what dead writers and
+the old layout left.
 
 Layout under the cache root (private to the user, mode 0700)::
 
@@ -29,6 +30,7 @@ from .locks import process_tag, tag_alive
 
 TMP_STALE_S = 6 * 3600.0  # a temp file whose writer cannot be identified is dropped after this long
 SUBDIRS = ("files", "tmp", "locks", "prot")
+OLD_DATA = "data"  # the layout before entries kept source names (data/<xx>/<key><ext>): reaped, never served
 _SUFFIX_RE = re.compile(r"\.[A-Za-z0-9_\-]{1,16}$")
 
 
@@ -203,7 +205,7 @@ def serial() -> int:
 
 class CacheLayout:
     """The directories of one cache root: made (private, checked) on creation; paths of entries and
-    temp files; reaping of what dead writers left."""
+    temp files; reaping of what dead writers and the old layout left."""
 
     def __init__(self, root: str) -> None:
         self.root = root
@@ -292,6 +294,23 @@ class CacheLayout:
                     n += 1
             except OSError:
                 pass
+        return n
+
+    def reap_old_layout(self, protected: set[str]) -> int:
+        """Remove the old layout's entries (``data/<xx>/<key><ext>``, never served) that no live
+        process of an older ucmagic protects, and its directories once empty. Returns the count."""
+        old = os.path.join(self.root, OLD_DATA)
+        n = 0
+        for bucket in scandir(old, dirs=True):
+            for de in scandir(bucket.path) if bucket.is_dir(follow_symlinks=False) else [bucket]:
+                if de.name not in protected:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(de.path)
+                        n += 1
+            with contextlib.suppress(OSError):
+                os.rmdir(bucket.path)
+        with contextlib.suppress(OSError):
+            os.rmdir(old)
         return n
 
 

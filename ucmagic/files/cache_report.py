@@ -24,7 +24,7 @@ def cache_command(action: str, root: str | None = None, *, limit: int | str | No
         if limit is not None:
             freed = cache.evict(keep_below=parse_size(limit))
         return (f"{cache.root}: dropped {r['records']} protection record(s) of exited processes, "
-                f"{r['tmp']} abandoned temp file(s), evicted {format_size(freed)}")
+                f"{r['tmp']} abandoned temp file(s), {r['old']} old-layout entries, evicted {format_size(freed)}")
     if action == "clear":
         r = cache.clear()
         return (f"{cache.root}: removed {r['entries']} entries, {r['records']} protection record(s) and "

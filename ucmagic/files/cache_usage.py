@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from .cache_layout import SUBDIRS, CacheLayout, file_size, parse_entry_name, parse_tmp_name, scandir
+from .cache_layout import OLD_DATA, SUBDIRS, CacheLayout, file_size, parse_entry_name, parse_tmp_name, scandir
 
 
 @dataclass
@@ -55,6 +55,9 @@ def scan(layout: CacheLayout, protected: set[str]) -> tuple[list[tuple[str, int,
             u.protected_bytes += size
         else:
             free.append((de.path, size, mtime))
+    for bucket in scandir(os.path.join(layout.root, OLD_DATA), dirs=True):  # the old layout, until reaped
+        for de in scandir(bucket.path) if bucket.is_dir(follow_symlinks=False) else [bucket]:
+            u.other_bytes += file_size(de)
     for de in scandir(layout.tmp, dirs=True):
         parsed_tmp = parse_tmp_name(de.name)
         u.tmp_files += 1
