@@ -22,6 +22,7 @@ import warnings
 from collections.abc import Iterator
 from concurrent.futures import Future as CFuture
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -46,6 +47,7 @@ from .format import (
     split_buckets,
     stale_files,
 )
+from .._util import is_url
 from ..dist import dist_info
 from ..errors import CheckpointError, CheckpointExistsError
 from ..units import parse_size
@@ -154,6 +156,8 @@ class _RecordingFileSystem:
 
     @contextlib.contextmanager
     def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[io.IOBase]:
+        if isinstance(path, str) and not is_url(path):
+            path = Path(path)  # torch 2.4's FileSystem calls ``path.open()``: it takes Paths only
         try:
             self.session.check()
             with self.inner.create_stream(path, mode) as stream:
