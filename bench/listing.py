@@ -86,7 +86,7 @@ def run_in_child(name: str, **kw) -> dict:
 
 def run_step(name: str, kw: dict) -> dict:
     # library imports are not listing time (a training process has them loaded already)
-    import pyarrow.compute  # noqa: F401
+    import pyarrow.compute
     import pyarrow.ipc  # noqa: F401
 
     from ucmagic.files.listing import open_listing
@@ -185,7 +185,7 @@ def _member(kind: str, blob: bytes, streams: int, s: int, barrier, q) -> None:
 
     import numpy as np
     import psutil
-    import pyarrow.compute  # noqa: F401  -- libraries load before the baseline
+    import pyarrow.compute
     import pyarrow.ipc  # noqa: F401
 
     from ucmagic.files import plan
@@ -253,7 +253,7 @@ def _rank(root: str, cache: str, out_dir: str, workers: int) -> None:
 
     dist.init_process_group("gloo", init_method=f"file://{os.path.join(out_dir, 'store')}",
                             rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
-    import pyarrow.compute  # noqa: F401
+    import pyarrow.compute
     import pyarrow.ipc  # noqa: F401
 
     gc.collect()

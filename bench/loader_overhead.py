@@ -18,10 +18,10 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import torch  # noqa: E402
-import torch.utils.data as tud  # noqa: E402
+import torch
+import torch.utils.data as tud
 
-from ucmagic.loading.loader import DataLoader  # noqa: E402
+from ucmagic.loading.loader import DataLoader
 
 
 def busy(seconds: float) -> None:

@@ -24,7 +24,7 @@ from collections import OrderedDict
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ucmagic.files import plan  # noqa: E402
+from ucmagic.files import plan
 
 
 def simulate_node_hits(nodes: int, share: int, cache_files: int, epochs: int, mode: str, local: int = 8,

@@ -34,8 +34,8 @@ from typing import Iterator
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from ucmagic import testing  # noqa: E402
-from ucmagic.staging import stage  # noqa: E402
+from ucmagic import testing
+from ucmagic.staging import stage
 
 PROFILES = {"P100": (100.0, 100.0), "P20": (20.0, 200.0)}
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # browser_harness, whatever pytest's import mode
-import browser_harness as bh  # noqa: E402
+import browser_harness as bh
 
 FILES, BATCH = 640, 16  # 40 batches of 16 files of 4 KiB
 STEP_S = 0.15  # the training step: the cell runs about 6 s

@@ -35,7 +35,7 @@ from ucmagic.files.locks import process_tag
 from ucmagic.errors import SourceNotFoundError
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # ranks, whatever pytest's import mode
-from ranks import PRELUDE, run_ranks  # noqa: E402
+from ranks import PRELUDE, run_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

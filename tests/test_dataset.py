@@ -14,8 +14,8 @@ from torch.utils.data import DataLoader as TorchLoader
 
 from ucmagic import UCVolumeDataset
 from ucmagic.files.cache import FileCache
-from ucmagic.errors import (EmptyListingError, FetchError, ListingChangedError, NotADirectoryErrorUC, SizeParseError,
-                            SourceNotFoundError)
+from ucmagic.errors import (EmptyListingError, FetchError, ListingChangedError, SizeParseError,
+                            SourceNotADirectoryError, SourceNotFoundError)
 from ucmagic.files.volume import LocalVolume
 
 
@@ -280,7 +280,7 @@ def test_clear_errors_for_bad_input(tree, tmp_path):
     root, rels = tree
     with pytest.raises(SourceNotFoundError, match="does not exist"):
         UCVolumeDataset(str(tmp_path / "missing"))
-    with pytest.raises(NotADirectoryErrorUC):
+    with pytest.raises(SourceNotADirectoryError):
         UCVolumeDataset(os.path.join(root, rels[0]))
     with pytest.raises(EmptyListingError, match=r"\*\.png"):
         UCVolumeDataset(root, pattern="*.png")

@@ -98,20 +98,20 @@ def test_two_processes_on_one_cache_stay_within_the_smallest_budget(tmp_path, so
 
 def test_a_window_shared_with_other_processes_fits_its_share(tmp_path, source):
     ds = UCVolumeDataset(source, cache_dir=str(tmp_path / "cache"))
-    alone = ds._protection(BUDGET, 1, False)  # noqa: SLF001 - the sizing rule itself
+    alone = ds._protection(BUDGET, 1, False)
     assert alone.window == MIN_WINDOW
-    shared = ds._protection(BUDGET, 1, False, live=2)  # noqa: SLF001
+    shared = ds._protection(BUDGET, 1, False, live=2)
     share_files = BUDGET // 2 // SIZE
     assert share_files < MIN_WINDOW
     # the window and its release step, the read-ahead in flight and the items covered ahead fit the share
     held = shared.window + max(1, shared.window // 4) + shared.read_ahead_bytes // SIZE + shared.cover
     assert held <= share_files
-    grown = ds._protection(BUDGET, 1, False, live=1)  # noqa: SLF001 - the other process left
+    grown = ds._protection(BUDGET, 1, False, live=1)
     assert grown == alone
 
 
 def test_the_first_item_check_is_on_this_process_s_own_share(tmp_path, source):
     ds = UCVolumeDataset(source, cache_dir=str(tmp_path / "cache"))
-    ds._protection(BUDGET, 1, False, live=8)  # noqa: SLF001 - others' streams never make it fail
+    ds._protection(BUDGET, 1, False, live=8)
     with pytest.raises(BudgetTooSmallError, match="cache_limit"):
-        ds._protection(BUDGET, 2, False)  # noqa: SLF001 - two own streams of 60 files cannot hold 64
+        ds._protection(BUDGET, 2, False)

@@ -7,7 +7,7 @@ import sys
 import types
 
 import numpy as np
-import numpy.random  # noqa: F401  (imported before forking workers)
+import numpy.random  # imported before forking workers
 import pytest
 import torch
 from torch.utils.data import IterableDataset, get_worker_info

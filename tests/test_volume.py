@@ -4,7 +4,7 @@ import threading
 
 import pytest
 
-from ucmagic.errors import EmptyListingError, NotADirectoryErrorUC, SourceChangedError, SourceNotFoundError
+from ucmagic.errors import EmptyListingError, SourceNotADirectoryError, SourceChangedError, SourceNotFoundError
 from ucmagic.files.volume import (FileEntry, FsspecVolume, LocalVolume, compile_pattern, filter_entries,
                             listing_fingerprint, open_volume, resolve_local_path)
 
@@ -50,7 +50,7 @@ def test_open_volume_errors(tmp_path):
         open_volume(str(tmp_path / "nope"))
     f = tmp_path / "file.bin"
     f.write_bytes(b"1")
-    with pytest.raises(NotADirectoryErrorUC, match="is a file"):
+    with pytest.raises(SourceNotADirectoryError, match="is a file"):
         open_volume(str(f))
     with pytest.raises(SourceNotFoundError):
         open_volume("memory://no/such/dir")

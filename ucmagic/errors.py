@@ -16,9 +16,6 @@ class SourceNotADirectoryError(UCMagicError, NotADirectoryError):
     """A file was given where a directory is expected."""
 
 
-NotADirectoryErrorUC = SourceNotADirectoryError  # deprecated name, kept for existing code
-
-
 class MissingExtraError(UCMagicError, ModuleNotFoundError):
     """An optional dependency is not installed; the message names the ``pip install`` that adds it."""
 

@@ -560,7 +560,7 @@ def _load_dcp(path: str, model: Any, optimizer: Any, reader_kw: dict[str, Any]) 
     prefix = "model." if nested else ""
     _check_keys(path, ours["model"], (k[len(prefix):] for k in keys if k.startswith(prefix)))
     _check_shapes(path, {k: tuple(v.shape) for k, v in ours["model"].items() if hasattr(v, "shape")},
-                  {k[len(prefix):]: tuple(getattr(m, "size")) for k, m in stored.items()  # noqa: B009 - tensors only
+                  {k[len(prefix):]: tuple(getattr(m, "size")) for k, m in stored.items()
                    if k.startswith(prefix) and getattr(m, "size", None) is not None})
     okey = next((k for k in ("optim", "optimizer", "opt") if any(n.startswith(k + ".") for n in keys)), None)
     if optimizer is not None and (okey is None or not nested):

@@ -458,7 +458,7 @@ def spark_dataframe(src: Source) -> Any:
                                  "start one (SparkSession.builder.getOrCreate()) or pass a table path")
     try:
         return spark.read.table(src.obj.quoted())
-    except Exception as e:  # noqa: BLE001 - AnalysisException lives in pyspark
+    except Exception as e:
         if "TABLE_OR_VIEW_NOT_FOUND" in str(e) or "not found" in str(e).lower():
             raise TableNotFoundError(f"table {src.name} not found through the active Spark session: {e}") from None
         raise
