@@ -165,6 +165,29 @@ def test_seed_wrapper_under_ucmagic_dataloader_completes_with_a_budget_below_one
         assert sorted(h.split(b"\n")[0].decode() for h in got) == sorted(rels)
 
 
+@pytest.mark.timeout(45)  # it hung (or waited out the 60 s stall) before: seconds now
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_a_second_epoch_after_break_under_a_budget_below_one_batch_completes_with_persistent_workers(
+        tmp_path, wrapped):
+    # the workers were still filling the batches torch prefetched after the break, waiting for room the
+    # loop would never free, while torch waited for them to start the new epoch: a hang for good
+    root = str(tmp_path / "vol")
+    rels = make_files(root, 120, 6 * 1024, per_dir=40)
+    ds = UCVolumeDataset(root, cache_dir=str(tmp_path / "c"), cache_limit=12 * 1024)
+    loader = DataLoader(PathsOf(ds) if wrapped else ds, batch_size=4, num_workers=2, persistent_workers=True,
+                        prefetch_factor=2, collate_fn=list)
+    n = 0
+    for b in loader:
+        n += len(b)
+        if n >= 40:
+            break
+    got = [p for b in loader for p in b]
+    if wrapped:  # each file once: its first line is its relative path
+        assert sorted(h.split(b"\n")[0].decode() for h in got) == sorted(rels)
+    else:
+        assert sorted(ds.source_of(p).rel for p in got) == sorted(rels)
+
+
 @pytest.mark.timeout(60)
 def test_filtering_wrapper_that_cannot_get_room_ends_with_a_named_error_not_a_hang(tmp_path, monkeypatch):
     import ucmagic.files.budget

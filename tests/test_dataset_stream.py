@@ -11,7 +11,7 @@ import pytest
 
 from ucmagic import UCVolumeDataset
 from ucmagic.errors import BudgetTooSmallError
-from ucmagic.files.dataset import MIN_WINDOW
+from ucmagic.files.windows import MIN_WINDOW
 from ucmagic.testing import make_files
 
 from test_budget import dir_bytes
@@ -98,20 +98,20 @@ def test_two_processes_on_one_cache_stay_within_the_smallest_budget(tmp_path, so
 
 def test_a_window_shared_with_other_processes_fits_its_share(tmp_path, source):
     ds = UCVolumeDataset(source, cache_dir=str(tmp_path / "cache"))
-    alone = ds._protection(BUDGET, 1, False)
+    alone = ds.window_policy().protection(BUDGET, 1, False)
     assert alone.window == MIN_WINDOW
-    shared = ds._protection(BUDGET, 1, False, live=2)
+    shared = ds.window_policy().protection(BUDGET, 1, False, live=2)
     share_files = BUDGET // 2 // SIZE
     assert share_files < MIN_WINDOW
     # the window and its release step, the read-ahead in flight and the items covered ahead fit the share
     held = shared.window + max(1, shared.window // 4) + shared.read_ahead_bytes // SIZE + shared.cover
     assert held <= share_files
-    grown = ds._protection(BUDGET, 1, False, live=1)
+    grown = ds.window_policy().protection(BUDGET, 1, False, live=1)
     assert grown == alone
 
 
 def test_the_first_item_check_is_on_this_process_s_own_share(tmp_path, source):
     ds = UCVolumeDataset(source, cache_dir=str(tmp_path / "cache"))
-    ds._protection(BUDGET, 1, False, live=8)
+    ds.window_policy().protection(BUDGET, 1, False, live=8)
     with pytest.raises(BudgetTooSmallError, match="cache_limit"):
-        ds._protection(BUDGET, 2, False)
+        ds.window_policy().protection(BUDGET, 2, False)

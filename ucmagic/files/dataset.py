@@ -13,7 +13,7 @@ import weakref
 from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Callable, Generator, Iterator, NamedTuple, Sequence
+from typing import Any, Callable, Generator, Iterator, Sequence
 
 import numpy as np
 
@@ -36,32 +36,17 @@ from .listing import VALIDATE_MODES, Listing, forget_listing, open_listing
 from ..progress import Progress
 from .._shared import SharedBits, SharedInts
 from ..telemetry import SharedCounters, percentiles
-from ..units import format_size
 from .volume import FileEntry, Volume, copy_error, open_volume
+from .windows import LiveSizing, Sizing, WindowPolicy
 
 STATE_VERSION = 2  # 2: the array-free epoch order (plan.ORDER_VERSION 2)
 STREAM_CHUNK = 512  # items of a stream decoded from the listing at once (~450 B each while kept)
 STREAM_CHUNKS_KEPT = 8  # decoded chunks kept per stream (read-ahead and protection stay within them)
 DEFAULT_INFLIGHT = 128  # files in flight per rank, spread over its DataLoader workers
 WARM_STREAK = 64  # consecutive cache hits after which iteration switches to whole runs of lookups
-# Without consumption reports a stream keeps at least this many handed-out files protected (or
-# lease_items if smaller): the batch the loop holds and torch's prefetch queue (2 batches of 21)
-MIN_WINDOW = 64
-# Where other processes' streams share the budget, each stream's share holds its window and the
-# window's release step (a quarter of it), its read-ahead in flight and the items its record covers
-# ahead of the loop (other processes' copies among them stay protected): fractions of the share
-SHARED_WINDOW, SHARED_AHEAD, SHARED_COVER = 0.5, 0.2, 0.15
 RESIZE_S = 1.0  # how often a stream re-reads the budget and the streams sharing the cache
 
 
-class Sizing(NamedTuple):
-    """A stream's protection: ``window`` (handed-out items kept without consumption reports), the
-    bytes its read-ahead may hold in flight, and how many items its record covers ahead at a time
-    (None: the read-ahead depth)."""
-
-    window: int
-    read_ahead_bytes: int
-    cover: int | None = None
 COLD_MISSES = 8  # consecutive misses of lookups on the loop thread after which they are only probes
 COLD_PROBE_EVERY = 16  # ... of every 16th item, until hits come back
 MIN_COVER = 16  # items a stream's record covers ahead at least (unless a shared budget asks fewer)
@@ -69,6 +54,8 @@ SKIPPED_NAMED = 3  # skipped files named in an epoch's warning (the rest are cou
 CHECKED_HERE = 16  # validate="lazy": files checked on the calling thread before timing decides on threads
 MAX_STREAMS = 64  # DataLoader workers whose consumption ucmagic.DataLoader reports (more share slots)
 _TRACKED = MAX_STREAMS  # index of the "ucmagic.DataLoader reports consumption" flag in the channel
+_GENERATION = MAX_STREAMS + 1  # index of the loader's iteration count: a stream of an earlier one is stale
+STALE_CONSUMED = 1 << 62  # what a stale stream reads as consumed: all it handed out (nothing stays protected)
 
 
 def check_seed(seed: Any) -> int:
@@ -159,7 +146,13 @@ class ConsumptionChannel:
         self._a = arr
 
     def reset(self, streams: int) -> None:
-        """A new iteration with ``streams`` worker streams: nothing consumed yet, reports on."""
+        """A new iteration with ``streams`` worker streams: nothing consumed yet, reports on.
+
+        Streams of the iteration before (persistent workers still finishing the batches torch
+        prefetched after a ``break``) become stale: they read everything as consumed, so their
+        protection ends and their fills never wait for room the loop will not free.
+        """
+        self._a[_GENERATION] = self._a[_GENERATION] + 1
         for i in range(MAX_STREAMS):
             self._a[i] = 0
         self._a[_TRACKED] = 1
@@ -805,7 +798,7 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
         self.lease_items = 1024
         self._init_epochs()
         self._counters = SharedCounters()
-        self._consumed = SharedInts(MAX_STREAMS + 1)  # items the loop finished, per worker stream
+        self._consumed = SharedInts(MAX_STREAMS + 2)  # items the loop finished, per worker stream
         self._resume: dict[str, Any] | None = None
         self._delivered_main = 0
         self._epoch_main = 0
@@ -1003,9 +996,12 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
         i = slot
         if i >= MAX_STREAMS:
             return lambda: None
+        generation = chan[_GENERATION]  # the loader's iteration this stream belongs to
 
         def consumed() -> int | None:
-            return chan[i] if chan[_TRACKED] else None
+            if not chan[_TRACKED]:
+                return None
+            return chan[i] if chan[_GENERATION] == generation else STALE_CONSUMED
 
         return consumed
 
@@ -1019,76 +1015,11 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
         with (shared memory, seen by every worker). Used by ucmagic.DataLoader."""
         return ConsumptionChannel(self._consumed)
 
-    def _protection(self, budget: int | None, streams: int, reported: bool, live: int = 0) -> Sizing:
-        """The :class:`Sizing` of one of ``streams`` streams: the items it keeps protected
-        after handing them out when the loop's consumption is not ``reported`` (torch's DataLoader, a
-        wrapper dataset, a plain loop), and the bytes it may hold in flight.
-
-        Under a budget each stream's share holds both: a third for the window (sized by the listing's
-        mean file size, at most ``lease_items``), a third for read-ahead, so the protected files fit in
-        ``cache_limit`` and a small budget slows the loop down instead of stopping it. The window
-        holds at least :data:`MIN_WINDOW` files (or ``lease_items`` if smaller), with reports one
-        file (the fill the loop waits for may go over the budget: see :meth:`_Stream.may_exceed`); a
-        share that cannot hold that many files of the mean size is an error now, at the first item,
-        naming the size needed.
-
-        ``live`` streams of every process share the cache (:meth:`FileCache.live_streams`): where
-        there are more than this process's ``streams``, the budget is split over all of them, and a
-        window with its release step, the read-ahead and the items covered ahead of it (which protect
-        what other processes fetched) fit the smaller share (the window below :data:`MIN_WINDOW` if
-        need be: the smallest ``cache_limit`` bounds the directory). The first-item check is on this
-        process's own share: a process joining never makes another fail.
-        """
-        if budget is None:
-            return Sizing(self.lease_items, self._read_ahead_bytes(streams))
-        self._check_share(budget, streams, reported)
-        return self._sized(budget, streams, reported, live)
-
-    def _typical_size(self) -> int:
+    def window_policy(self) -> WindowPolicy:
+        """The rules that size this dataset's protection windows and read-ahead (see :mod:`.windows`)."""
         n = len(self.listing)
-        return max(1, -(-self.listing.total_bytes // n)) if n else 1
-
-    def _least(self, reported: bool) -> int:
-        """Files a stream must hold at once: with reports the one the loop waits for, else a window."""
-        return 1 if reported else min(self.lease_items, MIN_WINDOW)
-
-    def _check_share(self, budget: int, streams: int, reported: bool) -> None:
-        """:class:`BudgetTooSmallError` where one of ``streams`` shares cannot hold the least window."""
-        typical, least = self._typical_size(), self._least(reported)
-        if len(self.listing) and budget // max(1, streams) < least * typical:
-            what = "one file" if least == 1 else f"{least} files (the protection window without ucmagic.DataLoader)"
-            raise BudgetTooSmallError(
-                f"cache_limit={format_size(budget)} cannot hold {what} of ~{format_size(typical)} for each of "
-                f"{streams} stream(s): set cache_limit to at least {format_size(least * typical * max(1, streams))}"
-                + (" or use fewer DataLoader workers" if streams > 1 else "")
-                + ("" if reported else "; ucmagic.DataLoader reports what the loop consumed and needs less"))
-
-    def _sized(self, budget: int, streams: int, reported: bool, live: int = 0) -> Sizing:
-        """The protection of one stream under ``budget`` shared by ``max(streams, live)`` streams (no check)."""
-        total = max(1, streams, live)
-        share = budget // total
-        typical = self._typical_size()
-        files = share // typical
-        # a third each (the window is released in steps of a quarter of it): about 3/4 of the share
-        # is held, so fills rarely wait for room
-        window = self.lease_items if reported else max(self._least(reported), min(self.lease_items, files // 3))
-        if total > streams:  # shared with other processes' streams, which protect what this one fetched:
-            # the window, its release step, the read-ahead and the items covered ahead fit the share
-            return Sizing(window if reported else min(window, max(1, int(files * SHARED_WINDOW))),
-                          max(typical, int(share * SHARED_AHEAD)), max(1, int(files * SHARED_COVER)))
-        if reported:
-            return Sizing(window, max(1, share))
-        return Sizing(window, max(typical, (share - window * typical) // 2))
-
-    def _sizer(self, streams: int, reported: bool) -> Callable[[], Sizing | None]:
-        """A stream's :attr:`_Stream.sizer`: its protection for the budget and live streams now (None: no budget)."""
-        cache = self.cache
-
-        def sized() -> Sizing | None:
-            budget = cache.budget()
-            return None if budget is None else self._sized(budget, streams, reported, cache.live_streams())
-
-        return sized
+        typical = max(1, -(-self.listing.total_bytes // n)) if n else 1
+        return WindowPolicy(self.lease_items, typical, n)
 
     def _read_ahead_bytes(self, streams: int) -> int:
 
@@ -1154,13 +1085,15 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
         record = cache.record_path(owner, slot)
         cache.write_record(record, [])  # this stream counts among the live ones before it sizes itself
         try:
-            sizing = self._protection(budget, streams, reported, cache.live_streams())
+            policy = self.window_policy()
+            sizing = policy.protection(budget, streams, reported, cache.live_streams(),
+                                       unbudgeted_bytes=self._read_ahead_bytes(streams))
         except BudgetTooSmallError:
             cache.drop_record(record)
             raise
         stream = _Stream(cache, owner, slot, items, quantum=self.batch_quantum, window=sizing.window,
                          chunk=max(MIN_COVER, depth), consumed=consumed, budgeted=budget is not None,
-                         sizer=self._sizer(streams, reported), sizing=sizing)
+                         sizer=LiveSizing(policy, cache, streams, reported), sizing=sizing)
         if budget is not None:
             stream.start_refresher()
         return stream

@@ -1,0 +1,116 @@
+"""How much of the cache each stream may hold: its protection window and read-ahead under a budget.
+
+Pure sizing (numbers in, a :class:`Sizing` out, tested without I/O): :class:`WindowPolicy` turns a
+``cache_limit``, the streams sharing it and whether the loop's consumption is reported into each
+stream's share; :class:`LiveSizing` asks the cache for the budget and the live streams now, for a
+stream that re-sizes itself while it runs (a process joining or leaving the cache).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from ..errors import BudgetTooSmallError
+from ..units import format_size
+from .cache import FileCache
+
+# Without consumption reports a stream keeps at least this many handed-out files protected (or
+# lease_items if smaller): the batch the loop holds and torch's prefetch queue (2 batches of 21)
+MIN_WINDOW = 64
+# Where other processes' streams share the budget, each stream's share holds its window and the
+# window's release step (a quarter of it), its read-ahead in flight and the items its record covers
+# ahead of the loop (other processes' copies among them stay protected): fractions of the share
+SHARED_WINDOW, SHARED_AHEAD, SHARED_COVER = 0.5, 0.2, 0.15
+
+
+class Sizing(NamedTuple):
+    """A stream's protection: ``window`` (handed-out items kept without consumption reports), the
+    bytes its read-ahead may hold in flight, and how many items its record covers ahead at a time
+    (None: the read-ahead depth)."""
+
+    window: int
+    read_ahead_bytes: int
+    cover: int | None = None
+
+
+@dataclass(frozen=True)
+class WindowPolicy:
+    """The sizing rules of one dataset: ``lease_items`` (the largest window), the listing's mean
+    file size ``typical`` and its number of ``files``."""
+
+    lease_items: int
+    typical: int
+    files: int
+
+    def least(self, reported: bool) -> int:
+        """Files a stream must hold at once: with reports the one the loop waits for, else a window."""
+        return 1 if reported else min(self.lease_items, MIN_WINDOW)
+
+    def protection(self, budget: int | None, streams: int, reported: bool, live: int = 0, *,
+                   unbudgeted_bytes: int = 1) -> Sizing:
+        """The :class:`Sizing` of one of ``streams`` streams of this process: the items it keeps
+        protected after handing them out when the loop's consumption is not ``reported`` (torch's
+        DataLoader, a wrapper dataset, a plain loop), and the bytes it may hold in flight
+        (``unbudgeted_bytes`` without a budget).
+
+        Under a budget each stream's share holds both: a third for the window (sized by the mean file
+        size, at most ``lease_items``), a third for read-ahead, so the protected files fit in
+        ``cache_limit`` and a small budget slows the loop down instead of stopping it. The window
+        holds at least :data:`MIN_WINDOW` files (or ``lease_items`` if smaller), with reports one file
+        (the fill the loop waits for may go over the budget); a share that cannot hold that many files
+        of the mean size is :class:`BudgetTooSmallError` now, at the first item, naming the size needed.
+
+        ``live`` streams of every process share the cache (:meth:`FileCache.live_streams`): where
+        there are more than this process's ``streams``, the budget is split over all of them, and a
+        window with its release step, the read-ahead and the items covered ahead of it (which protect
+        what other processes fetched) fit the smaller share (the window below :data:`MIN_WINDOW` if
+        need be: the smallest ``cache_limit`` bounds the directory). The first-item check is on this
+        process's own share: a process joining never makes another fail.
+        """
+        if budget is None:
+            return Sizing(self.lease_items, unbudgeted_bytes)
+        self.check_share(budget, streams, reported)
+        return self.sized(budget, streams, reported, live)
+
+    def check_share(self, budget: int, streams: int, reported: bool) -> None:
+        """:class:`BudgetTooSmallError` where one of ``streams`` shares cannot hold the least window."""
+        least = self.least(reported)
+        if self.files and budget // max(1, streams) < least * self.typical:
+            what = "one file" if least == 1 else f"{least} files (the protection window without ucmagic.DataLoader)"
+            raise BudgetTooSmallError(
+                f"cache_limit={format_size(budget)} cannot hold {what} of ~{format_size(self.typical)} for each "
+                f"of {streams} stream(s): set cache_limit to at least "
+                f"{format_size(least * self.typical * max(1, streams))}"
+                + (" or use fewer DataLoader workers" if streams > 1 else "")
+                + ("" if reported else "; ucmagic.DataLoader reports what the loop consumed and needs less"))
+
+    def sized(self, budget: int, streams: int, reported: bool, live: int = 0) -> Sizing:
+        """The protection of one stream under ``budget`` shared by ``max(streams, live)`` streams (no check)."""
+        total = max(1, streams, live)
+        share = budget // total
+        files = share // self.typical
+        # a third each (the window is released in steps of a quarter of it): about 3/4 of the share
+        # is held, so fills rarely wait for room
+        window = self.lease_items if reported else max(self.least(reported), min(self.lease_items, files // 3))
+        if total > streams:  # shared with other processes' streams, which protect what this one fetched:
+            # the window, its release step, the read-ahead and the items covered ahead fit the share
+            return Sizing(window if reported else min(window, max(1, int(files * SHARED_WINDOW))),
+                          max(self.typical, int(share * SHARED_AHEAD)), max(1, int(files * SHARED_COVER)))
+        if reported:
+            return Sizing(window, max(1, share))
+        return Sizing(window, max(self.typical, (share - window * self.typical) // 2))
+
+
+@dataclass(frozen=True)
+class LiveSizing:
+    """A running stream's sizing for the cache's budget and live streams now (None: no budget)."""
+
+    policy: WindowPolicy
+    cache: FileCache
+    streams: int
+    reported: bool
+
+    def __call__(self) -> Sizing | None:
+        budget = self.cache.budget()
+        return None if budget is None else self.policy.sized(budget, self.streams, self.reported,
+                                                             self.cache.live_streams())
