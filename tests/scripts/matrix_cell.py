@@ -328,7 +328,7 @@ def rewrite(path: str, rel: str) -> str:
     """A new version of a source file (other size, later mtime); returns its content hash."""
     import random
 
-    rng = random.Random(rel)  # noqa: S311 - test data
+    rng = random.Random(rel)
     data = (rel + "\n").encode() + b"VERSION2\n" + rng.randbytes(os.path.getsize(path) + 1024)
     with open(path + ".new", "wb") as f:
         f.write(data)
@@ -492,7 +492,7 @@ class SecondProcess:
     UCVolumeDataset, no budget) over a cell's source and cache, its facts written to a file."""
 
     def __init__(self, log: str) -> None:
-        self._log = open(log, "a")  # noqa: SIM115 - the server's stderr, open while it lives
+        self._log = open(log, "a")
         self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--second"], stdin=subprocess.PIPE,
                                      stdout=subprocess.DEVNULL, stderr=self._log, text=True)
 

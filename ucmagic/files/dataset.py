@@ -402,7 +402,8 @@ class StreamItems:
     def _at(self, c: int) -> _Chunk:
         last = self._last
         if last[0] == c:  # the chunk asked for last (several lookups per item): no lock, no reordering
-            return last[1]
+            chunk: _Chunk = last[1]
+            return chunk
         got = self._at_kept(c)
         self._last = (c, got)
         return got
@@ -677,7 +678,7 @@ class _EpochStream:
         return got
 
 
-class UCVolumeDataset(EpochTracking, IterableDataset):
+class UCVolumeDataset(EpochTracking, IterableDataset[str]):
     """An IterableDataset yielding the local path of a cached copy of each file under ``path``.
 
     Drop-in for ``databricks.air.data.UCVolumeDataset(path)``. Files are listed once (recursively,
@@ -1131,10 +1132,10 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
 
     # ------------------------------------------------------------ cache management
 
-    def warm(self, background: bool = True, *, threads: int | None = None) -> Future:
+    def warm(self, background: bool = True, *, threads: int | None = None) -> Future[int]:
         """Copy every file of the listing into the cache. Returns a Future (already done when
         ``background=False``) whose result is the number of files fetched from the volume."""
-        fut: Future = Future()
+        fut: Future[int] = Future()
         depth = threads or DEFAULT_INFLIGHT
 
         def run() -> None:
@@ -1169,7 +1170,7 @@ class UCVolumeDataset(EpochTracking, IterableDataset):
         e = self.listing.entry(index)
         return self.volume.display(e.path), e.size
 
-    def source_of(self, path: str | os.PathLike) -> SourceFile:
+    def source_of(self, path: str | os.PathLike[str]) -> SourceFile:
         """The source file whose cached copy is ``path`` (a path this dataset yielded): its display
         path or URI in the volume, relative path, size and mtime as listed.
 

@@ -152,7 +152,7 @@ class Listing:
                                    offset=keys.offset * 20).reshape(-1, 20)
         self._plain: np.ndarray = _view(rb.column(5), np.uint8)
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[type[Listing], tuple[str]]:
         return (Listing, (self.path,))
 
     def __len__(self) -> int:
@@ -164,16 +164,17 @@ class Listing:
     # metadata
     @property
     def volume_uri(self) -> str:
-        return self.meta["volume_uri"]
+        return str(self.meta["volume_uri"])
 
     @property
     def pattern(self) -> str | None:
-        return self.meta["pattern"]
+        pattern: str | None = self.meta["pattern"]
+        return pattern
 
     @property
     def fingerprint(self) -> str:
         """Same value as :func:`ucmagic.files.volume.listing_fingerprint` of the same entries."""
-        return self.meta["fingerprint"]
+        return str(self.meta["fingerprint"])
 
     @property
     def total_bytes(self) -> int:
@@ -253,7 +254,8 @@ class Listing:
 
 # ---------------------------------------------------------------- building
 
-def _collect(volume: Volume, pattern: str | None, progress: ProgressFn | None, *, keys: bool = True):
+def _collect(volume: Volume, pattern: str | None, progress: ProgressFn | None, *,
+             keys: bool = True) -> tuple[Any, ...]:
     """Scan ``volume``; return sorted columns (dirs dict, dir codes, names, sizes, mtimes), the dirs
     read, the fingerprint and (``keys``) the files' cache keys as an ``(n, 20)`` uint8 array."""
     import pyarrow as pa
@@ -343,7 +345,8 @@ def _fingerprint(paths: Any, order: np.ndarray, sizes: np.ndarray) -> str:
                             for a in range(0, len(sizes), CHUNK))
 
 
-def _write(folder: str, key: str, volume: Volume, pattern: str | None, listed_at: float, cols) -> str:
+def _write(folder: str, key: str, volume: Volume, pattern: str | None, listed_at: float,
+           cols: tuple[Any, ...]) -> str:
     """Write a new build of ``key`` (temp files + rename); return its path."""
     import pyarrow as pa
     from pyarrow import ipc
@@ -437,7 +440,8 @@ def stale_reason(listing: Listing, volume: Volume, validate: str = "files") -> s
 def _read_json(path: str) -> dict[str, Any] | None:
     try:
         with open(path) as f:
-            return json.load(f)
+            meta: dict[str, Any] = json.load(f)
+            return meta
     except (FileNotFoundError, ValueError):
         return None
 

@@ -109,7 +109,7 @@ class MlflowSink:
         self._step = 0
         self._next_flush = time.monotonic() + self.interval
         self._pool: ThreadPoolExecutor | None = None
-        self._pending: list[Future] = []
+        self._pending: list[Future[Any]] = []
         self._warned = False
         self.calls = 0  # log_batch calls made (tests and benchmarks read it)
         self.logged = 0  # metrics written

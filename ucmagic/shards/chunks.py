@@ -25,7 +25,7 @@ import time
 from collections import OrderedDict
 from concurrent.futures import Future, wait
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from ..files import ranged
 from ..files.cache import FileCache
@@ -145,7 +145,7 @@ class ChunkReader:
         self._threads = max(1, int(threads))
         self._record = cache.record_path(owner or process_tag(), f"chunks-{slot}-{id(self):x}")
         self._held: OrderedDict[tuple[int, int], int] = OrderedDict()  # (file, chunk) -> open descriptor
-        self._inflight: dict[tuple[int, int], tuple[Future, threading.Event]] = {}
+        self._inflight: dict[tuple[int, int], tuple[Future[Any], threading.Event]] = {}
         self._mu = threading.Lock()
         self._checked: set[str] = set()
         self._named: frozenset[str] = frozenset()
@@ -181,12 +181,12 @@ class ChunkReader:
 
     def prefetch(self, chunks: Iterable[tuple[int, int]]) -> None:
         """Start fills of ``(file, chunk)`` pairs not held or in flight yet (in order, on the pool)."""
-        new: list[tuple[tuple[int, int], Future, threading.Event]] = []
+        new: list[tuple[tuple[int, int], Future[Any], threading.Event]] = []
         with self._mu:
             for fc in chunks:
                 if fc in self._held or fc in self._inflight:
                     continue
-                fut: Future = Future()
+                fut: Future[Any] = Future()
                 ev = threading.Event()
                 self._inflight[fc] = (fut, ev)
                 new.append((fc, fut, ev))
@@ -197,7 +197,7 @@ class ChunkReader:
         for fc, fut, ev in new:
             pool.submit(self._run, fc, fut, ev)
 
-    def _run(self, fc: tuple[int, int], fut: Future, ev: threading.Event) -> None:
+    def _run(self, fc: tuple[int, int], fut: Future[Any], ev: threading.Event) -> None:
         if not fut.set_running_or_notify_cancel():
             return  # the reader took it over (or closed) before a pool thread got to it
         try:
@@ -241,7 +241,7 @@ class ChunkReader:
         if job is None:
             ev = threading.Event()
             ev.set()
-            fut: Future = Future()
+            fut: Future[Any] = Future()
             with self._mu:
                 self._inflight[fc] = (fut, ev)
             self._protect()  # named before the fill: nobody evicts it between fill and open

@@ -77,10 +77,11 @@ class Schedule:
         """Positions before mix position ``p`` that drew each source."""
         b = p // DRAW_BLOCK
         head = choices(self.weights, self.seed, self.epoch, b * DRAW_BLOCK, p - b * DRAW_BLOCK)
-        return self.prefix[b] + np.bincount(head, minlength=len(self.weights))
+        drawn: np.ndarray = self.prefix[b] + np.bincount(head, minlength=len(self.weights))
+        return drawn
 
 
-class Mix(EpochTracking, IterableDataset):
+class Mix(EpochTracking, IterableDataset[Any]):
     """Samples of several streams interleaved with ``weights`` (see the module doc)."""
 
     kind = "Mix"

@@ -753,7 +753,7 @@ def _is_table(src: Any, kind: str | None) -> bool:
         return True
     from ..tables import classify_source
 
-    return classify_source(os.fspath(src)) == "table"
+    return bool(classify_source(os.fspath(src)) == "table")
 
 
 def pack(src: Any, dest: str | os.PathLike[str], shard_size: int | str = "1GB", *,

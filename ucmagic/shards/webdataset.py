@@ -78,8 +78,9 @@ class TarShards(ShardDataset):
 
     kind = "TarShards"
 
-    def __init__(self, path: Any, *, pattern: str | None = None, transform: Callable[[dict], Any] | None = None,
-                 cache_dir: str | None = None, cache_limit: int | str | None = None, chunk_size: int = CHUNK_SIZE,
+    def __init__(self, path: Any, *, pattern: str | None = None,
+                 transform: Callable[[dict[str, Any]], Any] | None = None, cache_dir: str | None = None,
+                 cache_limit: int | str | None = None, chunk_size: int = CHUNK_SIZE,
                  storage_options: dict[str, Any] | None = None, min_free: float = 0.10) -> None:
         volume = open_volume(path, storage_options)
         listing = {e.path: e for e in volume.list(None)}
