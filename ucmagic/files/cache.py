@@ -1,15 +1,7 @@
 """The persistent, machine-wide file cache.
 
-Layout under the cache root (private to the user, mode 0700)::
-
-    files/<key>-<size>/<rel>           cached copies: one directory per file version (key: a hash of
-                                       volume, path, size, mtime), holding the file at its relative
-                                       path (map_relpath), or at <key><.ext> for an opaque key
-    tmp/<key>.<tag>.<n>.<size>.dir     entries being built (renamed into files/ whole when complete)
-    tmp/<key>.<tag>.<n>.<size>.part    budgeted fills in progress (the room they hold)
-    locks/fill.lock, evict.lock        single-flight (one byte per key, OFD lock) and eviction (flock) locks
-    prot/<owner>@<writer>.<slot>.rec   protection records: entry names a live process has not consumed yet
-    usage                              the byte ledger of budgeted fills (a hint, re-counted often)
+The directory's layout (``files/``, ``tmp/``, ``locks/``, ``prot/``, the usage ledger) is described in
+:mod:`.cache_layout`, which owns it.
 
 Guarantees: an entry in ``files/`` is always complete (its directory is staged under ``tmp/`` and
 renamed in whole), so the path of an entry is stable: the same file version has the same path, ending
