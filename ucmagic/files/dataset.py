@@ -755,6 +755,7 @@ class UCVolumeDataset(EpochTracking, IterableDataset[str]):
             raise ValueError(f"on_missing must be 'raise' or 'skip', got {on_missing!r}")
         if validate not in VALIDATE_MODES:
             raise ValueError(f"validate must be one of {VALIDATE_MODES}, got {validate!r}")
+        seed = check_seed(seed)  # every argument is checked before the listing, which may take minutes
         self.path = os.fspath(path) if not isinstance(path, Volume) else path.uri
         self.pattern = pattern
         self.volume: Volume = open_volume(path, storage_options)
@@ -786,7 +787,7 @@ class UCVolumeDataset(EpochTracking, IterableDataset[str]):
         self.fingerprint = self.listing.fingerprint
         self.shuffle = shuffle
         self.reshuffle_every = int(reshuffle_every) if reshuffle_every else None
-        self.seed = check_seed(seed)
+        self.seed = seed
         self.partition = partition
         self.prefetch = prefetch
         self.retries = int(retries)
