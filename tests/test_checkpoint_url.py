@@ -4,10 +4,8 @@ damaged shards keep the guarantees they have on a disk."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -32,36 +30,10 @@ from ucmagic.checkpoints.api import (
 from ucmagic.errors import SourceNotFoundError
 from ucmagic.files.volume import FsspecVolume
 
+from test_checkpoint import make_model, same_model, trained  # the checkpoint tests' model and comparison
+
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.timeout(180)]
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@pytest.fixture(scope="module")
-def s3_endpoint() -> Iterator[str]:
-    pytest.importorskip("s3fs")
-    pytest.importorskip("moto")
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            break
-        except OSError:
-            time.sleep(0.1)
-    else:
-        proc.kill()
-        pytest.fail("moto server did not start")
-    yield f"http://127.0.0.1:{port}"
-    proc.terminate()
-    proc.wait(10)
 
 
 @pytest.fixture
@@ -86,25 +58,6 @@ def root(s3fs_: Any) -> Iterator[str]:
     s3fs_.mkdir(bucket)
     yield f"s3://{bucket}/run1/ckpts"
     s3fs_.rm(bucket, recursive=True)
-
-
-def make_model(seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
-
-
-def trained(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    model = make_model(seed)
-    opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    opt.zero_grad()
-    model(torch.ones(8, 16)).pow(2).mean().backward()
-    opt.step()
-    return model, opt
-
-
-def same_model(a: torch.nn.Module, b: torch.nn.Module) -> bool:
-    sa, sb = a.state_dict(), b.state_dict()
-    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
 def keys_under(fs: Any, url: str) -> list[str]:
