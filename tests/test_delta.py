@@ -562,9 +562,9 @@ def test_a_reader_feature_ucmagic_cannot_honour_is_a_clear_error(tmp_path):
             fn(path)
 
 
-@pytest.mark.timeout(120)
-def test_v2_checkpoint_with_sidecars_reads_the_snapshot(tmp_path):
-    path = str(tmp_path / "t")
+def v2_checkpoint_table(path: str) -> None:
+    """30 rows in three commits, 2 deleted by a deletion vector, a JSON v2 checkpoint with a Parquet
+    sidecar, one commit after it, and the JSON commits before the checkpoint removed (28 rows live)."""
     write_deltalake(path, base_table(30).slice(0, 10))
     write_deltalake(path, base_table(30).slice(10, 10), mode="append")
     fx.enable_dv_protocol(path)
@@ -573,6 +573,12 @@ def test_v2_checkpoint_with_sidecars_reads_the_snapshot(tmp_path):
     write_deltalake(path, base_table(30).slice(20, 10), mode="append")
     for v in range(fx.last_version(path) - 1):  # the json commits before the checkpoint are gone
         os.unlink(fx.log_path(path, v))
+
+
+@pytest.mark.timeout(120)
+def test_v2_checkpoint_with_sidecars_reads_the_snapshot(tmp_path):
+    path = str(tmp_path / "t")
+    v2_checkpoint_table(path)
     want = check_all_entry_points(path, tmp_path)
     assert len(want) == 28
 
@@ -751,14 +757,7 @@ def test_a_table_on_s3_with_a_v2_checkpoint_and_sidecars_reads_its_snapshot(tmp_
     import s3fs
 
     path = str(tmp_path / "t")
-    write_deltalake(path, base_table(30).slice(0, 10))
-    write_deltalake(path, base_table(30).slice(10, 10), mode="append")
-    fx.enable_dv_protocol(path)
-    fx.delete_rows(path, {fx.live_adds(path)[0]["path"]: [0, 1]}, storage="i")
-    fx.write_v2_checkpoint(path)
-    write_deltalake(path, base_table(30).slice(20, 10), mode="append")
-    for v in range(fx.last_version(path) - 1):
-        os.unlink(fx.log_path(path, v))
+    v2_checkpoint_table(path)
     want = delta_rows(path)
     bucket = f"tables-{uuid.uuid4().hex[:12]}"
     fs = s3fs.S3FileSystem()
