@@ -172,6 +172,34 @@ def test_stream_delivers_every_sample_once_under_a_torch_dataloader_with_2_worke
     assert all(same(s, by_key[s["__key__"]]) for s in got)
 
 
+def _frozen_in_worker(batch: list) -> list:
+    import gc
+
+    from ucmagic._util import settle_worker
+
+    return [(s["__key__"], gc.get_freeze_count(), settle_worker()) for s in batch]
+
+
+@pytest.mark.timeout(60)
+def test_loader_workers_are_tuned_for_big_batches_and_the_main_process_is_left_alone(shards):
+    """A worker freezes the objects it inherited (no copy-on-write full collections) and keeps freed
+    heap for the next batch (_util.settle_worker); the user's own process is never changed."""
+    import gc
+    import platform
+
+    src, want, cache = shards
+    before = gc.get_freeze_count()
+    stream = TarShards(src, cache_dir=cache, chunk_size=CHUNK).stream(shuffle=True)
+    dl = torch.utils.data.DataLoader(stream, batch_size=8, num_workers=1, collate_fn=_frozen_in_worker)
+    got = [x for b in dl for x in b]
+    assert sorted(k for k, _, _ in got) == sorted(w["__key__"] for w in want)
+    assert all(frozen > 0 for _, frozen, _ in got)
+    if platform.libc_ver()[0] == "glibc":
+        assert all(heap_kept for _, _, heap_kept in got)
+    assert gc.get_freeze_count() == before
+    assert len(list(stream)) == len(want) and gc.get_freeze_count() == before  # iterating in this process
+
+
 def test_ranks_and_workers_get_equal_disjoint_parts(shards):
     src, want, cache = shards
     stream = TarShards(src, cache_dir=cache, chunk_size=CHUNK).stream(shuffle=True, seed=1)

@@ -133,6 +133,7 @@ class TarShards(ShardDataset):
         self.sample_first = np.asarray(first + [base], dtype=np.int64)
         self.sample_file = np.asarray(sfile, dtype=np.int32)
         self.keys = keys
+        self._urls = [self.volume.display(f.entry.path) for f in self.files]
         self.num_samples = len(keys)
         if self.num_samples == 0:
             raise ShardFormatError(f"the shards under {self.path} hold no samples (no member with a key.ext name)")
@@ -148,19 +149,16 @@ class TarShards(ShardDataset):
 
     def spans(self, i: int) -> list[Span]:
         a, b = int(self.sample_first[i]), int(self.sample_first[i + 1])
-        lo = int(self.member_offset[a])
-        hi = int(self.member_offset[b - 1] + self.member_size[b - 1])
-        return [(int(self.sample_file[i]), lo, hi - lo)]  # one read: the members and the headers between
+        f = int(self.sample_file[i])
+        offs, sizes = self.member_offset[a:b].tolist(), self.member_size[a:b].tolist()
+        return [(f, o, n) for o, n in zip(offs, sizes)]  # one read per member: its bytes, copied once
 
     def decode(self, i: int, parts: list[bytes]) -> Any:
-        data = memoryview(parts[0])
         a, b = int(self.sample_first[i]), int(self.sample_first[i + 1])
-        base = int(self.member_offset[a])
-        out: dict[str, Any] = {"__key__": self.keys[i],
-                               "__url__": self.volume.display(self.files[int(self.sample_file[i])].entry.path)}
-        for m in range(a, b):
-            o = int(self.member_offset[m]) - base
-            out[self.exts[int(self.member_ext[m])]] = bytes(data[o:o + int(self.member_size[m])])
+        out: dict[str, Any] = {"__key__": self.keys[i], "__url__": self._urls[int(self.sample_file[i])]}
+        exts = self.exts
+        for e, data in zip(self.member_ext[a:b].tolist(), parts):
+            out[exts[e]] = data
         return self.transform(out) if self.transform is not None else out
 
     def shard_of(self, samples: Sequence[int] | np.ndarray) -> np.ndarray:
