@@ -57,6 +57,7 @@ def _ranged(files: list[str], dest: str) -> dict:
             for f in files}
     left = {f: -(-sizes[f] // RANGE) for f in files}
     mu = threading.Lock()
+    opened: list[int] = []  # every thread's source descriptors, closed at the end (the mount unmounts cleanly)
     t0 = time.perf_counter()
     first = [None]
 
@@ -65,6 +66,8 @@ def _ranged(files: list[str], dest: str) -> dict:
         fds = local.__dict__.setdefault("fds", {})
         if src not in fds:
             fds[src] = os.open(src, os.O_RDONLY)
+            with mu:
+                opened.append(fds[src])
         end, n = min(off + RANGE, sizes[src]), 0
         while off < end:
             data = os.pread(fds[src], min(MiB, end - off), off)
@@ -82,7 +85,7 @@ def _ranged(files: list[str], dest: str) -> dict:
     jobs = [(f, off) for f in files for off in range(0, sizes[f], RANGE)]
     with ThreadPoolExecutor(THREADS) as ex:
         total = sum(ex.map(one, jobs))
-    for fd in outs.values():
+    for fd in [*outs.values(), *opened]:
         os.close(fd)
     return {"secs": time.perf_counter() - t0, "first": first[0], "files": len(files), "bytes": total}
 

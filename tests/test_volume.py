@@ -1,4 +1,5 @@
 import errno
+import contextlib
 import os
 import threading
 
@@ -316,3 +317,24 @@ def test_fast_directories_are_read_on_the_calling_thread_and_slow_ones_concurren
     vol = _ThreadNoting(str(tmp_path), delay)
     assert sorted(e.path for e in vol.list()) == [f"d{d}/f.bin" for d in sorted(range(12), key=str)]
     assert (vol.readers != {threading.get_ident()}) == pooled
+
+
+@pytest.mark.timeout(60)
+def test_the_fuse_simulator_unmounts_with_a_file_left_open_and_mounts_there_again(tmp_path):
+    from ucmagic.testing import fuse_available, mount_slow_volume
+
+    if not fuse_available():
+        pytest.skip("needs FUSE (/dev/fuse, fusermount3, mfusepy)")
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.bin").write_bytes(b"x" * 1000)
+    mnt = str(tmp_path / "mnt")
+    with mount_slow_volume(str(tmp_path / "src"), mnt, open_ms=0, list_ms=0):
+        leaked = os.open(os.path.join(mnt, "a.bin"), os.O_RDONLY)  # a descriptor nobody closes in time
+    try:
+        assert not os.path.ismount(mnt)
+        with mount_slow_volume(str(tmp_path / "src"), mnt, open_ms=0, list_ms=0) as again, \
+                open(os.path.join(again, "a.bin"), "rb") as f:
+            assert f.read() == b"x" * 1000
+    finally:
+        with contextlib.suppress(OSError):  # its server is gone: the close reports ENOTCONN
+            os.close(leaked)

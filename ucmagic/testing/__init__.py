@@ -178,6 +178,11 @@ def mount_slow_volume(source: str, mountpoint: str, *, open_ms: float = 20, mbps
     except ImportError as exc:
         raise ImportError("mount_slow_volume needs mfusepy and the fuse3 system package: "
                           "pip install 'ucmagic[fuse]' and apt-get install fuse3") from exc
+    try:
+        os.stat(mountpoint)
+    except OSError as exc:
+        if exc.errno == errno.ENOTCONN:  # a dead FUSE server's mount left behind: detach it first
+            _fusermount("-uz", mountpoint)
     os.makedirs(mountpoint, exist_ok=True)
     cmd = [sys.executable, "-m", "ucmagic.testing.slowfuse", source, mountpoint, "--open-ms", str(open_ms),
            "--mbps", str(mbps), "--list-ms", str(list_ms), "--fail-every", str(fail_every)]
@@ -193,8 +198,16 @@ def mount_slow_volume(source: str, mountpoint: str, *, open_ms: float = 20, mbps
             time.sleep(0.05)
         yield mountpoint
     finally:
-        subprocess.run(["fusermount3", "-u", mountpoint], check=False, capture_output=True)  # noqa: S603,S607 - the FUSE unmount tool, found on PATH as libfuse installs it
+        busy = _fusermount("-u", mountpoint) != 0
+        if busy:  # files still open under it (a leaked descriptor): detach now, the kernel ends it at their close
+            _fusermount("-uz", mountpoint)
         try:
-            proc.wait(timeout=10)
+            proc.wait(timeout=1 if busy else 10)
         except subprocess.TimeoutExpired:
             proc.kill()
+            proc.wait()
+
+
+def _fusermount(flag: str, mountpoint: str) -> int:
+    return subprocess.run(["fusermount3", flag, mountpoint], check=False,  # noqa: S603,S607 - the FUSE unmount tool, found on PATH as libfuse installs it
+                          capture_output=True).returncode
