@@ -205,7 +205,7 @@ def _cum_shard(counts: list[int]):
     return lambda idx: bisect.bisect_right(cum, idx)
 
 
-def read(mode: str, vol: str, cache: str, limit: int, epochs: int, window: int = 8, read_ahead: int = 4) -> dict:
+def read(mode: str, vol: str, cache: str, limit: int, epochs: int, window: int = 8, read_ahead: int = -1) -> dict:
     t_setup = time.perf_counter()
     if mode == "ranged":
         files = sorted(os.path.join(vol, f) for f in os.listdir(vol) if f.endswith(".tar"))
@@ -218,7 +218,8 @@ def read(mode: str, vol: str, cache: str, limit: int, epochs: int, window: int =
 
             ds = TarShards(vol, cache_dir=cache, cache_limit=limit or None)
             where = {k: int(f) for k, f in zip(ds.keys, ds.sample_file)}
-            source = ds.stream(shuffle=True, seed=0, shuffle_window=window, read_ahead=read_ahead)
+            kw = {} if read_ahead < 0 else {"read_ahead": read_ahead}  # -1: the stream's default
+            source = ds.stream(shuffle=True, seed=0, shuffle_window=window, **kw)
 
             def collate(b):
                 return [(s["__key__"], len(s["jpg"])) for s in b]
@@ -408,7 +409,7 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--epochs", type=int, default=2, help=argparse.SUPPRESS)
     ap.add_argument("--window", type=int, default=8, help=argparse.SUPPRESS)
-    ap.add_argument("--read-ahead", type=int, default=4, help=argparse.SUPPRESS)
+    ap.add_argument("--read-ahead", type=int, default=-1, help=argparse.SUPPRESS)
     ap.add_argument("--foreign", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--peer", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -562,6 +563,8 @@ def _med(vals: list[float | None]) -> float:
 
 def report(results: dict[str, list[dict]], big: list[dict], a: argparse.Namespace, rounds: int,
            shard_size: int) -> None:
+    from ucmagic.shards.samples import DEFAULT_READ_AHEAD
+
     where = "plain local directories (--no-fuse: smoke, not figures)" if a.no_fuse else (
         f"P100 FUSE ({PROFILE['open_ms']} ms per open, {PROFILE['mbps']} MB/s per stream)")
     print(f"\n== {a.images:,} images of {a.size}, shards of {a.shard_size}, {WORKERS} loader workers, on {where}; "
@@ -642,7 +645,7 @@ def report(results: dict[str, list[dict]], big: list[dict], a: argparse.Namespac
             ratio("small files' warm epoch / ucmagic's", med["files"]["warm"], u["warm"], ">= 1.5")
         chunk = min(CHUNK, shard_size)  # a shard smaller than a chunk is one chunk
         line("ucmagic peak cache MB under the budget (docs/shards.md)", cell(u["peak"] / 1e6, ".0f", 7),
-             f"<= {peak_bound(2 * shard_size, chunk, 8, 4) / 1e6:.0f}")  # the stream's defaults
+             f"<= {peak_bound(2 * shard_size, chunk, 8, DEFAULT_READ_AHEAD) / 1e6:.0f}")  # the stream's defaults
         if "fit" in med:
             line(f"the same, window {fit} and no read-ahead", cell(med["fit"]["peak"] / 1e6, ".0f", 7),
                  f"<= {peak_bound(2 * shard_size, chunk, fit, 0) / 1e6:.0f}")
