@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ucmagic.shards.index import (INDEX_NAME, Member, RangedFile, read_index, sample_starts, scan_tar, shard_info,
-                                  split_key, write_index)
+from ucmagic.shards.index import (INDEX_NAME, Member, MemberColumns, RangedFile, loads_index, dumps_index,
+                                  read_index, sample_starts, scan_tar, shard_info, split_key, write_index)
 from ucmagic.files.volume import LocalVolume
 
 
@@ -97,6 +97,18 @@ def test_samples_are_runs_of_one_key_without_a_repeated_extension(pairs):
         assert len({m.key for m in run}) == 1
         assert len({m.ext for m in run}) == len(run)
     assert sum(b - a for a, b in zip(starts, starts[1:])) == len(members)
+
+
+@given(st.lists(st.tuples(st.sampled_from(["a", "b", "c"]), st.sampled_from(["jpg", "cls", "json"])), max_size=30))
+def test_an_index_read_as_columns_gives_the_same_members_and_samples(pairs):
+    members = [Member(k, e, i * 512, i) for i, (k, e) in enumerate(pairs)]
+    info = shard_info("s.tar", 512 * (len(members) + 2), members)
+    back = loads_index(dumps_index([info]))[0]
+    assert isinstance(back.members, MemberColumns)
+    assert list(back.members) == members and back.members == members and back == info
+    assert [back.members[i] for i in range(len(members))] == members
+    assert back.members.sample_starts().tolist() == sample_starts(members) == sample_starts(back.members)
+    assert back.samples == len(sample_starts(members))
 
 
 def test_key_is_the_path_up_to_the_first_dot_of_the_base_name():

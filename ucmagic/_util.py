@@ -240,6 +240,20 @@ def wait_result(fut: Future, poll: float = POLL_S, on_poll: Callable[[], None] |
     return fut.result()
 
 
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """No cyclic garbage collection inside the block: for code that builds many acyclic objects at
+    once (parsing a 70,000-member shard index: 0.05 s, 0.18-0.28 s with the collections it triggers
+    scanning a heap that holds torch)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
 _settled: dict[int, bool] = {}
 

@@ -12,6 +12,7 @@ from .._util import lazy_exports
 
 _EXPORTS = {
     "Member": "index",
+    "MemberColumns": "index",
     "ShardInfo": "index",
     "scan_tar": "index",
     "read_index": "index",

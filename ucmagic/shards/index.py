@@ -22,9 +22,11 @@ import os
 import re
 import tarfile
 from dataclasses import dataclass
-from typing import IO, Any, Iterable, Sequence
+from typing import IO, Any, Iterable, Iterator, Sequence, overload
 
-from .._util import atomic_write
+import numpy as np
+
+from .._util import atomic_write, gc_paused
 
 FORMAT = "ucmagic.shards"
 VERSION = 1
@@ -44,14 +46,97 @@ class Member:
     size: int
 
 
+class MemberColumns(Sequence[Member]):
+    """The members of one shard kept as columns (keys, extensions, data offsets, sizes): a read-only
+    sequence of :class:`Member` that an index of 70,000 members loads in milliseconds, not as 70,000 objects."""
+
+    __slots__ = ("keys", "exts", "offsets", "sizes")
+
+    def __init__(self, keys: Iterable[str], exts: Iterable[str], offsets: Any, sizes: Any) -> None:
+        self.keys, self.exts = list(keys), list(exts)
+        self.offsets = np.asarray(offsets, dtype=np.int64).reshape(-1)
+        self.sizes = np.asarray(sizes, dtype=np.int64).reshape(-1)
+        if not len(self.keys) == len(self.exts) == len(self.offsets) == len(self.sizes):
+            raise ValueError("member columns of different lengths")
+
+    @classmethod
+    def of(cls, members: Iterable[Member]) -> "MemberColumns":
+        """``members`` as columns (itself when it is one already)."""
+        if isinstance(members, MemberColumns):
+            return members
+        ms = list(members)
+        return cls([m.key for m in ms], [m.ext for m in ms], [m.offset for m in ms], [m.size for m in ms])
+
+    @classmethod
+    def from_rows(cls, rows: Sequence[Sequence[Any]]) -> "MemberColumns":
+        """From an index's ``[key, ext, data_offset, size]`` rows (one transpose)."""
+        if not rows:
+            return cls([], [], [], [])
+        keys, exts, offsets, sizes = zip(*rows)
+        return cls(map(str, keys), map(str, exts), offsets, sizes)
+
+    def rows(self) -> list[list[Any]]:
+        """The ``[key, ext, data_offset, size]`` rows an index stores."""
+        return [list(r) for r in zip(self.keys, self.exts, self.offsets.tolist(), self.sizes.tolist())]
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    @overload
+    def __getitem__(self, i: int) -> Member: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> "MemberColumns": ...
+
+    def __getitem__(self, i: int | slice) -> "Member | MemberColumns":
+        if isinstance(i, slice):
+            return MemberColumns(self.keys[i], self.exts[i], self.offsets[i], self.sizes[i])
+        return Member(self.keys[i], self.exts[i], int(self.offsets[i]), int(self.sizes[i]))
+
+    def __iter__(self) -> Iterator[Member]:
+        return (Member(k, e, o, n) for k, e, o, n in zip(self.keys, self.exts, self.offsets.tolist(),
+                                                         self.sizes.tolist()))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence):
+            return NotImplemented
+        return len(other) == len(self) and all(a == b for a, b in zip(self, other))
+
+    def __hash__(self) -> int:
+        return hash((tuple(self.keys), tuple(self.exts), self.offsets.tobytes(), self.sizes.tobytes()))
+
+    def __repr__(self) -> str:
+        return f"MemberColumns({len(self)} members)"
+
+    def sample_starts(self) -> np.ndarray:
+        """:func:`sample_starts` of these members, vectorised (runs of one key; a repeated extension
+        within a run, rare, falls back to the member-by-member rule)."""
+        n = len(self.keys)
+        if n == 0:
+            return np.zeros(0, dtype=np.int64)
+        keys = np.asarray(self.keys, dtype=object)
+        new = np.ones(n, dtype=bool)
+        new[1:] = keys[1:] != keys[:-1]
+        if new.all():
+            return np.arange(n, dtype=np.int64)
+        ids: dict[str, int] = {}
+        ext = np.fromiter((ids.setdefault(e, len(ids)) for e in self.exts), dtype=np.int64, count=n)
+        run = np.cumsum(new)
+        order = np.lexsort((ext, run))
+        if ((run[order][1:] == run[order][:-1]) & (ext[order][1:] == ext[order][:-1])).any():
+            return np.asarray(sample_starts(list(self)), dtype=np.int64)
+        return np.flatnonzero(new).astype(np.int64)
+
+
 @dataclass(frozen=True)
 class ShardInfo:
-    """One shard of an index: file name (relative to the index's directory), size, sample count, members."""
+    """One shard of an index: file name (relative to the index's directory), size, sample count, members
+    (a :class:`MemberColumns` when read from an index)."""
 
     name: str
     size: int
     samples: int
-    members: tuple[Member, ...]
+    members: Sequence[Member]
 
 
 def split_key(name: str) -> tuple[str, str] | None:
@@ -64,6 +149,8 @@ def split_key(name: str) -> tuple[str, str] | None:
 
 def sample_starts(members: Sequence[Member]) -> list[int]:
     """Index of the first member of each sample (runs of one key; a repeated extension starts a new one)."""
+    if isinstance(members, MemberColumns):
+        return members.sample_starts().tolist()  # type: ignore[no-any-return]
     starts: list[int] = []
     key: str | None = None
     seen: set[str] = set()
@@ -95,28 +182,29 @@ def scan_tar(source: str | os.PathLike[str] | IO[bytes] | io.RawIOBase) -> list[
 
 def shard_info(name: str, size: int, members: Sequence[Member]) -> ShardInfo:
     """A :class:`ShardInfo` whose sample count is derived from ``members``."""
-    return ShardInfo(name, size, len(sample_starts(members)), tuple(members))
+    cols = MemberColumns.of(members)
+    return ShardInfo(name, size, len(cols.sample_starts()), cols)
 
 
 def dumps_index(shards: Iterable[ShardInfo]) -> bytes:
     """The JSON text of an index over ``shards``."""
     doc = {"format": FORMAT, "version": VERSION, "shards": [
         {"name": s.name, "size": s.size, "samples": s.samples,
-         "members": [[m.key, m.ext, m.offset, m.size] for m in s.members]} for s in shards]}
+         "members": MemberColumns.of(s.members).rows()} for s in shards]}
     return json.dumps(doc, separators=(",", ":")).encode()
 
 
 def loads_index(data: bytes | str, where: str = INDEX_NAME) -> list[ShardInfo]:
     """Parse an index's JSON text; a foreign or newer format raises ``ValueError`` naming ``where``."""
-    doc = json.loads(data)
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-        raise ValueError(f"{where} is not a ucmagic shard index (format {FORMAT!r} expected)")
-    if doc.get("version") != VERSION:
-        raise ValueError(f"{where} has shard index version {doc.get('version')!r}; "
-                         f"this ucmagic reads version {VERSION}: upgrade ucmagic or re-run pack")
-    return [ShardInfo(s["name"], int(s["size"]), int(s["samples"]),
-                      tuple(Member(k, e, int(o), int(n)) for k, e, o, n in s["members"]))
-            for s in doc["shards"]]
+    with gc_paused():  # hundreds of thousands of short-lived lists and numbers, none in a cycle
+        doc = json.loads(data)
+        if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+            raise ValueError(f"{where} is not a ucmagic shard index (format {FORMAT!r} expected)")
+        if doc.get("version") != VERSION:
+            raise ValueError(f"{where} has shard index version {doc.get('version')!r}; "
+                             f"this ucmagic reads version {VERSION}: upgrade ucmagic or re-run pack")
+        return [ShardInfo(s["name"], int(s["size"]), int(s["samples"]), MemberColumns.from_rows(s["members"]))
+                for s in doc["shards"]]
 
 
 def write_index(dest: str | os.PathLike[str], shards: Iterable[ShardInfo]) -> str:

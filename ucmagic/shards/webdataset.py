@@ -24,7 +24,8 @@ from ..files.locks import file_lock
 from ..errors import ShardFormatError
 from ..files.volume import FileEntry, Volume, filter_entries, open_volume
 from .chunks import CHUNK_SIZE
-from .index import INDEX_NAME, RangedFile, ShardInfo, dumps_index, loads_index, sample_starts, scan_tar, shard_info
+from .index import (INDEX_NAME, MemberColumns, RangedFile, ShardInfo, dumps_index, loads_index, scan_tar,
+                    shard_info)
 from .samples import ShardDataset, Span
 
 INDEX_THREADS = 16  # shards whose headers are read at once when no index.json exists
@@ -113,25 +114,26 @@ class TarShards(ShardDataset):
 
     def _build(self, infos: Sequence[ShardInfo]) -> None:
         exts: dict[str, int] = {}
-        offs, sizes, ext_ids, keys, first, sfile = [], [], [], [], [], []
+        offs, sizes, ext_ids, first, sfile = [], [], [], [], []
+        keys: list[str] = []
         base = 0
         for fi, s in enumerate(infos):
-            ms = s.members
-            for m in ms:
-                offs.append(m.offset)
-                sizes.append(m.size)
-                ext_ids.append(exts.setdefault(m.ext.lower(), len(exts)))
-            for st in sample_starts(ms):
-                first.append(base + st)
-                keys.append(ms[st].key)
-                sfile.append(fi)
-            base += len(ms)
+            cols = MemberColumns.of(s.members)
+            offs.append(cols.offsets)
+            sizes.append(cols.sizes)
+            ext_ids.append(np.fromiter((exts.setdefault(e.lower(), len(exts)) for e in cols.exts), dtype=np.int32,
+                                       count=len(cols)))
+            starts = cols.sample_starts()
+            first.append(starts + base)
+            keys.extend(cols.keys[i] for i in starts.tolist())
+            sfile.append(np.full(len(starts), fi, dtype=np.int32))
+            base += len(cols)
         self.exts = list(exts)
-        self.member_offset = np.asarray(offs, dtype=np.int64)
-        self.member_size = np.asarray(sizes, dtype=np.int64)
-        self.member_ext = np.asarray(ext_ids, dtype=np.int32)
-        self.sample_first = np.asarray(first + [base], dtype=np.int64)
-        self.sample_file = np.asarray(sfile, dtype=np.int32)
+        self.member_offset = np.concatenate([*offs, np.zeros(0, dtype=np.int64)])
+        self.member_size = np.concatenate([*sizes, np.zeros(0, dtype=np.int64)])
+        self.member_ext = np.concatenate([*ext_ids, np.zeros(0, dtype=np.int32)])
+        self.sample_first = np.concatenate([*first, [base]]).astype(np.int64)
+        self.sample_file = np.concatenate([*sfile, np.zeros(0, dtype=np.int32)])
         self.keys = keys
         self._urls = [self.volume.display(f.entry.path) for f in self.files]
         self.num_samples = len(keys)
