@@ -103,6 +103,32 @@ def test_a_budget_below_one_file_per_stream_fails_at_the_first_item_naming_the_s
     assert isinstance(BudgetTooSmallError("x"), CacheFullError)
 
 
+@pytest.mark.timeout(60)
+def test_a_dataset_let_go_just_before_does_not_impose_its_budget_on_a_fresh_one(tmp_path):
+    """Ctrl-C in a notebook, then a fresh dataset without a budget on the same cache: the interrupted
+    one (alive for a moment: a fill in flight, a reference cycle) must not refuse the fresh one."""
+    root, cache = str(tmp_path / "vol"), str(tmp_path / "c")
+    make_files(root, 8, 300_000, depth=0)
+    tiny = UCVolumeDataset(root, cache_dir=cache, cache_limit="100KB")
+    holder = [tiny]
+    holder.append(holder)  # a cycle: only a collection frees it
+    del tiny
+    threading.Timer(0.4, holder.clear).start()  # ... and a "fill" that lets go of it a moment later
+    fresh = UCVolumeDataset(root, cache_dir=cache)
+    assert len(list(fresh)) == 8
+
+
+@pytest.mark.timeout(60)
+def test_a_live_dataset_budget_too_small_for_a_fresh_one_is_named_as_theirs(tmp_path):
+    root, cache = str(tmp_path / "vol"), str(tmp_path / "c")
+    make_files(root, 8, 300_000, depth=0)
+    tiny = UCVolumeDataset(root, cache_dir=cache, cache_limit="100KB")
+    fresh = UCVolumeDataset(root, cache_dir=cache)
+    with pytest.raises(BudgetTooSmallError, match=r"set by another live dataset.*raise that dataset's cache_limit"):
+        next(iter(fresh))
+    assert tiny.cache.limit == 100_000  # still alive: its budget holds, as the contract says
+
+
 def test_budget_smaller_than_the_prefetch_window_slows_but_delivers_everything(tmp_path):
     root = str(tmp_path / "vol")
     make_files(root, 60, 20_000, depth=0)

@@ -561,10 +561,9 @@ def judge(cell: dict[str, str], r: dict[str, Any]) -> list[str]:
 # when it fails, and passes silently once fixed; none hides a hang: a hang still fails its cell
 # unless listed here).
 KNOWN_FAILURES: list[tuple[Callable[[dict[str, str]], bool], str, str]] = [
-    (lambda c: c["budget"] == "tiny" and c["event"] in ("sigint", "kill", "change", "diskfull"),
-     "fresh loop after the event failed: BudgetTooSmallError",
-     "a fill still in flight after the loop stopped holds the dataset (and its cache_limit record) alive for "
-     "~0.5 s: a fresh unbudgeted dataset on the same cache made at once is refused with the old budget"),
+    # (matches the cell, a symptom every problem shows, why): open engine failures, run and xfailed.
+    # Empty: the last one (a fresh unbudgeted loop refused with the budget of a dataset just
+    # interrupted, still alive for a moment) is fixed: UCVolumeDataset._other_budget_settled.
 ]
 
 

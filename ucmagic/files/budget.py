@@ -93,12 +93,12 @@ class BudgetKeeper:
 
     # ------------------------------------------------------------ the budget in force
 
-    def budget(self) -> int | None:
+    def budget(self, *, fresh: bool = False) -> int | None:
         """The byte budget fills honour: the smallest ``cache_limit`` of any live process using this
         directory (this one's included; each records its own in ``locks/``), None when none set one.
-        Re-read at most once a second; records of exited processes are removed on the way."""
+        Re-read at most once a second (``fresh``: now); records of exited processes are removed on the way."""
         now = time.monotonic()
-        if now - self._limits_at < 1.0:
+        if not fresh and now - self._limits_at < 1.0:
             return self._budget
         best = self.limit
         for name in listdir(self.layout.locks):

@@ -363,9 +363,14 @@ class FileCache:
         """The error of a fill the cache disk has no room for: see :meth:`BudgetKeeper.disk_full`."""
         return self.budget_keeper.disk_full(size, free, floor)
 
-    def budget(self) -> int | None:
-        """The byte budget fills honour: the smallest ``cache_limit`` of any live process using this directory."""
-        return self.budget_keeper.budget()
+    def budget(self, *, fresh: bool = False) -> int | None:
+        """The byte budget fills honour: the smallest ``cache_limit`` of any live process using this directory
+        (``fresh``: read the records now, not the figure of the last second)."""
+        return self.budget_keeper.budget(fresh=fresh)
+
+    def budget_name(self, limit: int) -> str:
+        """``cache_limit=...`` as an error names it, saying so when another live dataset set it."""
+        return self.budget_keeper.budget_name(limit)
 
     # ------------------------------------------------------------ whole-cache maintenance
 

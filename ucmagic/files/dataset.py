@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import gc
 import os
 import shutil
 import sys
@@ -50,6 +51,7 @@ RESIZE_S = 1.0  # how often a stream re-reads the budget and the streams sharing
 COLD_MISSES = 8  # consecutive misses of lookups on the loop thread after which they are only probes
 COLD_PROBE_EVERY = 16  # ... of every 16th item, until hits come back
 MIN_COVER = 16  # items a stream's record covers ahead at least (unless a shared budget asks fewer)
+OTHER_BUDGET_GRACE_S = 3.0  # a budget too small set by another dataset is re-read this long before it is refused
 SKIPPED_NAMED = 3  # skipped files named in an epoch's warning (the rest are counted)
 CHECKED_HERE = 16  # validate="lazy": files checked on the calling thread before timing decides on threads
 MAX_STREAMS = 64  # DataLoader workers whose consumption ucmagic.DataLoader reports (more share slots)
@@ -1086,10 +1088,22 @@ class UCVolumeDataset(EpochTracking, IterableDataset[str]):
         streams, reported = nworkers * local_world_size(world), consumed() is not None
         record = cache.record_path(owner, slot)
         cache.write_record(record, [])  # this stream counts among the live ones before it sizes itself
+        policy = self.window_policy()
         try:
-            policy = self.window_policy()
-            sizing = policy.protection(budget, streams, reported, cache.live_streams(),
-                                       unbudgeted_bytes=self._read_ahead_bytes(streams))
+            try:
+                sizing = policy.protection(budget, streams, reported, cache.live_streams(),
+                                           unbudgeted_bytes=self._read_ahead_bytes(streams))
+            except BudgetTooSmallError as exc:
+                if budget is None or (cache.limit is not None and budget >= cache.limit):
+                    raise  # this dataset's own cache_limit: refused at once
+                budget = self._other_budget_settled(budget)  # another dataset's: it may be on its way out
+                try:
+                    sizing = policy.protection(budget, streams, reported, cache.live_streams(),
+                                               unbudgeted_bytes=self._read_ahead_bytes(streams))
+                except BudgetTooSmallError:
+                    raise BudgetTooSmallError(
+                        f"{exc} -- the budget in force is {cache.budget_name(budget or 0)}; raise that dataset's "
+                        "cache_limit, or let it go (del it, end its process) first") from None
         except BudgetTooSmallError:
             cache.drop_record(record)
             raise
@@ -1099,6 +1113,18 @@ class UCVolumeDataset(EpochTracking, IterableDataset[str]):
         if budget is not None:
             stream.start_refresher()
         return stream
+
+    def _other_budget_settled(self, budget: int) -> int | None:
+        """The budget in force once datasets on their way out are gone: a dataset just interrupted
+        (Ctrl-C, an error) keeps its cache_limit record while a fill of it is still running, or
+        until a collection frees it from a reference cycle. Re-read for up to OTHER_BUDGET_GRACE_S."""
+        gc.collect()
+        deadline = time.monotonic() + OTHER_BUDGET_GRACE_S
+        now = self.cache.budget(fresh=True)
+        while now is not None and now <= budget and time.monotonic() < deadline:
+            time.sleep(0.1)
+            now = self.cache.budget(fresh=True)
+        return now
 
     # ------------------------------------------------------------ resume
 
