@@ -12,7 +12,12 @@ from typing import Callable
 def run_sampled(cmd: list[str], env: dict[str, str], mode: str, sample: Callable[[int], int],
                 interval: float, timeout: float) -> tuple[dict, int]:
     """Run ``cmd``; every ``interval`` s record ``sample(pid)``. Returns (the last JSON line it printed,
-    or ``{"error": ..., "mode": mode}``, the peak sample)."""
+    or ``{"error": ..., "mode": mode}``, the peak sample).
+
+    ``os.sync()`` first: the gigabytes an earlier contender wrote reach the disk before this one starts,
+    not while it writes its cache (measured in bench/shards.py: a cold epoch run right after another
+    contender's 2.3 GB of writes took 6.0-6.7 s instead of 4.4-4.9 s)."""
+    os.sync()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,  # our own script
                             start_new_session=True)  # its own group: a timeout kills its worker processes too
     peak = [0]

@@ -19,10 +19,10 @@ a FUSE mount made by ``ucmagic.testing.mount_slow_volume`` with the P100 profile
 100 MB/s per read stream) under ``/Volumes/bench/shards/src``; the shards each converter writes go to
 local disk and are read back through a second P100 mount (``/Volumes/bench/shards/out``). Every
 contender runs in its own fresh process, interleaved over rounds (the order rotates each round), after
-an ``os.sync()`` (the gigabytes the previous one wrote are on disk before this one writes its cache:
-measured, a cold epoch right after another contender's writes took 6.0-6.7 s instead of 4.4 s); the
-report gives medians. ``--no-budget`` leaves out the runs under a cache budget. Peers run in their own venvs under /tmp (``--system-site-packages`` with the
-same torch pinned, made on first use; "peer not available" when that fails):
+an ``os.sync()`` (``_child.run_sampled``: what the previous one wrote is on disk before this one
+writes its cache); the report gives medians. ``--no-budget`` leaves out the runs under a cache
+budget. Peers run in their own venvs under /tmp (``--system-site-packages`` with the same torch
+pinned, made on first use; "peer not available" when that fails):
 ``mosaicml-streaming==0.13.0`` (/tmp/venv-mosaic) and ``litdata==0.2.76`` (/tmp/venv-litdata).
 
 Conversion (source mount -> local shards of ``--shard-size``):
@@ -329,7 +329,6 @@ def peer_python(peer: str) -> str | None:
 
 def run_child(python: str, args: list[str], mode: str, cache: str, timeout: float = 1800) -> dict:
     cmd = [python, os.path.abspath(__file__), "--child", mode, *args, "--cache", cache]
-    os.sync()  # the previous run's dirty pages are written now, not while this one writes its cache
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), HERE]), UCMAGIC_PROGRESS="off",
                TMPDIR=cache)
     res, peak = run_sampled(cmd, env, mode, lambda _pid: _allocated(cache), 0.05, timeout)
