@@ -1089,21 +1089,13 @@ class UCVolumeDataset(EpochTracking, IterableDataset[str]):
         record = cache.record_path(owner, slot)
         cache.write_record(record, [])  # this stream counts among the live ones before it sizes itself
         policy = self.window_policy()
+
+        def size(b: int | None) -> Sizing:
+            return policy.protection(b, streams, reported, cache.live_streams(),
+                                     unbudgeted_bytes=self._read_ahead_bytes(streams))
+
         try:
-            try:
-                sizing = policy.protection(budget, streams, reported, cache.live_streams(),
-                                           unbudgeted_bytes=self._read_ahead_bytes(streams))
-            except BudgetTooSmallError as exc:
-                if budget is None or (cache.limit is not None and budget >= cache.limit):
-                    raise  # this dataset's own cache_limit: refused at once
-                budget = self._other_budget_settled(budget)  # another dataset's: it may be on its way out
-                try:
-                    sizing = policy.protection(budget, streams, reported, cache.live_streams(),
-                                               unbudgeted_bytes=self._read_ahead_bytes(streams))
-                except BudgetTooSmallError:
-                    raise BudgetTooSmallError(
-                        f"{exc} -- the budget in force is {cache.budget_name(budget or 0)}; raise that dataset's "
-                        "cache_limit, or let it go (del it, end its process) first") from None
+            sizing, budget = self._sized(size, budget)
         except BudgetTooSmallError:
             cache.drop_record(record)
             raise
@@ -1113,6 +1105,24 @@ class UCVolumeDataset(EpochTracking, IterableDataset[str]):
         if budget is not None:
             stream.start_refresher()
         return stream
+
+    def _sized(self, size: Callable[[int | None], Sizing], budget: int | None) -> tuple[Sizing, int | None]:
+        """``(size(budget), budget)``. Refused by a budget another dataset set (this one set none, or a
+        larger one), sized again under the budget in force once datasets on their way out are gone,
+        and refused then naming it as theirs; this dataset's own budget is refused at once."""
+        try:
+            return size(budget), budget
+        except BudgetTooSmallError as exc:
+            cache = self.cache
+            if budget is None or (cache.limit is not None and budget >= cache.limit):
+                raise
+            budget = self._other_budget_settled(budget)
+            try:
+                return size(budget), budget
+            except BudgetTooSmallError:
+                raise BudgetTooSmallError(
+                    f"{exc} -- the budget in force is {cache.budget_name(budget or 0)}; raise that dataset's "
+                    "cache_limit, or let it go (del it, end its process) first") from None
 
     def _other_budget_settled(self, budget: int) -> int | None:
         """The budget in force once datasets on their way out are gone: a dataset just interrupted
