@@ -194,7 +194,7 @@ def test_unbudgeted_fill_leaves_no_temp_file_and_replaces_an_untrusted_entry(tmp
     seen: list[int] = []
 
     def write(tmp: str) -> int:
-        assert not tmp.startswith(os.path.join(c.root, "files"))  # built aside, renamed in whole
+        assert not tmp.startswith(os.path.join(c.root, "files"))  # copied aside, linked in whole
         seen.append(len(os.listdir(tmp_path / "c" / "tmp")))  # an unnamed file: nothing a kill leaves
         return writer(b"hello")(tmp)
 
@@ -202,3 +202,47 @@ def test_unbudgeted_fill_leaves_no_temp_file_and_replaces_an_untrusted_entry(tmp
     assert fetched and path == stale and open(path, "rb").read() == b"hello"
     assert seen == [0] and os.listdir(tmp_path / "c" / "tmp") == []
     assert os.listdir(os.path.dirname(stale)) == [key + ".bin"]
+
+
+@pytest.mark.parametrize("limit", [None, "1MB"])
+def test_a_writer_killed_before_its_file_was_placed_leaves_a_folder_the_next_fill_reuses(tmp_path, limit):
+    c = FileCache(str(tmp_path / "c"), limit=limit)
+    key = cache_key("v", "train/cat/1.jpg", 5, 0)
+    path = c.data_path(key, "", 5, rel="train/cat/1.jpg")
+    os.makedirs(os.path.dirname(path))  # the folders made, the file never linked in
+    assert c.lookup(key, "", 5, rel="train/cat/1.jpg") is None
+    got, fetched = c.fill(key, "", 5, writer(b"hello"), rel="train/cat/1.jpg")
+    assert fetched and got == path and open(got, "rb").read() == b"hello"
+    assert os.listdir(tmp_path / "c" / "tmp") == []
+
+
+def test_a_file_where_the_entry_needs_a_folder_is_replaced(tmp_path):
+    c = FileCache(str(tmp_path / "c"))
+    key = cache_key("v", "a/b.txt", 3, 0)
+    path = c.data_path(key, "", 3, rel="a/b.txt")
+    os.makedirs(os.path.dirname(os.path.dirname(path)))
+    with open(os.path.dirname(path), "wb") as f:  # files/<key>-3/a is a file, not a folder
+        f.write(b"zz")
+    got, fetched = c.fill(key, "", 3, writer(b"abc"), rel="a/b.txt")
+    assert fetched and got == path and open(got, "rb").read() == b"abc"
+
+
+@pytest.mark.parametrize("limit", [None, "1MB"])
+def test_an_entry_evicted_while_its_file_is_placed_is_made_again(tmp_path, monkeypatch, limit):
+    import ucmagic.files.cache as cache_mod
+
+    c = FileCache(str(tmp_path / "c"), limit=limit)
+    key = cache_key("v", "d/x.bin", 4, 0)
+    real = cache_mod._make_dirs
+    evicted: list[str] = []
+
+    def then_evicted(final: str, inner: str) -> None:
+        real(final, inner)
+        if not evicted:  # another process evicts the fresh, still empty directory right now
+            evicted.append(final)
+            c.layout.drop_entry(final)
+
+    monkeypatch.setattr(cache_mod, "_make_dirs", then_evicted)
+    got, fetched = c.fill(key, "", 4, writer(b"data"), rel="d/x.bin")
+    assert evicted and fetched and open(got, "rb").read() == b"data"
+    assert c.lookup(key, "", 4, rel="d/x.bin") == got and os.listdir(tmp_path / "c" / "tmp") == []

@@ -59,7 +59,7 @@ def _drop_limit_record(path: str, pid: int) -> None:
 
 
 def reap(layout: CacheLayout, records: ProtectionRecords) -> dict[str, int]:
-    """Drop protection records of dead owners, temp files and staged entries of dead writers, and
+    """Drop protection records of dead owners, temp files and half-removed entries of dead writers, and
     entries of the old layout (``data/``) no live process protects. Returns counts."""
     protected, dropped = records.reap()
     old = layout.reap_old_layout(protected)

@@ -3,8 +3,8 @@
 The directory's layout (``files/``, ``tmp/``, ``locks/``, ``prot/``, the usage ledger) is described in
 :mod:`.cache_layout`, which owns it.
 
-Guarantees: an entry in ``files/`` is always complete (its directory is staged under ``tmp/`` and
-renamed in whole), so the path of an entry is stable: the same file version has the same path, ending
+Guarantees: an entry's file in ``files/`` is always complete (copied under ``tmp/``, then linked or
+renamed to its name in its entry directory, made just before), so the path of an entry is stable: the same file version has the same path, ending
 with the file's relative path, in every epoch and process, and it stays until a budget evicts it
 (whole: directory and file). One fill per file even with many threads and processes asking at once;
 a changed source file (size or mtime) gets a new key, hence a new path. Entries of the old layout
@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import shutil
 import time
 from typing import Callable, Iterable, Sequence
 
@@ -208,8 +207,8 @@ class FileCache:
         ``looked_up``: the caller just found no entry, or expects none (a run of misses): the lookup
         before the lock is skipped (the one under the lock still runs, so a hit is still found).
         ``rel``: the source's relative path, kept at the end of the entry's path (see :meth:`lookup`).
-        The entry is built under ``tmp/`` and renamed into ``files/`` whole, so a reader never sees
-        a partial file or directory.
+        The file is copied under ``tmp/`` and given its name in ``files/`` in one step once complete,
+        so a reader never sees a partial file.
         """
         if not looked_up:
             path = self.lookup(key, suffix, size, rel=rel)
@@ -222,7 +221,6 @@ class FileCache:
         if self.budget() is not None:  # this process's cache_limit, or a smaller one of another live process
             tmp = self.layout.tmp_path(key, size, "part")
         self.reserve(size, tmp or "", may_exceed=may_exceed, on_wait=on_wait)
-        staged = None
         try:
             with self._keys.hold(key):
                 path = self.lookup(key, suffix, size, rel=rel)
@@ -231,11 +229,8 @@ class FileCache:
                         with contextlib.suppress(FileNotFoundError):
                             os.unlink(tmp)
                     return path, False
-                inner = entry_file(key, suffix, size, rel)
-                name, _, inner = inner.partition("/")
-                # the entry directory is staged under tmp/ (its name carries the size and the writer,
-                # so counts include it and a dead writer's is reaped) and renamed into files/ whole
-                stage = self.layout.tmp_path(key, size, "dir")
+                name, _, inner = entry_file(key, suffix, size, rel).partition("/")
+                final = os.path.join(self._entries, name)
                 # without a budget the copy goes to an unnamed file (O_TMPFILE: a killed process leaves
                 # nothing), else (or where there is none) to the named temp file that holds the room
                 anon = _open_unnamed(self.layout.tmp) if tmp is None else -1
@@ -245,58 +240,45 @@ class FileCache:
                 watch_progress((lambda: _written(os.fstat(anon))) if anon >= 0 else (lambda: _written(os.stat(part))))
                 try:
                     _check_size(write(part), size)
-                    staged = self._stage(stage, inner)  # complete: moved into its entry directory
-                    if anon >= 0:
-                        _link_unnamed(anon, os.path.join(stage, inner))
-                    else:
-                        os.rename(part, os.path.join(stage, inner))
-                        tmp = None
+                    # complete: its name appears inside its entry directory at once (a link or a rename)
+                    self._place(final, inner, anon, part)
+                    tmp = None
                 finally:
                     watch_progress(None)
                     if anon >= 0:
                         os.close(anon)
-                final = os.path.join(self._entries, name)
-                self._install(stage, final)
-                staged = None
         except BaseException:
             if tmp is not None:
                 with contextlib.suppress(OSError):
                     os.unlink(tmp)
-            if staged is not None:
-                shutil.rmtree(staged, ignore_errors=True)
             raise
         return final + os.sep + inner, True
 
-    def _stage(self, stage: str, inner: str) -> str:
-        """Make the staged entry directory ``stage`` and the folders of ``inner`` in it; return it."""
-        try:
-            os.mkdir(stage, 0o700)
-        except FileNotFoundError:  # tmp/ removed under us (a cleared cache directory)
-            os.makedirs(self.layout.tmp, mode=0o700, exist_ok=True)
-            os.mkdir(stage, 0o700)
-        at = stage
-        for part in inner.split("/")[:-1]:
-            at = os.path.join(at, part)
-            os.mkdir(at, 0o700)
-        return stage
-
-    def _install(self, stage: str, final: str) -> None:
-        """Rename the complete staged entry ``stage`` to ``final`` (replacing one lookup did not trust)."""
-        try:
-            os.rename(stage, final)
-            return
-        except FileNotFoundError:
-            if not os.path.isdir(stage):
-                raise
-            os.makedirs(self._entries, mode=0o700, exist_ok=True)  # files/ removed under us
-        except OSError as e:
-            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR):
-                raise
-            # an entry of this version that lookup did not trust (wrong size or owner, another name)
-            self.removal_token.change()
-            self.layout.drop_entry(final)
-            self.removal_token.change()
-        os.rename(stage, final)
+    def _place(self, final: str, inner: str, anon: int, part: str) -> None:
+        """Give the complete copy (unnamed file ``anon``, else the named temp file ``part``) its name
+        ``inner`` inside the entry directory ``final``, made with its folders first: the file appears
+        whole, in one link or rename. Called under the key's lock. A directory of this version left
+        without its file (a writer killed between the two steps) is reused; one holding a file that
+        lookup did not trust (wrong size or owner, or a name in the way) is replaced; one evicted
+        meanwhile is made again."""
+        for attempt in range(3):
+            try:
+                _make_dirs(final, inner)
+                if anon >= 0:
+                    _link_unnamed(anon, os.path.join(final, inner))
+                else:
+                    os.rename(part, os.path.join(final, inner))
+                return
+            except FileNotFoundError:
+                if attempt == 2 or (anon < 0 and not os.path.exists(part)):
+                    raise
+                os.makedirs(self._entries, mode=0o700, exist_ok=True)  # files/ removed, or the entry evicted
+            except OSError as e:
+                if attempt == 2 or e.errno not in (errno.EEXIST, errno.ENOTDIR, errno.EISDIR, errno.ENOTEMPTY):
+                    raise
+                self.removal_token.change()  # an untrusted entry of this version: removed whole
+                self.layout.drop_entry(final)
+                self.removal_token.change()
 
     def remove(self, paths: Iterable[str]) -> int:
         """Delete entries, each whole (``paths``: an entry's file or directory). Returns the number removed."""
@@ -342,7 +324,7 @@ class FileCache:
         return self.budget_keeper.scan(self.protected_names(reap=False))[1]
 
     def reap(self) -> dict[str, int]:
-        """Drop protection records of dead owners, temp files and staged entries of dead writers, and
+        """Drop protection records of dead owners, temp files and half-removed entries of dead writers, and
         entries of the old layout (``data/``) no live process protects. Returns counts."""
         return reap(self.layout, self.records)
 
@@ -383,6 +365,18 @@ class FileCache:
             n = self.remove(p for p, _, _ in free)
             keeper.write_ledger(keeper.scan(set())[1].total_bytes)
         return {"entries": n, **reaped}
+
+
+def _make_dirs(final: str, inner: str) -> None:
+    """Make the entry directory ``final`` and the folders of ``inner`` in it (present ones are fine)."""
+    at = final
+    for part in [""] + inner.split("/")[:-1]:
+        at = os.path.join(at, part) if part else at
+        try:
+            os.mkdir(at, 0o700)
+        except FileExistsError:
+            if not os.path.isdir(at):
+                raise NotADirectoryError(errno.ENOTDIR, "a file where the entry needs a folder", at) from None
 
 
 def _written(st: os.stat_result) -> tuple[int, int]:

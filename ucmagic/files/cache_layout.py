@@ -7,7 +7,7 @@ Layout under the cache root (private to the user, mode 0700)::
     files/<key>-<size>/<rel>           cached copies: one directory per file version (key: a hash of
                                        volume, path, size, mtime), holding the file at its relative
                                        path (map_relpath), or at <key><.ext> for an opaque key
-    tmp/<key>.<tag>.<n>.<size>.dir     entries being built (renamed into files/ whole when complete)
+    tmp/<key>.<tag>.<n>.<size>.dir     entries being removed (renamed out of files/ whole, then deleted)
     tmp/<key>.<tag>.<n>.<size>.part    budgeted fills in progress (the room they hold)
     locks/fill.lock, evict.lock        single-flight (one byte per key, OFD lock) and eviction (flock) locks
     prot/<owner>@<writer>.<slot>.rec   protection records: entry names a live process has not consumed yet
@@ -186,7 +186,7 @@ def default_cache_dir() -> str:
 
 
 def parse_tmp_name(name: str) -> tuple[str, int] | None:
-    """``(writer_tag, final size)`` of a fill's temp file (``.part``) or staged entry (``.dir``) name, else None."""
+    """``(writer_tag, final size)`` of a fill's temp file (``.part``) or an entry being removed (``.dir``), else None."""
     parts = name.split(".")
     if len(parts) != 5 or parts[-1] not in ("part", "dir") or not parts[3].isdigit():
         return None
@@ -260,8 +260,8 @@ class CacheLayout:
         return head + name if parse_entry_name(name) else None
 
     def tmp_path(self, key: str, size: int, kind: str) -> str:
-        """A new name under ``tmp/`` for ``key`` (``kind``: ``part``, a fill's copy, or ``dir``, a
-        staged entry), carrying this process's tag and the final ``size`` (counts include it)."""
+        """A new name under ``tmp/`` for ``key`` (``kind``: ``part``, a fill's copy, or ``dir``, an
+        entry being removed), carrying this process's tag and the final ``size`` (counts include it)."""
         return os.path.join(self.tmp, f"{key}.{process_tag()}.{serial()}.{size}.{kind}")
 
     def drop_entry(self, entry: str) -> bool:
@@ -275,7 +275,7 @@ class CacheLayout:
         return True
 
     def reap_tmp(self) -> int:
-        """Remove temp files and staged entries of dead writers (or, unnamed, stale ones). Returns the count."""
+        """Remove temp files and removed entries of dead writers (or, unnamed, stale ones). Returns the count."""
         n = 0
         now = time.time()
         alive: dict[str, bool] = {}
