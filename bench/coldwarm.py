@@ -45,7 +45,7 @@ import sys
 import tempfile
 import time
 
-from _child import run_sampled  # bench/ is on sys.path when a benchmark runs as a script
+from _child import RemovedAtExit, run_sampled  # bench/ is on sys.path when a benchmark runs as a script
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROFILES = {"P20": {"open_ms": 20, "mbps": 200}, "P100": {"open_ms": 100, "mbps": 100}}
@@ -309,15 +309,17 @@ def main() -> None:
     expected = set(os.listdir(src))
     results: dict[str, dict[str, list[dict]]] = {p: {c: [] for c in contenders} for p in profiles}
     with ContextlibExit() as stack:
+        kept = stack.enter_context(RemovedAtExit())  # outputs go when the run ends (see RemovedAtExit)
         mounts = {p: stack.enter_context(mount_slow_volume(src, f"/Volumes/bench/slow/{p.lower()}", list_ms=50,
                                                              **PROFILES[p])) for p in profiles}
         for rnd in range(a.rounds):
             for p in profiles:
                 vol = mounts[p]
-                ucache = tempfile.mkdtemp(prefix="ucache-", dir=a.workdir)
+                ucache = kept.add(tempfile.mkdtemp(prefix="ucache-", dir=a.workdir))
                 for c in _rotated(contenders, rnd):
                     python = pythons.get(c, sys.executable)
-                    cache = ucache if c in ("ucmagic", "restart", "direct") else tempfile.mkdtemp(dir=a.workdir)
+                    shared = c in ("ucmagic", "restart", "direct")
+                    cache = ucache if shared else kept.add(tempfile.mkdtemp(dir=a.workdir))
                     limit = a.torch0_files if c == "torch0" else 0
                     if c == "ucbudget":
                         limit = a.files * parse_size(a.size) // 2  # half the data
@@ -334,9 +336,6 @@ def main() -> None:
                     results[p][c].append(r)
                     status = r.get("error") or " ".join(f"{e['secs']:.2f}s ({e['cpu']:.1f} cpu-s)" for e in r["epochs"])
                     print(f"[round {rnd + 1}] {p} {c:8s} {status}  peak {r.get('peak_mb', 0):.0f} MB", flush=True)
-                    if cache != ucache:
-                        shutil.rmtree(cache, ignore_errors=True)
-                shutil.rmtree(ucache, ignore_errors=True)
     if profiles:
         report(results, a.files)
     if a.scale_files:
@@ -360,16 +359,16 @@ def run_scale(workdir: str, n: int, rounds: int) -> dict[str, list[dict]]:
         os.replace(src + ".part", src)
         print(f"scale: wrote {n} files of 1 KiB in {time.perf_counter() - t0:.0f} s", flush=True)
     res: dict[str, list[dict]] = {c: [] for c in SCALE_CONTENDERS}
-    for rnd in range(rounds):
-        k = rnd % len(SCALE_CONTENDERS)
-        for c in SCALE_CONTENDERS[k:] + SCALE_CONTENDERS[:k]:
-            cache = tempfile.mkdtemp(prefix="scale-", dir=workdir)
-            r = run_child(sys.executable, c, src, cache, timeout=1800)
-            shutil.rmtree(cache, ignore_errors=True)
-            res[c].append(r)
-            status = r.get("error") or " ".join(f"{e['secs']:.2f}s ({e['cpu']:.1f} cpu-s)" for e in r["epochs"])
-            listing = f"  listing {r['setup']:.2f}s" if "setup" in r else ""
-            print(f"[round {rnd + 1}] scale {c:10s} {status}" + listing, flush=True)
+    with RemovedAtExit() as kept:  # outputs go when the run ends (see RemovedAtExit)
+        for rnd in range(rounds):
+            k = rnd % len(SCALE_CONTENDERS)
+            for c in SCALE_CONTENDERS[k:] + SCALE_CONTENDERS[:k]:
+                cache = kept.add(tempfile.mkdtemp(prefix="scale-", dir=workdir))
+                r = run_child(sys.executable, c, src, cache, timeout=1800)
+                res[c].append(r)
+                status = r.get("error") or " ".join(f"{e['secs']:.2f}s ({e['cpu']:.1f} cpu-s)" for e in r["epochs"])
+                listing = f"  listing {r['setup']:.2f}s" if "setup" in r else ""
+                print(f"[round {rnd + 1}] scale {c:10s} {status}" + listing, flush=True)
     ok = {c: [r for r in runs if "epochs" in r] for c, runs in res.items()}
     uc, raw, walk = ok["scale-uc"], ok["scale-raw"], ok["scale-walk"]
     print(f"\n== scale: {n} files of 1 KiB on local disk, one process, num_workers=0, medians ==")

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import sys
 import tempfile
@@ -36,7 +35,7 @@ import time
 
 import numpy as np
 import torch
-from _child import run_sampled  # bench/ is on sys.path when a benchmark runs as a script
+from _child import RemovedAtExit, run_sampled  # bench/ is on sys.path when a benchmark runs as a script
 from coldwarm import _tree_pss, client_cpu
 from torch.utils.data import IterableDataset
 
@@ -201,15 +200,15 @@ def main() -> None:
     sizes = [os.path.getsize(os.path.join(src, f)) for f in os.listdir(src)]
     mean_kib = sum(sizes) / len(sizes) / 1024
     res: dict[str, list[dict]] = {c: [] for c in CONTENDERS}
-    for rnd in range(a.rounds):
-        k = rnd % len(CONTENDERS)
-        for c in CONTENDERS[k:] + CONTENDERS[:k]:
-            cache = tempfile.mkdtemp(prefix="imgcache-", dir=a.workdir)
-            r = run_child(c, src, cache)
-            shutil.rmtree(cache, ignore_errors=True)
-            res[c].append(r)
-            status = r.get("error") or " ".join(f"{e['secs']:.2f}s ({e['cpu']:.1f} cpu-s)" for e in r["epochs"])
-            print(f"[round {rnd + 1}] {c:8s} {status}  peak {r.get('peak_mb', 0):.0f} MB", flush=True)
+    with RemovedAtExit() as kept:  # outputs go when the run ends (see RemovedAtExit)
+        for rnd in range(a.rounds):
+            k = rnd % len(CONTENDERS)
+            for c in CONTENDERS[k:] + CONTENDERS[:k]:
+                cache = kept.add(tempfile.mkdtemp(prefix="imgcache-", dir=a.workdir))
+                r = run_child(c, src, cache)
+                res[c].append(r)
+                status = r.get("error") or " ".join(f"{e['secs']:.2f}s ({e['cpu']:.1f} cpu-s)" for e in r["epochs"])
+                print(f"[round {rnd + 1}] {c:8s} {status}  peak {r.get('peak_mb', 0):.0f} MB", flush=True)
     report(res, a.files, mean_kib)
     if a.json:
         with open(a.json, "w") as f:
