@@ -198,8 +198,11 @@ def tune_window(w: Window, rate: float, wait_share: float, *, floor: int, ceilin
     return Window(min(ceiling, w.size * 2), prev_size=w.size, prev_rate=rate)
 
 
-START_WINDOW = 8
-"""Calls a :func:`read_ahead` keeps in flight at first (``depth`` if smaller); :func:`tune_window` moves it."""
+START_WINDOW = 32
+"""Calls a :func:`read_ahead` keeps in flight at first (``depth`` if smaller); :func:`tune_window` moves it.
+A cold volume's latency is the common case: at 8 the first batch of 32 files from a volume with 100 ms
+per open took 0.37-0.43 s (three doublings), at 32 it took 0.18-0.31 s, with no more CPU (at 64: 0.24-0.40 s
+and more CPU); a fast local disk shrinks it within a few periods."""
 FLOOR_WINDOW = 4
 """The fewest calls :func:`tune_window` keeps in flight (``depth`` if smaller)."""
 MIN_PERIOD = 8
