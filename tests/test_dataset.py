@@ -501,3 +501,21 @@ def test_checked_files_remember_exactly_what_was_added_and_a_plain_pickle_forget
     assert c.checked_prefix(some) == want and c.checked_prefix([]) == 0
     copy = pickle.loads(pickle.dumps(c))
     assert copy.n == n and not any(i in copy for i in range(n))
+
+
+@pytest.mark.parametrize("evicted", [(10, 80, 81), (5, 70, 71, 72, 100), (0, 66, 67, 130, 190)])
+def test_stats_count_each_item_once_when_fills_left_ahead_are_handed_out_by_a_warm_run(tmp_path, evicted):
+    """A read-ahead lane that hands back to warm runs (a streak of hits) leaves fills in flight for
+    entries further on; the warm run that hands those positions out must not count them again."""
+    from ucmagic.testing import make_files
+
+    rels = make_files(str(tmp_path / "src"), 200, 512, depth=1)
+    ds = UCVolumeDataset(str(tmp_path / "src"), cache_dir=str(tmp_path / "c"), prefetch=64)
+    first = list(ds)
+    assert ds.stats()["misses"] == len(rels)
+    for epoch in range(1, 4):
+        FileCache(ds.cache.root).remove([first[i] for i in evicted])
+        assert list(ds) == first
+        s = ds.stats()
+        assert s["misses"] == len(rels) + epoch * len(evicted)
+        assert s["hits"] == epoch * (len(rels) - len(evicted))

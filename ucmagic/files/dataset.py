@@ -497,6 +497,10 @@ class _EpochStream:
         self.probed: set[int] = set()  # looked up here and missed: the fill need not look again
         # pos -> (hit, fetch seconds, a hit found here that the shared counters have yet to count)
         self.timing: dict[int, tuple[bool, float, bool]] = {}
+        # positions a fill call has counted (a miss or a hit) and that are not handed out yet: a
+        # read-ahead lane that ends leaves calls behind, whose positions are handed out later by a
+        # warm run or another lane, and must not be counted again there
+        self.claimed: set[int] = set()
         self.hits = self.delivered = 0  # loop thread only: added to the shared counters per batch
         self.skipped: list[str] = []  # the first SKIPPED_NAMED skipped files, for the warning
 
@@ -533,6 +537,15 @@ class _EpochStream:
         if flush:
             self.flush()
 
+    def _unclaim(self, start: int, end: int) -> int:
+        """Forget the claims of positions ``start``-``end`` (about to be handed out); how many there were."""
+        if not self.claimed:
+            return 0
+        with self._mu:
+            gone = [p for p in self.claimed if start <= p < end]
+            self.claimed.difference_update(gone)
+        return len(gone)
+
     def flush(self) -> None:
         """Add this thread's hits and deliveries to the shared counters."""
         self.counters.add(hits=self.hits, delivered=self.delivered)
@@ -548,7 +561,7 @@ class _EpochStream:
         quantum, a, pos = self.stream.quantum, 0, self.pos
         while a < len(paths):
             b = min(len(paths), a + quantum - pos % quantum)
-            self.count(b - a, b - a, flush=True)
+            self.count(b - a - self._unclaim(pos, pos + b - a), b - a, flush=True)
             telemetry.record_items(idx[a:b], True, each, sizes[a:b])
             for path in paths[a:b]:
                 self._handing(pos)
@@ -617,6 +630,9 @@ class _EpochStream:
             _release_free_heap()
         with self._mu:
             hit, fetch_s, count = self.timing.pop(pos, (True, 0.0, False))
+            if pos in self.claimed:  # counted by a fill call (this lane's, or one a lane left behind)
+                self.claimed.discard(pos)
+                count = False
         if isinstance(got, BaseException):
             self.stream.skipped += 1
             self.counters.add(errors=1)
@@ -667,9 +683,11 @@ class _EpochStream:
         stream = self.stream
         with self._mu:
             looked_up = pos in self.probed or (self.misses >= COLD_MISSES and self.cache.limit is None)
+            first = pos not in self.claimed  # else a call a lane left behind counted it already
+            self.claimed.add(pos)
         t0 = time.perf_counter()
         got, fetched = self.fetch_item(self.items, pos, may_exceed=lambda: stream.may_exceed(pos),
-                                       on_wait=self.on_wait, looked_up=looked_up)
+                                       on_wait=self.on_wait, looked_up=looked_up, count_hit=first)
         if isinstance(got, BaseException):
             return got
         if fetched:
@@ -884,8 +902,10 @@ class UCVolumeDataset(EpochTracking, IterableDataset[str]):
         return cache_key(self.volume.uri, e.path, e.size, e.mtime), safe_suffix(e.path)
 
     def _fetch(self, e: FileEntry, key: tuple[str, str] | None = None, *, may_exceed: Callable[[], bool] | None = None,
-               on_wait: Callable[[], None] | None = None, looked_up: bool = False) -> tuple[str, bool]:
-        """``(cached path, copied now)`` for ``e``: a hit, or one (single-flight) copy from the volume."""
+               on_wait: Callable[[], None] | None = None, looked_up: bool = False,
+               count_hit: bool = True) -> tuple[str, bool]:
+        """``(cached path, copied now)`` for ``e``: a hit, or one (single-flight) copy from the volume.
+        Counted in the stats as a miss or (unless not ``count_hit``) a hit."""
         key_, suffix = key or self._key(e)
         t0 = time.perf_counter()  # FileCache.fill looks the entry up first: a hit returns fetched=False
         volume = self.volume
@@ -914,18 +934,19 @@ class UCVolumeDataset(EpochTracking, IterableDataset[str]):
         if fetched:
             self._counters.add(misses=1, bytes_fetched=e.size)
             self._counters.record_latency(time.perf_counter() - t0)
-        else:
+        elif count_hit:
             self._counters.add(hits=1)
         return path, fetched
 
     def _fetch_item(self, items: StreamItems, pos: int, *, may_exceed: Callable[[], bool],
-                    on_wait: Callable[[], None], looked_up: bool) -> tuple[str | BaseException, bool]:
+                    on_wait: Callable[[], None], looked_up: bool,
+                    count_hit: bool = True) -> tuple[str | BaseException, bool]:
         """Position ``pos`` of ``items`` filled (a read-ahead call): ``(path, copied now)``, checked
         against the volume where ``validate="lazy"`` asks; ``(error, False)`` for a file to skip."""
         e = items.entry(pos)
         try:
             path, fetched = self._fetch(e, items.key_at(pos), may_exceed=may_exceed, on_wait=on_wait,
-                                        looked_up=looked_up)
+                                        looked_up=looked_up, count_hit=count_hit)
             if self._checked is not None:
                 self._check_source(items.index(pos), e, fetched)
         except Exception as exc:
