@@ -4,16 +4,17 @@ The directory's layout (``files/``, ``tmp/``, ``locks/``, ``prot/``, the usage l
 :mod:`.cache_layout`, which owns it.
 
 Guarantees: an entry's file in ``files/`` is always complete (copied under ``tmp/``, then linked or
-renamed to its name in its entry directory, made just before), so the path of an entry is stable: the same file version has the same path, ending
-with the file's relative path, in every epoch and process, and it stays until a budget evicts it
-(whole: directory and file). One fill per file even with many threads and processes asking at once;
-a changed source file (size or mtime) gets a new key, hence a new path. Entries of the old layout
-(``data/<k0k1>/<key><.ext>``) are never served and are reaped. Eviction is least-recently-used and skips every entry
-named in a protection record whose owner (pid + start time) is alive; records of a dead owner are
-dropped at once. With a budget, fills wait for room instead of overshooting, except fills a blocked
-consumer needs next (``may_exceed``), so the loop always makes progress.
+renamed to its name in its entry directory, made just before). The path of an entry is stable: the
+same file version has the same path, ending with the file's relative path, in every epoch and
+process, and it stays until a budget evicts it (whole: directory and file). One fill per file
+even with many threads and processes asking at once; a changed source file (size or mtime) gets a
+new key, hence a new path. Entries of the old layout (``data/<k0k1>/<key><.ext>``) are never served
+and are reaped. Eviction is least-recently-used and skips every entry named in a protection record
+whose owner (pid + start time) is alive; records of a dead owner are dropped at once. With a budget,
+fills wait for room instead of overshooting, except fills a blocked consumer needs next
+(``may_exceed``), so the loop always makes progress.
 
-This module holds :class:`FileCache`, the facade: lookup, fill, install and removal of entries. Its
+This module holds :class:`FileCache`, the facade: lookup, fill and removal of entries. Its
 parts, one job each: ``cache_layout`` (keys, entry names, source paths inside entries, the directory,
 reaping of dead writers' temp files and the old layout), ``locks`` (``file_lock``, the per-key fill
 locks, process identities), ``protection`` (protection records), ``budget`` (the budget in force,

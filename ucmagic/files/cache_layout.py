@@ -186,7 +186,8 @@ def default_cache_dir() -> str:
 
 
 def parse_tmp_name(name: str) -> tuple[str, int] | None:
-    """``(writer_tag, final size)`` of a fill's temp file (``.part``) or an entry being removed (``.dir``), else None."""
+    """``(writer_tag, final size)`` of a fill's temp file (``.part``) or of an entry being removed
+    (``.dir``), else None."""
     parts = name.split(".")
     if len(parts) != 5 or parts[-1] not in ("part", "dir") or not parts[3].isdigit():
         return None

@@ -36,8 +36,9 @@ def scan(layout: CacheLayout, protected: set[str]) -> tuple[list[tuple[str, int,
     size (the name carries it), so a fill in progress already holds its room."""
     free: list[tuple[str, int, float]] = []
     u = CacheUsage()
-    # an entry is a directory files/<key>-<size> (counted from the moment it is made, before its file is linked in); its size is in its
-    # name and its mtime is its last use, so one directory read and a stat per entry count it
+    # an entry is a directory files/<key>-<size>, counted from the moment it is made (before its file
+    # is linked in); its size is in its name and its mtime is its last use, so one directory read and
+    # a stat per entry count it
     for de in scandir(layout.entries, dirs=True):
         parsed = parse_entry_name(de.name)
         if parsed is None or not de.is_dir(follow_symlinks=False):
