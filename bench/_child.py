@@ -55,8 +55,9 @@ class RemovedAtExit:
     Why: this VM's root file system is ext4 without a journal, where the allocation of every new inode
     skips past inodes freed in the last ~30 s, looking each one up (``recently_deleted``). Removing a
     contender's 2,000-6,000 files right before the next contender starts made the next one's file and
-    directory creations cost several times their CPU (measured with ``perf record -a``: 25-35% of all
-    samples in ``find_inode_bit`` / ``recently_deleted``); whichever contender ran after a removal paid it.
+    directory creations cost several times their CPU (measured with ``perf record -a``: 28% of all
+    samples under ``find_inode_bit`` / ``recently_deleted``, 25% for the raw copy); whichever contender
+    ran after a removal paid it.
     """
 
     def __init__(self) -> None:
