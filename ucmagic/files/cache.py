@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import os
 import time
 from typing import Callable, Iterable, Sequence
@@ -369,10 +370,9 @@ class FileCache:
 
 
 def _make_dirs(final: str, inner: str) -> None:
-    """Make the entry directory ``final`` and the folders of ``inner`` in it (present ones are fine)."""
-    at = final
-    for part in [""] + inner.split("/")[:-1]:
-        at = os.path.join(at, part) if part else at
+    """Make the entry directory ``final`` and the folders of ``inner`` in it (present ones are fine).
+    One ``mkdir`` per folder: ``os.makedirs`` would ``stat`` each level first, on every fill."""
+    for at in itertools.accumulate(inner.split("/")[:-1], lambda d, part: d + os.sep + part, initial=final):
         try:
             os.mkdir(at, 0o700)
         except FileExistsError:
