@@ -1,15 +1,26 @@
-"""Protection windows and read-ahead sized to fit a budget (ucmagic.files.windows): pure, no I/O."""
+"""Protection windows and read-ahead sized to fit a budget (ucmagic.files.windows): pure, no I/O
+(but for one check of how a dataset passes its lease_items on)."""
 from __future__ import annotations
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from ucmagic import UCVolumeDataset
 from ucmagic.errors import BudgetTooSmallError
-from ucmagic.files.windows import MIN_WINDOW, Sizing, WindowPolicy
+from ucmagic.files.windows import DEFAULT_LEASE_ITEMS, MIN_WINDOW, Sizing, WindowPolicy
+from ucmagic.testing import make_files
 
-policies = st.builds(WindowPolicy, lease_items=st.integers(1, 2048), typical=st.integers(1, 1 << 24),
-                     files=st.integers(1, 1 << 20))
+
+@st.composite
+def policy(draw: st.DrawFn) -> WindowPolicy:
+    """A dataset's rules: lease_items left at its default, or set by the user (then the least window)."""
+    lease = draw(st.integers(1, 2048))
+    return WindowPolicy(lease, draw(st.integers(1, 1 << 24)), draw(st.integers(1, 1 << 20)),
+                        least_window=draw(st.sampled_from([None, lease])))
+
+
+policies = policy()
 
 
 @given(policies, st.integers(1, 1 << 40), st.integers(1, 64), st.booleans())
@@ -28,7 +39,7 @@ def test_an_unreported_window_is_between_the_least_and_lease_items(p, budget, st
     if budget // streams < p.least(False) * p.typical:
         return
     s = p.protection(budget, streams, False)
-    assert min(p.lease_items, MIN_WINDOW) <= s.window <= p.lease_items
+    assert p.least(False) <= s.window <= p.lease_items
     # the window and the read-ahead fit the stream's share (the least window aside)
     share = budget // streams
     if s.window > p.least(False):
@@ -39,10 +50,37 @@ def test_an_unreported_window_is_between_the_least_and_lease_items(p, budget, st
 def test_a_share_with_other_processes_holds_window_step_read_ahead_and_cover(p, budget, streams, extra):
     live = streams + extra
     s = p.sized(budget, streams, False, live)
+    # never below the least window: files handed to a torch loader's queue are still to be opened
+    assert s.window >= p.least(False)
     files = budget // live // p.typical
-    if files >= 8:  # enough files for every part to get its fraction
+    if files >= 8 and s.window > p.least(False):  # room beyond the least window: every part gets its fraction
         held = s.window + max(1, s.window // 4) + s.read_ahead_bytes // p.typical + (s.cover or 0)
         assert held <= files
+
+
+def test_the_least_window_is_64_files_unless_lease_items_was_set(tmp_path):
+    assert WindowPolicy(DEFAULT_LEASE_ITEMS, 1000, 10).least(False) == MIN_WINDOW
+    assert WindowPolicy(96, 1000, 10).least(False) == MIN_WINDOW  # a loader's choice: not a least window
+    assert WindowPolicy(96, 1000, 10, least_window=96).least(False) == 96
+    assert WindowPolicy(4, 1000, 10).least(False) == 4
+    assert WindowPolicy(96, 1000, 10, least_window=96).least(True) == 1
+    make_files(str(tmp_path / "src"), 3, 10)
+    ds = UCVolumeDataset(str(tmp_path / "src"), cache_dir=str(tmp_path / "cache"))
+    assert ds.lease_items == DEFAULT_LEASE_ITEMS and ds.window_policy().least(False) == MIN_WINDOW
+    ds.lease_items = 96  # (prefetch_factor + 1) * batch_size for torch's loader, as docs/cache.md says
+    assert ds.window_policy().least(False) == 96
+    ds.configure(batch_quantum=32, lease_items=7 * 32)  # what ucmagic.DataLoader sets: it reports consumption
+    assert ds.lease_items == 224 and ds.window_policy().least(False) == MIN_WINDOW
+
+
+def test_other_processes_joining_never_shrink_a_window_below_the_least():
+    # the issue's case: 50 KiB files, 14 MB, two processes of 2 torch workers each (a share of 70 files)
+    p = WindowPolicy(DEFAULT_LEASE_ITEMS, 50 * 1024, 400)
+    assert p.protection(14_000_000, 2, False, live=4).window == MIN_WINDOW
+    torch_queue = WindowPolicy(96, 50 * 1024, 400, least_window=96)  # lease_items set to the loader's queue
+    assert torch_queue.protection(14_000_000, 2, False, live=4).window == 96
+    with pytest.raises(BudgetTooSmallError, match=r"96 files \(the protection window .*lease_items\)"):
+        torch_queue.protection(9_000_000, 2, False)
 
 
 def test_no_budget_keeps_lease_items_and_the_given_read_ahead():

@@ -38,7 +38,7 @@ from ..progress import Progress
 from .._shared import SharedBits, SharedInts
 from ..telemetry import SharedCounters, percentiles
 from .volume import FileEntry, Volume, copy_error, open_volume
-from .windows import LiveSizing, Sizing, WindowPolicy
+from .windows import DEFAULT_LEASE_ITEMS, LiveSizing, Sizing, WindowPolicy
 
 STATE_VERSION = 2  # 2: the array-free epoch order (plan.ORDER_VERSION 2)
 STREAM_CHUNK = 512  # items of a stream decoded from the listing at once (~450 B each while kept)
@@ -718,11 +718,13 @@ class UCVolumeDataset(EpochTracking, IterableDataset[str]):
             for room the loop frees (docs/cache.md). Default: keep 10% of the disk free. With
             ``ucmagic.DataLoader`` (also over a wrapper dataset) exactly the items the loop has not
             consumed are protected; otherwise each stream protects a window of the last items it handed
-            out sized to fit a third of its share of the budget (64 to ``lease_items`` files), so a small
-            budget slows the loop down; one that cannot hold 64 files per stream raises
-            :class:`BudgetTooSmallError` at the first item, naming the size needed. The smallest
+            out sized to fit a third of its share of the budget (64 to ``lease_items`` files; all
+            ``lease_items`` where you set it, e.g. to torch's queue, ``(prefetch_factor + 1) * batch_size``),
+            so a small budget slows the loop down; one that cannot hold that least window per stream
+            raises :class:`BudgetTooSmallError` at the first item, naming the size needed. The smallest
             ``cache_limit`` of any live process using the cache directory bounds this one's fills too,
-            and the windows of every live process's streams are sized to fit it together.
+            and the windows of every live process's streams share it; none goes below its least window
+            (files a loop may still open are not evicted to keep the budget).
         shuffle: ``False``, ``True`` (per-epoch seeded permutation; node-affine on several nodes),
             ``"global"`` (always one global permutation) or ``"node"`` (each node keeps its slice of
             the files across epochs and shuffles within it, so its cache stays hot).
@@ -816,8 +818,9 @@ class UCVolumeDataset(EpochTracking, IterableDataset[str]):
         self.on_missing = on_missing
         self.batch_quantum = 1  # set by ucmagic.DataLoader to its batch size
         # Without ucmagic.DataLoader's consumption reports, the last lease_items items each stream
-        # handed out stay protected (enough for torch's prefetch queue plus the batch in use).
-        self.lease_items = 1024
+        # handed out stay protected (enough for torch's prefetch queue plus the batch in use); under
+        # a budget at least 64, or all of them where lease_items was set (docs/cache.md)
+        self._lease_items, self._lease_set = DEFAULT_LEASE_ITEMS, False
         self._init_epochs()
         self._counters = SharedCounters()
         self._consumed = SharedInts(MAX_STREAMS + 2)  # items the loop finished, per worker stream
@@ -829,6 +832,22 @@ class UCVolumeDataset(EpochTracking, IterableDataset[str]):
         self.cache.reap()  # protection and temp files left by dead processes go at once
 
     # ------------------------------------------------------------ basics
+
+    @property
+    def lease_items(self) -> int:
+        """Handed-out items each stream keeps protected where the loop's consumption is not
+        reported (torch's DataLoader, a plain loop): default 1024, at least 64 under a budget. A value
+        you set, e.g. ``(prefetch_factor + 1) * batch_size`` for torch's loader, is kept under any
+        budget (one that cannot hold it is a :class:`BudgetTooSmallError` at the first item)."""
+        return self._lease_items
+
+    @lease_items.setter
+    def lease_items(self, n: int) -> None:
+        self._lease_items, self._lease_set = int(n), True
+
+    def configure(self, *, batch_quantum: int, lease_items: int) -> None:
+        super().configure(batch_quantum=batch_quantum, lease_items=lease_items)
+        self._lease_set = False  # the loader's choice (it reports consumption), not a least window
 
     def __getstate__(self) -> dict[str, Any]:
         st = self.__dict__.copy()  # the listing pickles as its file path
@@ -1044,7 +1063,7 @@ class UCVolumeDataset(EpochTracking, IterableDataset[str]):
         """The rules that size this dataset's protection windows and read-ahead (see :mod:`.windows`)."""
         n = len(self.listing)
         typical = max(1, -(-self.listing.total_bytes // n)) if n else 1
-        return WindowPolicy(self.lease_items, typical, n)
+        return WindowPolicy(self.lease_items, typical, n, least_window=self.lease_items if self._lease_set else None)
 
     def _read_ahead_bytes(self, streams: int) -> int:
 

@@ -14,9 +14,10 @@ from ..errors import BudgetTooSmallError
 from ..units import format_size
 from .cache import FileCache
 
-# Without consumption reports a stream keeps at least this many handed-out files protected (or
-# lease_items if smaller): the batch the loop holds and torch's prefetch queue (2 batches of 21)
+# Without consumption reports a stream keeps at least this many handed-out files protected, unless
+# lease_items was set (then that many): the batch the loop holds and torch's prefetch queue (2 batches of 21)
 MIN_WINDOW = 64
+DEFAULT_LEASE_ITEMS = 1024  # a dataset's lease_items until someone sets it: the window without a budget
 # Where other processes' streams share the budget, each stream's share holds its window and the
 # window's release step (a quarter of it), its read-ahead in flight and the items its record covers
 # ahead of the loop (other processes' copies among them stay protected): fractions of the share
@@ -36,15 +37,20 @@ class Sizing(NamedTuple):
 @dataclass(frozen=True)
 class WindowPolicy:
     """The sizing rules of one dataset: ``lease_items`` (the largest window), the listing's mean
-    file size ``typical`` and its number of ``files``."""
+    file size ``typical``, its number of ``files`` and ``least_window``, the window a user set
+    (``lease_items`` set by hand, say to a torch loader's whole queue), else None (:data:`MIN_WINDOW`)."""
 
     lease_items: int
     typical: int
     files: int
+    least_window: int | None = None
 
     def least(self, reported: bool) -> int:
-        """Files a stream must hold at once: with reports the one the loop waits for, else a window."""
-        return 1 if reported else min(self.lease_items, MIN_WINDOW)
+        """Files a stream must hold at once: with reports the one the loop waits for, else a window
+        (``least_window``, else :data:`MIN_WINDOW` or ``lease_items`` if smaller)."""
+        if reported:
+            return 1
+        return max(1, self.least_window) if self.least_window is not None else min(self.lease_items, MIN_WINDOW)
 
     def protection(self, budget: int | None, streams: int, reported: bool, live: int = 0, *,
                    unbudgeted_bytes: int = 1) -> Sizing:
@@ -56,15 +62,16 @@ class WindowPolicy:
         Under a budget each stream's share holds both: a third for the window (sized by the mean file
         size, at most ``lease_items``), a third for read-ahead, so the protected files fit in
         ``cache_limit`` and a small budget slows the loop down instead of stopping it. The window
-        holds at least :data:`MIN_WINDOW` files (or ``lease_items`` if smaller), with reports one file
+        holds at least :meth:`least` files (64, or the ``lease_items`` a user set), with reports one file
         (the fill the loop waits for may go over the budget); a share that cannot hold that many files
         of the mean size is :class:`BudgetTooSmallError` now, at the first item, naming the size needed.
 
         ``live`` streams of every process share the cache (:meth:`FileCache.live_streams`): where
         there are more than this process's ``streams``, the budget is split over all of them, and a
         window with its release step, the read-ahead and the items covered ahead of it (which protect
-        what other processes fetched) fit the smaller share (the window below :data:`MIN_WINDOW` if
-        need be: the smallest ``cache_limit`` bounds the directory). The first-item check is on this
+        what other processes fetched) fit the smaller share. The window never goes below the least
+        one (:meth:`least`): files a loop may still open are not evicted to keep the budget, which
+        the windows then exceed by what they hold beyond it. The first-item check is on this
         process's own share: a process joining never makes another fail.
         """
         if budget is None:
@@ -76,7 +83,8 @@ class WindowPolicy:
         """:class:`BudgetTooSmallError` where one of ``streams`` shares cannot hold the least window."""
         least = self.least(reported)
         if self.files and budget // max(1, streams) < least * self.typical:
-            what = "one file" if least == 1 else f"{least} files (the protection window without ucmagic.DataLoader)"
+            what = "one file" if least == 1 else f"{least} files (the protection window without ucmagic.DataLoader" + (
+                ")" if self.least_window is None else ", lease_items)")
             raise BudgetTooSmallError(
                 f"cache_limit={format_size(budget)} cannot hold {what} of ~{format_size(self.typical)} for each "
                 f"of {streams} stream(s): set cache_limit to at least "
@@ -93,8 +101,11 @@ class WindowPolicy:
         # is held, so fills rarely wait for room
         window = self.lease_items if reported else max(self.least(reported), min(self.lease_items, files // 3))
         if total > streams:  # shared with other processes' streams, which protect what this one fetched:
-            # the window, its release step, the read-ahead and the items covered ahead fit the share
-            return Sizing(window if reported else min(window, max(1, int(files * SHARED_WINDOW))),
+            # the window, its release step, the read-ahead and the items covered ahead fit the share, the
+            # window never below the least: a torch loader's queue holds handed-out files not yet opened
+            if not reported:
+                window = max(self.least(reported), min(window, int(files * SHARED_WINDOW)))
+            return Sizing(window,
                           max(self.typical, int(share * SHARED_AHEAD)), max(1, int(files * SHARED_COVER)))
         if reported:
             return Sizing(window, max(1, share))
