@@ -205,3 +205,37 @@ def test_names_go_through_the_active_spark_session_quoted(monkeypatch, catalog):
     with pytest.raises(TableNotFoundError, match="Spark"):
         load_table("main.ml.missing")
     assert resolve_source("main.ml.orders").kind == "spark_table"
+
+
+# ---------------------------------------------------------------- export keeps the source's row order
+
+@pytest.mark.parametrize("kind", ["table", "delta_dir", "pandas", "arrow", "parquet", "duckdb"])
+@pytest.mark.parametrize("target", ["256MB", "200KB"])  # one file; several files
+def test_export_keeps_the_source_s_row_order(catalog, tmp_path, kind, target):
+    import duckdb
+
+    from ucmagic import ParquetDataset, export_parquet, register_table
+
+    n = 100_000  # more rows than one Arrow batch (65,536): a multi-threaded COPY of a stream reordered them
+    df = frame(n)
+    if kind in ("table", "delta_dir"):
+        register_table("main.ml.ordered", df, mode="overwrite")
+        source = "main.ml.ordered" if kind == "table" else str(catalog / "main" / "ml" / "ordered")
+    elif kind == "pandas":
+        source = df
+    elif kind == "arrow":
+        source = pa.Table.from_pandas(df)
+    elif kind == "parquet":
+        source = str(tmp_path / "src.parquet")
+        df.to_parquet(source, row_group_size=20_000)
+    else:
+        con = duckdb.connect()
+        source = con.from_df(df)
+    out = str(tmp_path / "out")
+    res = export_parquet(source, out, target_file_size=target)
+    if kind != "duckdb":  # a DuckDB relation's row size is unknown: its row groups, hence files, are DuckDB's size
+        assert (len(res.files) > 1) == (target == "200KB")
+    got = pq.read_table(out, columns=["id"]).column("id").to_numpy()  # files in name order
+    assert (got == np.arange(n)).all(), f"rows out of order from {got[0]}"
+    ids = [b["id"] for b in ParquetDataset(out, columns=["id"], batch_size=10_000)]
+    assert np.array_equal(np.concatenate([np.asarray(i) for i in ids]), np.arange(n))

@@ -263,8 +263,13 @@ def _bytes_per_row(src: Source) -> float | None:
     return None
 
 
+COMPRESSIONS = ("snappy", "zstd", "gzip", "lz4", "lz4_raw", "brotli", "uncompressed")
+
+
 def _write_duckdb(src: Source, staging: str, target: int, cols: list[str], memory_limit: Any,
                   threads: int | None, compression: str) -> None:
+    if compression.lower() not in COMPRESSIONS:
+        raise ValueError(f"compression must be one of {', '.join(COMPRESSIONS)}, got {compression!r}")
     con = connect(memory_limit, threads)
     try:
         rel = duckdb_relation(con, src)
@@ -272,13 +277,26 @@ def _write_duckdb(src: Source, staging: str, target: int, cols: list[str], memor
         if missing:
             raise KeyError(f"partition_by column {missing[0]!r} is not in {src.describe()}; "
                            f"columns: {', '.join(rel.columns)}")
-        kw: dict[str, Any] = dict(file_size_bytes=target, row_group_size=row_group_rows(target, _bytes_per_row(src)),
-                                  filename_pattern="part-{i}", compression=compression, overwrite=True)
-        if cols:
-            kw["partition_by"] = cols
-        interruptible(con, lambda: rel.write_parquet(staging, **kw))
+        rows = row_group_rows(target, _bytes_per_row(src))
+        if cols:  # rows grouped by partition: DuckDB keeps no order across them (nor PRESERVE_ORDER)
+            interruptible(con, lambda: rel.write_parquet(
+                staging, file_size_bytes=target, row_group_size=rows, filename_pattern="part-{i}",
+                compression=compression, overwrite=True, partition_by=cols))
+        else:
+            interruptible(con, lambda: _copy_in_order(con, rel, staging, target, rows, compression.lower()))
     finally:
         con.close()
+
+
+def _copy_in_order(con: Any, rel: Any, dest: str, target: int, rows: int, compression: str) -> None:
+    """``rel`` written as Parquet files of about ``target`` bytes into ``dest``, rows in the source's
+    order, files numbered in it. A COPY with FILE_SIZE_BYTES on several threads writes batches out of
+    order unless PRESERVE_ORDER is set, which ``write_parquet`` has no argument for (DuckDB 2.0).
+    Every value is a statement parameter."""
+    rel.create_view("ucmagic_export_source", replace=True)
+    con.execute("COPY (SELECT * FROM ucmagic_export_source) TO $dest (FORMAT parquet, FILE_SIZE_BYTES $size, "
+                "ROW_GROUP_SIZE $rows, FILENAME_PATTERN 'part-{i}', COMPRESSION $codec, OVERWRITE true, "
+                "PRESERVE_ORDER true)", {"dest": dest, "size": int(target), "rows": int(rows), "codec": compression})
 
 
 def interruptible(con: Any, statement: Any) -> Any:
