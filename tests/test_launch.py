@@ -143,3 +143,36 @@ def test_rank_env_and_backend_choice(monkeypatch):
 
     if not torch.cuda.is_available():
         assert choose_backend(None, 2) == "gloo"
+
+
+def test_the_seeds_serverless_form_runs_gpus_ranks_here_and_says_what_gpu_type_does():
+    # the seeds' @distributed(gpus=8, gpu_type='H100'), scaled down: gpus is the number of ranks
+    with pytest.warns(UserWarning, match=r"gpu_type='H100' selects Databricks serverless GPUs; here the 2 rank"):
+        @distributed(gpus=2, gpu_type="H100", timeout=120)
+        def world():
+            import torch.distributed as dist
+
+            return dist.get_world_size()
+
+    assert world.num_processes == 2 and world.distributed() == 2
+    assert distributed(gpus=3)(lambda: None).num_processes == 3  # no gpu_type: nothing to warn about
+    from ucmagic.errors import InvalidArgumentError
+
+    with pytest.raises(InvalidArgumentError, match="num_processes=2 and gpus=4 disagree"):
+        distributed(num_processes=2, gpus=4)
+    with pytest.raises(InvalidArgumentError, match="gpus must be a positive int"):
+        distributed(gpus=0)
+    with pytest.raises(InvalidArgumentError, match="gpu_type must be a string"):
+        distributed(gpus=1, gpu_type=100)
+
+
+def test_a_script_without_a_main_guard_is_told_to_add_one(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"  # the README's example at a script's top level, no __main__ guard
+    script.write_text("from ucmagic import distributed\n\n@distributed(num_processes=2, timeout=60)\n"
+                      "def train(lr):\n    return lr\n\nprint(train.distributed(1.0))\n")
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert p.returncode != 0
+    assert "DistributedRunError" in p.stderr and 'if __name__ == "__main__":' in p.stderr.splitlines()[-1]

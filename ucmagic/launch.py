@@ -36,10 +36,11 @@ import sys
 import time
 import traceback
 import types
+import warnings
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence, overload
 
-from .errors import DistributedRunError, DistributedTimeoutError
+from .errors import DistributedRunError, DistributedTimeoutError, InvalidArgumentError
 
 if TYPE_CHECKING:
     from multiprocessing.process import BaseProcess
@@ -65,13 +66,7 @@ class RemoteTraceback(Exception):  # noqa: N818 - named after multiprocessing.po
 
 def default_num_processes() -> int:
     """One process per visible GPU, else 2."""
-    try:
-        import torch
-
-        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    except Exception:  # noqa: BLE001
-        n = 0
-    return n or 2
+    return _visible_gpus() or 2
 
 
 def choose_backend(backend: str | None, num_processes: int) -> str:
@@ -107,6 +102,35 @@ def _validate(num_processes: object, timeout: object) -> None:
         raise ValueError(f"num_processes must be a positive int or None, got {num_processes!r}")
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
         raise ValueError(f"timeout must be None or a positive number of seconds, got {timeout!r}")
+
+
+def _serverless_form(num_processes: int | None, gpus: object, gpu_type: object) -> int | None:
+    """``num_processes`` given Databricks' ``gpus=``/``gpu_type=`` (the seeds' form): ``gpus`` ranks
+    here; a ``gpu_type`` is warned about (no serverless GPU kind can be chosen on this machine)."""
+    if gpus is not None:
+        if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
+            raise InvalidArgumentError(f"gpus must be a positive int (the number of ranks), got {gpus!r}")
+        if num_processes is not None and num_processes != gpus:
+            raise InvalidArgumentError(f"num_processes={num_processes!r} and gpus={gpus!r} disagree: pass one of them")
+        num_processes = gpus
+    if gpu_type is not None:
+        if not isinstance(gpu_type, str):
+            raise InvalidArgumentError(f"gpu_type must be a string such as 'H100', got {gpu_type!r}")
+        here = _visible_gpus()
+        ranks = num_processes or default_num_processes()
+        fewer = "" if here >= ranks else ", fewer than the ranks: they use gloo on CPU"
+        warnings.warn(f"ucmagic: gpu_type={gpu_type!r} selects Databricks serverless GPUs; here the {ranks} rank(s) "
+                      f"run on this machine, which has {here} GPU(s){fewer}", UserWarning, stacklevel=3)
+    return num_processes
+
+
+def _visible_gpus() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # noqa: BLE001 - no usable torch: no GPU
+        return 0
 
 
 # ---------------------------------------------------------------- tracebacks with source lines
@@ -331,8 +355,11 @@ def _died_silently(procs: Sequence[BaseProcess], reported: set[int]) -> int | No
 
 def _death_message(name: str, rank: int, code: int | None) -> str:
     how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
+    main = sys.modules.get("__main__")
+    script = ("; in a script, start the run under `if __name__ == \"__main__\":` (each rank imports the "
+              "script, and a call at its top level starts the ranks again)") if getattr(main, "__file__", None) else ""
     return (f"rank {rank} of {name} {how} without reporting an error (out of memory? os._exit? a crash in "
-            "native code?); the other ranks were stopped. Check the rank's output above")
+            f"native code?{script}); the other ranks were stopped. Check the rank's output above")
 
 
 def run_distributed(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], *,
@@ -349,9 +376,9 @@ def run_distributed(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[
     from torch.distributed import TCPStore
 
     _validate(num_processes, timeout)
+    name = getattr(fn, "__qualname__", repr(fn))
     world = num_processes or default_num_processes()
     backend = choose_backend(backend, world)
-    name = getattr(fn, "__qualname__", repr(fn))
     try:
         payload = cloudpickle.dumps((fn, tuple(args), dict(kwargs), *code_origins(fn)))
     except Exception as e:
@@ -465,12 +492,15 @@ class DistributedFunction:
 
 @overload
 def distributed(num_processes: Callable[..., Any], *, backend: str | None = None, timeout: float | None = None,
-                relay_output: bool = True) -> DistributedFunction: ...
+                relay_output: bool = True, gpus: int | None = None,
+                gpu_type: str | None = None) -> DistributedFunction: ...
 @overload
 def distributed(num_processes: int | None = None, *, backend: str | None = None, timeout: float | None = None,
-                relay_output: bool = True) -> Callable[[Callable[..., Any]], DistributedFunction]: ...
+                relay_output: bool = True, gpus: int | None = None,
+                gpu_type: str | None = None) -> Callable[[Callable[..., Any]], DistributedFunction]: ...
 def distributed(num_processes: int | Callable[..., Any] | None = None, *, backend: str | None = None,
-                timeout: float | None = None, relay_output: bool = True,
+                timeout: float | None = None, relay_output: bool = True, gpus: int | None = None,
+                gpu_type: str | None = None,
                 ) -> DistributedFunction | Callable[[Callable[..., Any]], DistributedFunction]:
     """Decorator: ``fn.distributed(*args, **kw)`` runs ``fn`` on N local processes, returns rank 0's result.
 
@@ -480,6 +510,9 @@ def distributed(num_processes: int | Callable[..., Any] | None = None, *, backen
         timeout: seconds the whole run (process start included) may take before every rank is stopped and
             :class:`DistributedTimeoutError` is raised (default None: no limit).
         relay_output: forward each rank's ``print``/stderr output to the caller, prefixed ``[rank N]``.
+        gpus, gpu_type: the Databricks serverless form (``@distributed(gpus=8, gpu_type='H100')``):
+            ``gpus`` is the number of ranks, started here; ``gpu_type`` names a serverless GPU kind,
+            which cannot be chosen on this machine: a warning says what runs instead.
 
     Calling ``fn(...)`` directly runs the original function in this process. Rank ``r`` uses GPU
     ``r`` with nccl. A :class:`ucmagic.UCVolumeDataset` built inside the function splits its files
@@ -487,6 +520,7 @@ def distributed(num_processes: int | Callable[..., Any] | None = None, *, backen
     """
     if callable(num_processes):  # bare @distributed
         return DistributedFunction(num_processes, None, backend, timeout, relay_output)
+    num_processes = _serverless_form(num_processes, gpus, gpu_type)
     _validate(num_processes, timeout)
 
     def decorate(func: Callable[..., Any]) -> DistributedFunction:
