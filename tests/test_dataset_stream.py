@@ -160,3 +160,25 @@ def test_two_processes_with_torch_loaders_never_lose_a_queued_file_to_each_other
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, err[-2000:]
         assert out.split() == ["800"]
+
+
+def test_two_datasets_iterated_together_in_one_process_each_keep_their_protection(tmp_path):
+    # a training and a validation set zipped in one loop: one record per dataset object (before,
+    # both wrote the process's slot-0 record and each replaced the other's protection)
+    make_files(str(tmp_path / "a"), 100, SIZE)
+    make_files(str(tmp_path / "b"), 100, SIZE)
+    cache = str(tmp_path / "cache")
+    a = UCVolumeDataset(str(tmp_path / "a"), cache_dir=cache, cache_limit=2_000_000)
+    b = UCVolumeDataset(str(tmp_path / "b"), cache_dir=cache, cache_limit=2_000_000)
+    for i, (pa, pb) in enumerate(zip(a, b)):
+        if i == 50:
+            protected = a.cache.protected_names(reap=False)
+            assert os.path.basename(a.cache.entry_dir(pa)) in protected
+            assert os.path.basename(b.cache.entry_dir(pb)) in protected
+            assert len(os.listdir(os.path.join(cache, "prot"))) == 2
+            assert a.cache.live_streams() == 2
+    del a, b, pa, pb
+    import gc
+
+    gc.collect()
+    assert os.listdir(os.path.join(cache, "prot")) == []  # a dataset's records go with the object

@@ -11,6 +11,7 @@ Layout under the cache root (private to the user, mode 0700)::
     tmp/<key>.<tag>.<n>.<size>.part    budgeted fills in progress (the room they hold)
     locks/fill.lock, evict.lock        single-flight (one byte per key, OFD lock) and eviction (flock) locks
     prot/<owner>@<writer>.<slot>.rec   protection records: entry names a live process has not consumed yet
+                                       (a dataset's slot: <worker>-<the dataset object's number in the writer>)
     usage                              the byte ledger of budgeted fills (a hint, re-counted often)
 """
 from __future__ import annotations

@@ -24,7 +24,8 @@ from . import plan
 from .. import telemetry
 from .._util import DEFAULT_RETRIES
 from .cache import FileCache, SeenEntries
-from .cache_layout import cache_key, cache_keys, entry_files, entry_name, parse_entry_name, safe_suffix, unmap_relpath
+from .cache_layout import (cache_key, cache_keys, entry_files, entry_name, parse_entry_name, safe_suffix, serial,
+                           unmap_relpath)
 from .locks import process_tag
 from .protection import release_at_exit
 from ..errors import NotAnEntryError
@@ -172,7 +173,7 @@ class _Stream:
     without it, from a window of the last ``window`` items handed out.
     """
 
-    def __init__(self, cache: FileCache, owner: str, slot: int, items: "StreamItems", *, quantum: int,
+    def __init__(self, cache: FileCache, owner: str, slot: int | str, items: "StreamItems", *, quantum: int,
                  window: int, chunk: int, consumed: Callable[[], int | None], budgeted: bool = False,
                  sizer: Callable[[], Sizing | None] | None = None, sizing: Sizing | None = None) -> None:
         self.cache = cache
@@ -330,6 +331,13 @@ class _Stream:
 
 
 _active_streams: "weakref.WeakValueDictionary[str, _Stream]" = weakref.WeakValueDictionary()  # no lifeline
+
+
+def _drop_records(cache: FileCache, paths: set[str], pid: int) -> None:
+    """A dataset object is gone: the protection records it wrote in process ``pid`` go too."""
+    if os.getpid() == pid:  # a forked child inherits the finaliser: only the writing process drops them
+        for path in list(paths):
+            cache.drop_record(path)
 _live_iterations: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
@@ -829,6 +837,8 @@ class UCVolumeDataset(EpochTracking, IterableDataset[str]):
         self._epoch_main = 0
         self._owner = ""  # the consuming process (set when pickled for DataLoader workers)
         self._seen: SeenEntries | None = None  # the cache entries this process found (warm lookups)
+        self._record_pid = self._record_serial = 0  # see _record_id
+        self._record_paths: set[str] = set()
         self.cache.reap()  # protection and temp files left by dead processes go at once
 
     # ------------------------------------------------------------ basics
@@ -1126,7 +1136,11 @@ class UCVolumeDataset(EpochTracking, IterableDataset[str]):
         budget = cache.budget()
         consumed = self._consumption(slot)
         streams, reported = nworkers * local_world_size(world), consumed() is not None
-        record = cache.record_path(owner, slot)
+        # one record per stream of this dataset object: another dataset iterated in the same process
+        # (a validation loop, two datasets zipped) keeps its own
+        rslot = f"{slot}-{self._record_id()}"
+        record = cache.record_path(owner, rslot)
+        self._record_paths.add(record)
         cache.write_record(record, [])  # this stream counts among the live ones before it sizes itself
         policy = self.window_policy()
 
@@ -1139,12 +1153,22 @@ class UCVolumeDataset(EpochTracking, IterableDataset[str]):
         except BudgetTooSmallError:
             cache.drop_record(record)
             raise
-        stream = _Stream(cache, owner, slot, items, quantum=self.batch_quantum, window=sizing.window,
+        stream = _Stream(cache, owner, rslot, items, quantum=self.batch_quantum, window=sizing.window,
                          chunk=max(MIN_COVER, depth), consumed=consumed, budgeted=budget is not None,
                          sizer=LiveSizing(policy, cache, streams, reported), sizing=sizing)
         if budget is not None:
             stream.start_refresher()
         return stream
+
+    def _record_id(self) -> int:
+        """This dataset object's number in this process (its protection records carry it; a
+        DataLoader worker's copy gets its own). Its records in this process go with the object."""
+        pid = os.getpid()
+        if self._record_pid != pid:
+            self._record_serial, self._record_pid = serial(), pid
+            self._record_paths = set()
+            weakref.finalize(self, _drop_records, self.cache, self._record_paths, pid)
+        return self._record_serial
 
     def _sized(self, size: Callable[[int | None], Sizing], budget: int | None) -> tuple[Sizing, int | None]:
         """``(size(budget), budget)``. Refused by a budget another dataset set (this one set none, or a
