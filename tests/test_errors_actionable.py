@@ -156,3 +156,38 @@ def test_the_smallest_cache_limit_of_live_processes_bounds_every_process(tmp_pat
     later = FileCache(cache)
     assert later.budget() is None  # the holder is gone: its record is reaped on the next look
     assert not [n for n in os.listdir(os.path.join(cache, "locks")) if n.startswith("limit.")]
+
+
+@pytest.mark.parametrize("kwargs, named", [
+    ({"path": None}, "path must be"), ({"path": 5}, "path must be"), ({"pattern": 5}, "pattern must be"),
+    ({"shuffle": "yes"}, "shuffle must be"), ({"partition": "x"}, "partition must be"),
+    ({"on_error": "ignore"}, "on_error must be"), ({"validate": "never"}, "validate must be"),
+])
+def test_a_bad_dataset_argument_is_an_error_naming_it(root, tmp_path, kwargs, named):
+    kw = {"path": root, "cache_dir": str(tmp_path / "c"), **kwargs}
+    with pytest.raises(InvalidArgumentError, match=named):
+        UCVolumeDataset(kw.pop("path"), **kw)
+
+
+@pytest.mark.parametrize("epoch", ["a", -1, 1.7, True, None])
+def test_set_epoch_takes_a_non_negative_int_only(root, tmp_path, epoch):
+    ds = UCVolumeDataset(root, cache_dir=str(tmp_path / "c"))
+    with pytest.raises(InvalidArgumentError, match="set_epoch takes the epoch's number"):
+        ds.set_epoch(epoch)
+    ds.set_epoch(np.int64(3))  # numpy integers are integers
+    assert ds.epoch == 3
+
+
+@pytest.mark.parametrize("batch_size", [0, -1, "x", 1.5, True])
+def test_a_bad_loader_batch_size_is_an_error_naming_it(root, tmp_path, batch_size):
+    ds = UCVolumeDataset(root, cache_dir=str(tmp_path / "c"))
+    with pytest.raises(InvalidArgumentError, match="batch_size must be a positive int"):
+        ucmagic.DataLoader(ds, batch_size=batch_size, num_workers=0)
+
+
+@pytest.mark.parametrize("state, said", [({"foo": 1}, "got a dict with keys \\['foo'\\]"), ([1], "got list"),
+                                         ({"version": 99, "kind": "UCVolumeDataset"}, "version 99")])
+def test_a_state_that_is_not_a_loader_state_says_what_load_state_dict_takes(root, tmp_path, state, said):
+    loader = ucmagic.DataLoader(UCVolumeDataset(root, cache_dir=str(tmp_path / "c")), num_workers=0)
+    with pytest.raises(InvalidArgumentError, match=said):
+        loader.load_state_dict(state)

@@ -775,16 +775,21 @@ class UCVolumeDataset(EpochTracking, IterableDataset[str]):
                  storage_options: dict[str, Any] | None = None, min_free: float = 0.10,
                  reshuffle_every: int | None = None, relist: bool = False, validate: str = "lazy",
                  listing_progress: Callable[[int], None] | None = None) -> None:
+        if not isinstance(path, (str, os.PathLike, Volume)):
+            raise InvalidArgumentError(f"path must be a directory, a /Volumes/... path or a URL (a str or a "
+                                       f"path-like), got {path!r}")
+        if pattern is not None and not isinstance(pattern, str):
+            raise InvalidArgumentError(f"pattern must be a glob string such as '**/*.jpg', or None, got {pattern!r}")
         if partition not in plan.PARTITION_MODES:
-            raise ValueError(f"partition must be one of {plan.PARTITION_MODES}, got {partition!r}")
+            raise InvalidArgumentError(f"partition must be one of {plan.PARTITION_MODES}, got {partition!r}")
         if shuffle not in (False, True, "global", "node"):
-            raise ValueError(f"shuffle must be False, True, 'global' or 'node', got {shuffle!r}")
+            raise InvalidArgumentError(f"shuffle must be False, True, 'global' or 'node', got {shuffle!r}")
         if on_error not in ("raise", "skip"):
-            raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+            raise InvalidArgumentError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
         if on_missing not in ("raise", "skip"):
-            raise ValueError(f"on_missing must be 'raise' or 'skip', got {on_missing!r}")
+            raise InvalidArgumentError(f"on_missing must be 'raise' or 'skip', got {on_missing!r}")
         if validate not in VALIDATE_MODES:
-            raise ValueError(f"validate must be one of {VALIDATE_MODES}, got {validate!r}")
+            raise InvalidArgumentError(f"validate must be one of {VALIDATE_MODES}, got {validate!r}")
         seed = check_seed(seed)  # every argument is checked before the listing, which may take minutes
         self.path = os.fspath(path) if not isinstance(path, Volume) else path.uri
         self.pattern = pattern

@@ -11,10 +11,11 @@ skipping delivered batches with the same layout.
 """
 from __future__ import annotations
 
+import numbers
 import os
 import time
 import weakref
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 import numpy.random  # noqa: F401  (workers seed it; importing it in a forked child can hit a stale import lock)
 import torch
@@ -24,7 +25,7 @@ from .. import _torch_compat as compat
 from ..files import plan
 from ..dist import all_gather_ints, dist_info
 from ..files.epochs import LoaderNeeds, PlannedDataset, stream_lengths, wrapped_planned
-from ..errors import ListingChangedError
+from ..errors import InvalidArgumentError, ListingChangedError
 from .loader_stats import LoaderStats
 from ..presenters import presenter
 from ..telemetry import ItemCollate
@@ -151,6 +152,10 @@ class DataLoader(tud.DataLoader[Any]):
             batch_size = None
         elif batch_size is _UNSET:
             batch_size = 1
+        if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral)
+                                       or batch_size < 1):
+            raise InvalidArgumentError(f"batch_size must be a positive int (or None: the dataset yields batches), "
+                                       f"got {batch_size!r}")
         if num_workers is None:
             num_workers = default_num_workers(needs)
         if prefetch_factor is None and num_workers > 0:
@@ -440,8 +445,13 @@ class DataLoader(tud.DataLoader[Any]):
         :class:`~ucmagic.errors.ListingChangedError` when the files changed. Live persistent
         workers are shut down so the new plan reaches fresh ones.
         """
+        if not isinstance(state, Mapping) or "version" not in state or "kind" not in state:
+            what = f"a dict with keys {sorted(map(str, state))}" if isinstance(state, Mapping) else type(state).__name__
+            raise InvalidArgumentError(f"load_state_dict takes what ucmagic.DataLoader.state_dict() returned, "
+                                       f"got {what}")
         if state.get("version") != STATE_VERSION:
-            raise ValueError(f"unsupported ucmagic.DataLoader state version {state.get('version')!r}")
+            raise InvalidArgumentError(f"unsupported ucmagic.DataLoader state version {state.get('version')!r} "
+                                       f"(this ucmagic writes and reads version {STATE_VERSION!r})")
         kind = state.get("kind")
         expected = self._uc_kind or ("map" if compat.is_map_style(self) else "iterable")
         if kind != expected:
