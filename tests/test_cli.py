@@ -318,3 +318,11 @@ def test_ctrl_c_during_export_exits_130_and_leaves_nothing(tmp_path):
             p.wait()
     assert p.returncode == 130 and "Traceback" not in err, (out, err)
     assert os.listdir(tmp_path) == []  # no destination, no staging
+
+
+@pytest.mark.parametrize("action", ["info", "prune", "clear"])
+def test_cache_commands_on_a_mistyped_cache_dir_say_so_and_create_nothing(tmp_path, action):
+    typo = tmp_path / "cahce"
+    p = cli("cache", action, "--cache-dir", str(typo))
+    assert p.returncode == 0 and "no cache directory here" in p.stdout
+    assert not typo.exists()

@@ -2,12 +2,21 @@
 its maintenance."""
 from __future__ import annotations
 
+import os
+
 from ..units import format_size, parse_size
 from .cache import FileCache
+from .cache_layout import default_cache_dir
 
 
 def cache_command(action: str, root: str | None = None, *, limit: int | str | None = None) -> str:
-    """``info``, ``prune`` or ``clear`` on a whole cache directory (``python -m ucmagic cache``); returns a report."""
+    """``info``, ``prune`` or ``clear`` on a whole cache directory (``python -m ucmagic cache``); returns a report.
+    A directory that does not exist is reported as such, never created (a mistyped ``--cache-dir``)."""
+    if action not in ("info", "prune", "clear"):
+        raise ValueError(f"unknown cache action {action!r}: use info, prune or clear")
+    where = os.path.abspath(os.path.expanduser(root)) if root else default_cache_dir()
+    if not os.path.isdir(where):
+        return f"{where}: no cache directory here (nothing to {'report' if action == 'info' else action})"
     cache = FileCache(root)
     if action == "info":
         u = cache.usage()
