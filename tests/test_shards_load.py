@@ -92,6 +92,8 @@ def test_the_live_panel_shows_chunk_fills(tars, tmp_path, monkeypatch):
 def test_describe_load_names_a_shard_directory(tars):
     plan = ucmagic.describe_load(tars)
     assert plan.kind == "shards" and plan.files == 2
+    (tars / ".ucpack-state.json").write_text("{}")  # what pack leaves beside its shards: no shard
+    assert ucmagic.describe_load(tars).files == 2
     assert ucmagic.describe_load(tars, files=True).kind == "files"
 
 

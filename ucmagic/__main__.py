@@ -38,7 +38,7 @@ def _add_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                             "DataLoader",
                        description="Generate small files, serve them through the slow-volume simulator, "
                                    "run two epochs with ucmagic and with torch.utils.data.DataLoader, print times.")
-    p.add_argument("--files", type=int, default=2000, help="number of files (default 2000)")
+    p.add_argument("--files", type=at_least(1), default=2000, help="number of files (default 2000)")
     p.add_argument("--size", default="150KiB", help="size of each file (default 150KiB)")
     p.add_argument("--open-ms", type=float, default=20.0, help="simulated latency per open (default 20)")
     p.add_argument("--mbps", type=float, default=200.0, help="simulated bandwidth per stream in MB/s (default 200)")

@@ -160,6 +160,8 @@ def describe_load(source: str | os.PathLike[str], *, files: bool = False, patter
 
         entries = open_volume(source).list(pattern)
         shown = "shards" if not files and shard_kind(source) else "files"  # what load() would stream
+        if shown == "shards":  # pack's own state and lock files (.ucpack-*) are no shards
+            entries = [e for e in entries if not e.path.rsplit("/", 1)[-1].startswith(".")]
         return LoadPlan(source, shown, files=len(entries), bytes=sum(e.size for e in entries))
     from .tables.sources import delta_snapshot, resolve_source
 
