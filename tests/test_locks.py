@@ -47,3 +47,30 @@ def test_key_lock_excludes_other_processes_and_a_killed_holder_releases_it(tmp_p
     finally:
         child.kill()
         child.join(10)
+
+
+def test_a_process_that_exited_but_was_not_reaped_is_not_alive():
+    # a zombie: a killed DataLoader worker whose parent has not waited for it yet (in a container
+    # without an init, never); its protection records and temp files must not count as a live process's
+    import subprocess
+    import sys
+
+    from ucmagic.files.locks import process_tag, tag_alive
+
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        tag = process_tag(child.pid)
+        assert tag_alive(tag)
+        child.stdin.close()  # it exits; not waited for, it stays a zombie
+        deadline = time.monotonic() + 10
+        while _state(child.pid) != "Z":
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert not tag_alive(tag)
+    finally:
+        child.wait(10)
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]

@@ -111,14 +111,21 @@ def pid_running(pid: int) -> bool:
     return True
 
 
-def _start_time(pid: int) -> int:
-    """Start time of ``pid`` in clock ticks since boot (``/proc``), else via psutil in ms; 0 if unknown."""
+def _proc_stat(pid: int) -> list[bytes] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command name (state first), or None."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             data = f.read()
-        return int(data[data.rindex(b")") + 2:].split()[19])
-    except (OSError, ValueError, IndexError):
-        pass
+        return data[data.rindex(b")") + 2:].split()
+    except (OSError, ValueError):
+        return None
+
+
+def _start_time(pid: int) -> int:
+    """Start time of ``pid`` in clock ticks since boot (``/proc``), else via psutil in ms; 0 if unknown."""
+    fields = _proc_stat(pid)
+    if fields is not None and len(fields) > 19 and fields[19].isdigit():
+        return int(fields[19])
     try:
         import psutil
 
@@ -148,4 +155,7 @@ def tag_alive(tag: str) -> bool:
         return False
     if not pid_running(pid):
         return False
+    fields = _proc_stat(pid)
+    if fields is not None and fields and fields[0] in (b"Z", b"X"):
+        return False  # exited, not yet reaped by its parent (in a container without an init, never)
     return start_s == "0" or str(_start_time(pid)) == start_s
