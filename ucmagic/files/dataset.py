@@ -338,6 +338,8 @@ def _drop_records(cache: FileCache, paths: set[str], pid: int) -> None:
     if os.getpid() == pid:  # a forked child inherits the finaliser: only the writing process drops them
         for path in list(paths):
             cache.drop_record(path)
+
+
 _live_iterations: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
@@ -1172,7 +1174,9 @@ class UCVolumeDataset(EpochTracking, IterableDataset[str]):
         if self._record_pid != pid:
             self._record_serial, self._record_pid = serial(), pid
             self._record_paths = set()
-            weakref.finalize(self, _drop_records, self.cache, self._record_paths, pid)
+            # on garbage collection only: at exit the owner's records go with it (release_at_exit), and
+            # a DataLoader worker's stay while its loop still holds the last batches it handed out
+            weakref.finalize(self, _drop_records, self.cache, self._record_paths, pid).atexit = False
         return self._record_serial
 
     def _sized(self, size: Callable[[int | None], Sizing], budget: int | None) -> tuple[Sizing, int | None]:
