@@ -2,10 +2,12 @@
 cache_limit of any live process bounds the cache directory, with every process's streams counted."""
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import time
+from typing import Iterator
 
 import pytest
 
@@ -61,6 +63,18 @@ print(n)
 """ % BUDGET
 
 
+@contextlib.contextmanager
+def killed_if_left(procs: list[subprocess.Popen]) -> Iterator[None]:
+    """Child processes still running when the block ends (a failed assertion, a timeout) are killed."""
+    try:
+        yield
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
 @pytest.fixture
 def source(tmp_path):
     src = str(tmp_path / "src")
@@ -77,17 +91,12 @@ def test_two_processes_on_one_cache_stay_within_the_smallest_budget(tmp_path, so
     procs = [subprocess.Popen([sys.executable, "-c", CHILD, role, source, cache, work], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for role in ("limit", "free")]
     peak, deadline = 0, time.monotonic() + 100
-    try:
+    with killed_if_left(procs):
         while any(p.poll() is None for p in procs):
             assert time.monotonic() < deadline, "the two loops did not finish"
             peak = max(peak, dir_bytes(cache))
             time.sleep(0.005)
         outs = [p.communicate(timeout=10) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, err
         assert out.split() == [str(FILES)]
@@ -150,13 +159,8 @@ def test_two_processes_with_torch_loaders_never_lose_a_queued_file_to_each_other
     UCVolumeDataset(src, cache_dir=cache)  # the listing, once
     procs = [subprocess.Popen([sys.executable, "-c", TORCH_CHILD, src, cache, str(seed), str(6_000_000)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for seed in (1, 2)]
-    try:
+    with killed_if_left(procs):
         outs = [p.communicate(timeout=120) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, err[-2000:]
         assert out.split() == ["800"]
