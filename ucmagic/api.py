@@ -158,10 +158,10 @@ def describe_load(source: str | os.PathLike[str], *, files: bool = False, patter
         from .shards.detect import shard_kind
         from .files.volume import open_volume
 
-        entries = open_volume(source).list(pattern)
+        from .shards.webdataset import TAR_PATTERN
+
         shown = "shards" if not files and shard_kind(source) else "files"  # what load() would stream
-        if shown == "shards":  # pack's own state and lock files (.ucpack-*) are no shards
-            entries = [e for e in entries if not e.path.rsplit("/", 1)[-1].startswith(".")]
+        entries = open_volume(source).list(pattern or TAR_PATTERN if shown == "shards" else pattern)  # as TarShards
         return LoadPlan(source, shown, files=len(entries), bytes=sum(e.size for e in entries))
     from .tables.sources import delta_snapshot, resolve_source
 
