@@ -64,6 +64,16 @@ class RemoteTraceback(Exception):  # noqa: N818 - named after multiprocessing.po
 
 # ---------------------------------------------------------------- pure helpers
 
+def _visible_gpus() -> int:
+    """GPUs this process can use (0 without torch or usable CUDA)."""
+    try:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # noqa: BLE001 - no usable torch: no GPU
+        return 0
+
+
 def default_num_processes() -> int:
     """One process per visible GPU, else 2."""
     return _visible_gpus() or 2
@@ -73,12 +83,7 @@ def choose_backend(backend: str | None, num_processes: int) -> str:
     """``nccl`` when there is a GPU for every rank, else ``gloo`` (an explicit choice wins)."""
     if backend:
         return backend
-    with contextlib.suppress(Exception):  # torch missing or CUDA unusable: gloo
-        import torch
-
-        if torch.cuda.is_available() and torch.cuda.device_count() >= num_processes:
-            return "nccl"
-    return "gloo"
+    return "nccl" if _visible_gpus() >= num_processes else "gloo"  # torch missing or CUDA unusable: gloo
 
 
 def rank_env(rank: int, world: int, master_addr: str, master_port: int) -> dict[str, str]:
@@ -122,15 +127,6 @@ def _serverless_form(num_processes: int | None, gpus: object, gpu_type: object) 
         warnings.warn(f"ucmagic: gpu_type={gpu_type!r} selects Databricks serverless GPUs; here the {ranks} rank(s) "
                       f"run on this machine, which has {here} GPU(s){fewer}", UserWarning, stacklevel=3)
     return num_processes
-
-
-def _visible_gpus() -> int:
-    try:
-        import torch
-
-        return torch.cuda.device_count() if torch.cuda.is_available() else 0
-    except Exception:  # noqa: BLE001 - no usable torch: no GPU
-        return 0
 
 
 # ---------------------------------------------------------------- tracebacks with source lines
@@ -376,9 +372,9 @@ def run_distributed(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[
     from torch.distributed import TCPStore
 
     _validate(num_processes, timeout)
-    name = getattr(fn, "__qualname__", repr(fn))
     world = num_processes or default_num_processes()
     backend = choose_backend(backend, world)
+    name = getattr(fn, "__qualname__", repr(fn))
     try:
         payload = cloudpickle.dumps((fn, tuple(args), dict(kwargs), *code_origins(fn)))
     except Exception as e:
