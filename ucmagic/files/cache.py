@@ -35,7 +35,7 @@ import numpy as np
 from .._shared import SharedBits
 from ..errors import CacheFullError
 from .budget import DEFAULT_MIN_FREE, BudgetKeeper, reap
-from .cache_layout import CacheLayout, KeptOpen, RemovalToken, default_cache_dir, entry_file
+from .cache_layout import CacheLayout, KeptOpen, RemovalToken, cache_root, entry_file
 from .cache_usage import CacheUsage
 from .fetch import watch_progress
 from .locks import KeyLocks
@@ -90,7 +90,7 @@ class FileCache:
 
     def __init__(self, root: str | None = None, limit: int | str | None = None,
                  min_free: float = DEFAULT_MIN_FREE) -> None:
-        self.root = os.path.abspath(os.path.expanduser(root)) if root else default_cache_dir()
+        self.root = cache_root(root)
         self.limit = parse_size(limit)
         self.min_free = float(min_free)
         self.layout = CacheLayout(self.root)

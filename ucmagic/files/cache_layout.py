@@ -186,6 +186,11 @@ def default_cache_dir() -> str:
     return os.path.join(base, "ucmagic")
 
 
+def cache_root(root: str | None) -> str:
+    """The cache directory a ``cache_dir=`` names: ``root`` made absolute, else :func:`default_cache_dir`."""
+    return os.path.abspath(os.path.expanduser(root)) if root else default_cache_dir()
+
+
 def parse_tmp_name(name: str) -> tuple[str, int] | None:
     """``(writer_tag, final size)`` of a fill's temp file (``.part``) or of an entry being removed
     (``.dir``), else None."""

@@ -6,7 +6,7 @@ import os
 
 from ..units import format_size, parse_size
 from .cache import FileCache
-from .cache_layout import default_cache_dir
+from .cache_layout import cache_root
 
 
 def cache_command(action: str, root: str | None = None, *, limit: int | str | None = None) -> str:
@@ -14,7 +14,7 @@ def cache_command(action: str, root: str | None = None, *, limit: int | str | No
     A directory that does not exist is reported as such, never created (a mistyped ``--cache-dir``)."""
     if action not in ("info", "prune", "clear"):
         raise ValueError(f"unknown cache action {action!r}: use info, prune or clear")
-    where = os.path.abspath(os.path.expanduser(root)) if root else default_cache_dir()
+    where = cache_root(root)
     if not os.path.isdir(where):
         return f"{where}: no cache directory here (nothing to {'report' if action == 'info' else action})"
     cache = FileCache(root)
