@@ -121,9 +121,10 @@ def _proc_stat(pid: int) -> list[bytes] | None:
         return None
 
 
-def _start_time(pid: int) -> int:
-    """Start time of ``pid`` in clock ticks since boot (``/proc``), else via psutil in ms; 0 if unknown."""
-    fields = _proc_stat(pid)
+def _start_time(pid: int, fields: list[bytes] | None = None) -> int:
+    """Start time of ``pid`` in clock ticks since boot (``/proc``; ``fields``: its stat already read),
+    else via psutil in ms; 0 if unknown."""
+    fields = fields if fields is not None else _proc_stat(pid)
     if fields is not None and len(fields) > 19 and fields[19].isdigit():
         return int(fields[19])
     try:
@@ -158,4 +159,4 @@ def tag_alive(tag: str) -> bool:
     fields = _proc_stat(pid)
     if fields is not None and fields and fields[0] in (b"Z", b"X"):
         return False  # exited, not yet reaped by its parent (in a container without an init, never)
-    return start_s == "0" or str(_start_time(pid)) == start_s
+    return start_s == "0" or str(_start_time(pid, fields)) == start_s
