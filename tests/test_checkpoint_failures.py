@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -100,8 +101,8 @@ except BaseException as e:  # noqa: BLE001
 """
 
 
-def _run(tmp_path, body: str, timeout: float = 180, **popen) -> subprocess.CompletedProcess:
-    script = tmp_path / "child.py"
+def _run(tmp_path, body: str, timeout: float = 180, name: str = "child", **popen) -> subprocess.CompletedProcess:
+    script = tmp_path / f"{name}.py"
     script.write_text(body)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, TESTS]), OMP_NUM_THREADS="1",
                UCMAGIC_STAGING_DIR=str(tmp_path / "staging"), RANK_HANG_S=str(int(timeout)))
@@ -181,9 +182,15 @@ def test_a_read_only_or_full_volume_gives_one_line_sync_and_async_and_frees_its_
         pytest.skip("needs a tmpfs mount (root in a container that allows it)")
     try:
         ck = os.path.join(vol, "ck")
-        for mode in ("sync", "async", "save_checkpoint", "async, never waited for"):
-            p = _run(tmp_path, CHILD.format(ck=ck, mode=mode, patch="").replace(
-                "os.makedirs(os.path.dirname(CK), exist_ok=True)", ""))
+        modes = ("sync", "async", "save_checkpoint", "async, never waited for")
+
+        def run(mode: str) -> subprocess.CompletedProcess:
+            return _run(tmp_path, CHILD.format(ck=ck, mode=mode, patch="").replace(
+                "os.makedirs(os.path.dirname(CK), exist_ok=True)", ""), name=f"child{modes.index(mode)}")
+
+        # a read-only volume's runs cannot disturb each other: at once; a full one's share its space: in turn
+        runs = ThreadPoolExecutor(len(modes)).map(run, modes) if kind == "ro" else map(run, modes)
+        for mode, p in zip(modes, runs):
             out = p.stdout + p.stderr
             assert "SAVED" not in p.stdout, out
             if kind == "ro" or mode != "async, never waited for":

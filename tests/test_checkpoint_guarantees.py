@@ -93,7 +93,7 @@ else:
 
 @pytest.mark.timeout(900)
 def test_seed_async_save_then_load_is_never_old_or_mixed_in_fresh_processes(tmp_path, staging):
-    """The seed's async_save-then-load over an older committed checkpoint, 20 fresh processes, the load
+    """The seed's async_save-then-load over an older committed checkpoint, 10 fresh processes, the load
     starting at varied delays: it returns the new state or fails loudly, never the old or a mixture;
     with wait= it always returns the new state."""
     template = tmp_path / "template"
@@ -102,8 +102,8 @@ def test_seed_async_save_then_load_is_never_old_or_mixed_in_fresh_processes(tmp_
     script = tmp_path / "seed.py"
     script.write_text(f"import os, sys, time\nsys.path.insert(0, {TESTS!r})\n" + _SEED)
     env = dict(os.environ, PYTHONPATH=REPO, UCMAGIC_STAGING_DIR=str(staging), OMP_NUM_THREADS="1")
-    trials = [(d, "nowait") for d in (0, 0, 0.001, 0.003, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0, 2.0)]
-    trials += [(d, "wait") for d in (0, 0, 0.005, 0.05, 0.2, 0.5, 1.0)]
+    trials = [(d, "nowait") for d in (0, 0.001, 0.01, 0.05, 0.2, 0.5, 2.0)]  # before, during and after the upload
+    trials += [(d, "wait") for d in (0, 0.05, 0.5)]
 
     def trial(k: int) -> tuple[str, subprocess.CompletedProcess]:
         path = tmp_path / f"t{k}" / "step_1"
