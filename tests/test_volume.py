@@ -299,12 +299,12 @@ class _ThreadNoting(LocalVolume):
         super().__init__(root)
         self.delay, self.readers = delay, set()
 
-    def _scan_dir(self, rel):
+    def _scan_dir(self, rel, rx=None):
         import time
 
         time.sleep(self.delay)
         self.readers.add(threading.get_ident())
-        return super()._scan_dir(rel)
+        return super()._scan_dir(rel, rx)
 
 
 @pytest.mark.parametrize("delay, pooled", [(0.0, False), (0.15, True)])
@@ -338,3 +338,41 @@ def test_the_fuse_simulator_unmounts_with_a_file_left_open_and_mounts_there_agai
     finally:
         with contextlib.suppress(OSError):  # its server is gone: the close reports ENOTCONN
             os.close(leaked)
+
+
+def test_a_pattern_listing_never_stats_the_files_it_leaves_out(tmp_path, monkeypatch):
+    """On a network mount each stat is a round trip: only files the pattern matches are stat-ed."""
+    for d in ("train/cat", "train/dog", "notes"):
+        (tmp_path / d).mkdir(parents=True)
+    for i in range(3):
+        (tmp_path / "train" / "cat" / f"{i}.jpg").write_bytes(b"c" * (i + 1))
+        (tmp_path / "train" / "dog" / f"{i}.txt").write_bytes(b"d")
+        (tmp_path / "notes" / f"{i}.jpg.bak").write_bytes(b"n")
+    stated: list[str] = []
+    real = os.scandir
+
+    class Counting:
+        def __init__(self, de):
+            self._de = de
+
+        def __getattr__(self, name):
+            return getattr(self._de, name)
+
+        def stat(self, **kw):
+            stated.append(self._de.name)
+            return self._de.stat(**kw)
+
+    @contextlib.contextmanager
+    def scandir(path):
+        with real(path) as it:
+            yield (Counting(de) for de in it)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    vol = LocalVolume(str(tmp_path))
+    got = vol.list("**/*.jpg")
+    assert [(e.path, e.size) for e in got] == [(f"train/cat/{i}.jpg", i + 1) for i in range(3)]
+    assert sorted(stated) == ["0.jpg", "1.jpg", "2.jpg"]
+    stated.clear()
+    scanned = sorted(e.path for d in vol.scan("train/*/*.txt") for e in d.files)
+    assert scanned == [f"train/dog/{i}.txt" for i in range(3)]
+    assert sorted(stated) == ["0.txt", "1.txt", "2.txt"]
