@@ -246,3 +246,25 @@ def test_an_entry_evicted_while_its_file_is_placed_is_made_again(tmp_path, monke
     got, fetched = c.fill(key, "", 4, writer(b"data"), rel="d/x.bin")
     assert evicted and fetched and open(got, "rb").read() == b"data"
     assert c.lookup(key, "", 4, rel="d/x.bin") == got and os.listdir(tmp_path / "c" / "tmp") == []
+
+
+def test_a_copy_target_is_emptied_once_and_an_empty_one_is_not_truncated(tmp_path):
+    """A fill reopens an empty unnamed file: truncating it would make ext4 start its writeback at close."""
+    from ucmagic._util import open_emptied
+    from ucmagic.files.volume import LocalVolume
+
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.bin").write_bytes(b"fresh")
+    longer = tmp_path / "longer"
+    longer.write_bytes(b"an older, longer copy")
+    assert LocalVolume(str(tmp_path / "src")).copy_to("a.bin", str(longer)) == 5
+    assert longer.read_bytes() == b"fresh"
+    empty = tmp_path / "empty"
+    empty.touch()
+    os.utime(empty, ns=(10**9, 10**9))
+    os.close(open_emptied(str(empty)))
+    assert os.stat(empty).st_mtime_ns == 10**9  # a truncate would have set the mtime to now
+    fd = open_emptied(str(tmp_path / "new"))
+    os.write(fd, b"x")
+    os.close(fd)
+    assert (tmp_path / "new").read_bytes() == b"x"

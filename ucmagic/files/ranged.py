@@ -21,7 +21,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Protocol
 
-from .._util import DaemonPool, wait_result
+from .._util import DaemonPool, open_emptied, wait_result
 from .fetch import with_retries
 
 THRESHOLD = 64 << 20
@@ -85,7 +85,7 @@ def ranged_copy(open_reader: Callable[[], RangeReader], size: int, dest: str, *,
     error is raised. A source shorter than ``size`` raises ``OSError(EIO)``.
     """
     ranges = plan_ranges(size, range_size)
-    fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    fd = open_emptied(dest)
     copy = _RangedCopy(open_reader, size, fd, ranges, buf_size=min(chunk, range_size), retries=retries)
     try:
         copy.run(streams)

@@ -22,7 +22,8 @@ from functools import lru_cache
 from typing import Any, Callable, Iterable, Iterator, NamedTuple, Sequence, Union
 
 from . import ranged
-from .._util import DaemonPool, atomic_target, atomic_write, copy_fds, copy_local, is_remote_url, wait_result
+from .._util import (DaemonPool, atomic_target, atomic_write, copy_fds, copy_local, is_remote_url, open_emptied,
+                     wait_result)
 from ..errors import (EmptyListingError, FetchError, SourceChangedError, SourceNotADirectoryError, SourceNotFoundError,
                      UnreadableDirectoryError)
 
@@ -487,7 +488,7 @@ class LocalVolume(Volume):
         # the descriptors stay ours: the source's is fstat-ed after the copy (the one local copy loop: copy_fds)
         fsrc = os.open(os.path.join(self.root, rel), os.O_RDONLY | os.O_CLOEXEC)
         try:
-            fdst = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            fdst = open_emptied(dest)
             try:
                 n = copy_fds(fsrc, fdst, size=None if expect is None else expect.size, zero_copy=True)[0]
             finally:
@@ -695,7 +696,7 @@ class FsspecVolume(Volume):
     def copy_to(self, rel: str, dest: str, *, expect: FileEntry | None = None) -> int:
         if expect is not None and expect.size >= self.range_threshold:
             return self.ranged_copy(rel, dest, expect)
-        with self.fs.open(self.root + "/" + rel, "rb") as fsrc, open(dest, "wb") as fdst:
+        with self.fs.open(self.root + "/" + rel, "rb") as fsrc, os.fdopen(open_emptied(dest), "wb") as fdst:
             shutil.copyfileobj(fsrc, fdst, COPY_CHUNK)
             n = fdst.tell()
         if expect is not None:  # one look after the copy sees a change made before or during it
