@@ -22,8 +22,8 @@ from functools import lru_cache
 from typing import Any, Callable, Iterable, Iterator, NamedTuple, Sequence, Union
 
 from . import ranged
-from .._util import (DaemonPool, atomic_target, atomic_write, copy_fds, copy_local, is_remote_url, open_emptied,
-                     wait_result)
+from .._util import (FILL_BUFFER, DaemonPool, atomic_target, atomic_write, copy_fds, copy_local, is_remote_url,
+                     open_emptied, wait_result)
 from ..errors import (EmptyListingError, FetchError, SourceChangedError, SourceNotADirectoryError, SourceNotFoundError,
                      UnreadableDirectoryError)
 
@@ -490,7 +490,7 @@ class LocalVolume(Volume):
         try:
             fdst = open_emptied(dest)
             try:
-                n = copy_fds(fsrc, fdst, size=None if expect is None else expect.size, zero_copy=True)[0]
+                n = copy_fds(fsrc, fdst, size=None if expect is None else expect.size, buffer_size=FILL_BUFFER)[0]
             finally:
                 os.close(fdst)
             if expect is not None:  # the file this handle read (a rename over it mid-copy leaves it intact)
