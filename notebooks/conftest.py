@@ -7,24 +7,29 @@ import tempfile
 
 import pytest
 
-_before: dict[str, set[str]] = {}  # notebook path -> ucmagic-* temp entries present before its first cell
+_watched: set[str] = set()  # notebooks whose kernel stop is checked
 
 
-def _ours() -> set[str]:
-    where = tempfile.gettempdir()  # the kernels' too: they inherit TMPDIR (tests/conftest.py sets it)
+def _ours(where: str) -> set[str]:
     return {n for n in os.listdir(where) if n.startswith("ucmagic")}
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    nb = str(item.path)
-    if nb.endswith(".ipynb") and nb not in _before:
-        _before[nb] = _ours()
+    """Before a notebook's first cell (and before pytest sets up its file node, which starts the
+    kernel): note the temp dir's entries and wrap the node's teardown, which stops the kernel, with
+    the check. It runs before the session's own teardown (tests/conftest.py removes its temp dir)."""
+    nb = item.parent
+    if nb is None or not str(item.path).endswith(".ipynb") or str(item.path) in _watched:
+        return
+    _watched.add(str(item.path))
+    where = tempfile.gettempdir()  # the kernels' too: they inherit TMPDIR (tests/conftest.py sets it)
+    before = _ours(where)
+    stop = nb.teardown
 
-
-@pytest.hookimpl(trylast=True)  # after pytest's own teardown, which stops the notebook's kernel after its last cell
-def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
-    nb = str(item.path)
-    if nb.endswith(".ipynb") and (nextitem is None or str(nextitem.path) != nb):
-        left = sorted(_ours() - _before.pop(nb, set()))
+    def stop_and_check() -> None:
+        stop()
+        left = sorted(_ours(where) - before)
         if left:
-            pytest.fail(f"{os.path.basename(nb)} left {left} in the temp dir {tempfile.gettempdir()}", pytrace=False)
+            pytest.fail(f"{item.path.name} left {left} in the temp dir {where}", pytrace=False)
+
+    nb.teardown = stop_and_check  # type: ignore[method-assign]

@@ -13,6 +13,7 @@ import sys
 import textwrap
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Iterable
 
 import pytest
 import torch
@@ -189,7 +190,11 @@ def test_a_read_only_or_full_volume_gives_one_line_sync_and_async_and_frees_its_
                 "os.makedirs(os.path.dirname(CK), exist_ok=True)", ""), name=f"child{modes.index(mode)}")
 
         # a read-only volume's runs cannot disturb each other: at once; a full one's share its space: in turn
-        runs = ThreadPoolExecutor(len(modes)).map(run, modes) if kind == "ro" else map(run, modes)
+        if kind == "ro":
+            with ThreadPoolExecutor(len(modes)) as pool:
+                runs: Iterable[subprocess.CompletedProcess] = list(pool.map(run, modes))
+        else:
+            runs = map(run, modes)
         for mode, p in zip(modes, runs):
             out = p.stdout + p.stderr
             assert "SAVED" not in p.stdout, out
