@@ -9,6 +9,7 @@ import ctypes
 import gc
 import importlib
 import itertools
+import numbers
 import os
 import queue
 import random
@@ -82,6 +83,11 @@ class RetryPolicy:
                     on_retry(e)
                 time.sleep(self.delay(attempt))
         raise AssertionError("unreachable")  # pragma: no cover
+
+
+def is_integer(value: Any) -> bool:
+    """True for an int or a numpy integer, never a bool (``True`` is an int to Python, not a count)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 _buffers = threading.local()

@@ -22,7 +22,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from . import plan
 from .. import telemetry
-from .._util import DEFAULT_RETRIES
+from .._util import DEFAULT_RETRIES, is_integer
 from .cache import FileCache, SeenEntries
 from .cache_layout import (cache_key, cache_keys, entry_files, entry_name, parse_entry_name, safe_suffix, serial,
                            unmap_relpath)
@@ -64,7 +64,7 @@ STALE_CONSUMED = 1 << 62  # what a stale stream reads as consumed: all it handed
 def check_seed(seed: Any) -> int:
     """``seed`` as an int: an int, or an integral value (numpy integers); anything else is an error
     naming ``seed`` (``"x"``, ``1.5``, ``True`` are rejected, never converted or truncated)."""
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+    if not is_integer(seed):
         raise InvalidArgumentError(f"seed must be an integer, got {seed!r} ({type(seed).__name__}): "
                                    "pass an int such as seed=0")
     return int(seed)

@@ -26,7 +26,6 @@ workers) a kind declares in :class:`LoaderNeeds`, never through its name.
 """
 from __future__ import annotations
 
-import numbers
 import uuid
 from dataclasses import dataclass
 from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
@@ -34,6 +33,7 @@ from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
 from . import plan
 from .locks import file_lock
 from ..dist import dist_info, local_world_size
+from .._util import is_integer
 from ..errors import InvalidArgumentError, ListingChangedError
 from .._shared import SharedInt, SharedInts
 from ..telemetry import SharedCounters
@@ -242,7 +242,7 @@ class EpochTracking:
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch whose order the next iteration follows (same on every rank and worker)."""
-        if isinstance(epoch, bool) or not isinstance(epoch, numbers.Integral) or epoch < 0:
+        if not is_integer(epoch) or epoch < 0:
             raise InvalidArgumentError(f"set_epoch takes the epoch's number, an int >= 0, got {epoch!r}")
         self._epoch.value = int(epoch)
         self._epoch_explicit = True

@@ -11,7 +11,6 @@ skipping delivered batches with the same layout.
 """
 from __future__ import annotations
 
-import numbers
 import os
 import time
 import weakref
@@ -22,6 +21,7 @@ import torch
 import torch.utils.data as tud
 
 from .. import _torch_compat as compat
+from .._util import is_integer
 from ..files import plan
 from ..dist import all_gather_ints, dist_info
 from ..files.epochs import LoaderNeeds, PlannedDataset, stream_lengths, wrapped_planned
@@ -152,8 +152,7 @@ class DataLoader(tud.DataLoader[Any]):
             batch_size = None
         elif batch_size is _UNSET:
             batch_size = 1
-        if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral)
-                                       or batch_size < 1):
+        if batch_size is not None and (not is_integer(batch_size) or batch_size < 1):
             raise InvalidArgumentError(f"batch_size must be a positive int (or None: the dataset yields batches), "
                                        f"got {batch_size!r}")
         if num_workers is None:
