@@ -46,6 +46,19 @@ def test_an_unreported_window_is_between_the_least_and_lease_items(p, budget, st
         assert s.window * p.typical + s.read_ahead_bytes <= share + p.typical
 
 
+@given(policies, st.integers(1, 1 << 40), st.integers(1, 16))
+def test_what_an_unreported_loop_holds_fits_its_share_even_at_the_least_window(p, budget, streams):
+    """The window, its release step, the files in flight and the cached files covered ahead of the loop
+    all stay protected: together they fit the share, where it holds the window and three files more."""
+    if budget // streams < p.least(False) * p.typical:
+        return
+    s = p.protection(budget, streams, False)
+    assert s.release is not None and s.cover is not None and s.release >= 1 and s.cover >= 1
+    files = budget // streams // p.typical
+    held = s.window + s.release + s.read_ahead_bytes // p.typical + s.cover
+    assert held <= max(files, s.window + 3)
+
+
 @given(policies, st.integers(1, 1 << 40), st.integers(1, 8), st.integers(2, 64))
 def test_a_share_with_other_processes_holds_window_step_read_ahead_and_cover(p, budget, streams, extra):
     live = streams + extra
@@ -54,7 +67,7 @@ def test_a_share_with_other_processes_holds_window_step_read_ahead_and_cover(p, 
     assert s.window >= p.least(False)
     files = budget // live // p.typical
     if files >= 8 and s.window > p.least(False):  # room beyond the least window: every part gets its fraction
-        held = s.window + max(1, s.window // 4) + s.read_ahead_bytes // p.typical + (s.cover or 0)
+        held = s.window + (s.release or 0) + s.read_ahead_bytes // p.typical + (s.cover or 0)
         assert held <= files
 
 

@@ -185,6 +185,7 @@ class _Stream:
         self.quantum = max(1, quantum)
         self._chunk = max(1, chunk)  # items covered ahead at a time unless a shared budget asks fewer
         self.window, self.chunk = max(1, window), self._chunk
+        self.release: int | None = None  # handed-out items past the window released at a time (None: window // 4)
         self.read_ahead_bytes: int | None = None
         self.resized = threading.Event()  # the read-ahead's byte bound changed: its lane restarts
         self.consumed = consumed
@@ -248,6 +249,7 @@ class _Stream:
         if sizing is None:  # no budget (any more): the window stays as it is
             return
         self.window = max(1, sizing.window)
+        self.release = sizing.release
         self.chunk = self._chunk if sizing.cover is None else max(1, min(self._chunk, sizing.cover))
         with self._mu:  # covered fewer ahead now: what was covered beyond it goes from the record
             hi = min(self.hi, max(self.lo, self.ahead, self.yielded) + self.chunk)
@@ -266,8 +268,9 @@ class _Stream:
         # exact with consumption reports under a budget; else release in steps (each write costs
         # syscalls; without a budget only the free-disk floor evicts, so holding a little longer is cheap)
         exact = c is not None and self.budgeted
-        # a window sized to fit a budget is released in steps of a quarter of it
-        step = self.quantum if exact else max(self.quantum, self.window // 4, 1 if self.budgeted else 64)
+        # a window sized to fit a budget is released in its sizing's steps (a quarter of it where there is room)
+        release = self.window // 4 if self.release is None else self.release
+        step = self.quantum if exact else max(self.quantum, release, 1 if self.budgeted else 64)
         if done - self.lo >= step or (exact and done > self.lo and done >= self.yielded):
             with self._mu:
                 if self._stop.is_set() and self.finished:

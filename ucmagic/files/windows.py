@@ -26,12 +26,20 @@ SHARED_WINDOW, SHARED_AHEAD, SHARED_COVER = 0.5, 0.2, 0.15
 
 class Sizing(NamedTuple):
     """A stream's protection: ``window`` (handed-out items kept without consumption reports), the
-    bytes its read-ahead may hold in flight, and how many items its record covers ahead at a time
-    (None: the read-ahead depth)."""
+    bytes its read-ahead may hold in flight, how many items its record covers ahead at a time
+    (None: the read-ahead depth) and how many handed-out items past the window it releases at a time
+    (None: a quarter of the window)."""
 
     window: int
     read_ahead_bytes: int
     cover: int | None = None
+    release: int | None = None
+
+
+def release_step(window: int, files: int) -> int:
+    """Items past the window released at a time: a quarter of the window (each release rewrites the
+    record), fewer where the share of ``files`` files has little room beyond the window; at least 1."""
+    return max(1, min(window // 4, (files - window) // 4))
 
 
 @dataclass(frozen=True)
@@ -60,8 +68,9 @@ class WindowPolicy:
         (``unbudgeted_bytes`` without a budget).
 
         Under a budget each stream's share holds both: a third for the window (sized by the mean file
-        size, at most ``lease_items``), a third for read-ahead, so the protected files fit in
-        ``cache_limit`` and a small budget slows the loop down instead of stopping it. The window
+        size, at most ``lease_items``); the rest for its release step (:func:`release_step`), then half
+        each for the files in flight and the cached files covered ahead of the loop, so the protected
+        files fit in ``cache_limit`` and a small budget slows the loop down instead of stopping it. The window
         holds at least :meth:`least` files (64, or the ``lease_items`` a user set), with reports one file
         (the fill the loop waits for may go over the budget); a share that cannot hold that many files
         of the mean size is :class:`BudgetTooSmallError` now, at the first item, naming the size needed.
@@ -97,19 +106,24 @@ class WindowPolicy:
         total = max(1, streams, live)
         share = budget // total
         files = share // self.typical
-        # a third each (the window is released in steps of a quarter of it): about 3/4 of the share
-        # is held, so fills rarely wait for room
+        # the window takes a third of the share (released in steps of a quarter of it where there is room)
         window = self.lease_items if reported else max(self.least(reported), min(self.lease_items, files // 3))
         if total > streams:  # shared with other processes' streams, which protect what this one fetched:
             # the window, its release step, the read-ahead and the items covered ahead fit the share, the
             # window never below the least: a torch loader's queue holds handed-out files not yet opened
             if not reported:
                 window = max(self.least(reported), min(window, int(files * SHARED_WINDOW)))
-            return Sizing(window,
-                          max(self.typical, int(share * SHARED_AHEAD)), max(1, int(files * SHARED_COVER)))
+            return Sizing(window, max(self.typical, int(share * SHARED_AHEAD)), max(1, int(files * SHARED_COVER)),
+                          None if reported else release_step(window, files))
         if reported:
             return Sizing(window, max(1, share))
-        return Sizing(window, max(self.typical, (share - window * self.typical) // 2))
+        # what the loop has not reported stays protected: the window and its release step, the files
+        # in flight and the cached files covered ahead of the loop (a later epoch's hits) all fit the
+        # share, half each of what the window and its step leave (a least window aside: then a file each)
+        release = release_step(window, files)
+        rest = files - window - release
+        ahead = max(1, rest // 2)
+        return Sizing(window, max(self.typical, ahead * self.typical), max(1, rest - ahead), release)
 
 
 @dataclass(frozen=True)
