@@ -191,3 +191,30 @@ def test_a_state_that_is_not_a_loader_state_says_what_load_state_dict_takes(root
     loader = ucmagic.DataLoader(UCVolumeDataset(root, cache_dir=str(tmp_path / "c")), num_workers=0)
     with pytest.raises(InvalidArgumentError, match=said):
         loader.load_state_dict(state)
+
+
+@pytest.mark.parametrize("path", ["", "   "])
+def test_an_empty_path_is_refused_not_read_as_the_current_directory(tmp_path, monkeypatch, path):
+    make_files(str(tmp_path / "cwd"), 3, 100)
+    monkeypatch.chdir(tmp_path / "cwd")  # "" used to list (and copy) the whole current directory
+    with pytest.raises(InvalidArgumentError, match=r"path is empty .*for the current directory, say '\.'"):
+        UCVolumeDataset(path, cache_dir=str(tmp_path / "c"))
+    assert not (tmp_path / "c").exists()
+
+
+def test_an_unknown_url_scheme_is_an_invalid_argument_naming_it(tmp_path):
+    with pytest.raises(InvalidArgumentError, match=r"no file system handles foo://.*register_volume"):
+        UCVolumeDataset("foo://bucket/prefix", cache_dir=str(tmp_path / "c"))
+
+
+@pytest.mark.parametrize("scheme", ["", "slow://"])
+def test_a_cache_dir_inside_the_dataset_root_is_not_listed_as_data(tmp_path, scheme):
+    """The cache's copies, listings and records are not the user's data: the first dataset used to
+    serve one of its own listing files, and the next one failed on it (SourceChangedError)."""
+    root = tmp_path / "vol"
+    rels = make_files(str(root), 12, 500, per_dir=4)
+    kw = {"storage_options": {"open_ms": 0, "mbps": 0, "list_ms": 0}} if scheme else {}
+    for _ in range(2):  # the second dataset lists a root whose cache now holds copies and a listing
+        ds = UCVolumeDataset(scheme + str(root), cache_dir=str(root / "cache"), **kw)
+        got = sorted(ds.source_of(p).rel for p in ds)
+        assert got == sorted(rels)

@@ -70,6 +70,17 @@ def check_seed(seed: Any) -> int:
     return int(seed)
 
 
+def _folder_under(path: str, root: str | None) -> str | None:
+    """``path`` relative to ``root`` (POSIX separators) where it lies strictly inside it, else None."""
+    if not root:
+        return None
+    try:
+        rel = os.path.relpath(os.path.realpath(path), os.path.realpath(root))
+    except ValueError:  # another drive
+        return None
+    return None if rel == "." or rel == os.pardir or rel.startswith(os.pardir + os.sep) else rel.replace(os.sep, "/")
+
+
 def _source_missing(exc: BaseException) -> bool:
     """True when a fetch failed because the source file is gone (deleted after the listing)."""
     return isinstance(exc, FetchError) and isinstance(exc.__cause__, FileNotFoundError)
@@ -802,6 +813,9 @@ class UCVolumeDataset(EpochTracking, IterableDataset[str]):
         if on_error == "skip":
             self.volume.unreadable = "skip"  # an unreadable directory is left out of the listing, with a warning
         self.cache = FileCache(cache_dir, cache_limit, min_free)
+        inside = _folder_under(self.cache.root, self.volume.local_root)
+        if inside:  # the cache lies inside the data: its copies (and listings) are not data
+            self.volume.skip_dirs = self.volume.skip_dirs | {inside}
         bar: list[Progress] = []
 
         listing_started = time.monotonic()

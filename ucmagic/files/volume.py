@@ -24,8 +24,8 @@ from typing import Any, Callable, Iterable, Iterator, NamedTuple, Sequence, Unio
 from . import ranged
 from .._util import (FILL_BUFFER, DaemonPool, atomic_target, atomic_write, copy_fds, copy_local, is_remote_url,
                      open_emptied, wait_result)
-from ..errors import (EmptyListingError, FetchError, SourceChangedError, SourceNotADirectoryError, SourceNotFoundError,
-                     UnreadableDirectoryError)
+from ..errors import (EmptyListingError, FetchError, InvalidArgumentError, SourceChangedError, SourceNotADirectoryError,
+                      SourceNotFoundError, UnreadableDirectoryError)
 
 COPY_CHUNK = 4 << 20
 # A directory read faster than this (seconds: a fixed part plus one per entry) is "local and
@@ -246,6 +246,9 @@ class Volume(abc.ABC):
     range_retries: int = 3
     keeps_dir_mtimes = False  # True where adding or removing a file changes its directory's mtime
     unreadable = "raise"  # a directory under the root that cannot be read: "raise" or "skip" (with a warning)
+    # Folders under the root (relative paths) that listings leave out: a dataset's own cache
+    # directory when it lies inside the dataset's root (its copies are not data).
+    skip_dirs: frozenset[str] = frozenset()
     atomic_rename = False  # True where rename() is atomic; else it is a copy then a delete
     # The local directory that holds the files where they live on this machine (staging refuses a
     # destination inside it); None for remote storage.
@@ -415,7 +418,8 @@ class LocalVolume(Volume):
                     name = de.name if not rel else rel + "/" + de.name
                     try:
                         if de.is_dir(follow_symlinks=False):
-                            dirs.append(name)
+                            if name not in self.skip_dirs:
+                                dirs.append(name)
                             continue
                         if rx is not None and not rx.match(name):
                             continue
@@ -632,10 +636,15 @@ class FsspecVolume(Volume):
         self.url = url
         self.storage_options = dict(storage_options or {})
         self.root: str
+        proto = url.split("://", 1)[0]
+        if "::" not in url and proto.lower() not in fsspec.available_protocols():
+            raise InvalidArgumentError(
+                f"cannot open {url}: no file system handles {proto}://. Give a local directory, a /Volumes/... "
+                "path or a URL of a file system fsspec knows (s3://, gs://, abfs://, ...), or register a backend "
+                "for it with ucmagic.register_volume (docs/backends.md)")
         try:
             self.fs, self.root = fsspec.core.url_to_fs(url, **self.storage_options)
         except ImportError as exc:  # the protocol's fsspec implementation is not installed
-            proto = url.split("://", 1)[0]
             extra = {"s3": "s3", "s3a": "s3"}.get(proto)
             how = (f"pip install 'ucmagic[{extra}]'" if extra
                    else f"install the fsspec implementation of {proto}:// (see the fsspec docs)")
@@ -676,6 +685,8 @@ class FsspecVolume(Volume):
                 continue
             full = full.rstrip("/")
             rel = full[len(prefix):] if full.startswith(prefix) else full.split(self.root, 1)[-1].lstrip("/")
+            if self.skip_dirs and any(rel.startswith(d + "/") for d in self.skip_dirs):
+                continue
             if not is_safe_rel(rel):
                 import warnings
 
@@ -807,6 +818,9 @@ def open_volume(path: Any, storage_options: dict[str, Any] | None = None) -> Vol
     if isinstance(path, Volume):
         return path
     path = os.fspath(path)
+    if isinstance(path, str) and not path.strip():  # "" would be the current directory, all of it
+        raise InvalidArgumentError(f"path is empty ({path!r}): give a directory, a /Volumes/... path or a URL "
+                                   "(for the current directory, say '.')")
     return volume_class(path).from_path(path, storage_options)
 
 
