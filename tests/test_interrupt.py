@@ -190,3 +190,53 @@ def test_a_full_cache_disk_fails_once_with_a_named_error_and_the_interpreter_exi
     else:  # over what the disk holds: one error naming the budget and the free space, even with skip
         assert name == "CacheFullFetchError" and "cache_limit=60.0 MB" in msg and "free" in msg, res.stdout
         assert "skipped" not in res.stderr
+
+
+LEAVE_LOADER = """
+    import sys, time
+    from ucmagic import DataLoader, UCVolumeDataset
+    ds = UCVolumeDataset(ROOT, cache_dir=CACHE, cache_limit=10 * 16384)  # 5 files per worker stream
+    loader = DataLoader(ds, batch_size=4, num_workers=2, collate_fn=list)  # persistent workers
+    for i, batch in enumerate(loader):
+        if i == 1:
+            time.sleep(1.0)  # the workers fill the budget: their next fills wait for room
+            print("READY", flush=True)
+            if MODE == "break":
+                break
+            time.sleep(60)  # Ctrl-C lands in the loop's body
+    print("LEFT", time.time(), flush=True)
+"""
+
+
+@pytest.mark.timeout(EXIT_S * 3)
+@pytest.mark.parametrize("mode", ["break", "sigint"])
+def test_a_loader_left_under_a_full_budget_exits_without_waiting_out_torchs_join_timeout(tmp_path, mode):
+    """Persistent workers whose fills wait for room when the loop stops consuming (a break, Ctrl-C
+    in its body) used to keep waiting: at exit torch joined each of them for its full timeout (5 s a
+    worker; 1 exit in 4 took 10.5 s under Ctrl-C). The loop leaving retires its streams, so they go on."""
+    from torch.utils.data._utils import MP_STATUS_CHECK_INTERVAL as JOIN_S
+
+    root = _tree(tmp_path, n=80, size=16384)
+    script = (f"ROOT = {root!r}\nCACHE = {str(tmp_path / 'c')!r}\nMODE = {mode!r}\n" + textwrap.dedent(LEAVE_LOADER))
+    path = tmp_path / "child.py"
+    path.write_text(script)
+    p = subprocess.Popen([sys.executable, str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         cwd=str(tmp_path))
+    assert p.stdout is not None
+    assert p.stdout.readline().strip() == "READY"
+    if mode == "sigint":
+        p.send_signal(signal.SIGINT)
+        left = time.time()
+    else:  # read here: communicate() does not see what this file object has buffered
+        left = float(p.stdout.readline().split()[-1])
+    try:
+        _, err = p.communicate(timeout=EXIT_S)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        pytest.fail(f"the process did not exit within {EXIT_S} s: {p.communicate()[1][-3000:]}")
+    if mode == "break":
+        assert p.returncode == 0, err[-3000:]
+    else:
+        assert p.returncode != 0 and "KeyboardInterrupt" in err, err[-3000:]
+    took = time.time() - left
+    assert took < JOIN_S, f"exit took {took:.1f} s: torch waited out a worker's join timeout ({JOIN_S:g} s)"

@@ -103,8 +103,14 @@ def _cache_gauges(counters: Any) -> Callable[[], dict[str, float]]:
     return gauges
 
 
-def _shutdown_held(held: list[Any]) -> None:
-    """Stop the persistent workers of the iterators in ``held`` (the loader's finaliser)."""
+def _shutdown_held(held: list[Any], channels: list[Any]) -> None:
+    """Stop the persistent workers of the iterators in ``held`` (the loader's finaliser). Their
+    streams are retired first (``channels``: the loader's consumption channel, if any): a worker
+    whose fill waits for room the stopped loop will never free goes on at once, instead of making
+    torch wait out its join timeout (5 s per worker) at exit."""
+    if held:
+        for chan in channels:
+            chan.retire()
     while held:
         compat.shutdown_workers(held.pop())
 
@@ -185,11 +191,12 @@ class DataLoader(tud.DataLoader[Any]):
         self._sampler_gen: torch.Generator | None = None
         self._sampler_seed: int | None = None
         self._consumed: Any = None  # the dataset's consumption channel (UCVolumeDataset)
+        self._channels: list[Any] = []  # the same, for the finaliser (it must not hold the loader)
         # Persistent workers are shut down by a finaliser that holds their iterator: when the loader
         # dies inside a reference cycle (a callback that refers to it), the iterator's queues are
         # still alive when the workers are told to stop, so nobody waits for join timeouts.
         self._held_iterators: list[Any] = []
-        weakref.finalize(self, _shutdown_held, self._held_iterators)
+        weakref.finalize(self, _shutdown_held, self._held_iterators, self._channels)
         if uc:
             self.collate_fn = ItemCollate(self.collate_fn)  # batches bring their items' fetch records
             self._configure_dataset()
@@ -199,7 +206,7 @@ class DataLoader(tud.DataLoader[Any]):
         # reaches the inner dataset, so its protection follows the loop as without the wrapper
         self._wrapped = None if uc else wrapped_planned(dataset)
         if self._wrapped is not None:
-            self._consumed = self._wrapped.consumption_channel()
+            self._set_channel(self._wrapped.consumption_channel())
             # batch-aligned streams as without the wrapper: the fills of the whole batch the loop
             # waits for may go over a budget (with the default quantum of 1 only its first could,
             # and a budget under one batch waited for room forever); epochs stay the dataset's own
@@ -213,7 +220,11 @@ class DataLoader(tud.DataLoader[Any]):
         bs = self.batch_size or 1
         self.dataset.configure(batch_quantum=bs, lease_items=((self.prefetch_factor or 0) + 3) * bs)
         if self._consumed is None:
-            self._consumed = self.dataset.consumption_channel()
+            self._set_channel(self.dataset.consumption_channel())
+
+    def _set_channel(self, chan: Any) -> None:
+        self._consumed = chan
+        self._channels[:] = [chan]
 
     def _report_consumed(self) -> None:
         """Tell the workers how many items of each stream the loop has finished with: every batch
@@ -392,6 +403,10 @@ class DataLoader(tud.DataLoader[Any]):
             error = exc
             raise
         finally:
+            if not self._epoch_complete and self._consumed is not None:
+                # left (break, an error, Ctrl-C): nothing will consume this iteration's items any more, so
+                # its streams go stale now; workers whose fills wait for room go on and see torch's stop
+                self._consumed.retire()
             if sink is not None:
                 sink.close()
             for end_cb in self._end_callbacks:
@@ -502,7 +517,7 @@ class DataLoader(tud.DataLoader[Any]):
             fn(self._epoch)
 
     def _shutdown_workers(self) -> None:
-        _shutdown_held(self._held_iterators)
+        _shutdown_held(self._held_iterators, self._channels)
         if compat.live_iterator(self) is not None:
-            _shutdown_held([compat.live_iterator(self)])
+            _shutdown_held([compat.live_iterator(self)], self._channels)
             compat.forget_iterator(self)
