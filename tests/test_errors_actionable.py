@@ -218,3 +218,11 @@ def test_a_cache_dir_inside_the_dataset_root_is_not_listed_as_data(tmp_path, sch
         ds = UCVolumeDataset(scheme + str(root), cache_dir=str(root / "cache"), **kw)
         got = sorted(ds.source_of(p).rel for p in ds)
         assert got == sorted(rels)
+
+
+def test_a_cache_dir_that_is_the_dataset_root_itself_is_refused(tmp_path):
+    root = tmp_path / "vol"
+    make_files(str(root), 3, 100)
+    with pytest.raises(InvalidArgumentError, match=r"is the dataset's own directory: set cache_dir="):
+        UCVolumeDataset(str(root), cache_dir=str(root))
+    assert not (root / "files").exists()  # refused before the cache made its folders in the data

@@ -24,8 +24,8 @@ from . import plan
 from .. import telemetry
 from .._util import DEFAULT_RETRIES, is_integer
 from .cache import FileCache, SeenEntries
-from .cache_layout import (cache_key, cache_keys, entry_files, entry_name, parse_entry_name, safe_suffix, serial,
-                           unmap_relpath)
+from .cache_layout import (cache_key, cache_keys, cache_root, entry_files, entry_name, parse_entry_name, safe_suffix,
+                           serial, unmap_relpath)
 from .locks import process_tag
 from .protection import release_at_exit
 from ..errors import NotAnEntryError
@@ -71,14 +71,15 @@ def check_seed(seed: Any) -> int:
 
 
 def _folder_under(path: str, root: str | None) -> str | None:
-    """``path`` relative to ``root`` (POSIX separators) where it lies strictly inside it, else None."""
+    """``path`` relative to ``root`` (POSIX separators; ``"."``: the same directory) where it lies
+    inside it, else None."""
     if not root:
         return None
     try:
         rel = os.path.relpath(os.path.realpath(path), os.path.realpath(root))
     except ValueError:  # another drive
         return None
-    return None if rel == "." or rel == os.pardir or rel.startswith(os.pardir + os.sep) else rel.replace(os.sep, "/")
+    return None if rel == os.pardir or rel.startswith(os.pardir + os.sep) else rel.replace(os.sep, "/")
 
 
 def _source_missing(exc: BaseException) -> bool:
@@ -818,8 +819,11 @@ class UCVolumeDataset(EpochTracking, IterableDataset[str]):
         self.volume: Volume = open_volume(path, storage_options)
         if on_error == "skip":
             self.volume.unreadable = "skip"  # an unreadable directory is left out of the listing, with a warning
+        inside = _folder_under(cache_root(cache_dir), self.volume.local_root)
+        if inside == ".":  # refused before the cache makes its folders there
+            raise InvalidArgumentError(f"cache_dir {cache_root(cache_dir)} is the dataset's own directory: set "
+                                       "cache_dir= (or $UCMAGIC_CACHE_DIR) to a directory of its own, outside the data")
         self.cache = FileCache(cache_dir, cache_limit, min_free)
-        inside = _folder_under(self.cache.root, self.volume.local_root)
         if inside:  # the cache lies inside the data: its copies (and listings) are not data
             self.volume.skip_dirs = self.volume.skip_dirs | {inside}
         bar: list[Progress] = []
