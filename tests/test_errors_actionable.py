@@ -118,15 +118,28 @@ def test_the_cli_piped_into_head_exits_quietly(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_a_partly_consumed_iterator_alive_at_exit_prints_nothing(root, tmp_path):
+@pytest.mark.parametrize("over", ["dataset", "loader0", "loader2", "wrapper2"])
+def test_a_partly_consumed_iterator_alive_at_exit_prints_nothing(root, tmp_path, over):
     script = textwrap.dedent(f"""
-        from ucmagic import UCVolumeDataset
-        ds = UCVolumeDataset({root!r}, cache_dir={str(tmp_path / 'c')!r}, cache_limit="1MB")
-        it = iter(ds)
+        from torch.utils.data import IterableDataset
+        import ucmagic  # a module global of the script: the order of the teardown at exit depends on it
+        from ucmagic import DataLoader, UCVolumeDataset
+        class Wrap(IterableDataset):
+            def __init__(self, ds):
+                self.ds = ds
+            def __iter__(self):
+                yield from self.ds
+        over = {over!r}
+        limit = "1MB" if over == "dataset" else None
+        ds = UCVolumeDataset({root!r}, cache_dir={str(tmp_path / 'c')!r}, cache_limit=limit)
+        src = Wrap(ds) if over == "wrapper2" else ds
+        it = iter(ds if over == "dataset" else DataLoader(src, batch_size=2, num_workers=int(over[-1]),
+                                                           collate_fn=list))
         next(it)
         next(it)
     """)
-    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    (tmp_path / "child.py").write_text(script)  # a script file, as a user runs one (its globals go at exit)
+    res = subprocess.run([sys.executable, str(tmp_path / "child.py")], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0 and "Exception ignored" not in res.stderr and "Error" not in res.stderr, res.stderr
 
 

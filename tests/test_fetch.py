@@ -117,15 +117,38 @@ def test_window_grows_while_the_consumer_waits_and_growth_pays():
     assert w.size == 128
 
 
-def test_window_goes_back_when_growth_does_not_pay():
+def test_window_goes_back_when_growth_does_not_pay_then_tries_fewer():
     w = tune_window(Window(8), 1000.0, wait_share=0.5, floor=4, ceiling=128)
     assert w.size == 16
     w = tune_window(w, 1020.0, wait_share=0.5, floor=4, ceiling=128)  # CPU-bound fills: no gain
-    assert w.size == 8 and w.hold > 0
-    for _ in range(w.hold):  # rests at the size that served as well, then tries again
+    assert w.size == 8 and w.down
+    w = tune_window(w, 1000.0, wait_share=0.5, floor=4, ceiling=128)  # measured at 8 again, then halved on trial
+    assert (w.size, w.prev_size) == (4, 8)
+    w = tune_window(w, 990.0, wait_share=0.5, floor=4, ceiling=128)  # as fast with 4: kept, and the floor rests
+    assert w.size == 4 and w.hold > 0
+
+
+def test_a_smaller_window_that_costs_rate_goes_back_and_rests_before_growing():
+    w = Window(16, prev_size=32, prev_rate=1000.0)  # a shrink on trial
+    w = tune_window(w, 600.0, wait_share=0.5, floor=4, ceiling=128)  # a latency-bound volume: fewer calls, less rate
+    assert w.size == 32 and w.hold > 0
+    for _ in range(w.hold):  # rests at the size that served best, then tries to grow again
         w = tune_window(w, 1000.0, wait_share=0.5, floor=4, ceiling=128)
-        assert w.size == 8
-    assert tune_window(w, 1000.0, wait_share=0.5, floor=4, ceiling=128).size == 16
+        assert w.size == 32
+    assert tune_window(w, 1000.0, wait_share=0.5, floor=4, ceiling=128).size == 64
+
+
+@pytest.mark.parametrize("volume, settles", [
+    (lambda n: 1000.0, {4, 8}),  # CPU-bound fills (a local disk): the fewest calls do it all
+    (lambda n: 50.0 * n, {128}),  # latency-bound (a remote volume): every call adds rate
+    (lambda n: min(50.0 * n, 1600.0), {16, 32, 64}),  # saturated at 32 calls: around there
+])
+def test_the_window_settles_where_the_volume_serves_the_most_with_the_fewest_calls(volume, settles):
+    w, seen = Window(32), []
+    for _ in range(80):
+        w = tune_window(w, volume(w.size), wait_share=0.5, floor=4, ceiling=128)
+        seen.append(w.size)
+    assert set(seen[-20:]) <= settles, seen[-20:]
 
 
 def test_window_shrinks_when_the_consumer_does_not_wait():

@@ -172,11 +172,14 @@ class ConsumptionChannel:
             self._a[i] = 0
         self._a[_TRACKED] = 1
 
+    _generation = _GENERATION  # a class attribute: retire() runs at interpreter exit too, after module globals went
+
     def retire(self) -> None:
         """The loop left the current iteration (``break``, an error, Ctrl-C) or its workers are being
         stopped: its streams become stale as at :meth:`reset`, so their fills stop waiting for room
         that no consumption will free (a worker blocked there would hold up torch's shutdown)."""
-        self._a[_GENERATION] = self._a[_GENERATION] + 1
+        g = self._generation
+        self._a[g] = self._a[g] + 1
 
     def __setitem__(self, stream: int, items: int) -> None:
         if stream < MAX_STREAMS:
