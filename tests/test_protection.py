@@ -111,3 +111,39 @@ def test_stats_and_clear_cache_account_for_every_byte(vol, tmp_path):
     assert ds.clear_cache() == len(rels)
     assert os.listdir(os.path.join(cache, "tmp")) == []
     assert FileCache(cache).usage().bytes == 5000  # the other dataset's entries stay
+
+
+@pytest.mark.timeout(120)
+def test_clear_cache_leaves_what_another_process_loop_has_not_consumed(vol, tmp_path):
+    """A notebook's clear_cache() while a training process runs on the same cache: the batch that
+    loop holds (and the ones prefetched for it) stay; the rest goes, and everything once it ended."""
+    root, rels = vol
+    cache = str(tmp_path / "c")
+    ds = UCVolumeDataset(root, cache_dir=cache)
+    ds.warm(background=False)  # every file cached: the other process's loop holds a few of them
+    code = (f"import sys\nfrom ucmagic import DataLoader, UCVolumeDataset\n"
+            f"ds = UCVolumeDataset({root!r}, cache_dir={cache!r}, prefetch=16)\n"
+            "it = iter(DataLoader(ds, batch_size=8, num_workers=0, collate_fn=list))\n"
+            "print('\\n'.join(next(it)), flush=True)\nprint('HELD', flush=True)\nsys.stdin.readline()\n"
+            "print('\\n'.join(next(it)), flush=True)\n")
+    p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert p.stdout is not None and p.stdin is not None
+    held = []
+    for line in p.stdout:
+        if line.strip() == "HELD":
+            break
+        held.append(line.strip())
+    try:
+        assert len(held) == 8
+        removed = ds.clear_cache()
+        assert all(os.path.exists(h) for h in held), "a batch the other process's loop holds was removed"
+        p.stdin.write("\n")
+        p.stdin.flush()
+        nxt = [line.strip() for line in p.stdout if line.strip()]
+        assert len(nxt) == 8 and all(rel_of(n) in rels for n in nxt)  # its next batch is served and readable
+    finally:
+        p.kill()
+        p.wait()
+    assert removed > 0
+    assert ds.clear_cache() + removed >= len(held)  # once that process is gone, its files go too
+    assert not any(os.path.exists(h) for h in held)

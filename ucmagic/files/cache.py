@@ -38,7 +38,7 @@ from .budget import DEFAULT_MIN_FREE, BudgetKeeper, reap
 from .cache_layout import CacheLayout, KeptOpen, RemovalToken, cache_root, entry_file
 from .cache_usage import CacheUsage
 from .fetch import watch_progress
-from .locks import KeyLocks
+from .locks import KeyLocks, process_tag
 from .protection import ProtectionRecords
 from ..units import parse_size
 
@@ -293,6 +293,15 @@ class FileCache:
         self.removal_token.change()
         self.budget_keeper.ledger_stale()
         return n
+
+    def remove_unprotected(self, paths: Iterable[str]) -> int:
+        """:meth:`remove` of the entries among ``paths`` that no other live process protects (items its
+        running loop has not consumed yet stay; this process's own loops are its caller's to judge),
+        decided and done under the eviction lock. Returns the number removed."""
+        with self.budget_keeper.eviction_lock():
+            protected = self.records.protected_names(except_owner=process_tag())
+            return self.remove(p for p in paths
+                               if (entry := self.entry_dir(p)) is not None and os.path.basename(entry) not in protected)
 
     # ------------------------------------------------------------ protection records (ProtectionRecords)
 

@@ -1338,9 +1338,10 @@ class UCVolumeDataset(EpochTracking, IterableDataset[str]):
 
     def clear_cache(self) -> int:
         """Remove this dataset's files from the cache, plus protection records of dead processes and
-        abandoned temp files (other datasets' entries stay). Returns the number of entries removed."""
+        abandoned temp files (other datasets' entries stay, and so do files that a running loop of
+        another process has not consumed yet). Returns the number of entries removed."""
         self.cache.reap()
-        return self.cache.remove(p for p, _ in self._cached_paths())
+        return self.cache.remove_unprotected(p for p, _ in self._cached_paths())
 
     def stats(self) -> dict[str, Any]:
         """Files/bytes cached of the total, hits, misses, bytes fetched, retries, errors, fetch latency,

@@ -69,14 +69,15 @@ class ProtectionRecords:
             n += 1
         return n
 
-    def protected_names(self, *, reap: bool = True) -> set[str]:
-        """Entry names protected by live owners; records of dead owners are dropped (``reap``)."""
+    def protected_names(self, *, reap: bool = True, except_owner: str | None = None) -> set[str]:
+        """Entry names protected by live owners (but ``except_owner``); records of dead owners are
+        dropped (``reap``)."""
         names: set[str] = set()
         alive: dict[str, bool] = {}
         for name in listdir(self.prot):
             full = os.path.join(self.prot, name)
             parsed = parse_record_name(name)
-            if parsed is None:
+            if parsed is None or parsed[0] == except_owner:
                 continue
             owner = parsed[0]
             if owner not in alive:
