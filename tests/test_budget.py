@@ -247,3 +247,16 @@ def test_filtering_wrapper_that_cannot_get_room_ends_with_a_named_error_not_a_ha
     with pytest.raises(CacheFullError, match="Raise cache_limit"):
         for _ in DataLoader(EveryOther(ds), batch_size=4, num_workers=0, collate_fn=list):
             pass
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("consumer", ["plain", "torch"])
+def test_a_few_big_files_under_a_budget_that_holds_them_all_are_delivered(tmp_path, consumer):
+    root = str(tmp_path / "vol")
+    make_files(root, 10, 1_000_000, depth=0)
+    ds = UCVolumeDataset(root, cache_dir=str(tmp_path / "c"), cache_limit="30MB")  # the data 3 times over
+    if consumer == "plain":
+        got = list(ds)
+    else:
+        got = [p for b in tud.DataLoader(ds, batch_size=2, num_workers=2, collate_fn=list) for p in b]
+    assert sorted(ds.source_of(p).rel for p in got) == sorted(e.path for e in ds.listing.iter_entries())

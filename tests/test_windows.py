@@ -25,7 +25,7 @@ policies = policy()
 
 @given(policies, st.integers(1, 1 << 40), st.integers(1, 64), st.booleans())
 def test_a_budget_too_small_for_the_least_window_fails_at_once_and_names_the_size(p, budget, streams, reported):
-    least = p.least(reported)
+    least = p.least(reported, streams)
     if budget // streams >= least * p.typical:
         s = p.protection(budget, streams, reported)
         assert s.window >= least and s.read_ahead_bytes >= 1
@@ -36,13 +36,14 @@ def test_a_budget_too_small_for_the_least_window_fails_at_once_and_names_the_siz
 
 @given(policies, st.integers(1, 1 << 40), st.integers(1, 16))
 def test_an_unreported_window_is_between_the_least_and_lease_items(p, budget, streams):
-    if budget // streams < p.least(False) * p.typical:
+    least = p.least(False, streams)
+    if budget // streams < least * p.typical:
         return
     s = p.protection(budget, streams, False)
-    assert p.least(False) <= s.window <= p.lease_items
+    assert least <= s.window <= p.lease_items
     # the window and the read-ahead fit the stream's share (the least window aside)
     share = budget // streams
-    if s.window > p.least(False):
+    if s.window > least:
         assert s.window * p.typical + s.read_ahead_bytes <= share + p.typical
 
 
@@ -50,7 +51,7 @@ def test_an_unreported_window_is_between_the_least_and_lease_items(p, budget, st
 def test_what_an_unreported_loop_holds_fits_its_share_even_at_the_least_window(p, budget, streams):
     """The window, its release step, the files in flight and the cached files covered ahead of the loop
     all stay protected: together they fit the share, where it holds the window and three files more."""
-    if budget // streams < p.least(False) * p.typical:
+    if budget // streams < p.least(False, streams) * p.typical:
         return
     s = p.protection(budget, streams, False)
     assert s.release is not None and s.cover is not None and s.release >= 1 and s.cover >= 1
@@ -64,9 +65,9 @@ def test_a_share_with_other_processes_holds_window_step_read_ahead_and_cover(p, 
     live = streams + extra
     s = p.sized(budget, streams, False, live)
     # never below the least window: files handed to a torch loader's queue are still to be opened
-    assert s.window >= p.least(False)
+    assert s.window >= p.least(False, streams)
     files = budget // live // p.typical
-    if files >= 8 and s.window > p.least(False):  # room beyond the least window: every part gets its fraction
+    if files >= 8 and s.window > p.least(False, streams):  # room beyond the least window: every part gets its fraction
         held = s.window + (s.release or 0) + s.read_ahead_bytes // p.typical + (s.cover or 0)
         assert held <= files
 
@@ -104,3 +105,15 @@ def test_reports_need_one_file_and_the_window_is_lease_items():
     p = WindowPolicy(lease_items=160, typical=1000, files=100)
     s = p.protection(budget=3000, streams=2, reported=True)
     assert s.window == 160 and s.read_ahead_bytes == 1500
+
+
+def test_the_least_window_is_never_more_than_a_stream_hands_out():
+    """10 files of 1 MB under a 30 MB budget: a plain loop or torch's loader needs no window of 64
+    files (it used to ask for a budget of 64 MB, and 13.4 GB for one 200 MB file)."""
+    few = WindowPolicy(DEFAULT_LEASE_ITEMS, 1_000_000, 10)
+    assert few.least(False, 1) == 10 and few.least(False, 4) == 3 and few.least(True, 1) == 1
+    assert few.protection(30_000_000, 1, False).window == 10
+    with pytest.raises(BudgetTooSmallError, match="at least 10.0 MB"):
+        few.protection(9_000_000, 1, False)
+    one = WindowPolicy(DEFAULT_LEASE_ITEMS, 200_000_000, 1)
+    assert one.protection(300_000_000, 1, False).window == 1

@@ -53,12 +53,14 @@ class WindowPolicy:
     files: int
     least_window: int | None = None
 
-    def least(self, reported: bool) -> int:
+    def least(self, reported: bool, streams: int = 0) -> int:
         """Files a stream must hold at once: with reports the one the loop waits for, else a window
-        (``least_window``, else :data:`MIN_WINDOW` or ``lease_items`` if smaller)."""
+        (``least_window``, else :data:`MIN_WINDOW` or ``lease_items`` if smaller), never more than
+        one of ``streams`` streams hands out (10 big files need no window of 64)."""
         if reported:
             return 1
-        return max(1, self.least_window) if self.least_window is not None else min(self.lease_items, MIN_WINDOW)
+        least = max(1, self.least_window) if self.least_window is not None else min(self.lease_items, MIN_WINDOW)
+        return min(least, max(1, -(-self.files // streams))) if streams > 0 and self.files else least
 
     def protection(self, budget: int | None, streams: int, reported: bool, live: int = 0, *,
                    unbudgeted_bytes: int = 1) -> Sizing:
@@ -90,7 +92,7 @@ class WindowPolicy:
 
     def check_share(self, budget: int, streams: int, reported: bool) -> None:
         """:class:`BudgetTooSmallError` where one of ``streams`` shares cannot hold the least window."""
-        least = self.least(reported)
+        least = self.least(reported, streams)
         if self.files and budget // max(1, streams) < least * self.typical:
             what = "one file" if least == 1 else f"{least} files (the protection window without ucmagic.DataLoader" + (
                 ")" if self.least_window is None else ", lease_items)")
@@ -107,12 +109,13 @@ class WindowPolicy:
         share = budget // total
         files = share // self.typical
         # the window takes a third of the share (released in steps of a quarter of it where there is room)
-        window = self.lease_items if reported else max(self.least(reported), min(self.lease_items, files // 3))
+        least = self.least(reported, max(1, streams))
+        window = self.lease_items if reported else max(least, min(self.lease_items, files // 3))
         if total > streams:  # shared with other processes' streams, which protect what this one fetched:
             # the window, its release step, the read-ahead and the items covered ahead fit the share, the
             # window never below the least: a torch loader's queue holds handed-out files not yet opened
             if not reported:
-                window = max(self.least(reported), min(window, int(files * SHARED_WINDOW)))
+                window = max(least, min(window, int(files * SHARED_WINDOW)))
             return Sizing(window, max(self.typical, int(share * SHARED_AHEAD)), max(1, int(files * SHARED_COVER)),
                           None if reported else release_step(window, files))
         if reported:
