@@ -239,3 +239,23 @@ def test_a_cache_dir_that_is_the_dataset_root_itself_is_refused(tmp_path):
     with pytest.raises(InvalidArgumentError, match=r"is the dataset's own directory: set cache_dir="):
         UCVolumeDataset(str(root), cache_dir=str(root))
     assert not (root / "files").exists()  # refused before the cache made its folders in the data
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("consumer", ["plain", "uc2", "torch2"])
+def test_a_cache_directory_removed_by_hand_between_epochs_is_made_again(root, tmp_path, consumer):
+    import shutil
+
+    import torch.utils.data as tud
+
+    cache = str(tmp_path / "c")
+    ds = UCVolumeDataset(root, cache_dir=cache)
+    if consumer == "plain":
+        loop = ds
+    else:
+        make = ucmagic.DataLoader if consumer == "uc2" else tud.DataLoader
+        loop = make(ds, batch_size=4, num_workers=2, collate_fn=list)
+    for epoch in range(2):
+        got = [p for x in loop for p in ([x] if consumer == "plain" else x)]
+        assert len(set(got)) == 20 and all(os.path.exists(p) for p in got), epoch
+        shutil.rmtree(cache)  # `rm -rf ~/.cache/ucmagic` in a terminal while the notebook keeps the dataset

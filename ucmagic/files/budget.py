@@ -21,7 +21,7 @@ from ..errors import CacheFullError
 from ..units import format_size
 from .cache_layout import CacheLayout, RemovalToken, listdir, serial
 from .cache_usage import CacheUsage, scan
-from .locks import file_lock, process_tag, tag_alive
+from .locks import process_tag, tag_alive
 from .protection import ProtectionRecords
 
 DEFAULT_MIN_FREE = 0.10
@@ -161,7 +161,7 @@ class BudgetKeeper:
 
     def eviction_lock(self) -> contextlib.AbstractContextManager[None]:
         """The machine-wide lock under which entries are evicted and budgets reserved."""
-        return file_lock(self.layout.evict_lock)
+        return self.layout.evicting()
 
     def evict(self, bytes_to_free: int = 0, *, keep_below: int | None = None) -> int:
         """Remove least-recently-used unprotected entries until ``bytes_to_free`` bytes are gone.

@@ -24,10 +24,10 @@ import os
 import re
 import shutil
 import time
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 from ..errors import CacheDirError, UnsafeCacheError
-from .locks import process_tag, tag_alive
+from .locks import file_lock, process_tag, tag_alive
 
 TMP_STALE_S = 6 * 3600.0  # a temp file whose writer cannot be identified is dropped after this long
 SUBDIRS = ("files", "tmp", "locks", "prot")
@@ -246,6 +246,18 @@ class CacheLayout:
                 raise PermissionError(errno.EACCES, "not writable")
         except OSError as exc:
             raise self.unusable(exc) from exc
+
+    @contextlib.contextmanager
+    def evicting(self, shared: bool = False) -> Iterator[None]:
+        """The eviction lock (``locks/evict.lock``; ``shared``: a record's writer). A cache directory
+        removed by hand meanwhile is made again first, instead of failing on its missing lock file."""
+        with contextlib.ExitStack() as stack:
+            try:
+                stack.enter_context(file_lock(self.evict_lock, shared=shared))
+            except FileNotFoundError:
+                self.ensure()
+                stack.enter_context(file_lock(self.evict_lock, shared=shared))
+            yield
 
     def unusable(self, exc: OSError) -> CacheDirError:
         """The error for a cache root that cannot be used (``exc``: why)."""

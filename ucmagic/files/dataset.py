@@ -1151,6 +1151,8 @@ class UCVolumeDataset(EpochTracking, IterableDataset[str]):
         the main process; a worker follows the epoch its main process began)."""
         info = get_worker_info()
         cache = self.cache
+        if not os.path.isdir(cache.layout.locks):  # the cache directory was removed by hand: made again
+            cache.layout.ensure()
         if main:
             self.begin_epoch()
             epoch = self.epoch

@@ -12,7 +12,7 @@ import os
 from typing import Iterable, Protocol
 
 from .cache_layout import CacheLayout, KeptOpen, listdir
-from .locks import file_lock, process_tag, tag_alive
+from .locks import process_tag, tag_alive
 
 
 def parse_record_name(name: str) -> tuple[str, str] | None:
@@ -28,7 +28,7 @@ class ProtectionRecords:
 
     def __init__(self, layout: CacheLayout, kept: KeptOpen) -> None:
         self.prot = layout.prot
-        self.evict_lock = layout.evict_lock
+        self.layout = layout
         self.kept = kept
 
     def record_path(self, owner: str, slot: int | str) -> str:
@@ -42,7 +42,7 @@ class ProtectionRecords:
         record is still running, so an entry found present afterwards stays until released.
         """
         data = "\n".join(names).encode()
-        with file_lock(self.evict_lock, shared=True):
+        with self.layout.evicting(shared=True):
             # Rewritten in place on a descriptor kept open: a rename over an existing file makes
             # ext4 flush it first (auto_da_alloc, ~5 ms a call), and evictions, which read records
             # under the exclusive lock, never see a half-written one. A process killed between the
