@@ -528,3 +528,42 @@ def test_parquet_dataset_resumes_exactly_through_the_loader(tmp_path):
     assert sorted(before + after) == list(range(1000)) and not set(before) & set(after)
     with pytest.raises(ValueError, match="whole batches"):
         DataLoader(ds, batch_size=32)
+
+
+class _Decoding(IterableDataset):
+    """The seeds' wrapper: the user's dataset over a UCVolumeDataset."""
+
+    def __init__(self, ds):
+        self.ds = ds
+
+    def __iter__(self):
+        yield from self.ds
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_two_loaders_iterating_one_dataset_object_at_once_are_refused_and_one_at_a_time_is_fine(tmp_path, wrapped):
+    """They would share the object's epoch count and consumption reports: zipped, one delivered 149
+    distinct files of 200 (duplicates instead of the rest, silently), and an evaluation loop nested in
+    training ended the training loop's protection (files evicted before they were read)."""
+    from ucmagic.errors import InvalidArgumentError
+    from ucmagic.testing import make_files
+
+    root = str(tmp_path / "vol")
+    make_files(root, 60, 500, per_dir=20)
+    ds = UCVolumeDataset(root, cache_dir=str(tmp_path / "c"), shuffle=True)
+    src = _Decoding(ds) if wrapped else ds
+    a, b = (DataLoader(src, batch_size=4, num_workers=2, collate_fn=list) for _ in range(2))
+    it = iter(a)
+    next(it)
+    with pytest.raises(InvalidArgumentError, match="already being iterated by another DataLoader.*its own dataset"):
+        iter(b)
+    rest = [p for batch in it for p in batch]
+    assert len(rest) == 56  # the refusal changed nothing of a's epoch
+    for loader in (a, b):  # one after the other: each epoch whole
+        got = [ds.source_of(p).rel for batch in loader for p in batch]
+        assert len(got) == len(set(got)) == 60
+    inner = DataLoader(UCVolumeDataset(root, cache_dir=str(tmp_path / "c")), batch_size=4, num_workers=0)
+    for i, _ in enumerate(a):  # an evaluation loop over its own dataset object, nested in training
+        if i == 2:
+            assert sum(len(x) for x in inner) == 60

@@ -27,6 +27,7 @@ workers) a kind declares in :class:`LoaderNeeds`, never through its name.
 from __future__ import annotations
 
 import uuid
+import weakref
 from dataclasses import dataclass
 from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
 
@@ -139,6 +140,12 @@ class PlannedDataset(Protocol):
     def configure(self, *, batch_quantum: int, lease_items: int) -> None:
         """A loader manages this dataset's epochs and batches ``batch_quantum`` items at a time."""
 
+    def claim_iteration(self, loader: object) -> None:
+        """``loader`` starts iterating this dataset object; another loader still iterating it is refused."""
+
+    def release_iteration(self, loader: object) -> None:
+        """``loader``'s iteration ended (completed, left or failed)."""
+
     def begin_epoch(self, *, hand_over: bool = False) -> int:
         """Start an iteration in the main process; returns its epoch (``hand_over``: see EpochTracking)."""
 
@@ -205,6 +212,11 @@ def check_state_kind(state: Mapping[str, Any], kind: str, *legacy: str) -> None:
                          "load it into the same kind of dataset")
 
 
+# The loader iterating each dataset object in this process (see EpochTracking.claim_iteration): kept
+# outside the objects, which DataLoader workers receive pickled
+_iterating: "weakref.WeakKeyDictionary[Any, weakref.ref[object]]" = weakref.WeakKeyDictionary()
+
+
 class EpochTracking:
     """Epoch bookkeeping shared by ucmagic's planned datasets (files and Parquet rows).
 
@@ -223,6 +235,27 @@ class EpochTracking:
     seed: int
     partition: str
     reshuffle_every: int | None
+
+    def claim_iteration(self, loader: object) -> None:
+        """``loader`` starts iterating this dataset object (in this process). Two loaders iterating one
+        dataset object at once would share its epoch count and its consumption reports: each one's
+        workers could follow the other's epoch (items silently duplicated and dropped) and each one's
+        start would end the other's protection (files evicted before they were read). So a loader
+        whose other iteration of this object is still open is refused, naming the fix."""
+        ref = _iterating.get(self)
+        other = ref() if ref is not None else None
+        if other is not None and other is not loader:
+            raise InvalidArgumentError(
+                f"this {type(self).__name__} is already being iterated by another DataLoader, whose loop has not "
+                "finished: give each loader its own dataset object (created with the same arguments: they share "
+                "the cache and the listing), or let that loop finish or leave it first (break, or del that loader)")
+        _iterating[self] = weakref.ref(loader)
+
+    def release_iteration(self, loader: object) -> None:
+        """``loader``'s iteration of this dataset object ended (completed, left or failed)."""
+        ref = _iterating.get(self)
+        if ref is not None and ref() is loader:
+            del _iterating[self]
 
     def _init_epochs(self) -> None:
         self._epoch = SharedInt(0)

@@ -309,6 +309,9 @@ class DataLoader(tud.DataLoader[Any]):
                 fn(int(epoch))
 
     def _begin_epoch(self) -> None:
+        planned = self.dataset if self._uc else self._wrapped
+        if planned is not None:
+            planned.claim_iteration(self)  # before anything of the epoch changes: a refusal leaves all as it was
         if self._uc:
             ds = self.dataset
             self._configure_dataset()
@@ -407,6 +410,9 @@ class DataLoader(tud.DataLoader[Any]):
                 # left (break, an error, Ctrl-C): nothing will consume this iteration's items any more, so
                 # its streams go stale now; workers whose fills wait for room go on and see torch's stop
                 self._consumed.retire()
+            planned = self.dataset if self._uc else self._wrapped
+            if planned is not None:
+                planned.release_iteration(self)
             if sink is not None:
                 sink.close()
             for end_cb in self._end_callbacks:
