@@ -1151,14 +1151,14 @@ class UCVolumeDataset(EpochTracking, IterableDataset[str]):
         the main process; a worker follows the epoch its main process began)."""
         info = get_worker_info()
         cache = self.cache
-        if not os.path.isdir(cache.layout.locks):  # the cache directory was removed by hand: made again
-            cache.layout.ensure()
         if main:
             self.begin_epoch()
             epoch = self.epoch
             owner = process_tag()
             release_at_exit(cache, owner)
         else:
+            if not os.path.isdir(cache.layout.locks):  # the cache directory was removed by hand: made again
+                cache.layout.ensure()  # (the main process's first write, a protection record, does it there)
             epoch = self._worker_epoch(os.path.join(cache.root, "locks", f"epoch-{self._epoch_id}.lock"))
             owner = self._owner or process_tag(os.getppid())
         cache.drop_records(owner)  # records of this owner's exited workers: an earlier iteration's

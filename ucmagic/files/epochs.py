@@ -29,7 +29,7 @@ from __future__ import annotations
 import uuid
 import weakref
 from dataclasses import dataclass
-from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
+from typing import Any, ClassVar, Mapping, Protocol, Sequence, runtime_checkable
 
 from . import plan
 from .locks import file_lock
@@ -212,11 +212,6 @@ def check_state_kind(state: Mapping[str, Any], kind: str, *legacy: str) -> None:
                          "load it into the same kind of dataset")
 
 
-# The loader iterating each dataset object in this process (see EpochTracking.claim_iteration): kept
-# outside the objects, which DataLoader workers receive pickled
-_iterating: "weakref.WeakKeyDictionary[Any, weakref.ref[object]]" = weakref.WeakKeyDictionary()
-
-
 class EpochTracking:
     """Epoch bookkeeping shared by ucmagic's planned datasets (files and Parquet rows).
 
@@ -235,6 +230,9 @@ class EpochTracking:
     seed: int
     partition: str
     reshuffle_every: int | None
+    # The loader iterating each dataset object in this process (claim_iteration): kept outside the
+    # objects, which DataLoader workers receive pickled
+    _loaders: ClassVar[weakref.WeakKeyDictionary[Any, weakref.ref[object]]] = weakref.WeakKeyDictionary()
 
     def claim_iteration(self, loader: object) -> None:
         """``loader`` starts iterating this dataset object (in this process). Two loaders iterating one
@@ -242,20 +240,21 @@ class EpochTracking:
         workers could follow the other's epoch (items silently duplicated and dropped) and each one's
         start would end the other's protection (files evicted before they were read). So a loader
         whose other iteration of this object is still open is refused, naming the fix."""
-        ref = _iterating.get(self)
+        ref = self._loaders.get(self)
         other = ref() if ref is not None else None
         if other is not None and other is not loader:
             raise InvalidArgumentError(
                 f"this {type(self).__name__} is already being iterated by another DataLoader, whose loop has not "
                 "finished: give each loader its own dataset object (created with the same arguments: they share "
                 "the cache and the listing), or let that loop finish or leave it first (break, or del that loader)")
-        _iterating[self] = weakref.ref(loader)
+        self._loaders[self] = weakref.ref(loader)
 
     def release_iteration(self, loader: object) -> None:
-        """``loader``'s iteration of this dataset object ended (completed, left or failed)."""
-        ref = _iterating.get(self)
+        """``loader``'s iteration of this dataset object ended (completed, left or failed; also at
+        interpreter exit, after module globals went: the registry is a class attribute)."""
+        ref = self._loaders.get(self)
         if ref is not None and ref() is loader:
-            del _iterating[self]
+            del self._loaders[self]
 
     def _init_epochs(self) -> None:
         self._epoch = SharedInt(0)
