@@ -174,11 +174,14 @@ def small_tmpfs(tmp_path):
 
 
 @pytest.mark.timeout(EXIT_S * 4)
-@pytest.mark.parametrize("limit,on_error", [("60MB", "raise"), ("60MB", "skip"), ("30MB", "raise")])
+@pytest.mark.parametrize("limit,on_error", [("80MB", "raise"), ("80MB", "skip"), ("30MB", "raise")])
 def test_a_full_cache_disk_fails_once_with_a_named_error_and_the_interpreter_exits(tmp_path, small_tmpfs,
                                                                                     limit, on_error):
     root = tmp_path / "vol"
-    make_files(str(root), 400, 512 * 1024, depth=0)  # 200 MiB through a 50 MB disk
+    # 200 MiB through a 50 MB disk. At 80 MB the 64-file window of a plain loop (64 MiB of 1 MiB files)
+    # fits the budget, never the disk; at 30 MB the window of 512 KiB files (33.6 MB) fits neither
+    n, size = (400, 512 * 1024) if limit == "30MB" else (200, 1 << 20)
+    make_files(str(root), n, size, depth=0)
     script = tmp_path / "full.py"
     script.write_text(TMPFS_SCRIPT)
     res = subprocess.run([sys.executable, str(script), str(root), os.path.join(small_tmpfs, "c"), limit, on_error],
@@ -188,7 +191,7 @@ def test_a_full_cache_disk_fails_once_with_a_named_error_and_the_interpreter_exi
     if limit == "30MB":  # the 64-file window of a plain loop (33.6 MB) cannot fit: at the first item
         assert name == "BudgetTooSmallError" and n == "0" and "at least 33.6 MB" in msg, res.stdout
     else:  # over what the disk holds: one error naming the budget and the free space, even with skip
-        assert name == "CacheFullFetchError" and "cache_limit=60.0 MB" in msg and "free" in msg, res.stdout
+        assert name == "CacheFullFetchError" and "cache_limit=80.0 MB" in msg and "free" in msg, res.stdout
         assert "skipped" not in res.stderr
 
 
