@@ -85,6 +85,16 @@ class RetryPolicy:
         raise AssertionError("unreachable")  # pragma: no cover
 
 
+def path_under(path: str, root: str) -> str | None:
+    """Where ``path`` lies under ``root`` once both are resolved (symlinks, ``..``): its relative path
+    with ``/`` separators, ``"."`` for ``root`` itself, None outside it."""
+    try:
+        rel = os.path.relpath(os.path.realpath(path), os.path.realpath(root))
+    except ValueError:  # another drive
+        return None
+    return None if rel == os.pardir or rel.startswith(os.pardir + os.sep) else rel.replace(os.sep, "/")
+
+
 def is_integer(value: Any) -> bool:
     """True for an int or a numpy integer, never a bool (``True`` is an int to Python, not a count)."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)

@@ -18,7 +18,7 @@ from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from ._util import copy_local
+from ._util import copy_local, path_under
 from .errors import FetchError, StagingError
 from .files.fetch import with_retries
 from .progress import Progress
@@ -80,19 +80,16 @@ class StageResult:
 
 # ---------------------------------------------------------------- pure helpers
 
-def _inside(child: str, parent: str) -> bool:
-    return os.path.commonpath([child, parent]) == parent
-
-
 def check_not_nested(src_root: str, dest: str) -> None:
     """Refuse a destination inside the source (the copy would copy itself) and vice versa."""
-    s, d = os.path.realpath(src_root), os.path.realpath(dest)
-    if s == d:
-        raise StagingError(f"source and destination are the same directory ({s}): pick another destination")
-    if _inside(d, s):
+    inside = path_under(dest, src_root)
+    if inside == ".":
+        raise StagingError(f"source and destination are the same directory ({os.path.realpath(src_root)}): pick "
+                           "another destination")
+    if inside is not None:
         raise StagingError(f"destination {dest} is inside the source {src_root}: staging would copy its own output; "
                            "pick a destination outside the source")
-    if _inside(s, d):
+    if path_under(src_root, dest) is not None:
         raise StagingError(f"source {src_root} is inside the destination {dest}: staged files would land in the "
                            "source tree; pick a destination outside the source")
 

@@ -22,7 +22,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from . import plan
 from .. import telemetry
-from .._util import DEFAULT_RETRIES, is_integer
+from .._util import DEFAULT_RETRIES, is_integer, path_under
 from .cache import FileCache, SeenEntries
 from .cache_layout import (cache_key, cache_keys, cache_root, entry_files, entry_name, parse_entry_name, safe_suffix,
                            serial, unmap_relpath)
@@ -68,18 +68,6 @@ def check_seed(seed: Any) -> int:
         raise InvalidArgumentError(f"seed must be an integer, got {seed!r} ({type(seed).__name__}): "
                                    "pass an int such as seed=0")
     return int(seed)
-
-
-def _folder_under(path: str, root: str | None) -> str | None:
-    """``path`` relative to ``root`` (POSIX separators; ``"."``: the same directory) where it lies
-    inside it, else None."""
-    if not root:
-        return None
-    try:
-        rel = os.path.relpath(os.path.realpath(path), os.path.realpath(root))
-    except ValueError:  # another drive
-        return None
-    return None if rel == os.pardir or rel.startswith(os.pardir + os.sep) else rel.replace(os.sep, "/")
 
 
 def _source_missing(exc: BaseException) -> bool:
@@ -822,10 +810,11 @@ class UCVolumeDataset(EpochTracking, IterableDataset[str]):
         self.volume: Volume = open_volume(path, storage_options)
         if on_error == "skip":
             self.volume.unreadable = "skip"  # an unreadable directory is left out of the listing, with a warning
-        inside = _folder_under(cache_root(cache_dir), self.volume.local_root)
+        root = cache_root(cache_dir)
+        inside = path_under(root, self.volume.local_root) if self.volume.local_root else None
         if inside == ".":  # refused before the cache makes its folders there
-            raise InvalidArgumentError(f"cache_dir {cache_root(cache_dir)} is the dataset's own directory: set "
-                                       "cache_dir= (or $UCMAGIC_CACHE_DIR) to a directory of its own, outside the data")
+            raise InvalidArgumentError(f"cache_dir {root} is the dataset's own directory: set cache_dir= (or "
+                                       "$UCMAGIC_CACHE_DIR) to a directory of its own, outside the data")
         self.cache = FileCache(cache_dir, cache_limit, min_free)
         if inside:  # the cache lies inside the data: its copies (and listings) are not data
             self.volume.skip_dirs = self.volume.skip_dirs | {inside}
