@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 from ucmagic._util import RetryPolicy
 from ucmagic.errors import FetchTimeoutError
 
-from ucmagic.files.fetch import Window, backoff_delays, read_ahead, restart_timeout, tune_window, with_retries
+from ucmagic.files.fetch import (CALL_S, MAX_BATCH, Window, backoff_delays, batch_size, read_ahead, restart_timeout,
+                                 tune_window, with_retries)
 
 
 def _counting(fn, sleep):
@@ -283,3 +284,108 @@ def test_a_call_that_raises_a_timeout_error_of_its_own_is_not_waited_on_forever(
 
     with pytest.raises(TimeoutError, match="socket timed out on 0"):
         list(read_ahead(fn, range(2), depth=2, timeout=None))
+
+
+class _CountingPool:
+    """A pool that counts the calls submitted to it (each runs on a plain thread)."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def submit(self, fn, *args):
+        from concurrent.futures import Future
+
+        self.calls += 1
+        fut = Future()
+
+        def run():
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn(*args))
+                except BaseException as exc:  # noqa: BLE001 - handed over through the future
+                    fut.set_exception(exc)
+
+        threading.Thread(target=run, daemon=True).start()
+        return fut
+
+
+def test_quick_items_go_to_threads_in_runs_and_still_come_out_in_order():
+    pool = _CountingPool()
+    assert list(read_ahead(lambda i: i * 3, range(2000), depth=64, pool=pool)) == [i * 3 for i in range(2000)]
+    assert pool.calls < 2000 // 4  # a thread hand-off per run of items, not per item
+
+
+def test_slow_items_go_one_per_call():
+    pool = _CountingPool()
+    assert list(read_ahead(lambda i: time.sleep(0.005) or i, range(60), depth=16, pool=pool)) == list(range(60))
+    assert pool.calls == 60  # each waits on its own (a high-latency volume wants them all at once)
+
+
+def test_an_error_inside_a_run_comes_after_the_items_before_it():
+    def f(i):
+        if i == 1234:
+            raise ValueError("bad 1234")
+        return i
+
+    got = []
+    with pytest.raises(ValueError, match="bad 1234"):
+        for x in read_ahead(f, range(3000), depth=64):
+            got.append(x)
+    assert got == list(range(1234))
+
+
+@pytest.mark.timeout(60)
+def test_a_hung_item_inside_a_run_times_out_after_the_items_before_it():
+    ev = threading.Event()
+
+    def hang(i):
+        if i == 700:
+            ev.wait(20)
+        return i
+
+    pool = _CountingPool()
+    got = []
+    try:
+        with pytest.raises(FetchTimeoutError, match="item-700 made no progress"):
+            for x in read_ahead(hang, range(1000), depth=64, timeout=0.5, describe=lambda i: f"item-{i}", pool=pool):
+                got.append(x)
+    finally:
+        ev.set()
+    assert got == list(range(700))
+    assert pool.calls < 700 // 4  # it was inside a run
+
+
+@pytest.mark.timeout(60)
+def test_closing_a_read_ahead_stops_a_run_before_its_next_item():
+    ev = threading.Event()
+    ran = []
+
+    def f(i):
+        ran.append(i)
+        if i == 500:
+            ev.wait(20)
+        return i
+
+    g = read_ahead(f, range(100_000), depth=64)
+    for x in g:
+        if x == 480:
+            break
+    g.close()
+    deadline = time.monotonic() + 10
+    while 500 not in ran and time.monotonic() < deadline:
+        time.sleep(0.01)
+    before = len(ran)
+    ev.set()
+    time.sleep(0.3)
+    assert 500 in ran and len(ran) - before <= 1  # the run stopped after the item it was on
+    assert max(ran) < 500 + 64
+
+
+@given(st.one_of(st.none(), st.floats(1e-9, 10)), st.integers(1, 512), st.integers(1, 1024))
+def test_runs_are_one_item_for_slow_items_and_keep_the_window_within_depth(per_item, window, depth):
+    k = batch_size(per_item, window, depth)
+    assert 1 <= k <= MAX_BATCH
+    if per_item is None or per_item * 2 >= CALL_S:
+        assert k == 1
+    elif depth >= window:
+        assert k * window <= depth

@@ -250,10 +250,16 @@ def wait_result(fut: Future, poll: float = POLL_S, on_poll: Callable[[], None] |
     """``fut.result()`` waited for in steps of ``poll`` seconds, so Ctrl-C is seen at once and
     ``on_poll()`` (which may raise) runs between steps. An error of the call itself is raised as is,
     even a ``TimeoutError``."""
+    wait_done(fut, poll, on_poll)
+    return fut.result()
+
+
+def wait_done(fut: Future, poll: float = POLL_S, on_poll: Callable[[], None] | None = None) -> None:
+    """Wait until ``fut`` is done (its error is not raised), in steps of ``poll`` seconds: Ctrl-C is
+    seen at once and ``on_poll()`` (which may raise) runs between steps."""
     while not _wait_futures([fut], timeout=poll).done:
         if on_poll is not None:
             on_poll()
-    return fut.result()
 
 
 @contextlib.contextmanager
