@@ -389,3 +389,45 @@ def test_runs_are_one_item_for_slow_items_and_keep_the_window_within_depth(per_i
         assert k == 1
     elif depth >= window:
         assert k * window <= depth
+
+
+def test_quick_items_on_a_local_disk_are_called_on_the_consumers_own_thread():
+    me = threading.get_ident()
+    on_me = []
+
+    def f(i):
+        on_me.append(threading.get_ident() == me)
+        restart_timeout()  # a fill waiting for room calls it: fine on the consumer's thread too
+        return i * 2
+
+    assert list(read_ahead(f, range(3000), depth=64, inline=True)) == [i * 2 for i in range(3000)]
+    assert sum(on_me) > 2000  # once the window is at one call and items are known to be quick
+    on_me.clear()
+    assert list(read_ahead(f, range(3000), depth=64)) == [i * 2 for i in range(3000)]
+    assert not any(on_me)  # a volume that may hang: always on pool threads, under the timeout
+
+
+def test_slow_items_are_never_called_on_the_consumers_thread():
+    me = threading.get_ident()
+    on_me = []
+
+    def f(i):
+        on_me.append(threading.get_ident() == me)
+        time.sleep(0.004)
+        return i
+
+    assert list(read_ahead(f, range(200), depth=16, inline=True)) == list(range(200))
+    assert not any(on_me)
+
+
+def test_an_error_of_an_item_called_inline_comes_after_the_items_before_it():
+    def f(i):
+        if i == 2500:
+            raise ValueError("bad 2500")
+        return i
+
+    got = []
+    with pytest.raises(ValueError, match="bad 2500"):
+        for x in read_ahead(f, range(5000), depth=64, inline=True):
+            got.append(x)
+    assert got == list(range(2500))

@@ -1,10 +1,12 @@
 import errno
 import contextlib
 import os
+import pickle
 import threading
 
 import pytest
 
+from ucmagic._util import LOCAL_DISK_FS, mount_fs_type
 from ucmagic.errors import EmptyListingError, SourceNotADirectoryError, SourceChangedError, SourceNotFoundError
 from ucmagic.files.volume import (FileEntry, FsspecVolume, LocalVolume, compile_pattern, filter_entries,
                             listing_fingerprint, open_volume, resolve_local_path)
@@ -371,3 +373,25 @@ def test_a_pattern_listing_never_stats_the_files_it_leaves_out(tmp_path, monkeyp
     scanned = sorted(e.path for d in vol.scan("train/*/*.txt") for e in d.files)
     assert scanned == [f"train/dog/{i}.txt" for i in range(3)]
     assert sorted(stated) == ["0.txt", "1.txt", "2.txt"]
+
+
+MOUNTINFO = """22 1 254:0 / / rw,relatime shared:1 - ext4 /dev/vda rw
+30 22 0:50 / /Volumes/main/raw rw,nosuid - fuse.slowvol slowvol rw,user_id=0
+31 22 0:51 / /mnt rw - nfs4 srv:/export rw
+32 31 0:52 / /mnt/scratch\\040space rw - tmpfs tmpfs rw
+"""
+
+
+@pytest.mark.parametrize("path, fs", [("/home/me/data", "ext4"), ("/Volumes/main/raw/train", "fuse.slowvol"),
+                                      ("/Volumes/main/rawer", "ext4"), ("/mnt/a/b", "nfs4"),
+                                      ("/mnt/scratch space/x", "tmpfs"), ("/mnt", "nfs4")])
+def test_the_file_system_of_a_path_is_its_longest_mount_point(path, fs):
+    assert mount_fs_type(path, MOUNTINFO) == fs
+
+
+def test_only_disk_file_systems_of_this_machine_count_as_local_disks(tmp_path):
+    assert {"ext4", "xfs", "tmpfs", "overlay"} <= LOCAL_DISK_FS
+    assert not {"fuse", "fuse.slowvol", "nfs", "nfs4", "cifs", "smb3", "9p"} & LOCAL_DISK_FS
+    vol = LocalVolume(str(tmp_path))
+    assert vol.local_disk == (mount_fs_type(str(tmp_path)) in LOCAL_DISK_FS)
+    assert pickle.loads(pickle.dumps(vol)).local_disk == vol.local_disk

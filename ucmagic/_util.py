@@ -95,6 +95,35 @@ def path_under(path: str, root: str) -> str | None:
     return None if rel == os.pardir or rel.startswith(os.pardir + os.sep) else rel.replace(os.sep, "/")
 
 
+LOCAL_DISK_FS = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "tmpfs", "f2fs", "zfs", "jfs", "reiserfs",
+                           "bcachefs", "overlay", "ramfs", "vfat", "exfat", "hfsplus", "apfs"})
+"""File systems whose reads come from this machine's own disks or memory: a read there cannot hang
+on a network or a server process (FUSE, NFS, SMB, ... are not in it)."""
+
+
+def mount_fs_type(path: str, mountinfo: str | None = None) -> str | None:
+    """The file system type of the mount that holds ``path`` (``/proc/self/mountinfo``, or the text
+    ``mountinfo``): the longest mount point above it; None where there is no mount table (not Linux)."""
+    if mountinfo is None:
+        try:
+            with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
+                mountinfo = f.read()
+        except OSError:
+            return None
+        path = os.path.realpath(path)
+    else:
+        path = os.path.normpath(path)
+    best, fs = -1, None
+    for line in mountinfo.splitlines():
+        fields = line.split()
+        if " - " not in line or len(fields) < 5:
+            continue
+        point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])  # \040: a space
+        if (path == point or path.startswith(point.rstrip("/") + "/")) and len(point) >= best:
+            best, fs = len(point), line.split(" - ", 1)[1].split()[0]
+    return fs
+
+
 def is_integer(value: Any) -> bool:
     """True for an int or a numpy integer, never a bool (``True`` is an int to Python, not a count)."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)

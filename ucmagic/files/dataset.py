@@ -618,7 +618,7 @@ class _EpochStream:
         stream.resized.clear()  # the read-ahead's byte bound is taken now: a change restarts it
         ahead = read_ahead(self.get, self._scheduled(self.pos), depth=self.depth, timeout=self.ds.timeout,
                            describe=self.describe, fast=self.hit, cost=self.items.size,
-                           max_bytes=stream.read_ahead_bytes, alive=self.alive)
+                           max_bytes=stream.read_ahead_bytes, alive=self.alive, inline=self.ds.volume.local_disk)
         try:
             for got in ahead:
                 pos = self.pos

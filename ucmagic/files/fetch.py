@@ -249,7 +249,8 @@ MIN_PERIOD = 8
 def read_ahead(fn: Callable[[T], R], items: Iterable[T], *, depth: int = 32, timeout: float | None = 120.0,
                pool: Executor | None = None, describe: Callable[[T], str] = str,
                fast: Callable[[T], R | None] | None = None, cost: Callable[[T], int] | None = None,
-               max_bytes: int | None = None, alive: Callable[[], bool] | None = None) -> Generator[R, None, None]:
+               max_bytes: int | None = None, alive: Callable[[], bool] | None = None,
+               inline: bool = False) -> Generator[R, None, None]:
     """Yield ``fn(item)`` for each item, in order, with up to ``depth`` items in flight.
 
     The calls in flight start at :data:`START_WINDOW` and follow :func:`tune_window`: more while
@@ -267,10 +268,15 @@ def read_ahead(fn: Callable[[T], R], items: Iterable[T], *, depth: int = 32, tim
     given, is tried first on the calling thread; a result other than None is used as is (a cache
     hit needs no thread hop). ``alive()``, when given, is asked at each step of a wait: False (a
     DataLoader worker whose main process is gone) ends the wait with SystemExit.
+
+    ``inline``: calls cannot hang (a local disk), so while items are quick (well under :data:`CALL_S`
+    each) each is called on the consumer's own thread when it is needed: no hand-off at all (20,000
+    local files of 1 KiB: 3.2-4.3 s, against 5.1-5.9 s in runs on a pool thread and 8.3-9.4 s one item
+    per call). The timeout does not apply there; a slower item sends the next ones back to the pool.
     """
     depth = max(1, int(depth))
     ahead = _ReadAhead(fn, items, depth=depth, timeout=timeout, pool=pool or shared_pool(depth),
-                       describe=describe, fast=fast, cost=cost, max_bytes=max_bytes, alive=alive)
+                       describe=describe, fast=fast, cost=cost, max_bytes=max_bytes, alive=alive, inline=inline)
     yield from ahead.results()
 
 
@@ -282,8 +288,9 @@ class _ReadAhead(Generic[T, R]):
 
     def __init__(self, fn: Callable[[T], R], items: Iterable[T], *, depth: int, timeout: float | None,
                  pool: Executor, describe: Callable[[T], str], fast: Callable[[T], R | None] | None,
-                 cost: Callable[[T], int] | None, max_bytes: int | None, alive: Callable[[], bool] | None) -> None:
-        self._fn, self._items, self._pool = fn, iter(items), pool
+                 cost: Callable[[T], int] | None, max_bytes: int | None, alive: Callable[[], bool] | None,
+                 inline: bool = False) -> None:
+        self._fn, self._items, self._pool, self._inline = fn, iter(items), pool, inline
         self._timeout, self._describe, self._alive = timeout, describe, alive
         self._fast, self._cost, self._max_bytes = fast, cost, max_bytes
         self._pending: deque[_Task[T, R]] = deque()
@@ -306,7 +313,15 @@ class _ReadAhead(Generic[T, R]):
         """The results in input order; leaving (close, exception, break) shuts the read-ahead down."""
         try:
             self._fill()
-            while self._pending:
+            while True:
+                if not self._pending:
+                    got = self._next_item() if self._inline_now() else None
+                    if got is not None:
+                        yield self._call_inline(*got)
+                        continue
+                    self._fill()
+                    if not self._pending:
+                        return
                 task = self._pending[0]  # stays in pending while waited for: an interrupt cancels it
                 error = None if task.future is None else self._collect(task, task.future)
                 results = task.results if error is None else task.results[:]  # a stalled call may go on
@@ -326,7 +341,9 @@ class _ReadAhead(Generic[T, R]):
 
     def _fill(self) -> None:
         """Submit calls until the window is full, ``depth`` items are in flight, the items run out or
-        the byte bound is reached."""
+        the byte bound is reached; none while the consumer calls them itself (see :meth:`_inline_now`)."""
+        if self._inline_now():
+            return
         while len(self._pending) < self._win.size and self._queued < self._depth and self._submit_next():
             pass
 
@@ -399,12 +416,44 @@ class _ReadAhead(Generic[T, R]):
                 "volume may be hung. Check the mount, or raise timeout="
             ) from None
 
+    def _inline_now(self) -> bool:
+        """Whether the consumer calls the next item itself: allowed (``inline``) and items are quick
+        (runs of more than one item would go to a pool thread): a hand-off then costs more than the
+        call, and more threads only contend for the GIL. Slower items go back to pool threads."""
+        return self._inline and batch_size(self._per_item, 1, self._depth) > 1
+
+    def _call_inline(self, item: T, cost: int, done: R | None) -> R:
+        """``fn(item)`` on the consumer's thread (a hit from ``fast`` as it is), timed like a call."""
+        if done is None and self._fast is not None:
+            done = self._fast(item)
+        if done is None:
+            task: _Task[T, R] = _Task([item], [cost], self._closed, self._mu)
+            outer = getattr(_current, "task", None)
+            _current.task = task  # restart_timeout and watch_progress find it, as on a pool thread
+            t0 = time.perf_counter()
+            try:
+                task.start(0)
+                done = self._fn(item)
+            finally:
+                _current.task = outer
+                self._learn(time.perf_counter() - t0)
+        self._period_items += 1
+        self._tune()
+        return done
+
+    def _learn(self, per_item: float) -> None:
+        """A call took ``per_item`` seconds per item: the moving average behind :func:`batch_size`."""
+        self._per_item = per_item if self._per_item is None else 0.75 * self._per_item + 0.25 * per_item
+
     def _retire(self, task: _Task[T, R]) -> None:
         """``task``'s results were all taken: learn its time per item, and tune the window at the end
         of a period."""
         if task.future is not None:
-            per = task.busy / len(task.items)
-            self._per_item = per if self._per_item is None else 0.75 * self._per_item + 0.25 * per
+            self._learn(task.busy / len(task.items))
+        self._tune()
+
+    def _tune(self) -> None:
+        """At the end of a period, the next window (:func:`tune_window`)."""
         if self._period_items >= max(MIN_PERIOD, self._win.size) and self._depth > self._floor:
             now = time.perf_counter()
             span = max(now - self._period_start, 1e-9)

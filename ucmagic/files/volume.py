@@ -18,12 +18,13 @@ import shutil
 import stat as stat_mod
 import time
 from collections import deque
+import functools
 from functools import lru_cache
 from typing import Any, Callable, Iterable, Iterator, NamedTuple, Sequence, Union
 
 from . import ranged
-from .._util import (FILL_BUFFER, DaemonPool, atomic_target, atomic_write, copy_fds, copy_local, is_remote_url,
-                     open_emptied, wait_result)
+from .._util import (FILL_BUFFER, LOCAL_DISK_FS, DaemonPool, atomic_target, atomic_write, copy_fds, copy_local,
+                     is_remote_url, mount_fs_type, open_emptied, wait_result)
 from ..errors import (EmptyListingError, FetchError, InvalidArgumentError, SourceChangedError, SourceNotADirectoryError,
                       SourceNotFoundError, UnreadableDirectoryError)
 
@@ -254,6 +255,12 @@ class Volume(abc.ABC):
     # destination inside it); None for remote storage.
     local_root: str | None = None
 
+    @property
+    def local_disk(self) -> bool:
+        """True where reads come from this machine's own disks or memory (see ``LOCAL_DISK_FS``): a
+        read cannot hang on a network or a server, so quick fills may run on the loop's own thread."""
+        return False
+
     def local_file(self, rel: str) -> str | None:
         """A local path to read ``rel`` from directly with plain reads, or None where reads must go
         through :meth:`copy_to` (remote storage, and the simulator, whose reads carry its latency)."""
@@ -390,6 +397,12 @@ class LocalVolume(Volume):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (LocalVolume, (self.root,), {"list_threads": self.list_threads, **self._tuning()})
+
+    @functools.cached_property
+    def local_disk(self) -> bool:
+        """True where the directory lies on a disk file system of this machine (ext4, xfs, tmpfs...);
+        False on FUSE (``/Volumes``, the simulator), NFS, SMB and where the mount table is unknown."""
+        return mount_fs_type(self.root) in LOCAL_DISK_FS
 
     @classmethod
     def from_path(cls, path: str, storage_options: dict[str, Any] | None = None) -> Volume:
