@@ -431,3 +431,25 @@ def test_an_error_of_an_item_called_inline_comes_after_the_items_before_it():
         for x in read_ahead(f, range(5000), depth=64, inline=True):
             got.append(x)
     assert got == list(range(2500))
+
+
+@pytest.mark.timeout(60)
+def test_a_run_hands_out_its_first_results_while_a_later_item_waits_on_their_consumption():
+    # a fill under a tight budget waits for room that only the loop's consumption of earlier files frees
+    taken = [0]
+
+    def f(i):
+        if i and i % 100 == 0:
+            deadline = time.monotonic() + 20
+            while taken[0] < i and time.monotonic() < deadline:
+                restart_timeout()
+                time.sleep(0.005)
+            assert taken[0] >= i, f"item {i} waited for the loop to take {i} items; it took {taken[0]}"
+        return i
+
+    pool = _CountingPool()
+    for x in read_ahead(f, range(1000), depth=64, timeout=5, pool=pool):
+        assert x == taken[0]
+        taken[0] += 1
+    assert taken[0] == 1000
+    assert pool.calls < 1000 // 4  # in runs

@@ -77,14 +77,15 @@ class _Task(Generic[T, R]):
     by the consumer's stall check, so they go under ``mu`` (shared by the tasks of one read-ahead);
     ``closed`` is set once the read-ahead is closed."""
 
-    __slots__ = ("items", "costs", "future", "results", "busy", "at", "_closed", "_mu", "_started", "_probe",
-                 "_seen")
+    __slots__ = ("items", "costs", "future", "results", "taken", "busy", "at", "_closed", "_mu", "_started",
+                 "_probe", "_seen")
 
     def __init__(self, items: list[T], costs: list[int], closed: threading.Event, mu: threading.Lock) -> None:
         self.items = items
         self.costs = costs
         self.future: Future[None] | None = None
         self.results: list[R] = []  # in item order: the call appends (pool thread), the consumer reads
+        self.taken = 0  # results the consumer has taken
         self.busy = 0.0  # seconds the call spent on its items (read once the call is done)
         self.at = 0  # the item the call is on
         self._closed = closed
@@ -324,16 +325,18 @@ class _ReadAhead(Generic[T, R]):
                         return
                 task = self._pending[0]  # stays in pending while waited for: an interrupt cancels it
                 error = None if task.future is None else self._collect(task, task.future)
-                results = task.results if error is None else task.results[:]  # a stalled call may go on
-                last = len(results) - 1
-                for i, result in enumerate(results):
+                complete = error is None and (task.future is None or task.future.done())
+                ready = len(task.results)  # a call still running (or stalled) may append more
+                while task.taken < ready:
+                    i = task.taken
+                    task.taken = i + 1
                     self._held -= task.costs[i]
                     self._queued -= 1
                     self._period_items += 1
-                    if i == last and error is None:
+                    if complete and i + 1 == len(task.items):
                         self._retire(self._pending.popleft())
                         self._fill()
-                    yield result
+                    yield task.results[i]
                 if error is not None:  # after the results the call produced before it
                     raise error
         finally:
@@ -393,21 +396,28 @@ class _ReadAhead(Generic[T, R]):
         return True
 
     def _collect(self, task: _Task[T, R], fut: Future[None]) -> BaseException | None:
-        """Wait for the head task's call; its error, if it failed or stalled (raised once the results
-        it produced before are yielded). The wait goes in timed steps, never one blocking wait: Ctrl-C,
-        the alive check and the stall check act within POLL_S."""
-        if not fut.done():
+        """Wait for the head task's call to end, or for results of a run it has not handed out yet
+        (looked at every POLL_S: a later item of a run may wait for cache room that only the loop's
+        consumption of the earlier ones frees). Returns the call's error, if it failed or stalled
+        (raised once the results before it are yielded). The wait goes in timed steps, never one
+        blocking wait: Ctrl-C, the alive check and the stall check act within POLL_S."""
+        if not fut.done() and len(task.results) <= task.taken:
             t0 = time.perf_counter()
             try:
                 wait_done(fut, on_poll=lambda: self._check(task))
             except FetchTimeoutError as exc:
                 return exc
+            except _ResultsReady:
+                return None
             finally:
                 self._period_wait += time.perf_counter() - t0
-        return fut.exception()
+        return fut.exception() if fut.done() else None
 
     def _check(self, task: _Task[T, R]) -> None:
-        """Between two steps of a wait on ``task``: the main process and the call's progress."""
+        """Between two steps of a wait on ``task``: the main process, results of its run ready to
+        hand out (:class:`_ResultsReady`) and the call's progress."""
+        if len(task.results) > task.taken:
+            raise _ResultsReady()
         if self._alive is not None and not self._alive():
             raise SystemExit("ucmagic: the DataLoader's main process is gone; this worker exits")
         if self._timeout and task.stalled(self._timeout):
@@ -469,6 +479,11 @@ class _ReadAhead(Generic[T, R]):
         for task in self._pending:
             if task.future is not None:
                 task.future.cancel()
+
+
+class _ResultsReady(BaseException):
+    """Ends a wait on a run whose earlier results are ready to hand out (see ``_ReadAhead._collect``); a
+    BaseException, as :class:`_Closed`, so no handler of errors takes it."""
 
 
 def batch_size(per_item: float | None, window: int, depth: int) -> int:
