@@ -82,33 +82,48 @@ def test_backoff_grows_and_is_capped():
     assert d == sorted(d)
 
 
-def test_hung_call_times_out_naming_the_item():
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("n, hung, depth", [
+    (5, 2, 4),  # one item per call
+    (1000, 700, 64),  # quick items: the hung one is inside a run
+])
+def test_a_hung_call_times_out_naming_the_item_after_the_items_before_it(n, hung, depth):
     ev = threading.Event()
 
     def hang(i):
-        if i == 2:
-            ev.wait(5)
+        if i == hung:
+            ev.wait(20)
         return i
 
-    out = []
-    with pytest.raises(FetchTimeoutError, match="item-2"):
-        for x in read_ahead(hang, range(5), depth=4, timeout=0.6, describe=lambda i: f"item-{i}"):
-            out.append(x)
-    ev.set()
-    assert out == [0, 1]
+    pool = _CountingPool()
+    got = []
+    try:
+        with pytest.raises(FetchTimeoutError, match=f"item-{hung} made no progress"):
+            for x in read_ahead(hang, range(n), depth=depth, timeout=0.6, describe=lambda i: f"item-{i}", pool=pool):
+                got.append(x)
+    finally:
+        ev.set()
+    assert got == list(range(hung))
+    if hung > 100:
+        assert pool.calls < hung // 4  # it was inside a run
 
 
-def test_errors_surface_in_order():
+@pytest.mark.parametrize("n, bad, depth, inline", [
+    (10, 5, 4, False),  # one item per call
+    (3000, 1234, 64, False),  # quick items: the error is inside a run of them
+    (5000, 2500, 64, True),  # quick items on a local disk: called on the consumer's thread
+])
+def test_errors_surface_in_order_after_the_items_before_them(n, bad, depth, inline):
     def f(i):
-        if i == 5:
-            raise ValueError("bad 5")
+        if i == bad:
+            raise ValueError(f"bad {bad}")
         return i
 
     got = []
-    with pytest.raises(ValueError, match="bad 5"):
-        for x in read_ahead(f, range(10), depth=4):
+    with pytest.raises(ValueError, match=f"bad {bad}"):
+        for x in read_ahead(f, range(n), depth=depth, inline=inline):
             got.append(x)
-    assert got == [0, 1, 2, 3, 4]
+    assert got == list(range(bad))
 
 
 def test_window_grows_while_the_consumer_waits_and_growth_pays():
@@ -321,40 +336,6 @@ def test_slow_items_go_one_per_call():
     assert pool.calls == 60  # each waits on its own (a high-latency volume wants them all at once)
 
 
-def test_an_error_inside_a_run_comes_after_the_items_before_it():
-    def f(i):
-        if i == 1234:
-            raise ValueError("bad 1234")
-        return i
-
-    got = []
-    with pytest.raises(ValueError, match="bad 1234"):
-        for x in read_ahead(f, range(3000), depth=64):
-            got.append(x)
-    assert got == list(range(1234))
-
-
-@pytest.mark.timeout(60)
-def test_a_hung_item_inside_a_run_times_out_after_the_items_before_it():
-    ev = threading.Event()
-
-    def hang(i):
-        if i == 700:
-            ev.wait(20)
-        return i
-
-    pool = _CountingPool()
-    got = []
-    try:
-        with pytest.raises(FetchTimeoutError, match="item-700 made no progress"):
-            for x in read_ahead(hang, range(1000), depth=64, timeout=0.5, describe=lambda i: f"item-{i}", pool=pool):
-                got.append(x)
-    finally:
-        ev.set()
-    assert got == list(range(700))
-    assert pool.calls < 700 // 4  # it was inside a run
-
-
 @pytest.mark.timeout(60)
 def test_closing_a_read_ahead_stops_a_run_before_its_next_item():
     ev = threading.Event()
@@ -418,19 +399,6 @@ def test_slow_items_are_never_called_on_the_consumers_thread():
 
     assert list(read_ahead(f, range(200), depth=16, inline=True)) == list(range(200))
     assert not any(on_me)
-
-
-def test_an_error_of_an_item_called_inline_comes_after_the_items_before_it():
-    def f(i):
-        if i == 2500:
-            raise ValueError("bad 2500")
-        return i
-
-    got = []
-    with pytest.raises(ValueError, match="bad 2500"):
-        for x in read_ahead(f, range(5000), depth=64, inline=True):
-            got.append(x)
-    assert got == list(range(2500))
 
 
 @pytest.mark.timeout(60)
