@@ -18,8 +18,7 @@ import shutil
 import stat as stat_mod
 import time
 from collections import deque
-import functools
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import Any, Callable, Iterable, Iterator, NamedTuple, Sequence, Union
 
 from . import ranged
@@ -398,7 +397,7 @@ class LocalVolume(Volume):
     def __reduce__(self) -> tuple[Any, ...]:
         return (LocalVolume, (self.root,), {"list_threads": self.list_threads, **self._tuning()})
 
-    @functools.cached_property
+    @cached_property
     def local_disk(self) -> bool:
         """True where the directory lies on a disk file system of this machine (ext4, xfs, tmpfs...);
         False on FUSE (``/Volumes``, the simulator), NFS, SMB and where the mount table is unknown."""
