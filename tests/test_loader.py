@@ -501,6 +501,7 @@ def test_state_of_a_stats_less_loader_is_json_and_versioned():
     assert math.isnan(d.stats.p50) and d.stats.snapshot()["count"] == 0
 
 
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")  # its loader's finaliser
 def test_parquet_dataset_resumes_exactly_through_the_loader(tmp_path):
     import json
 

@@ -395,3 +395,15 @@ def test_only_disk_file_systems_of_this_machine_count_as_local_disks(tmp_path):
     vol = LocalVolume(str(tmp_path))
     assert vol.local_disk == (mount_fs_type(str(tmp_path)) in LOCAL_DISK_FS)
     assert pickle.loads(pickle.dumps(vol)).local_disk == vol.local_disk
+
+
+def test_a_local_volume_subclass_that_copies_its_own_way_is_not_a_local_disk(tmp_path):
+    class Remote(LocalVolume):  # e.g. a copy that waits on a server: it may hang, so never inline
+        def copy_to(self, rel, dest, **kw):
+            return super().copy_to(rel, dest, **kw)
+
+    class Counted(LocalVolume):  # reads are LocalVolume's own
+        pass
+
+    assert not Remote(str(tmp_path)).local_disk
+    assert Counted(str(tmp_path)).local_disk == LocalVolume(str(tmp_path)).local_disk

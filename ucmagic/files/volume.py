@@ -399,8 +399,12 @@ class LocalVolume(Volume):
 
     @cached_property
     def local_disk(self) -> bool:
-        """True where the directory lies on a disk file system of this machine (ext4, xfs, tmpfs...);
-        False on FUSE (``/Volumes``, the simulator), NFS, SMB and where the mount table is unknown."""
+        """True where the directory lies on a disk file system of this machine (ext4, xfs, tmpfs...)
+        and reads are this class's own plain copies; False on FUSE (``/Volumes``, the simulator), NFS,
+        SMB, where the mount table is unknown, and for a subclass that copies its own way (it may
+        wait on something else: it says so by setting ``local_disk`` itself)."""
+        if type(self).copy_to is not LocalVolume.copy_to:
+            return False
         return mount_fs_type(self.root) in LOCAL_DISK_FS
 
     @classmethod

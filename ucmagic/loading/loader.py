@@ -224,7 +224,7 @@ class DataLoader(tud.DataLoader[Any]):
 
     def _set_channel(self, chan: Any) -> None:
         self._consumed = chan
-        self._channels[:] = [chan]
+        self._channels[:] = [] if chan is None else [chan]  # a dataset that needs no reports has none
 
     def _report_consumed(self) -> None:
         """Tell the workers how many items of each stream the loop has finished with: every batch
