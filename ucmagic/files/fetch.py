@@ -307,7 +307,7 @@ class _ReadAhead(Generic[T, R]):
         self._mu = threading.Lock()  # the tasks' clock lock
         # Adaptive concurrency: up to ``depth`` items in flight, in as many calls as make the consumer
         # faster, each call a run of items as long as quick items need (see batch_size).
-        self._depth, self._floor = depth, min(depth, FLOOR_WINDOW)
+        self._depth, self._floor = depth, min(depth, INLINE_FLOOR if inline else FLOOR_WINDOW)
         self._win = Window(min(depth, START_WINDOW))
         self._per_item: float | None = None  # seconds a call spends per item (moving average)
         self._period_start = time.perf_counter()
@@ -468,12 +468,11 @@ class _ReadAhead(Generic[T, R]):
 
     def _tune(self) -> None:
         """At the end of a period, the next window (:func:`tune_window`)."""
-        floor = min(self._floor, INLINE_FLOOR) if self._inline else self._floor
-        if self._period_items >= max(MIN_PERIOD, self._win.size) and self._depth > floor:
+        if self._period_items >= max(MIN_PERIOD, self._win.size) and self._depth > self._floor:
             now = time.perf_counter()
             span = max(now - self._period_start, 1e-9)
             self._win = tune_window(self._win, self._period_items / span, self._period_wait / span,
-                                    floor=floor, ceiling=self._depth)
+                                    floor=self._floor, ceiling=self._depth)
             self._period_start, self._period_items, self._period_wait = now, 0, 0.0
 
     def _shutdown(self) -> None:
