@@ -14,7 +14,11 @@ def writer(data: bytes, delay: float = 0.0, calls: list | None = None):
     return write
 
 
-def entry_of(p: str) -> str:
-    """The entry directory of a cached file of an opaque key (``files/<key>-<size>/<key><ext>``): its
-    name is what protection records hold, its mtime the entry's last use."""
-    return os.path.dirname(p)
+def record_name(p: str) -> str:
+    """What protection records hold for the cached file ``p`` of an opaque key (``files/k/<key>-<size><ext>``)."""
+    return "k/" + os.path.basename(p)
+
+
+def used_at(p: str, t: float) -> None:
+    """Make ``t`` the last use of the cached file ``p`` (its atime; its mtime is its version stamp)."""
+    os.utime(p, ns=(int(t * 1e9), os.stat(p).st_mtime_ns))

@@ -2,6 +2,7 @@
 import os
 import sys
 import threading
+import time
 
 import pytest
 
@@ -13,7 +14,7 @@ from ucmagic.files.cache_layout import cache_key
 from ucmagic.files.locks import process_tag
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # cache_helpers, whatever pytest's import mode
-from cache_helpers import entry_of, writer
+from cache_helpers import record_name, used_at, writer
 
 
 def test_choose_victims_is_lru():
@@ -28,10 +29,10 @@ def test_budget_evicts_least_recently_used_but_not_protected(tmp_path):
     paths = []
     for i in range(5):
         p, _ = c.fill(cache_key("v", str(i), 200, 0), "", 200, writer(bytes(200)))
-        os.utime(entry_of(p), (i, i))  # file 0 is the least recently used
+        used_at(p, i)  # file 0 is the least recently used
         paths.append(p)
-    c.write_record(c.record_path(process_tag(), 0), [os.path.basename(entry_of(paths[0]))])
-    os.utime(entry_of(paths[1]))  # file 1 becomes most recently used
+    c.write_record(c.record_path(process_tag(), 0), [record_name(paths[0])])
+    used_at(paths[1], time.time())  # file 1 becomes most recently used
     c.fill(cache_key("v", "new", 200, 0), "", 200, writer(bytes(200)))
     assert os.path.exists(paths[0])  # protected: kept despite being oldest
     assert not os.path.exists(paths[2])  # oldest unprotected goes first
@@ -43,7 +44,7 @@ def test_fill_waits_for_room_then_proceeds_when_a_consumer_frees_it(tmp_path):
     c = FileCache(str(tmp_path / "c"), limit=500)
     p, _ = c.fill(cache_key("v", "held", 400, 0), "", 400, writer(bytes(400)))
     rec = c.record_path(process_tag(), 0)
-    c.write_record(rec, [os.path.basename(entry_of(p))])
+    c.write_record(rec, [record_name(p)])
     done = threading.Event()
     waits = []
     t = threading.Thread(target=lambda: (c.fill(cache_key("v", "next", 300, 0), "", 300, writer(bytes(300)),
@@ -60,7 +61,7 @@ def test_fill_waits_for_room_then_proceeds_when_a_consumer_frees_it(tmp_path):
 def test_head_of_line_fill_may_exceed_the_budget(tmp_path):
     c = FileCache(str(tmp_path / "c"), limit=500)
     p, _ = c.fill(cache_key("v", "held", 400, 0), "", 400, writer(bytes(400)))
-    c.write_record(c.record_path(process_tag(), 0), [os.path.basename(entry_of(p))])
+    c.write_record(c.record_path(process_tag(), 0), [record_name(p)])
     q, fetched = c.fill(cache_key("v", "next", 300, 0), "", 300, writer(bytes(300)), may_exceed=lambda: True)
     assert fetched and os.path.exists(p) and os.path.exists(q)
 

@@ -2,19 +2,22 @@ import multiprocessing as mp
 import os
 import shutil
 import sys
+import tempfile
 import threading
 import time
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ucmagic.files.cache import TOUCH_EVERY_S, FileCache, SeenEntries
-from ucmagic.files.cache_layout import cache_key, entry_file
+from ucmagic.files.cache_layout import cache_key, entry_file, other_version_file, space_of, version_stamp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # cache_helpers, whatever pytest's import mode
-from cache_helpers import entry_of, writer
+from cache_helpers import used_at, writer
+
+SPACE = space_of("file:///src")  # the folder of a dataset root's entries
 
 
 def test_fill_then_hit_and_no_partial_file_visible(tmp_path):
@@ -42,11 +45,12 @@ def test_a_run_lookup_returns_the_leading_hits_as_single_lookups_would(tmp_path)
     keys = [cache_key("v", f"f{i}", 5, 0) for i in range(6)]
     for k in keys[:2] + keys[3:]:
         c.fill(k, ".bin", 5, writer(b"hello"))
-    names = [entry_file(k, ".bin", 5) for k in keys]
-    got = c.lookup_run(names, [5] * 6)
+    names, stamps = [entry_file(k, ".bin", 5) for k in keys], [version_stamp(k) for k in keys]
+    got = c.lookup_run(names, [5] * 6, stamps)
     assert got == [c.lookup(k, ".bin", 5) for k in keys[:2]]  # stops at the missing third entry
-    assert c.lookup_run(names[3:], [5, 4, 5]) == [c.lookup(keys[3], ".bin", 5)]  # a size mismatch ends the run
-    assert c.lookup_run([], []) == []
+    assert c.lookup_run(names[3:], [5, 4, 5], stamps[3:]) == [c.lookup(keys[3], ".bin", 5)]  # a size mismatch ends it
+    assert c.lookup_run(names[3:], [5, 5], stamps[4:]) == []  # so does another version's stamp
+    assert c.lookup_run([], [], []) == []
 
 
 def test_a_run_lookup_trusts_what_it_found_until_the_cache_removes_something(tmp_path, monkeypatch):
@@ -55,19 +59,20 @@ def test_a_run_lookup_trusts_what_it_found_until_the_cache_removes_something(tmp
     for k in keys:
         c.fill(k, ".bin", 5, writer(b"hello"))
     names, idx = [entry_file(k, ".bin", 5) for k in keys], np.arange(4)
+    stamps = [version_stamp(k) for k in keys]
     seen = c.seen_entries(4)
     paths = [c.data_path(k, ".bin", 5) for k in keys]
-    assert c.lookup_run(names, [5] * 4, idx, seen) == paths
+    assert c.lookup_run(names, [5] * 4, stamps, idx, seen) == paths
     assert seen.known(idx).all()
     calls = []
     monkeypatch.setattr(os, "stat", lambda *a, **k: calls.append(a))
-    assert c.lookup_run(names, [5] * 4, idx, seen) == paths and not calls  # found before: no system call
+    assert c.lookup_run(names, [5] * 4, stamps, idx, seen) == paths and not calls  # found before: no system call
     monkeypatch.undo()
     other = FileCache(c.root)  # another process's view of the same cache: its removals count too
     other.remove(paths[1:2])
-    assert c.lookup_run(names, [5] * 4, idx, seen) == paths[:1]  # never a removed entry
+    assert c.lookup_run(names, [5] * 4, stamps, idx, seen) == paths[:1]  # never a removed entry
     other.evict(keep_below=0)  # evictions count too
-    assert c.lookup_run(names, [5] * 4, idx, seen) == []
+    assert c.lookup_run(names, [5] * 4, stamps, idx, seen) == []
 
 
 def test_a_run_lookup_touches_found_entries_again_once_the_touch_window_ends(tmp_path):
@@ -77,14 +82,15 @@ def test_a_run_lookup_touches_found_entries_again_once_the_touch_window_ends(tmp
     seen = c.seen_entries(1)
     seen.filled(0)
     old = time.time() - 3600
-    os.utime(path, (old, old))
-    assert c.lookup_run([entry_file(key, ".bin", 5)], [5], np.arange(1), seen) == [path]
-    assert os.stat(path).st_mtime == old  # within the window: trusted as found, not touched
+    used_at(path, old)
+    run = ([entry_file(key, ".bin", 5)], [5], [version_stamp(key)], np.arange(1), seen)
+    assert c.lookup_run(*run) == [path]
+    assert abs(os.stat(path).st_atime - old) < 1e-3  # within the window: trusted as found, not touched
     seen.sync(c.removals(), time.time() + TOUCH_EVERY_S + 1)  # the window ends
     assert not seen.known(np.arange(1)).any()
-    assert c.lookup_run([entry_file(key, ".bin", 5)], [5], np.arange(1), seen) == [path]
-    assert os.stat(path).st_mtime > old + 3000  # looked up again and touched (LRU)
-    assert os.stat(entry_of(path)).st_mtime > old + 3000  # its entry too: scans read the entry's last use
+    assert c.lookup_run(*run) == [path]
+    assert os.stat(path).st_atime > old + 3000  # looked up again and touched: its last use (LRU)
+    assert os.stat(path).st_mtime_ns == version_stamp(key)  # its version stamp stays
 
 
 @given(st.sets(st.integers(0, 999), max_size=60), st.sets(st.integers(0, 999), max_size=60))
@@ -201,30 +207,34 @@ def test_unbudgeted_fill_leaves_no_temp_file_and_replaces_an_untrusted_entry(tmp
     path, fetched = c.fill(key, ".bin", 5, write)
     assert fetched and path == stale and open(path, "rb").read() == b"hello"
     assert seen == [0] and os.listdir(tmp_path / "c" / "tmp") == []
-    assert os.listdir(os.path.dirname(stale)) == [key + ".bin"]
+    assert os.listdir(os.path.dirname(stale)) == [os.path.basename(stale)]
 
 
 @pytest.mark.parametrize("limit", [None, "1MB"])
 def test_a_writer_killed_before_its_file_was_placed_leaves_a_folder_the_next_fill_reuses(tmp_path, limit):
     c = FileCache(str(tmp_path / "c"), limit=limit)
     key = cache_key("v", "train/cat/1.jpg", 5, 0)
-    path = c.data_path(key, "", 5, rel="train/cat/1.jpg")
+    path = c.data_path(key, "", 5, rel="train/cat/1.jpg", space=SPACE)
     os.makedirs(os.path.dirname(path))  # the folders made, the file never linked in
-    assert c.lookup(key, "", 5, rel="train/cat/1.jpg") is None
-    got, fetched = c.fill(key, "", 5, writer(b"hello"), rel="train/cat/1.jpg")
+    assert c.lookup(key, "", 5, rel="train/cat/1.jpg", space=SPACE) is None
+    got, fetched = c.fill(key, "", 5, writer(b"hello"), rel="train/cat/1.jpg", space=SPACE)
     assert fetched and got == path and open(got, "rb").read() == b"hello"
     assert os.listdir(tmp_path / "c" / "tmp") == []
 
 
-def test_a_file_where_the_entry_needs_a_folder_is_replaced(tmp_path):
+def test_an_entry_whose_place_is_blocked_by_another_file_goes_beside_it(tmp_path):
     c = FileCache(str(tmp_path / "c"))
-    key = cache_key("v", "a/b.txt", 3, 0)
-    path = c.data_path(key, "", 3, rel="a/b.txt")
+    space = space_of("file:///src")
+    key = cache_key("file:///src", "a/b.txt", 3, 0)
+    path = c.data_path(key, "", 3, rel="a/b.txt", space=space)
     os.makedirs(os.path.dirname(os.path.dirname(path)))
-    with open(os.path.dirname(path), "wb") as f:  # files/<key>-3/a is a file, not a folder
+    with open(os.path.dirname(path), "wb") as f:  # files/<space>/a is a file (an earlier tree's), not a folder
         f.write(b"zz")
-    got, fetched = c.fill(key, "", 3, writer(b"abc"), rel="a/b.txt")
-    assert fetched and got == path and open(got, "rb").read() == b"abc"
+    got, fetched = c.fill(key, "", 3, writer(b"abc"), rel="a/b.txt", space=space)
+    assert fetched and open(got, "rb").read() == b"abc" and got.endswith(os.sep + os.path.join("a", "b.txt"))
+    assert got == os.path.join(c.root, "files", other_version_file(key, f"{space}/a/b.txt"))
+    assert open(os.path.dirname(path), "rb").read() == b"zz"  # the other file is left alone
+    assert c.lookup(key, "", 3, rel="a/b.txt", space=space) == got
 
 
 @pytest.mark.parametrize("limit", [None, "1MB"])
@@ -236,16 +246,16 @@ def test_an_entry_evicted_while_its_file_is_placed_is_made_again(tmp_path, monke
     real = cache_mod._make_dirs
     evicted: list[str] = []
 
-    def then_evicted(final: str, inner: str) -> None:
-        real(final, inner)
-        if not evicted:  # another process evicts the fresh, still empty directory right now
-            evicted.append(final)
-            c.layout.drop_entry(final)
+    def then_evicted(entries: str, name: str) -> None:
+        real(entries, name)
+        if not evicted:  # another process evicts the folder's last file and removes the empty folders now
+            evicted.append(name)
+            shutil.rmtree(os.path.join(entries, name.split("/")[0]))
 
     monkeypatch.setattr(cache_mod, "_make_dirs", then_evicted)
-    got, fetched = c.fill(key, "", 4, writer(b"data"), rel="d/x.bin")
+    got, fetched = c.fill(key, "", 4, writer(b"data"), rel="d/x.bin", space=SPACE)
     assert evicted and fetched and open(got, "rb").read() == b"data"
-    assert c.lookup(key, "", 4, rel="d/x.bin") == got and os.listdir(tmp_path / "c" / "tmp") == []
+    assert c.lookup(key, "", 4, rel="d/x.bin", space=SPACE) == got and os.listdir(tmp_path / "c" / "tmp") == []
 
 
 def test_a_copy_target_is_emptied_once_and_an_empty_one_is_not_truncated(tmp_path):
@@ -268,3 +278,63 @@ def test_a_copy_target_is_emptied_once_and_an_empty_one_is_not_truncated(tmp_pat
     os.write(fd, b"x")
     os.close(fd)
     assert (tmp_path / "new").read_bytes() == b"x"
+
+
+def _fill_version(c: FileCache, rel: str, version: int, space: str = SPACE) -> tuple[str, bytes]:
+    data = f"{rel}@{version}".encode()
+    key = cache_key("file:///src", rel, len(data), float(version))
+    path, _ = c.fill(key, "", len(data), writer(data), rel=rel, space=space)
+    return path, data
+
+
+def test_another_version_of_a_cached_file_goes_beside_it_and_each_is_found(tmp_path):
+    c = FileCache(str(tmp_path / "c"))
+    old, old_data = _fill_version(c, "train/cat/1.jpg", 1)
+    new, new_data = _fill_version(c, "train/cat/1.jpg", 2)  # the source was rewritten: same size, new mtime
+    assert old != new and old.endswith("/train/cat/1.jpg") and new.endswith("/train/cat/1.jpg")
+    assert open(old, "rb").read() == old_data and open(new, "rb").read() == new_data  # never replaced in place
+    assert _fill_version(c, "train/cat/1.jpg", 1)[0] == old and _fill_version(c, "train/cat/1.jpg", 2)[0] == new
+    assert c.entry_name(old) == c.entry_name(new) == f"{SPACE}/train/cat/1.jpg"  # one name protects every version
+    c.remove([old])
+    assert _fill_version(c, "train/cat/1.jpg", 2)[0] == new  # still found where it went
+    assert _fill_version(c, "train/cat/1.jpg", 3)[0] == old  # the first place is free again
+
+
+@given(st.lists(st.tuples(st.sampled_from(["a", "a/b", "a/b/c", "b", "a/c"]), st.integers(0, 2),
+                          st.booleans()), max_size=12))
+@settings(max_examples=40, deadline=None)
+def test_any_sequence_of_fills_and_removals_finds_each_version_with_its_own_bytes(steps):
+    # a path that is a file in one version of the tree and a folder in another, rewritten files, removals
+    with tempfile.TemporaryDirectory() as root:
+        c = FileCache(os.path.join(root, "c"))
+        held: dict[tuple[str, int], str] = {}
+        for rel, version, remove in steps:
+            path, data = _fill_version(c, rel, version)
+            assert open(path, "rb").read() == data and path.endswith("/" + rel)
+            held[(rel, version)] = path
+            if remove:
+                c.remove([path])
+                del held[(rel, version)]
+        for (rel, version), path in held.items():
+            data = f"{rel}@{version}".encode()
+            key = cache_key("file:///src", rel, len(data), float(version))
+            assert c.lookup(key, "", len(data), rel=rel, space=SPACE) == path
+            assert open(path, "rb").read() == data
+        assert c.usage().files == len(held)  # every entry counted (and evictable), wherever it went
+        c.evict(keep_below=0)
+        assert c.usage().files == 0 and os.listdir(os.path.join(c.root, "files")) == []  # empty folders go too
+
+
+def test_versions_are_told_apart_where_the_file_system_keeps_whole_seconds_only(tmp_path, monkeypatch):
+    import ucmagic.files.cache as cache_mod
+
+    assert cache_mod._mtime_quantum(str(tmp_path)) == 1  # this disk keeps nanoseconds
+    c = FileCache(str(tmp_path / "c"))
+    c.__dict__["_quantum"] = 10**9  # as a file system that keeps seconds would report
+    path, data = _fill_version(c, "x.bin", 1)
+    st_ = os.stat(path)
+    os.utime(path, ns=(st_.st_atime_ns, st_.st_mtime_ns // 10**9 * 10**9))  # what such a disk keeps
+    key = cache_key("file:///src", "x.bin", len(data), 1.0)
+    assert c.lookup(key, "", len(data), rel="x.bin", space=SPACE) == path
+    other = cache_key("file:///src", "x.bin", len(data), 2.0)  # another version, same size
+    assert c.lookup(other, "", len(data), rel="x.bin", space=SPACE) is None

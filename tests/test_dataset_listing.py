@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader as TorchLoader
 from test_listing import CountingVolume, SyntheticVolume, age
 from ucmagic import ResumeOrderError, UCVolumeDataset
 from ucmagic.files import plan
-from ucmagic.files.cache_layout import entry_name
+from ucmagic.files.cache_layout import entry_file
 from ucmagic.files.dataset import StreamItems
 from ucmagic.files.listing import open_listing
 from ucmagic.testing import make_files
@@ -116,7 +116,8 @@ def test_stream_items_match_the_epoch_order_in_any_access_order(listing, world, 
 
     rank, worker = data.draw(st.integers(0, world - 1)), data.draw(st.integers(0, workers - 1))
     ranges = plan.stream_positions([(0, n)], world, rank, workers, worker)
-    items = StreamItems(listing, ranges, order, lambda idx: [(p, ".x") for p in listing.paths(idx)], chunk=chunk)
+    keys = lambda idx: [(k, ".x") for k in listing.keys(idx)]  # noqa: E731
+    items = StreamItems(listing, ranges, order, keys, "v0", chunk=chunk)
     want = order(plan.positions(ranges)).tolist()
     assert len(items) == len(want)
     visit = data.draw(st.permutations(range(len(want))))
@@ -124,7 +125,7 @@ def test_stream_items_match_the_epoch_order_in_any_access_order(listing, world, 
     assert [items.entry(p) for p in visit[:50]] == listing.entries([want[p] for p in visit[:50]])
     lo = data.draw(st.integers(0, len(want)))
     hi = data.draw(st.integers(lo, len(want)))
-    assert items.names(lo, hi) == [entry_name(e.path, e.size)
+    assert items.names(lo, hi) == [entry_file("", "", e.size, e.path, "v0")
                                    for e in listing.entries(np.array(want[lo:hi], dtype=np.int64))]
     assert [i for c in items.indices_chunks() for i in c.tolist()] == want
 
@@ -144,7 +145,8 @@ def test_a_stream_keeps_a_bounded_number_of_decoded_chunks(listing):
             return listing.paths(idx)
 
     n = len(listing)
-    items = StreamItems(Counting(), [(0, n)], lambda pos: pos, lambda idx: [(str(i), "") for i in idx], chunk=16)
+    items = StreamItems(Counting(), [(0, n)], lambda pos: pos, lambda idx: [(f"{i:040x}", "") for i in idx], "v0",
+                        chunk=16)
     assert [items.entry(p).path for p in range(n)] == [e.path for e in listing.iter_entries()]
     assert len(decoded) == -(-n // 16)  # each chunk decoded once on a sequential pass
     items.entry(0)  # chunk 0 was dropped long ago: decoded again, not held for the whole stream

@@ -177,8 +177,7 @@ def test_two_datasets_iterated_together_in_one_process_each_keep_their_protectio
     for i, (pa, pb) in enumerate(zip(a, b)):
         if i == 50:
             protected = a.cache.protected_names(reap=False)
-            assert os.path.basename(a.cache.entry_dir(pa)) in protected
-            assert os.path.basename(b.cache.entry_dir(pb)) in protected
+            assert a.cache.entry_name(pa) in protected and b.cache.entry_name(pb) in protected
             assert len(os.listdir(os.path.join(cache, "prot"))) == 2
             assert a.cache.live_streams() == 2
     del a, b, pa, pb

@@ -20,7 +20,7 @@ import pytest
 
 from ucmagic import UCVolumeDataset
 from ucmagic.files.cache import FileCache
-from ucmagic.files.cache_layout import cache_key
+from ucmagic.files.cache_layout import cache_key, space_of
 from ucmagic.errors import FetchError, FetchTimeoutError
 from ucmagic.testing import make_files
 from ucmagic.files.volume import LocalVolume, open_volume
@@ -48,8 +48,9 @@ def assert_cache_sound(cache_root: str, root: str, volume_uri: str | None = None
     """No temp file left over, and every complete entry of this volume holds the source's bytes."""
     vol = open_volume(volume_uri or root)
     for e in LocalVolume(root).list():
-        p = FileCache(cache_root).data_path(cache_key(vol.uri, e.path, e.size, e.mtime), "", e.size, e.path)
-        if os.path.exists(p):
+        p = FileCache(cache_root).lookup(cache_key(vol.uri, e.path, e.size, e.mtime), "", e.size, rel=e.path,
+                                         space=space_of(vol.uri), touch=False)
+        if p is not None:
             assert sha(p) == sha(os.path.join(root, e.path)), f"corrupt cache entry for {e.path}"
     for p in glob.glob(os.path.join(cache_root, "files", "**"), recursive=True):
         assert not p.endswith((".part", ".dir")), p
@@ -343,7 +344,8 @@ def test_four_processes_on_one_cache_copy_each_file_once(tmp_path):
 def _entry_path(ds: UCVolumeDataset, rel: str) -> str:
     e = next(e for e in ds.listing.iter_entries() if e.path == rel)
     key, suffix = ds._key(e)
-    return ds.cache.data_path(key, suffix, e.size, e.path)
+    return ds.cache.lookup(key, suffix, e.size, rel=e.path, space=ds.space, touch=False) or \
+        ds.cache.data_path(key, suffix, e.size, e.path, ds.space)
 
 
 def test_changed_file_is_refetched_and_deleted_file_raises_or_is_skipped(tmp_path):

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from ucmagic import UCVolumeDataset, stage
 from ucmagic.files.cache import FileCache
-from ucmagic.files.cache_layout import cache_key, entry_file, entry_name, map_relpath
+from ucmagic.files.cache_layout import cache_key, entry_file, map_relpath, other_version_file, space_of
 from ucmagic.errors import UnsafeCacheError
 from ucmagic.files.volume import is_safe_rel
 
@@ -81,9 +81,12 @@ def test_hostile_names_are_cached_and_staged_inside_their_directories(tmp_path, 
 def test_cache_paths_never_leave_the_cache_directory(rel):
     root = "/c"
     key = cache_key("memory://vol", rel, 10, 1.0)
-    path = os.path.normpath(os.path.join(root, "files", entry_file(key, "", 10, rel)))
-    assert path.startswith(f"/c/files/{entry_name(key, 10)}/")  # files/<version id>/<the mapped relative path>
-    assert path.count("/") == 3 + len(map_relpath(rel).split("/"))  # no component collapsed or escaping
+    space = space_of("memory://vol")
+    name = entry_file(key, "", 10, rel, space)
+    for at in (name, other_version_file(key, name)):  # its place, and another version's
+        path = os.path.normpath(os.path.join(root, "files", at))
+        assert path.startswith(f"/c/files/{at.split('/')[0]}/")  # files/<space>/<the mapped relative path>
+        assert path.count("/") == 3 + len(map_relpath(rel).split("/"))  # no component collapsed or escaping
 
 
 def test_object_store_keys_with_dotdot_cannot_write_outside_cache_or_destination(tmp_path):
@@ -176,7 +179,7 @@ def test_a_planted_entry_not_owned_by_the_user_is_not_served(tmp_path):
     sums = write_tree(str(vol), ["a.bin"])
     ds = UCVolumeDataset(str(vol), cache_dir=str(tmp_path / "c"))
     e = ds.listing.entry(0)
-    planted = ds.cache.data_path(*ds._key(e), e.size, e.path)
+    planted = ds.cache.data_path(*ds._key(e), e.size, e.path, ds.space)
     os.makedirs(os.path.dirname(planted), exist_ok=True)
     with open(planted, "wb") as f:
         f.write(b"E" * e.size)  # right size, wrong bytes, someone else's file

@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 from ucmagic import NotAnEntryError, UCVolumeDataset
 from ucmagic.files.cache import FileCache
-from ucmagic.files.cache_layout import (NAME_MAX, entry_file, entry_files, entry_name, map_relpath, parse_entry_name,
+from ucmagic.files.cache_layout import (NAME_MAX, entry_file, entry_files, map_relpath, old_entry_name, parse_old_entry,
+                                       protection_name, space_of,
                                         unmap_relpath)
 from ucmagic.files.cache_report import cache_command
 from ucmagic.files.locks import process_tag
@@ -43,7 +44,7 @@ def test_a_mapped_path_is_valid_stays_inside_its_entry_and_inverts(rel):
     back = unmap_relpath(mapped)
     assert back is None or back == rel  # hashed components aside, the mapping is inverted exactly
     assert map_relpath(rel) == mapped  # deterministic
-    assert entry_files(["k"], [1], [rel]) == [entry_file("k", ".x", 1, rel)] == [f"k-1/{mapped}"]
+    assert entry_files("v1", [rel]) == [entry_file("k", ".x", 1, rel, "v1")] == [f"v1/{mapped}"]
 
 
 @given(_rels, _rels)
@@ -76,9 +77,16 @@ def test_a_long_name_keeps_its_extension():
     assert len(mapped.rsplit("/", 1)[1]) <= NAME_MAX
 
 
-def test_entry_names_carry_key_and_size():
-    assert parse_entry_name(entry_name("ab12", 7)) == ("ab12", 7)
-    assert parse_entry_name("ab12") is None and parse_entry_name("ab-x") is None and parse_entry_name("-3") is None
+def test_old_layout_entry_names_are_recognised_for_reaping():
+    key = "ab" * 20
+    assert parse_old_entry(old_entry_name(key, 7)) == (key, 7)
+    assert parse_old_entry("ab12-7") is None and parse_old_entry(key + "-x") is None and parse_old_entry("-3") is None
+
+
+def test_every_version_of_a_file_is_protected_by_one_name():
+    space = space_of("file:///data")
+    assert protection_name(f"{space}/train/cat/1.jpg") == protection_name(f"{space}~0123456789abcdef/train/cat/1.jpg")
+    assert protection_name("k/abc-5.chunk") == "k/abc-5.chunk"
 
 
 # ---------------------------------------------------------------- through a dataset
@@ -194,6 +202,31 @@ def test_a_rewritten_source_file_gets_a_fresh_copy_at_a_new_path(tmp_path):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("change", ["rewritten", "file-became-folder"])
+def test_a_file_that_went_beside_another_version_is_served_with_its_own_bytes_every_epoch(tmp_path, change):
+    src, cache = str(tmp_path / "src"), str(tmp_path / "cache")
+    _image_tree(src, per_class=1)
+    old_ds = UCVolumeDataset(src, cache_dir=cache)
+    old = {old_ds.source_of(p).rel: p for p in old_ds}  # cached; this process keeps the old listing
+    rel = "train/cat/img0.jpg"
+    if change == "rewritten":
+        with open(os.path.join(src, rel), "wb") as f:
+            f.write(b"rewritten")
+        os.utime(os.path.join(src, rel), (1, 1))
+    else:  # the file is gone and a folder of that name holds a file now
+        os.unlink(os.path.join(src, rel))
+        os.makedirs(os.path.join(src, rel))
+        rel += "/inner.jpg"
+        with open(os.path.join(src, rel), "wb") as f:
+            f.write(b"rewritten")
+    ds = UCVolumeDataset(src, cache_dir=cache)
+    for epoch in range(3):  # the second and third epochs take the warm path
+        got = {ds.source_of(p).rel: _read(p) for p in ds}
+        assert got[rel] == b"rewritten" and len(got) == 3
+    assert _read(old["train/cat/img0.jpg"]) == b"train/cat/img0.jpg\n"  # the old copy keeps its bytes
+
+
+@pytest.mark.timeout(120)
 def test_hostile_names_stay_inside_the_cache_and_map_back(tmp_path):
     src = str(tmp_path / "src")
     names = ["%~a/b.jpg", "line\nbreak/x.png", "tab\there.txt", "..dots/...", "%~#x", "ok/%20name.bin", "\x7fdel"]
@@ -225,14 +258,22 @@ def test_entries_of_the_old_layout_are_reaped_unless_a_live_process_protects_the
     cache = FileCache(root)
     gone = _old_entry(cache, "ab" + "0" * 38 + ".jpg")
     held = _old_entry(cache, "cd" + "1" * 38 + ".jpg")  # named by a record of a live (older) process
-    cache.write_record(cache.record_path(process_tag(), 0), [os.path.basename(held)])
+    # the layout of the last release: files/<key>-<size>/<relative path>, a folder per file version
+    gone_dir, held_dir = (os.path.join(root, "files", old_entry_name(c * 40, 10)) for c in "ef")
+    for d in (gone_dir, held_dir):
+        os.makedirs(os.path.join(d, "train", "cat"))
+        with open(os.path.join(d, "train", "cat", "img0.jpg"), "wb") as f:
+            f.write(b"x" * 10)
+    cache.write_record(cache.record_path(process_tag(), 0), [os.path.basename(held), os.path.basename(held_dir)])
     assert "other" in cache_command("info", root)
     ds = UCVolumeDataset(src, cache_dir=root)  # a new dataset reaps what no live process protects
     assert not os.path.exists(gone) and not os.path.exists(os.path.dirname(gone)) and os.path.exists(held)
-    assert all(os.sep + "files" + os.sep in p for p in ds)  # never served from data/
+    assert not os.path.exists(gone_dir) and os.path.exists(held_dir)
+    assert all(os.sep + "files" + os.sep + ds.space + os.sep in p for p in ds)  # never served from the old layouts
+    assert cache.usage().files == len(list(ds))  # the old layouts' bytes count as other, not as entries
     cache.drop_record(cache.record_path(process_tag(), 0))
-    assert "1 old-layout" in cache_command("prune", root)
-    assert not os.path.exists(os.path.join(root, "data"))
+    assert "2 old-layout" in cache_command("prune", root)
+    assert not os.path.exists(os.path.join(root, "data")) and not os.path.exists(held_dir)
 
 
 @pytest.mark.timeout(120)
@@ -247,12 +288,13 @@ def test_budget_eviction_and_clear_remove_whole_entries(tmp_path):
     assert u.files == len(tree) and u.bytes == sum(map(len, tree.values()))
     files = os.path.join(root, "files")
     freed = cache.evict(keep_below=u.total_bytes - u.bytes // 2)
-    left = os.listdir(files)
+    left = {os.path.relpath(os.path.join(d, f), src_dir) for src_dir in [os.path.join(files, ds.space)]
+            for d, _, fs in os.walk(src_dir) for f in fs}
     assert freed >= u.bytes // 2 - 1000 and 0 < len(left) < len(tree)
-    for name in left:  # what stays is whole: an entry directory with its one file at its path
-        walked = [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(files, name)) for f in fs]
-        assert len(walked) == 1
+    for rel in left:  # what stays is whole: each file at its relative path, with its bytes
+        with open(os.path.join(files, ds.space, rel), "rb") as f:
+            assert f.read() == tree[rel]
     assert os.listdir(os.path.join(root, "tmp")) == []  # nothing half-removed left behind
     assert "removed" in cache_command("clear", root)
-    assert os.listdir(files) == [] and cache.usage().files == 0
+    assert os.listdir(files) == [] and cache.usage().files == 0  # the folders left empty went too
     assert sorted(ds.source_of(p).rel for p in ds) == sorted(tree)  # filled again, at the same paths

@@ -12,7 +12,7 @@ from ucmagic.files.locks import process_tag
 from ucmagic.files.protection import parse_record_name
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # cache_helpers, whatever pytest's import mode
-from cache_helpers import entry_of, writer
+from cache_helpers import record_name, used_at, writer
 
 
 @pytest.mark.parametrize("name,parsed", [("a-1@b-2.0.rec", ("a-1", "b-2")), ("x.rec", None), ("a@b.0.txt", None)])
@@ -39,11 +39,11 @@ def test_protection_record_rewritten_in_place_holds_exactly_the_new_names(tmp_pa
 def test_protection_of_a_dead_owner_is_released_at_once(tmp_path):
     c = FileCache(str(tmp_path / "c"), limit=400)
     p, _ = c.fill(cache_key("v", "x", 200, 0), "", 200, writer(bytes(200)))
-    os.utime(entry_of(p), (1, 1))
+    used_at(p, 1)
     dead = os.path.join(c.root, "prot", f"999999999-1@{process_tag()}.0.rec")
     with open(dead, "w") as f:
-        f.write(os.path.basename(entry_of(p)))
-    assert os.path.basename(entry_of(p)) not in c.protected_names(reap=True) and not os.path.exists(dead)
+        f.write(record_name(p))
+    assert record_name(p) not in c.protected_names(reap=True) and not os.path.exists(dead)
     for i in range(2):  # the budget now evicts the formerly protected entry
         c.fill(cache_key("v", f"n{i}", 200, 0), "", 200, writer(bytes(200)))
     assert not os.path.exists(p)
@@ -91,6 +91,6 @@ def test_a_record_naming_an_entry_by_its_record_names_protects_it(tmp_path):
     key = cache_key("v", "x", 5, 0)
     p, _ = c.fill(key, ".chunk", 5, writer(b"12345"))
     names = entry_record_names(key, ".chunk", 5)
-    assert names == [key + ".chunk", os.path.basename(entry_of(p))]
+    assert names == [record_name(p)]
     c.write_record(c.record_path(process_tag(), 0), names)
     assert c.evict(10**9) == 0 and os.path.exists(p)

@@ -185,7 +185,8 @@ class BudgetKeeper:
             sizes = {p: s for p, s, _ in free}
             self.removals.change()
             for p in victims:
-                if self.layout.drop_entry(p):  # the whole entry directory
+                name = self.layout.entry_of(p)
+                if name is not None and self.layout.drop_entry(name):
                     freed += sizes[p]
             self.removals.change()
         self.write_ledger(total - freed)

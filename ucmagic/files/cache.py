@@ -3,14 +3,15 @@
 The directory's layout (``files/``, ``tmp/``, ``locks/``, ``prot/``, the usage ledger) is described in
 :mod:`.cache_layout`, which owns it.
 
-Guarantees: an entry's file in ``files/`` is always complete (copied under ``tmp/``, then linked or
-renamed to its name in its entry directory, made just before). The path of an entry is stable: the
-same file version has the same path, ending with the file's relative path, in every epoch and
-process, and it stays until a budget evicts it (whole: directory and file). One fill per file
+Guarantees: an entry's file in ``files/`` is always complete (copied under ``tmp/``, stamped with
+its version, then linked to its name, its folders made just before) and never replaced in place.
+The path of an entry is stable: the same file version has the same path, ending with the file's
+relative path, in every epoch and process, and it stays until a budget evicts it. One fill per file
 even with many threads and processes asking at once; a changed source file (size or mtime) gets a
-new key, hence a new path. Entries of the old layout (``data/<k0k1>/<key><.ext>``) are never served
-and are reaped. Eviction is least-recently-used and skips every entry named in a protection record
-whose owner (pid + start time) is alive; records of a dead owner are dropped at once. With a budget,
+new key, and goes beside a cached older version (a new path). Entries of the old layouts
+(``data/<k0k1>/<key><.ext>``, ``files/<key>-<size>/...``) are never served and are reaped.
+Eviction is least-recently-used (by atime) and skips every entry named in a protection record whose
+owner (pid + start time) is alive; records of a dead owner are dropped at once. With a budget,
 fills wait for room instead of overshooting, except fills a blocked consumer needs next
 (``may_exceed``), so the loop always makes progress.
 
@@ -25,17 +26,19 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import itertools
 import os
 import time
+from functools import cached_property
+from stat import S_ISREG
 from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
 from .._shared import SharedBits
-from ..errors import CacheFullError
+from ..errors import CacheDirError, CacheFullError
 from .budget import DEFAULT_MIN_FREE, BudgetKeeper, reap
-from .cache_layout import CacheLayout, KeptOpen, RemovalToken, cache_root, entry_file
+from .cache_layout import (CacheLayout, KeptOpen, RemovalToken, cache_root, entry_file, other_version_file,
+                           protection_name, serial, version_stamp)
 from .cache_usage import CacheUsage
 from .fetch import watch_progress
 from .locks import KeyLocks, process_tag
@@ -110,48 +113,71 @@ class FileCache:
 
     # ------------------------------------------------------------ paths
 
-    def data_path(self, key: str, suffix: str, size: int, rel: str | None = None) -> str:
-        """Where the entry of ``key`` (``size`` bytes) is or will be: ``files/`` + :func:`entry_file`."""
-        return self.layout.data_path(key, suffix, size, rel)
+    def data_path(self, key: str, suffix: str, size: int, rel: str | None = None, space: str | None = None) -> str:
+        """Where the entry of ``key`` (``size`` bytes) goes first: ``files/`` + :func:`entry_file`
+        (another version of the file may hold that place: then :meth:`lookup` finds it elsewhere)."""
+        return self.layout.data_path(key, suffix, size, rel, space)
 
-    def entry_dir(self, path: str) -> str | None:
-        """The entry directory (``files/<key>-<size>``) that ``path`` lies in, else None."""
-        return self.layout.entry_dir(path)
+    def entry_name(self, path: str) -> str | None:
+        """The name protection records give the entry whose file is ``path``, else None (not an entry)."""
+        name = self.layout.entry_of(path)
+        return None if name is None else protection_name(name.replace(os.sep, "/"))
+
+    @cached_property
+    def _quantum(self) -> int:
+        """The step (ns) in which this cache's file system keeps mtimes (version stamps compare in it)."""
+        return _mtime_quantum(self.layout.tmp)
 
     # ------------------------------------------------------------ lookups and fills
 
-    def lookup(self, key: str, suffix: str, size: int, *, rel: str | None = None) -> str | None:
-        """Path of a complete, trusted entry of ``size`` bytes, marked as used; else None.
+    def lookup(self, key: str, suffix: str, size: int, *, rel: str | None = None, space: str | None = None,
+               touch: bool = True) -> str | None:
+        """Path of a complete, trusted entry of ``size`` bytes, marked as used (``touch``); else None.
 
         ``rel``: the source file's relative path, which the entry's path ends with (see
-        :func:`map_relpath`); without it (an opaque key) the file is named ``<key><suffix>``.
-        No lock and one ``stat`` on a hit (plus a ``utime`` at most every ``TOUCH_EVERY_S``).
+        :func:`map_relpath`), in ``space`` (:func:`space_of` the volume URI); without it (an opaque
+        key) the file is named ``<key>-<size><suffix>``. A file is trusted when it is this user's,
+        of ``size`` bytes and stamped with this version (:func:`version_stamp`). No lock and one
+        ``stat`` on a hit (plus a ``utime`` at most every ``TOUCH_EVERY_S``); a second where another
+        version holds the first place.
         """
-        path = self.data_path(key, suffix, size, rel)
+        name = entry_file(key, suffix, size, rel, space)
+        stamp = version_stamp(key)
+        path = self._entries + os.sep + name
+        if self._trusted(path, size, stamp, touch):
+            return path
+        if rel is not None:
+            path = self._entries + os.sep + other_version_file(key, name)
+            if self._trusted(path, size, stamp, touch):
+                return path
+        return None
+
+    def _trusted(self, path: str, size: int, stamp: int, touch: bool) -> bool:
         try:
             st = os.stat(path)
         except (FileNotFoundError, NotADirectoryError):
-            return None
-        if st.st_size != size or (hasattr(os, "getuid") and st.st_uid != os.getuid()):
-            return None
-        if time.time() - st.st_mtime > TOUCH_EVERY_S and not self._touch(path):
-            return None
-        return path
+            return False
+        q = self._quantum
+        if st.st_size != size or st.st_mtime_ns // q != stamp // q or not S_ISREG(st.st_mode) \
+                or (hasattr(os, "getuid") and st.st_uid != os.getuid()):
+            return False
+        return not touch or time.time() - st.st_atime <= TOUCH_EVERY_S or self._touch(path, st)
 
-    def _touch(self, path: str) -> bool:
-        """Mark the entry of file ``path`` as used now (its file and, for scans, its directory)."""
+    @staticmethod
+    def _touch(path: str, st: os.stat_result) -> bool:
+        """Mark the entry of file ``path`` as used now: its atime (its mtime is its version stamp)."""
         try:
-            os.utime(path)
-            os.utime(path[:path.index(os.sep, len(self._entries) + 1)])  # last-use time drives LRU
-        except (OSError, ValueError):
+            os.utime(path, ns=(time.time_ns(), st.st_mtime_ns))  # last-use time drives LRU
+        except OSError:
             return False
         return True
 
-    def lookup_run(self, names: Sequence[str], sizes: Sequence[int], indices: np.ndarray | None = None,
-                   seen: SeenEntries | None = None) -> list[str]:
-        """Paths of the leading entries (:func:`entry_file` names with their sizes) that :meth:`lookup`
-        would return, stopping at the first one it would not: the warm path's lookup of a run of items,
-        one ``stat`` each and no per-item call.
+    def lookup_run(self, names: Sequence[str], sizes: Sequence[int], stamps: Sequence[int],
+                   indices: np.ndarray | None = None, seen: SeenEntries | None = None) -> list[str]:
+        """Paths of the leading entries (:func:`entry_file` names, with their sizes and
+        version stamps) found at their first place, stopping at the first one that is not:
+        the warm path's lookup of a run of items, one ``stat`` each and no per-item call (an item
+        it stops at goes through :meth:`lookup`, which also looks where another version moved it).
 
         With ``seen`` (and the items' ``indices`` in it), an entry this process found or filled since
         the cache last removed anything, within the touch window, is served with no system call
@@ -169,8 +195,9 @@ class FileCache:
         uid = os.getuid() if hasattr(os, "getuid") else None
         stale_before = now - TOUCH_EVERY_S
         stat = os.stat
+        q = self._quantum
         out: list[str] = []
-        for i, (name, size) in enumerate(zip(names, sizes)):
+        for i, (name, size, stamp) in enumerate(zip(names, sizes, stamps)):
             path = files + name
             if known is not None and known[i]:
                 out.append(path)
@@ -179,9 +206,10 @@ class FileCache:
                 st = stat(path)
             except (FileNotFoundError, NotADirectoryError):
                 break
-            if st.st_size != size or (uid is not None and st.st_uid != uid):
+            if st.st_size != size or st.st_mtime_ns // q != stamp // q or (uid is not None and st.st_uid != uid) \
+                    or not S_ISREG(st.st_mode):
                 break
-            if st.st_mtime < stale_before and not self._touch(path):
+            if st.st_atime < stale_before and not self._touch(path, st):
                 break
             out.append(path)
         if seen is not None and indices is not None and out:
@@ -199,7 +227,7 @@ class FileCache:
 
     def fill(self, key: str, suffix: str, size: int, write: Callable[[str], int], *,
              may_exceed: Callable[[], bool] | None = None, on_wait: Callable[[], None] | None = None,
-             looked_up: bool = False, rel: str | None = None) -> tuple[str, bool]:
+             looked_up: bool = False, rel: str | None = None, space: str | None = None) -> tuple[str, bool]:
         """Return the entry for ``key``, calling ``write(tmp_path) -> nbytes`` once if it is missing.
 
         Returns ``(path, fetched)``. Concurrent callers (threads or processes) for one key wait for
@@ -208,12 +236,14 @@ class FileCache:
         consumers free some, unless ``may_exceed()`` says a consumer is blocked on this very file.
         ``looked_up``: the caller just found no entry, or expects none (a run of misses): the lookup
         before the lock is skipped (the one under the lock still runs, so a hit is still found).
-        ``rel``: the source's relative path, kept at the end of the entry's path (see :meth:`lookup`).
-        The file is copied under ``tmp/`` and given its name in ``files/`` in one step once complete,
-        so a reader never sees a partial file.
+        ``rel``, ``space``: the source's relative path, kept at the end of the entry's path, and the
+        dataset root's space (see :meth:`lookup`).
+        The file is copied under ``tmp/``, stamped with its version and linked to its name in
+        ``files/`` in one step once complete, so a reader never sees a partial file; an entry is
+        never replaced in place (another version goes to its own place).
         """
         if not looked_up:
-            path = self.lookup(key, suffix, size, rel=rel)
+            path = self.lookup(key, suffix, size, rel=rel, space=space)
             if path:
                 return path, False
         # With a budget, room is held by a temp file under tmp/ whose name carries the size (every
@@ -225,14 +255,13 @@ class FileCache:
         self.reserve(size, tmp or "", may_exceed=may_exceed, on_wait=on_wait)
         try:
             with self._keys.hold(key):
-                path = self.lookup(key, suffix, size, rel=rel)
+                path = self.lookup(key, suffix, size, rel=rel, space=space)
                 if path:
                     if tmp is not None:
                         with contextlib.suppress(FileNotFoundError):
                             os.unlink(tmp)
                     return path, False
-                name, _, inner = entry_file(key, suffix, size, rel).partition("/")
-                final = os.path.join(self._entries, name)
+                name = entry_file(key, suffix, size, rel, space)
                 # without a budget the copy goes to an unnamed file (O_TMPFILE: a killed process leaves
                 # nothing), else (or where there is none) to the named temp file that holds the room
                 anon = _open_unnamed(self.layout.tmp) if tmp is None else -1
@@ -242,9 +271,13 @@ class FileCache:
                 watch_progress((lambda: _written(os.fstat(anon))) if anon >= 0 else (lambda: _written(os.stat(part))))
                 try:
                     _check_size(write(part), size)
-                    # complete: its name appears inside its entry directory at once (a link or a rename)
-                    self._place(final, inner, anon, part)
-                    tmp = None
+                    os.utime(anon if anon >= 0 else part, ns=(time.time_ns(), version_stamp(key)))
+                    # complete: its name appears in files/ at once (a link), then the temp name goes
+                    path = self._place(key, name, rel is not None, anon, part)
+                    if tmp is not None:
+                        with contextlib.suppress(FileNotFoundError):
+                            os.unlink(tmp)
+                        tmp = None
                 finally:
                     watch_progress(None)
                     if anon >= 0:
@@ -254,41 +287,57 @@ class FileCache:
                 with contextlib.suppress(OSError):
                     os.unlink(tmp)
             raise
-        return final + os.sep + inner, True
+        return path, True
 
-    def _place(self, final: str, inner: str, anon: int, part: str) -> None:
-        """Give the complete copy (unnamed file ``anon``, else the named temp file ``part``) its name
-        ``inner`` inside the entry directory ``final``, made with its folders first: the file appears
-        whole, in one link or rename. Called under the key's lock. A directory of this version left
-        without its file (a writer killed between the two steps) is reused; one holding a file that
-        lookup did not trust (wrong size or owner, or a name in the way) is replaced; one evicted
-        meanwhile is made again."""
-        for attempt in range(3):
+    def _place(self, key: str, name: str, movable: bool, anon: int, part: str) -> str:
+        """Link the complete, stamped copy (unnamed file ``anon``, else the temp file ``part``) to
+        ``files/<name>``, making its folders first, and return its path. Called under the key's
+        lock. Where ``name`` holds another version or is blocked by another file's path (a file
+        where a folder is needed), a ``movable`` entry goes to :func:`other_version_file` instead. A
+        file at the place that claims this version but that lookup did not trust (wrong size or
+        owner) is replaced; a folder removed meanwhile (an eviction) is made again."""
+        target = name
+        for attempt in range(4):
+            path = self._entries + os.sep + target
             try:
-                _make_dirs(final, inner)
+                _make_dirs(self._entries, target)
                 if anon >= 0:
-                    _link_unnamed(anon, os.path.join(final, inner))
+                    _link_unnamed(anon, path)
                 else:
-                    os.rename(part, os.path.join(final, inner))
-                return
+                    os.link(part, path)  # never rename: it would replace another version's file
+                return path
             except FileNotFoundError:
-                if attempt == 2 or (anon < 0 and not os.path.exists(part)):
+                if attempt == 3 or (anon < 0 and not os.path.exists(part)):
                     raise
-                os.makedirs(self._entries, mode=0o700, exist_ok=True)  # files/ removed, or the entry evicted
+                os.makedirs(self._entries, mode=0o700, exist_ok=True)  # files/ removed, or a folder evicted
             except OSError as e:
-                if attempt == 2 or e.errno not in (errno.EEXIST, errno.ENOTDIR, errno.EISDIR, errno.ENOTEMPTY):
+                if attempt == 3 or e.errno not in (errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
                     raise
-                self.removal_token.change()  # an untrusted entry of this version: removed whole
-                self.layout.drop_entry(final)
+                if movable and target == name and not self.claims(path, key):
+                    target = other_version_file(key, name)  # another version's place, or blocked
+                    continue
+                self.removal_token.change()  # an untrusted file of this version: removed
+                self.layout.drop_entry(target)
                 self.removal_token.change()
+        raise AssertionError("unreachable")
+
+    def claims(self, path: str, key: str) -> bool:
+        """Whether the file at ``path`` carries the version stamp of ``key`` (a folder or another
+        version does not)."""
+        try:
+            st = os.stat(path)
+        except OSError:
+            return False
+        q = self._quantum
+        return S_ISREG(st.st_mode) and st.st_mtime_ns // q == version_stamp(key) // q
 
     def remove(self, paths: Iterable[str]) -> int:
-        """Delete entries, each whole (``paths``: an entry's file or directory). Returns the number removed."""
+        """Delete entries (``paths``: entries' files, as lookups return them). Returns the number removed."""
         n = 0
         self.removal_token.change()
         for p in paths:
-            entry = self.entry_dir(p)
-            if entry is not None and self.layout.drop_entry(entry):
+            name = self.layout.entry_of(p)
+            if name is not None and self.layout.drop_entry(name):
                 n += 1
         self.removal_token.change()
         self.budget_keeper.ledger_stale()
@@ -300,8 +349,7 @@ class FileCache:
         decided and done under the eviction lock. Returns the number removed."""
         with self.budget_keeper.eviction_lock():
             protected = self.records.protected_names(except_owner=process_tag())
-            return self.remove(p for p in paths
-                               if (entry := self.entry_dir(p)) is not None and os.path.basename(entry) not in protected)
+            return self.remove(p for p in paths if (name := self.entry_name(p)) is not None and name not in protected)
 
     # ------------------------------------------------------------ protection records (ProtectionRecords)
 
@@ -378,15 +426,51 @@ class FileCache:
         return {"entries": n, **reaped}
 
 
-def _make_dirs(final: str, inner: str) -> None:
-    """Make the entry directory ``final`` and the folders of ``inner`` in it (present ones are fine).
-    One ``mkdir`` per folder: ``os.makedirs`` would ``stat`` each level first, on every fill."""
-    for at in itertools.accumulate(inner.split("/")[:-1], lambda d, part: d + os.sep + part, initial=final):
+def _make_dirs(entries: str, name: str) -> None:
+    """Make the folders of ``name`` under ``entries`` (present ones are fine), from the deepest up:
+    one failed ``mkdir`` where they exist (the common case: a folder other files made). A file in
+    the way is not checked for here: the link that follows fails with ENOTDIR."""
+    parts = name.split("/")[:-1]
+    made = len(parts)
+    while made:  # find the deepest folder that exists
         try:
-            os.mkdir(at, 0o700)
+            os.mkdir(entries + os.sep + os.sep.join(parts[:made]), 0o700)
+            break
+        except FileNotFoundError:
+            made -= 1
         except FileExistsError:
-            if not os.path.isdir(at):
-                raise NotADirectoryError(errno.ENOTDIR, "a file where the entry needs a folder", at) from None
+            return
+    for k in range(made + 1, len(parts) + 1):
+        with contextlib.suppress(FileExistsError):  # made meanwhile by another fill
+            os.mkdir(entries + os.sep + os.sep.join(parts[:k]), 0o700)
+
+
+_QUANTA = (1, 1_000, 1_000_000, 1_000_000_000, 2_000_000_000)
+
+
+def _mtime_quantum(folder: str) -> int:
+    """The step (ns) in which the file system of ``folder`` keeps a file's mtime: a probe file is
+    stamped with a time that has odd seconds and nanoseconds, and read back."""
+    want = ((1 << 30) - 1) * 1_000_000_000 + 987_654_321
+    fd = _open_unnamed(folder)
+    path = None
+    if fd < 0:
+        path = os.path.join(folder, f"probe.{process_tag()}.{serial()}.0.part")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.utime(fd, ns=(want, want))
+        got = os.fstat(fd).st_mtime_ns
+    finally:
+        os.close(fd)
+        if path is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+    for q in _QUANTA:
+        if got // q == want // q:
+            return q
+    raise CacheDirError(f"the file system of {folder} does not keep file times ({want} ns stored, {got} read "
+                        "back), which the cache uses to tell file versions apart: set cache_dir= (or "
+                        "$UCMAGIC_CACHE_DIR) to a directory on a local disk")
 
 
 def _written(st: os.stat_result) -> tuple[int, int]:

@@ -4,10 +4,15 @@ the old layout left.
 
 Layout under the cache root (private to the user, mode 0700)::
 
-    files/<key>-<size>/<rel>           cached copies: one directory per file version (key: a hash of
-                                       volume, path, size, mtime), holding the file at its relative
-                                       path (map_relpath), or at <key><.ext> for an opaque key
-    tmp/<key>.<tag>.<n>.<size>.dir     entries being removed (renamed out of files/ whole, then deleted)
+    files/<space>/<rel>                cached copies, one file each: a dataset root's space (a hash of
+                                       its volume URI) holding each file at its relative path
+                                       (map_relpath), so folders are shared; the file's mtime is a
+                                       stamp of its version (version_stamp: key = a hash of volume,
+                                       path, size, mtime) and its atime its last use
+    files/<space>~<key16>/<rel>        another version of a file whose place in the space is taken (a
+                                       rewritten source while the old copy is still cached)
+    files/k/<key>-<size><.ext>         entries of an opaque key (chunks of big files, Parquet files)
+    tmp/<key>.<tag>.<n>.<size>.dir     old-layout entries being removed (renamed out of files/, then deleted)
     tmp/<key>.<tag>.<n>.<size>.part    budgeted fills in progress (the room they hold)
     locks/fill.lock, evict.lock        single-flight (one byte per key, OFD lock) and eviction (flock) locks
     prot/<owner>@<writer>.<slot>.rec   protection records: entry names a live process has not consumed yet
@@ -32,6 +37,10 @@ from .locks import file_lock, process_tag, tag_alive
 TMP_STALE_S = 6 * 3600.0  # a temp file whose writer cannot be identified is dropped after this long
 SUBDIRS = ("files", "tmp", "locks", "prot")
 OLD_DATA = "data"  # the layout before entries kept source names (data/<xx>/<key><ext>): reaped, never served
+OPAQUE = "k"  # files/k/: entries of opaque keys
+SPACE = "v"  # files/v<16 hex>: a dataset root's entries (and v<16 hex>~<16 hex>: other versions)
+_SPACE_RE = re.compile(r"v[0-9a-f]{16}(?:~[0-9a-f]{16})?")
+STAMP_S_BITS = 30  # a version stamp's whole seconds stay below 2**30 (before 2004: never "in the future")
 _SUFFIX_RE = re.compile(r"\.[A-Za-z0-9_\-]{1,16}$")
 
 
@@ -88,23 +97,44 @@ _QUOTE = {ord(c): f"%{ord(c):02X}" for c in _CTRL + "%#"}
 _UNQUOTE = re.compile(r"%([0-9A-F]{2})")
 
 
-def entry_name(key: str, size: int) -> str:
-    """The version id of an entry: its directory under ``files/`` (``<key>-<size>``).
+def space_of(volume_uri: str) -> str:
+    """The folder under ``files/`` that holds a dataset root's entries: ``v`` + 16 hex of a hash of its URI."""
+    return SPACE + hashlib.blake2b(volume_uri.encode("utf-8", "surrogateescape"), digest_size=8).hexdigest()
 
-    The size in the name lets a scan count an entry's bytes from one directory read."""
+
+def version_stamp(key: str) -> int:
+    """The mtime (ns) an entry of ``key`` carries: 60 bits of the key, as whole seconds below
+    2**30 (a date before 2004, so reads never refresh the atime that records last use) and
+    nanoseconds. A lookup trusts a file only if its mtime is this stamp (to what the file system keeps)."""
+    return (int(key[:8], 16) & ((1 << STAMP_S_BITS) - 1)) * 1_000_000_000 + int(key[8:16], 16) % 1_000_000_000
+
+
+def old_entry_name(key: str, size: int) -> str:
+    """An entry's directory name in the previous layout (``files/<key>-<size>/``): reaped, never served."""
     return f"{key}-{size}"
 
 
-def entry_record_names(key: str, suffix: str, size: int) -> list[str]:
-    """What a protection record lists to protect the entry of ``key`` (``size`` bytes): its directory
-    name under ``files/`` (:func:`entry_name`) and its file name ``<key><suffix>`` of the old layout."""
-    return [key + suffix, entry_name(key, size)]
-
-
-def parse_entry_name(name: str) -> tuple[str, int] | None:
-    """``(key, size)`` of an entry directory's name, else None."""
+def parse_old_entry(name: str) -> tuple[str, int] | None:
+    """``(key, size)`` of a previous layout's entry directory name, else None."""
     key, _, size = name.rpartition("-")
-    return (key, int(size)) if key and size.isascii() and size.isdigit() else None
+    return (key, int(size)) if len(key) == 40 and size.isascii() and size.isdigit() else None
+
+
+def is_entry_top(name: str) -> bool:
+    """Whether a folder directly under ``files/`` holds entries of this layout (a space or ``k``)."""
+    return name == OPAQUE or _SPACE_RE.fullmatch(name) is not None
+
+
+def entry_record_names(key: str, suffix: str, size: int) -> list[str]:
+    """What a protection record lists to protect the entry of opaque ``key`` (``size`` bytes)."""
+    return [entry_file(key, suffix, size)]
+
+
+def protection_name(name: str) -> str:
+    """The name protection records use for the entry at ``name`` (its path under ``files/``): the
+    name itself, without another version's ``~<key16>`` (protecting a file protects each version)."""
+    head, sep, rest = name.partition("/")
+    return head.partition("~")[0] + sep + rest
 
 
 def _nbytes(s: str) -> int:
@@ -163,18 +193,29 @@ def unmap_relpath(mapped: str) -> str | None:
     return "/".join(parts)
 
 
-def entry_file(key: str, suffix: str, size: int, rel: str | None = None) -> str:
-    """Where an entry's file sits under ``files/``: ``<key>-<size>/<map_relpath(rel)>``, or, for an
-    opaque key (no ``rel``), ``<key>-<size>/<key><suffix>``."""
-    return f"{key}-{size}/{key + suffix if rel is None else map_relpath(rel)}"
+def entry_file(key: str, suffix: str, size: int, rel: str | None = None, space: str | None = None) -> str:
+    """Where an entry sits under ``files/``: ``<space>/<map_relpath(rel)>`` (a file shared folders
+    with the others of its dataset root), or, for an opaque key (no ``rel``), ``k/<key>-<size><suffix>``."""
+    if rel is None:
+        return f"{OPAQUE}/{key}-{size}{suffix}"
+    if space is None:
+        raise ValueError("an entry with a relative path needs its space (space_of the volume URI)")
+    return f"{space}/{map_relpath(rel)}"
 
 
-def entry_files(keys: Sequence[str], sizes: Sequence[int], rels: Sequence[str], *, plain: bool = False) -> list[str]:
-    """:func:`entry_file` of many source files (the warm path's names, a chunk at a time).
+def other_version_file(key: str, name: str) -> str:
+    """Where the entry of ``key`` goes when its place ``name`` (:func:`entry_file`) holds another
+    version or is blocked (a file where it needs a folder): ``<space>~<key16>/<rel>``."""
+    head, _, rest = name.partition("/")
+    return f"{head}~{key[:16]}/{rest}"
+
+
+def entry_files(space: str, rels: Sequence[str], *, plain: bool = False) -> list[str]:
+    """:func:`entry_file` of many source files of one space (the warm path's names, a chunk at a time).
     ``plain``: every path is known to map to itself (a node listing records it), so none is checked."""
     if plain:
-        return [f"{k}-{s}/{r}" for k, s, r in zip(keys, sizes, rels)]
-    return [f"{k}-{s}/{map_relpath(r)}" for k, s, r in zip(keys, sizes, rels)]
+        return [f"{space}/{r}" for r in rels]
+    return [f"{space}/{map_relpath(r)}" for r in rels]
 
 
 def default_cache_dir() -> str:
@@ -265,33 +306,43 @@ class CacheLayout:
         return CacheDirError(f"cannot use {self.root} as the cache directory: {reason}. Set cache_dir= (or "
                              "$UCMAGIC_CACHE_DIR) to a writable local directory")
 
-    def data_path(self, key: str, suffix: str, size: int, rel: str | None = None) -> str:
+    def data_path(self, key: str, suffix: str, size: int, rel: str | None = None, space: str | None = None) -> str:
         """Where the entry of ``key`` (``size`` bytes) is or will be: ``files/`` + :func:`entry_file`."""
-        return self.entries + os.sep + entry_file(key, suffix, size, rel)
+        return self.entries + os.sep + entry_file(key, suffix, size, rel, space)
 
-    def entry_dir(self, path: str) -> str | None:
-        """The entry directory (``files/<key>-<size>``) that ``path`` lies in, else None."""
+    def entry_of(self, path: str) -> str | None:
+        """The name under ``files/`` of the entry whose file is ``path`` (a path a lookup returned),
+        else None."""
         head = self.entries + os.sep
         path = os.path.abspath(path)
         if not path.startswith(head):
             return None
-        name = path[len(head):].split(os.sep, 1)[0]
-        return head + name if parse_entry_name(name) else None
+        name = path[len(head):]
+        top, _, inner = name.partition(os.sep)
+        return name if inner and is_entry_top(top) else None
+
+    def drop_entry(self, name: str) -> bool:
+        """Remove the entry ``name`` (under ``files/``), then its folders left empty."""
+        path = self.entries + os.sep + name
+        try:
+            os.unlink(path)
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+        except IsADirectoryError:
+            remove_tree(path)
+        parent = os.path.dirname(path)
+        while len(parent) > len(self.entries):
+            try:
+                os.rmdir(parent)  # a fill making this folder meanwhile retries its link (see FileCache._place)
+            except OSError:
+                break
+            parent = os.path.dirname(parent)
+        return True
 
     def tmp_path(self, key: str, size: int, kind: str) -> str:
         """A new name under ``tmp/`` for ``key`` (``kind``: ``part``, a fill's copy, or ``dir``, an
         entry being removed), carrying this process's tag and the final ``size`` (counts include it)."""
         return os.path.join(self.tmp, f"{key}.{process_tag()}.{serial()}.{size}.{kind}")
-
-    def drop_entry(self, entry: str) -> bool:
-        """Remove the entry directory ``entry`` whole: renamed out of ``files/`` at once, then deleted."""
-        gone = self.tmp_path(os.path.basename(entry), 0, "dir")
-        try:
-            os.rename(entry, gone)
-        except FileNotFoundError:
-            return False
-        remove_tree(gone)
-        return True
 
     def reap_tmp(self) -> int:
         """Remove temp files and removed entries of dead writers (or, unnamed, stale ones). Returns the count."""
@@ -316,8 +367,9 @@ class CacheLayout:
         return n
 
     def reap_old_layout(self, protected: set[str]) -> int:
-        """Remove the old layout's entries (``data/<xx>/<key><ext>``, never served) that no live
-        process of an older ucmagic protects, and its directories once empty. Returns the count."""
+        """Remove the old layouts' entries (``data/<xx>/<key><ext>``, ``files/<key>-<size>/``: never
+        served) that no live process of an older ucmagic protects, and ``data/``'s folders once
+        empty. Returns the count."""
         old = os.path.join(self.root, OLD_DATA)
         n = 0
         for bucket in scandir(old, dirs=True):
@@ -330,6 +382,13 @@ class CacheLayout:
                 os.rmdir(bucket.path)
         with contextlib.suppress(OSError):
             os.rmdir(old)
+        for de in scandir(self.entries, dirs=True):
+            if parse_old_entry(de.name) is not None and de.name not in protected:
+                gone = self.tmp_path(de.name, 0, "dir")  # renamed out whole, so no reader sees it half gone
+                with contextlib.suppress(OSError):
+                    os.rename(de.path, gone)
+                    remove_tree(gone)
+                    n += 1
         return n
 
 

@@ -4,14 +4,15 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from .cache_layout import OLD_DATA, SUBDIRS, CacheLayout, file_size, parse_entry_name, parse_tmp_name, scandir
+from .cache_layout import (OLD_DATA, SUBDIRS, CacheLayout, file_size, is_entry_top, parse_old_entry, parse_tmp_name,
+                           scandir)
 
 
 @dataclass
 class CacheUsage:
     """What is under a cache directory, in files and bytes (apparent sizes).
 
-    ``files``/``bytes``: complete entries in ``data/``; ``protected_*``: those named by a live
+    ``files``/``bytes``: complete entries in ``files/``; ``protected_*``: those named by a live
     protection record; ``tmp_*``: fills in progress or abandoned; ``records_*``: protection records;
     ``other_bytes``: anything else (ledger, the node's listings, stray files).
     """
@@ -36,26 +37,38 @@ def scan(layout: CacheLayout, protected: set[str]) -> tuple[list[tuple[str, int,
     size (the name carries it), so a fill in progress already holds its room."""
     free: list[tuple[str, int, float]] = []
     u = CacheUsage()
-    # an entry is a directory files/<key>-<size>, counted from the moment it is made (before its file
-    # is linked in); its size is in its name and its mtime is its last use, so one directory read and
-    # a stat per entry count it
-    for de in scandir(layout.entries, dirs=True):
-        parsed = parse_entry_name(de.name)
-        if parsed is None or not de.is_dir(follow_symlinks=False):
-            u.other_bytes += file_size(de)
+    # an entry is a file under files/<space>/ (or files/k/), counted once it is linked there (a
+    # budgeted fill's temp file holds its room until then); its atime is its last use
+    for top in scandir(layout.entries, dirs=True):
+        if not top.is_dir(follow_symlinks=False):
+            u.other_bytes += file_size(top)
             continue
-        try:
-            mtime = de.stat(follow_symlinks=False).st_mtime
-        except FileNotFoundError:
+        old = parse_old_entry(top.name)
+        if old is not None:  # the previous layout, until reaped
+            u.other_bytes += old[1]
             continue
-        size = parsed[1]
-        u.files += 1
-        u.bytes += size
-        if de.name in protected:
-            u.protected_files += 1
-            u.protected_bytes += size
-        else:
-            free.append((de.path, size, mtime))
+        if not is_entry_top(top.name):
+            continue
+        head = top.name.partition("~")[0]
+        stack = [(top.path, head)]
+        while stack:
+            folder, name = stack.pop()
+            for de in scandir(folder, dirs=True):
+                sub = name + "/" + de.name
+                if de.is_dir(follow_symlinks=False):
+                    stack.append((de.path, sub))
+                    continue
+                try:
+                    st = de.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                u.files += 1
+                u.bytes += st.st_size
+                if sub in protected:
+                    u.protected_files += 1
+                    u.protected_bytes += st.st_size
+                else:
+                    free.append((de.path, st.st_size, st.st_atime))
     for bucket in scandir(os.path.join(layout.root, OLD_DATA), dirs=True):  # the old layout, until reaped
         for de in scandir(bucket.path) if bucket.is_dir(follow_symlinks=False) else [bucket]:
             u.other_bytes += file_size(de)

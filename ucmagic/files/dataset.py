@@ -24,8 +24,8 @@ from . import plan
 from .. import telemetry
 from .._util import DEFAULT_RETRIES, is_integer, path_under
 from .cache import FileCache, SeenEntries
-from .cache_layout import (cache_key, cache_keys, cache_root, entry_files, entry_name, parse_entry_name, safe_suffix,
-                           serial, unmap_relpath)
+from .cache_layout import (cache_key, cache_keys, cache_root, entry_files, map_relpath, safe_suffix, serial,
+                           space_of, unmap_relpath, version_stamp)
 from .locks import process_tag
 from .protection import release_at_exit
 from ..errors import NotAnEntryError
@@ -374,21 +374,20 @@ def _close_live_iterations() -> None:
 
 
 class _Chunk:
-    """One decoded chunk of a stream: listing indices, cache keys, relative paths, entry names (for
-    protection records), entry files (for lookups) and sizes; the :class:`FileEntry` objects only
+    """One decoded chunk of a stream: listing indices, cache keys, relative paths, entry files (for
+    lookups and protection records), version stamps and sizes; the :class:`FileEntry` objects only
     once asked for (a warm run never needs them)."""
 
-    __slots__ = ("idx", "arr", "keys", "rels", "names", "files", "sizes", "entries")
+    __slots__ = ("idx", "arr", "keys", "rels", "files", "stamps", "sizes", "entries")
 
     def __init__(self, arr: np.ndarray, keys: list[tuple[str, str]], sizes: list[int], rels: list[str],
-                 plain: bool = False) -> None:
+                 space: str, plain: bool = False) -> None:
         self.arr = arr
         self.idx: list[int] = arr.tolist()
         self.keys = keys
         self.rels = rels
-        just_keys = [k for k, _ in keys]
-        self.names = [entry_name(k, s) for k, s in zip(just_keys, sizes)]
-        self.files = entry_files(just_keys, sizes, rels, plain=plain)
+        self.files = entry_files(space, rels, plain=plain)
+        self.stamps = [version_stamp(k) for k, _ in keys]
         self.sizes = sizes
         self.entries: list[FileEntry] | None = None
 
@@ -403,9 +402,10 @@ class StreamItems:
     """
 
     def __init__(self, listing: Listing, ranges: Sequence[plan.Range], order: Callable[[np.ndarray], np.ndarray],
-                 keys: Callable[[np.ndarray], list[tuple[str, str]]],
+                 keys: Callable[[np.ndarray], list[tuple[str, str]]], space: str,
                  chunk: int = STREAM_CHUNK) -> None:
         self.listing = listing
+        self.space = space
         self.ranges = list(ranges)
         self.order = order
         self.keys = keys
@@ -441,7 +441,7 @@ class StreamItems:
         a = c * self.chunk
         idx = self.order(plan.positions(plan.take(self.ranges, a, min(a + self.chunk, self._len))))
         got = _Chunk(idx, self.keys(idx), self.listing.sizes[idx].tolist(), self.listing.paths(idx),
-                     self.listing.all_plain(idx))
+                     self.space, self.listing.all_plain(idx))
         with self._mu:
             self._kept[c] = got
             while len(self._kept) > STREAM_CHUNKS_KEPT:
@@ -465,26 +465,31 @@ class StreamItems:
     def key_at(self, pos: int) -> tuple[str, str]:
         return self._at(pos // self.chunk).keys[pos % self.chunk]
 
+    def file_at(self, pos: int) -> str:
+        """The entry file (under the cache's ``files/``) of position ``pos``, at its first place."""
+        return self._at(pos // self.chunk).files[pos % self.chunk]
+
     def rel_at(self, pos: int) -> str:
         """The relative path (in the volume) of position ``pos``."""
         return self._at(pos // self.chunk).rels[pos % self.chunk]
 
-    def run(self, lo: int, hi: int) -> tuple[np.ndarray, list[int], list[str], list[int]]:
+    def run(self, lo: int, hi: int) -> tuple[np.ndarray, list[int], list[str], list[int], list[int]]:
         """Listing indices (as an array, for vectorised tests, and as a list), cache entry files
-        (:func:`ucmagic.files.cache.entry_file`) and sizes of positions ``[lo, hi)`` (within one chunk)."""
+        (:func:`ucmagic.files.cache_layout.entry_file`), sizes and version stamps of positions
+        ``[lo, hi)`` (within one chunk)."""
         c = lo // self.chunk
         a, b = lo - c * self.chunk, hi - c * self.chunk
         got = self._at(c)
-        return got.arr[a:b], got.idx[a:b], got.files[a:b], got.sizes[a:b]
+        return got.arr[a:b], got.idx[a:b], got.files[a:b], got.sizes[a:b], got.stamps[a:b]
 
     def names(self, lo: int, hi: int) -> list[str]:
-        """Cache entry names (:func:`.cache.entry_name`) of positions ``[lo, hi)`` (for protection records)."""
+        """Cache entry names (:func:`.cache_layout.entry_file`) of positions ``[lo, hi)`` (for protection records)."""
         out: list[str] = []
         pos = lo
         while pos < hi:
             c = pos // self.chunk
             end = min(hi, (c + 1) * self.chunk)
-            out.extend(self._at(c).names[pos - c * self.chunk:end - c * self.chunk])
+            out.extend(self._at(c).files[pos - c * self.chunk:end - c * self.chunk])
             pos = end
         return out
 
@@ -599,13 +604,13 @@ class _EpochStream:
         items, checked, stream = self.items, self.checked, self.stream
         end = min(self.n, pos + stream.chunk, (pos // items.chunk + 1) * items.chunk)
         stream.cover(end - 1)  # protected before they are looked up, as in the read-ahead
-        at, idx, names, sizes = items.run(pos, end)
+        at, idx, names, sizes, stamps = items.run(pos, end)
         if checked is not None and checked.checked_prefix(at) < len(at):
             self.check_ahead(items, pos)
             cut = checked.checked_prefix(at)
-            at, idx, names, sizes = at[:cut], idx[:cut], names[:cut], sizes[:cut]
+            at, idx, names, sizes, stamps = at[:cut], idx[:cut], names[:cut], sizes[:cut], stamps[:cut]
         t0 = time.perf_counter()
-        paths = self.cache.lookup_run(names, sizes, at, self.seen)
+        paths = self.cache.lookup_run(names, sizes, stamps, at, self.seen)
         return paths, idx, sizes, (time.perf_counter() - t0) / max(1, len(paths)), len(paths) == end - pos
 
     # ---------------------------------------------------------------- the read-ahead lane
@@ -690,7 +695,7 @@ class _EpochStream:
                 return None
         key, suffix = items.key_at(pos)
         t0 = time.perf_counter()
-        path = self.cache.lookup(key, suffix, items.size(pos), rel=items.rel_at(pos))
+        path = self.cache.lookup(key, suffix, items.size(pos), rel=items.rel_at(pos), space=self.ds.space)
         with self._mu:
             if path is not None:
                 self.timing[pos] = (True, time.perf_counter() - t0, True)  # counted when delivered
@@ -712,8 +717,10 @@ class _EpochStream:
                                        on_wait=self.on_wait, looked_up=looked_up, count_hit=first)
         if isinstance(got, BaseException):
             return got
-        if fetched:
-            self.seen.filled(self.items.index(pos))  # the next epoch's warm run need not look it up
+        if fetched and got == self.cache.layout.entries + os.sep + self.items.file_at(pos):
+            # the next epoch's warm run need not look it up (unless it went beside another version:
+            # warm runs look at the first place only)
+            self.seen.filled(self.items.index(pos))
         with self._mu:
             self.probed.discard(pos)
             self.timing[pos] = (not fetched, time.perf_counter() - t0, False)  # _fetch counted it
@@ -728,7 +735,7 @@ class UCVolumeDataset(EpochTracking, IterableDataset[str]):
     fetched ahead of the training loop by a thread pool in each iterating process. With
     ``torch.distributed`` and/or DataLoader workers, each (rank, worker) gets its own slice with no
     overlap and no gap; every rank gets the same number of items. The path yielded is the cache
-    entry's own, ``<cache_dir>/files/<version id>/<the file's path relative to path>`` (folder names
+    entry's own, ``<cache_dir>/files/<dataset id>/<the file's path relative to path>`` (folder names
     and extension kept; unsafe names escaped: docs/cache.md): stable across epochs and processes, new
     for a rewritten file, readable until a budget evicts it. :meth:`source_of` maps it back.
 
@@ -808,6 +815,7 @@ class UCVolumeDataset(EpochTracking, IterableDataset[str]):
         self.path = os.fspath(path) if not isinstance(path, Volume) else path.uri
         self.pattern = pattern
         self.volume: Volume = open_volume(path, storage_options)
+        self.space = space_of(self.volume.uri)  # the folder of its entries under the cache's files/
         if on_error == "skip":
             self.volume.unreadable = "skip"  # an unreadable directory is left out of the listing, with a warning
         root = cache_root(cache_dir)
@@ -936,7 +944,7 @@ class UCVolumeDataset(EpochTracking, IterableDataset[str]):
         rank, world, _, _, worker, nworkers = dist_info()
         pool, order = self.epoch_plan(self.epoch if epoch is None else epoch)
         pos = plan.stream_positions(pool, world, rank, nworkers, worker, self.partition, self.batch_quantum)
-        return StreamItems(self.listing, pos, order, self._chunk_keys)
+        return StreamItems(self.listing, pos, order, self._chunk_keys, self.space)
 
     def _chunk_keys(self, idx: np.ndarray) -> list[tuple[str, str]]:
         """``(cache key, suffix)`` of a chunk of files: the keys stored in the node listing (the
@@ -972,7 +980,7 @@ class UCVolumeDataset(EpochTracking, IterableDataset[str]):
         def attempt(_: Any) -> tuple[str, bool]:
             try:
                 return self.cache.fill(key_, suffix, e.size, write, may_exceed=may_exceed, on_wait=on_wait,
-                                       looked_up=looked_up, rel=e.path)
+                                       looked_up=looked_up, rel=e.path, space=self.space)
             except OSError as exc:
                 if exc.errno in (errno.ENOSPC, errno.EDQUOT):  # the cache disk, not the file: not retried
                     raise self.cache.disk_full(e.size) from exc
@@ -1288,12 +1296,9 @@ class UCVolumeDataset(EpochTracking, IterableDataset[str]):
     def _cached_paths(self) -> Iterator[tuple[str, int]]:
         """(path, bytes) of each file of the listing that is in the cache, in listing order."""
         for e in self.listing.iter_entries(STREAM_CHUNK):  # small chunks: a short-lived per-file transient
-            p = self.cache.data_path(*self._key(e), e.size, e.path)
-            try:
-                if os.stat(p).st_size == e.size:
-                    yield p, e.size
-            except FileNotFoundError:
-                pass
+            p = self.cache.lookup(*self._key(e), e.size, rel=e.path, space=self.space, touch=False)
+            if p is not None:
+                yield p, e.size
         _release_free_heap()
 
     def describe_item(self, index: int) -> tuple[str, int]:
@@ -1305,27 +1310,45 @@ class UCVolumeDataset(EpochTracking, IterableDataset[str]):
         """The source file whose cached copy is ``path`` (a path this dataset yielded): its display
         path or URI in the volume, relative path, size and mtime as listed.
 
-        Works on the path alone (no file access; an evicted entry's path still answers). Raises
+        Works on the path alone where it can (an evicted entry's path still answers); a file at the
+        first place of its name is checked to be the listed version. Raises
         :class:`~ucmagic.errors.NotAnEntryError` for a path that is not one of this dataset's files
         in its cache (another dataset's entry, a version no longer listed, any other path).
         """
         given = os.path.abspath(os.fspath(path))
         files = os.path.join(self.cache.root, "files") + os.sep
-        entry, _, inner = given[len(files):].partition(os.sep) if given.startswith(files) else ("", "", "")
-        parsed = parse_entry_name(entry)
+        top, _, inner = given[len(files):].partition(os.sep) if given.startswith(files) else ("", "", "")
+        space, _, version = top.partition("~")
         index = None
-        if parsed is not None and inner:
+        if space == self.space and inner:
+            inner = inner.replace(os.sep, "/")
             rel = unmap_relpath(inner)
-            index = self.listing.find(rel) if rel is not None else \
-                self.listing.find_key(bytes.fromhex(parsed[0])) if len(parsed[0]) == 40 else None
+            index = self.listing.find(rel) if rel is not None else self._find_mapped(inner)
         if index is not None:
             e = self.listing.entry(index)
             key, _ = self._chunk_keys(np.array([index]))[0]
-            if (key, e.size) == parsed and self.cache.data_path(key, "", e.size, e.path) == given:
+            if (key[:16] == version if version else self._holds_version(given, key)) \
+                    and map_relpath(e.path) == inner:
                 return SourceFile(self.volume.display(e.path), e.path, e.size, e.mtime)
         raise NotAnEntryError(
-            f"{given} is not a cached file of {self.volume.display()} (those are under {files}<version>/<relative "
+            f"{given} is not a cached file of {self.volume.display()} (those are under {files}{self.space}/<relative "
             "path>): pass a path this dataset yielded, from its current listing")
+
+    def _find_mapped(self, mapped: str) -> int | None:
+        """The listing index of the file whose entry path :func:`map_relpath` hashed to ``mapped``."""
+        for i in self.listing.unplain_indices():
+            if map_relpath(self.listing.entry(int(i)).path) == mapped:
+                return int(i)
+        return None
+
+    def _holds_version(self, path: str, key: str) -> bool:
+        """Whether the entry file ``path`` (at its first place) is the version of ``key``, or is gone
+        (a path alone then answers)."""
+        try:
+            os.stat(path)
+        except (FileNotFoundError, NotADirectoryError):
+            return True
+        return self.cache.claims(path, key)
 
     def clear_cache(self) -> int:
         """Remove this dataset's files from the cache, plus protection records of dead processes and

@@ -209,6 +209,10 @@ class Listing:
         (:func:`ucmagic.files.cache_layout.map_relpath` changes nothing), as checked when the listing was built."""
         return bool(self._plain[np.asarray(indices, dtype=np.int64)].all())
 
+    def unplain_indices(self) -> np.ndarray:
+        """Indices of the files whose cache entry path differs from their own (see :meth:`all_plain`)."""
+        return np.flatnonzero(~self._plain)
+
     def find(self, rel: str) -> int | None:
         """Index of the file at relative path ``rel`` (a binary search of the sorted paths), else None."""
         target = _enc(rel)

@@ -41,7 +41,7 @@ class ProtectionRecords:
         Taken under the shared eviction lock: once this returns, no eviction that has not seen the
         record is still running, so an entry found present afterwards stays until released.
         """
-        data = "\n".join(names).encode()
+        data = "\n".join(names).encode("utf-8", "surrogateescape")  # names are paths: any bytes
         with self.layout.evicting(shared=True):
             # Rewritten in place on a descriptor kept open: a rename over an existing file makes
             # ext4 flush it first (auto_da_alloc, ~5 ms a call), and evictions, which read records
@@ -88,7 +88,7 @@ class ProtectionRecords:
                 continue
             try:
                 with open(full, "rb") as f:
-                    names.update(f.read().decode().split("\n"))
+                    names.update(f.read().decode("utf-8", "surrogateescape").split("\n"))
             except FileNotFoundError:
                 continue
         names.discard("")
