@@ -38,7 +38,7 @@ from .._shared import SharedBits
 from ..errors import CacheDirError, CacheFullError
 from .budget import DEFAULT_MIN_FREE, BudgetKeeper, reap
 from .cache_layout import (CacheLayout, KeptOpen, RemovalToken, cache_root, entry_file, other_version_file,
-                           protection_name, serial, version_stamp)
+                           STAMP_S_BITS, protection_name, serial, version_stamp)
 from .cache_usage import CacheUsage
 from .fetch import watch_progress
 from .locks import KeyLocks, process_tag
@@ -157,8 +157,7 @@ class FileCache:
             st = os.stat(path)
         except (FileNotFoundError, NotADirectoryError):
             return False
-        q = self._quantum
-        if st.st_size != size or st.st_mtime_ns // q != stamp // q or not S_ISREG(st.st_mode) \
+        if st.st_size != size or not _stamped(st, stamp, self._quantum) \
                 or (hasattr(os, "getuid") and st.st_uid != os.getuid()):
             return False
         return not touch or time.time() - st.st_atime <= TOUCH_EVERY_S or self._touch(path, st)
@@ -206,8 +205,7 @@ class FileCache:
                 st = stat(path)
             except (FileNotFoundError, NotADirectoryError):
                 break
-            if st.st_size != size or st.st_mtime_ns // q != stamp // q or (uid is not None and st.st_uid != uid) \
-                    or not S_ISREG(st.st_mode):
+            if st.st_size != size or not _stamped(st, stamp, q) or (uid is not None and st.st_uid != uid):
                 break
             if st.st_atime < stale_before and not self._touch(path, st):
                 break
@@ -328,8 +326,7 @@ class FileCache:
             st = os.stat(path)
         except OSError:
             return False
-        q = self._quantum
-        return S_ISREG(st.st_mode) and st.st_mtime_ns // q == version_stamp(key) // q
+        return _stamped(st, version_stamp(key), self._quantum)
 
     def remove(self, paths: Iterable[str]) -> int:
         """Delete entries (``paths``: entries' files, as lookups return them). Returns the number removed."""
@@ -445,13 +442,19 @@ def _make_dirs(entries: str, name: str) -> None:
             os.mkdir(entries + os.sep + os.sep.join(parts[:k]), 0o700)
 
 
+def _stamped(st: os.stat_result, stamp: int, q: int) -> bool:
+    """Whether ``st`` is a file whose mtime is the version stamp ``stamp``, to the step ``q`` (ns)
+    its file system keeps (:func:`_mtime_quantum`)."""
+    return S_ISREG(st.st_mode) and st.st_mtime_ns // q == stamp // q
+
+
 _QUANTA = (1, 1_000, 1_000_000, 1_000_000_000, 2_000_000_000)
 
 
 def _mtime_quantum(folder: str) -> int:
     """The step (ns) in which the file system of ``folder`` keeps a file's mtime: a probe file is
     stamped with a time that has odd seconds and nanoseconds, and read back."""
-    want = ((1 << 30) - 1) * 1_000_000_000 + 987_654_321
+    want = ((1 << STAMP_S_BITS) - 1) * 1_000_000_000 + 987_654_321  # odd seconds, as late as a stamp goes
     fd = _open_unnamed(folder)
     path = None
     if fd < 0:
