@@ -6,6 +6,7 @@ ordered stream.
 """
 from __future__ import annotations
 
+import math
 import os
 import random
 import threading
@@ -201,12 +202,18 @@ class Window(NamedTuple):
 
 
 def tune_window(w: Window, rate: float, wait_share: float, *, floor: int, ceiling: int,
-                gain: float = 1.1, loss: float = 0.95, idle: float = 0.05, rest: int = 4) -> Window:
+                gain: float = 1.1, loss: float = 0.95, idle: float = 0.05, rest: int = 4,
+                busy: float = 0.0) -> Window:
     """The next read-ahead window after a period in which the consumer got ``rate`` items/s and
     spent ``wait_share`` of its time waiting on the head item (pure: no clock, no I/O).
 
     The consumer barely waited: it is the bottleneck, so fewer calls in flight will do (shrink by a
-    quarter). It waited: double the window, and keep the growth only if the rate rose by ``gain``
+    quarter), but not fewer than twice ``busy``, the calls running at once in the period (the
+    caller's items/s times seconds per item, Little's law). A consumer slower than a high-latency
+    volume (decoding images: 145 items/s over 100 ms opens keep ~15 calls busy) so keeps the calls
+    that hide the latency, where it used to shrink until it waited, grow back and shrink again
+    (waiting in 41 of 150 periods of a model); quick fills (a local disk) keep few calls busy and
+    still shrink to ``floor``. It waited: double the window, and keep the growth only if the rate rose by ``gain``
     -- a high-latency volume gains from every extra call, a fast local disk (CPU-bound fills that
     serialise on the GIL) does not. A growth that did not pay goes back and then tries halving: a
     smaller window is kept while the rate stays within ``loss`` of what it was (fewer threads
@@ -216,7 +223,8 @@ def tune_window(w: Window, rate: float, wait_share: float, *, floor: int, ceilin
     P20 3.44 -> 3.34 s, P100 4.11 -> 4.02 s, all within this VM's noise (docs/benchmarks.md).
     """
     if wait_share < idle:
-        return Window(max(floor, w.size - max(1, w.size // 4)))
+        least = min(ceiling, max(floor, math.ceil(2 * busy)))
+        return Window(max(min(least, w.size), w.size - max(1, w.size // 4)))
     if w.prev_size > w.size:  # a shrink on trial
         if rate < w.prev_rate * loss:
             return Window(w.prev_size, hold=rest)
@@ -471,8 +479,9 @@ class _ReadAhead(Generic[T, R]):
         if self._period_items >= max(MIN_PERIOD, self._win.size) and self._depth > self._floor:
             now = time.perf_counter()
             span = max(now - self._period_start, 1e-9)
-            self._win = tune_window(self._win, self._period_items / span, self._period_wait / span,
-                                    floor=self._floor, ceiling=self._depth)
+            rate = self._period_items / span
+            self._win = tune_window(self._win, rate, self._period_wait / span, floor=self._floor,
+                                    ceiling=self._depth, busy=rate * (self._per_item or 0.0))
             self._period_start, self._period_items, self._period_wait = now, 0, 0.0
 
     def _shutdown(self) -> None:
