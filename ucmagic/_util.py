@@ -183,12 +183,7 @@ def copy_fds(fsrc: int, fdst: int, *, size: int | None = None, crc: bool = False
     page by page) and no slower from local disk (docs/benchmarks.md).
     """
     n = c = 0
-    bufs = getattr(_buffers, "bufs", None)
-    if bufs is None:
-        bufs = _buffers.bufs = {}
-    buf = bufs.get(buffer_size)
-    if buf is None:
-        buf = bufs[buffer_size] = memoryview(bytearray(buffer_size))
+    buf = _thread_buffer(buffer_size)
     while size is None or n < size:
         if check is not None:
             check()
@@ -202,6 +197,38 @@ def copy_fds(fsrc: int, fdst: int, *, size: int | None = None, crc: bool = False
             view = view[os.write(fdst, view):]
         n += got
     return n, c
+
+
+def copy_file_to_fd(fsrc: Any, fdst: int, *, buffer_size: int = COPY_BUFFER) -> int:
+    """A readable file object (an fsspec file) to descriptor ``fdst``; the bytes copied. As
+    :func:`copy_fds`: reads into the reused per-thread buffer (``readinto`` where the file has it), raw
+    writes; ``shutil.copyfileobj`` allocates a new buffer per read and writes through a file object."""
+    n = 0
+    buf = _thread_buffer(buffer_size)
+    readinto = getattr(fsrc, "readinto", None)
+    while True:
+        if readinto is not None:
+            got = readinto(buf)
+            view = buf[:got] if got else None
+        else:
+            data = fsrc.read(buffer_size)
+            got, view = len(data), memoryview(data)
+        if not got:
+            return n
+        while view:  # a raw write may be partial
+            view = view[os.write(fdst, view):]
+        n += got
+
+
+def _thread_buffer(size: int) -> memoryview:
+    """This thread's reused copy buffer of ``size`` bytes (one per size and thread)."""
+    bufs = getattr(_buffers, "bufs", None)
+    if bufs is None:
+        bufs = _buffers.bufs = {}
+    buf = bufs.get(size)
+    if buf is None:
+        buf = bufs[size] = memoryview(bytearray(size))
+    return buf
 
 
 def error_line(exc: BaseException) -> str:

@@ -22,12 +22,11 @@ from functools import cached_property, lru_cache
 from typing import Any, Callable, Iterable, Iterator, NamedTuple, Sequence, Union
 
 from . import ranged
-from .._util import (FILL_BUFFER, LOCAL_DISK_FS, DaemonPool, atomic_target, atomic_write, copy_fds, copy_local,
-                     is_remote_url, mount_fs_type, open_emptied, wait_result)
+from .._util import (FILL_BUFFER, LOCAL_DISK_FS, DaemonPool, atomic_target, atomic_write, copy_fds, copy_file_to_fd,
+                     copy_local, is_remote_url, mount_fs_type, open_emptied, wait_result)
 from ..errors import (EmptyListingError, FetchError, InvalidArgumentError, SourceChangedError, SourceNotADirectoryError,
                       SourceNotFoundError, UnreadableDirectoryError)
 
-COPY_CHUNK = 4 << 20
 # A directory read faster than this (seconds: a fixed part plus one per entry) is "local and
 # cached": the listing goes on reading on one thread, as threads contending for the GIL cost more
 # than they save there. The first slower one (a network mount, an uncached disk) starts the pool.
@@ -723,9 +722,12 @@ class FsspecVolume(Volume):
     def copy_to(self, rel: str, dest: str, *, expect: FileEntry | None = None) -> int:
         if expect is not None and expect.size >= self.range_threshold:
             return self.ranged_copy(rel, dest, expect)
-        with self.fs.open(self.root + "/" + rel, "rb") as fsrc, os.fdopen(open_emptied(dest), "wb") as fdst:
-            shutil.copyfileobj(fsrc, fdst, COPY_CHUNK)
-            n = fdst.tell()
+        with self.fs.open(self.root + "/" + rel, "rb") as fsrc:
+            fdst = open_emptied(dest)
+            try:
+                n = copy_file_to_fd(fsrc, fdst, buffer_size=FILL_BUFFER)
+            finally:
+                os.close(fdst)
         if expect is not None:  # one look after the copy sees a change made before or during it
             check_unchanged(self, expect, self.stat(rel))
         return n
