@@ -12,7 +12,8 @@ and prints medians and the SPEC's ratios. Contenders:
 - ``torch0`` / ``torch6``: torch.utils.data.DataLoader over a map-style dataset reading each file
   from the volume, 0 and 6 workers (``torch0`` is timed on a subset and scaled: it takes minutes);
 - ``dbair``: ``databricks-sdk-air[data]==0.1.1`` UCVolumeDataset + its DataLoader, defaults
-  (venv at ``$DBAIR_PYTHON``, default /tmp/venv-dbair/bin/python);
+  (venv at ``$DBAIR_PYTHON``, default /tmp/venv-dbair/bin/python, with the same torch and numpy as
+  this one: docs/benchmarks.md);
 - ``litdata``: litdata ``StreamingRawDataset(dir, cache_files=True, item_type="path", recompute_index=True)``
   (it writes an index file into the data directory; without recompute_index a second mount of the
   same files reads the first mount's paths) under a
