@@ -191,6 +191,28 @@ def test_a_consumer_slower_than_a_high_latency_volume_keeps_the_calls_that_hide_
     assert w.size >= consumer * latency
 
 
+@pytest.mark.timeout(60)
+def test_a_slow_loop_over_a_high_latency_volume_keeps_enough_calls_in_flight_to_never_wait_long():
+    # 50 ms per call, a loop that spends 2 ms per item (at most 500 items/s: up to 25 calls busy; on a
+    # slow machine fewer). Before, the window shrank to its floor of 4 whenever the loop did not wait.
+    active, mu = [0], threading.Lock()
+
+    def call(i):
+        with mu:
+            active[0] += 1
+        time.sleep(0.05)
+        with mu:
+            active[0] -= 1
+        return i
+
+    in_flight = []
+    for i in read_ahead(call, range(800), depth=64):
+        time.sleep(0.002)
+        if 300 <= i < 700:  # steady state, away from both ends
+            in_flight.append(active[0])
+    assert min(in_flight) >= 6, sorted(in_flight)[:20]
+
+
 def test_quick_fills_behind_a_slow_consumer_still_shrink_to_the_floor():
     w = Window(32)
     for _ in range(50):  # 500 items/s of 0.1 ms fills: well under one call busy at a time

@@ -208,8 +208,8 @@ def tune_window(w: Window, rate: float, wait_share: float, *, floor: int, ceilin
     spent ``wait_share`` of its time waiting on the head item (pure: no clock, no I/O).
 
     The consumer barely waited: it is the bottleneck, so fewer calls in flight will do (shrink by a
-    quarter), but not fewer than twice ``busy``, the calls running at once in the period (the
-    caller's items/s times seconds per item, Little's law). A consumer slower than a high-latency
+    quarter), but not fewer than twice ``busy``, the calls the volume keeps running at once (the
+    caller's items/s times the volume's own seconds per item, Little's law). A consumer slower than a high-latency
     volume (decoding images: 145 items/s over 100 ms opens keep ~15 calls busy) so keeps the calls
     that hide the latency, where it used to shrink until it waited, grow back and shrink again
     (waiting in 41 of 150 periods of a model); quick fills (a local disk) keep few calls busy and
@@ -318,6 +318,8 @@ class _ReadAhead(Generic[T, R]):
         self._depth, self._floor = depth, min(depth, INLINE_FLOOR if inline else FLOOR_WINDOW)
         self._win = Window(min(depth, START_WINDOW))
         self._per_item: float | None = None  # seconds a call spends per item (moving average)
+        # the least of them: the volume's own time per item (calls contending for the GIL take longer)
+        self._least_item: float | None = None
         self._period_start = time.perf_counter()
         self._period_items = 0
         self._period_wait = 0.0
@@ -466,6 +468,7 @@ class _ReadAhead(Generic[T, R]):
     def _learn(self, per_item: float) -> None:
         """A call took ``per_item`` seconds per item: the moving average behind :func:`batch_size`."""
         self._per_item = per_item if self._per_item is None else 0.75 * self._per_item + 0.25 * per_item
+        self._least_item = per_item if self._least_item is None else min(self._least_item, per_item)
 
     def _retire(self, task: _Task[T, R]) -> None:
         """``task``'s results were all taken: learn its time per item, and tune the window at the end
@@ -480,8 +483,9 @@ class _ReadAhead(Generic[T, R]):
             now = time.perf_counter()
             span = max(now - self._period_start, 1e-9)
             rate = self._period_items / span
+            busy = 0.0 if self._inline_now() else rate * (self._least_item or 0.0)  # calls pool threads run
             self._win = tune_window(self._win, rate, self._period_wait / span, floor=self._floor,
-                                    ceiling=self._depth, busy=rate * (self._per_item or 0.0))
+                                    ceiling=self._depth, busy=busy)
             self._period_start, self._period_items, self._period_wait = now, 0, 0.0
 
     def _shutdown(self) -> None:
