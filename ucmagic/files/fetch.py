@@ -209,18 +209,19 @@ def tune_window(w: Window, rate: float, wait_share: float, *, floor: int, ceilin
 
     The consumer barely waited: it is the bottleneck, so fewer calls in flight will do (shrink by a
     quarter), but not fewer than twice ``busy``, the calls the volume keeps running at once (the
-    caller's items/s times the volume's own seconds per item, Little's law). A consumer slower than a high-latency
-    volume (decoding images: 145 items/s over 100 ms opens keep ~15 calls busy) so keeps the calls
-    that hide the latency, where it used to shrink until it waited, grow back and shrink again
-    (waiting in 41 of 150 periods of a model); quick fills (a local disk) keep few calls busy and
-    still shrink to ``floor``. It waited: double the window, and keep the growth only if the rate rose by ``gain``
-    -- a high-latency volume gains from every extra call, a fast local disk (CPU-bound fills that
-    serialise on the GIL) does not. A growth that did not pay goes back and then tries halving: a
-    smaller window is kept while the rate stays within ``loss`` of what it was (fewer threads
-    contending for the GIL do the same work: on 40,000 local files the window settles at 4-8 calls
-    instead of 32), and one that cost rate goes back and rests ``rest`` periods before trying to grow
-    again. Measured (old tree against new, interleaved, medians): 40,000 local files 17.6 -> 16.9 s,
-    P20 3.44 -> 3.34 s, P100 4.11 -> 4.02 s, all within this VM's noise (docs/benchmarks.md).
+    caller's items/s times the volume's own seconds per item, Little's law). A consumer slower than
+    a high-latency volume (decoding images: 145 items/s over 100 ms opens keep ~15 calls busy) so
+    keeps the calls that hide the latency, where it used to shrink until it waited, grow back and
+    shrink again (waiting in 41 of 150 periods of a model); quick fills (a local disk) keep few
+    calls busy and still shrink to ``floor``. It waited: double the window, and keep the growth only
+    if the rate rose by ``gain`` -- a high-latency volume gains from every extra call, a fast local
+    disk (CPU-bound fills that serialise on the GIL) does not. A growth that did not pay goes back
+    and then tries halving: a smaller window is kept while the rate stays within ``loss`` of what it
+    was (fewer threads contending for the GIL do the same work: on 40,000 local files the window
+    settles at 4-8 calls instead of 32), and one that cost rate goes back and rests ``rest`` periods
+    before trying to grow again. Measured (old tree against new, interleaved, medians): 40,000 local
+    files 17.6 -> 16.9 s, P20 3.44 -> 3.34 s, P100 4.11 -> 4.02 s, all within this VM's noise
+    (docs/benchmarks.md).
     """
     if wait_share < idle:
         least = min(ceiling, max(floor, math.ceil(2 * busy)))
@@ -466,7 +467,8 @@ class _ReadAhead(Generic[T, R]):
         return done
 
     def _learn(self, per_item: float) -> None:
-        """A call took ``per_item`` seconds per item: the moving average behind :func:`batch_size`."""
+        """A call took ``per_item`` seconds per item: the moving average behind :func:`batch_size`, and
+        the least time per item behind the calls :func:`tune_window` keeps busy."""
         self._per_item = per_item if self._per_item is None else 0.75 * self._per_item + 0.25 * per_item
         self._least_item = per_item if self._least_item is None else min(self._least_item, per_item)
 
