@@ -176,10 +176,10 @@ def test_window_shrinks_when_the_consumer_does_not_wait():
 
 @pytest.mark.parametrize("latency", [0.1, 0.02])
 def test_a_consumer_slower_than_a_high_latency_volume_keeps_the_calls_that_hide_the_latency(latency):
-    # images decoded at 145/s from a volume with `latency` s per open: the consumer never waits with
-    # more than 145 * latency calls in flight, and waits in every period with fewer (no trial needed
-    # to see it). Without `busy` the window shrank by a quarter until the consumer waited, doubled,
-    # and shrank again: it waited in 41 of 150 periods.
+    # images decoded at 145/s from a volume with `latency` s per open: the consumer does not wait with
+    # at least 145 * latency calls in flight, and waits in every period with fewer. Without `busy` the
+    # window shrank by a quarter until the consumer waited, doubled, and shrank again: it waited in 41
+    # of 150 periods.
     consumer = 145.0
     w, waited = Window(32), 0
     for period in range(200):

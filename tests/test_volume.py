@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from ucmagic._util import LOCAL_DISK_FS, mount_fs_type
+from ucmagic._util import LOCAL_DISK_FS, copy_file_to_fd, mount_fs_type
 from ucmagic.errors import EmptyListingError, SourceNotADirectoryError, SourceChangedError, SourceNotFoundError
 from ucmagic.files.volume import (FileEntry, FsspecVolume, LocalVolume, compile_pattern, filter_entries,
                             listing_fingerprint, open_volume, resolve_local_path)
@@ -407,3 +407,31 @@ def test_a_local_volume_subclass_that_copies_its_own_way_is_not_a_local_disk(tmp
 
     assert not Remote(str(tmp_path)).local_disk
     assert Counted(str(tmp_path)).local_disk == LocalVolume(str(tmp_path)).local_disk
+
+
+@pytest.mark.parametrize("has_readinto", [True, False])
+def test_a_file_object_is_copied_whole_through_a_small_buffer(tmp_path, has_readinto):
+    # FsspecVolume fills: a file object (readinto where it has one, else read) to a raw descriptor
+    data = os.urandom(10_000)
+
+    class Reader:
+        def __init__(self):
+            self.pos = 0
+
+        def read(self, n):
+            got = data[self.pos:self.pos + min(n, 3000)]  # short reads, as a network stream gives
+            self.pos += len(got)
+            return got
+
+    if has_readinto:
+        def readinto(self, b):
+            got = self.read(len(b))
+            b[:len(got)] = got
+            return len(got)
+        Reader.readinto = readinto
+    fd = os.open(tmp_path / "out", os.O_WRONLY | os.O_CREAT)
+    try:
+        assert copy_file_to_fd(Reader(), fd, buffer_size=4096) == len(data)
+    finally:
+        os.close(fd)
+    assert (tmp_path / "out").read_bytes() == data
