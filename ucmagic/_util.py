@@ -193,8 +193,7 @@ def copy_fds(fsrc: int, fdst: int, *, size: int | None = None, crc: bool = False
         view = buf[:got]
         if crc:
             c = zlib.crc32(view, c)
-        while view:  # a raw write may be partial
-            view = view[os.write(fdst, view):]
+        write_all(fdst, view)
         n += got
     return n, c
 
@@ -213,11 +212,17 @@ def copy_file_to_fd(fsrc: Any, fdst: int, *, buffer_size: int = COPY_BUFFER) -> 
         else:
             data = fsrc.read(buffer_size)
             got, view = len(data), memoryview(data)
-        if not got:
+        if not got or view is None:
             return n
-        while view:  # a raw write may be partial
-            view = view[os.write(fdst, view):]
+        write_all(fdst, view)
         n += got
+
+
+def write_all(fd: int, data: bytes | memoryview) -> None:
+    """Write all of ``data`` to descriptor ``fd`` (a raw write may be partial)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
 
 
 def _thread_buffer(size: int) -> memoryview:
@@ -385,9 +390,7 @@ def atomic_write(path: str, data: bytes, *, tmp: str | None = None, sync: bool =
     with atomic_target(path, tmp) as part:
         fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
         try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
+            write_all(fd, data)
             if sync:
                 os.fsync(fd)
         finally:

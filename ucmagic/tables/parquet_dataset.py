@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from .._util import FILL_BUFFER, copy_file_to_fd, open_emptied
 from ..files import plan
 from .. import telemetry
 from ..files.cache import FileCache
@@ -387,12 +388,13 @@ class ParquetDataset(EpochTracking, IterableDataset[Any]):
             return hit
 
         def write(tmp: str) -> int:
-            if self.remote:
-                import shutil
-
-                with self._fs().open(f.path, "rb") as src, open(tmp, "wb") as dst:
-                    shutil.copyfileobj(src, dst, 4 << 20)
-                    return dst.tell()
+            if self.remote:  # as FsspecVolume's fills: the thread's reused buffer, raw writes
+                with self._fs().open(f.path, "rb") as src:
+                    dst = open_emptied(tmp)
+                    try:
+                        return copy_file_to_fd(src, dst, buffer_size=FILL_BUFFER)
+                    finally:
+                        os.close(dst)
             from ..files.volume import LocalVolume
 
             return LocalVolume(os.path.dirname(f.path)).copy_to(os.path.basename(f.path), tmp)
