@@ -218,6 +218,16 @@ def copy_file_to_fd(fsrc: Any, fdst: int, *, buffer_size: int = COPY_BUFFER) -> 
         n += got
 
 
+def copy_file_to_path(fsrc: Any, dest: str, *, buffer_size: int = COPY_BUFFER) -> int:
+    """A readable file object to the local file ``dest`` (made if missing, emptied: :func:`open_emptied`)
+    through :func:`copy_file_to_fd`; the bytes copied."""
+    fdst = open_emptied(dest)
+    try:
+        return copy_file_to_fd(fsrc, fdst, buffer_size=buffer_size)
+    finally:
+        os.close(fdst)
+
+
 def write_all(fd: int, data: bytes | memoryview) -> None:
     """Write all of ``data`` to descriptor ``fd`` (a raw write may be partial)."""
     view = memoryview(data)

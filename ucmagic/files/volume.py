@@ -22,7 +22,7 @@ from functools import cached_property, lru_cache
 from typing import Any, Callable, Iterable, Iterator, NamedTuple, Sequence, Union
 
 from . import ranged
-from .._util import (FILL_BUFFER, LOCAL_DISK_FS, DaemonPool, atomic_target, atomic_write, copy_fds, copy_file_to_fd,
+from .._util import (FILL_BUFFER, LOCAL_DISK_FS, DaemonPool, atomic_target, atomic_write, copy_fds, copy_file_to_path,
                      copy_local, is_remote_url, mount_fs_type, open_emptied, wait_result)
 from ..errors import (EmptyListingError, FetchError, InvalidArgumentError, SourceChangedError, SourceNotADirectoryError,
                       SourceNotFoundError, UnreadableDirectoryError)
@@ -723,11 +723,7 @@ class FsspecVolume(Volume):
         if expect is not None and expect.size >= self.range_threshold:
             return self.ranged_copy(rel, dest, expect)
         with self.fs.open(self.root + "/" + rel, "rb") as fsrc:
-            fdst = open_emptied(dest)
-            try:
-                n = copy_file_to_fd(fsrc, fdst, buffer_size=FILL_BUFFER)
-            finally:
-                os.close(fdst)
+            n = copy_file_to_path(fsrc, dest, buffer_size=FILL_BUFFER)
         if expect is not None:  # one look after the copy sees a change made before or during it
             check_unchanged(self, expect, self.stat(rel))
         return n

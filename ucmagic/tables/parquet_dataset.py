@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from .._util import FILL_BUFFER, copy_file_to_fd, open_emptied
+from .._util import FILL_BUFFER, copy_file_to_path
 from ..files import plan
 from .. import telemetry
 from ..files.cache import FileCache
@@ -390,11 +390,7 @@ class ParquetDataset(EpochTracking, IterableDataset[Any]):
         def write(tmp: str) -> int:
             if self.remote:  # as FsspecVolume's fills: the thread's reused buffer, raw writes
                 with self._fs().open(f.path, "rb") as src:
-                    dst = open_emptied(tmp)
-                    try:
-                        return copy_file_to_fd(src, dst, buffer_size=FILL_BUFFER)
-                    finally:
-                        os.close(dst)
+                    return copy_file_to_path(src, tmp, buffer_size=FILL_BUFFER)
             from ..files.volume import LocalVolume
 
             return LocalVolume(os.path.dirname(f.path)).copy_to(os.path.basename(f.path), tmp)
