@@ -32,7 +32,10 @@ client CPU and is not counted.
 Scale case (``--scale-files N``, 0 = off): N files of 1 KiB on local disk (no FUSE), one process,
 ``num_workers=0``: the listing (``UCVolumeDataset(...)``), a cold epoch vs a raw copy by 8 threads,
 and a warm epoch vs a plain walk-and-read loop over the source tree, each in a fresh process,
-interleaved over rounds.
+interleaved over rounds. Use 3 rounds or more and start the run several minutes after any large
+deletion (an earlier run's caches, removed when it ends): ext4 without a journal re-checks every
+inode freed in the last minutes at each new file, and the contender that runs first pays for most
+of it (docs/benchmarks.md, session 17). Per-round ratios are printed beside the medians.
 """
 from __future__ import annotations
 
@@ -381,6 +384,10 @@ def run_scale(workdir: str, n: int, rounds: int) -> dict[str, list[dict]]:
     print(f"  warm epoch              {warm:7.2f} s  ({n / warm:,.0f} files/s, {_med(uc, 'cpu', 1):.1f} cpu-s)   "
           f"walk-and-read {direct:.2f} s ({_med(walk, 'cpu'):.1f} cpu-s)   ratio {warm / direct:.2f}  [<= 1.5]")
     print(f"  bookkeeping per file, cold: {(cold - rawc) / n * 1e6:.0f} us over the raw copy")
+    per_round = [(u["epochs"][0]["secs"] / r["epochs"][0]["secs"]) for u, r in zip(res["scale-uc"], res["scale-raw"])
+                 if "epochs" in u and "epochs" in r]
+    print("  cold / raw copy per round: "
+          + ", ".join(f"{x:.2f}" for x in per_round))
     return res
 
 
