@@ -32,10 +32,11 @@ client CPU and is not counted.
 Scale case (``--scale-files N``, 0 = off): N files of 1 KiB on local disk (no FUSE), one process,
 ``num_workers=0``: the listing (``UCVolumeDataset(...)``), a cold epoch vs a raw copy by 8 threads,
 and a warm epoch vs a plain walk-and-read loop over the source tree, each in a fresh process,
-interleaved over rounds. Use 3 rounds or more and start the run several minutes after any large
-deletion (an earlier run's caches, removed when it ends): ext4 without a journal re-checks every
-inode freed in the last minutes at each new file, and the contender that runs first pays for most
-of it (docs/benchmarks.md, session 17). Per-round ratios are printed beside the medians.
+interleaved over rounds. Use 3 rounds or more: a run's first contender, whichever it is, was up to
+40 s slower than the others in session 17's runs. Start the run several minutes after any large
+deletion (an earlier run's caches, removed when it ends): ext4 without a journal re-checks, at each
+new file, every inode freed in the last minutes (docs/benchmarks.md, session 17). Per-round ratios
+are printed beside the medians.
 """
 from __future__ import annotations
 
