@@ -387,8 +387,7 @@ def run_scale(workdir: str, n: int, rounds: int) -> dict[str, list[dict]]:
     print(f"  bookkeeping per file, cold: {(cold - rawc) / n * 1e6:.0f} us over the raw copy")
     per_round = [(u["epochs"][0]["secs"] / r["epochs"][0]["secs"]) for u, r in zip(res["scale-uc"], res["scale-raw"])
                  if "epochs" in u and "epochs" in r]
-    print("  cold / raw copy per round: "
-          + ", ".join(f"{x:.2f}" for x in per_round))
+    print("  cold / raw copy per round: " + ", ".join(f"{x:.2f}" for x in per_round))
     return res
 
 

@@ -207,12 +207,12 @@ def copy_file_to_fd(fsrc: Any, fdst: int, *, buffer_size: int = COPY_BUFFER) -> 
     readinto = getattr(fsrc, "readinto", None)
     while True:
         if readinto is not None:
-            got = readinto(buf)
-            view = buf[:got] if got else None
+            got = readinto(buf) or 0  # None: nothing to read now, as at the end
+            view = buf[:got]
         else:
-            data = fsrc.read(buffer_size)
-            got, view = len(data), memoryview(data)
-        if not got or view is None:
+            view = memoryview(fsrc.read(buffer_size))
+            got = len(view)
+        if not got:
             return n
         write_all(fdst, view)
         n += got
