@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from torch.distributed.checkpoint import CheckpointException
 from hypothesis import strategies as st
 
@@ -470,10 +470,27 @@ save_checkpoint({str(root)!r}, model=model2, optimizer=opt2, step=2)
 # ---------------------------------------------------------------- checkpoints other tools wrote
 
 @pytest.mark.parametrize("name,step", [("step_100", 100), ("epoch=3-step=1000.ckpt", 1000), ("checkpoint-500", 500),
-                                       ("ckpt_20.pt", 20), ("global_step200", 200), ("final.pt", None),
-                                       ("model", None)])
-def test_a_foreign_checkpoints_step_is_the_number_its_name_carries(name, step):
+                                       ("ckpt_20.pt", 20), ("ckpt-3", 3), ("step-7", 7), ("global_step200", 200),
+                                       ("final.pt", None), ("model", None), ("model_20240601.pt", None),
+                                       ("resnet50.pth", None), ("model_fp16.pt", None), ("run-a-5.pth", None),
+                                       ("20240601", None), ("mystep_5", None), ("checkpoints-4", None)])
+def test_a_foreign_checkpoints_step_is_the_number_after_a_step_word(name, step):
     assert fmt.foreign_step(name) == step
+
+
+def test_a_dated_or_numbered_file_in_the_root_is_listed_without_a_step_and_never_loaded_as_latest(tmp_path, staging):
+    root = tmp_path / "root"
+    m20, m30 = make_model(20), make_model(30)
+    save_checkpoint(root, model=m20, step=20)
+    save_checkpoint(root, model=m30, step=30)
+    for name in ("model_20240601.pt", "resnet50.pth", "model_fp16.pt"):
+        torch.save(make_model(99).state_dict(), root / name)
+    assert [(i.step, os.path.basename(i.path)) for i in list_checkpoints(root)] == [
+        (20, "step_20"), (30, "step_30"), (None, "model_20240601.pt"), (None, "model_fp16.pt"), (None, "resnet50.pth")]
+    target = make_model(1)
+    assert load_checkpoint(root, model=target) == (30, None) and same_model(target, m30)
+    with pytest.raises(NoCheckpointError, match="committed steps: \\[20, 30\\]"):
+        load_checkpoint(root, 20240601, model=target)
 
 
 def test_latest_never_picks_an_entry_without_a_step_and_prefers_ucmagic_on_a_tie():
@@ -495,7 +512,7 @@ def test_foreign_dcp_and_torch_save_checkpoints_are_listed_marked_and_loaded(tmp
     msd, osd = get_state_dict(m5, o5)
     with pytest.warns(UserWarning, match="torch.distributed"):
         dcp.save({"model": msd, "optim": osd, "step": 5},  # the seed's layout (databricks.air.data)
-                 storage_writer=dcp.FileSystemWriter(str(root / "torch-dcp-5")))
+                 storage_writer=dcp.FileSystemWriter(str(root / "torch-dcp-step-5")))
     m9 = make_model(9)
     torch.save(m9.state_dict(), root / "ckpt_9.pt")
     m7, o7 = trained(seed=7)
@@ -507,7 +524,7 @@ def test_foreign_dcp_and_torch_save_checkpoints_are_listed_marked_and_loaded(tmp
 
     infos = list_checkpoints(root)
     assert [(i.step, os.path.basename(i.path), i.kind) for i in infos] == [
-        (1, "step_1", "ucmagic.dcp"), (5, "torch-dcp-5", "dcp"), (9, "ckpt_9.pt", "torch.save"),
+        (1, "step_1", "ucmagic.dcp"), (5, "torch-dcp-step-5", "dcp"), (9, "ckpt_9.pt", "torch.save"),
         (None, "final.pt", "torch.save")]
     target = make_model(1)
     assert load_checkpoint(root, model=target) == (9, None) and same_model(target, m9)  # latest: the highest step
@@ -522,7 +539,7 @@ def test_foreign_dcp_and_torch_save_checkpoints_are_listed_marked_and_loaded(tmp
     assert lines[0].split()[-1] == "KIND" and len(lines) == 5, r.stdout
     assert lines[2].split()[0] == "5" and lines[2].split()[-1] == "dcp", r.stdout
     assert lines[4].split()[0] == "-" and lines[4].split()[-1] == "torch.save", r.stdout
-    (root / "torch-dcp-5" / fmt.SAVING_NAME).write_text("{}")  # an in-progress record: no longer complete
+    (root / "torch-dcp-step-5" / fmt.SAVING_NAME).write_text("{}")  # an in-progress record: no longer complete
     assert 5 not in [i.step for i in list_checkpoints(root)]
 
 
@@ -553,11 +570,23 @@ def test_a_load_racing_an_overwrite_names_the_overwrite_not_corruption(tmp_path,
     assert "overwritten while it was being loaded" in str(info.value) and "corrupted" not in str(info.value)
 
 
+_NAME_CHARS = st.sampled_from("abcdefghijklmnopqrstuvwxyz0123456789_-=.")
+
+
 @settings(max_examples=200, deadline=None)
-@given(st.integers(0, 10**12), st.sampled_from(["step_{}", "checkpoint-{}", "epoch=3-step={}.ckpt", "ckpt_{}.pt",
-                                                "global_step{}", "run-a-{}.pth"]))
-def test_the_step_of_any_numbered_foreign_name_is_its_number(n, form):
-    assert fmt.foreign_step(form.format(n)) == n
+@given(st.integers(0, 10**12), st.sampled_from(["step_{}", "step-{}", "checkpoint-{}", "epoch=3-step={}.ckpt",
+                                                "ckpt_{}.pt", "ckpt-{}.pth", "global_step{}", "run-a_step={}.pt"]),
+       st.text(st.sampled_from("_-=."), max_size=3))
+def test_a_number_after_a_step_word_is_the_step(n, form, tail):
+    assert fmt.foreign_step(form.format(n) + tail) == n
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(_NAME_CHARS, max_size=24), st.sampled_from(["", ".pt", ".pth", ".ckpt"]))
+def test_a_name_without_a_step_word_has_no_step(stem, suffix):
+    words = ("step", "checkpoint-", "ckpt_", "ckpt-")
+    assume(not any(w in stem.lower() for w in words))  # dates, bare numbers, resnet50, fp16, run-a-<N>
+    assert fmt.foreign_step(stem + suffix) is None
 
 
 @given(st.lists(st.tuples(st.one_of(st.none(), st.integers(0, 50)), st.sampled_from(["ucmagic.dcp", "dcp"])),

@@ -177,7 +177,9 @@ def list_checkpoints(root: str | os.PathLike[str], *,
     Lists ucmagic's committed ``step_<N>/`` directories, DCP directories other writers made (torch's
     ``FileSystemWriter``, ``databricks.air.data``; ``kind="dcp"``, complete once ``.metadata`` is there)
     and ``torch.save`` files (``.pt``/``.pth``/``.ckpt``; ``kind="torch.save"``). A foreign entry's step is
-    the number in its name, None when there is none (listed last, never "latest"). Unfinished,
+    the number after a step word in its name (``step_100``, ``epoch=3-step=1000.ckpt``, ``checkpoint-500``,
+    ``ckpt_20.pt``, ``global_step200``: :func:`.format.foreign_step`); any other name, a date or a bare
+    number included, has step None (listed last, never "latest"). Unfinished,
     killed or failed saves are skipped. ``root`` may be an fsspec URL (``s3://bucket/run/ckpts``;
     ``storage_options`` as for fsspec, else the store's own configuration).
     """
@@ -397,7 +399,7 @@ def _settle(out: Future[str], fn: Any) -> None:
 def resolve_step(root: str | os.PathLike[str], step: int | str, *,
                  storage_options: dict[str, Any] | None = None) -> tuple[int, str]:
     """``(step, path)`` of checkpoint ``step`` (an int or ``"latest"``) under ``root``: ucmagic's
-    ``step_<N>/``, else a foreign checkpoint whose name carries that number (see :func:`list_checkpoints`)."""
+    ``step_<N>/``, else a foreign checkpoint whose name carries that step (see :func:`list_checkpoints`)."""
     from . import transfer as xfer
 
     root_path = _root(root, storage_options=storage_options)

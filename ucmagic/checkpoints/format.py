@@ -85,19 +85,26 @@ def parse_step_dirname(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-_NAMED_STEP_RE = re.compile(r"(?:^|[^a-z])(?:global_)?step[_=-]?(\d+)", re.IGNORECASE)
-_LAST_NUMBER_RE = re.compile(r"(\d+)(?!.*\d)")
+#: The step words: a number is a step only right after one of these (ucmagic's and DCP's ``step_<N>`` /
+#: ``step-<N>``, Lightning's ``step=<N>``, Hugging Face's ``checkpoint-<N>``, ``ckpt_<N>`` / ``ckpt-<N>``,
+#: DeepSpeed's ``global_step<N>``). The word starts the name or follows a character that is not a letter or
+#: digit (``epoch=3-step=1000``, ``run1_step_5``), and the number ends at the name's end or a non-digit.
+STEP_WORDS = ("step_", "step-", "step=", "checkpoint-", "ckpt_", "ckpt-", "global_step")
+_STEP_WORD_RE = re.compile(r"(?:^|(?<=[^a-z0-9]))(?:global_step|step[_=-]|checkpoint-|ckpt[_-])(\d+)(?!\d)",
+                           re.IGNORECASE)
 
 
 def foreign_step(name: str) -> int | None:
-    """The step a foreign checkpoint's name carries: ``step_100``, ``epoch=3-step=1000`` (1000),
-    ``checkpoint-500``, ``ckpt_20.pt``; None when it carries no number (never chosen as latest)."""
+    """The step a foreign checkpoint's name carries after a step word (:data:`STEP_WORDS`): ``step_100``,
+    ``epoch=3-step=1000.ckpt`` (1000), ``checkpoint-500``, ``ckpt_20.pt``, ``global_step200``. Any other
+    name, a bare number or a date included (``model_20240601.pt``, ``resnet50.pth``), has none: None, never
+    chosen as latest. With several step words (``ckpt_3-step=900``) the last one counts."""
     stem = name
     for suffix in TORCH_SAVE_SUFFIXES:
         if stem.lower().endswith(suffix):
             stem = stem[: -len(suffix)]
-    m = _NAMED_STEP_RE.search(stem) or _LAST_NUMBER_RE.search(stem)
-    return int(m.group(1)) if m else None
+    found = _STEP_WORD_RE.findall(stem)
+    return int(found[-1]) if found else None
 
 
 def is_torch_save_name(name: str) -> bool:
