@@ -56,6 +56,8 @@ _EXPORTS = {
     "ListingChangedError": "errors",
     "ResumeOrderError": "errors",
     "UnsafeCacheError": "errors",
+    "UnsafeDirectoryError": "errors",
+    "UnsafeSourceError": "errors",
     "NotAnEntryError": "errors",
     "local_path": "files.volume",
     "Volume": "files.volume",

@@ -78,6 +78,17 @@ class UnsafeCacheError(UCMagicError, PermissionError):
     """The cache directory is not private to the current user."""
 
 
+class UnsafeDirectoryError(UnsafeCacheError):
+    """A folder or file ucmagic keeps its own files in (cache, checkpoint staging, DuckDB spill, lock
+    files) or writes into (a stage, pack or export destination) is a symbolic link, belongs to another
+    user or is writable by others."""
+
+
+class UnsafeSourceError(UCMagicError, PermissionError):
+    """A source points outside its own root: a symlink in a file tree (``follow_symlinks="inside"``),
+    a Delta log's absolute or ``..`` path."""
+
+
 class NotAnEntryError(UCMagicError, ValueError):
     """A path given to ``source_of`` is not a cached file of that dataset."""
 

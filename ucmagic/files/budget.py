@@ -20,6 +20,7 @@ from typing import Callable, Iterable
 from ..errors import CacheFullError
 from ..units import format_size
 from .cache_layout import CacheLayout, RemovalToken, listdir, serial
+from .locks import open_private
 from .cache_usage import CacheUsage, scan
 from .locks import process_tag, tag_alive
 from .protection import ProtectionRecords
@@ -147,7 +148,7 @@ class BudgetKeeper:
             return None
 
     def write_ledger(self, value: int) -> None:
-        fd = os.open(self.layout.ledger, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        fd = open_private(self.layout.ledger, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, what="cache ledger")
         try:
             os.write(fd, str(max(0, int(value))).encode().rjust(20))  # fixed width: the file's own size never changes
         finally:

@@ -32,7 +32,7 @@ import time
 from typing import Iterable, Iterator, Sequence
 
 from ..errors import CacheDirError, UnsafeCacheError
-from .locks import file_lock, process_tag, tag_alive
+from .locks import check_own_entries, file_lock, open_private, private_dir, process_tag, tag_alive
 
 TMP_STALE_S = 6 * 3600.0  # a temp file whose writer cannot be identified is dropped after this long
 SUBDIRS = ("files", "tmp", "locks", "prot")
@@ -268,23 +268,19 @@ class CacheLayout:
 
     def ensure(self) -> None:
         """Make the root and its folders, private to this user; refuse another user's or an unusable one."""
+        fix = "use a directory of your own with cache_dir= or $UCMAGIC_CACHE_DIR"
         try:
-            os.makedirs(self.root, mode=0o700, exist_ok=True)
-            st = os.stat(self.root)
-        except OSError as exc:
-            raise self.unusable(exc) from exc
-        if hasattr(os, "getuid") and st.st_uid != os.getuid():
-            raise UnsafeCacheError(
-                f"cache directory {self.root} belongs to another user (uid {st.st_uid}); "
-                "use a directory of your own with cache_dir= or $UCMAGIC_CACHE_DIR"
-            )
-        try:
-            if st.st_mode & 0o077:
-                os.chmod(self.root, 0o700)
+            # the root itself (never through a link): a folder of this user's that others could write
+            # to is made 0700, and then nothing in it may be a link or another user's (planted meanwhile)
+            private_dir(self.root, tighten=True, what="cache directory", fix=fix)
+            check_own_entries(self.root, fix=f"remove it (or the whole cache directory), or {fix}")
             for sub in SUBDIRS:
-                os.makedirs(os.path.join(self.root, sub), mode=0o700, exist_ok=True)
+                private_dir(os.path.join(self.root, sub), what="cache folder",
+                            fix=f"remove it (or the whole cache directory {self.root}), or {fix}")
             if not os.access(self.root, os.W_OK | os.X_OK):  # e.g. a read-only mount (EROFS)
                 raise PermissionError(errno.EACCES, "not writable")
+        except UnsafeCacheError:
+            raise
         except OSError as exc:
             raise self.unusable(exc) from exc
 
@@ -411,7 +407,11 @@ class KeptOpen:
             self.close(path)
             fd = None
         if fd is None:
-            fd = self._fds[path] = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+            fd = open_private(path)  # never through a link planted in its place
+            kept = self._fds.setdefault(path, fd)  # shared by a process's datasets: another thread may
+            if kept != fd:  # have opened it meanwhile; one descriptor is kept
+                os.close(fd)
+                fd = kept
         return fd
 
     def close(self, path: str) -> None:

@@ -49,7 +49,7 @@ import numpy as np
 
 from .._util import atomic_target
 from .cache_layout import cache_key_digest, default_cache_dir, map_relpath
-from .locks import file_lock
+from .locks import file_lock, private_dir
 from ..errors import ListingChangedError
 from .volume import FileEntry, Volume, fingerprint_rows
 
@@ -108,9 +108,7 @@ def listing_key(volume: Volume, pattern: str | None) -> str:
 def listings_dir(cache_root: str | None = None) -> str:
     """``<cache root>/listings`` (created private to the user)."""
     root = os.path.abspath(os.path.expanduser(cache_root)) if cache_root else default_cache_dir()
-    path = os.path.join(root, "listings")
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    return path
+    return private_dir(os.path.join(root, "listings"), what="listings folder")
 
 
 # ---------------------------------------------------------------- the mapped listing

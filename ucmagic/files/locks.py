@@ -1,22 +1,145 @@
-"""Locks shared by threads and processes, and the process identities that own them.
+"""Locks shared by threads and processes, the process identities that own them, and the owner
+checks of the places ucmagic keeps its own files in.
 
 :func:`file_lock` (``flock`` on a file of its own) is the lock every module uses across processes
 (epochs, listings, the cache's eviction lock, shard packing); :class:`KeyLocks` are the cache's
 per-key single-flight locks; :func:`process_tag` / :func:`tag_alive` name a process so that a later
 one reusing its pid is not mistaken for it (records, temp files and journals carry the tag).
+:func:`private_dir` makes or checks a folder of ucmagic's own (private to the user, never a link
+nor another user's) and :func:`open_private` opens a file in one without following a link.
 """
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import stat as stat_mod
 import struct
 import threading
 from typing import Any, Iterator
+
+from .._util import O_NOFOLLOW
+from ..errors import UnsafeDirectoryError
 
 try:
     import fcntl
 except ImportError:  # pragma: no cover - not POSIX
     fcntl = None  # type: ignore[assignment]
+
+
+# ---------------------------------------------------------------- private places
+
+
+def _uid() -> int | None:
+    return os.getuid() if hasattr(os, "getuid") else None
+
+
+def dir_problem(st: os.stat_result, uid: int | None, *, sticky_ok: bool = False) -> str | None:
+    """Why a folder with ``lstat`` result ``st`` may not hold files private to user ``uid`` (None: it may).
+
+    It must be a real directory (not a symbolic link), belong to ``uid`` and be writable by no one
+    else. ``sticky_ok``: a folder others may write to but not rename nor delete in (the sticky bit,
+    as ``/tmp``) is fine too, for a caller that only makes new uniquely named folders in it.
+    """
+    if stat_mod.S_ISLNK(st.st_mode):
+        return "it is a symbolic link"
+    if not stat_mod.S_ISDIR(st.st_mode):
+        return "it is not a directory"
+    if sticky_ok and st.st_mode & stat_mod.S_ISVTX and st.st_uid in (uid, 0):
+        return None
+    if uid is not None and st.st_uid != uid:
+        return f"it belongs to another user (uid {st.st_uid})"
+    if st.st_mode & 0o022:
+        return f"others may write to it (mode {stat_mod.S_IMODE(st.st_mode):04o})"
+    return None
+
+
+def private_dir(path: str, *, tighten: bool = False, sticky_ok: bool = False, what: str = "folder",
+                fix: str = "remove it, or point ucmagic at a folder of your own") -> str:
+    """Make ``path`` a folder private to this user (0700 whatever the umask), or check the one there.
+
+    Missing parents are made 0700 too (never 0777 under umask 000). An existing ``path`` is used only
+    if :func:`dir_problem` finds nothing wrong with its ``lstat`` (a symbolic link is never followed);
+    ``tighten``: a real directory of this user's that others may write to is made 0700 instead (the
+    caller then checks what it holds). Else :class:`~ucmagic.errors.UnsafeDirectoryError` names it,
+    ``what`` it is for and ``fix``. Returns ``path``.
+    """
+    uid = _uid()
+    missing = []
+    parent = os.path.dirname(path)
+    while parent and parent != os.path.dirname(parent) and not os.path.lexists(parent):
+        missing.append(parent)
+        parent = os.path.dirname(parent)
+    for folder in reversed(missing):  # os.makedirs would make the upper levels 0777 minus the umask
+        with contextlib.suppress(FileExistsError):
+            _mkdir_private(folder)
+    try:
+        _mkdir_private(path)
+        return path
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    problem = dir_problem(st, uid, sticky_ok=sticky_ok)
+    if problem is not None and tighten and stat_mod.S_ISDIR(st.st_mode) and (uid is None or st.st_uid == uid):
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            if os.path.samestat(os.fstat(fd), st):  # the folder checked, not one swapped in meanwhile
+                os.fchmod(fd, 0o700)
+                problem = dir_problem(os.fstat(fd), uid)
+        finally:
+            os.close(fd)
+    if problem is not None:
+        raise UnsafeDirectoryError(f"ucmagic will not use {path} as its {what}: {problem}; {fix}")
+    return path
+
+
+def check_own_entries(folder: str, *, fix: str = "remove it") -> None:
+    """Raise :class:`~ucmagic.errors.UnsafeDirectoryError` when something directly in ``folder`` (a
+    folder of ucmagic's own) is a symbolic link or belongs to another user: planted while others could
+    write to ``folder``."""
+    uid = _uid()
+    try:
+        with os.scandir(folder) as it:
+            for de in it:
+                st = de.stat(follow_symlinks=False)
+                if stat_mod.S_ISLNK(st.st_mode) or (uid is not None and st.st_uid != uid):
+                    why = "a symbolic link" if stat_mod.S_ISLNK(st.st_mode) else f"another user's (uid {st.st_uid})"
+                    raise UnsafeDirectoryError(f"{de.path} is {why}, in a folder of ucmagic's own: {fix}")
+    except FileNotFoundError:
+        return
+
+
+def _mkdir_private(path: str) -> None:
+    """``mkdir`` with mode 0700 exactly (a umask may remove bits from the mode ``mkdir`` gets)."""
+    os.mkdir(path, 0o700)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        if stat_mod.S_IMODE(os.fstat(fd).st_mode) != 0o700:
+            os.fchmod(fd, 0o700)
+    finally:
+        os.close(fd)
+
+
+def open_private(path: str, flags: int = os.O_RDWR | os.O_CREAT, mode: int = 0o600, *,
+                 dir_fd: int | None = None, what: str = "file") -> int:
+    """``os.open`` of a file ucmagic keeps for itself, never through a symbolic link (``O_NOFOLLOW``),
+    and only a regular file of this user's (a new one is made ``mode``, 0600 by default); else
+    :class:`~ucmagic.errors.UnsafeDirectoryError`. Pass ``os.O_EXCL`` in ``flags`` for a file that must be new."""
+    try:
+        fd = os.open(path, flags | O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP or (exc.errno == errno.EEXIST and os.path.islink(path) and dir_fd is None):
+            raise UnsafeDirectoryError(f"ucmagic will not open its {what} {path}: it is a symbolic link; "
+                                       "remove it") from exc
+        raise
+    st = os.fstat(fd)
+    uid = _uid()
+    if not stat_mod.S_ISREG(st.st_mode) or (uid is not None and st.st_uid != uid):
+        os.close(fd)
+        why = ("it is not a regular file" if not stat_mod.S_ISREG(st.st_mode)
+               else f"it belongs to another user (uid {st.st_uid})")
+        raise UnsafeDirectoryError(f"ucmagic will not use its {what} {path}: {why}; remove it")
+    return fd
 
 
 @contextlib.contextmanager
@@ -32,7 +155,7 @@ def file_lock(path: str, shared: bool = False) -> Iterator[None]:
         with filelock.FileLock(path):
             yield
         return
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    fd = open_private(path, what="lock file")
     try:
         fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
         yield
@@ -68,7 +191,7 @@ class KeyLocks:
     def _file(self) -> int:
         pid = os.getpid()
         if self._pid != pid:  # a forked child shares the parent's description: open its own
-            self._fd, self._pid = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600), pid
+            self._fd, self._pid = open_private(self.path, what="lock file"), pid
         return self._fd
 
     @contextlib.contextmanager
