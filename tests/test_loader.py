@@ -568,3 +568,168 @@ def test_two_loaders_iterating_one_dataset_object_at_once_are_refused_and_one_at
     for i, _ in enumerate(a):  # an evaluation loop over its own dataset object, nested in training
         if i == 2:
             assert sum(len(x) for x in inner) == 60
+
+
+# ------------------------------------------------------------------ issue 40: delivery after a resume
+
+class _Items(torch.utils.data.Dataset):
+    """A user map-style dataset whose items are their own index."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return i
+
+
+class _PathsToRel(IterableDataset):
+    """The seeds' pattern: a user IterableDataset that wraps a ucmagic dataset and decodes each item."""
+
+    def __init__(self, inner):
+        self._inner = inner
+
+    def __iter__(self):
+        for p in self._inner:
+            yield rel_of(p) if isinstance(p, str) else p
+
+
+_MAP_RESUME_CHILD = r"""
+import json, sys, torch
+sys.path.insert(0, sys.argv[4])
+from test_loader import _Items
+from ucmagic import DataLoader
+state = json.load(open(sys.argv[1]))
+loader = DataLoader(_Items(int(sys.argv[2])), batch_size=16, shuffle=True, num_workers=int(sys.argv[3]))
+loader.load_state_dict(state)
+print(json.dumps([int(i) for b in loader for i in b]))
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("workers_before,workers_after,shuffle,persistent", [
+    (0, 1, False, True), (2, 2, True, True), (2, 3, True, False), (1, 0, True, True)])
+def test_map_style_resume_with_workers_delivers_exactly_the_rest(workers_before, workers_after, shuffle, persistent):
+    """Issue 40: 7 batches of 16 from 1,000 items, resumed with workers: the rest, not 1,112 items
+    (torch asks the index sampler for an iterator twice when it starts workers; the skip went to the first)."""
+    a = DataLoader(_Items(1000), batch_size=16, shuffle=shuffle, num_workers=workers_before,
+                   persistent_workers=persistent and workers_before > 0)
+    before = [int(i) for b in run_until(a, 7) for i in b]
+    state = json.loads(json.dumps(a.state_dict()))
+    b = DataLoader(_Items(1000), batch_size=16, shuffle=shuffle, num_workers=workers_after,
+                   persistent_workers=persistent and workers_after > 0)
+    b.load_state_dict(state)
+    after = [int(i) for x in b for i in x]
+    assert len(before) == 112 and len(after) == 888
+    assert sorted(before + after) == list(range(1000))
+    again = [int(i) for x in b for i in x]  # the next epoch is whole
+    assert sorted(again) == list(range(1000))
+
+
+@pytest.mark.timeout(120)
+def test_map_style_resume_in_a_new_process_with_workers(tmp_path):
+    a = DataLoader(_Items(1000), batch_size=16, shuffle=True, num_workers=2)
+    before = [int(i) for b in run_until(a, 7) for i in b]
+    (tmp_path / "s.json").write_text(json.dumps(a.state_dict()))
+    out = subprocess.run([sys.executable, "-c", _MAP_RESUME_CHILD, str(tmp_path / "s.json"), "1000", "2",
+                          os.path.dirname(__file__)], check=True, capture_output=True, text=True, timeout=100)
+    after = json.loads(out.stdout)
+    assert len(after) == 888 and sorted(before + after) == list(range(1000))
+
+
+def _epoch_of(loader):
+    return [x for b in loader for x in b]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("workers_after", [2, 3, 0])
+def test_wrapper_resumed_at_epoch_one_without_set_epoch_delivers_that_epochs_rest(tmp_path, workers_after):
+    """Issue 40: the seeds' wrapper over a shuffled UCVolumeDataset, one epoch, 5 batches of epoch 1,
+    resumed in a fresh loader (any num_workers): exactly epoch 1's other items, in epoch 1's order,
+    not epoch 0's order minus 160 items."""
+    from ucmagic.testing import make_files
+
+    root = str(tmp_path / "vol")
+    names = make_files(root, 300, 64, per_dir=50)
+
+    def make(nw):
+        return DataLoader(_PathsToRel(UCVolumeDataset(root, shuffle=True, seed=3)), batch_size=32, num_workers=nw,
+                          collate_fn=list)
+
+    a = make(2)
+    epoch0 = _epoch_of(a)
+    assert sorted(epoch0) == sorted(names)
+    part = [x for b in run_until(a, 5) for x in b]
+    state = json.loads(json.dumps(a.state_dict()))
+    assert state["epoch"] == 1
+    b = make(workers_after)
+    b.load_state_dict(state)
+    rest = _epoch_of(b)
+    assert len(part) == 160 and sorted(part + rest) == sorted(names)
+    ref = make(2)
+    _epoch_of(ref)
+    epoch1 = _epoch_of(ref)
+    assert set(part) == set(epoch1[:160]) and part != epoch0[:160]
+    assert sorted(_epoch_of(b)) == sorted(names)  # epoch 2 is whole
+
+
+@pytest.mark.timeout(180)
+def test_wrapper_over_a_shuffled_sample_stream_resumes_epoch_one_elastically(tmp_path):
+    from ucmagic import TarShards, pack
+    from ucmagic.testing import make_files
+
+    src, out = str(tmp_path / "src"), str(tmp_path / "tars")
+    make_files(src, 400, 40, per_dir=100)
+    pack(src, out, shard_size="8KB", progress=False)
+
+    def make(nw):
+        ds = TarShards(out, cache_dir=str(tmp_path / "c")).stream(shuffle=True, seed=1)
+        return DataLoader(_PathsToRel(ds), batch_size=16, num_workers=nw, collate_fn=list)
+
+    def key(s):
+        return s["__key__"]
+
+    a = make(2)
+    whole = sorted(map(key, _epoch_of(a)))
+    assert len(whole) == 400
+    part = [key(x) for b in run_until(a, 5) for x in b]
+    state = json.loads(json.dumps(a.state_dict()))
+    b = make(1)
+    b.load_state_dict(state)
+    rest = [key(x) for x in _epoch_of(b)]
+    assert sorted(part + rest) == whole
+
+
+def test_own_iterable_dataset_resumed_on_another_layout_is_refused_by_name():
+    from ucmagic import ResumeLayoutError, UCMagicError
+
+    a = DataLoader(Counting(40), batch_size=3, num_workers=2, multiprocessing_context="fork")
+    run_until(a, 4)
+    state = a.state_dict()
+    with pytest.raises(ResumeLayoutError, match="num_workers=2") as err:
+        DataLoader(Counting(40), batch_size=3, num_workers=1).load_state_dict(state)
+    assert isinstance(err.value, UCMagicError) and not isinstance(err.value, NotImplementedError)
+
+
+@pytest.mark.timeout(120)
+def test_tar_shards_map_style_shuffled_resume_with_workers_delivers_exactly_the_rest(tmp_path):
+    from ucmagic import TarShards, pack
+    from ucmagic.testing import make_files
+
+    src, out = str(tmp_path / "src"), str(tmp_path / "tars")
+    make_files(src, 300, 40, per_dir=100)
+    pack(src, out, shard_size="8KB", progress=False)
+
+    def make(nw):
+        return DataLoader(TarShards(out, cache_dir=str(tmp_path / "c")), batch_size=16, shuffle=True,
+                          num_workers=nw, collate_fn=list)
+
+    a = make(2)
+    _epoch_of(a)  # epoch 0, then 7 batches of epoch 1
+    part = [s["__key__"] for b in run_until(a, 7) for s in b]
+    b = make(1)
+    b.load_state_dict(json.loads(json.dumps(a.state_dict())))
+    rest = [s["__key__"] for x in b for s in x]
+    assert len(part) == 112 and len(rest) == 188 and len(set(part + rest)) == 300

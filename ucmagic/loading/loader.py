@@ -64,10 +64,15 @@ def default_num_workers(needs: LoaderNeeds | None = None) -> int:
 # ------------------------------------------------------------------ sampler skipping (map-style resume)
 
 class _ResumableIndexSampler:
-    """Wraps the loader's index sampler: the first iteration after a resume skips delivered batches.
+    """Wraps the loader's index sampler: the iteration after a resume skips delivered batches.
 
-    It shares only a one-item list with the loader (no reference cycle: torch shuts persistent
-    workers down from the iterator's ``__del__``, which must not wait for the cycle collector).
+    Every ``iter()`` taken while the loader starts that iteration skips them: torch takes two
+    (one in its base iterator, one when the multi-process iterator resets), and the skip once went
+    to the first only, so a resume with workers replayed the whole epoch. The skip runs at the
+    first ``next()``, so the dropped iterator draws no random order. The loader clears the
+    count once its iterator exists (:meth:`DataLoader.__iter__`). It shares only a one-item list
+    with the loader (no reference cycle: torch shuts persistent workers down from the iterator's
+    ``__del__``, which must not wait for the cycle collector).
     """
 
     def __init__(self, inner: Any, pending: list[int]) -> None:
@@ -75,12 +80,15 @@ class _ResumableIndexSampler:
         self.pending = pending
 
     def __iter__(self) -> Iterator[Any]:
-        skip, self.pending[0] = self.pending[0], 0
+        return self._skipping(self.pending[0])
+
+    def _skipping(self, skip: int) -> Iterator[Any]:
+        # lazy, as torch's samplers are: the iterator torch takes and drops unused draws no random order
         it: Iterator[Any] = iter(self.inner)
         for _ in range(skip):
             if next(it, _END) is _END:
-                break
-        return it
+                return
+        yield from it
 
     def __len__(self) -> int:
         return len(self.inner)
@@ -346,11 +354,14 @@ class DataLoader(tud.DataLoader[Any]):
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         self._begin_epoch()
         skip = 0
-        if compat.is_map_style(self):
+        map_style = compat.is_map_style(self)
+        if map_style:
             self._epoch_batches = self._skip_batches  # the sampler wrapper skips them (no data loaded)
         elif not self._uc:
             skip, self._skip_batches = self._skip_batches, 0
         inner = super().__iter__()
+        if map_style:  # every sampler iterator of this start has skipped them (see _ResumableIndexSampler)
+            self._skip_batches = 0
         if compat.live_iterator(self) is not None and not self._held_iterators:
             self._held_iterators.append(compat.live_iterator(self))
         return self._timed(inner, skip)
