@@ -144,7 +144,7 @@ def test_staging_left_by_a_killed_process_is_swept(tmp_path):
     os.utime(dead, (old, old))
     os.utime(live, (old, old))
     made = xfer.make_staging_dir(str(tmp_path), "load-x")
-    assert made.endswith(f"load-x@{process_tag()}")
+    assert os.path.basename(made).startswith(f"load-x@{process_tag()}.")  # + random: no one can make it first
     assert not dead.exists() and live.exists()
 
 
@@ -163,8 +163,8 @@ def test_staging_of_an_exited_process_is_swept_at_once_and_a_reused_pid_does_not
 
 def test_the_shared_staging_root_is_removed_only_when_empty(tmp_path, monkeypatch):
     monkeypatch.delenv("UCMAGIC_STAGING_DIR", raising=False)
-    monkeypatch.setattr(xfer.tempfile, "gettempdir", lambda: str(tmp_path))
-    root = xfer.shared_staging_root()
+    root = xfer.shared_staging_root()  # <cache root>/staging (conftest: a cache root of the test's own)
+    assert root == os.path.join(os.environ["UCMAGIC_CACHE_DIR"], "staging")
     a = xfer.make_staging_dir(None, "save-a-0")
     b = xfer.make_staging_dir(None, "save-b-0")
     xfer.release_staging_dir(a)

@@ -14,14 +14,14 @@ import errno
 import os
 import re
 import shutil
-import tempfile
 import threading
 import time
 import zlib
 from typing import Any, Callable, TypeVar
 
 from .._util import RetryPolicy, copy_local, is_remote_url
-from ..files.locks import pid_running, process_tag, tag_alive
+from ..files.cache_layout import default_cache_dir
+from ..files.locks import dir_problem, pid_running, private_dir, process_tag, tag_alive
 from ..files.volume import FsspecVolume, Volume, open_volume
 from .format import FileRecord
 from ..errors import (
@@ -40,9 +40,9 @@ RETRIES = 3
 
 
 def shared_staging_root() -> str:
-    """``<tmp>/ucmagic-ckpt-<uid>``: the staging root every saver of this user shares by default."""
-    uid = os.getuid() if hasattr(os, "getuid") else "user"
-    return os.path.join(tempfile.gettempdir(), f"ucmagic-ckpt-{uid}")
+    """``<cache root>/staging``: the staging root every saver of this user shares by default, inside
+    the user's private cache directory (not a name in ``/tmp`` that another user could make first)."""
+    return os.path.join(default_cache_dir(), "staging")
 
 
 def default_staging_root() -> str:
@@ -54,7 +54,7 @@ def default_staging_root() -> str:
 
 
 STALE_AFTER_S = 600  # staging named by a bare pid (older ucmagic): swept once that pid is gone this long
-_OWNER_SUFFIX = re.compile(r"@(\d+-\d+)$")  # <name>@<process_tag>: the cache's pid + start time identity
+_OWNER_SUFFIX = re.compile(r"@(\d+-\d+)(?:\.[0-9a-f]+)?$")  # <name>@<process_tag>.<random>: pid + start time
 _PID_SUFFIX = re.compile(r"-(\d+)$")
 
 
@@ -71,10 +71,12 @@ def sweep_stale(root: str, *, now: float | None = None) -> list[str]:
     """Delete staging directories in ``root`` whose owner process has exited (pid and start time)."""
     now = time.time() if now is None else now
     gone = []
+    uid = os.getuid() if hasattr(os, "getuid") else None
     for name in os.listdir(root):
         path = os.path.join(root, name)
         try:
-            if not staging_owner_gone(name, os.path.getmtime(path), now):
+            st = os.lstat(path)  # only a folder of this user's own (a shared root may hold others')
+            if dir_problem(st, uid) is not None or not staging_owner_gone(name, st.st_mtime, now):
                 continue
         except OSError:
             continue
@@ -84,19 +86,27 @@ def sweep_stale(root: str, *, now: float | None = None) -> list[str]:
 
 
 def make_staging_dir(root: str | None, name: str) -> str:
-    """Create a private (0700) staging directory ``<root>/<name>@<pid>-<start time>`` and return it.
+    """Create a new private (0700) staging directory ``<root>/<name>@<pid>-<start time>.<random>``
+    and return it (never one that exists already: another user cannot prepare it).
 
-    Directories that exited processes left in ``root`` are swept first.
+    ``root`` (default: ``$UCMAGIC_STAGING_DIR``, else :func:`shared_staging_root`) is made private
+    to the user where missing; an existing one must be a real directory of the user's that no one
+    else may write to, or one with the sticky bit such as ``/tmp`` (others cannot rename nor delete
+    in it), else :class:`~ucmagic.errors.UnsafeDirectoryError`. Directories that exited processes
+    of this user left in ``root`` are swept first.
     """
     root = root or default_staging_root()
+    fix = "pass staging_dir= (or set $UCMAGIC_STAGING_DIR to) a folder of your own"
     while True:
-        os.makedirs(root, mode=0o700, exist_ok=True)
+        if root == shared_staging_root():
+            private_dir(os.path.dirname(root), tighten=True, what="cache directory", fix=fix)
+        private_dir(root, sticky_ok=True, what="checkpoint staging folder", fix=fix)
         sweep_stale(root)
-        path = os.path.join(root, f"{name}@{process_tag()}")
+        path = os.path.join(root, f"{name}@{process_tag()}.{os.urandom(6).hex()}")
         try:
             os.mkdir(path, mode=0o700)
         except FileExistsError:
-            pass
+            continue  # someone's folder of that name: never reuse it, draw another name
         except FileNotFoundError:
             continue  # another saver removed the (then empty) shared root in between: make it again
         return path
