@@ -55,6 +55,7 @@ _EXPORTS = {
     "InvalidArgumentError": "errors",
     "ListingChangedError": "errors",
     "ResumeOrderError": "errors",
+    "ResumeLayoutError": "errors",
     "UnsafeCacheError": "errors",
     "UnsafeDirectoryError": "errors",
     "UnsafeSourceError": "errors",

@@ -74,6 +74,11 @@ class ResumeOrderError(UCMagicError, ValueError):
     """A saved resume state follows an epoch order this version of ucmagic does not produce."""
 
 
+class ResumeLayoutError(UCMagicError, ValueError):
+    """A resume state of a user's own ``IterableDataset`` (or map-style dataset on another world size)
+    loaded on a layout (``num_workers``, world size) it cannot be resumed on exactly."""
+
+
 class UnsafeCacheError(UCMagicError, PermissionError):
     """The cache directory is not private to the current user."""
 

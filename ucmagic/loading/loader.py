@@ -25,7 +25,7 @@ from .._util import is_integer
 from ..files import plan
 from ..dist import all_gather_ints, dist_info
 from ..files.epochs import LoaderNeeds, PlannedDataset, stream_lengths, wrapped_planned
-from ..errors import InvalidArgumentError, ListingChangedError
+from ..errors import InvalidArgumentError, ListingChangedError, ResumeLayoutError
 from .loader_stats import LoaderStats
 from ..presenters import presenter
 from ..telemetry import ItemCollate
@@ -217,18 +217,26 @@ class DataLoader(tud.DataLoader[Any]):
             self._set_channel(self._wrapped.consumption_channel())
             # batch-aligned streams as without the wrapper: the fills of the whole batch the loop
             # waits for may go over a budget (with the default quantum of 1 only its first could,
-            # and a budget under one batch waited for room forever); epochs stay the dataset's own
-            bs = self.batch_size or 1
-            self._wrapped.batch_quantum = bs
-            self._wrapped.lease_items = ((self.prefetch_factor or 0) + 3) * bs
+            # and a budget under one batch waited for room forever); the loader sets its epochs as
+            # without the wrapper, so a resume knows the epoch and its order (elastic, exact)
+            self._configure_planned(self._wrapped)
 
     # -- setup
     def _configure_dataset(self) -> None:
         """Batch-aligned worker streams; epochs set here; a UCVolumeDataset learns what the loop consumed."""
-        bs = self.batch_size or 1
-        self.dataset.configure(batch_quantum=bs, lease_items=((self.prefetch_factor or 0) + 3) * bs)
+        self._configure_planned(self.dataset)
         if self._consumed is None:
             self._set_channel(self.dataset.consumption_channel())
+
+    def _configure_planned(self, ds: PlannedDataset) -> None:
+        bs = self.batch_size or 1
+        ds.configure(batch_quantum=bs, lease_items=((self.prefetch_factor or 0) + 3) * bs)
+
+    @property
+    def _planned(self) -> PlannedDataset | None:
+        """The planned dataset whose epochs and resume state this loader keeps: the dataset itself, or
+        the one a user's wrapper iterates (the seeds' pattern), else None."""
+        return self.dataset if self._uc else self._wrapped
 
     def _set_channel(self, chan: Any) -> None:
         self._consumed = chan
@@ -302,30 +310,30 @@ class DataLoader(tud.DataLoader[Any]):
     # -- epochs
     @property
     def epoch(self) -> int:
-        if self._uc:
-            epoch: int = self.dataset.epoch
-            return epoch
+        planned = self._planned
+        if planned is not None:
+            return planned.epoch
         return self._epoch if self._epoch is not None else 0
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch of the next iteration (forwarded to the dataset and sampler when they have set_epoch)."""
         self._epoch, self._fresh = int(epoch), True
         self._started = False
-        for obj in (self.dataset, self.sampler, getattr(self.batch_sampler, "sampler", None)):
+        seen: list[Any] = []
+        for obj in (self.dataset, self._wrapped, self.sampler, getattr(self.batch_sampler, "sampler", None)):
             fn = getattr(obj, "set_epoch", None)
-            if callable(fn):
+            if callable(fn) and not any(obj is o for o in seen):
+                seen.append(obj)
                 fn(int(epoch))
 
     def _begin_epoch(self) -> None:
-        planned = self.dataset if self._uc else self._wrapped
+        planned = self._planned
         if planned is not None:
             planned.claim_iteration(self)  # before anything of the epoch changes: a refusal leaves all as it was
-        if self._uc:
-            ds = self.dataset
-            self._configure_dataset()
+            self._configure_planned(planned)
             # num_workers=0: the dataset's own __iter__ runs next here and must not advance the epoch again
-            self._epoch = ds.begin_epoch(hand_over=self.num_workers == 0)
-            self._lengths = self._stream_lengths(self._epoch)
+            self._epoch = planned.begin_epoch(hand_over=self.num_workers == 0)
+            self._lengths = self._stream_lengths(self._epoch, planned)
             if self._consumed is not None:
                 self._consumed.reset(len(self._lengths))
         else:
@@ -336,19 +344,16 @@ class DataLoader(tud.DataLoader[Any]):
             self._fresh = False
             if self._sampler_gen is not None and self._sampler_seed is not None:  # set together
                 self._sampler_gen.manual_seed((self._sampler_seed * 1_000_003 + self._epoch) % (2**63))
-            if self._wrapped is not None and self._consumed is not None:
-                self._lengths = self._stream_lengths(self._wrapped.epoch, self._wrapped)
-                self._consumed.reset(len(self._lengths))
         self._epoch_batches = 0
         self._epoch_complete = False
         self._started = True
         self.stats.begin_epoch(self._epoch)
 
-    def _stream_lengths(self, epoch: int, ds: PlannedDataset | None = None) -> list[int]:
+    def _stream_lengths(self, epoch: int, ds: PlannedDataset) -> list[int]:
         """Items of each of this rank's worker streams in ``epoch``."""
         rank, world = dist_info()[:2]
         nw = max(1, self.num_workers)
-        return stream_lengths(self.dataset if ds is None else ds, epoch, world, nw)[rank * nw:(rank + 1) * nw]
+        return stream_lengths(ds, epoch, world, nw)[rank * nw:(rank + 1) * nw]
 
     # -- iteration
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
@@ -421,7 +426,7 @@ class DataLoader(tud.DataLoader[Any]):
                 # left (break, an error, Ctrl-C): nothing will consume this iteration's items any more, so
                 # its streams go stale now; workers whose fills wait for room go on and see torch's stop
                 self._consumed.retire()
-            planned = self.dataset if self._uc else self._wrapped
+            planned = self._planned
             if planned is not None:
                 planned.release_iteration(self)
             if sink is not None:
@@ -440,7 +445,10 @@ class DataLoader(tud.DataLoader[Any]):
                                "order batches reach the loop is not reproducible")
         rank, world = dist_info()[:2]
         if self._uc:
-            return self._uc_state(world)
+            return {"version": STATE_VERSION, "kind": self._uc_kind, **self._planned_state(self.dataset, world)}
+        if self._wrapped is not None:  # the wrapped dataset's state: elastic, and its epoch's own order
+            return {"version": STATE_VERSION, "kind": "iterable", "wraps": self._wrapped.kind,
+                    **self._planned_state(self._wrapped, world)}
         if self._started:
             epoch, batches, complete = self._epoch, self._epoch_batches, self._epoch_complete
         else:  # the next iteration is the one to run (or resume)
@@ -454,26 +462,27 @@ class DataLoader(tud.DataLoader[Any]):
                     "sampler_epoch": getattr(sampler, "epoch", None)}
         return {**base, "kind": "iterable"}
 
-    def _uc_state(self, world: int) -> dict[str, Any]:
-        ds = self.dataset
+    def _planned_state(self, ds: PlannedDataset, world: int) -> dict[str, Any]:
+        """``dataset`` (the planned dataset's own state: what its epoch has left), ``batches``, ``step``."""
         nw = max(1, self.num_workers)
         if not self._started:  # the upcoming epoch (or the loaded remainder) is all still to deliver
             epoch = ds.upcoming_epoch()
-            self._configure_dataset()
+            self._configure_planned(ds)
             mine = [0] * nw
         else:
-            epoch = self._epoch
+            epoch = self._epoch if self._epoch is not None else ds.epoch
             mine = list(self._lengths) if self._epoch_complete else self._items_delivered()
         delivered = all_gather_ints(mine, world)
         state = ds.make_state(epoch, delivered, world=world, num_workers=nw)
-        return {"version": STATE_VERSION, "kind": self._uc_kind, "dataset": state,
-                "batches": self._epoch_batches, "step": self._step}
+        return {"dataset": state, "epoch": int(state["epoch"]), "batches": self._epoch_batches, "step": self._step}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume: the next iteration delivers exactly what the saved epoch had not delivered yet.
 
-        For a UCVolumeDataset this works with another ``num_workers`` or world size, and raises
-        :class:`~ucmagic.errors.ListingChangedError` when the files changed. Live persistent
+        For a ucmagic dataset, or a user's wrapper around one, this works with another ``num_workers``
+        or world size, and raises :class:`~ucmagic.errors.ListingChangedError` when the files changed;
+        a map-style dataset resumes with any ``num_workers``; a user's own ``IterableDataset`` only on
+        the layout it was saved with (else :class:`~ucmagic.errors.ResumeLayoutError`). Live persistent
         workers are shut down so the new plan reaches fresh ones.
         """
         if not isinstance(state, Mapping) or "version" not in state or "kind" not in state:
@@ -488,8 +497,12 @@ class DataLoader(tud.DataLoader[Any]):
         if kind != expected:
             raise ValueError(f"this state was saved from a loader over a {kind} dataset; this loader's "
                              f"dataset is {expected}: load it into the same kind of dataset")
-        if self._uc:
-            self._load_uc(state["dataset"])
+        planned = self._planned
+        if planned is not None and "dataset" in state:
+            self._load_planned(planned, state["dataset"])
+        elif "dataset" in state:
+            raise ValueError(f"this state was saved from a loader over a wrapper of a {state.get('wraps')}; this "
+                             "loader's dataset wraps none: load it into a loader over the same wrapper")
         else:
             self._load_generic(state)
         self._shutdown_workers()
@@ -498,8 +511,8 @@ class DataLoader(tud.DataLoader[Any]):
         self._epoch_complete = False
         self._started = False
 
-    def _load_uc(self, ds_state: dict[str, Any]) -> None:
-        ds = self.dataset
+    @staticmethod
+    def _load_planned(ds: PlannedDataset, ds_state: dict[str, Any]) -> None:
         ds.load_state_dict(ds_state)
         if ds_state["remaining"] == 0:  # the epoch had finished: go on with the next one
             ds.finish_epoch(int(ds_state["epoch"]))
@@ -511,19 +524,21 @@ class DataLoader(tud.DataLoader[Any]):
                 raise ListingChangedError(f"the dataset has {len(self.dataset)} items but the state was saved with "
                                           f"{state['len']}: resume needs the same dataset")
             if state["world"] != world:
-                raise NotImplementedError(
-                    f"resuming a map-style dataset saved on world_size={state['world']} on world_size={world} "
-                    "is not supported; use UCVolumeDataset for elastic resume")
+                raise ResumeLayoutError(
+                    f"this map-style dataset's state was saved on world_size={state['world']}, not {world}: its "
+                    f"sampler splits the epoch by world size; resume on {state['world']} ranks (any num_workers), "
+                    "or use a ucmagic dataset (UCVolumeDataset, TarShards(...).stream()), which resumes on any")
             if state.get("sampler_seed") is not None:
                 self._sampler_seed = int(state["sampler_seed"])
             sampler: Any = getattr(self.batch_sampler, "sampler", None) or self.sampler
             if state.get("sampler_epoch") is not None and callable(getattr(sampler, "set_epoch", None)):
                 sampler.set_epoch(int(state["sampler_epoch"]))
         elif state["num_workers"] != self.num_workers or state["world"] != world:
-            raise NotImplementedError(
-                f"exact resume of a generic IterableDataset needs the same layout (saved with num_workers="
-                f"{state['num_workers']}, world_size={state['world']}; now {self.num_workers}, {world}); "
-                "use UCVolumeDataset for elastic resume")
+            raise ResumeLayoutError(
+                f"this state of your own IterableDataset was saved with num_workers={state['num_workers']}, "
+                f"world_size={state['world']}; this loader has num_workers={self.num_workers}, world_size={world}: "
+                "it resumes by skipping the batches each worker delivered, so pass the same num_workers and world "
+                "size, or build it on a ucmagic dataset (a wrapper around UCVolumeDataset resumes on any)")
         if state["complete"]:
             self._epoch, self._skip_batches = int(state["epoch"]) + 1, 0
         else:
