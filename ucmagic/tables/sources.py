@@ -9,6 +9,7 @@ imports none of them. Names are validated and never pasted into SQL.
 """
 from __future__ import annotations
 
+import contextlib
 import glob as globmod
 import os
 import re
@@ -414,30 +415,59 @@ def select_columns(rel: Any, columns: Sequence[str] | None, what: str) -> Any:
     return rel.select(*[duckdb.ColumnExpression(c) for c in columns])
 
 
-def sweep_spill_dirs(tmp: str) -> int:
-    """Remove the DuckDB spill directories (``ucmagic-duckdb-<pid>``) of processes that are gone: DuckDB
-    removes its own when the connection closes, a killed process leaves it. Returns how many went."""
+SPILL_PREFIX = "ucmagic-duckdb-"  # older ucmagic: <tmp>/ucmagic-duckdb-<pid> (swept when its process is gone)
+
+
+def spill_owner(name: str, prefix: str = SPILL_PREFIX) -> int | None:
+    """The pid in a spill folder's name (``<prefix><pid>``), else None."""
+    pid = name[len(prefix):] if name.startswith(prefix) else ""
+    return int(pid) if pid.isascii() and pid.isdigit() else None
+
+
+def sweep_spill_dirs(tmp: str, prefix: str = SPILL_PREFIX) -> int:
+    """Remove the DuckDB spill directories (``<tmp>/<prefix><pid>``) of this user's processes that are
+    gone (DuckDB removes its own when the connection closes, a killed process leaves it): only real
+    folders of this user's own, never through a link. Returns how many went."""
     import shutil
 
-    from ..files.locks import pid_running
+    from ..files.locks import dir_problem, pid_running
 
+    uid = os.getuid() if hasattr(os, "getuid") else None
     n = 0
-    for path in globmod.glob(os.path.join(globmod.escape(tmp), "ucmagic-duckdb-*")):
-        pid = path.rsplit("-", 1)[-1]
-        if pid.isdigit() and int(pid) != os.getpid() and not pid_running(int(pid)):
-            shutil.rmtree(path, ignore_errors=True)
-            n += 1
+    for path in globmod.glob(os.path.join(globmod.escape(tmp), globmod.escape(prefix) + "*")):
+        pid = spill_owner(os.path.basename(path), prefix)
+        if pid is None or pid == os.getpid() or pid_running(pid):
+            continue
+        with contextlib.suppress(OSError):
+            if dir_problem(os.lstat(path), uid) is None:
+                shutil.rmtree(path, ignore_errors=True)
+                n += 1
     return n
+
+
+def spill_dir() -> str:
+    """This process's DuckDB spill folder, ``<cache dir>/spill/duckdb-<pid>``: inside the user's private
+    cache directory (made, or checked to be a real folder of the user's that no one else may write
+    to: :func:`ucmagic.files.locks.private_dir`), so no other user can make it first or read what
+    spills. DuckDB makes it when it spills and removes it when the connection closes."""
+    import tempfile
+
+    from ..files.cache_layout import default_cache_dir
+    from ..files.locks import private_dir
+
+    root = default_cache_dir()
+    private_dir(root, tighten=True, what="cache directory")
+    folder = private_dir(os.path.join(root, "spill"), what="DuckDB spill folder")
+    sweep_spill_dirs(folder, "duckdb-")
+    sweep_spill_dirs(tempfile.gettempdir())  # older ucmagic's
+    return os.path.join(folder, f"duckdb-{os.getpid()}")
 
 
 def connect(memory_limit: int | str | None = None, threads: int | None = None) -> Any:
     """A fresh in-memory DuckDB connection with a memory limit and a private spill directory."""
-    import tempfile
-
     import duckdb
 
-    sweep_spill_dirs(tempfile.gettempdir())
-    cfg: dict[str, Any] = {"temp_directory": os.path.join(tempfile.gettempdir(), f"ucmagic-duckdb-{os.getpid()}")}
+    cfg: dict[str, Any] = {"temp_directory": spill_dir()}
     if memory_limit is not None:
         cfg["memory_limit"] = f"{parse_size(memory_limit)}B"
     if threads:
