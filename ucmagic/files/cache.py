@@ -37,11 +37,12 @@ import numpy as np
 from .._shared import SharedBits
 from ..errors import CacheDirError, CacheFullError
 from .budget import DEFAULT_MIN_FREE, BudgetKeeper, reap
-from .cache_layout import (CacheLayout, KeptOpen, RemovalToken, cache_root, entry_file, other_version_file,
+from .cache_layout import (CacheLayout, RemovalToken, cache_root, entry_file, other_version_file,
                            STAMP_S_BITS, protection_name, serial, version_stamp)
 from .cache_usage import CacheUsage
 from .fetch import watch_progress
-from .locks import KeyLocks, process_tag
+from .handles import key_locks, kept_open
+from .locks import process_tag
 from .protection import ProtectionRecords
 from ..units import parse_size
 
@@ -97,12 +98,12 @@ class FileCache:
         self.limit = parse_size(limit)
         self.min_free = float(min_free)
         self.layout = CacheLayout(self.root)
-        kept = KeptOpen()  # protection records and the removal token, kept open
+        kept = kept_open()  # protection records and the removal token, kept open (one set per process)
         self.records = ProtectionRecords(self.layout, kept)
         self.removal_token = RemovalToken(self.layout.removals, kept)
         self.budget_keeper = BudgetKeeper(self.layout, self.records, self.removal_token, self.limit, self.min_free)
         self._entries = self.layout.entries
-        self._keys = KeyLocks(os.path.join(self.layout.locks, "fill.lock"))
+        self._keys = key_locks(os.path.join(self.layout.locks, "fill.lock"))
 
     # pickles as its settings; each process rebuilds its own state
     def __getstate__(self) -> dict[str, object]:

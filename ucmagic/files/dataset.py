@@ -215,7 +215,8 @@ class _Stream:
             self.resized.clear()
 
     def _write(self) -> None:
-        self.cache.write_record(self.path, self.items.names(self.lo, self.hi))
+        if not self._stop.is_set():  # stopped (its dataset is gone, or its next iteration began): no more
+            self.cache.write_record(self.path, self.items.names(self.lo, self.hi))
 
     def _done(self) -> int:
         c = self.consumed()
@@ -276,7 +277,7 @@ class _Stream:
         done = max(0, self.yielded - self.window) if c is None else min(self.yielded, c)
         # exact with consumption reports under a budget; else release in steps (each write costs
         # syscalls; without a budget only the free-disk floor evicts, so holding a little longer is cheap)
-        exact = c is not None and self.budgeted
+        exact = c is not None and (self.budgeted or self.finished)  # an ended stream's refresher ends with its loop
         # a window sized to fit a budget is released in its sizing's steps (a quarter of it where there is room)
         release = self.window // 4 if self.release is None else self.release
         step = self.quantum if exact else max(self.quantum, release, 1 if self.budgeted else 64)
@@ -299,8 +300,9 @@ class _Stream:
         return pos < base + self.quantum
 
     def stop(self) -> None:
-        """Write this stream's record no more (its next iteration has started)."""
-        self._stop.set()
+        """Write this stream's record no more (its next iteration has started, or its dataset is gone)."""
+        with self._mu:  # a write under way ends first, and none starts after (writes happen under _mu)
+            self._stop.set()
 
     def start_refresher(self) -> None:
         """Release consumed items every 10 ms, also after the stream ended (the loop still holds its
@@ -349,6 +351,9 @@ def _drop_records(cache: FileCache, paths: set[str], pid: int) -> None:
     """A dataset object is gone: the protection records it wrote in process ``pid`` go too."""
     if os.getpid() == pid:  # a forked child inherits the finaliser: only the writing process drops them
         for path in list(paths):
+            stream = _active_streams.get(path)
+            if stream is not None:  # its refresher may outlive the dataset: it stops, then the record goes
+                stream.stop()
             cache.drop_record(path)
 
 
@@ -783,6 +788,10 @@ class UCVolumeDataset(EpochTracking, IterableDataset[str]):
             :class:`SourceChangedError` instead of being served from its old cached copy).
         listing_progress: called with the number of files found so far while listing (from one second
             in); default: a line on stderr.
+        follow_symlinks: a symlinked file in the tree is read only when it points inside ``path``
+            (``"inside"``, the default), always (``"all"``: a tree you trust) or never (``"none"``).
+            One pointing outside raises :class:`UnsafeSourceError` naming it, or with ``on_error="skip"``
+            is left out with one warning. Symlinked folders are never walked (docs/reliability.md).
     """
 
     kind = "UCVolumeDataset"
@@ -795,7 +804,8 @@ class UCVolumeDataset(EpochTracking, IterableDataset[str]):
                  timeout: float | None = 120.0, on_error: str = "raise", on_missing: str = "raise",
                  storage_options: dict[str, Any] | None = None, min_free: float = 0.10,
                  reshuffle_every: int | None = None, relist: bool = False, validate: str = "lazy",
-                 listing_progress: Callable[[int], None] | None = None) -> None:
+                 listing_progress: Callable[[int], None] | None = None,
+                 follow_symlinks: str = "inside") -> None:
         if not isinstance(path, (str, os.PathLike, Volume)):
             raise InvalidArgumentError(f"path must be a directory, a /Volumes/... path or a URL (a str or a "
                                        f"path-like), got {path!r}")
@@ -811,6 +821,8 @@ class UCVolumeDataset(EpochTracking, IterableDataset[str]):
             raise InvalidArgumentError(f"on_missing must be 'raise' or 'skip', got {on_missing!r}")
         if validate not in VALIDATE_MODES:
             raise InvalidArgumentError(f"validate must be one of {VALIDATE_MODES}, got {validate!r}")
+        if follow_symlinks not in ("inside", "all", "none"):
+            raise InvalidArgumentError(f"follow_symlinks must be 'inside', 'all' or 'none', got {follow_symlinks!r}")
         seed = check_seed(seed)  # every argument is checked before the listing, which may take minutes
         self.path = os.fspath(path) if not isinstance(path, Volume) else path.uri
         self.pattern = pattern
@@ -818,6 +830,8 @@ class UCVolumeDataset(EpochTracking, IterableDataset[str]):
         self.space = space_of(self.volume.uri)  # the folder of its entries under the cache's files/
         if on_error == "skip":
             self.volume.unreadable = "skip"  # an unreadable directory is left out of the listing, with a warning
+        self.volume.follow_symlinks = follow_symlinks  # a link out of the tree: UnsafeSourceError, or skip + warn
+        self.volume.outside_links = "warn" if on_error == "skip" else "raise"
         root = cache_root(cache_dir)
         inside = path_under(root, self.volume.local_root) if self.volume.local_root else None
         if inside == ".":  # refused before the cache makes its folders there
