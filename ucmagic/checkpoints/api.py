@@ -45,7 +45,7 @@ from .commit import read_commit, volume_dir
 from .exit import track_pending_save
 from .reader import UCVolumeReader
 from .writer import UCVolumeWriter
-from ..dist import barrier, dist_info
+from ..dist import all_gather_ints, barrier, dist_info
 from ..errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -467,12 +467,16 @@ def _restore_from_dict(path: str, state: Any, model: Any, optimizer: Any) -> Non
     _check_keys(path, own.keys(), msd.keys())
     _check_shapes(path, {k: tuple(v.shape) for k, v in own.items() if hasattr(v, "shape")},
                   {k: tuple(v.shape) for k, v in msd.items() if hasattr(v, "shape")})
-    model.load_state_dict(msd)
-    if optimizer is not None:
+    if optimizer is not None:  # first: torch checks an optimizer state before it changes anything
         okey = next((k for k in _OPTIM_KEYS if msd is not state and isinstance(state.get(k), dict)), None)
         if okey is None:
             raise CheckpointMismatchError(f"{path} holds no optimizer state; load it without optimizer=")
-        optimizer.load_state_dict(state[okey])
+        try:
+            optimizer.load_state_dict(state[okey])
+        except (ValueError, KeyError, TypeError) as e:
+            raise CheckpointMismatchError(f"{path}: its optimizer state does not fit this optimizer ({e}); load it "
+                                          "into the same optimizer and parameter groups it was saved from") from None
+    model.load_state_dict(msd)  # keys and shapes checked above
 
 
 def _check_shapes(path: str, expected: dict[str, tuple[int, ...]], present: dict[str, tuple[int, ...]]) -> None:
@@ -551,28 +555,90 @@ def _load_torch_file(path: str, model: Any, optimizer: Any, map_location: Any,
 
 
 def _load_dcp(path: str, model: Any, optimizer: Any, reader_kw: dict[str, Any]) -> None:
+    """Load into a staging copy of the state; apply it to ``model`` (and ``optimizer``) only once every rank
+    has read its part whole and verified (a damaged, missing or mismatched file changes nothing)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
     reader = UCVolumeReader(path, **reader_kw)
-    ours = _dcp_state(model, optimizer)
-    stored = reader.read_metadata().state_dict_metadata
-    keys = list(stored)
-    nested = any(k.startswith("model.") for k in keys)  # {"model": ..., "optim": ...} as ucmagic and the seed save
-    prefix = "model." if nested else ""
-    _check_keys(path, ours["model"], (k[len(prefix):] for k in keys if k.startswith(prefix)))
-    _check_shapes(path, {k: tuple(v.shape) for k, v in ours["model"].items() if hasattr(v, "shape")},
-                  {k[len(prefix):]: tuple(getattr(m, "size")) for k, m in stored.items()
-                   if k.startswith(prefix) and getattr(m, "size", None) is not None})
-    okey = next((k for k in ("optim", "optimizer", "opt") if any(n.startswith(k + ".") for n in keys)), None)
-    if optimizer is not None and (okey is None or not nested):
-        raise CheckpointMismatchError(f"{path} holds no optimizer state; load it without optimizer=")
-    state: dict[str, Any] = ours["model"] if not nested else {"model": ours["model"]}
-    if optimizer is not None:
-        state[okey] = ours["optim"]  # type: ignore[index]
-    with _unwrapping(), _quiet():
-        dcp.load(state, storage_reader=reader)
-    set_state_dict(model, [] if optimizer is None else optimizer, model_state_dict=ours["model"],
-                   optim_state_dict=ours.get("optim", {}))
+    fresh_optimizer = optimizer is not None and not optimizer.state  # get_state_dict fills in its state
+    try:
+        ours = _dcp_state(model, optimizer)
+        stored = reader.read_metadata().state_dict_metadata
+        keys = list(stored)
+        nested = any(k.startswith("model.") for k in keys)  # {"model": ..., "optim": ...} as ucmagic and the seed
+        prefix = "model." if nested else ""
+        _check_keys(path, ours["model"], (k[len(prefix):] for k in keys if k.startswith(prefix)))
+        _check_shapes(path, {k: tuple(v.shape) for k, v in ours["model"].items() if hasattr(v, "shape")},
+                      {k[len(prefix):]: tuple(getattr(m, "size")) for k, m in stored.items()
+                       if k.startswith(prefix) and getattr(m, "size", None) is not None})
+        okey = next((k for k in ("optim", "optimizer", "opt") if any(n.startswith(k + ".") for n in keys)), None)
+        if optimizer is not None and (okey is None or not nested):
+            raise CheckpointMismatchError(f"{path} holds no optimizer state; load it without optimizer=")
+        target: dict[str, Any] = ours["model"] if not nested else {"model": ours["model"]}
+        if optimizer is not None:
+            target[okey] = _stored_params_only(ours["optim"], okey, keys)  # type: ignore[index]
+        staged = _staging_copy(target)
+        failure: BaseException | None = None
+        try:
+            with _unwrapping(), _quiet():
+                dcp.load(staged, storage_reader=reader)
+        except BaseException as e:  # noqa: BLE001 - raised below, once every rank has given its verdict
+            failure = e
+        _agree(path, failure)
+    except BaseException:
+        if fresh_optimizer:
+            optimizer.state.clear()  # as it was: the state get_state_dict made for the load is not kept
+        raise
+    # strict=False only where the checkpoint has parameters without optimizer state (the model's keys are checked)
+    pruned = optimizer is not None and len(staged[okey].get("state", {})) < len(ours["optim"].get("state", {}))
+    set_state_dict(model, [] if optimizer is None else optimizer,
+                   model_state_dict=staged["model"] if nested else staged,
+                   optim_state_dict=staged[okey] if optimizer is not None else {},
+                   options=StateDictOptions(strict=not pruned))
+
+
+def _staging_copy(state: Any) -> Any:
+    """``state``'s structure with a fresh tensor in place of each tensor (a plain one in host memory; a DTensor
+    keeps its layout): what a load fills in before anything of the model's is touched."""
+    import torch
+
+    if isinstance(state, dict):
+        return {k: _staging_copy(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(_staging_copy(v) for v in state)
+    if type(state) is torch.Tensor:
+        return torch.empty_like(state, device="cpu")
+    if isinstance(state, torch.Tensor):
+        return torch.empty_like(state)
+    return state
+
+
+def _stored_params_only(optim_state: dict[str, Any], key: str, stored: list[str]) -> dict[str, Any]:
+    """The optimizer state to load: a parameter with no state in the checkpoint (it never got a gradient before
+    the save, as ``torch.save`` keeps it) is left out, so it has none after the load either."""
+    state = optim_state.get("state")
+    if not isinstance(state, dict):
+        return optim_state
+    head = f"{key}.state."
+    prefixes = set()
+    for name in stored:
+        if name.startswith(head):
+            parts = name[len(head):].split(".")
+            prefixes.update(".".join(parts[:i]) for i in range(1, len(parts)))
+    return {**optim_state, "state": {fqn: v for fqn, v in state.items() if str(fqn) in prefixes}}
+
+
+def _agree(path: str, failure: BaseException | None) -> None:
+    """Every rank's verdict on its staged load: raise on every rank when any rank failed, before any applies."""
+    world = dist_info(from_env=False).world
+    if world > 1:
+        verdicts = all_gather_ints([0 if failure is None else 1], world)
+        if failure is None and any(verdicts):
+            failed = [r for r, v in enumerate(verdicts) if v]
+            raise CheckpointError(f"{path}: rank(s) {failed} could not load this checkpoint (their error says why); "
+                                  "nothing was applied on any rank")
+    if failure is not None:
+        raise failure
 
 
