@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from ucmagic import UCVolumeDataset, stage
 from ucmagic.files.cache import FileCache
 from ucmagic.files.cache_layout import cache_key, entry_file, map_relpath, other_version_file, space_of
-from ucmagic.errors import UnsafeCacheError
+from ucmagic.errors import UnsafeCacheError, UnsafeSourceError
 from ucmagic.files.volume import is_safe_rel
 
 HOSTILE = ["..a", "a..b", "...", "..b/..c/d..", "new\nline.bin", "tab\tand space .bin", "ünïcødé-日本語.bin",
@@ -117,7 +117,7 @@ def test_object_store_keys_with_dotdot_cannot_write_outside_cache_or_destination
 
 # ------------------------------------------------------------------ symlinks
 
-def test_symlinks_out_of_the_volume_are_read_never_written_and_linked_dirs_not_followed(tmp_path):
+def test_symlinks_out_of_the_volume_are_refused_or_left_out_never_written_and_linked_dirs_not_followed(tmp_path):
     outside = tmp_path / "outside"
     outside.mkdir()
     (outside / "secret.bin").write_bytes(b"outside data")
@@ -125,20 +125,30 @@ def test_symlinks_out_of_the_volume_are_read_never_written_and_linked_dirs_not_f
     (outside / "deep" / "x.bin").write_bytes(b"x")
     vol = tmp_path / "vol"
     sums = write_tree(str(vol), ["a.bin", "sub/b.bin"])
-    os.symlink(outside / "secret.bin", vol / "link.bin")
+    os.symlink(outside / "secret.bin", vol / "link.bin")   # a file link pointing out of the volume
+    os.symlink(vol / "a.bin", vol / "sub" / "in.bin")      # one pointing inside it
     os.symlink(outside, vol / "linkdir")          # a directory link pointing out of the volume
     os.symlink(vol, vol / "sub" / "loop")          # and a loop
     before = {p: sha(p) for p in all_files(str(outside))}
     cache, dest = str(tmp_path / "cache"), str(tmp_path / "dest")
 
-    ds = UCVolumeDataset(str(vol), cache_dir=cache)
-    # linked dirs are not walked
-    assert [e.path for e in ds.listing.iter_entries()] == ["a.bin", "link.bin", "sub/b.bin"]
+    with pytest.raises(UnsafeSourceError, match=r"link\.bin.*follow_symlinks='all'"):  # on_error="raise"
+        UCVolumeDataset(str(vol), cache_dir=cache)
+    with pytest.warns(UserWarning, match=r"1 symlink.*link\.bin"):
+        ds = UCVolumeDataset(str(vol), cache_dir=cache, on_error="skip")
+    # linked dirs are not walked; the link inside is read, the one outside left out
+    assert [e.path for e in ds.listing.iter_entries()] == ["a.bin", "sub/b.bin", "sub/in.bin"]
     for p in ds:
         assert not os.path.islink(p) and inside(p, cache)
-    res = stage(str(vol), dest, progress=False)
-    assert res.ok and sorted(os.listdir(dest)) == ["a.bin", "link.bin", "sub"]
-    assert not os.path.islink(os.path.join(dest, "link.bin"))
+    trusted = UCVolumeDataset(str(vol), cache_dir=cache, follow_symlinks="all")
+    assert [e.path for e in trusted.listing.iter_entries()] == ["a.bin", "link.bin", "sub/b.bin", "sub/in.bin"]
+    none = UCVolumeDataset(str(vol), cache_dir=cache, follow_symlinks="none")
+    assert [e.path for e in none.listing.iter_entries()] == ["a.bin", "sub/b.bin"]
+    with pytest.warns(UserWarning, match="link.bin"):
+        res = stage(str(vol), dest, progress=False)
+    assert res.ok and sorted(os.listdir(dest)) == ["a.bin", "sub"]
+    assert sorted(os.listdir(os.path.join(dest, "sub"))) == ["b.bin", "in.bin"]
+    assert not os.path.islink(os.path.join(dest, "sub", "in.bin"))
     assert sha(os.path.join(dest, "sub", "b.bin")) == sums["sub/b.bin"]
     assert {p: sha(p) for p in all_files(str(outside))} == before  # nothing written through the links
 

@@ -9,18 +9,21 @@ failures are reported per file instead of scrolling past.
 from __future__ import annotations
 
 import contextlib
-import itertools
+import errno
 import multiprocessing as mp
 import os
+import stat as stat_mod
+import threading
 import time
 import warnings
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from ._util import copy_local, path_under
-from .errors import FetchError, StagingError
+from ._util import O_NOFOLLOW, copy_local, path_under
+from .errors import FetchError, StagingError, UnsafeDirectoryError
 from .files.fetch import with_retries
+from .files.locks import dir_problem
 from .progress import Progress
 from .units import format_size
 from .files.volume import FileEntry, Volume, copy_error, open_volume
@@ -28,7 +31,9 @@ from .files.volume import FileEntry, Volume, copy_error, open_volume
 MTIME_TOLERANCE = 1e-3  # seconds: staged copy counts as unchanged when its mtime is this close
 MAX_PROCESSES = 4
 MIN_FILES_PER_PROCESS = 128  # below this, another process costs more to start than it saves
-TMP_PREFIX = ".ucstage-"
+TMP_PREFIX = ".ucstage-"  # a copy in progress: .ucstage-<pid>-<random>.tmp beside its final name
+FOLLOW_SYMLINKS = ("inside", "all", "none")  # what a symlink in the source tree may point at (docs/reliability.md)
+DIR_MODE = 0o755  # folders stage makes (the umask may narrow it; never group- or other-writable)
 
 
 
@@ -138,22 +143,118 @@ def dest_path(dest_root: str, rel: str) -> str:
     return os.path.join(dest_root, *rel.split("/"))
 
 
+def staged_mode(src_mode: int | None) -> int:
+    """The mode of a staged copy of a file with mode ``src_mode`` (None: unknown, a remote file): the
+    source's read and write bits, at most 0644, and 0600 when the source is not readable by everyone
+    (a copy never widens who may read it)."""
+    if src_mode is None:
+        return 0o644
+    return stat_mod.S_IMODE(src_mode) & 0o644 if src_mode & 0o004 else 0o600
+
+
+def dest_problem(st: os.stat_result, uid: int | None, allow_shared: bool) -> str | None:
+    """Why stage may not write into a destination folder with ``lstat`` result ``st`` (None: it may):
+    never through a symbolic link; nor, unless ``allow_shared``, into a folder of another user's or
+    one others may write to (they could swap what is in it for a link meanwhile)."""
+    if stat_mod.S_ISLNK(st.st_mode):
+        return "it is a symbolic link (stage never writes through one)"
+    if not stat_mod.S_ISDIR(st.st_mode):
+        return "it is not a directory"
+    return None if allow_shared else dir_problem(st, uid)
+
+
+# ---------------------------------------------------------------- the destination, by directory descriptors
+
+class DestTree:
+    """The destination's folders, opened one component at a time from the root with ``O_NOFOLLOW``
+    (a symbolic link planted anywhere in the tree is never followed: its files fail instead) and kept
+    open per process; missing folders are made ``DIR_MODE``. Files are created and renamed relative to
+    these descriptors."""
+
+    def __init__(self, root: str, allow_shared: bool = False) -> None:
+        self.root = root
+        self.allow_shared = allow_shared
+        self._fds: dict[str, int] = {}
+        self._pid = 0
+        self._mu = threading.Lock()
+
+    def __getstate__(self) -> dict[str, object]:
+        return {"root": self.root, "allow_shared": self.allow_shared}
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__init__(str(state["root"]), bool(state["allow_shared"]))  # type: ignore[misc]
+
+    def _open(self, parent: int | None, name: str, path: str, create: bool) -> int:
+        if create:
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(name if parent is not None else path, DIR_MODE, dir_fd=parent)
+        try:
+            fd = os.open(name if parent is not None else path,
+                         os.O_RDONLY | os.O_DIRECTORY | O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent)
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                st = os.lstat(name if parent is not None else path, dir_fd=parent)
+                raise UnsafeDirectoryError(f"destination folder {path}: "
+                                           f"{dest_problem(st, None, True) or 'not a directory'}") from exc
+            raise
+        problem = dest_problem(os.fstat(fd), os.getuid() if hasattr(os, "getuid") else None, self.allow_shared)
+        if problem is not None:
+            os.close(fd)
+            raise UnsafeDirectoryError(f"stage will not write into {path}: {problem}; pick a destination of "
+                                       "your own, or pass allow_shared_dest=True if you trust everyone who can "
+                                       "write there")
+        return fd
+
+    def folder(self, rel_dir: str, create: bool = True) -> int:
+        """The descriptor of folder ``rel_dir`` (``""``: the root), made where missing (``create``)."""
+        with self._mu:
+            if self._pid != os.getpid():  # a forked worker: its own descriptors (spawned ones start empty)
+                self._fds, self._pid = {}, os.getpid()
+            fd = self._fds.get(rel_dir)
+            if fd is not None:
+                return fd
+            parts = [p for p in rel_dir.split("/") if p] if rel_dir else []
+            cur = self._fds.get("")
+            if cur is None:
+                cur = self._fds[""] = self._open(None, "", self.root, create)
+            for k, part in enumerate(parts):
+                key = "/".join(parts[:k + 1])
+                nxt = self._fds.get(key)
+                if nxt is None:
+                    nxt = self._fds[key] = self._open(cur, part, dest_path(self.root, key), create)
+                cur = nxt
+            return cur
+
+    def lstat(self, rel: str) -> os.stat_result | None:
+        """``lstat`` of file ``rel`` through its folder's descriptor; None where it or its folder is missing."""
+        head, _, name = rel.rpartition("/")
+        try:
+            return os.lstat(name, dir_fd=self.folder(head, create=False))
+        except (OSError, UnsafeDirectoryError):
+            return None
+
+    def close(self) -> None:
+        with self._mu:
+            if self._pid == os.getpid():
+                for fd in self._fds.values():
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
+            self._fds = {}
+
+
 # ---------------------------------------------------------------- copying one file
 
-_tmp_counter = itertools.count()
-
-
-def sweep_temp_files(dest_root: str, rel_dirs: set[str]) -> int:
-    """Remove hidden temp files (``.ucstage-<pid>-<n>.tmp``) that a killed earlier run left in the
+def sweep_temp_files(tree: DestTree, rel_dirs: set[str]) -> int:
+    """Remove hidden temp files (``.ucstage-<pid>-<random>.tmp``) that a killed earlier run left in the
     destination folders; those of a running process stay. Returns the number removed."""
     from .files.locks import pid_running
 
     n = 0
     for rel in rel_dirs | {""}:
-        folder = dest_path(dest_root, rel) if rel else dest_root
         try:
-            names = os.listdir(folder)
-        except (FileNotFoundError, NotADirectoryError):
+            fd = tree.folder(rel, create=False)
+            names = os.listdir(fd)
+        except (OSError, UnsafeDirectoryError):
             continue
         for name in names:
             if not (name.startswith(TMP_PREFIX) and name.endswith(".tmp")):
@@ -161,7 +262,7 @@ def sweep_temp_files(dest_root: str, rel_dirs: set[str]) -> int:
             pid = name[len(TMP_PREFIX):].split("-", 1)[0]
             if pid.isdigit() and not pid_running(int(pid)):
                 try:
-                    os.unlink(os.path.join(folder, name))
+                    os.unlink(name, dir_fd=fd)
                     n += 1
                 except OSError:
                     pass
@@ -181,39 +282,54 @@ def fetch_to(vol: Volume, rel: str, dest: str) -> int:
     return vol.copy_to(rel, dest)
 
 
+def source_mode(vol: Volume, rel: str) -> int | None:
+    """The mode of ``rel`` where the volume's files are local paths, else None."""
+    src = vol.local_file(rel)
+    if src is None:
+        return None
+    try:
+        return os.stat(src).st_mode
+    except OSError:
+        return None
+
+
 class _SizeMismatchError(OSError):
     pass
 
 
-def copy_one(vol: Volume, entry: FileEntry, dest_root: str, verify: str | None, retries: int) -> int:
-    """Copy one file atomically (temp file in the same folder, then rename); return bytes copied."""
-    final = dest_path(dest_root, entry.path)
-    folder = os.path.dirname(final)
+def copy_one(vol: Volume, entry: FileEntry, tree: DestTree, verify: str | None, retries: int) -> int:
+    """Copy one file atomically (a new temp file in the same folder, then rename); return bytes copied.
+
+    Everything happens relative to the folder's descriptor: the temp file is new (``O_EXCL``, an
+    unguessable name, never through a link) and the rename replaces whatever is at the final name
+    (a symbolic link there is replaced, not followed)."""
+    head, _, name = entry.path.rpartition("/")
+    folder = tree.folder(head)
+    mode = staged_mode(source_mode(vol, entry.path))
 
     def attempt(_: Any) -> int:
-        tmp = os.path.join(folder, f"{TMP_PREFIX}{os.getpid()}-{next(_tmp_counter)}.tmp")
+        tmp = f"{TMP_PREFIX}{os.getpid()}-{os.urandom(8).hex()}.tmp"
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=folder)
         try:
-            n = fetch_to(vol, entry.path, tmp)
+            n = fetch_to(vol, entry.path, f"/proc/self/fd/{fd}")  # writes into our descriptor, by name
             if verify == "size" and n != entry.size:
                 raise _SizeMismatchError(f"listed {entry.size} bytes but read {n}: the source changed while staging; "
                                          "run stage again")
+            os.fchmod(fd, mode)
             # an odd remote mtime: the copy is fine, only skip-unchanged is lost
             with contextlib.suppress(OverflowError, OSError, ValueError):
                 ns = int(round(entry.mtime * 1e9))
-                os.utime(tmp, ns=(ns, ns))
-            os.replace(tmp, final)
+                os.utime(fd, ns=(ns, ns))
+            os.replace(tmp, name, src_dir_fd=folder, dst_dir_fd=folder)
             return n
         except BaseException:
             with contextlib.suppress(OSError):
-                os.unlink(tmp)
+                os.unlink(tmp, dir_fd=folder)
             raise
+        finally:
+            os.close(fd)
 
-    try:
-        return with_retries(attempt, None, retries)
-    except FileNotFoundError as e:
-        if not os.path.isdir(folder):  # the destination disappeared (not the source): say so
-            raise FetchError(f"destination folder {folder} disappeared while staging") from e
-        raise
+    return with_retries(attempt, None, retries)
 
 
 def _reason(vol: Volume, entry: FileEntry, exc: BaseException) -> str:
@@ -222,14 +338,14 @@ def _reason(vol: Volume, entry: FileEntry, exc: BaseException) -> str:
     return str(copy_error(vol, entry.path, exc))
 
 
-def _copy_many(vol: Volume, entries: Sequence[FileEntry], dest_root: str, verify: str | None, retries: int,
+def _copy_many(vol: Volume, entries: Sequence[FileEntry], tree: DestTree, verify: str | None, retries: int,
                threads: int, on_done: Any) -> list[tuple[str, str]]:
     """Copy ``entries`` on ``threads`` threads; call ``on_done(nbytes, failed)`` per file; return failures."""
     failures: list[tuple[str, str]] = []
 
     def one(e: FileEntry) -> None:
         try:
-            n = copy_one(vol, e, dest_root, verify, retries)
+            n = copy_one(vol, e, tree, verify, retries)
         except Exception as exc:  # noqa: BLE001 - reported per file
             failures.append((e.path, _reason(vol, e, exc)))
             on_done(0, 1)
@@ -263,9 +379,9 @@ def _count(nbytes: int, failed: int) -> None:
         _shared[2] += failed
 
 
-def _worker_run(vol: Volume, entries: list[FileEntry], dest_root: str, verify: str | None, retries: int,
+def _worker_run(vol: Volume, entries: list[FileEntry], tree: DestTree, verify: str | None, retries: int,
                 threads: int) -> list[tuple[str, str]]:
-    return _copy_many(vol, entries, dest_root, verify, retries, threads, _count)
+    return _copy_many(vol, entries, tree, verify, retries, threads, _count)
 
 
 def _mp_context() -> Any:
@@ -275,7 +391,7 @@ def _mp_context() -> Any:
     return mp.get_context(method)
 
 
-def _run_processes(vol: Volume, todo: list[FileEntry], dest_root: str, verify: str | None, retries: int,
+def _run_processes(vol: Volume, todo: list[FileEntry], tree: DestTree, verify: str | None, retries: int,
                    nproc: int, threads: int, prog: Progress) -> list[tuple[str, str]]:
     ctx = _mp_context()
     counters = ctx.Array("q", 3)
@@ -285,7 +401,7 @@ def _run_processes(vol: Volume, todo: list[FileEntry], dest_root: str, verify: s
         warnings.filterwarnings("ignore", message=".*fork.*", category=DeprecationWarning)
         pool = ProcessPoolExecutor(len(parts), mp_context=ctx, initializer=_init_worker, initargs=(counters,))
     try:
-        futs = [pool.submit(_worker_run, vol, part, dest_root, verify, retries, threads) for part in parts]
+        futs = [pool.submit(_worker_run, vol, part, tree, verify, retries, threads) for part in parts]
         pending = set(futs)
         while pending:
             _, pending = wait(pending, timeout=0.1)
@@ -314,7 +430,8 @@ def _normalise_verify(verify: Any) -> str | None:
 
 def stage(src: Any, dest: str | os.PathLike[str], *, pattern: str | None = None, concurrency: int = 256,
           verify: str | None = "size", progress: bool | str = True, retries: int = 3,
-          processes: int | None = None, storage_options: dict[str, Any] | None = None) -> StageResult:
+          processes: int | None = None, storage_options: dict[str, Any] | None = None,
+          follow_symlinks: str = "inside", allow_shared_dest: bool = False) -> StageResult:
     """Copy the files under ``src`` to ``dest`` in parallel, keeping relative paths.
 
     Args:
@@ -329,11 +446,18 @@ def stage(src: Any, dest: str | os.PathLike[str], *, pattern: str | None = None,
         processes: worker processes (default: one per 2 cores, up to 4, fewer for small jobs;
             1 = threads in this process).
         storage_options: fsspec options for URLs.
+        follow_symlinks: a symlinked file in the source is copied only when it points inside ``src``
+            (``"inside"``, the default; one pointing outside is left out with one warning naming it),
+            always (``"all"``: for a tree you trust) or never (``"none"``). Symlinked folders are not walked.
+        allow_shared_dest: write into a destination folder that belongs to another user or that others
+            may write to (refused by default: they could swap a folder for a link to your files meanwhile).
+            A symbolic link inside the destination is never written through either way.
 
     Returns:
         :class:`StageResult` with files and bytes copied, seconds, files skipped as unchanged (same size
         and mtime as the source; staged copies get the source's mtime) and failures with reasons.
         Failures do not raise: check ``result.ok`` or call ``result.raise_for_failures()``.
+        Staged files keep the source's mode, at most 0644, and 0600 when the source is not readable by everyone.
 
     Example::
 
@@ -344,30 +468,41 @@ def stage(src: Any, dest: str | os.PathLike[str], *, pattern: str | None = None,
     for name, value, low in (("concurrency", concurrency, 1), ("processes", processes, 1), ("retries", retries, 0)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
             raise StagingError(f"{name} must be an integer >= {low}, got {value!r}")
+    if follow_symlinks not in FOLLOW_SYMLINKS:
+        raise StagingError(f"follow_symlinks must be one of {FOLLOW_SYMLINKS}, got {follow_symlinks!r}")
     verify = _normalise_verify(verify)
     vol = open_volume(src, storage_options)
+    vol.follow_symlinks = follow_symlinks
     dest_root = os.path.abspath(os.path.expanduser(os.fspath(dest)))
+    if os.path.islink(dest_root) and os.lstat(dest_root).st_uid == (os.getuid() if hasattr(os, "getuid") else 0):
+        dest_root = os.path.realpath(dest_root)  # a link of the user's own names the folder they mean
     if vol.local_root is not None:
         check_not_nested(vol.local_root, dest_root)
     if os.path.exists(dest_root) and not os.path.isdir(dest_root):
         raise StagingError(f"destination {dest_root} is a file: pass a directory")
     entries = vol.list(pattern)
-    sweep_temp_files(dest_root, {os.path.dirname(e.path) for e in entries})
+    os.makedirs(os.path.dirname(dest_root), mode=DIR_MODE, exist_ok=True)
+    tree = DestTree(dest_root, allow_shared_dest)
+    tree.folder("")  # the destination itself: made, or refused (UnsafeDirectoryError) before any copy
+    sweep_temp_files(tree, {os.path.dirname(e.path) for e in entries})
 
     todo: list[FileEntry] = []
     res = StageResult(source=vol.display(), dest=dest_root, total=len(entries))
     for e in entries:
-        try:
-            st: os.stat_result | None = os.stat(dest_path(dest_root, e.path))
-        except OSError:
-            st = None
-        if is_unchanged(e, st):
+        st = tree.lstat(e.path)
+        if st is not None and stat_mod.S_ISREG(st.st_mode) and is_unchanged(e, st):
             res.skipped += 1
             res.skipped_bytes += e.size
         else:
             todo.append(e)
-    for folder in sorted({os.path.dirname(dest_path(dest_root, e.path)) for e in todo} | {dest_root}):
-        os.makedirs(folder, exist_ok=True)
+    unsafe: dict[str, str] = {}  # folder -> why no file is written there
+    for folder in sorted({e.path.rpartition("/")[0] for e in todo}):
+        try:
+            tree.folder(folder)
+        except (UnsafeDirectoryError, OSError) as exc:
+            unsafe[folder] = str(exc)
+    blocked = [(e.path, unsafe[e.path.rpartition("/")[0]]) for e in todo if e.path.rpartition("/")[0] in unsafe]
+    todo = [e for e in todo if e.path.rpartition("/")[0] not in unsafe]
 
     nproc, threads = plan_workers(len(todo), concurrency, processes)
     res.processes, res.threads = nproc, threads
@@ -376,17 +511,18 @@ def stage(src: Any, dest: str | os.PathLike[str], *, pattern: str | None = None,
         if not todo:
             failures: list[tuple[str, str]] = []
         elif nproc == 1:
-            failures = _copy_many(vol, todo, dest_root, verify, retries, threads,
+            failures = _copy_many(vol, todo, tree, verify, retries, threads,
                                   lambda n, failed: prog.update(1, n, failed))
         else:
-            failures = _run_processes(vol, todo, dest_root, verify, retries, nproc, threads, prog)
+            failures = _run_processes(vol, todo, tree, verify, retries, nproc, threads, prog)
     except BaseException:
         prog.close()
         raise
+    finally:
+        tree.close()
     res.seconds = time.monotonic() - t0
-    failed_paths = {p for p, _ in failures}
-    res.failed = sorted((StageFailure(p, r) for p, r in failures), key=lambda f: f.path)
-    res.files = len(todo) - len(failed_paths)
+    res.files = len(todo) - len({p for p, _ in failures})
+    res.failed = sorted((StageFailure(p, r) for p, r in blocked + failures), key=lambda f: f.path)
     res.bytes = prog.nbytes
     prog.close(text=str(res).split("\n", 1)[0])
     return res

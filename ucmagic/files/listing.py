@@ -101,7 +101,9 @@ def _binary(values: list[bytes], large: bool = True) -> Any:
 
 def listing_key(volume: Volume, pattern: str | None) -> str:
     """Name of the listing of ``pattern`` under ``volume`` (stable across processes and restarts)."""
-    blob = json.dumps([LISTING_FORMAT, volume.uri, pattern or ""]).encode("utf-8", "surrogateescape")
+    # which symlinks a listing holds depends on the policy: a listing made under "all" is not one for "inside"
+    blob = json.dumps([LISTING_FORMAT, volume.uri, pattern or "", volume.follow_symlinks]).encode("utf-8",
+                                                                                                  "surrogateescape")
     return hashlib.sha256(blob).hexdigest()[:32]
 
 

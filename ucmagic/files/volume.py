@@ -23,9 +23,9 @@ from typing import Any, Callable, Iterable, Iterator, NamedTuple, Sequence, Unio
 
 from . import ranged
 from .._util import (FILL_BUFFER, LOCAL_DISK_FS, DaemonPool, atomic_target, atomic_write, copy_fds, copy_file_to_path,
-                     copy_local, is_remote_url, mount_fs_type, open_emptied, wait_result)
+                     copy_local, is_remote_url, mount_fs_type, open_emptied, path_under, wait_result)
 from ..errors import (EmptyListingError, FetchError, InvalidArgumentError, SourceChangedError, SourceNotADirectoryError,
-                      SourceNotFoundError, UnreadableDirectoryError)
+                      SourceNotFoundError, UnreadableDirectoryError, UnsafeSourceError)
 
 # A directory read faster than this (seconds: a fixed part plus one per entry) is "local and
 # cached": the listing goes on reading on one thread, as threads contending for the GIL cost more
@@ -245,6 +245,11 @@ class Volume(abc.ABC):
     range_retries: int = 3
     keeps_dir_mtimes = False  # True where adding or removing a file changes its directory's mtime
     unreadable = "raise"  # a directory under the root that cannot be read: "raise" or "skip" (with a warning)
+    # A symlinked file in the tree: listed only when it points inside the root ("inside"), always
+    # ("all") or never ("none"); one pointing outside is left out with one warning per listing naming
+    # it, or raises UnsafeSourceError where outside_links = "raise". Symlinked folders are never walked.
+    follow_symlinks = "inside"
+    outside_links = "warn"
     # Folders under the root (relative paths) that listings leave out: a dataset's own cache
     # directory when it lies inside the dataset's root (its copies are not data).
     skip_dirs: frozenset[str] = frozenset()
@@ -425,6 +430,7 @@ class LocalVolume(Volume):
         network mount is a round trip each), its folders and its mtime."""
         files: list[FileEntry] = []
         dirs: list[str] = []
+        outside = self._outside
         where = os.path.join(self.root, rel) if rel else self.root
         try:
             mtime_ns = os.stat(where).st_mtime_ns  # before reading: a file added meanwhile changes it later
@@ -439,6 +445,9 @@ class LocalVolume(Volume):
                         if rx is not None and not rx.match(name):
                             continue
                         st = de.stat()  # follows a symlink to a file; a dangling one raises
+                        if stat_mod.S_ISREG(st.st_mode) and de.is_symlink() and not self._link_allowed(de.path):
+                            outside.append(name)
+                            continue
                     except OSError:
                         continue
                     if stat_mod.S_ISREG(st.st_mode):
@@ -455,9 +464,43 @@ class LocalVolume(Volume):
                 "access to it, or pass on_error='skip' to leave it out") from exc
         return files, dirs, mtime_ns
 
+    @property
+    def _outside(self) -> builtins.list[str]:
+        """Symlinks left out of the listing in progress (pointing outside the root)."""
+        got: builtins.list[str] = self.__dict__.setdefault("_outside_links", [])
+        return got
+
+    def _link_allowed(self, path: str) -> bool:
+        """Whether the symlinked file at ``path`` is listed under :attr:`follow_symlinks`."""
+        if self.follow_symlinks == "all":
+            return True
+        if self.follow_symlinks == "none":
+            return False
+        return path_under(path, self.root) not in (None, ".")
+
+    def _report_outside(self) -> None:
+        """One warning (or :class:`UnsafeSourceError`) for the links a listing left out, naming them."""
+        links = sorted(self.__dict__.pop("_outside_links", None) or [])
+        if not links or self.follow_symlinks == "none":
+            return
+        named = ", ".join(links[:5]) + (f" and {len(links) - 5} more" if len(links) > 5 else "")
+        msg = (f"{len(links)} symlink(s) in {self.root} point outside it and were left out: {named}. "
+               "Pass follow_symlinks='all' if you trust this tree")
+        if self.outside_links == "raise":
+            raise UnsafeSourceError(msg + ", or on_error='skip' to leave them out")
+        import warnings
+
+        warnings.warn("ucmagic: " + msg, stacklevel=3)
+
     def scan(self, pattern: str | None = None) -> Iterator[DirScan]:
         """Directories yielded as read: on this thread while they read fast, then concurrently
-        (each readdir on a network mount is slow) from the first slow one on."""
+        (each readdir on a network mount is slow) from the first slow one on. Symlinked files are
+        listed per :attr:`follow_symlinks`; those left out are reported once, at the end."""
+        self.__dict__["_outside_links"] = []
+        yield from self._scan(pattern)
+        self._report_outside()
+
+    def _scan(self, pattern: str | None = None) -> Iterator[DirScan]:
         rx = compile_pattern(pattern) if pattern else None
         todo = [""]  # directories found, not yet read
 

@@ -1,0 +1,311 @@
+"""The attacks of issue 42, played by another local user (uid 12345, made by chown: the tests run as
+root and skip otherwise) or by a malicious data source. Each test plants what the attacker would,
+runs what the victim runs, and checks that nothing outside the intended place changed (the SHA-256
+of every planted victim file before and after). docs/reliability.md ("Threat model") says what is
+protected against whom.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+import tempfile
+
+import pytest
+
+from ucmagic import UCVolumeDataset, stage
+from ucmagic.errors import UnsafeCacheError, UnsafeSourceError
+
+ATTACKER = 12345
+
+
+def need_root() -> None:
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        pytest.skip("playing another user needs root (chown to another uid)")
+
+
+def digest(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def victim_files(home) -> dict[str, str]:
+    """The victim's precious files: ~/.bashrc, ~/.profile, ~/.ssh/{authorized_keys,id_rsa}; their hashes."""
+    (home / ".ssh").mkdir(parents=True, exist_ok=True)
+    for rel, data, mode in ((".bashrc", b"alias ls='ls --color'\n", 0o644), (".profile", b"PATH=$PATH\n", 0o644),
+                            (".ssh/authorized_keys", b"ssh-ed25519 AAAA victim\n", 0o600),
+                            (".ssh/id_rsa", b"-----BEGIN PRIVATE KEY-----\nsecret\n", 0o600)):
+        (home / rel).write_bytes(data)
+        os.chmod(home / rel, mode)
+    return snapshot(home)
+
+
+def snapshot(home) -> dict[str, str]:
+    out = {}
+    for dirpath, _, names in os.walk(home):
+        for n in names:
+            p = os.path.join(dirpath, n)
+            if not os.path.islink(p):
+                out[os.path.relpath(p, home)] = digest(p)
+    return out
+
+
+def chown_tree(path) -> None:
+    """Hand ``path`` (and what is under it, links included) to the attacker."""
+    os.lchown(path, ATTACKER, ATTACKER)
+    for dirpath, dirs, names in os.walk(path):
+        for n in dirs + names:
+            os.lchown(os.path.join(dirpath, n), ATTACKER, ATTACKER)
+
+
+def attacker_dir(path, mode: int = 0o777):
+    path.mkdir(parents=True, exist_ok=True)
+    os.chmod(path, mode)
+    os.chown(path, ATTACKER, ATTACKER)
+    return path
+
+
+# ---------------------------------------------------------------- checkpoint staging
+
+def test_checkpoint_staging_prepared_by_another_user_is_never_used(tmp_path, monkeypatch):
+    """Another user makes the staging root and the victim's next per-load folder, its checkpoint.pt a
+    link to ~/.bashrc: the load's staging write must not reach ~/.bashrc."""
+    need_root()
+    from ucmagic._util import copy_local
+    from ucmagic.checkpoints import transfer as xfer
+    from ucmagic.files.locks import process_tag
+
+    home = tmp_path / "home"
+    before = victim_files(home)
+    root = attacker_dir(tmp_path / "ucmagic-ckpt-0")
+    trap = root / f"single-load-abc@{process_tag()}"
+    trap.mkdir()
+    os.chmod(trap, 0o777)
+    os.symlink(home / ".bashrc", trap / "checkpoint.pt")
+    chown_tree(root)
+    payload = tmp_path / "downloaded.pt"
+    payload.write_bytes(b"tensor bytes " * 100)
+    monkeypatch.setenv("UCMAGIC_STAGING_DIR", str(root))
+    try:
+        staging = xfer.make_staging_dir(None, "single-load-abc")
+    except UnsafeCacheError:
+        staging = None  # refused: the root is another user's
+    else:
+        assert staging != str(trap)
+        copy_local(str(payload), os.path.join(staging, "checkpoint.pt"))
+    assert staging is None
+    assert snapshot(home) == before
+
+
+def test_default_checkpoint_staging_is_private_and_not_a_guessable_tmp_name(monkeypatch):
+    from ucmagic.checkpoints import transfer as xfer
+
+    monkeypatch.delenv("UCMAGIC_STAGING_DIR", raising=False)
+    root = xfer.shared_staging_root()
+    assert not os.path.basename(root).startswith("ucmagic-ckpt-")
+    made = xfer.make_staging_dir(None, "save-x-0")
+    try:
+        for p in (root, made):
+            st = os.lstat(p)
+            assert stat.S_ISDIR(st.st_mode) and st.st_mode & 0o077 == 0 and st.st_uid == os.getuid()
+        again = xfer.make_staging_dir(None, "save-x-0")  # the same name again: a new folder, never reused
+        assert again != made
+        xfer.release_staging_dir(again)
+    finally:
+        xfer.release_staging_dir(made)
+
+
+def test_a_sticky_shared_staging_root_gets_a_new_unguessable_folder(tmp_path):
+    """``staging_dir="/tmp"``-like: others may write there but not rename; a folder they made in the
+    victim's name (every guessable one) is never used."""
+    need_root()
+    from ucmagic.checkpoints import transfer as xfer
+    from ucmagic.files.locks import process_tag
+
+    shared = tmp_path / "sharedtmp"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+    trap = attacker_dir(shared / f"save-s-0@{process_tag()}")
+    made = xfer.make_staging_dir(str(shared), "save-s-0")
+    try:
+        assert made != str(trap) and os.lstat(made).st_uid == os.getuid()
+        assert os.lstat(made).st_mode & 0o777 == 0o700
+    finally:
+        xfer.release_staging_dir(made)
+
+
+# ---------------------------------------------------------------- stage() into a destination with links
+
+def _src_tree(tmp_path, files: dict[str, bytes]):
+    src = tmp_path / "src"
+    for rel, data in files.items():
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        (src / rel).write_bytes(data)
+    return src
+
+
+def test_stage_never_writes_through_a_directory_link_another_user_planted_in_the_destination(tmp_path):
+    need_root()
+    home = tmp_path / "home"
+    before = victim_files(home)
+    src = _src_tree(tmp_path, {"sub/authorized_keys": b"ssh-ed25519 AAAA attacker\n", "x.wav": b"audio"})
+    dest = attacker_dir(tmp_path / "sec-audio")
+    os.symlink(home / ".ssh", dest / "sub")
+    chown_tree(dest)
+    try:
+        res = stage(str(src), str(dest), progress=False, processes=1)
+    except UnsafeCacheError:
+        res = None  # refused: a destination of another user's
+    assert res is None
+    assert snapshot(home) == before
+    # trusting the shared destination explicitly: still never through the link
+    res = stage(str(src), str(dest), progress=False, processes=1, allow_shared_dest=True)
+    assert [f.path for f in res.failed] == ["sub/authorized_keys"] and "symbolic link" in res.failed[0].reason
+    assert (dest / "x.wav").read_bytes() == b"audio"
+    assert snapshot(home) == before
+
+
+def test_stage_replaces_a_file_link_at_a_final_name_and_ignores_planted_temp_names(tmp_path):
+    """A link at a staged file's own name, or at the temp name an old version would pick next
+    (``.ucstage-<pid>-<n>.tmp``), is replaced or left alone, never written through."""
+    home = tmp_path / "home"
+    before = victim_files(home)
+    src = _src_tree(tmp_path, {"a.txt": b"new a", "b.txt": b"new b"})
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    os.symlink(home / ".profile", dest / "a.txt")
+    for n in range(4):
+        os.symlink(home / ".bashrc", dest / f".ucstage-{os.getpid()}-{n}.tmp")
+    res = stage(str(src), str(dest), progress=False, processes=1)
+    assert res.ok
+    assert not os.path.islink(dest / "a.txt") and (dest / "a.txt").read_bytes() == b"new a"
+    assert snapshot(home) == before
+
+
+def test_staged_copies_never_widen_the_source_mode(tmp_path):
+    src = _src_tree(tmp_path, {"key": b"secret", "pub": b"public", "exe": b"#!/bin/sh\n"})
+    os.chmod(src / "key", 0o600)
+    os.chmod(src / "pub", 0o664)
+    os.chmod(src / "exe", 0o755)
+    dest = tmp_path / "dest"
+    old = os.umask(0)
+    try:
+        assert stage(str(src), str(dest), progress=False, processes=1).ok
+    finally:
+        os.umask(old)
+    modes = {n: stat.S_IMODE(os.stat(dest / n).st_mode) for n in ("key", "pub", "exe")}
+    assert modes == {"key": 0o600, "pub": 0o644, "exe": 0o644}
+    assert stat.S_IMODE(os.stat(dest).st_mode) & 0o022 == 0  # folders are not writable by others either
+
+
+# ---------------------------------------------------------------- a malicious data source
+
+def test_a_source_link_to_the_users_private_key_is_not_read_nor_staged(tmp_path):
+    home = tmp_path / "home"
+    before = victim_files(home)
+    tree = tmp_path / "theirs"
+    (tree / "cls").mkdir(parents=True)
+    (tree / "cls" / "1.jpg").write_bytes(b"jpeg")
+    os.symlink(home / ".ssh" / "id_rsa", tree / "cls" / "2.jpg")
+    secret = (home / ".ssh" / "id_rsa").read_bytes()
+    with pytest.raises(UnsafeSourceError, match="2.jpg"):
+        UCVolumeDataset(str(tree), cache_dir=str(tmp_path / "cache"))
+    with pytest.warns(UserWarning, match="2.jpg"):
+        ds = UCVolumeDataset(str(tree), cache_dir=str(tmp_path / "cache"), on_error="skip")
+    served = [open(p, "rb").read() for p in ds]
+    assert secret not in served and len(served) == 1
+    with pytest.warns(UserWarning, match="2.jpg"):
+        res = stage(str(tree), str(tmp_path / "staged"), progress=False, processes=1)
+    assert res.ok and not (tmp_path / "staged" / "cls" / "2.jpg").exists()
+    assert snapshot(home) == before
+
+
+# ---------------------------------------------------------------- the cache directory
+
+def test_a_cache_root_once_world_writable_keeps_nothing_others_planted(tmp_path):
+    """Attacker-made files/, tmp/, locks/ with locks/removals -> ~/.profile in a 0777 root of the victim's."""
+    need_root()
+    from ucmagic.files.cache import FileCache
+
+    home = tmp_path / "home"
+    before = victim_files(home)
+    root = tmp_path / "cache"
+    root.mkdir()
+    os.chmod(root, 0o777)
+    for sub in ("files", "tmp", "locks"):
+        attacker_dir(root / sub)
+    os.symlink(home / ".profile", root / "locks" / "removals")
+    chown_tree(root / "locks")
+    try:
+        fc = FileCache(str(root))
+    except UnsafeCacheError:
+        fc = None
+    else:
+        fc.remove([])  # changes the removal token
+    assert fc is None
+    assert snapshot(home) == before
+
+
+def test_lock_and_token_files_are_never_opened_through_a_link(tmp_path):
+    from ucmagic.files.cache import FileCache
+    from ucmagic.files.locks import KeyLocks, file_lock
+
+    home = tmp_path / "home"
+    before = victim_files(home)
+    fc = FileCache(str(tmp_path / "cache"))
+    locks = os.path.join(fc.root, "locks")
+    for name, target in (("evict.lock", ".bashrc"), ("removals", ".profile"), ("fill.lock", ".ssh/id_rsa")):
+        p = os.path.join(locks, name)
+        if os.path.lexists(p):
+            os.unlink(p)
+        os.symlink(home / target, p)
+    with pytest.raises(OSError), file_lock(os.path.join(locks, "evict.lock")):
+        pass
+    with pytest.raises(OSError), KeyLocks(os.path.join(locks, "fill.lock")).hold("0" * 40):
+        pass
+    with pytest.raises(OSError):
+        FileCache(str(tmp_path / "cache")).remove([])
+    assert snapshot(home) == before
+
+
+def test_a_cache_root_that_is_another_users_link_to_the_victims_folder_is_refused(tmp_path):
+    need_root()
+    from ucmagic.files.cache import FileCache
+
+    mine = tmp_path / "victim-folder"
+    mine.mkdir(mode=0o700)
+    link = tmp_path / "cache-link"
+    os.symlink(mine, link)
+    os.lchown(link, ATTACKER, ATTACKER)
+    with pytest.raises(UnsafeCacheError, match="symbolic link"):
+        FileCache(str(link))
+    assert os.listdir(mine) == []
+
+
+def test_missing_parents_of_the_cache_are_private_under_umask_000(tmp_path, monkeypatch):
+    from ucmagic.files.cache import FileCache
+
+    root = tmp_path / "home" / ".cache" / "ucmagic"
+    old = os.umask(0)
+    try:
+        FileCache(str(root))
+    finally:
+        os.umask(old)
+    for p in (tmp_path / "home", tmp_path / "home" / ".cache", root, root / "files", root / "locks"):
+        assert stat.S_IMODE(os.stat(p).st_mode) == 0o700, p
+
+
+# ---------------------------------------------------------------- DuckDB
+
+def test_the_duckdb_spill_folder_is_private_and_not_a_guessable_tmp_name():
+    from ucmagic.tables.sources import connect
+
+    con = connect()
+    try:
+        spill = con.execute("SELECT current_setting('temp_directory')").fetchone()[0]
+    finally:
+        con.close()
+    assert spill != os.path.join(tempfile.gettempdir(), f"ucmagic-duckdb-{os.getpid()}")
+    parent = os.path.dirname(spill)
+    st = os.lstat(parent)
+    assert stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and st.st_mode & 0o077 == 0
