@@ -354,3 +354,82 @@ def test_mode_error_after_a_killed_first_append_sees_an_empty_destination(tmp_pa
     res = export_parquet(_table(30, 1), dest, mode="error")
     assert res.rows == 30 and len(load_table(dest)) == 30
     assert not [n for n in os.listdir(dest) if n.startswith("_") or "killed" in n]
+
+
+# ------------------------------------------------------------------ exports never read themselves
+
+def test_an_export_into_its_own_source_or_around_it_is_refused(tmp_path):
+    from ucmagic import ExportOverlapError, export_parquet
+    from ucmagic.tables import load_table
+
+    d = tmp_path / "d"
+    d.mkdir()
+    pq.write_table(_table(2000, 0), d / "a.parquet")
+    for dest, src in ((d / "sub", d), (d, d), (tmp_path, d), (d, d / "a.parquet")):
+        with pytest.raises(ExportOverlapError, match="its own source"):
+            export_parquet(str(src), str(dest), mode="append")
+    assert len(load_table(str(d))) == 2000 and not (d / "sub").exists()
+    export_parquet(str(d), str(tmp_path / "sibling"))  # beside it: fine
+    assert len(load_table(str(tmp_path / "sibling"))) == 2000
+
+
+KILLED_EXPORT = r"""
+import os, signal, sys
+from ucmagic.tables import export as ex
+real = ex._finish_staging
+def finish(staging, *a, **kw):  # the files are written: die before they are swapped in
+    out = real(staging, *a, **kw)
+    print(os.path.basename(staging), flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+ex._finish_staging = finish
+ex.export_parquet(sys.argv[1], sys.argv[2], mode=sys.argv[3], threads=1)
+"""
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode, next_call", [("overwrite", "ParquetDataset"), ("append", "load_table"),
+                                             ("overwrite", "ucmagic.load"), ("append", "export")])
+def test_a_killed_exports_staging_names_its_owner_and_goes_with_the_next_call(setup, tmp_path, mode, next_call):
+    src, dest = setup
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    p = subprocess.Popen([sys.executable, "-c", KILLED_EXPORT, src, dest, mode], env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    out, err = p.communicate(timeout=240)
+    assert p.returncode == -signal.SIGKILL, (out, err)
+    name = out.split()[-1]
+    pid, start, host, _ = name.split(".ucmagic-staging-", 1)[1].split("-")
+    assert int(pid) == p.pid and start.isdigit() and host == journal.host_id()
+    staging = os.path.join(os.path.dirname(dest), name)
+    assert glob.glob(os.path.join(staging, "*.parquet"))  # its files are there, hidden
+    if next_call == "export":
+        from ucmagic import export_parquet
+
+        export_parquet(src, tmp_path / "elsewhere")  # another destination leaves it
+        assert os.path.isdir(staging)
+        export_parquet(src, dest, mode="append", threads=1)
+        assert _read("load_table", dest)[0] == OLD_ROWS + NEW_ROWS
+    else:
+        assert _read(next_call, dest) == (OLD_ROWS, OLD_ROWS)
+    assert not os.path.exists(staging)
+
+
+def test_staging_of_a_live_process_or_another_host_stays_and_a_read_only_parent_is_no_error(tmp_path):
+    dest = str(tmp_path / "out")
+    os.makedirs(dest)
+    live = journal.staging_path(dest, "staging", "live")  # this process: running
+    other = os.path.join(str(tmp_path), ".out.ucmagic-staging-1-1-ffffffff-x")  # another host, fresh
+    dead = os.path.join(str(tmp_path), f".out.ucmagic-staging-{_dead_pid()}-1-{journal.host_id()}-y")
+    legacy = os.path.join(str(tmp_path), f".out.ucmagic-old-{_dead_pid()}-z")  # an older release's name
+    for d in (live, other, dead, legacy):
+        os.makedirs(d)
+    os.chmod(str(tmp_path), 0o555)
+    try:
+        if not os.access(str(tmp_path), os.W_OK):  # (root ignores the mode)
+            assert journal.sweep_staging(dest) == 0  # read-only: left, silently, no error
+    finally:
+        os.chmod(str(tmp_path), 0o755)
+    assert journal.sweep_staging(dest) == 2
+    assert os.path.isdir(live) and os.path.isdir(other) and not os.path.exists(dead) and not os.path.exists(legacy)
+    old = time.time() - journal.FOREIGN_JOURNAL_TTL_S - 60
+    os.utime(other, (old, old))
+    assert journal.sweep_staging(dest) == 1 and not os.path.exists(other)

@@ -422,7 +422,7 @@ def test_overwrite_leaves_no_stale_files_and_error_mode_refuses(tmp_path):
     assert big.num_files > 2 and small.num_files == 1
     assert os.listdir(dest) == [os.path.basename(small.files[0])]
     assert read_ids(str(dest)) == list(range(10))
-    assert not [n for n in os.listdir(tmp_path) if "ucmagic" in n]  # no staging or old dirs left
+    assert not [n for n in os.listdir(tmp_path) if ".ucmagic-" in n]  # no staging or old dirs left
     with pytest.raises(FileExistsError, match="mode='overwrite'"):
         export_parquet(frame(5), dest, mode="error")
     assert read_ids(str(dest)) == list(range(10))  # untouched
@@ -436,7 +436,7 @@ def test_export_append_adds_files_beside_the_old_ones(tmp_path):
     second = export_parquet(frame(30), tmp_path / "o", mode="append")
     assert set(first.files).isdisjoint(second.files) and all(os.path.exists(f) for f in first.files + second.files)
     assert pq.read_table(str(tmp_path / "o")).num_rows == 80
-    assert [p.name for p in tmp_path.iterdir()] == ["o"]  # no staging directory left beside it
+    assert [p.name for p in tmp_path.iterdir() if p.name != "ucmagic-cache"] == ["o"]  # no staging left beside it
     third = export_parquet(frame(5), tmp_path / "new", mode="append")  # append to nothing creates it
     assert third.rows == 5
 
@@ -500,7 +500,7 @@ def test_readers_never_see_a_mixture_during_overwrites(tmp_path, monkeypatch, ex
         t.join()
     assert not problems, problems[:5]
     assert seen
-    assert not [n for n in os.listdir(tmp_path) if n != "out"]
+    assert not [n for n in os.listdir(tmp_path) if n not in ("out", "ucmagic-cache")]
 
 
 # ---------------------------------------------------------------- Spark (real local session)

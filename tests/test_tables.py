@@ -239,3 +239,38 @@ def test_export_keeps_the_source_s_row_order(catalog, tmp_path, kind, target):
     assert (got == np.arange(n)).all(), f"rows out of order from {got[0]}"
     ids = [b["id"] for b in ParquetDataset(out, columns=["id"], batch_size=10_000)]
     assert np.array_equal(np.concatenate([np.asarray(i) for i in ids]), np.arange(n))
+
+
+def test_hive_partition_directories_are_columns_typed_as_pyarrow_infers_them(tmp_path):
+    import subprocess
+    import sys
+
+    import pyarrow.dataset as pads
+    import torch
+
+    from ucmagic.tables import ParquetDataset, export_parquet
+
+    d = tmp_path / "t"
+    export_parquet(frame(60), d, partition_by=["label"])
+    oracle = pads.dataset(str(d), format="parquet", partitioning="hive").to_table()
+    assert oracle.schema.field("label").type == pa.int32()
+    want = sorted(zip(oracle.column("id").to_pylist(), oracle.column("label").to_pylist()))
+    df = load_table(str(d))
+    assert sorted(zip(df["id"], df["label"])) == want and str(df["label"].dtype) == "int32"
+    assert list(load_table(str(d), columns=["label"]).columns) == ["label"]
+    batches = list(ParquetDataset(str(d), columns=["id", "label"], batch_size=7))
+    assert batches[0]["label"].dtype == torch.int32
+    assert sorted((int(i), int(lab)) for b in batches for i, lab in zip(b["id"], b["label"])) == want
+    (only,) = list(ParquetDataset(str(d), columns=["label"], batch_size=100))
+    assert sorted(only["label"].tolist()) == sorted(lab for _, lab in want)
+    ds = ParquetDataset(str(d), batch_size=10)  # resume fingerprints still hold
+    it = iter(ds)
+    next(it)
+    state = ds.state_dict()
+    ParquetDataset(str(d), batch_size=10).load_state_dict(state)
+    out = tmp_path / "flat"
+    export_parquet(str(d), out)  # an export of a partitioned directory keeps the partition column
+    assert sorted(zip(*(pq.read_table(out).column(c).to_pylist() for c in ("id", "label")))) == want
+    cli = subprocess.run([sys.executable, "-m", "ucmagic", "load", str(d), "--stream"], capture_output=True,
+                         text=True, timeout=120)
+    assert cli.returncode == 0 and "rows: 60" in cli.stdout, cli.stderr

@@ -80,6 +80,8 @@ _EXPORTS = {
     "UnsupportedSourceError": "errors",
     "TableTooLargeError": "errors",
     "UnsupportedTableFeatureError": "errors",
+    "LossyColumnError": "errors",
+    "ExportOverlapError": "errors",
     "StagingError": "errors",
     "PackError": "errors",
     "DistributedRunError": "errors",

@@ -170,6 +170,15 @@ class UnsupportedTableFeatureError(UCMagicError, NotImplementedError):
     """A Delta table needs a reader feature ucmagic cannot honour (rather than return different rows)."""
 
 
+class LossyColumnError(UCMagicError, TypeError):
+    """A column's type has no exact tensor form (a decimal of more than 15 digits): pass ``dtype=`` to accept
+    the rounding, or read it with ``format="numpy"``/``"arrow"``/``"pandas"``."""
+
+
+class ExportOverlapError(UCMagicError, ValueError):
+    """``export_parquet``'s destination is inside its source (or the source inside the destination): the
+    export would read its own output."""
+
 # ---------------------------------------------------------------- staging, launch, magics
 
 class StagingError(UCMagicError, ValueError):

@@ -104,12 +104,14 @@ def load_table(name_or_path: Any, *, columns: Sequence[str] | None = None, limit
         _too_large(src, est, budget)
     for attempt in range(5):
         try:
+            if src.kind in ("parquet", "delta"):  # pyarrow's own values, converted without loss
+                import tempfile
+
+                sources.sweep_spill_dirs(tempfile.gettempdir())  # as connect() does: a killed export's spill
+                return _exact_pandas(_arrow_table(src, columns, limit))
             con = connect()
             try:
-                if src.kind == "delta":  # the snapshot reads only these columns (and applies deletion vectors)
-                    rel = duckdb_relation(con, src, columns or None)
-                else:
-                    rel = select_columns(duckdb_relation(con, src), columns, src.describe())
+                rel = select_columns(duckdb_relation(con, src), columns, src.describe())
                 if limit is not None:
                     rel = rel.limit(limit)
                 return rel.df()
@@ -130,6 +132,38 @@ def load_table(name_or_path: Any, *, columns: Sequence[str] | None = None, limit
 
                 time.sleep(0.01 * (attempt + 1))
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _arrow_table(src: Source, columns: Sequence[str] | None, limit: int | None) -> Any:
+    """The rows of a Parquet or Delta source as a pyarrow Table, in file order: Hive partitions as columns,
+    a Delta snapshot's rows (deletion vectors applied), only ``columns``, at most ``limit`` rows."""
+    import pyarrow as pa
+
+    cols = list(columns) if columns else None
+    data = arrow_dataset(src, cols)
+    if src.kind != "delta":  # a pyarrow dataset: columns checked, projected and limited by its scanner
+        if cols:
+            missing = [c for c in cols if c not in data.schema.names]
+            if missing:
+                raise KeyError(f"{src.describe()} has no column {missing[0]!r}; columns: "
+                               f"{', '.join(data.schema.names)}")
+        return data.head(limit, columns=cols) if limit is not None else data.to_table(columns=cols)
+    batches, n = [], 0
+    for batch in data:  # a RecordBatchReader of the snapshot's rows
+        if limit is not None and n + batch.num_rows >= limit:
+            batches.append(batch.slice(0, limit - n))
+            break
+        batches.append(batch)
+        n += batch.num_rows
+    return pa.Table.from_batches(batches, schema=data.schema)
+
+
+def _exact_pandas(table: Any) -> Any:
+    """A DataFrame that changes no value: integer and boolean columns with nulls nullable (``Int64``,
+    ``boolean``), the rest as :func:`ucmagic.tables.columns.to_pandas` says."""
+    from .columns import to_pandas
+
+    return to_pandas(table, nullable=[c for c, col in zip(table.column_names, table.columns) if col.null_count])
 
 
 def _vanished(e: BaseException) -> bool:

@@ -30,14 +30,14 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from .._util import is_remote_url
-from ..errors import (EmptyListingError, SourceNotADirectoryError, SourceNotFoundError, UCMagicError,
-                      UnsupportedSourceError)
+from .._util import is_remote_url, path_under
+from ..errors import (EmptyListingError, ExportOverlapError, SourceNotADirectoryError, SourceNotFoundError,
+                      UCMagicError, UnsupportedSourceError)
 from .sources import (MANIFEST, Source, connect, delta_files, duckdb_relation, is_data_path, resolve_source,
                       spark_dataframe, volume_manifest)
 from ..units import format_size, parse_size
 from ..files.volume import FsspecVolume, Volume, resolve_local_path, volume_class
-from .journal import recover_destination, remove_journal, roll_back, write_journal
+from .journal import recover_destination, remove_journal, roll_back, staging_path, sweep_staging, write_journal
 
 EXPORT_MODES = ("overwrite", "append", "error")
 MAX_ROW_GROUP_ROWS = 131072
@@ -129,34 +129,40 @@ def swap_in(staging: str, dest: str) -> str | None:
         raise SourceNotADirectoryError(f"{dest} exists and is not a directory: export_parquet writes a directory")
     if _exchange(staging, dest):
         return staging
-    old = os.path.join(os.path.dirname(dest),
-                       f".{os.path.basename(dest)}.ucmagic-old-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    old = staging_path(dest, "old", uuid.uuid4().hex[:8])
     os.rename(dest, old)  # no atomic exchange here: dest is missing for the instant between the renames
     os.rename(staging, dest)
     return old
 
 
 def sweep_leftovers(dest: str) -> int:
-    """Remove the hidden staging/old directories of ``dest`` that a killed earlier export left beside it
-    (``.<name>.ucmagic-staging-<pid>-<id>``, ``.<name>.ucmagic-old-<pid>-<id>``); a running export's stay."""
-    from ..files.locks import pid_running
+    """Remove the hidden staging/old directories a killed earlier export left beside ``dest`` (see
+    :func:`ucmagic.tables.journal.sweep_staging`); a running export's stay."""
+    return sweep_staging(dest)
 
-    parent, base = os.path.dirname(dest), os.path.basename(dest)
-    n = 0
-    try:
-        names = os.listdir(parent)
-    except FileNotFoundError:
-        return 0
-    for name in names:
-        for kind in ("staging", "old"):
-            prefix = f".{base}.ucmagic-{kind}-"
-            if not name.startswith(prefix):
-                continue
-            pid = name[len(prefix):].split("-", 1)[0]
-            if not pid.isdigit() or not pid_running(int(pid)):  # no pid: an older release's leftover
-                shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
-                n += 1
-    return n
+
+def check_no_overlap(src: Source, dest: str) -> None:
+    """Refuse a destination inside the source, or a source inside the destination: the export would read
+    its own output (an append duplicates the source on every run; an overwrite swaps the source away)."""
+    if src.kind not in ("parquet", "csv", "delta"):
+        return
+    places = [src.root] if src.root else list(src.paths)
+    for place in places:
+        if place is None:
+            continue
+        if is_remote_url(place) != is_remote_url(dest):
+            continue
+        if is_remote_url(dest):
+            a, b = place.rstrip("/") + "/", dest.rstrip("/") + "/"
+            within, around = b.startswith(a), a.startswith(b)
+        else:
+            within, around = path_under(dest, place) is not None, path_under(place, dest) is not None
+        if within or around:
+            where = "inside its own source" if within else "around its own source"
+            raise ExportOverlapError(
+                f"export_parquet would write {dest}, {where} {place}: it would read its own output (an append "
+                "would add the source to itself on every run). Write to a directory outside the source, e.g. a "
+                "sibling of it")
 
 
 def _resolve_dest(dest: str) -> str:
@@ -441,6 +447,8 @@ def export_parquet(source: Any, dest: str | os.PathLike[str], *, target_file_siz
     dest = os.fspath(dest)
     export_id = uuid.uuid4().hex[:12]
     remote = is_remote_url(dest)
+    check_no_overlap(src, dest if remote else _resolve_dest(dest[len("file://"):] if dest.startswith("file://")
+                                                        else dest))
     if remote:
         if spark:
             raise UnsupportedSourceError(
@@ -470,7 +478,7 @@ def export_parquet(source: Any, dest: str | os.PathLike[str], *, target_file_siz
     parent = os.path.dirname(dest)
     os.makedirs(parent, exist_ok=True)
     sweep_leftovers(dest)
-    staging = os.path.join(parent, f".{os.path.basename(dest)}.ucmagic-staging-{os.getpid()}-{export_id}")
+    staging = staging_path(dest, "staging", export_id)
     old = None
     try:
         if spark:
@@ -496,4 +504,4 @@ def export_parquet(source: Any, dest: str | os.PathLike[str], *, target_file_siz
     return ExportResult(dest, files, rows, size, time.perf_counter() - t0, "spark" if spark else "duckdb")
 
 
-__all__ = ["export_parquet", "ExportResult", "UCMagicError", "recover_destination"]
+__all__ = ["export_parquet", "ExportResult", "UCMagicError", "ExportOverlapError", "recover_destination"]

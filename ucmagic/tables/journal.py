@@ -15,10 +15,16 @@ file is in place: that removal is the commit point.
 
 Owners are identified by pid and start time (:func:`ucmagic.files.locks.process_tag`) and host name; a
 journal from another host counts as running until it is :data:`FOREIGN_JOURNAL_TTL_S` old.
+
+Export staging (and the old version an overwrite swaps out) lives beside ``dest`` as
+``.<dest>.ucmagic-staging-<pid>-<start time>-<host>-<id>/`` (:func:`staging_path`); one whose owner is gone
+is removed by :func:`sweep_staging`, which every ucmagic call that reads or writes ``dest`` runs (through
+:func:`committed_listing` and ``export_parquet``), best-effort: never an error on a read-only mount.
 """
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -35,7 +41,62 @@ FOREIGN_JOURNAL_TTL_S = 24 * 3600.0
 LISTING_ATTEMPTS = 5
 
 __all__ = ["recover_destination", "committed_listing", "pending_files", "write_journal", "remove_journal",
-           "roll_back", "journal_path", "JOURNAL_PREFIX"]
+           "roll_back", "journal_path", "JOURNAL_PREFIX", "staging_path", "sweep_staging", "STAGING_KINDS"]
+
+STAGING_KINDS = ("staging", "old")
+
+
+def host_id(host: str | None = None) -> str:
+    """A short name of this machine for file names (host names may hold ``-`` and ``.``)."""
+    return hashlib.sha256((host or socket.gethostname()).encode()).hexdigest()[:8]
+
+
+def staging_path(dest: str, kind: str, export_id: str) -> str:
+    """``<parent>/.<name>.ucmagic-<kind>-<pid>-<start time>-<host>-<id>``: a hidden sibling of ``dest`` that
+    names its owner (pid and start time: :func:`ucmagic.files.locks.process_tag`, and the host)."""
+    parent, base = os.path.dirname(dest), os.path.basename(dest)
+    return os.path.join(parent, f".{base}.ucmagic-{kind}-{process_tag()}-{host_id()}-{export_id}")
+
+
+def staging_owner_alive(suffix: str, mtime: float, now: float | None = None) -> bool:
+    """Whether the export that named a staging directory ``...ucmagic-<kind>-<suffix>`` may still run.
+
+    ``suffix``: ``<pid>-<start>-<host>-<id>`` (an owner on another host counts as running for
+    :data:`FOREIGN_JOURNAL_TTL_S` after ``mtime``), or an older release's ``<pid>-<id>`` (the pid alone)."""
+    from ..files.locks import pid_running
+
+    parts = suffix.split("-")
+    if len(parts) == 4 and all(parts):
+        pid, start, host = parts[:3]
+        if host != host_id():
+            return (time.time() if now is None else now) - mtime < FOREIGN_JOURNAL_TTL_S
+        return tag_alive(f"{pid}-{start}")
+    return len(parts) == 2 and parts[0].isdigit() and pid_running(int(parts[0]))
+
+
+def sweep_staging(dest: str) -> int:
+    """Remove the hidden staging/old directories beside ``dest`` whose export is gone (killed, crashed);
+    best-effort: a directory this process may not change stays, silently. Returns how many went."""
+    parent, base = os.path.dirname(os.path.abspath(dest)), os.path.basename(os.path.abspath(dest))
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return 0
+    n = 0
+    for name in names:
+        for kind in STAGING_KINDS:
+            prefix = f".{base}.ucmagic-{kind}-"
+            if not name.startswith(prefix):
+                continue
+            path = os.path.join(parent, name)
+            try:
+                if os.path.islink(path) or staging_owner_alive(name[len(prefix):], os.stat(path).st_mtime):
+                    continue
+                shutil.rmtree(path)
+                n += 1
+            except OSError:  # gone meanwhile, or read-only: left as it is
+                continue
+    return n
 
 
 def journal_path(dest: str, export_id: str) -> str:
@@ -108,7 +169,9 @@ def roll_back(dest: str, path: str, doc: dict[str, Any] | None) -> None:
 
 
 def _recover(dest: str) -> tuple[int, set[str]]:
-    """Roll back the appends of ``dest`` whose process is gone; ``(rolled back, files of the rest)``."""
+    """Roll back the appends of ``dest`` whose process is gone and remove dead exports' staging beside it;
+    ``(rolled back, files of the rest)``."""
+    sweep_staging(dest)
     n, pending = 0, set()
     for jpath, doc in _journals(dest):
         if not _owner_running(jpath, doc):

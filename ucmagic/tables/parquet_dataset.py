@@ -30,9 +30,11 @@ from ..dist import dist_info
 from ..files.epochs import EpochTracking, LoaderNeeds, StateSchema, stream_lengths
 from ..errors import ListingChangedError, UnsupportedSourceError
 from ..files.fetch import read_ahead, with_retries
+from .columns import (check_exact, column_kind, mask_key, numeric_numpy, numpy_column,
+                      output_kind, temporal_int64, to_pandas)
 from .rows import EpochLayout, Segment
 from .delta import deleted_in, filter_rows, live_counts, live_span
-from .sources import delta_snapshot, resolve_source
+from .sources import delta_snapshot, hive_partitions, resolve_source
 
 STATE_VERSION = 1
 DEFAULT_SHUFFLE_BUFFER = 65536
@@ -44,12 +46,33 @@ class _File:
     """One Parquet file: ``group_rows`` are the rows each row group yields (after a Delta deletion vector);
     ``delta`` is its Delta add (None for plain Parquet), ``stored_rows`` the rows stored (with a DV only)."""
 
-    __slots__ = ("path", "size", "mtime", "group_rows", "delta", "stored_rows")
+    __slots__ = ("path", "size", "mtime", "group_rows", "delta", "stored_rows", "nulls", "partition")
 
     def __init__(self, path: str, size: int, mtime: float, group_rows: list[int], delta: Any = None,
-                 stored_rows: list[int] | None = None) -> None:
+                 stored_rows: list[int] | None = None, nulls: frozenset[str] = frozenset()) -> None:
         self.path, self.size, self.mtime, self.group_rows = path, size, mtime, group_rows
         self.delta, self.stored_rows = delta, stored_rows
+        self.nulls = nulls  # columns that may hold nulls in this file (footer statistics; logical names)
+        self.partition: dict[str, Any] = {}  # Hive partition values of a plain Parquet directory
+
+
+def _footer_nulls(md: Any, names: Sequence[str]) -> set[str]:
+    """Top-level columns (of ``names``, as the file names them) that may hold nulls: a null count above zero
+    or no null count in a row group's statistics; a column the file lacks counts too."""
+    may: set[str] = set()
+    leaves = [md.schema.column(j).path for j in range(md.num_columns)]
+    for name in names:
+        cols = [j for j, p in enumerate(leaves) if p == name or p.startswith(name + ".")]
+        if not cols:
+            may.add(name)
+            continue
+        for g in range(md.num_row_groups):
+            rg = md.row_group(g)
+            if rg.num_rows and any((st := rg.column(j).statistics) is None or not st.has_null_count
+                                   or st.null_count > 0 for j in cols):
+                may.add(name)
+                break
+    return may
 
 
 FORMATS = ("torch", "numpy", "arrow", "pandas")
@@ -58,56 +81,6 @@ FORMATS = ("torch", "numpy", "arrow", "pandas")
 _NP_DTYPES = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16,
               torch.int64: np.int64, torch.int32: np.int32, torch.int16: np.int16, torch.int8: np.int8,
               torch.uint8: np.uint8, torch.bool: np.bool_}
-
-
-def _column_kind(t: Any) -> str:
-    """How a column is handed out: ``tensor``, ``int64`` (temporal), ``decode`` (dictionary) or ``list``."""
-    import pyarrow as pa
-
-    if pa.types.is_dictionary(t):
-        return "decode"
-    if pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t):
-        return "tensor"
-    if pa.types.is_temporal(t):
-        return "int64"
-    if pa.types.is_decimal(t):
-        return "float64"
-    return "list"
-
-
-def _output_kind(t: Any) -> str:
-    import pyarrow as pa
-
-    return _column_kind(t.value_type) if pa.types.is_dictionary(t) else _column_kind(t)
-
-
-def _temporal_int64(col: Any) -> Any:
-    """A date/time/timestamp/duration column as int64 in its own unit (days for date32, else the type's unit)."""
-    import pyarrow as pa
-
-    width = col.type.bit_width
-    return col.cast(pa.int32() if width == 32 else pa.int64()).cast(pa.int64())
-
-
-def _numpy_column(col: Any) -> np.ndarray:
-    """``format="numpy"``: numbers and booleans as arrays, temporal as datetime64/timedelta64, decimals as
-    float64, everything else (strings, binary, nested) as an object array of Python values."""
-    import pyarrow as pa
-
-    t = col.type
-    if pa.types.is_dictionary(t):
-        col = col.cast(t.value_type)
-        t = col.type
-    if pa.types.is_decimal(t):
-        col = col.cast(pa.float64())
-    elif pa.types.is_time(t):
-        col = _temporal_int64(col)
-    if pa.types.is_integer(col.type) or pa.types.is_floating(col.type) or pa.types.is_boolean(col.type) or \
-            pa.types.is_timestamp(col.type) or pa.types.is_date(col.type) or pa.types.is_duration(col.type):
-        return np.asarray(col.to_numpy())
-    out = np.empty(len(col), dtype=object)
-    out[:] = col.to_pylist()
-    return out
 
 
 def _batch_len(batch: Any) -> int:
@@ -205,6 +178,7 @@ class ParquetDataset(EpochTracking, IterableDataset[Any]):
                 paths = [f.path for f in self.snapshot.files] if self.snapshot is not None else list(src.paths)
                 self.remote = any("://" in p for p in paths)
                 self.files, schema = self._read_footers(paths)
+                schema = self._add_partitions(src, schema)
                 break
             except FileNotFoundError:  # an export_parquet overwrite swapped the directory meanwhile?
                 if attempt == 4:
@@ -221,9 +195,18 @@ class ParquetDataset(EpochTracking, IterableDataset[Any]):
                 raise KeyError(f"{src.describe()} has no column {bad[0]!r}; columns: {', '.join(names)}")
         self.columns = columns if columns is not None else names
         self.schema = schema
-        self._kinds = {c: _column_kind(schema.field(c).type) for c in self.columns}
-        self._lists = {c for c in self.columns if _output_kind(schema.field(c).type) == "list"}
+        self._kinds = {c: column_kind(schema.field(c).type) for c in self.columns}
+        self._lists = {c for c in self.columns if output_kind(schema.field(c).type) == "list"}
         self._dtypes = self._resolve_dtypes(dtype)
+        if self.format == "torch":  # decided once from the types: refused here, never a rounded batch later
+            for c in self.columns:
+                check_exact(c, schema.field(c).type, c in self._dtypes, src.describe())
+                if output_kind(schema.field(c).type) == "decimal":
+                    self._kinds[c] = "float64"  # dtype= asked for the rounding
+        self.masked = self._mask_columns(names)
+        self._mask_set = set(self.masked)
+        # the keys of a torch/numpy batch: each column, followed by its mask when it has one
+        self.out_keys = [k for c in self.columns for k in ((c, mask_key(c)) if c in self._mask_set else (c,))]
         self.group_rows = [r for f in self.files for r in f.group_rows]
         self._group_file = [(i, j) for i, f in enumerate(self.files) for j in range(len(f.group_rows))]
         self.num_rows = int(sum(self.group_rows))
@@ -273,7 +256,15 @@ class ParquetDataset(EpochTracking, IterableDataset[Any]):
             stored = None
             if snap is not None and dfile is not None and dfile.dv is not None:
                 stored, rows = rows, live_counts(snap.deleted_rows(dfile), rows)
-            return _File(p, size, mtime, rows, dfile, stored), md.schema.to_arrow_schema()
+            arrow_schema = md.schema.to_arrow_schema()
+            if snap is not None:  # logical names: absent columns and null partition values count as nulls
+                cols = snap.file_columns(arrow_schema, snap.data_columns)
+                phys = _footer_nulls(md, [v for v in cols.values() if v is not None])
+                nulls = {c for c, v in cols.items() if v is None or v in phys}
+                nulls |= {c for c, v in (dfile.partition if dfile is not None else ()) if v is None}
+            else:
+                nulls = _footer_nulls(md, arrow_schema.names)
+            return _File(p, size, mtime, rows, dfile, stored, frozenset(nulls)), arrow_schema
 
         got = list(read_ahead(footer, list(zip(paths, dfiles)), depth=16, timeout=self.timeout,
                               describe=lambda it: it[0]))
@@ -293,6 +284,39 @@ class ParquetDataset(EpochTracking, IterableDataset[Any]):
                                  "write them with one schema") from e
             schema = pa.schema([schema.field(n) for n in got[0][1].names])
         return [f for f, _ in got], schema
+
+    def _add_partitions(self, src: Any, schema: Any) -> Any:
+        """Hive ``key=value/`` directories of a plain Parquet directory become columns (typed as pyarrow infers
+        them), appended to the files' schema; each file keeps its values."""
+        import pyarrow as pa
+
+        if self.snapshot is not None:
+            return schema
+        parts, values = hive_partitions(src)
+        if not len(parts):
+            return schema
+        clash = [f.name for f in parts if f.name in schema.names]
+        if clash:
+            raise ValueError(f"{src.describe()}: column {clash[0]!r} is both in the files and a partition "
+                             f"directory ({clash[0]}=...): rename one of them")
+        for f in self.files:
+            f.partition = {p.name: values.get(f.path, {}).get(p.name) for p in parts}
+            f.nulls = f.nulls | {k for k, v in f.partition.items() if v is None}
+        return pa.schema(list(schema) + list(parts))
+
+    def _mask_columns(self, names: list[str]) -> list[str]:
+        """Columns that get a validity mask (``name + "__valid"``) in the torch and numpy formats: those whose
+        values are tensors/arrays (not Python objects) and that may hold nulls in some file."""
+        if self.format not in ("torch", "numpy"):
+            return []
+        may = set().union(*(f.nulls for f in self.files)) if self.files else set()
+        objects = ("list",) if self.format == "torch" else ("list", "decimal")
+        out = [c for c in self.columns if c in may and output_kind(self.schema.field(c).type) not in objects]
+        clash = [c for c in out if mask_key(c) in names]
+        if clash:
+            raise ValueError(f"column {clash[0]!r} may hold nulls and its mask would be named {mask_key(clash[0])!r},"
+                             " which is a column too: rename that column or leave it out with columns=")
+        return out
 
     def _fingerprint(self) -> str:
         h = hashlib.sha256()
@@ -433,7 +457,18 @@ class ParquetDataset(EpochTracking, IterableDataset[Any]):
         pf = self._open(readers, lock, fi)
         snap = self.snapshot
         if snap is None:
-            t = pf.read_row_group(j, columns=self.columns, use_threads=False)
+            part = self.files[fi].partition
+            t = pf.read_row_group(j, columns=[c for c in self.columns if c not in part], use_threads=False)
+            if part:  # Hive partition values: one constant column each, in the requested order
+                import pyarrow as pa
+
+                n = t.num_rows
+                for c in self.columns:
+                    if c in part:
+                        typ = self.schema.field(c).type
+                        t = t.append_column(c, pa.nulls(n, typ) if part[c] is None
+                                            else pa.repeat(pa.scalar(part[c], typ), n))
+                t = t.select(self.columns)
             want = pa_schema_of(self.schema, self.columns)
             return (t if t.schema.equals(want) else t.cast(want)), None
         f = self.files[fi]
@@ -489,10 +524,10 @@ class ParquetDataset(EpochTracking, IterableDataset[Any]):
             kind = self._kinds[c]
             if kind == "decode":
                 col = col.cast(col.type.value_type)
-                kind = _column_kind(col.type)
+                kind = column_kind(col.type)
             if kind == "int64":
-                col = _temporal_int64(col)
-            elif kind == "float64":
+                col = temporal_int64(col)
+            elif kind in ("float64", "decimal"):  # a wide decimal only with dtype= (check_exact)
                 col = col.cast(pa.float64())
             if kind == "list":
                 if pick is not None:
@@ -500,9 +535,10 @@ class ParquetDataset(EpochTracking, IterableDataset[Any]):
                     col = col.filter(apick)
                 out[c] = col.combine_chunks()
                 continue
-            if col.null_count and pa.types.is_boolean(col.type):
-                col = col.cast(pa.float64())  # nulls as NaN, as for integer columns (numpy has no null bool)
-            arr = col.to_numpy()
+            if c in self._mask_set:  # the type decides the dtype; nulls are 0/False (NaN) and the mask says so
+                valid = np.asarray(col.is_valid().to_numpy(zero_copy_only=False), dtype=bool)
+                out[mask_key(c)] = torch.from_numpy(valid[pick] if pick is not None else valid)
+            arr = numeric_numpy(col)
             if pick is not None:
                 arr = arr[pick]  # a fresh array (boolean indexing): the deletion vector costs no extra copy
             dt = self._dtypes.get(c)
@@ -526,7 +562,7 @@ class ParquetDataset(EpochTracking, IterableDataset[Any]):
             yield from self._table_batches(pieces)
             return
         bs = self.batch_size
-        cols = self.columns
+        cols = self.out_keys
         tensor_cols = [c for c in cols if c not in self._lists]
         pending: list[tuple[dict[str, Any], int, int]] = []  # (piece, start, stop)
         npend = 0
@@ -594,8 +630,14 @@ class ParquetDataset(EpochTracking, IterableDataset[Any]):
             if self.format == "arrow":
                 return t
             if self.format == "pandas":
-                return t.to_pandas()
-            return {c: _numpy_column(t.column(c)) for c in self.columns}
+                return to_pandas(t)
+            out = {}
+            for c in self.columns:
+                col = t.column(c)
+                out[c] = numpy_column(col)
+                if c in self._mask_set:
+                    out[mask_key(c)] = np.asarray(col.is_valid().to_numpy(zero_copy_only=False), dtype=bool)
+            return out
 
         for piece, n in pieces:
             table = piece[""]

@@ -354,20 +354,48 @@ def delta_snapshot(src: Source) -> Any:
     return src.snapshot
 
 
+def hive_partitioned(src: Source) -> bool:
+    """True for a directory source whose files lie in Hive-style ``key=value/`` directories."""
+    if not src.root or src.kind not in ("parquet", "csv"):
+        return False
+    base = src.root.rstrip("/") + "/"
+    return any("=" in part for p in src.paths if p.startswith(base)
+               for part in p[len(base):].split("/")[:-1])
+
+
 def arrow_dataset(src: Source, columns: Sequence[str] | None = None) -> Any:
-    """A lazy pyarrow dataset over a Parquet or CSV source (streams; projects columns); for a Delta
-    table, a RecordBatchReader of the rows its snapshot defines (deletion vectors applied, logical names,
-    partition columns), in log order."""
+    """A lazy pyarrow dataset over a Parquet or CSV source (streams; projects columns; Hive ``key=value/``
+    directories are columns, typed as pyarrow infers them); for a Delta table, a RecordBatchReader of the
+    rows its snapshot defines (deletion vectors applied, logical names, partition columns), in log order."""
     import pyarrow.dataset as pads
 
     if src.kind == "delta":
         return delta_snapshot(src).reader(columns)
     fmt = "parquet" if src.kind == "parquet" else "csv"
+    hive: dict[str, Any] = {}
+    if hive_partitioned(src):
+        hive = {"partitioning": "hive", "partition_base_dir": fsspec_strip(src.root or "")}
     if src.remote:
         pafs, fs = _fs_for(src)
         paths = [fsspec_strip(p) for p in src.paths]
-        return pads.dataset(paths, format=fmt, filesystem=pafs)
-    return pads.dataset(src.paths, format=fmt)
+        return pads.dataset(paths, format=fmt, filesystem=pafs, **hive)
+    return pads.dataset(src.paths, format=fmt, **hive)
+
+
+def hive_partitions(src: Source) -> tuple[Any, dict[str, dict[str, Any]]]:
+    """``(schema of the partition columns, {file path: {column: value}})`` of a Hive-partitioned source, as
+    pyarrow infers them (integers as int32, else strings; ``__HIVE_DEFAULT_PARTITION__`` as null)."""
+    import pyarrow as pa
+    import pyarrow.dataset as pads
+
+    if not hive_partitioned(src):
+        return pa.schema([]), {}
+    ds = arrow_dataset(src)
+    schema = ds.partitioning.schema if ds.partitioning is not None else pa.schema([])
+    by_path = {fsspec_strip(p): p for p in src.paths}
+    values = {by_path.get(fr.path, fr.path): pads.get_partition_keys(fr.partition_expression)
+              for fr in ds.get_fragments()}
+    return schema, values
 
 
 def delta_files(src: Source) -> list[str]:
@@ -394,9 +422,9 @@ def duckdb_relation(con: Any, src: Source, columns: Sequence[str] | None = None)
         return con.from_arrow(src.obj.fetch_arrow_reader(1 << 16))
     if src.kind == "sql":
         return con.sql(src.obj)
-    if src.kind == "parquet" and not src.remote:
+    if src.kind == "parquet" and not src.remote and not hive_partitioned(src):
         return con.read_parquet(src.paths)
-    if src.kind == "csv" and not src.remote:
+    if src.kind == "csv" and not src.remote and not hive_partitioned(src):
         return con.read_csv(src.paths)
     if src.kind in ("delta", "parquet", "csv"):
         return con.from_arrow(arrow_dataset(src))
