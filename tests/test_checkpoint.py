@@ -348,7 +348,8 @@ def test_overwrite_replaces_files_and_drops_stale_shards(tmp_path, staging):
     dcp.save({"m": make_model().state_dict()}, storage_writer=UCVolumeWriter(path, files_per_rank=4))
     new = make_model(7).state_dict()
     dcp.save({"m": new}, storage_writer=UCVolumeWriter(path, files_per_rank=2))
-    assert sorted(n for n in os.listdir(path) if n.endswith(".distcp")) == ["__0_0.distcp", "__0_1.distcp"]
+    shards = sorted(n for n in os.listdir(path) if n.endswith(".distcp"))  # __0_<n>-<this save's tag>.distcp
+    assert [n.split("-")[0] for n in shards] == ["__0_0", "__0_1"] and len({n.split("-")[1] for n in shards}) == 1
     target = {"m": make_model(1).state_dict()}
     dcp.load(target, storage_reader=UCVolumeReader(path))
     assert all(torch.equal(target["m"][k], v) for k, v in new.items())

@@ -289,6 +289,10 @@ if MODE == "sync":
     dcp.save(state, storage_writer=UCVolumeWriter(CK))
 elif MODE == "save_checkpoint":
     save_checkpoint(os.path.dirname(CK), model=torch.nn.Linear(64, 64), step=2)
+elif MODE == "save_checkpoint async":
+    save_checkpoint(os.path.dirname(CK), model=torch.nn.Linear(64, 64), step=2, async_=True)
+    print("TRAINING", flush=True)
+    time.sleep(300)
 else:
     dcp.async_save(state, storage_writer=UCVolumeWriter(CK))
     print("TRAINING", flush=True)
@@ -305,7 +309,7 @@ def _wait_for(path, p, deadline_s: float = 120) -> None:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("mode", ["sync", "save_checkpoint", "async"])
+@pytest.mark.parametrize("mode", ["sync", "save_checkpoint", "async", "save_checkpoint async"])
 def test_ctrl_c_stops_a_save_promptly_and_leaves_nothing_loadable(tmp_path, mode):
     root = tmp_path / "vol"
     root.mkdir()
@@ -321,7 +325,7 @@ def test_ctrl_c_stops_a_save_promptly_and_leaves_nothing_loadable(tmp_path, mode
         try:
             _wait_for(signal_file, p)
             p.send_signal(signal.SIGINT)
-            if mode == "async":  # the first Ctrl-C ends the script; the exit then waits for the save
+            if mode.endswith("async"):  # the first Ctrl-C ends the script; the exit then waits for the save
                 end = time.monotonic() + 60
                 while "waiting for 1 checkpoint save" not in err.read_text():
                     assert p.poll() is None and time.monotonic() < end, err.read_text()
@@ -333,8 +337,9 @@ def test_ctrl_c_stops_a_save_promptly_and_leaves_nothing_loadable(tmp_path, mode
             p.wait()
     text = err.read_text()
     assert p.returncode != 0, text
-    if mode == "async":
+    if mode.endswith("async"):
         assert p.returncode == 130 and "checkpoint NOT saved" in text and "interrupted" in text, text
+        assert text.count("checkpoint NOT saved") == 1, text  # once per directory
     assert "KeyboardInterrupt" in text, text
     with pytest.raises((CheckpointNotCommittedError, CheckpointError)):
         UCVolumeReader(ck)

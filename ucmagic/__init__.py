@@ -73,6 +73,8 @@ _EXPORTS = {
     "CheckpointUploadError": "errors",
     "CheckpointDestinationError": "errors",
     "CheckpointOverwrittenError": "errors",
+    "CheckpointAbandonedError": "errors",
+    "CheckpointSupersededError": "errors",
     "CheckpointMismatchError": "errors",
     "UnsafeCheckpointError": "errors",
     "InvalidTableNameError": "errors",

@@ -182,7 +182,8 @@ def format_checkpoints(items: Sequence[object]) -> str:
 
 
 def _add_ckpt(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("ckpt", help="inspect checkpoints", description="Inspect checkpoints written by ucmagic.")
+    p = sub.add_parser("ckpt", help="inspect checkpoints, remove killed saves",
+                       description="Inspect checkpoints written by ucmagic; remove what killed saves left.")
     csub = p.add_subparsers(dest="ckpt_command", metavar="ACTION")
     lp = csub.add_parser("list", help="list complete checkpoints under ROOT with their time and size",
                          description="List the complete checkpoints under ROOT (step, commit time, size): "
@@ -202,6 +203,24 @@ def _add_ckpt(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         return 0
 
     lp.set_defaults(func=run_list)
+    cl = csub.add_parser("clean", help="remove the directories of killed checkpoint saves under ROOT",
+                         description="Remove the step directories under ROOT whose save was killed: the process "
+                                     "named in its save-in-progress record (this host, pid and start time) is "
+                                     "gone. Committed checkpoints and running saves are never touched. Records "
+                                     "from other hosts or an older ucmagic count once a day old, or with --force.")
+    cl.add_argument("root", help="checkpoint root: a local or mounted directory, a /Volumes/... path "
+                                 "or an fsspec URL (s3://bucket/run/ckpts)")
+    cl.add_argument("--force", action="store_true",
+                    help="also remove saves recorded by other hosts or an older ucmagic (make sure none is running)")
+
+    def run_clean(a: argparse.Namespace) -> int:
+        from .checkpoints.commit import clean_checkpoints
+
+        gone = clean_checkpoints(a.root, force=a.force)
+        print("\n".join(f"removed {d}" for d in gone) if gone else f"no killed saves under {a.root}")
+        return 0
+
+    cl.set_defaults(func=run_clean)
     p.set_defaults(func=_show_help(p))
 
 

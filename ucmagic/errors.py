@@ -140,6 +140,14 @@ class CheckpointOverwrittenError(CheckpointInProgressError):
     """A new save into the checkpoint directory started while the checkpoint was being loaded."""
 
 
+class CheckpointAbandonedError(CheckpointInProgressError):
+    """A save into the checkpoint directory was killed: the process that owns its record is gone."""
+
+
+class CheckpointSupersededError(CheckpointError):
+    """A newer save into the same checkpoint directory started before this one committed; this one did not commit."""
+
+
 class CheckpointMismatchError(CheckpointError, ValueError):
     """The checkpoint's keys do not match the model or optimizer it is loaded into."""
 

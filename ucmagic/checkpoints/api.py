@@ -32,7 +32,6 @@ from .format import (
     key_mismatch,
     looks_like_torch_save,
     make_commit,
-    make_saving_record,
     parse_step_dirname,
     pick_latest,
     pick_step,
@@ -41,7 +40,7 @@ from .format import (
     step_dirname,
     to_delete,
 )
-from .commit import read_commit, volume_dir
+from .commit import begin_save, clean_checkpoints, commit_save, read_commit, volume_dir
 from .exit import track_pending_save
 from .reader import UCVolumeReader
 from .writer import UCVolumeWriter
@@ -262,7 +261,6 @@ def _model_device(model: Any) -> Any:
 def _save_single(path: str, state: dict[str, Any], info: dict[str, Any], writer_kw: dict[str, Any],
                  async_: bool, cancel: Any = None) -> Future[None] | None:
     """Rank 0: torch.save to local staging, upload, commit. Returns a Future when ``async_``."""
-    import socket
     import uuid
 
     import torch
@@ -274,9 +272,7 @@ def _save_single(path: str, state: dict[str, Any], info: dict[str, Any], writer_
     local = os.path.join(staging, SINGLE_FILE_NAME)
     try:
         torch.save(state, local)
-        record = make_saving_record(save_id=save_id, host=socket.gethostname(), pid=os.getpid())
-        xfer.write_bytes(os.path.join(path, SAVING_NAME), record)  # readers refuse from here on
-        xfer.remove_quietly(os.path.join(path, COMMIT_NAME))  # un-commit an older save of this step
+        begin_save(path, save_id)  # readers refuse from here on; an older save of this step is un-committed
     except BaseException as e:
         xfer.release_staging_dir(staging)
         if isinstance(e, OSError) and not isinstance(e, CheckpointError):
@@ -293,8 +289,7 @@ def _save_single(path: str, state: dict[str, Any], info: dict[str, Any], writer_
                                    check=check)
             check()
             marker = make_commit(kind=FORMAT_SINGLE, save_id=save_id, files={SINGLE_FILE_NAME: rec}, info=info)
-            xfer.write_bytes(os.path.join(path, COMMIT_NAME), marker)
-            xfer.remove_quietly(os.path.join(path, SAVING_NAME))
+            commit_save(path, save_id, marker)  # only if no newer save of this step began meanwhile
         finally:
             xfer.release_staging_dir(staging)
 
@@ -330,6 +325,8 @@ def save_checkpoint(root: str | os.PathLike[str], *, model: Any, optimizer: Any 
     def finish() -> str:
         if dist_info(from_env=False).rank == 0:
             _retain(root_path, keep, step)
+            with contextlib.suppress(OSError, CheckpointError):  # the new checkpoint is committed regardless
+                clean_checkpoints(root_path)  # killed saves' directories (their owner here is gone)
         return path
 
     if single_file:

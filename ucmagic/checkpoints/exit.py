@@ -18,6 +18,7 @@ from typing import Any
 
 from .. import _torch_compat as compat
 from .._util import error_line
+from ..errors import CheckpointSupersededError
 
 NEVER_STARTED_S = 30.0  # an async save whose thread never called the writer this long after staging is lost
 
@@ -58,14 +59,16 @@ class PendingSave:
         return not self.fut.done() and self.pid == os.getpid() and not self.finished_before_exit()
 
     def outcome(self) -> BaseException | None:
-        """Wait until the save completes or cannot any more; its error (None when saved or cancelled)."""
+        """Wait until the save completes or cannot any more; its error (None when saved, cancelled, or
+        superseded: a newer save into the same directory holds the state then)."""
         why = None
         while not self.fut.done() and why is None:
             futures_wait([self.fut], timeout=0.2)
             why = None if self.fut.done() else self.stopped()
         if self.fut.cancelled():
             return None
-        return self.fut.exception() if self.fut.done() else RuntimeError(why)
+        err = self.fut.exception() if self.fut.done() else RuntimeError(why)
+        return None if isinstance(err, CheckpointSupersededError) else err
 
     def saved(self) -> bool:
         return self.fut.done() and not self.fut.cancelled() and self.fut.exception() is None
@@ -138,10 +141,9 @@ def _abandon(waiting: list[PendingSave]) -> None:
         for p in waiting:
             while not p.fut.done() and p.stopped() is None and time.monotonic() < deadline:
                 futures_wait([p.fut], timeout=0.1)
-    for p in waiting:
-        if not p.saved():
-            print(f"ucmagic: checkpoint NOT saved: {p.what}: interrupted (Ctrl-C); the directory is not "
-                  "loadable until a new save into it commits", file=sys.stderr)
+    for what in sorted({p.what for p in waiting if not p.saved()}):  # once per directory
+        print(f"ucmagic: checkpoint NOT saved: {what}: interrupted (Ctrl-C); the directory is not "
+              "loadable until a new save into it commits", file=sys.stderr)
     sys.stderr.flush()
     sys.stdout.flush()
     os._exit(130)

@@ -42,7 +42,7 @@ FORMAT_SINGLE = "ucmagic.single"
 FORMAT_VERSION = 1
 STEP_PREFIX = "step_"
 _STEP_RE = re.compile(r"^step_(\d+)$")
-_SHARD_RE = re.compile(r"^__\d+_\d+\.distcp$")
+_SHARD_RE = re.compile(r"^__\d+_\d+(?:-[0-9a-f]+)?\.distcp$")  # ucmagic's carry the save's id
 
 
 class FileRecord(NamedTuple):
@@ -213,10 +213,14 @@ def check_record(name: str, where: str, expected: FileRecord, size: int, crc: in
 
 # ---------------------------------------------------------------- save-in-progress record
 
-def make_saving_record(*, save_id: str, host: str, pid: int, now: float | None = None) -> bytes:
-    """The save-in-progress record's bytes."""
-    return json.dumps({"save_id": save_id, "since": time.time() if now is None else now, "host": host,
-                       "pid": pid}, sort_keys=True).encode()
+def make_saving_record(*, save_id: str, host: str, pid: int, now: float | None = None,
+                       owner: str | None = None) -> bytes:
+    """The save-in-progress record's bytes; ``owner`` is the saving process's ``files.locks.process_tag``."""
+    body: dict[str, Any] = {"save_id": save_id, "since": time.time() if now is None else now, "host": host,
+                            "pid": pid}
+    if owner is not None:
+        body["owner"] = owner
+    return json.dumps(body, sort_keys=True).encode()
 
 
 def parse_saving_record(data: bytes) -> dict[str, Any]:

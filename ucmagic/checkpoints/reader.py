@@ -28,14 +28,13 @@ from torch.futures import Future
 
 from .. import _torch_compat as compat
 from . import transfer as xfer
-from .commit import read_commit, read_saving_record, volume_dir
+from .commit import in_progress_error, read_commit, read_saving_record, volume_dir
 from .format import (
     COMMIT_NAME,
     METADATA_NAME,
     SAVING_NAME,
     FileRecord,
     check_record,
-    in_progress_message,
     is_committed_by,
     missing_or_short,
     not_committed,
@@ -44,6 +43,7 @@ from .format import (
 from .unpickle import WeightsOnlyPlanner, load_metadata
 from .urlfs import CheckpointFileSystem
 from ..errors import (
+    CheckpointAbandonedError,
     CheckpointCorruptError,
     CheckpointError,
     CheckpointInProgressError,
@@ -228,6 +228,8 @@ class UCVolumeReader(FileSystemReader):
             try:
                 self.commit = read_commit(path)
                 return
+            except CheckpointAbandonedError:
+                raise  # its saver is gone: waiting cannot help
             except CheckpointInProgressError:
                 self._wait_for_save(path, time.monotonic() - start)
             except CheckpointError:
@@ -246,8 +248,7 @@ class UCVolumeReader(FileSystemReader):
             record = read_saving_record(path)
             if record is None:  # committed in the meantime: read it
                 return
-            raise CheckpointInProgressError(
-                in_progress_message(path, record, waited=waited if self.wait else None)) from None
+            raise in_progress_error(path, record, waited=waited if self.wait else None) from None
         time.sleep(min(0.05 * (1 + waited), 1.0, max(0.0, self.wait - waited)))
 
     def _waited_for_files(self, path: str, waited: float) -> bool:

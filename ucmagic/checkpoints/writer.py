@@ -8,6 +8,12 @@ last, the commit marker (the manifest). Before anyone writes, the coordinator wr
 save-in-progress record and removes an existing marker and ``.metadata``, so an interrupted
 overwrite is refused rather than mixed. Nothing is renamed on the volume. On a URL
 (``s3://...``) each file is one atomic put on the store, in the same order.
+
+Overlapping saves: shard names carry a per-save tag, so two saves into one directory never write
+the same file; only the newest one begun commits (:func:`.commit.commit_save`), an older one raises
+:class:`CheckpointSupersededError`. With a process group of more than one rank, saves run their
+collective phase one at a time, in the order they started on each rank (:class:`_Turns`): torch
+cannot run two saves' collectives at once on one group.
 """
 from __future__ import annotations
 
@@ -17,6 +23,7 @@ import os
 import pickle
 import queue
 import threading
+import time
 import uuid
 import warnings
 from collections.abc import Iterator
@@ -34,14 +41,13 @@ from torch.futures import Future
 
 from .. import _torch_compat as compat
 from . import transfer as xfer
-from .commit import begin_save, mark_save_failed, volume_dir
-from .exit import PendingSave, track_pending_save
+from .commit import begin_save, commit_save, mark_save_failed, superseded, superseded_error, volume_dir
+from .exit import NEVER_STARTED_S, PendingSave, track_pending_save
 from .urlfs import CheckpointFileSystem
 from .format import (
     COMMIT_NAME,
     FORMAT_DCP,
     METADATA_NAME,
-    SAVING_NAME,
     FileRecord,
     make_commit,
     split_buckets,
@@ -49,7 +55,7 @@ from .format import (
 )
 from .._util import is_url
 from ..dist import dist_info
-from ..errors import CheckpointError, CheckpointExistsError
+from ..errors import CheckpointError, CheckpointExistsError, CheckpointSupersededError
 from ..units import parse_size
 
 DCP_VERSION = "1.0.0"
@@ -63,12 +69,69 @@ def auto_file_count(nbytes: int) -> int:
     return max(1, min(MAX_AUTO_FILES, -(-nbytes // FILE_TARGET_BYTES)))
 
 
+class _Turn:
+    """One save's place in :class:`_Turns`: over once its thread (torch's save thread) has ended, or it
+    was marked done (failed before its thread started, handed to another process)."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.thread: threading.Thread | None = None
+        self.since = time.monotonic()
+
+    def over(self) -> bool:
+        if self.done.is_set():
+            return True
+        if self.thread is None:
+            return time.monotonic() - self.since > NEVER_STARTED_S  # its save thread never started
+        return not self.thread.is_alive()
+
+
+class _Turns:
+    """Saves that use collectives take turns, in the order they started on this rank: each waits, in its
+    save thread (not the training loop), until the save before it has finished its collective phase.
+
+    Every rank starts its saves in the same order (SPMD), so every rank runs them in that order, and
+    two saves never have collectives in flight at once (two in flight on one group hang in torch).
+    """
+
+    def __init__(self) -> None:
+        self._mu = threading.Lock()
+        self._last: _Turn | None = None
+
+    def take(self) -> tuple[_Turn | None, _Turn]:
+        """A new turn, after the previous one; a synchronous save of this thread before it is over."""
+        mine = _Turn()
+        with self._mu:
+            prev, self._last = self._last, mine
+        if prev is not None and prev.thread is threading.current_thread():
+            prev.done.set()  # that save ran in this very thread, which has moved on: it returned
+        return prev, mine
+
+    @staticmethod
+    def wait(prev: _Turn | None, mine: _Turn) -> None:
+        mine.thread = threading.current_thread()
+        while prev is not None and not prev.over():
+            prev.done.wait(0.05)
+
+
+_turns = _Turns()
+
+
+def _uses_collectives() -> bool:
+    """True when saves coordinate ranks through collectives (a process group of more than one rank)."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
 class _UploadSession:
     """Per-save state: staging dir, uploader pool, one future per staged file, the errors of torch's
     writer threads (they would otherwise only be printed), and the files written on the volume."""
 
-    def __init__(self, staging: str, threads: int, verify: str, cancel: threading.Event) -> None:
+    def __init__(self, staging: str, threads: int, verify: str, cancel: threading.Event,
+                 overtaken: Any = None) -> None:
         self.staging = staging
+        self.overtaken = overtaken  # () -> True once a newer save into the directory began: stop uploading
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ucmagic-upload")
         self.verify = verify
         self.cancel = cancel
@@ -82,6 +145,8 @@ class _UploadSession:
     def check(self) -> None:
         if self.cancel.is_set():
             raise CheckpointError("the checkpoint save was cancelled (Ctrl-C or a failure elsewhere in it)")
+        if self.overtaken is not None and self.overtaken():
+            raise CheckpointSupersededError("a newer save into the same directory began")
 
     def failed(self, exc: BaseException) -> None:
         with self.mu:
@@ -235,14 +300,19 @@ class UCVolumeWriter(FileSystemWriter):
         self._pending: PendingSave | None = None
         self._started = threading.Event()
         self._replaced: str | None = None  # the directory whose checkpoint this save withdrew
+        self._turn: tuple[_Turn | None, _Turn] | None = None  # taken at stage(), waited for in set_up
 
     # -- pickling (torch's process-based async checkpointer ships the writer to another process)
     def __getstate__(self) -> dict[str, Any]:
         if self._pending is not None and not self._pending.fut.done():
             self._pending.fut.cancel()  # the other process owns the save now; this one cannot wait for it
+        if self._turn is not None:
+            self._turn[1].done.set()  # the save runs in the other process, on its own process group
+            self._turn = None
         state = dict(self.__dict__)
         state["_pending"] = None
         state["_started"] = None
+        state["_turn"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -271,7 +341,10 @@ class UCVolumeWriter(FileSystemWriter):
 
     def _fail(self, exc: BaseException) -> BaseException:
         """``exc`` as the one-line ucmagic error it means (an OSError on the volume), noted as this save's failure."""
-        err = xfer.destination_error(exc, os.fspath(self.path)) if isinstance(exc, OSError) \
+        path = os.fspath(self.path)
+        if self._begun is not None and superseded(path, self.save_id):
+            exc = superseded_error(path)  # whatever stopped it, this save could no longer commit
+        err = xfer.destination_error(exc, path) if isinstance(exc, OSError) \
             and not isinstance(exc, CheckpointError) else exc
         self._failed(err)
         return err
@@ -297,10 +370,15 @@ class UCVolumeWriter(FileSystemWriter):
         staged = _unaliased(super().stage(state_dict), state_dict)
         if self._pending is None or self._pending.fut.done():
             self._pending = track_pending_save(os.fspath(self.path), CFuture(), writer=True)
+        if _uses_collectives():
+            self._turn = _turns.take()  # in call order: the training loop's thread
         if dist_info(from_env=False).rank == 0:
             try:
                 self._begin()
             except BaseException as e:  # noqa: BLE001 - re-raised as the ucmagic error it means
+                if self._turn is not None:
+                    self._turn[1].done.set()  # dcp.async_save raises: this save never runs
+                    self._turn = None
                 raise self._fail(e) from None
         return staged
 
@@ -327,6 +405,11 @@ class UCVolumeWriter(FileSystemWriter):
             self._pending.thread = threading.current_thread()
         if self._started is not None:
             self._started.set()
+        turn, self._turn = self._turn, None
+        if turn is None and _uses_collectives():
+            turn = _turns.take()  # a synchronous save: its turn starts now, in the caller's thread
+        if turn is not None:
+            _turns.wait(*turn)  # before this save's first collective
         super().set_up_storage_writer(is_coordinator, *args,
                                       **compat.set_up_writer_kwargs(super().set_up_storage_writer, kwargs))
         if not kwargs.get("use_collectives", True):
@@ -373,13 +456,16 @@ class UCVolumeWriter(FileSystemWriter):
         prefix = plan.storage_data.prefix
         buckets, need = self._buckets(list(plan.items))
         staging = xfer.make_staging_dir(self.staging_dir, f"save-{self.save_id}-{prefix.strip('_') or 'r'}")
-        session = _UploadSession(staging, self.upload_threads, self.verify, self._cancel_event())
+        path = os.fspath(self.path)
+        session = _UploadSession(staging, self.upload_threads, self.verify, self._cancel_event(),
+                                 overtaken=lambda: self._begun is not None and superseded(path, self.save_id))
         staged = isinstance(self.fs, _StagingFileSystem)
         file_queue: queue.Queue[Any] = queue.Queue()
         try:
             if staged:
                 xfer.check_free_space(staging, int(need * 1.05) + (1 << 20), self.min_free)
-            names = [f"{prefix}{n}.distcp" for n in range(len(buckets))]
+            tag = uuid.uuid4().hex[:12]  # per save: two saves into one directory never write the same file
+            names = [f"{prefix}{n}-{tag}.distcp" for n in range(len(buckets))]
             for name, bucket in zip(names, buckets):
                 file_queue.put((os.path.join(self.path, name), name, bucket))
             results = self._write_files(session, planner, file_queue, staging if staged else None)
@@ -439,16 +525,19 @@ class UCVolumeWriter(FileSystemWriter):
             self._commit(metadata, results)
         except BaseException as e:  # noqa: BLE001 - re-raised as the ucmagic error it means
             if self._begun is not None:  # not committed: every rank's shards are garbage now
-                self._remove_uncommitted(results)
+                self._remove_uncommitted(results, markers=not isinstance(e, CheckpointSupersededError))
             raise self._fail(e) from None
         p = self._pending
         if p is not None and not p.fut.done():
             p.fut.set_result(os.fspath(self.path))
 
-    def _remove_uncommitted(self, results: list[list[WriteResult]]) -> None:
-        """Remove every rank's shards of this save, its ``.metadata`` and any marker (a failed commit)."""
+    def _remove_uncommitted(self, results: list[list[WriteResult]], *, markers: bool = True) -> None:
+        """Remove every rank's shards of this save and (``markers``, unless a newer save began) its
+        ``.metadata`` and any marker (a failed commit)."""
         names = [name for manifest in _manifests(results) for name in manifest]
-        for name in [*names, COMMIT_NAME, METADATA_NAME]:
+        if markers and not superseded(os.fspath(self.path), self.save_id):
+            names += [COMMIT_NAME, METADATA_NAME]
+        for name in names:
             with contextlib.suppress(OSError):
                 xfer.remove_quietly(os.path.join(self.path, name))
 
@@ -464,16 +553,21 @@ class UCVolumeWriter(FileSystemWriter):
         metadata.version = DCP_VERSION
         metadata.storage_data = storage_md
         metadata.storage_meta = self.storage_meta()
-        files[METADATA_NAME] = xfer.write_bytes(os.path.join(self.path, METADATA_NAME), pickle.dumps(metadata))
-        marker = make_commit(kind=FORMAT_DCP, save_id=self.save_id, files=files, info=self.commit_info)
-        self._cancel_event_check()
-        xfer.write_bytes(os.path.join(self.path, COMMIT_NAME), marker)
-        self._begun = None  # committed from here on: a failure below must not remove its files
-        with contextlib.suppress(OSError):
-            # shards of an older save of this directory
-            for name in stale_files(xfer.list_names(os.fspath(self.path)), files):
-                xfer.remove_quietly(os.path.join(self.path, name))
-        xfer.remove_quietly(os.path.join(self.path, SAVING_NAME))  # last: the new commit is in place
+        path = os.fspath(self.path)
+        raw = pickle.dumps(metadata)
+        marker: list[bytes] = []
+
+        def before() -> None:  # under the directory's commit lock, once this save is known to be current
+            files[METADATA_NAME] = xfer.write_bytes(os.path.join(path, METADATA_NAME), raw)
+            marker.append(make_commit(kind=FORMAT_DCP, save_id=self.save_id, files=files, info=self.commit_info))
+            self._cancel_event_check()
+
+        def after() -> None:  # committed: shards of older saves of this directory go
+            self._begun = None  # a failure from here on must not remove this save's files
+            for name in stale_files(xfer.list_names(path), files):
+                xfer.remove_quietly(os.path.join(path, name))
+
+        commit_save(path, self.save_id, lambda: marker[0], before=before, after=after)
 
     def _cancel_event_check(self) -> None:
         p = self._pending
