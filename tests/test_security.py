@@ -309,3 +309,26 @@ def test_the_duckdb_spill_folder_is_private_and_not_a_guessable_tmp_name():
     parent = os.path.dirname(spill)
     st = os.lstat(parent)
     assert stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and st.st_mode & 0o077 == 0
+
+
+# ---------------------------------------------------------------- a Delta log naming files outside its table
+
+@pytest.mark.parametrize("path", ["../outside.parquet", "part%2F..%2F..%2Foutside.parquet", "/etc/passwd",
+                                  "file:///etc/passwd", "s3://other-bucket/x.parquet"])
+def test_a_delta_log_path_outside_its_table_is_refused_unless_the_user_opts_in(tmp_path, path):
+    from ucmagic.tables.delta import data_file_path
+
+    root = str(tmp_path / "table")
+    with pytest.raises(UnsafeSourceError, match="UCMAGIC_DELTA_OUTSIDE_PATHS"):
+        data_file_path(root, path)
+    assert data_file_path(root, path, allow_outside=True)  # the user trusts this log
+
+
+def test_delta_log_paths_inside_the_table_are_read_as_before(tmp_path):
+    from ucmagic.tables.delta import data_file_path
+
+    root = str(tmp_path / "table")
+    assert data_file_path(root, "part-0.parquet") == os.path.join(root, "part-0.parquet")
+    assert data_file_path(root, "k%3D1/part-0.parquet") == os.path.join(root, "k=1/part-0.parquet")
+    assert data_file_path(root, os.path.join(root, "a", "p.parquet")) == os.path.join(root, "a", "p.parquet")
+    assert data_file_path("s3://b/t", "s3://b/t/x.parquet") == "s3://b/t/x.parquet"

@@ -29,7 +29,7 @@ from urllib.parse import unquote
 import numpy as np
 
 from .._util import is_url
-from ..errors import SourceNotFoundError, UnsupportedTableFeatureError, import_extra
+from ..errors import SourceNotFoundError, UnsafeSourceError, UnsupportedTableFeatureError, import_extra
 from ..files.volume import Volume, open_volume
 
 __all__ = ["DeletionVector", "DeltaFile", "DeltaSnapshot", "open_snapshot", "load_deleted_rows", "decode_dv",
@@ -157,6 +157,31 @@ class DeletionVector:
 
 def _join(root: str, *parts: str) -> str:
     return "/".join([root.rstrip("/"), *parts]) if is_url(root) else os.path.join(root, *parts)
+
+
+OUTSIDE_ENV = "UCMAGIC_DELTA_OUTSIDE_PATHS"  # "1": a log may name data files outside its table (opt-in)
+
+
+def data_file_path(root: str, path: str, allow_outside: bool = False) -> str:
+    """Where a log's (URL-encoded) data file ``path`` lies: relative to the table ``root``, or as given
+    when absolute. A path that leaves the table (``..``, or an absolute path or URI outside ``root``)
+    raises :class:`UnsafeSourceError` unless ``allow_outside`` (``$UCMAGIC_DELTA_OUTSIDE_PATHS=1``): a
+    log someone else wrote must not make ucmagic read the user's other files."""
+    raw = unquote(path)
+    absolute = is_url(raw) or os.path.isabs(raw)
+    full = raw if absolute else _join(root, raw)
+    if allow_outside:
+        return full
+    if is_url(root) or is_url(full):
+        base = root.rstrip("/") + "/"
+        inside = full.startswith(base) and ".." not in full[len(base):].split("/")
+    else:
+        rel = os.path.relpath(os.path.normpath(full), os.path.normpath(root))
+        inside = rel != os.pardir and not rel.startswith(os.pardir + os.sep) and not os.path.isabs(rel)
+    if not inside:
+        raise UnsafeSourceError(f"Delta table {root}: its log names the data file {raw!r}, outside the table; "
+                                f"set {OUTSIDE_ENV}=1 if you trust this table's log")
+    return full
 
 
 def load_deleted_rows(dv: DeletionVector, root: str, storage_options: dict[str, Any] | None = None) -> np.ndarray:
@@ -669,7 +694,7 @@ def open_snapshot(root: str, *, version: int | None = None, name: str | None = N
     files = []
     for p, size, n, pv in zip(paths, sizes, nrec, parts):
         pos, dv = replay[p]
-        full = _join(root, unquote(p)) if not is_url(p) and not os.path.isabs(unquote(p)) else unquote(p)
+        full = data_file_path(root, p, os.environ.get(OUTSIDE_ENV) == "1")
         part = tuple((c, (pv or {}).get(c)) for c in pcols)
         files.append((pos, DeltaFile(full, int(size), part, DeletionVector.from_json(dv) if dv else None,
                                      None if n is None else int(n))))
