@@ -18,10 +18,12 @@ The model's rules (the promise of README "Resume mid-epoch" and docs/loading.md,
    after the epoch ended, loaded in a new process: the resumed run delivers exactly the rest of that
    epoch (before + after == the planned epoch as multisets: no duplicate, no gap), or the whole next
    epoch when the saved one had ended. Also at epoch >= 1 without ``set_epoch``.
-4. **Elastic.** The rest is exact with another ``num_workers`` or world size for every ucmagic dataset,
-   for a user wrapper whose inner dataset is a ucmagic dataset, and for a user map-style dataset. A
-   user IterableDataset of its own resumes on the same layout only: another layout is refused in
-   ``load_state_dict()`` with a named ``UCMagicError`` (never NotImplementedError).
+4. **Elastic.** The rest is exact with another ``num_workers`` or world size for every ucmagic iterable
+   dataset and for a user wrapper whose inner dataset is one. A map-style dataset (ours or the user's:
+   its sampler, DistributedSampler on several ranks, splits the epoch by world size) resumes with any
+   ``num_workers`` on the world size it was saved on. A user IterableDataset of its own resumes on the
+   same layout only. What is not resumed is refused in ``load_state_dict()`` with a named
+   ``UCMagicError`` (never NotImplementedError). (docs/loading.md "Exactly once".)
 """
 from __future__ import annotations
 
@@ -84,7 +86,9 @@ def layouts(c: Mapping[str, Any]) -> tuple[tuple[int, int], tuple[int, int]]:
 
 def refused(c: Mapping[str, Any]) -> bool:
     """The resume must be refused in load_state_dict() with a named UCMagicError (rule 4)."""
-    return c["resume"] != "none" and c["kind"] == "user_iter" and c["change"] != "none"
+    if c["resume"] == "none":
+        return False
+    return (c["kind"] == "user_iter" and c["change"] != "none") or (c["kind"] in MAP_STYLE and c["change"] == "world")
 
 
 def stop_batch(c: Mapping[str, Any], batches: int) -> int:
@@ -212,10 +216,10 @@ def judge(c: Mapping[str, Any], r: Mapping[str, Any]) -> list[str]:
     if refused(c):
         err = r.get("after_error")
         if err is None:
-            out.append("a user IterableDataset resumed on another layout: expected a named UCMagicError from "
+            out.append("a resume this layout change cannot keep exact: expected a named UCMagicError from "
                        "load_state_dict(), got a resumed run")
         elif not named(err) or err.get("where") != "load":
-            out.append(f"a user IterableDataset resumed on another layout: expected a named UCMagicError from "
+            out.append(f"a resume this layout change cannot keep exact: expected a named UCMagicError from "
                        f"load_state_dict(), got {describe(err)}")
         return out
     if r.get("after_error"):
