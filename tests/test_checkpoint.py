@@ -600,3 +600,112 @@ def test_latest_is_the_highest_numbered_entry_and_never_one_without_a_step(entri
     if latest is not None:
         assert latest.step == max(steps)
     assert [i.step is None for i in fmt.sort_infos(infos)] == sorted(i.step is None for i in infos)
+
+
+# ---------------------------------------------------------------- a refused load changes nothing
+
+def _snapshot(model: torch.nn.Module, opt: torch.optim.Optimizer | None = None) -> list[torch.Tensor]:
+    tensors = [t.detach().clone() for t in model.state_dict().values()]
+    if opt is not None:
+        sd = opt.state_dict()
+        tensors += [torch.as_tensor(v).clone() for i in sorted(sd["state"]) for _, v in sorted(sd["state"][i].items())]
+    return tensors
+
+
+def _unchanged(before: list[torch.Tensor], model: torch.nn.Module, opt: torch.optim.Optimizer | None = None) -> bool:
+    after = _snapshot(model, opt)
+    return len(before) == len(after) and all(torch.equal(a, b) for a, b in zip(before, after))
+
+
+def _eight_layers() -> torch.nn.Module:
+    return torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(8)])
+
+
+def _flip_byte(path, at: int = 100) -> None:
+    with open(path, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def _damage(step_dir, how: str) -> None:
+    shards = sorted(p for p in step_dir.iterdir() if p.name.endswith(".distcp"))
+    assert len(shards) == 4
+    if how.startswith("flip-"):
+        _flip_byte(shards[int(how[-1])], at=shards[int(how[-1])].stat().st_size // 2)
+    elif how == "missing-shard":
+        shards[2].unlink()
+    elif how == "truncated-metadata":
+        md = step_dir / ".metadata"
+        md.write_bytes(md.read_bytes()[: md.stat().st_size // 2])
+
+
+@pytest.mark.parametrize("how", ["flip-0", "flip-1", "flip-2", "flip-3", "missing-shard", "truncated-metadata"])
+@pytest.mark.parametrize("with_optimizer", [False, True])
+def test_a_refused_load_changes_nothing_in_the_model_or_optimizer(tmp_path, staging, how, with_optimizer):
+    model = _eight_layers()
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.ones(2, 64)).sum().backward()
+    opt.step()
+    save_checkpoint(tmp_path, model=model, optimizer=opt, step=1, files_per_rank=4)
+    _damage(tmp_path / "step_1", how)
+    target = _eight_layers()
+    for p in target.parameters():
+        torch.nn.init.zeros_(p)
+    topt = torch.optim.Adam(target.parameters()) if with_optimizer else None
+    before = _snapshot(target, topt)
+    with pytest.raises(CheckpointError):
+        load_checkpoint(tmp_path, model=target, optimizer=topt)
+    assert _unchanged(before, target, topt)
+    if topt is not None:
+        assert not topt.state  # the optimizer had no state before the refused load, and has none after
+
+
+def test_a_refused_load_with_wrong_shapes_or_a_damaged_single_file_changes_nothing(tmp_path, staging):
+    model, opt = trained()
+    save_checkpoint(tmp_path / "dcp", model=model, optimizer=opt, step=1)
+    save_checkpoint(tmp_path / "single", model=model, optimizer=opt, step=1, single_file=True)
+    other = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 5))
+    for root in ("dcp", "single"):
+        before = _snapshot(other)
+        with pytest.raises(CheckpointMismatchError):
+            load_checkpoint(tmp_path / root, model=other)
+        assert _unchanged(before, other)
+    _flip_byte(tmp_path / "single" / "step_1" / fmt.SINGLE_FILE_NAME, at=200)
+    target, topt = trained(seed=3)
+    before = _snapshot(target, topt)
+    with pytest.raises(CheckpointCorruptError):
+        load_checkpoint(tmp_path / "single", model=target, optimizer=topt)
+    assert _unchanged(before, target, topt)
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    torch.save(model.state_dict(), plain / "ckpt_1.pt")  # a model only: asking for the optimizer changes nothing
+    before = _snapshot(target, topt)
+    with pytest.raises(CheckpointMismatchError, match="holds no optimizer state"):
+        load_checkpoint(plain, model=target, optimizer=topt)
+    assert _unchanged(before, target, topt)
+
+
+class _TwoHeads(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.head1 = torch.nn.Linear(4, 4)
+        self.head2 = torch.nn.Linear(4, 4)  # never used in forward: never gets a gradient
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head1(x)
+
+
+@pytest.mark.parametrize("single_file", [False, True])
+def test_optimizer_state_loads_when_a_parameter_never_got_a_gradient(tmp_path, staging, single_file):
+    model = _TwoHeads()
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    save_checkpoint(tmp_path, model=model, optimizer=opt, step=1, single_file=single_file)
+    target = _TwoHeads()
+    topt = torch.optim.Adam(target.parameters())
+    assert load_checkpoint(tmp_path, model=target, optimizer=topt)[0] == 1
+    assert same_model(model, target) and same_optim(opt, topt)
+    assert len(topt.state) == 2  # head1's weight and bias; head2 has none, as when it was saved

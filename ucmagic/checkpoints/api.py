@@ -574,7 +574,7 @@ def _load_dcp(path: str, model: Any, optimizer: Any, reader_kw: dict[str, Any]) 
             raise CheckpointMismatchError(f"{path} holds no optimizer state; load it without optimizer=")
         target: dict[str, Any] = ours["model"] if not nested else {"model": ours["model"]}
         if optimizer is not None:
-            target[okey] = _stored_params_only(ours["optim"], okey, keys)  # type: ignore[index]
+            target[str(okey)] = _stored_params_only(ours["optim"], str(okey), keys)
         staged = _staging_copy(target)
         failure: BaseException | None = None
         try:
@@ -618,7 +618,7 @@ def _stored_params_only(optim_state: dict[str, Any], key: str, stored: list[str]
     if not isinstance(state, dict):
         return optim_state
     head = f"{key}.state."
-    prefixes = set()
+    prefixes: set[str] = set()
     for name in stored:
         if name.startswith(head):
             parts = name[len(head):].split(".")
