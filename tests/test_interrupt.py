@@ -243,3 +243,82 @@ def test_a_loader_left_under_a_full_budget_exits_without_waiting_out_torchs_join
         assert p.returncode != 0 and "KeyboardInterrupt" in err, err[-3000:]
     took = time.time() - left
     assert took < JOIN_S, f"exit took {took:.1f} s: torch waited out a worker's join timeout ({JOIN_S:g} s)"
+
+
+HUNG = """
+    import os, sys, threading, time
+    import ucmagic
+    from ucmagic.testing import SlowFileSystem
+
+    opened = SlowFileSystem._open
+
+    def logged_open(self, path, mode="rb", **kw):  # every open the volume is sent, from any process
+        with open(LOG, "a") as f:
+            f.write(f"open {os.getpid()} {time.time()!r}\\n")
+        return opened(self, path, mode=mode, **kw)
+
+    SlowFileSystem._open = logged_open
+
+    def ready():  # once opens hang in the mount
+        while not os.path.exists(LOG):
+            time.sleep(0.01)
+        print("READY", flush=True)
+
+    ds = ucmagic.UCVolumeDataset("slow://" + ROOT, cache_dir=CACHE,
+                                 storage_options={"open_ms": 600000, "mbps": 0, "list_ms": 0})
+    threading.Thread(target=ready, daemon=True).start()
+    try:
+        if WORKERS is None:
+            for p in ds:
+                pass
+        else:
+            for batch in ucmagic.DataLoader(ds, batch_size=4, num_workers=WORKERS, collate_fn=list):
+                pass
+    except KeyboardInterrupt:
+        with open(LOG, "a") as f:
+            f.write(f"interrupted {os.getpid()} {time.time()!r}\\n")
+        time.sleep(1.0)  # an open that would still start (a retry, a queued call, a worker) starts now
+        raise
+"""
+
+
+@pytest.mark.timeout(EXIT_S * 3)
+@pytest.mark.parametrize("workers,target", [(None, "process"), (2, "process"), (2, "group")])
+def test_ctrl_c_on_a_hung_mount_starts_no_open_and_exits_without_waiting_for_the_hung_ones(tmp_path, workers, target):
+    """Every open hangs for 10 minutes (a hung mount): SIGINT raises KeyboardInterrupt in the loop, no
+    open starts after it in any process, and the process exits long before the hung opens would
+    end: the I/O threads stuck in them are abandoned, and DataLoader workers waiting on them go
+    (torch waited out its 5 s join timeout per worker). ``group``: a terminal's Ctrl-C, which the
+    workers get too; ``process``: the main process alone (a notebook's interrupt)."""
+    from torch.utils.data._utils import MP_STATUS_CHECK_INTERVAL as JOIN_S
+
+    root = _tree(tmp_path, n=200, size=512)
+    log = tmp_path / "opens.log"
+    script = (f"ROOT = {root!r}\nCACHE = {str(tmp_path / 'c')!r}\nLOG = {str(log)!r}\nWORKERS = {workers!r}\n"
+              + textwrap.dedent(HUNG))
+    path = tmp_path / "child.py"
+    path.write_text(script)
+    p = subprocess.Popen([sys.executable, str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         cwd=str(tmp_path), start_new_session=True)
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == "READY", p.communicate(timeout=EXIT_S)[1]
+        time.sleep(0.5)  # the read-ahead's opens are all in flight
+        sent = time.time()
+        if target == "group":
+            os.killpg(p.pid, signal.SIGINT)
+        else:
+            p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=EXIT_S)  # the hung opens would end 600 s from now
+        exited = time.time()
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        pytest.fail(f"the process did not exit within {EXIT_S} s of SIGINT: {p.communicate()[1][-3000:]}")
+    assert p.returncode != 0 and "KeyboardInterrupt" in err, err[-3000:]
+    lines = [line.split() for line in log.read_text().splitlines()]
+    interrupted = [float(t) for kind, _, t in lines if kind == "interrupted"]
+    opens = [float(t) for kind, _, t in lines if kind == "open"]
+    assert len(interrupted) == 1 and opens, lines
+    late = [t - interrupted[0] for t in opens if t > interrupted[0]]
+    assert late == [], f"{len(late)} open(s) started after the KeyboardInterrupt ({len(opens)} in all)"
+    if workers:  # torch's join timeout, waited out for each worker still waiting on a hung open
+        assert exited - sent < workers * JOIN_S, f"exit took {exited - sent:.1f} s after SIGINT"

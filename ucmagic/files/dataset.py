@@ -293,6 +293,10 @@ class _Stream:
                     else:
                         self._write()
 
+    def retired(self) -> bool:
+        """Whether ucmagic.DataLoader's loop left the iteration this stream belongs to."""
+        return self.consumed() == STALE_CONSUMED
+
     def may_exceed(self, pos: int) -> bool:
         """True when the loop is (or will next be) blocked on position ``pos``: its fill may exceed the budget."""
         c = self.consumed()
@@ -345,6 +349,11 @@ class _Stream:
 
 
 _active_streams: "weakref.WeakValueDictionary[str, _Stream]" = weakref.WeakValueDictionary()  # no lifeline
+
+
+class _Retired(BaseException):
+    """Ends a stream whose ucmagic.DataLoader loop left the iteration (:meth:`_Stream.retired`); a
+    BaseException, so no handler of errors takes it."""
 
 
 def _drop_records(cache: FileCache, paths: set[str], pid: int) -> None:
@@ -679,11 +688,17 @@ class _EpochStream:
         return self.ds.volume.display(self.items.entry(pos).path)
 
     def alive(self) -> bool:
+        """Asked by the read-ahead at each step of a wait (the loop's thread): False when this worker's main
+        process is gone; raises :class:`_Retired` when ucmagic.DataLoader's loop left this iteration
+        (Ctrl-C, ``break``, an error, its workers shut down), so a worker waiting on a fill stuck in a
+        hung mount goes back to torch's loop and stops there, instead of torch waiting 5 s per worker."""
+        if self.stream.retired():
+            raise _Retired()
         return self.parent is None or os.getppid() == self.parent
 
     def on_wait(self) -> None:
         """Called while a fill waits for room: a worker whose main process is gone leaves."""
-        if not self.alive():
+        if self.parent is not None and os.getppid() != self.parent:
             raise SystemExit("ucmagic: the DataLoader's main process is gone; this worker exits")
         restart_timeout()
         self.stream.refresh()
@@ -1151,6 +1166,8 @@ class UCVolumeDataset(EpochTracking, IterableDataset[str]):
         try:
             yield from lanes.run()
             abandoned = False  # exhausted: the loop may still hold (and report) its last batches
+        except _Retired:
+            pass  # ucmagic.DataLoader's loop left this iteration: nothing more is wanted of this stream
         finally:
             lanes.end(abandoned=abandoned)
 

@@ -35,8 +35,20 @@ def backoff_delays(retries: int, base: float = 0.01, cap: float = 2.0, jitter: f
 
 def with_retries(fn: Callable[[T], R], item: T, retries: int,
                  on_retry: Callable[[BaseException], None] | None = None) -> R:
-    """Call ``fn(item)``, retrying transient failures ``retries`` times with exponential backoff."""
-    return _policy(retries).call(lambda: fn(item), on_retry)
+    """Call ``fn(item)``, retrying transient failures ``retries`` times with exponential backoff.
+
+    Inside a :func:`read_ahead` call, a retry does not start once the read-ahead was closed (the loop
+    ended, broke off, failed or was interrupted): no new open reaches the volume for a loop that is gone."""
+    tries = 0
+
+    def attempt() -> R:
+        nonlocal tries
+        if tries:
+            stop_if_closed()
+        tries += 1
+        return fn(item)
+
+    return _policy(retries).call(attempt, on_retry)
 
 
 @lru_cache(maxsize=32)
@@ -111,6 +123,11 @@ class _Task(Generic[T, R]):
             raise _Closed()
         self.start()
 
+    def check_open(self) -> None:
+        """Raises :class:`_Closed` once the read-ahead is closed (the call's pool thread)."""
+        if self._closed.is_set():
+            raise _Closed()
+
     def watch(self, probe: Callable[[], object] | None) -> None:
         """:func:`watch_progress` from the call's pool thread."""
         with self._mu:
@@ -163,6 +180,14 @@ def restart_timeout() -> None:
     task: _Task[Any, Any] | None = getattr(_current, "task", None)
     if task is not None:
         task.restart()
+
+
+def stop_if_closed() -> None:
+    """Called from inside a :func:`read_ahead` call before it starts new work (a retry): raises once
+    the read-ahead was closed, so the call ends there. Elsewhere (no read-ahead) it does nothing."""
+    task: _Task[Any, Any] | None = getattr(_current, "task", None)
+    if task is not None:
+        task.check_open()
 
 
 def watch_progress(probe: Callable[[], object] | None) -> None:
