@@ -27,7 +27,8 @@ from ucmagic.checkpoints.api import (
     load_checkpoint,
     save_checkpoint,
 )
-from ucmagic.errors import SourceNotFoundError
+from ucmagic.checkpoints.commit import clean_checkpoints
+from ucmagic.errors import CheckpointAbandonedError, SourceNotFoundError
 from ucmagic.files.volume import FsspecVolume
 
 from test_checkpoint import make_model, same_model, trained  # the checkpoint tests' model and comparison
@@ -203,8 +204,10 @@ def test_s3_save_killed_mid_upload_leaves_nothing_committed(root: str, opts: dic
     assert list_checkpoints(root, storage_options=opts) == []
     with pytest.raises(NoCheckpointError):
         load_checkpoint(root, model=make_model(), storage_options=opts)
-    with pytest.raises(CheckpointError, match="in progress|killed|not committed"):
-        UCVolumeReader(f"{root}/step_5", storage_options=opts)
+    with pytest.raises(CheckpointAbandonedError, match="was killed"):  # its saver here is gone: said at once
+        UCVolumeReader(f"{root}/step_5", storage_options=opts, wait=3600)
+    assert clean_checkpoints(root, storage_options=opts) == [f"{root}/step_5"]  # through the store's API
+    assert keys_under(s3fs_, f"{root}/step_5") == []
 
 
 @pytest.mark.parametrize("mode", ["sync", "single_file"])
@@ -342,3 +345,27 @@ def test_s3_root_lists_and_loads_what_torch_fsspec_writer_and_torch_save_wrote(
     assert same_model(fresh, file_model)
     assert load_checkpoint(root, 300, model=fresh, storage_options=opts) == (300, None)
     assert same_model(fresh, dcp_model)
+
+
+def test_memory_root_killed_saves_are_reclaimed_by_the_next_save_and_by_clean(memory_root: str) -> None:
+    """A killed save's step directory on a URL root (its record's owner is a process of this host that is
+    gone) is refused at once, never listed, and removed through the store by the next save and by clean."""
+    import socket
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    for step in (1, 2):
+        d = f"{memory_root}/step_{step}"
+        xfer.write_bytes(f"{d}/{fmt.SAVING_NAME}", fmt.make_saving_record(
+            save_id="killed", host=socket.gethostname(), pid=int(dead), owner=f"{dead}-1"))
+        xfer.write_bytes(f"{d}/__0_0-abc.distcp", b"partial")
+    with pytest.raises(CheckpointAbandonedError):
+        UCVolumeReader(f"{memory_root}/step_1", wait=3600)
+    assert list_checkpoints(memory_root) == []
+    save_checkpoint(memory_root, model=make_model(), step=3)
+    assert [i.step for i in list_checkpoints(memory_root)] == [3]
+    assert not xfer.exists(f"{memory_root}/step_1") and not xfer.exists(f"{memory_root}/step_2")
+    xfer.write_bytes(f"{memory_root}/step_4/{fmt.SAVING_NAME}", fmt.make_saving_record(
+        save_id="killed", host=socket.gethostname(), pid=int(dead), owner=f"{dead}-1"))
+    assert clean_checkpoints(memory_root) == [f"{memory_root}/step_4"]
+    assert [i.step for i in list_checkpoints(memory_root)] == [3]
