@@ -33,7 +33,7 @@ except ImportError:  # the code before lossless reads (run on an old checkout to
         pass
 from ucmagic.tables import ParquetDataset, export_parquet, load_table
 
-EXAMPLES = int(os.environ.get("UCMAGIC_LOSSLESS_EXAMPLES", "12"))
+EXAMPLES = int(os.environ.get("UCMAGIC_LOSSLESS_EXAMPLES", "120"))
 MASK = "__valid"  # ParquetDataset's validity-mask suffix (torch and numpy formats)
 
 # ---------------------------------------------------------------- the types and their limits

@@ -101,8 +101,11 @@ class ParquetDataset(EpochTracking, IterableDataset[Any]):
 
     Use it with ``DataLoader(ds, batch_size=None)`` (the dataset batches). Numeric, boolean and
     temporal (as int64: days for dates, the type's unit for times and timestamps, microseconds since the
-    epoch for Delta timestamps) columns become tensors, decimals float64 tensors; strings, binary and
-    nested values (as Python lists/dicts) become lists. A Delta table yields the rows its snapshot
+    epoch for Delta timestamps) columns become tensors of a dtype fixed by their type, decimals of at
+    most 15 digits float64 tensors; strings, binary and nested values (as Python lists/dicts) become
+    lists. A column that may hold nulls comes with ``batch[name + "__valid"]`` (bool, True where a value
+    is present; nulls read 0/False, NaN for floats): no value ever changes (docs/tables.md, "Column
+    types"). Hive ``key=value/`` directories are columns. A Delta table yields the rows its snapshot
     defines: deletion vectors applied, logical column names, partition columns (see docs/tables.md).
 
     Args:
