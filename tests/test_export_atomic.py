@@ -371,6 +371,11 @@ def test_an_export_into_its_own_source_or_around_it_is_refused(tmp_path):
     assert len(load_table(str(d))) == 2000 and not (d / "sub").exists()
     export_parquet(str(d), str(tmp_path / "sibling"))  # beside it: fine
     assert len(load_table(str(tmp_path / "sibling"))) == 2000
+    url = f"memory://overlap-{os.getpid()}-{tmp_path.name}"  # URLs: the same rule, by prefix
+    export_parquet(str(d), url + "/src")
+    with pytest.raises(ExportOverlapError, match="inside its own source"):
+        export_parquet(url + "/src", url + "/src/sub", mode="append")
+    assert export_parquet(url + "/src", url + "/src2").rows == 2000  # a longer name is not inside
 
 
 KILLED_EXPORT = r"""

@@ -118,7 +118,7 @@ def build_array(name: str, values: list) -> pa.Array:
         values = [NO_NULLS[name] if v is None else v for v in values]
     if name == "float16":
         vals = np.array([0 if v is None else v for v in values], dtype=np.float16)
-        return pa.array(vals, pa.float16(), mask=np.array([v is None for v in values]))
+        return pa.array(vals, pa.float16(), mask=np.array([v is None for v in values], dtype=bool))
     if name == "null":
         return pa.nulls(len(values))
     if storage is not None:
