@@ -27,11 +27,17 @@ from typing import IO, Any, Iterable, Iterator, Sequence, overload
 import numpy as np
 
 from .._util import atomic_write, gc_paused
+from ..errors import ShardFormatError
 
 FORMAT = "ucmagic.shards"
 VERSION = 1
 INDEX_NAME = "index.json"
 
+COMPRESSED = ((b"\x1f\x8b", "gzip", "gzip -dc {f} > {plain}"), (b"BZh", "bzip2", "bzip2 -dc {f} > {plain}"),
+              (b"\xfd7zXZ\x00", "xz", "xz -dc {f} > {plain}"), (b"\x28\xb5\x2f\xfd", "zstd", "zstd -dc {f} > {plain}"))
+"""(magic, name, command) of the compressions tar files come in: shards must be plain tars (chunks need offsets)."""
+COMPRESSED_SUFFIXES = (".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tbz", ".tar.xz", ".txz", ".tar.zst", ".tar.zstd",
+                       ".tzst")
 _KEY_EXT = re.compile(r"^((?:.*/|)[^./]+)\.([^/]*)$")  # webdataset's base_plus_ext
 _META = re.compile(r"__[^/]*__($|/)")                   # webdataset's skip_meta
 
@@ -162,22 +168,97 @@ def sample_starts(members: Sequence[Member]) -> list[int]:
     return starts
 
 
-def scan_tar(source: str | os.PathLike[str] | IO[bytes] | io.RawIOBase) -> list[Member]:
+def plain_name(name: str) -> str:
+    """The name a compressed tar has once decompressed (``a.tar.gz`` -> ``a.tar``, ``a.tgz`` -> ``a.tar``)."""
+    for suffix in COMPRESSED_SUFFIXES:
+        if name.endswith(suffix):
+            return name[:-len(suffix)] + ".tar"
+    return name + ".plain.tar" if name.endswith(".tar") else name + ".tar"
+
+
+def compression_of(head: bytes) -> tuple[str, str] | None:
+    """``(compression, command template)`` when ``head`` (a file's first bytes) starts compressed data."""
+    for magic, what, command in COMPRESSED:
+        if head.startswith(magic):
+            return what, command
+    return None
+
+
+def compressed_error(where: str, what: str, command: str) -> ShardFormatError:
+    """The refusal of a compressed tar, with the command that decompresses it."""
+    return ShardFormatError(f"{where} is a {what}-compressed tar: compressed tars are refused (chunks need the "
+                            "members' byte offsets); decompress it first: "
+                            f"{command.format(f=where, plain=plain_name(where))}")
+
+
+def scan_tar(source: str | os.PathLike[str] | IO[bytes] | io.RawIOBase, name: str | None = None) -> list[Member]:
     """The members of an uncompressed tar (a path or a seekable binary file object), reading headers only.
 
     GNU and pax long names are resolved as :mod:`tarfile` does; data blocks are skipped by seeking, so
-    a file object whose reads are ranged (a remote shard) fetches only the header blocks.
+    a file object whose reads are ranged (a remote shard) fetches only the header blocks. A compressed
+    tar, a truncated one (a member's data or a header past the end) and a damaged header raise
+    :class:`~ucmagic.errors.ShardFormatError` naming the file (``name``), the member and the byte offset.
     """
     if isinstance(source, (str, os.PathLike)):
         with open(source, "rb") as f:
-            return scan_tar(f)
+            return scan_tar(f, name or os.fspath(source))
+    where = name or "the tar"
+    size = source.seek(0, io.SEEK_END)
+    source.seek(0)
+    comp = compression_of(source.read(6) or b"")
+    if comp is not None:
+        raise compressed_error(where, *comp)
+    source.seek(0)
     out: list[Member] = []
-    with tarfile.open(fileobj=source, mode="r:") as tf:
-        for info in tf:  # TarFile.next() seeks past each member's data
-            if info.isreg() and (ke := split_key(info.name)) is not None:
-                out.append(Member(ke[0], ke[1], info.offset_data, info.size))
-            tf.members.clear()  # type: ignore[attr-defined]  # headers only: no TarInfo list for 10 GiB
+    last = ""
+    tf: tarfile.TarFile | None = None
+    try:
+        with tarfile.open(fileobj=source, mode="r:") as tf:
+            for info in tf:  # TarFile.next() seeks past each member's data
+                end = info.offset_data + info.size
+                if info.isreg() and not info.issparse() and end > size:
+                    raise ShardFormatError(
+                        f"{where} is truncated: member {info.name!r} (header at byte {info.offset}) has "
+                        f"{info.size} bytes of data from byte {info.offset_data}, but the file ends at byte {size} "
+                        f"({end - size} bytes missing): copy or write the shard again")
+                if info.isreg() and (ke := split_key(info.name)) is not None:
+                    out.append(Member(ke[0], ke[1], info.offset_data, info.size))
+                last = info.name
+                tf.members.clear()  # type: ignore[attr-defined]  # headers only: no TarInfo list for 10 GiB
+            at = tf.offset
+    except tarfile.ReadError as exc:
+        at = tf.offset if tf is not None else 0
+        if size == 0:
+            raise ShardFormatError(f"{where} is empty: copy or write the shard again") from None
+        if at >= size:  # the next header would start past the end: cut in the padding after a member's data
+            raise ShardFormatError(f"{where} is truncated: it ends at byte {size}, inside the padding after member "
+                                   f"{last!r} (the next header would start at byte {at}): copy or write the shard "
+                                   "again") from None
+        if 0 < size - at < tarfile.BLOCKSIZE or str(exc) in _CUT_SHORT:
+            raise _cut_header(where, at, size, last) from None  # at: the first block of the member's headers
+        after = f" (after member {last!r})" if last else ""
+        raise ShardFormatError(f"{where} is not a readable tar at byte {at}{after}: {exc}; shards must be plain, "
+                               "complete .tar files") from None
+    if at < size:  # tarfile stops quietly at a header cut short or damaged: only a zero block ends a tar
+        source.seek(at)
+        if any(source.read(min(size - at, tarfile.BLOCKSIZE)) or b""):
+            if size - at < tarfile.BLOCKSIZE:
+                raise _cut_header(where, at, size, last)
+            after = f" (after member {last!r})" if last else ""
+            raise ShardFormatError(f"{where} is damaged: no valid tar header at byte {at}{after}, and no end of "
+                                   "archive there either (the members after it would be lost): copy or write "
+                                   "the shard again")
     return out
+
+
+_CUT_SHORT = ("truncated header", "unexpected end of data", "empty header")  # tarfile's words for a header chain
+# (pax or GNU long name, then the member's own header) that the end of the file cut through
+
+
+def _cut_header(where: str, at: int, size: int, last: str) -> ShardFormatError:
+    after = f" after member {last!r}" if last else ""
+    return ShardFormatError(f"{where} is truncated: the header at byte {at}{after} is cut short (the file ends at "
+                            f"byte {size}): copy or write the shard again")
 
 
 def shard_info(name: str, size: int, members: Sequence[Member]) -> ShardInfo:

@@ -12,9 +12,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import tarfile
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -24,8 +23,8 @@ from ..files.locks import file_lock
 from ..errors import ShardFormatError
 from ..files.volume import FileEntry, Volume, filter_entries, open_volume
 from .chunks import CHUNK_SIZE
-from .index import (INDEX_NAME, MemberColumns, RangedFile, ShardInfo, dumps_index, loads_index, scan_tar,
-                    shard_info)
+from .index import (COMPRESSED, COMPRESSED_SUFFIXES, INDEX_NAME, MemberColumns, RangedFile, ShardInfo, dumps_index,
+                    loads_index, plain_name, scan_tar, shard_info)
 from .samples import ShardDataset, Span
 
 INDEX_THREADS = 16  # shards whose headers are read at once when no index.json exists
@@ -52,16 +51,32 @@ def node_index(volume: Volume, entry: FileEntry, cache_root: str) -> ShardInfo:
         with file_lock(path + ".lock"):  # one process of the node reads the headers; the others wait
             if os.path.exists(path):
                 continue
-            try:
-                with RangedFile(volume.range_reader(entry.path), entry.size) as raw:
-                    members = scan_tar(raw)
-            except tarfile.ReadError as exc:
-                raise ShardFormatError(f"{volume.display(entry.path)} is not an uncompressed tar ({exc}): "
-                                       "shards must be plain .tar files (decompress .tar.gz first)") from None
+            with RangedFile(volume.range_reader(entry.path), entry.size) as raw:
+                members = scan_tar(raw, volume.display(entry.path))  # names a compressed or truncated shard
             info = shard_info(entry.path, entry.size, members)
             atomic_write(path, dumps_index([info]))
             return info
     raise ShardFormatError(f"the member index of {volume.display(entry.path)} at {path} cannot be read: remove it")
+
+
+def no_shards_error(volume: Volume, listed: Iterable[FileEntry], pattern: str) -> ShardFormatError:
+    """Why no shard matched ``pattern``: compressed tars (named, with the command that decompresses them),
+    or no tar at all."""
+    packed = sorted(e.path for e in listed if e.path.endswith(COMPRESSED_SUFFIXES))
+    if not packed:
+        return ShardFormatError(f"no tar shards ({pattern}) under {volume.display()}: write shards with "
+                                "ucmagic.pack, webdataset or tar, or pass pattern= to pick them")
+    first = volume.display(packed[0])
+    command = next((c for _, w, c in COMPRESSED if packed[0].endswith(_SUFFIX_OF[w])), COMPRESSED[0][2])
+    more = f" and {len(packed) - 1:,} more" if len(packed) > 1 else ""
+    return ShardFormatError(f"no plain tar shards ({pattern}) under {volume.display()}, only compressed tars "
+                            f"({packed[0]}{more}): compressed tars are refused (chunks need the members' byte "
+                            f"offsets); decompress them first, e.g. {command.format(f=first, plain=plain_name(first))}"
+                            " for each")
+
+
+_SUFFIX_OF = {"gzip": (".gz", ".tgz"), "bzip2": (".bz2", ".tbz2", ".tbz"), "xz": (".xz", ".txz"),
+              "zstd": (".zst", ".zstd", ".tzst")}
 
 
 class TarShards(ShardDataset):
@@ -100,7 +115,7 @@ class TarShards(ShardDataset):
         else:
             entries = sorted(filter_entries(listing.values(), pattern or TAR_PATTERN), key=lambda e: e.path)
             if not entries:
-                raise ShardFormatError(f"no tar shards ({pattern or TAR_PATTERN}) under {volume.display()}")
+                raise no_shards_error(volume, listing.values(), pattern or TAR_PATTERN)
         super().__init__(volume, entries, cache_dir=cache_dir, cache_limit=cache_limit, chunk_size=chunk_size,
                          min_free=min_free)
         if infos is None:
