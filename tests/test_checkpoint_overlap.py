@@ -281,6 +281,26 @@ def test_the_issues_two_async_saves_into_one_path_load_the_newer(tmp_path, stagi
     assert torch.equal(m.weight, small.weight)
 
 
+def test_a_superseded_save_still_running_at_exit_is_not_reported_lost(tmp_path, staging):
+    path = str(tmp_path / "ck")
+    script = tmp_path / "exit.py"
+    script.write_text(f"""
+import warnings; warnings.simplefilter("ignore")
+import torch, torch.distributed.checkpoint as dcp
+from ucmagic import UCVolumeWriter
+dcp.async_save({{"w": torch.full((3_000_000,), 1.0), "step": 1}}, storage_writer=UCVolumeWriter({path!r}))
+dcp.async_save({{"w": torch.full((10,), 2.0), "step": 2}}, storage_writer=UCVolumeWriter({path!r}))
+print("script ends")
+""")
+    env = dict(os.environ, PYTHONPATH=REPO, UCMAGIC_STAGING_DIR=str(staging), OMP_NUM_THREADS="1")
+    p = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=240,
+                       check=False)
+    assert p.returncode == 0 and "NOT saved" not in p.stderr and "Traceback" not in p.stderr, p.stderr
+    target = {"w": torch.zeros(10), "step": 0}
+    dcp.load(target, storage_reader=UCVolumeReader(path))
+    assert target["step"] == 2
+
+
 # ---------------------------------------------------------------- killed saves
 
 _KILLED = """

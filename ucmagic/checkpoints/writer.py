@@ -145,6 +145,11 @@ class _UploadSession:
     def check(self) -> None:
         if self.cancel.is_set():
             raise CheckpointError("the checkpoint save was cancelled (Ctrl-C or a failure elsewhere in it)")
+
+    def check_upload(self) -> None:
+        """Before each 8 MB uploaded: also stop once a newer save into the directory began (it never commits).
+        Not in torch's writer threads, which would print the error: local staging costs the volume nothing."""
+        self.check()
         if self.overtaken is not None and self.overtaken():
             raise CheckpointSupersededError("a newer save into the same directory began")
 
@@ -159,7 +164,7 @@ class _UploadSession:
                 return
             self.remotes.append(remote)
             self.uploads[name] = self.pool.submit(xfer.upload_file, local, remote, verify=self.verify,
-                                                  check=self.check)
+                                                  check=self.check_upload)
 
     def wrote(self, name: str, remote: str) -> None:
         with self.mu:
