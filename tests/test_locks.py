@@ -74,3 +74,58 @@ def test_a_process_that_exited_but_was_not_reaped_is_not_alive():
 def _state(pid: int) -> str:
     with open(f"/proc/{pid}/stat") as f:
         return f.read().rsplit(")", 1)[1].split()[0]
+
+
+# ---------------------------------------------------------------- private places
+
+def _st(mode: int, uid: int):
+    """A stand-in ``lstat`` result: only st_mode and st_uid are read."""
+    return os.stat_result((mode, 0, 0, 1, uid, 0, 0, 0, 0, 0))
+
+
+def test_a_folder_is_private_only_when_a_real_directory_of_the_user_that_no_one_else_may_write():
+    import stat
+
+    from hypothesis import given
+    from hypothesis import strategies as st
+
+    from ucmagic.files.locks import dir_problem
+
+    kinds = st.sampled_from([stat.S_IFDIR, stat.S_IFLNK, stat.S_IFREG])
+
+    @given(kinds, st.integers(0, 0o7777), st.sampled_from([1000, 1001, 0]), st.booleans())
+    def check(kind, bits, owner, sticky_ok):
+        problem = dir_problem(_st(kind | bits, owner), 1000, sticky_ok=sticky_ok)
+        sticky_shared = sticky_ok and bits & stat.S_ISVTX and owner in (1000, 0)
+        ok = kind == stat.S_IFDIR and (sticky_shared or (owner == 1000 and not bits & 0o022))
+        assert (problem is None) == bool(ok), (oct(kind | bits), owner, sticky_ok, problem)
+
+    check()
+
+
+def test_private_dir_makes_0700_folders_whatever_the_umask_and_refuses_links_and_loose_ones(tmp_path):
+    from ucmagic.errors import UnsafeDirectoryError
+    from ucmagic.files.locks import open_private, private_dir
+
+    old = os.umask(0)
+    try:
+        made = private_dir(str(tmp_path / "a" / "b" / "c"))
+    finally:
+        os.umask(old)
+    for p in (tmp_path / "a", tmp_path / "a" / "b", made):
+        assert os.stat(p).st_mode & 0o777 == 0o700
+    os.symlink(made, tmp_path / "link")
+    with pytest.raises(UnsafeDirectoryError, match="symbolic link"):
+        private_dir(str(tmp_path / "link"))
+    loose = tmp_path / "loose"
+    loose.mkdir()
+    os.chmod(loose, 0o777)
+    with pytest.raises(UnsafeDirectoryError, match="others may write"):
+        private_dir(str(loose))
+    assert private_dir(str(loose), tighten=True) and os.stat(loose).st_mode & 0o777 == 0o700
+    target = tmp_path / "victim"
+    target.write_bytes(b"keep")
+    os.symlink(target, tmp_path / "a.lock")
+    with pytest.raises(UnsafeDirectoryError, match="symbolic link"):
+        open_private(str(tmp_path / "a.lock"))
+    assert target.read_bytes() == b"keep"

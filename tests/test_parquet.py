@@ -389,6 +389,7 @@ def test_export_every_local_source_kind(tmp_path, monkeypatch):
         "delta": (delta, 100), "table": ("main.ml.d", 100), "paths": ([str(src / "a.parquet")], 100),
         "sql": (f"SELECT * FROM read_parquet('{src}/a.parquet') WHERE id < 10", 10),
     }
+    monkeypatch.setenv("UCMAGIC_SQL_FILES", str(src))  # SQL reads only the folders the user lets it
     for kind, (source, n) in cases.items():
         r = export_parquet(source, tmp_path / "out" / kind, target_file_size="1MB")
         assert r.rows == n and read_ids(r.dest) == list(range(n)), kind

@@ -332,3 +332,87 @@ def test_delta_log_paths_inside_the_table_are_read_as_before(tmp_path):
     assert data_file_path(root, "k%3D1/part-0.parquet") == os.path.join(root, "k=1/part-0.parquet")
     assert data_file_path(root, os.path.join(root, "a", "p.parquet")) == os.path.join(root, "a", "p.parquet")
     assert data_file_path("s3://b/t", "s3://b/t/x.parquet") == "s3://b/t/x.parquet"
+
+
+# ---------------------------------------------------------------- the user's SQL and the user's files
+
+def test_sql_reads_no_file_outside_the_catalog_and_exports_unless_the_user_allows_it(tmp_path, monkeypatch):
+    from ucmagic import export_parquet, load_table
+    from ucmagic.errors import SQLFileAccessError
+
+    secret = tmp_path / "home" / "secrets.csv"
+    secret.parent.mkdir()
+    secret.write_text("user,password\nme,hunter2\n")
+    monkeypatch.delenv("UCMAGIC_SQL_FILES", raising=False)
+    query = f"SELECT * FROM read_csv('{secret}')"
+    with pytest.raises(SQLFileAccessError, match="UCMAGIC_SQL_FILES"):
+        load_table(query)
+    with pytest.raises(SQLFileAccessError):
+        export_parquet(query, tmp_path / "out")
+    with pytest.raises(SQLFileAccessError):  # nor written: COPY to a file of the user's
+        load_table(f"SELECT 1 AS x; COPY (SELECT 1) TO '{tmp_path}/x.csv'")
+    assert not (tmp_path / "out").exists() and not (tmp_path / "x.csv").exists()
+    # what ucmagic itself wrote in this process is readable; so is a folder the user names
+    r = export_parquet("SELECT range AS id FROM range(10)", tmp_path / "exp")
+    assert len(load_table(f"SELECT * FROM read_parquet('{r.dest}/*.parquet')")) == 10
+    monkeypatch.setenv("UCMAGIC_SQL_FILES", str(secret.parent))
+    assert list(load_table(query)["password"]) == ["hunter2"]
+
+
+def test_sql_allowed_dirs_is_the_setting_plus_ucmagics_own_folders():
+    from hypothesis import given
+    from hypothesis import strategies as st
+
+    from ucmagic.tables.sources import sql_allowed_dirs
+
+    part = st.text(alphabet="abc", min_size=1, max_size=3)
+
+    @given(st.lists(part, max_size=3), st.one_of(st.none(), part), st.lists(part, max_size=2))
+    def check(user, catalog, exported):
+        setting = os.pathsep.join("/u/" + u for u in user) if user else None
+        got = sql_allowed_dirs(setting, "/c/" + catalog if catalog else None, ["/e/" + e for e in exported])
+        want = {"/u/" + u + "/" for u in user} | ({"/c/" + catalog + "/"} if catalog else set()) \
+            | {"/e/" + e + "/" for e in exported}
+        assert got is not None and set(got) == want and all(d.endswith("/") for d in got)
+
+    check()
+    assert sql_allowed_dirs("any", "/c", ["/e"]) is None and sql_allowed_dirs(" ANY ", None, []) is None
+
+
+# ---------------------------------------------------------------- pack and export destinations
+
+def test_pack_and_export_refuse_another_users_destination_and_never_write_through_links(tmp_path):
+    need_root()
+    from ucmagic import export_parquet
+    from ucmagic.shards.pack import pack
+
+    home = tmp_path / "home"
+    before = victim_files(home)
+    src = _src_tree(tmp_path, {"a/0001.jpg": b"x" * 100, "a/0002.jpg": b"y" * 100})
+    shards = attacker_dir(tmp_path / "shards")
+    for n in range(3):  # every name a guess could give: links to the victim's files
+        os.symlink(home / ".bashrc", shards / f"shard-{n:06d}.tar")
+    chown_tree(shards)
+    with pytest.raises(UnsafeCacheError, match="allow_shared_dest"):
+        pack(str(src), str(shards), progress=False)
+    out_parent = attacker_dir(tmp_path / "exports")
+    with pytest.raises(UnsafeCacheError, match="allow_shared_dest"):
+        export_parquet("SELECT range AS id FROM range(5)", out_parent / "t")
+    assert snapshot(home) == before
+
+
+def test_pack_never_writes_through_a_link_at_a_shard_name_in_its_own_destination(tmp_path):
+    from ucmagic.shards.pack import pack
+
+    home = tmp_path / "home"
+    before = victim_files(home)
+    src = _src_tree(tmp_path, {"a/0001.jpg": b"x" * 100, "a/0002.jpg": b"y" * 100})
+    dest = tmp_path / "shards"
+    dest.mkdir()
+    res = pack(str(src), str(dest), progress=False)
+    shard = sorted(p for p in os.listdir(dest) if p.endswith(".tar"))[0]
+    os.unlink(dest / shard)
+    os.symlink(home / ".profile", dest / shard)  # planted after a first pack: the resumed pack replaces it
+    res = pack(str(src), str(dest), progress=False)
+    assert res.shards >= 1 and not os.path.islink(dest / shard)
+    assert snapshot(home) == before

@@ -312,3 +312,39 @@ def test_local_copy_and_atomic_write_helpers(tmp_path):
     atomic_write(str(target), b"new", sync=True)
     assert target.read_bytes() == b"new"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d2.bin", "dst.bin", "rec", "src.bin"]  # no temp left
+
+
+# ---------------------------------------------------------------- modes and destinations (issue 42)
+
+@given(st.integers(0, 0o7777))
+def test_a_staged_copy_never_gets_a_wider_mode_than_its_source(bits):
+    mode = S.staged_mode(0o100000 | bits)
+    assert mode & ~0o644 == 0  # at most rw-r--r--
+    assert mode & ~(bits | 0o600) == 0 or mode == 0o600  # nothing the source did not have (but the owner's rw)
+    assert mode == 0o600 if not bits & 0o004 else mode == bits & 0o644
+    assert S.staged_mode(None) == 0o644
+
+
+def test_a_destination_folder_is_refused_as_a_link_always_and_shared_unless_allowed():
+    import stat
+
+    def st_(mode, uid):
+        return os.stat_result((mode, 0, 0, 1, uid, 0, 0, 0, 0, 0))
+
+    assert S.dest_problem(st_(stat.S_IFLNK | 0o777, 1000), 1000, True) is not None
+    assert S.dest_problem(st_(stat.S_IFDIR | 0o755, 1000), 1000, False) is None
+    assert S.dest_problem(st_(stat.S_IFDIR | 0o777, 1000), 1000, False) is not None
+    assert S.dest_problem(st_(stat.S_IFDIR | 0o755, 12345), 1000, False) is not None
+    assert S.dest_problem(st_(stat.S_IFDIR | 0o777, 12345), 1000, True) is None
+
+
+def test_a_symlinked_subfolder_of_the_destination_fails_its_files_only(src, tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    os.symlink(elsewhere, dest / "a")
+    res = stage(src, str(dest), processes=1, progress=False)
+    bad = {f.path for f in res.failed}
+    assert bad and all(p.startswith("a/") for p in bad) and all("symbolic link" in f.reason for f in res.failed)
+    assert os.listdir(elsewhere) == [] and res.files == res.total - len(bad)

@@ -107,7 +107,7 @@ def test_volumes_paths_resolve_under_the_catalog_root(catalog):
 
 # ---------------------------------------------------------------- other sources and errors
 
-def test_load_parquet_csv_globs_and_sql(tmp_path):
+def test_load_parquet_csv_globs_and_sql(tmp_path, monkeypatch):
     d = tmp_path / "d"
     (d / "sub").mkdir(parents=True)
     pq.write_table(pa.Table.from_pandas(frame(10), preserve_index=False), d / "a.parquet")
@@ -117,6 +117,7 @@ def test_load_parquet_csv_globs_and_sql(tmp_path):
     assert len(load_table(str(d / "*.parquet"))) == 10
     frame(4).to_csv(tmp_path / "t.csv", index=False)
     assert list(load_table(str(tmp_path / "t.csv"))["text"]) == [f"row-{k}" for k in range(4)]
+    monkeypatch.setenv("UCMAGIC_SQL_FILES", str(d))  # SQL reads only the folders the user lets it (test_security.py)
     q = f"SELECT label, count(*) AS n FROM read_parquet('{d}/**/*.parquet') GROUP BY label ORDER BY label"
     assert list(load_table(q)["n"]) == [7, 7, 6]
 

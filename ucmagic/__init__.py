@@ -59,6 +59,7 @@ _EXPORTS = {
     "UnsafeCacheError": "errors",
     "UnsafeDirectoryError": "errors",
     "UnsafeSourceError": "errors",
+    "SQLFileAccessError": "errors",
     "NotAnEntryError": "errors",
     "local_path": "files.volume",
     "Volume": "files.volume",

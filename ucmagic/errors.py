@@ -94,6 +94,11 @@ class UnsafeSourceError(UCMagicError, PermissionError):
     a Delta log's absolute or ``..`` path."""
 
 
+class SQLFileAccessError(UCMagicError, PermissionError):
+    """A SQL query touched a file outside the folders user SQL may use (the local catalog, this process's
+    exports, ``$UCMAGIC_SQL_FILES``); the message names the setting that allows it."""
+
+
 class NotAnEntryError(UCMagicError, ValueError):
     """A path given to ``source_of`` is not a cached file of that dataset."""
 

@@ -23,7 +23,7 @@ from typing import Any, Sequence
 from ._util import O_NOFOLLOW, copy_local, path_under
 from .errors import FetchError, StagingError, UnsafeDirectoryError
 from .files.fetch import with_retries
-from .files.locks import dir_problem
+from .files.locks import dir_problem, shared_by_local_users
 from .progress import Progress
 from .units import format_size
 from .files.volume import FileEntry, Volume, copy_error, open_volume
@@ -482,7 +482,8 @@ def stage(src: Any, dest: str | os.PathLike[str], *, pattern: str | None = None,
         raise StagingError(f"destination {dest_root} is a file: pass a directory")
     entries = vol.list(pattern)
     os.makedirs(os.path.dirname(dest_root), mode=DIR_MODE, exist_ok=True)
-    tree = DestTree(dest_root, allow_shared_dest)
+    # owners and modes matter on this machine's own disks; on a mount (/Volumes) the service decides
+    tree = DestTree(dest_root, allow_shared_dest or not shared_by_local_users(dest_root))
     tree.folder("")  # the destination itself: made, or refused (UnsafeDirectoryError) before any copy
     sweep_temp_files(tree, {os.path.dirname(e.path) for e in entries})
 

@@ -18,7 +18,7 @@ import struct
 import threading
 from typing import Any, Iterator
 
-from .._util import O_NOFOLLOW
+from .._util import LOCAL_DISK_FS, O_NOFOLLOW, mount_fs_type
 from ..errors import UnsafeDirectoryError
 
 try:
@@ -107,6 +107,36 @@ def check_own_entries(folder: str, *, fix: str = "remove it") -> None:
                     raise UnsafeDirectoryError(f"{de.path} is {why}, in a folder of ucmagic's own: {fix}")
     except FileNotFoundError:
         return
+
+
+def shared_by_local_users(path: str) -> bool:
+    """Whether ``path`` lies on a file system whose owners and modes are this machine's (a local disk,
+    tmpfs, overlay; or unknown): where another local user is the one to guard against."""
+    fs = mount_fs_type(path)
+    return fs is None or fs in LOCAL_DISK_FS
+
+
+def check_write_dest(path: str, *, allow_shared: bool = False, sticky_ok: bool = False,
+                     what: str = "destination") -> None:
+    """Refuse (:class:`~ucmagic.errors.UnsafeDirectoryError`) to write into the existing folder ``path``
+    (a stage, pack or export destination) when it is a symbolic link of another user's, not a folder,
+    or, unless ``allow_shared``, another user's or writable by others (they could swap what ucmagic
+    writes for a link to the user's files); ``sticky_ok`` as in :func:`dir_problem`. Owners and modes
+    are checked only on this machine's own disks (:func:`shared_by_local_users`): on a network or
+    FUSE mount (``/Volumes``) the storage service decides who may write."""
+    uid = _uid()
+    allow_shared = allow_shared or not shared_by_local_users(path)
+    st = os.lstat(path)
+    if stat_mod.S_ISLNK(st.st_mode):
+        if uid is not None and st.st_uid != uid:
+            raise UnsafeDirectoryError(f"ucmagic will not write into the {what} {path}: it is a symbolic link of "
+                                       f"another user's (uid {st.st_uid}); pass the folder it points to if you mean it")
+        st = os.stat(path)  # a link of the user's own names the folder they mean
+    problem = "it is not a directory" if not stat_mod.S_ISDIR(st.st_mode) else (
+        None if allow_shared else dir_problem(st, uid, sticky_ok=sticky_ok))
+    if problem is not None:
+        raise UnsafeDirectoryError(f"ucmagic will not write into the {what} {path}: {problem}; pick a folder of "
+                                   "your own, or pass allow_shared_dest=True if you trust everyone who can write there")
 
 
 def _mkdir_private(path: str) -> None:

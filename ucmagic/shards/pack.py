@@ -38,7 +38,7 @@ from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._util import atomic_write, is_remote_url
+from .._util import O_NOFOLLOW, atomic_write, is_remote_url
 from ..errors import FetchError, PackError, SourceChangedError
 from ..files.fetch import with_retries
 from ..progress import Progress
@@ -359,7 +359,18 @@ def is_complete(dest: str, done: Mapping[str, Mapping[str, Any]], name: str, siz
 
 
 def _tmp_name(dest: str, name: str) -> str:
-    return os.path.join(dest, f"{TMP_PREFIX}{os.getpid()}-{name}.tmp")
+    """A new temp name for shard ``name``: ``.ucpack-<pid>-<random>-<name>.tmp`` (no one can guess it)."""
+    return os.path.join(dest, f"{TMP_PREFIX}{os.getpid()}-{os.urandom(6).hex()}-{name}.tmp")
+
+
+def _open_new(path: str) -> Any:
+    """``path`` opened for writing as a new file (``O_EXCL``), never through a symbolic link."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        return open(fd, "wb", buffering=1 << 20)  # the caller closes it (a module-level open: tests patch it)
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def _fsync_dir(path: str) -> None:
@@ -443,7 +454,7 @@ def _write_tree_shard(vol: Volume, shard: PlannedShard, dest: str, state: _State
             queued += job[2]
 
     tmp = _tmp_name(dest, shard.name)
-    f = open(tmp, "wb", buffering=1 << 20)  # noqa: SIM115 - closed below on every path
+    f = _open_new(tmp)  # closed below on every path
     try:
         top_up()
         written = 0
@@ -649,7 +660,7 @@ class _TableShard:
         self.members: list[Member] = []
         self.h = hashlib.sha256()
         self.tmp = _tmp_name(dest, self.name)
-        self.f: Any = None if verify else open(self.tmp, "wb", buffering=1 << 20)  # noqa: SIM115 - closed in finish()/discard()
+        self.f: Any = None if verify else _open_new(self.tmp)  # closed in finish()/discard()
 
     def add(self, sample: Sequence[PlannedMember]) -> None:
         for m in sample:
@@ -760,7 +771,8 @@ def pack(src: Any, dest: str | os.PathLike[str], shard_size: int | str = "1GB", 
          label_from_folder: bool = False, pattern: str | None = None, workers: int | None = None,
          columns: Sequence[str] | Mapping[str, str] | None = None, key_column: str | None = None,
          kind: str | None = None, retries: int = 3, progress: bool | str = True,
-         storage_options: dict[str, Any] | None = None) -> PackSummary:
+         storage_options: dict[str, Any] | None = None, follow_symlinks: str = "inside",
+         allow_shared_dest: bool = False) -> PackSummary:
     """Pack a tree of small files, or a table, into uncompressed tar shards of about ``shard_size``.
 
     Args:
@@ -782,6 +794,10 @@ def pack(src: Any, dest: str | os.PathLike[str], shard_size: int | str = "1GB", 
         retries: retries of a failing read (transient errors), with backoff.
         progress: ``True`` (widget in a notebook, else text), ``"text"``, ``"widget"`` or ``False``.
         storage_options: fsspec options for a URL source.
+        follow_symlinks: files: a linked file is packed only when it points inside ``src`` (``"inside"``,
+            default; others are left out with one warning naming them), always (``"all"``) or never (``"none"``).
+        allow_shared_dest: write into a destination of another user's or one others may write to
+            (refused by default; docs/reliability.md, "Threat model").
 
     Returns:
         :class:`PackSummary` (shards, samples, bytes, seconds, MB/s). Raises :class:`PackError` for bad
@@ -810,23 +826,28 @@ def pack(src: Any, dest: str | os.PathLike[str], shard_size: int | str = "1GB", 
             raise PackError("label_from_folder and pattern apply to a tree of files, not to a table "
                             "(label columns of a table are packed as members)")
         check_dest(_source_root(src, None) if isinstance(src, (str, os.PathLike)) else None, dest_root)
-        with _dest_lock(dest_root):
+        with _dest_lock(dest_root, allow_shared_dest):
             return _pack_table(src, dest_root, target, columns, key_column, progress, t0)
     if columns is not None or key_column is not None:
         raise PackError("columns and key_column apply to a table, not to a tree of files")
+    if follow_symlinks not in ("inside", "all", "none"):
+        raise PackError(f"follow_symlinks must be 'inside', 'all' or 'none', got {follow_symlinks!r}")
     vol = open_volume(src, storage_options)
+    vol.follow_symlinks = follow_symlinks  # a file link out of the tree: left out, with one warning naming it
     check_dest(_source_root(src, vol), dest_root)
-    with _dest_lock(dest_root):
+    with _dest_lock(dest_root, allow_shared_dest):
         return _pack_tree(vol, dest_root, target, label_from_folder, pattern, workers, retries, progress, t0)
 
 
 @contextlib.contextmanager
-def _dest_lock(dest: str) -> Iterator[None]:
-    """One pack at a time per destination: a second one waits for the first, then finds its shards."""
-    from ..files.locks import file_lock
+def _dest_lock(dest: str, allow_shared: bool = False) -> Iterator[None]:
+    """One pack at a time per destination: a second one waits for the first, then finds its shards.
+    A destination of another user's or writable by others is refused unless ``allow_shared``."""
+    from ..files.locks import check_write_dest, file_lock
 
     _check_ours(dest)  # before the lock file is made: a refused directory is left as it was
     os.makedirs(dest, exist_ok=True)
+    check_write_dest(dest, allow_shared=allow_shared, what="pack destination")
     with file_lock(os.path.join(dest, LOCK_NAME)):
         yield
 

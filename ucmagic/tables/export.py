@@ -33,9 +33,10 @@ from typing import Any, Sequence
 from .._util import is_remote_url, path_under
 from ..errors import (EmptyListingError, ExportOverlapError, SourceNotADirectoryError, SourceNotFoundError,
                       UCMagicError, UnsupportedSourceError)
-from .sources import (MANIFEST, Source, connect, delta_files, duckdb_relation, is_data_path, resolve_source,
-                      spark_dataframe, volume_manifest)
+from .sources import (MANIFEST, Source, connect, delta_files, duckdb_relation, is_data_path, remember_export,
+                      resolve_source, spark_dataframe, volume_manifest)
 from ..units import format_size, parse_size
+from ..files.locks import check_write_dest
 from ..files.volume import FsspecVolume, Volume, resolve_local_path, volume_class
 from .journal import recover_destination, remove_journal, roll_back, staging_path, sweep_staging, write_journal
 
@@ -278,7 +279,7 @@ def _write_duckdb(src: Source, staging: str, target: int, cols: list[str], memor
         raise ValueError(f"compression must be one of {', '.join(COMPRESSIONS)}, got {compression!r}")
     con = connect(memory_limit, threads)
     try:
-        rel = duckdb_relation(con, src)
+        rel = duckdb_relation(con, src, writable=[staging])
         missing = [c for c in cols if c not in rel.columns]
         if missing:
             raise KeyError(f"partition_by column {missing[0]!r} is not in {src.describe()}; "
@@ -420,7 +421,7 @@ def export_parquet(source: Any, dest: str | os.PathLike[str], *, target_file_siz
                    mode: str = "overwrite", partition_by: str | Sequence[str] | None = None,
                    version: int | None = None, memory_limit: int | str | None = DEFAULT_MEMORY_LIMIT,
                    threads: int | None = None, compression: str = "snappy",
-                   storage_options: dict[str, Any] | None = None) -> ExportResult:
+                   storage_options: dict[str, Any] | None = None, allow_shared_dest: bool = False) -> ExportResult:
     """Write ``source`` as Parquet files of about ``target_file_size`` into the directory ``dest``.
 
     ``source``: a Spark DataFrame or a table name with an active Spark session (Spark writes,
@@ -434,6 +435,9 @@ def export_parquet(source: Any, dest: str | os.PathLike[str], *, target_file_siz
     ``mode="error"`` refuses a non-empty ``dest``.
     ``partition_by`` writes Hive-style ``col=value/`` directories. The embedded engine streams its
     input under ``memory_limit``. Returns an :class:`ExportResult` (files, rows, bytes, seconds).
+    A local ``dest`` (or its folder) of another user's or writable by others is refused
+    (:class:`UnsafeDirectoryError`) unless ``allow_shared_dest=True``; a sticky folder such as ``/tmp``
+    is fine as the folder that holds ``dest``.
     """
     t0 = time.perf_counter()
     if mode not in EXPORT_MODES:
@@ -477,6 +481,9 @@ def export_parquet(source: Any, dest: str | os.PathLike[str], *, target_file_siz
         raise FileExistsError(f"{dest} exists and is not empty: pass mode='overwrite' to replace it atomically")
     parent = os.path.dirname(dest)
     os.makedirs(parent, exist_ok=True)
+    check_write_dest(parent, allow_shared=allow_shared_dest, sticky_ok=True, what="folder of the export destination")
+    if os.path.lexists(dest):
+        check_write_dest(dest, allow_shared=allow_shared_dest, what="export destination")
     sweep_leftovers(dest)
     staging = staging_path(dest, "staging", export_id)
     old = None
@@ -501,6 +508,7 @@ def export_parquet(source: Any, dest: str | os.PathLike[str], *, target_file_siz
     if old:
         shutil.rmtree(old, ignore_errors=True)
     files = [os.path.join(dest, r) for r in rels]
+    remember_export(dest)  # a later SQL query of this process may read what it wrote
     return ExportResult(dest, files, rows, size, time.perf_counter() - t0, "spark" if spark else "duckdb")
 
 

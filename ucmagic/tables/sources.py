@@ -17,9 +17,9 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from .._util import is_remote_url, is_url
+from .._util import error_line, is_remote_url, is_url
 from ..errors import (EmptyListingError, InvalidTableNameError, SourceNotADirectoryError, SourceNotFoundError,
-                      TableNotFoundError, UnsupportedSourceError)
+                      SQLFileAccessError, TableNotFoundError, UnsupportedSourceError)
 from ..units import parse_size
 from ..files.volume import Volume, compile_pattern, existing_local_path, open_volume, resolve_local_path
 from .journal import committed_listing
@@ -408,10 +408,54 @@ def fsspec_strip(url: str) -> str:
     return url.split("://", 1)[1] if is_url(url) else url
 
 
-def duckdb_relation(con: Any, src: Source, columns: Sequence[str] | None = None) -> Any:
+SQL_FILES_ENV = "UCMAGIC_SQL_FILES"  # folders (os.pathsep-separated) a user's SQL may read besides ours; "any": all
+_exported: set[str] = set()  # local folders export_parquet wrote in this process (a user's SQL may read them)
+
+
+def remember_export(dest: str) -> None:
+    """Let a user's SQL read what ``export_parquet`` wrote to the local folder ``dest`` in this process."""
+    _exported.add(os.path.realpath(dest))
+
+
+def sql_allowed_dirs(setting: str | None, catalog: str | None, exported: Sequence[str],
+                     extra: Sequence[str] = ()) -> list[str] | None:
+    """The folders a user's SQL may read or write (None: anything the user can). ``setting`` is
+    ``$UCMAGIC_SQL_FILES``: ``"any"``, or folders separated by ``os.pathsep``, added to the local
+    catalog (``catalog``), this process's exports (``exported``) and ucmagic's own ``extra`` folders
+    (an export's staging, the spill folder). Each ends with a separator: ``/a`` does not admit ``/ab``."""
+    if setting is not None and setting.strip().lower() == "any":
+        return None
+    dirs = [d for d in (setting or "").split(os.pathsep) if d.strip()]
+    dirs += [catalog] if catalog else []
+    out = []
+    for d in [*dirs, *exported, *extra]:
+        full = os.path.realpath(os.path.expanduser(d)) if not is_url(d) else d
+        out.append(full.rstrip("/") + "/")
+    return sorted(set(out))
+
+
+def restrict_sql(con: Any, writable: Sequence[str] = ()) -> None:
+    """Before a user's SQL runs on ``con``: DuckDB may touch files only in :func:`sql_allowed_dirs`
+    (``enable_external_access=false`` with ``allowed_directories``; it cannot be turned back on for
+    this connection). ``$UCMAGIC_SQL_FILES=any`` leaves the SQL the user's full file access."""
+    catalog = os.environ.get("UCMAGIC_CATALOG_ROOT")
+    allowed = sql_allowed_dirs(os.environ.get(SQL_FILES_ENV), catalog, sorted(_exported),
+                               [*writable, os.path.dirname(spill_dir())])
+    if allowed is None:
+        return
+    con.execute("SET allowed_directories = $1", [allowed])  # a parameter: paths are never pasted into SQL
+    if writable:  # the folders themselves (a COPY ... TO <folder> makes it), not only what is in them
+        con.execute("SET allowed_paths = $1", [[os.path.realpath(w) if not is_url(w) else w for w in writable]])
+    con.execute("SET enable_external_access = false")
+
+
+def duckdb_relation(con: Any, src: Source, columns: Sequence[str] | None = None, *,
+                    writable: Sequence[str] = ()) -> Any:
     """A DuckDB relation reading ``src`` lazily (DuckDB streams it: memory stays bounded).
 
-    ``columns`` projects a Delta table before its rows are read (other kinds: use :func:`select_columns`)."""
+    ``columns`` projects a Delta table before its rows are read (other kinds: use :func:`select_columns`).
+    A SQL query runs with file access limited to :func:`restrict_sql`'s folders (plus ``writable``:
+    where the caller will have DuckDB write)."""
     if src.kind == "delta":
         return con.from_arrow(delta_snapshot(src).reader(columns))
     if src.kind == "pandas":
@@ -421,7 +465,17 @@ def duckdb_relation(con: Any, src: Source, columns: Sequence[str] | None = None)
     if src.kind == "duckdb":
         return con.from_arrow(src.obj.fetch_arrow_reader(1 << 16))
     if src.kind == "sql":
-        return con.sql(src.obj)
+        restrict_sql(con, writable)
+        import duckdb
+
+        try:
+            return con.sql(src.obj)
+        except duckdb.PermissionException as exc:
+            raise SQLFileAccessError(
+                f"{error_line(exc)}. SQL given to ucmagic may use files only in the local catalog, in what "
+                f"export_parquet wrote in this process and in the folders of ${SQL_FILES_ENV} (separated by "
+                f"'{os.pathsep}'): set {SQL_FILES_ENV}=<folder> to let it read that folder, or {SQL_FILES_ENV}=any "
+                "for all your files") from exc
     if src.kind == "parquet" and not src.remote and not hive_partitioned(src):
         return con.read_parquet(src.paths)
     if src.kind == "csv" and not src.remote and not hive_partitioned(src):
