@@ -407,7 +407,7 @@ def _beyond_duckdb(col: pa.ChunkedArray) -> list[bool]:
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                        HealthCheck.too_slow,
                                                                        HealthCheck.data_too_large])
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(max(300, 2 * EXAMPLES))  # a second or two per table on a busy machine
 def test_every_entry_point_reads_what_pyarrow_reads(tmp_path, spec, batch_size):
     files, writer, groups = spec
     differential(str(tmp_path), files, writer, groups, batch_size)
