@@ -296,6 +296,40 @@ def test_slow_volume_and_volumes_paths_pack_like_a_local_directory(src, tmp_path
     assert res.dest == out and shard_bytes(out) == shard_bytes(local)
 
 
+@pytest.mark.timeout(300)
+def test_a_volume_failing_every_7th_open_packs_every_file_with_default_retries_counted(tmp_path):
+    from ucmagic.testing import make_files
+
+    root = str(tmp_path / "src")
+    rels = make_files(root, 700, 2048, ext=".jpg")
+    dest = str(tmp_path / "dest")
+    res = ucmagic.pack("slow://" + root, dest, shard_size="256KB", progress=False,  # default retries, 256 reads
+                       storage_options={"fail_every": 7, "open_ms": 0, "mbps": 0, "list_ms": 0})
+    assert res.samples == len(rels) and res.retries >= len(rels) // 7 - 1 and "reads retried" in str(res)
+    got = {}
+    for path in shard_paths(dest):
+        with tarfile.open(path) as tf:
+            got.update({m.name: tf.extractfile(m).read() for m in tf if m.isfile()})
+    assert got == {r: open(os.path.join(root, r), "rb").read() for r in rels}
+
+
+def test_pack_progress_counts_source_files_not_tar_members(src, tmp_path, monkeypatch):
+    import ucmagic.shards.pack as pack_mod
+
+    seen = []
+
+    class Recorded(pack_mod.Progress):
+        def close(self, *a, **kw):
+            seen.append((self.total, self.done))
+            return super().close(*a, **kw)
+
+    monkeypatch.setattr(pack_mod, "Progress", Recorded)
+    root, files = src
+    res = ucmagic.pack(root, str(tmp_path / "d"), shard_size="20KB", label_from_folder=True, progress=False)
+    sources = len(files) - 1  # every file but the README; the cls labels are tar members, not source files
+    assert res.files == sources + res.samples and seen == [(sources, sources)]
+
+
 def test_bad_input_is_refused_with_what_to_do(src, tmp_path):
     root, _ = src
     with pytest.raises(PackError, match="inside the source"):

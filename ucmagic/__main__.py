@@ -111,7 +111,10 @@ def _add_pack(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="table: comma-separated columns, each optionally COLUMN=EXT (e.g. image=jpg,label=cls)")
     p.add_argument("--key-column", default=None, help="table: a column of unique sample keys (default: row number)")
     p.add_argument("--kind", choices=["files", "table"], default=None, help="treat SRC as files or as a table")
-    p.add_argument("--retries", type=at_least(0), default=3, help="retries of a failing read (default 3)")
+    from ._util import DEFAULT_RETRIES
+
+    p.add_argument("--retries", type=at_least(0), default=DEFAULT_RETRIES,
+                   help=f"retries of a failing read, with backoff (default {DEFAULT_RETRIES}, as the datasets)")
     p.add_argument("--no-progress", action="store_true", help="do not show progress")
 
     def run(a: argparse.Namespace) -> int:
