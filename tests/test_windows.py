@@ -10,6 +10,7 @@ from ucmagic import UCVolumeDataset
 from ucmagic.errors import BudgetTooSmallError
 from ucmagic.files.windows import DEFAULT_LEASE_ITEMS, MIN_WINDOW, Sizing, WindowPolicy
 from ucmagic.testing import make_files
+from ucmagic.units import format_size
 
 
 @st.composite
@@ -23,15 +24,31 @@ def policy(draw: st.DrawFn) -> WindowPolicy:
 policies = policy()
 
 
-@given(policies, st.integers(1, 1 << 40), st.integers(1, 64), st.booleans())
-def test_a_budget_too_small_for_the_least_window_fails_at_once_and_names_the_size(p, budget, streams, reported):
-    least = p.least(reported, streams)
+@given(policies, st.integers(1, 1 << 40), st.integers(1, 64))
+def test_a_budget_too_small_for_the_least_window_fails_at_once_and_names_the_size(p, budget, streams):
+    """Without consumption reports the handed-out files a loop may still open stay protected: each
+    stream's share must hold its least window."""
+    least = p.least(False, streams)
     if budget // streams >= least * p.typical:
-        s = p.protection(budget, streams, reported)
+        s = p.protection(budget, streams, False)
         assert s.window >= least and s.read_ahead_bytes >= 1
     else:
         with pytest.raises(BudgetTooSmallError, match="set cache_limit to at least"):
-            p.protection(budget, streams, reported)
+            p.protection(budget, streams, False)
+
+
+@given(policies, st.integers(0, 1 << 24), st.integers(1, 1 << 40), st.integers(1, 64))
+def test_with_reports_any_budget_of_at_least_the_largest_file_works_for_any_number_of_streams(
+        p, extra, budget, streams):
+    """Issue 40 item 4: fills beyond the budget wait for room in the loop's order (ucmagic.files.admission),
+    so a budget below one file per stream is fine; only one below the largest file can never progress."""
+    p = WindowPolicy(p.lease_items, p.typical, p.files, p.least_window, largest=p.typical + extra)
+    if budget >= p.largest:
+        s = p.protection(budget, streams, True)
+        assert s.window == p.lease_items and s.read_ahead_bytes >= 1
+    else:
+        with pytest.raises(BudgetTooSmallError, match=f"largest file .*at least {format_size(p.largest)}"):
+            p.protection(budget, streams, True)
 
 
 @given(policies, st.integers(1, 1 << 40), st.integers(1, 16))
@@ -101,10 +118,15 @@ def test_no_budget_keeps_lease_items_and_the_given_read_ahead():
     assert WindowPolicy(256, 1000, 10).protection(None, 4, False, unbudgeted_bytes=123) == Sizing(256, 123)
 
 
-def test_reports_need_one_file_and_the_window_is_lease_items():
-    p = WindowPolicy(lease_items=160, typical=1000, files=100)
+def test_reports_need_the_largest_file_and_the_window_is_lease_items():
+    p = WindowPolicy(lease_items=160, typical=1000, files=100, largest=1200)
     s = p.protection(budget=3000, streams=2, reported=True)
     assert s.window == 160 and s.read_ahead_bytes == 1500
+    # the issue's case: 4 files of 512 MiB, 700 MB, 2 workers (before: "cannot hold one file ... for each of 2")
+    big = WindowPolicy(DEFAULT_LEASE_ITEMS, 512 << 20, 4, largest=512 << 20)
+    assert big.protection(700_000_000, 2, True).read_ahead_bytes == 350_000_000
+    with pytest.raises(BudgetTooSmallError, match="at least 536.9 MB"):
+        big.protection(500_000_000, 2, True)
 
 
 def test_the_least_window_is_never_more_than_a_stream_hands_out():

@@ -13,12 +13,14 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import threading
 import time
 import weakref
 from typing import Callable, Iterable
 
 from ..errors import CacheFullError
 from ..units import format_size
+from .admission import ADMIT, REFUSE, admit
 from .cache_layout import CacheLayout, RemovalToken, listdir, serial
 from .locks import open_private
 from .cache_usage import CacheUsage, scan
@@ -90,6 +92,9 @@ class BudgetKeeper:
         self._free_est = 0
         self._floor = 0
         self._budget, self._limits_at = limit, -1.0
+        self._waiting: dict[int, int] = {}  # fills waiting for room: ticket -> bytes (see _queue)
+        self._tickets = 0
+        self._waiting_mu = threading.Lock()
         self._record_limit()
 
     # ------------------------------------------------------------ the budget in force
@@ -183,13 +188,7 @@ class BudgetKeeper:
         freed = 0
         victims = choose_victims(free, bytes_to_free) if bytes_to_free > 0 else []
         if victims:
-            sizes = {p: s for p, s, _ in free}
-            self.removals.change()
-            for p in victims:
-                name = self.layout.entry_of(p)
-                if name is not None and self.layout.drop_entry(name):
-                    freed += sizes[p]
-            self.removals.change()
+            freed = self._drop_locked(victims, {p: s for p, s, _ in free})
         self.write_ledger(total - freed)
         self._synced_at = time.monotonic()
         return freed, total - freed
@@ -203,63 +202,112 @@ class BudgetKeeper:
         never fit or the disk is full of protected files and this fill must not wait."""
         limit = self.budget()
         if limit is not None and tmp:
-            if size > limit:
-                raise CacheFullError(
-                    f"a {format_size(size)} file does not fit in {self.budget_name(limit)}: "
-                    f"raise cache_limit above {format_size(size)} (plus what the loop holds at once)"
-                )
+            if admit(size, limit, 0).verdict == REFUSE:  # it never fits: waiting would never end
+                raise self._too_big(size, limit)
             self._reserve_budget(size, tmp, may_exceed, on_wait)
         # without a budget the temp file appears when the copy starts (one open less per fill)
         self._ensure_disk(size, may_exceed, on_wait)
 
     def _reserve_budget(self, size: int, tmp: str, may_exceed: Callable[[], bool] | None,
                         on_wait: Callable[[], None] | None) -> None:
+        """Wait until :func:`~ucmagic.files.admission.admit` lets the fill in, then hold its room at ``tmp``.
+        Fills of this process that started waiting earlier (the loop's order) get room first."""
         delay = 0.005
         waited = 0.0
         best, best_at = None, time.monotonic()  # the lowest count seen while waiting, and since when
-        while True:
-            limit = self.budget()
-            if limit is None:  # the process that set the only budget is gone: no limit now
-                open(tmp, "wb").close()
-                return
-            # checked before the lock: a blocked consumer's fill may go over, after a moment for
-            # other streams to release
-            over = waited >= 0.05 and may_exceed is not None and may_exceed()
-            with self.eviction_lock():
-                total = self.read_ledger()
-                since = time.monotonic() - self._synced_at
-                # the ledger is a hint: re-count (and evict) before deciding there is no room, but
-                # once per moment per process, not once per waiting thread (they would queue on the
-                # lock behind each other's scans, the head of the loop among them)
-                if total is None or since > max(1.0, 50 * self._scan_s) or (
-                        total + size > limit and since > max(0.02, 10 * self._scan_s)):
-                    # evict a little more than this file needs: the next fills find room without a scan
-                    _, total = self.evict_locked(0, limit - size - min(limit // 16, 256 << 20))
-                if total + size <= limit or over:
-                    open(tmp, "wb").close()  # visible to every process's count from now on
-                    self.write_ledger(total + size)
+        ticket = self._queue(size)
+        try:
+            while True:
+                limit = self.budget()
+                if limit is None:  # the process that set the only budget is gone: no limit now
+                    open(tmp, "wb").close()
                     return
-            if best is None or total < best:
-                best, best_at = total, time.monotonic()
-            elif may_exceed is None and time.monotonic() - best_at > STALL_S:
-                # no loop of this process waits on this fill, and nothing was freed for a long time
-                raise CacheFullError(
-                    f"no room for a {format_size(size)} file in {self.budget_name(limit)} for {STALL_S:g} s: "
-                    f"{format_size(total)} is held by files running loops have not consumed yet. Raise "
-                    "cache_limit, or let those loops finish first")
-            elif may_exceed is not None and time.monotonic() - best_at > LOOP_STALL_S:
-                # a loop's fill, never allowed over and nothing freed: the loop's consumption reports
-                # lag behind what it read (a wrapper that yields fewer items than it takes), a deadlock
-                raise CacheFullError(
-                    f"no room for a {format_size(size)} file in {self.budget_name(limit)} for {LOOP_STALL_S:g} s "
-                    f"while the loop waits: {format_size(total)} is held by files it has not reported consumed "
-                    "(a wrapper dataset that yields fewer items than it reads under-reports). Raise cache_limit "
-                    "to hold a few batches per DataLoader worker, or set cache_limit=None")
-            if on_wait is not None:
-                on_wait()  # may raise: the loop that wanted this file is gone
-            time.sleep(delay)
-            waited += delay
-            delay = min(0.05, max(delay * 1.5, 5 * self._scan_s))
+                # checked before the lock: the fill a blocked consumer needs next, after a moment for
+                # other streams to release
+                head = waited >= 0.05 and may_exceed is not None and may_exceed()
+                with self.eviction_lock():
+                    total = self.read_ledger()
+                    since = time.monotonic() - self._synced_at
+                    evictable: list[tuple[str, int, float]] = []
+                    # the ledger is a hint: re-count before deciding there is no room, but once per
+                    # moment per process, not once per waiting thread (they would queue on the lock
+                    # behind each other's scans, the head of the loop among them)
+                    if total is None or since > max(1.0, 50 * self._scan_s) or (
+                            total + size > limit and since > max(0.02, 10 * self._scan_s)):
+                        reap(self.layout, self.records)
+                        evictable, usage = self.scan(self.records.protected_names(reap=False))
+                        total = usage.total_bytes
+                        self._synced_at = time.monotonic()
+                    # evict a little more than this file needs: the next fills find room without a scan
+                    d = admit(size, limit, total, evictable, head=head, ahead=self._ahead(ticket),
+                              slack=min(limit // 16, 256 << 20))
+                    if d.evict:
+                        total -= self._drop_locked(d.evict, {p: n for p, n, _ in evictable})
+                    if d.verdict == ADMIT:
+                        open(tmp, "wb").close()  # visible to every process's count from now on
+                        self.write_ledger(total + size)
+                        return
+                    if evictable:
+                        self.write_ledger(total)
+                if d.verdict == REFUSE:  # the budget in force shrank below this file meanwhile
+                    raise self._too_big(size, limit)
+                if best is None or total < best:
+                    best, best_at = total, time.monotonic()
+                elif may_exceed is None and time.monotonic() - best_at > STALL_S:
+                    # no loop of this process waits on this fill, and nothing was freed for a long time
+                    raise CacheFullError(
+                        f"no room for a {format_size(size)} file in {self.budget_name(limit)} for {STALL_S:g} s: "
+                        f"{format_size(total)} is held by files running loops have not consumed yet. Raise "
+                        "cache_limit, or let those loops finish first")
+                elif may_exceed is not None and time.monotonic() - best_at > LOOP_STALL_S:
+                    # a loop's fill, never allowed over and nothing freed: the loop's consumption reports
+                    # lag behind what it read (a wrapper that yields fewer items than it takes), a deadlock
+                    raise CacheFullError(
+                        f"no room for a {format_size(size)} file in {self.budget_name(limit)} for "
+                        f"{LOOP_STALL_S:g} s while the loop waits: {format_size(total)} is held by files it has "
+                        "not reported consumed (a wrapper dataset that yields fewer items than it reads "
+                        "under-reports). Raise cache_limit to hold a few batches per DataLoader worker, or set "
+                        "cache_limit=None")
+                if on_wait is not None:
+                    on_wait()  # may raise: the loop that wanted this file is gone
+                time.sleep(delay)
+                waited += delay
+                delay = min(0.05, max(delay * 1.5, 5 * self._scan_s))
+        finally:
+            self._dequeue(ticket)
+
+    def _queue(self, size: int) -> int:
+        """A ticket for a fill of ``size`` bytes about to ask for room: fills asking earlier go first."""
+        with self._waiting_mu:
+            self._tickets += 1
+            self._waiting[self._tickets] = size
+            return self._tickets
+
+    def _dequeue(self, ticket: int) -> None:
+        with self._waiting_mu:
+            self._waiting.pop(ticket, None)
+
+    def _ahead(self, ticket: int) -> int:
+        """Bytes of this process's fills that asked for room before ``ticket`` and still wait."""
+        with self._waiting_mu:
+            return sum(size for t, size in self._waiting.items() if t < ticket)
+
+    def _drop_locked(self, paths: Iterable[str], sizes: dict[str, int]) -> int:
+        """Remove the entries whose files are ``paths`` (as a scan found them, of ``sizes``); the bytes
+        freed. Under the eviction lock; the removal token changes before and after."""
+        freed = 0
+        self.removals.change()
+        for p in paths:
+            name = self.layout.entry_of(p)
+            if name is not None and self.layout.drop_entry(name):
+                freed += sizes[p]
+        self.removals.change()
+        return freed
+
+    def _too_big(self, size: int, limit: int) -> CacheFullError:
+        return CacheFullError(
+            f"a {format_size(size)} file does not fit in {self.budget_name(limit)}: raise cache_limit to at "
+            f"least {format_size(size)}")
 
     # ------------------------------------------------------------ the free-disk floor
 

@@ -1136,7 +1136,8 @@ class UCVolumeDataset(EpochTracking, IterableDataset[str]):
         """The rules that size this dataset's protection windows and read-ahead (see :mod:`.windows`)."""
         n = len(self.listing)
         typical = max(1, -(-self.listing.total_bytes // n)) if n else 1
-        return WindowPolicy(self.lease_items, typical, n, least_window=self.lease_items if self._lease_set else None)
+        return WindowPolicy(self.lease_items, typical, n, least_window=self.lease_items if self._lease_set else None,
+                            largest=int(self.listing.sizes.max()) if n else 0)
 
     def _read_ahead_bytes(self, streams: int) -> int:
 

@@ -45,13 +45,15 @@ def release_step(window: int, files: int) -> int:
 @dataclass(frozen=True)
 class WindowPolicy:
     """The sizing rules of one dataset: ``lease_items`` (the largest window), the listing's mean
-    file size ``typical``, its number of ``files`` and ``least_window``, the window a user set
-    (``lease_items`` set by hand, say to a torch loader's whole queue), else None (:data:`MIN_WINDOW`)."""
+    file size ``typical``, its number of ``files``, ``least_window``, the window a user set
+    (``lease_items`` set by hand, say to a torch loader's whole queue), else None (:data:`MIN_WINDOW`),
+    and the ``largest`` file's size (0: ``typical``)."""
 
     lease_items: int
     typical: int
     files: int
     least_window: int | None = None
+    largest: int = 0
 
     def least(self, reported: bool, streams: int = 0) -> int:
         """Files a stream must hold at once: with reports the one the loop waits for, else a window
@@ -73,9 +75,11 @@ class WindowPolicy:
         size, at most ``lease_items``); the rest for its release step (:func:`release_step`), then half
         each for the files in flight and the cached files covered ahead of the loop, so the protected
         files fit in ``cache_limit`` and a small budget slows the loop down instead of stopping it. The window
-        holds at least :meth:`least` files (64, or the ``lease_items`` a user set), with reports one file
-        (the fill the loop waits for may go over the budget); a share that cannot hold that many files
-        of the mean size is :class:`BudgetTooSmallError` now, at the first item, naming the size needed.
+        holds at least :meth:`least` files (64, or the ``lease_items`` a user set); a share that cannot
+        hold that many files of the mean size is :class:`BudgetTooSmallError` now, at the first item,
+        naming the size needed. With reports any budget of at least the largest file makes progress
+        (:func:`~ucmagic.files.admission.admit`: fills beyond it wait for room in the loop's order, the
+        one the loop waits for may go over), so only a smaller one is refused.
 
         ``live`` streams of every process share the cache (:meth:`FileCache.live_streams`): where
         there are more than this process's ``streams``, the budget is split over all of them, and a
@@ -91,10 +95,20 @@ class WindowPolicy:
         return self.sized(budget, streams, reported, live)
 
     def check_share(self, budget: int, streams: int, reported: bool) -> None:
-        """:class:`BudgetTooSmallError` where one of ``streams`` shares cannot hold the least window."""
+        """:class:`BudgetTooSmallError` where the budget can never make progress: with reports, one smaller
+        than the largest file (a fill of it could never start); without, where one of ``streams``
+        shares cannot hold the least window (handed-out files a loop may still open stay protected)."""
+        if reported:
+            largest = max(self.largest, self.typical)
+            if self.files and budget < largest:
+                raise BudgetTooSmallError(
+                    f"cache_limit={format_size(budget)} cannot hold the largest file of the dataset, "
+                    f"{format_size(largest)}: set cache_limit to at least {format_size(largest)} (fills beyond it "
+                    "wait for room as the loop consumes)")
+            return
         least = self.least(reported, streams)
         if self.files and budget // max(1, streams) < least * self.typical:
-            what = "one file" if least == 1 else f"{least} files (the protection window without ucmagic.DataLoader" + (
+            what = f"{least} files (the protection window without ucmagic.DataLoader" + (
                 ")" if self.least_window is None else ", lease_items)")
             raise BudgetTooSmallError(
                 f"cache_limit={format_size(budget)} cannot hold {what} of ~{format_size(self.typical)} for each "
@@ -118,8 +132,8 @@ class WindowPolicy:
                 window = max(least, min(window, int(files * SHARED_WINDOW)))
             return Sizing(window, max(self.typical, int(share * SHARED_AHEAD)), max(1, int(files * SHARED_COVER)),
                           None if reported else release_step(window, files))
-        if reported:
-            return Sizing(window, max(1, share))
+        if reported:  # cached items covered ahead of the loop stay protected: half the share's files at most
+            return Sizing(window, max(1, share), max(1, files // 2))  # (big files: the one in flight)
         # what the loop has not reported stays protected: the window and its release step, the files
         # in flight and the cached files covered ahead of the loop (a later epoch's hits) all fit the
         # share, half each of what the window and its step leave (a least window aside: then a file each)
