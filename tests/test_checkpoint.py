@@ -25,6 +25,7 @@ from ucmagic.checkpoints.api import (
     CheckpointNotCommittedError,
     CheckpointUploadError,
     NoCheckpointError,
+    UnsafeCheckpointError,
     UCVolumeReader,
     UCVolumeWriter,
     list_checkpoints,
@@ -709,3 +710,64 @@ def test_optimizer_state_loads_when_a_parameter_never_got_a_gradient(tmp_path, s
     assert load_checkpoint(tmp_path, model=target, optimizer=topt)[0] == 1
     assert same_model(model, target) and same_optim(opt, topt)
     assert len(topt.state) == 2  # head1's weight and bias; head2 has none, as when it was saved
+
+
+# ---------------------------------------------------------------- messages: one line each, named
+
+def test_a_missing_store_credential_is_named_with_how_to_set_it(tmp_path, monkeypatch):
+    from ucmagic.checkpoints.api import _credentials_error
+    from ucmagic.errors import CheckpointCredentialsError
+
+    class NoCredentialsError(Exception):  # botocore's class, by name: botocore need not be installed
+        pass
+
+    wrapped = CheckpointException("save", {0: (NoCredentialsError("Unable to locate credentials"), None)})
+    err = _credentials_error(wrapped, "s3://bucket/run")
+    assert isinstance(err, CheckpointCredentialsError) and "\n" not in str(err)
+    assert "AWS_ACCESS_KEY_ID" in str(err) and "storage_options" in str(err) and str(err).startswith("s3://bucket/run")
+    assert _credentials_error(OSError("disk full"), "x") is None
+    pytest.importorskip("s3fs")
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setenv("UCMAGIC_STAGING_DIR", str(tmp_path / "staging"))
+    opts = {"skip_instance_cache": True, "client_kwargs": {"endpoint_url": "http://127.0.0.1:9"}}  # never reached
+    with pytest.raises(CheckpointCredentialsError, match="AWS_ACCESS_KEY_ID"):
+        list_checkpoints("s3://ucmagic-no-such-bucket/run", storage_options=opts)
+
+
+def test_an_unsafe_checkpoint_error_is_one_line_naming_the_refused_global_without_terminal_codes(tmp_path):
+    import pickle
+
+    from ucmagic.checkpoints.unpickle import unsafe_reason
+
+    exc = pickle.UnpicklingError("Weights only load failed. Re-run with \x1b[1mweights_only=False\x1b[0m ...\n\n"
+                                 "\x1b[1mWeightsUnpickler error: Unsupported global: GLOBAL posix.system\x1b[0m\n\n"
+                                 "Docs")
+    assert unsafe_reason(exc) == "WeightsUnpickler error: Unsupported global: GLOBAL posix.system"
+    torch.save({"model": _Evil()}, tmp_path / "ckpt_1.pt")
+    with pytest.raises(UnsafeCheckpointError) as info:
+        load_checkpoint(tmp_path, model=make_model())
+    assert "\x1b" not in str(info.value) and "\n" not in str(info.value) and "getcwd" in str(info.value)
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.getcwd, ())
+
+
+def test_ucckpt_names_urls_as_roots_and_says_only_what_is_wrong_with_step_or_keep(magic_shell, monkeypatch):
+    from IPython.core.error import UsageError
+
+    monkeypatch.delenv("UCMAGIC_RAISE", raising=False)
+    magic_shell.user_ns["m"] = make_model()
+    help_text = magic_shell.find_line_magic("ucckpt").__doc__
+    assert "not a URL" not in help_text and "URL" in help_text
+    with pytest.raises(UsageError) as info:
+        magic_shell.run_line_magic("ucckpt", "save /tmp -m m --step -5")
+    assert "--step -5" in str(info.value) and "keep" not in str(info.value)
+    with pytest.raises(UsageError) as info:
+        magic_shell.run_line_magic("ucckpt", "save /tmp -m m --step 5 --keep 0")
+    assert "--keep 0" in str(info.value) and "--step" not in str(info.value)

@@ -78,6 +78,7 @@ _EXPORTS = {
     "CheckpointSupersededError": "errors",
     "CheckpointMismatchError": "errors",
     "UnsafeCheckpointError": "errors",
+    "CheckpointCredentialsError": "errors",
     "InvalidTableNameError": "errors",
     "TableNotFoundError": "errors",
     "UnsupportedSourceError": "errors",

@@ -161,6 +161,10 @@ class UnsafeCheckpointError(CheckpointError, PermissionError):
     """The checkpoint holds a pickled object that a weights-only load refuses."""
 
 
+class CheckpointCredentialsError(CheckpointError, PermissionError):
+    """A checkpoint root on a store (``s3://...``) needs credentials that were not found."""
+
+
 # ---------------------------------------------------------------- tables and sources
 
 class InvalidTableNameError(UCMagicError, ValueError):
@@ -191,6 +195,7 @@ class LossyColumnError(UCMagicError, TypeError):
 class ExportOverlapError(UCMagicError, ValueError):
     """``export_parquet``'s destination is inside its source (or the source inside the destination): the
     export would read its own output."""
+
 
 # ---------------------------------------------------------------- staging, launch, magics
 

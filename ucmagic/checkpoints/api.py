@@ -9,13 +9,14 @@ highest *committed* step. ``keep=N`` deletes older committed steps once the new 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import pickle
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 from .format import (
     COMMIT_NAME,
@@ -43,10 +44,12 @@ from .format import (
 from .commit import begin_save, clean_checkpoints, commit_save, read_commit, volume_dir
 from .exit import track_pending_save
 from .reader import UCVolumeReader
+from .unpickle import unsafe_reason
 from .writer import UCVolumeWriter
 from ..dist import all_gather_ints, barrier, dist_info
 from ..errors import (
     CheckpointCorruptError,
+    CheckpointCredentialsError,
     CheckpointError,
     CheckpointExistsError,
     CheckpointInProgressError,
@@ -78,6 +81,8 @@ __all__ = [
 ]
 
 # torch's DCP warns on every single-process save/load; ucmagic's own calls are single-process on purpose
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 _SINGLE_PROCESS_WARNING = r"torch\.distributed is (disabled, )?unavailable or uninitialized, assuming the intent"
 
 
@@ -88,6 +93,50 @@ def _quiet() -> Any:
         warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING, category=UserWarning)
         yield
 
+
+
+#: A store's "no credentials" error (by class name: the store's package may not be installed) -> how to set them.
+_CREDENTIAL_HINTS = {
+    "NoCredentialsError": "no AWS credentials were found for S3: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
+                          "(or AWS_PROFILE, or ~/.aws/credentials), or pass "
+                          "storage_options={'key': ..., 'secret': ...}",
+    "PartialCredentialsError": "the AWS credentials for S3 are incomplete: set both AWS_ACCESS_KEY_ID and "
+                               "AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), or pass storage_options={'key': ..., "
+                               "'secret': ...}",
+    "DefaultCredentialsError": "no Google Cloud credentials were found: set GOOGLE_APPLICATION_CREDENTIALS to a "
+                               "service-account key file, or pass storage_options={'token': ...}",
+}
+
+
+def _credentials_error(e: BaseException, where: str) -> CheckpointCredentialsError | None:
+    """The named one-line error when ``e`` (or its cause, or a rank's failure inside it) is a missing credential."""
+    todo: list[Any] = [e]
+    seen: set[int] = set()
+    while todo:
+        x = todo.pop()
+        if not isinstance(x, BaseException) or id(x) in seen:
+            continue
+        seen.add(id(x))
+        hint = next((_CREDENTIAL_HINTS[c.__name__] for c in type(x).__mro__ if c.__name__ in _CREDENTIAL_HINTS), None)
+        if hint is not None:
+            return CheckpointCredentialsError(f"{where}: {hint}")
+        todo += [x.__cause__, x.__context__, *(p[0] if isinstance(p, tuple) else p
+                                                for p in getattr(x, "failures", {}).values())]
+    return None
+
+
+def _naming_credentials(fn: Callable[_P, _R]) -> Callable[_P, _R]:
+    """``fn`` (whose first argument is the root), raising a missing credential as one named line."""
+    @functools.wraps(fn)
+    def call(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        try:
+            return fn(*args, **kwargs)
+        except BaseException as e:
+            named = _credentials_error(e, str(os.fspath(args[0])) if args else str(kwargs.get("root")))  # type: ignore[call-overload]
+            if named is None:
+                raise
+            raise named from None
+    return call
 
 
 # ---------------------------------------------------------------- listing and retention
@@ -169,6 +218,7 @@ def _probe(root: str, name: str) -> CheckpointInfo | None:
     return CheckpointInfo(step, path, float(c["time"]), int(c["bytes"]), str(c["format"]))
 
 
+@_naming_credentials
 def list_checkpoints(root: str | os.PathLike[str], *,
                      storage_options: dict[str, Any] | None = None) -> list[CheckpointInfo]:
     """Complete checkpoints under ``root`` as ``CheckpointInfo(step, path, time, size, kind)``, oldest first.
@@ -302,6 +352,7 @@ def _save_single(path: str, state: dict[str, Any], info: dict[str, Any], writer_
     return fut
 
 
+@_naming_credentials
 def save_checkpoint(root: str | os.PathLike[str], *, model: Any, optimizer: Any = None, step: int,
                     extra: dict[str, Any] | None = None, async_: bool = False, keep: int | None = None,
                     single_file: bool = False, **writer_kw: Any) -> str | Future[str]:
@@ -376,7 +427,7 @@ def save_checkpoint(root: str | os.PathLike[str], *, model: Any, optimizer: Any 
         try:
             f.result()
         except BaseException as e:  # noqa: BLE001 - CheckpointException is a BaseException
-            out.set_exception(_unwrap(e))
+            out.set_exception(_credentials_error(e, path) or _unwrap(e))
             return
         _settle(out, finish)
 
@@ -393,6 +444,7 @@ def _settle(out: Future[str], fn: Any) -> None:
 
 # ---------------------------------------------------------------- load
 
+@_naming_credentials
 def resolve_step(root: str | os.PathLike[str], step: int | str, *,
                  storage_options: dict[str, Any] | None = None) -> tuple[int, str]:
     """``(step, path)`` of checkpoint ``step`` (an int or ``"latest"``) under ``root``: ucmagic's
@@ -435,10 +487,9 @@ def _load_single(path: str, commit: dict[str, Any], model: Any, optimizer: Any, 
         try:
             state = torch.load(local, map_location=loc, weights_only=True)
         except pickle.UnpicklingError as exc:  # weights_only refused a global: code, not weights
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise UnsafeCheckpointError(
                 f"{os.path.join(path, SINGLE_FILE_NAME)} holds objects that are not plain tensors and "
-                f"containers ({first}); it was not loaded. Only load checkpoints you wrote yourself"
+                f"containers ({unsafe_reason(exc)}); it was not loaded. Only load checkpoints you wrote yourself"
             ) from None
     finally:
         xfer.release_staging_dir(staging)
@@ -495,6 +546,7 @@ def _check_keys(path: str, expected: Any, present: Any) -> None:
                                       "load it into the same architecture it was saved from")
 
 
+@_naming_credentials
 def load_checkpoint(root: str | os.PathLike[str], step: int | str = "latest", *, model: Any, optimizer: Any = None,
                     map_location: Any = None, **reader_kw: Any) -> tuple[int, Any]:
     """Restore ``model`` (and ``optimizer``) in place from ``root/step_<step>/``; return ``(step, extra)``.
@@ -546,8 +598,8 @@ def _load_torch_file(path: str, model: Any, optimizer: Any, map_location: Any,
         state = torch.load(path, map_location=loc, weights_only=True)
     except pickle.UnpicklingError as exc:
         raise UnsafeCheckpointError(f"{path} holds objects that are not plain tensors and containers "
-                                    f"({str(exc).strip().splitlines()[0] if str(exc).strip() else 'refused'}); "
-                                    "it was not loaded. Only load checkpoints you trust") from None
+                                    f"({unsafe_reason(exc)}); it was not loaded. Only load checkpoints you trust"
+                                    ) from None
     _restore_from_dict(path, state, model, optimizer)
 
 

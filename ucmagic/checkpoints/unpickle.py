@@ -7,6 +7,7 @@ import enum
 import importlib
 import io
 import pickle
+import re
 from typing import Any, ClassVar
 
 import torch
@@ -53,6 +54,17 @@ def _buildable() -> frozenset[type]:
         if isinstance(cls, type) and not issubclass(cls, enum.Enum):
             out.add(cls)
     return frozenset(out)
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+def unsafe_reason(exc: BaseException) -> str:
+    """The one line of a refused weights-only load that says what was refused (``... GLOBAL posix.system ...``),
+    without the terminal colour codes torch puts in its messages."""
+    lines = [ln.strip() for ln in _ANSI.sub("", str(exc)).splitlines() if ln.strip()]
+    named = [ln for ln in lines if "global" in ln.lower() or "unsupported" in ln.lower()]
+    return (named or lines or [type(exc).__name__])[0]
 
 
 def _refused(what: str) -> UnsafeCheckpointError:
@@ -128,7 +140,7 @@ class WeightsOnlyPlanner:
         except Exception as e:  # noqa: BLE001 - the weights-only unpickler raises several types
             raise UnsafeCheckpointError(
                 f"{self._where}: entry {read_item.dest_index.fqn!r} is a pickled object that "
-                f"torch.load(weights_only=True) refuses ({str(e).splitlines()[0]}); pass "
+                f"torch.load(weights_only=True) refuses ({unsafe_reason(e)}); pass "
                 "allow_unsafe_pickle=True to UCVolumeReader only if you trust this checkpoint") from None
         value.seek(0)
         self._inner.load_bytes(read_item, value)

@@ -452,8 +452,8 @@ class UcMagics(Magics):
     @magic_arguments()
     @kwds(epilog=_CKPT_EXAMPLES)
     @argument("action", choices=["save", "load", "list"], help="save, load or list")
-    @argument("root", help="checkpoint directory: a local directory or a mounted volume (/Volumes/...); "
-                           "not a URL")
+    @argument("root", help="checkpoint root: a local directory, a mounted volume (/Volumes/...) or an fsspec "
+                           "URL (s3://bucket/run/ckpts)")
     @argument("step_arg", nargs="?", default=None, metavar="STEP",
               help="load: the step to restore, or latest (default)")
     @argument("-m", "--model", metavar="MODEL", help="name of the torch.nn.Module variable")
@@ -507,8 +507,10 @@ class UcMagics(Magics):
                 _fail("ucckpt", f"save takes the step as --step N, not as {a.step_arg!r}")
             if a.step is None:
                 _fail("ucckpt", "save needs --step N (the training step being saved)")
-            if a.step < 0 or (a.keep is not None and a.keep < 1):
-                _fail("ucckpt", "--step must be >= 0 and --keep >= 1")
+            if a.step < 0:
+                _fail("ucckpt", f"--step {a.step}: the step must be 0 or more")
+            if a.keep is not None and a.keep < 1:
+                _fail("ucckpt", f"--keep {a.keep}: keep at least 1 checkpoint (or leave --keep out to keep all)")
             extra = self._lookup("ucckpt", "--extra", a.extra, local_ns, dict, "a dict")
             extra = dict(extra or {})
             if loader is not None:
