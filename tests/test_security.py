@@ -416,3 +416,24 @@ def test_pack_never_writes_through_a_link_at_a_shard_name_in_its_own_destination
     res = pack(str(src), str(dest), progress=False)
     assert res.shards >= 1 and not os.path.islink(dest / shard)
     assert snapshot(home) == before
+
+
+# ---------------------------------------------------------------- checkpoint saves into a tree holding links
+
+@pytest.mark.xfail(strict=True, reason="open (issue 42 item 2): the checkpoint writer opens root/step_<n> as its "
+                   "volume root, resolving a link there; the fix belongs in transfer.makedirs or the writer")
+@pytest.mark.parametrize("single_file", [True, False])
+def test_a_checkpoint_save_never_writes_through_a_step_folder_link_planted_in_its_root(tmp_path, single_file):
+    torch = pytest.importorskip("torch")
+    from ucmagic import save_checkpoint
+
+    home = tmp_path / "home"
+    before = victim_files(home)
+    root = tmp_path / "ckpts"
+    root.mkdir()
+    os.symlink(home / ".ssh", root / "step_1")  # the next save's folder, made a link to ~/.ssh
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(Exception) as got:  # refused or failed: either way nothing lands there
+        save_checkpoint(str(root), model=model, step=1, single_file=single_file)
+    assert "symbolic link" in str(got.value) or isinstance(got.value, OSError)
+    assert snapshot(home) == before and sorted(os.listdir(home / ".ssh")) == ["authorized_keys", "id_rsa"]

@@ -25,7 +25,7 @@ from . import ranged
 from .._util import (FILL_BUFFER, LOCAL_DISK_FS, DaemonPool, atomic_target, atomic_write, copy_fds, copy_file_to_path,
                      copy_local, is_remote_url, mount_fs_type, open_emptied, path_under, wait_result)
 from ..errors import (EmptyListingError, FetchError, InvalidArgumentError, SourceChangedError, SourceNotADirectoryError,
-                      SourceNotFoundError, UnreadableDirectoryError, UnsafeSourceError)
+                      SourceNotFoundError, UnreadableDirectoryError, UnsafeDirectoryError, UnsafeSourceError)
 
 # A directory read faster than this (seconds: a fixed part plus one per entry) is "local and
 # cached": the listing goes on reading on one thread, as threads contending for the GIL cost more
@@ -571,11 +571,29 @@ class LocalVolume(Volume):
     def local_file(self, rel: str) -> str | None:
         return self._path(rel)
 
+    def _target(self, rel: str, *, whole: bool = False) -> str:
+        """The local path of ``rel`` to write or remove: refused (:class:`UnsafeDirectoryError`) when a
+        folder on the way from the root (and ``rel`` itself with ``whole``) is a symbolic link, which
+        could send the write anywhere (a checkpoint or export root others could write to). The last
+        component of a file is replaced by a rename, never followed."""
+        parts = _writable(rel).split("/")
+        cur = self.root
+        for part in parts if whole else parts[:-1]:
+            cur = os.path.join(cur, part)
+            try:
+                st = os.lstat(cur)
+            except FileNotFoundError:
+                break
+            if stat_mod.S_ISLNK(st.st_mode):
+                raise UnsafeDirectoryError(f"ucmagic will not write {rel} under {self.root}: {cur} is a symbolic "
+                                           "link (a write through it could land anywhere); remove it")
+        return self._path(rel)
+
     def write_bytes(self, rel: str, data: bytes) -> None:
-        _local_put(self._path(_writable(rel)), data)
+        _local_put(self._target(rel), data)
 
     def upload(self, local_path: str, rel: str) -> None:
-        _local_put(self._path(_writable(rel)), src=local_path)
+        _local_put(self._target(rel), src=local_path)
 
     def read_bytes(self, rel: str) -> bytes:
         with open(self._path(rel), "rb") as f:
@@ -585,16 +603,16 @@ class LocalVolume(Volume):
         return os.path.exists(self._path(rel))
 
     def makedirs(self, rel: str) -> None:
-        os.makedirs(self._path(rel), exist_ok=True)
+        os.makedirs(self._target(rel, whole=True) if rel else self.root, exist_ok=True)
 
     def remove(self, rel: str, *, missing_ok: bool = True) -> None:
-        _local_remove(self._path(_writable(rel)), missing_ok)
+        _local_remove(self._target(rel), missing_ok)
 
     def remove_tree(self, rel: str) -> None:
-        _local_remove_tree(self._path(_writable(rel)))
+        _local_remove_tree(self._target(rel))
 
     def rename(self, src_rel: str, dst_rel: str) -> None:
-        _local_rename(self._path(_writable(src_rel)), self._path(_writable(dst_rel)))
+        _local_rename(self._target(src_rel), self._target(dst_rel))
 
     def list_names(self, rel: str) -> builtins.list[str]:
         return _local_names(self._path(rel))
