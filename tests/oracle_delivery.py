@@ -17,7 +17,8 @@ The model's rules (the promise of README "Resume mid-epoch" and docs/loading.md,
 3. **Resume.** A state saved after some batches of an epoch (inside the loop, or after a ``break``), or
    after the epoch ended, loaded in a new process: the resumed run delivers exactly the rest of that
    epoch (before + after == the planned epoch as multisets: no duplicate, no gap), or the whole next
-   epoch when the saved one had ended. Also at epoch >= 1 without ``set_epoch``.
+   epoch when the saved one had ended; then the following epoch whole. Also at epoch >= 1 without
+   ``set_epoch``.
 4. **Elastic.** The rest is exact with another ``num_workers`` or world size for every ucmagic iterable
    dataset and for a user wrapper whose inner dataset is one. A map-style dataset (ours or the user's:
    its sampler, DistributedSampler on several ranks, splits the epoch by world size) resumes with any
@@ -180,10 +181,11 @@ def merged(ranks: Sequence[Sequence[str]]) -> list[str]:
 def judge(c: Mapping[str, Any], r: Mapping[str, Any]) -> list[str]:
     """Every rule the facts ``r`` of cell ``c`` break (empty: the cell passes).
 
-    ``r``: ``items`` (the planned items of epoch 0 and 1, in planned order: ``{"0": [...], "1": [...]}``),
+    ``r``: ``items`` (the planned items of epochs 0-2 in planned order: ``{"0": [...], "1": [...], ...}``),
     ``before`` (per epoch of the first run, ``{"ranks": [[ids per rank]], "complete": bool}``),
     ``error`` (a failure of the first run), and for a resume ``after`` (per rank ids of the resumed
-    run) or ``after_error`` (with ``where``: ``load`` or ``iterate``); ``crash`` when no facts came.
+    run) and ``next`` (those of the epoch after it), or ``after_error`` (with ``where``: ``load`` or
+    ``iterate``); ``crash`` when no facts came.
     """
     if "crash" in r:
         return [r["crash"]]
@@ -238,4 +240,8 @@ def judge(c: Mapping[str, Any], r: Mapping[str, Any]) -> list[str]:
     order = promised_order(items[target], c, w1, n1)
     if order is not None and not out and (w0, n0) == (w1, n1) and whole != order:
         out.append(f"resumed epoch {target}: before + after is not the planned order")
+    if "next" in r:  # then the epochs go on: the next one whole
+        nxt = target + 1
+        out += delivery_problems(f"epoch {nxt} after the resumed one", merged(r["next"]), Counter(items[nxt]),
+                                 padding(kind, len(items[nxt]), w1))
     return out

@@ -240,9 +240,9 @@ def run_matrix(cells: list[dict[str, Any]], work: str, under_test: str | None = 
             continue
         if s["kind"] == "mix":
             per = mix.get("shuf" if s["shuffle"] else "seq", {})
-            its = {"0": per.get("0", []), "1": per.get("1", [])}
+            its = {e: per.get(e, []) for e in ("0", "1", "2")}
         else:
-            its = {"0": items[s["kind"]], "1": items[s["kind"]]}
+            its = {e: items[s["kind"]] for e in ("0", "1", "2")}
         facts: dict[str, Any] = {"items": its, "before": [
             {"ranks": [r["before"][e]["ids"] if e < len(r["before"]) else [] for r in rs],
              "complete": rs[0]["before"][e]["complete"]} for e in range(len(rs[0]["before"]))]}
@@ -257,6 +257,8 @@ def run_matrix(cells: list[dict[str, Any]], work: str, under_test: str | None = 
                 facts["after_error"] = a["after_error"]
             else:
                 facts["after"] = [a["after"]]
+                if "next" in a:
+                    facts["next"] = [a["next"]]
         verdicts[s["id"]] = oracle.judge(s, facts)
     return verdicts
 
@@ -368,6 +370,9 @@ def test_the_judge_passes_every_run_that_keeps_the_promise(c, count, rng):
             facts["after"][0].reverse()
     else:
         facts["after"] = [oracle.merged([r[k:] for r, k in zip(eps[-1], cut)])]
+    if not oracle.refused(c):
+        facts["next"] = [oracle.merged(exact_run(items, w1, n1, rng, c["shuffle"]))]
+    facts["items"]["2"] = items
     assert oracle.judge(c, facts) == [], (c, facts)
 
 
@@ -391,5 +396,9 @@ def test_the_judge_names_a_replay_a_gap_an_old_order_and_an_unnamed_refusal():
     assert oracle.judge(mine, {**base, "after_error": {**unnamed["after_error"],
                                                         "mro": ["ResumeLayoutError", "UCMagicError"]}}) == []
     assert oracle.judge(mine, {**base, "after": [items[16:]]})  # resumed instead of refused
+    three = {"0": items, "1": items, "2": items}
+    assert oracle.judge(cell, {**base, "items": three, "after": [items[16:]], "next": [items]}) == []
+    assert "epoch 1 after the resumed one: 48 missing" in " ".join(
+        oracle.judge(cell, {**base, "items": three, "after": [items[16:]], "next": [[]]}))
     assert oracle.resume_plan(items, items[:16], epoch_ended=False) == oracle.Counter(items[16:])
     assert oracle.resume_plan(items, items, epoch_ended=True) == oracle.Counter(items)

@@ -227,6 +227,7 @@ def after(c: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
         return res
     try:
         res["after"], _ = run_epoch({**c, "resume": "none"}, ds, source, 0, None, None)
+        res["next"], _ = run_epoch({**c, "resume": "none"}, ds, source, 1, None, None)  # then the next, whole
     except BaseException as exc:  # noqa: BLE001
         res["after_error"] = error_facts(exc, "iterate")
     del source, ds
@@ -235,12 +236,12 @@ def after(c: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def mix_items(spec: dict[str, Any]) -> dict[str, Any]:
-    """The mix's planned epochs (shuffled or not, epochs 0 and 1) from one plain pass each: a mix's
+    """The mix's planned epochs (shuffled or not, epochs 0-2) from one plain pass each: a mix's
     epoch is a fixed draw of its sources' orders, the same on every layout (docs/shards.md)."""
     out = {}
     for shuffle in (False, True):
         per = {}
-        for e in (0, 1):
+        for e in (0, 1, 2):
             ds = make_dataset("mix", shuffle, spec["data"], spec["cache"])
             ds.set_epoch(e)
             per[str(e)] = [str(x) for x in ds]
