@@ -125,8 +125,8 @@ class MemberColumns(Sequence[Member]):
         new[1:] = keys[1:] != keys[:-1]
         if new.all():
             return np.arange(n, dtype=np.int64)
-        ids: dict[str, int] = {}
-        ext = np.fromiter((ids.setdefault(e, len(ids)) for e in self.exts), dtype=np.int64, count=n)
+        ids: dict[str, int] = {}  # extensions are compared lower-cased, as samples hold them: x.JPG repeats x.jpg
+        ext = np.fromiter((ids.setdefault(e.lower(), len(ids)) for e in self.exts), dtype=np.int64, count=n)
         run = np.cumsum(new)
         order = np.lexsort((ext, run))
         if ((run[order][1:] == run[order][:-1]) & (ext[order][1:] == ext[order][:-1])).any():
@@ -154,17 +154,19 @@ def split_key(name: str) -> tuple[str, str] | None:
 
 
 def sample_starts(members: Sequence[Member]) -> list[int]:
-    """Index of the first member of each sample (runs of one key; a repeated extension starts a new one)."""
+    """Index of the first member of each sample (runs of one key; a repeated extension, compared lower-cased,
+    starts a new one)."""
     if isinstance(members, MemberColumns):
         return members.sample_starts().tolist()  # type: ignore[no-any-return]
     starts: list[int] = []
     key: str | None = None
     seen: set[str] = set()
     for i, m in enumerate(members):
-        if m.key != key or m.ext in seen:
+        ext = m.ext.lower()  # a sample's extensions are lower-cased: x.JPG after x.jpg would overwrite it
+        if m.key != key or ext in seen:
             starts.append(i)
             key, seen = m.key, set()
-        seen.add(m.ext)
+        seen.add(ext)
     return starts
 
 
