@@ -438,3 +438,28 @@ def test_staging_of_a_live_process_or_another_host_stays_and_a_read_only_parent_
     old = time.time() - journal.FOREIGN_JOURNAL_TTL_S - 60
     os.utime(other, (old, old))
     assert journal.sweep_staging(dest) == 1 and not os.path.exists(other)
+
+
+def test_staging_names_carry_their_owner_for_any_destination_name(tmp_path):
+    """Pure naming: whatever the destination is called (dashes, dots), its staging name parses back to this
+    process (alive) and the same name with a dead pid or another start time reads as gone."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    dead = _dead_pid()
+
+    @given(st.text("abz-_.0", min_size=1, max_size=12).filter(lambda n: n not in (".", "..")),
+           st.sampled_from(journal.STAGING_KINDS), st.text("0123456789abcdef", min_size=1, max_size=12))
+    @settings(max_examples=200, deadline=None)
+    def check(base, kind, export_id):
+        name = os.path.basename(journal.staging_path(os.path.join(str(tmp_path), base), kind, export_id))
+        prefix = f".{base}.ucmagic-{kind}-"
+        assert name.startswith(prefix)
+        suffix = name[len(prefix):]
+        assert journal.staging_owner_alive(suffix, time.time())
+        pid, start, host, eid = suffix.split("-")
+        assert eid == export_id and host == journal.host_id()
+        assert not journal.staging_owner_alive(f"{dead}-{start}-{host}-{eid}", time.time())
+        assert not journal.staging_owner_alive(f"{pid}-{int(start) + 1}-{host}-{eid}", time.time())
+
+    check()
