@@ -116,3 +116,33 @@ def test_usage_accounts_every_byte_under_the_cache_dir(tmp_path):
     on_disk = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(c.root) for f in fs)
     assert (u.bytes, u.records_bytes, u.tmp_bytes) == (300, 40, 50)
     assert u.total_bytes == on_disk + 40  # the temp file counts 50 bytes, 10 written so far
+
+
+@pytest.mark.timeout(60)
+def test_a_fill_waiting_behind_a_big_file_still_copying_does_not_give_up(tmp_path, monkeypatch):
+    """Files of 10 GiB copy for minutes: a worker's next fill waits for room all that time while the loop
+    waits on another worker's copy. A copy that writes is progress, not the deadlock the stall error is
+    for (before, the waiting fill failed after LOOP_STALL_S with "no room ... while the loop waits")."""
+    monkeypatch.setattr(budget_mod, "LOOP_STALL_S", 0.5)
+    c = FileCache(str(tmp_path / "c"), limit=10_000)
+    copying = os.path.join(c.root, "tmp", f"{'ab' * 20}.{process_tag()}.0.9000.part")  # another fill's copy
+    stop = threading.Event()
+
+    def copy() -> None:
+        with open(copying, "wb") as f:
+            for _ in range(40):  # 2 s of copying, a block every 50 ms
+                if stop.wait(0.05):
+                    return
+                f.write(bytes(4096))
+                f.flush()
+        os.unlink(copying)  # it went to its entry, which the loop then consumed
+
+    t = threading.Thread(target=copy)
+    t.start()
+    try:
+        time.sleep(0.1)
+        c.reserve(5000, os.path.join(c.root, "tmp", "mine.part"), may_exceed=lambda: False)
+    finally:
+        stop.set()
+        t.join()
+    assert os.path.exists(os.path.join(c.root, "tmp", "mine.part"))

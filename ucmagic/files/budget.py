@@ -28,7 +28,7 @@ from .locks import process_tag, tag_alive
 from .protection import ProtectionRecords
 
 DEFAULT_MIN_FREE = 0.10
-STALL_S = 120.0  # a fill no loop waits on gives up after this long without any room freed
+STALL_S = 120.0  # a fill no loop waits on gives up after this long without any room freed nor any fill copying
 LOOP_STALL_S = 60.0  # a fill of a loop (may_exceed given) likewise: its consumption reports never free room
 
 
@@ -215,6 +215,7 @@ class BudgetKeeper:
         delay = 0.005
         waited = 0.0
         best, best_at = None, time.monotonic()  # the lowest count seen while waiting, and since when
+        copied: int | None = None  # what fills in progress had written at the last count
         ticket = self._queue(size)
         try:
             while True:
@@ -229,6 +230,7 @@ class BudgetKeeper:
                     total = self.read_ledger()
                     since = time.monotonic() - self._synced_at
                     evictable: list[tuple[str, int, float]] = []
+                    counted, copying = False, copied
                     # the ledger is a hint: re-count before deciding there is no room, but once per
                     # moment per process, not once per waiting thread (they would queue on the lock
                     # behind each other's scans, the head of the loop among them)
@@ -236,8 +238,8 @@ class BudgetKeeper:
                             total + size > limit and since > max(0.02, 10 * self._scan_s)):
                         reap(self.layout, self.records)
                         evictable, usage = self.scan(self.records.protected_names(reap=False))
-                        total = usage.total_bytes
-                        self._synced_at = time.monotonic()
+                        total, copying = usage.total_bytes, usage.tmp_written
+                        self._synced_at, counted = time.monotonic(), True
                     # evict a little more than this file needs: the next fills find room without a scan
                     d = admit(size, limit, total, evictable, head=head, ahead=self._ahead(ticket),
                               slack=min(limit // 16, 256 << 20))
@@ -247,12 +249,13 @@ class BudgetKeeper:
                         open(tmp, "wb").close()  # visible to every process's count from now on
                         self.write_ledger(total + size)
                         return
-                    if evictable:
+                    if counted:  # the count, for every process's next look
                         self.write_ledger(total)
                 if d.verdict == REFUSE:  # the budget in force shrank below this file meanwhile
                     raise self._too_big(size, limit)
-                if best is None or total < best:
-                    best, best_at = total, time.monotonic()
+                if best is None or total < best or copying != copied:
+                    # room freed, or fills still copying (the loop waits on a big file, not on a deadlock)
+                    best, best_at, copied = min(total, best if best is not None else total), time.monotonic(), copying
                 elif may_exceed is None and time.monotonic() - best_at > STALL_S:
                     # no loop of this process waits on this fill, and nothing was freed for a long time
                     raise CacheFullError(

@@ -13,8 +13,9 @@ class CacheUsage:
     """What is under a cache directory, in files and bytes (apparent sizes).
 
     ``files``/``bytes``: complete entries in ``files/``; ``protected_*``: those named by a live
-    protection record; ``tmp_*``: fills in progress or abandoned; ``records_*``: protection records;
-    ``other_bytes``: anything else (ledger, the node's listings, stray files).
+    protection record; ``tmp_*``: fills in progress or abandoned (``tmp_bytes`` at their final size,
+    ``tmp_written`` what they have written so far, allocated: it changes while any fill copies);
+    ``records_*``: protection records; ``other_bytes``: anything else (ledger, the node's listings, stray files).
     """
 
     files: int = 0
@@ -23,6 +24,7 @@ class CacheUsage:
     protected_bytes: int = 0
     tmp_files: int = 0
     tmp_bytes: int = 0
+    tmp_written: int = 0
     records_files: int = 0
     records_bytes: int = 0
     other_bytes: int = 0
@@ -75,7 +77,12 @@ def scan(layout: CacheLayout, protected: set[str]) -> tuple[list[tuple[str, int,
     for de in scandir(layout.tmp, dirs=True):
         parsed_tmp = parse_tmp_name(de.name)
         u.tmp_files += 1
-        u.tmp_bytes += max(file_size(de), parsed_tmp[1] if parsed_tmp else 0)
+        try:
+            tst = de.stat(follow_symlinks=False) if de.is_file(follow_symlinks=False) else None
+        except FileNotFoundError:
+            tst = None
+        u.tmp_bytes += max(tst.st_size if tst else 0, parsed_tmp[1] if parsed_tmp else 0)
+        u.tmp_written += tst.st_blocks * 512 if tst else 0
     for de in scandir(layout.prot):
         u.records_files += 1
         u.records_bytes += file_size(de)
