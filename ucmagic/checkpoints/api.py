@@ -607,7 +607,7 @@ def _load_dcp(path: str, model: Any, optimizer: Any, reader_kw: dict[str, Any]) 
     """Load into a staging copy of the state; apply it to ``model`` (and ``optimizer``) only once every rank
     has read its part whole and verified (a damaged, missing or mismatched file changes nothing)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+    from torch.distributed.checkpoint.state_dict import set_state_dict
 
     reader = UCVolumeReader(path, **reader_kw)
     fresh_optimizer = optimizer is not None and not optimizer.state  # get_state_dict fills in its state
@@ -639,12 +639,23 @@ def _load_dcp(path: str, model: Any, optimizer: Any, reader_kw: dict[str, Any]) 
         if fresh_optimizer:
             optimizer.state.clear()  # as it was: the state get_state_dict made for the load is not kept
         raise
-    # strict=False only where the checkpoint has parameters without optimizer state (the model's keys are checked)
-    pruned = optimizer is not None and len(staged[okey].get("state", {})) < len(ours["optim"].get("state", {}))
+    optim_state: dict[str, Any] = {}
+    stateless: list[str] = []
+    if optimizer is not None:
+        optim_state = staged[str(okey)]
+        fresh = ours["optim"].get("state", {})
+        if isinstance(optim_state.get("state"), dict) and isinstance(fresh, dict):
+            # parameters without state in the checkpoint go through torch's set_state_dict with the state
+            # get_state_dict made for them (every torch version loads that), and lose it right after
+            stateless = [k for k in fresh if k not in optim_state["state"]]
+            optim_state["state"] = {**{k: fresh[k] for k in stateless}, **optim_state["state"]}
     set_state_dict(model, [] if optimizer is None else optimizer,
-                   model_state_dict=staged["model"] if nested else staged,
-                   optim_state_dict=staged[okey] if optimizer is not None else {},
-                   options=StateDictOptions(strict=not pruned))
+                   model_state_dict=staged["model"] if nested else staged, optim_state_dict=optim_state)
+    if stateless:  # as they were saved (and as torch.save keeps them): no state
+        params = dict(model.named_parameters())
+        for fqn in stateless:
+            if fqn in params:
+                optimizer.state.pop(params[fqn], None)
 
 
 def _staging_copy(state: Any) -> Any:
@@ -664,8 +675,8 @@ def _staging_copy(state: Any) -> Any:
 
 
 def _stored_params_only(optim_state: dict[str, Any], key: str, stored: list[str]) -> dict[str, Any]:
-    """The optimizer state to load: a parameter with no state in the checkpoint (it never got a gradient before
-    the save, as ``torch.save`` keeps it) is left out, so it has none after the load either."""
+    """The optimizer state to read from the checkpoint: a parameter that has none there (it never got a gradient
+    before the save) is left out, else torch's load fails with "Missing key in checkpoint state_dict"."""
     state = optim_state.get("state")
     if not isinstance(state, dict):
         return optim_state
