@@ -380,7 +380,8 @@ def test_partition_columns_with_null_and_special_values_are_present_and_typed(tm
     assert {r["p"] for r in want} == {"a b", "x/y%z", None, "é=1"}
     ds = ParquetDataset(path, batch_size=100, format="numpy")
     b = next(iter(ds))
-    assert b["d"].dtype == np.dtype("datetime64[D]") and b["n"].dtype == np.float64  # nulls -> NaN
+    assert b["d"].dtype == np.dtype("datetime64[D]") and b["n"].dtype == np.int32  # the column's type, nulls or not
+    assert int(b["n__valid"].sum()) == 8  # 12 rows, every third null
     assert ParquetDataset(path).schema.field("n").type == pa.int32()
 
 
@@ -475,8 +476,10 @@ def test_columns_with_nulls_and_other_parquet_types_yield_something_usable(tmp_p
     })
     pq.write_table(t, d / "a.parquet")
     b = next(iter(ParquetDataset(str(d))))
-    assert b["bn"].dtype == torch.float64 and b["bn"][0].item() == 1.0 and torch.isnan(b["bn"][1])
-    assert torch.isnan(b["inull"][1]) and b["u64"].tolist() == [1, 2, 3] and b["f16"].dtype == torch.float16
+    assert b["bn"].dtype == torch.bool and b["bn"].tolist() == [True, False, False]  # a null reads as False ...
+    assert b["bn__valid"].tolist() == [True, False, True]  # ... and its mask says so
+    assert b["inull"].dtype == torch.int64 and not b["inull__valid"][1] and b["inull"][2].item() == 3
+    assert b["u64"].tolist() == [1, 2, 3] and b["f16"].dtype == torch.float16
     assert b["fsl"] == [[1, 2], [3, 4], [5, 6]] and b["ll"][2] is None and b["nul"] == [None] * 3
     assert b["dic"] == ["a", "b", "a"] and b["t64"].tolist() == [1, 2, 3] and b["dur"].tolist() == [1, 2, 3]
     assert b["bin"] == [b"a", None, b"c"] and b["dec"][0].item() == 1.5
