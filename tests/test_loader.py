@@ -743,3 +743,20 @@ def test_tar_shards_map_style_shuffled_resume_with_workers_delivers_exactly_the_
     b.load_state_dict(json.loads(json.dumps(a.state_dict())))
     rest = [s["__key__"] for x in b for s in x]
     assert len(part) == 112 and len(rest) == 188 and len(set(part + rest)) == 300
+
+
+@pytest.mark.timeout(120)
+def test_a_loader_rebuilt_from_anothers_attributes_keeps_its_workers_when_the_old_one_is_collected():
+    """Lightning re-creates a loader to add a DistributedSampler and copies the attributes the old
+    one's __init__ set into it; the old one's finaliser then stopped the new one's persistent workers
+    (``Queue is closed`` at the next epoch, under DDP)."""
+    import gc
+
+    old = DataLoader(_Items(40), batch_size=8, num_workers=2)
+    new = DataLoader(_Items(40), batch_size=8, num_workers=2)
+    plain = set(vars(torch.utils.data.DataLoader(_Items(40), batch_size=8)))
+    new.__dict__.update({k: v for k, v in vars(old).items() if k not in plain})
+    assert sorted(int(i) for b in new for i in b) == list(range(40))
+    del old
+    gc.collect()
+    assert sorted(int(i) for b in new for i in b) == list(range(40))

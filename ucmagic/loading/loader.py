@@ -11,6 +11,7 @@ skipping delivered batches with the same layout.
 """
 from __future__ import annotations
 
+import inspect
 import os
 import time
 import weakref
@@ -96,6 +97,34 @@ class _ResumableIndexSampler:
 
 _END = object()
 
+# Consumers known to take one batch ahead of the one their training step uses (the module that calls
+# iter() on the loader): Lightning's fit loop fetches the next batch before it runs the current one,
+# to know which batch is last; its CombinedLoader is what iterates each loader.
+_LOOKAHEAD_CALLERS = ("lightning.pytorch.utilities.combined_loader", "pytorch_lightning.utilities.combined_loader")
+
+
+def _caller_lookahead(loader: tud.DataLoader[Any], depth: int = 4) -> int:
+    """Batches the code iterating ``loader`` holds ahead of the one it uses: 1 under Lightning when the
+    loader has no length (its fetcher reads one batch ahead to learn which is last), else 0.
+
+    Seen from the module that called ``iter()`` (a few frames up): a loader has no other way to learn
+    that a received batch has not reached the training step yet.
+    """
+    try:
+        len(loader)
+        return 0  # a known length: Lightning counts the batches and fetches none ahead
+    except (TypeError, NotImplementedError):
+        pass
+    here = inspect.currentframe()
+    frame = here.f_back.f_back if here is not None and here.f_back is not None else None  # __iter__'s caller
+    for _ in range(depth):
+        if frame is None:
+            break
+        if frame.f_globals.get("__name__") in _LOOKAHEAD_CALLERS:
+            return 1
+        frame = frame.f_back
+    return 0
+
 
 def _cache_gauges(counters: Any) -> Callable[[], dict[str, float]]:
     """MLflow gauges of a UCVolumeDataset's shared counters: bytes fetched and cache hit rate."""
@@ -124,6 +153,10 @@ def _shutdown_held(held: list[Any], channels: list[Any]) -> None:
 
 
 # ------------------------------------------------------------------ the loader
+
+# Each loader's persistent-worker iterator and consumption channel, for its finaliser (see __init__)
+_HELD: weakref.WeakKeyDictionary[Any, tuple[list[Any], list[Any]]] = weakref.WeakKeyDictionary()
+
 
 class DataLoader(tud.DataLoader[Any]):
     """Drop-in ``torch.utils.data.DataLoader`` tuned for slow volumes, with timing and resume.
@@ -177,8 +210,12 @@ class DataLoader(tud.DataLoader[Any]):
             persistent_workers = num_workers > 0
         if pin_memory is None:
             pin_memory = torch.cuda.is_available()
-        super().__init__(dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, collate_fn,
-                         pin_memory, drop_last, timeout, worker_init_fn, multiprocessing_context, generator,
+        # by keyword: Lightning re-creates a loader from the arguments its first __init__ call saw (to add
+        # a DistributedSampler), which is this one when the class was imported after Lightning patched them
+        super().__init__(dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler,
+                         batch_sampler=batch_sampler, num_workers=num_workers, collate_fn=collate_fn,
+                         pin_memory=pin_memory, drop_last=drop_last, timeout=timeout, worker_init_fn=worker_init_fn,
+                         multiprocessing_context=multiprocessing_context, generator=generator,
                          prefetch_factor=prefetch_factor, persistent_workers=persistent_workers, **kwargs)
         self._uc = uc
         self._uc_kind = kind
@@ -194,19 +231,23 @@ class DataLoader(tud.DataLoader[Any]):
         self._epoch: int | None = None  # epoch of the current/last iteration
         self._fresh = True  # the next iteration keeps self._epoch (start or after set_epoch/resume)
         self._started = False  # an iteration began since creation / set_epoch / load_state_dict
+        self._lookahead = 0  # batches the iterating code holds ahead of the one it uses (Lightning: 1)
         self._lengths: list[int] = []  # this rank's worker stream lengths (UCVolumeDataset)
         self._pending_skip = [0]  # batches to skip at the next iteration (non-UC resume)
         self._sampler_gen: torch.Generator | None = None
         self._sampler_seed: int | None = None
         self._consumed: Any = None  # the dataset's consumption channel (UCVolumeDataset)
-        self._channels: list[Any] = []  # the same, for the finaliser (it must not hold the loader)
         # Persistent workers are shut down by a finaliser that holds their iterator: when the loader
         # dies inside a reference cycle (a callback that refers to it), the iterator's queues are
-        # still alive when the workers are told to stop, so nobody waits for join timeouts.
-        self._held_iterators: list[Any] = []
-        weakref.finalize(self, _shutdown_held, self._held_iterators, self._channels)
+        # still alive when the workers are told to stop, so nobody waits for join timeouts. The
+        # iterator and the consumption channel it holds live beside the loader (_HELD), not in its
+        # __dict__: Lightning re-creates a loader (to add a DistributedSampler) and copies the old
+        # one's attributes into it, and the old one's finaliser then stopped the new one's workers.
+        held: list[Any] = []
+        channels: list[Any] = []
+        _HELD[self] = (held, channels)
+        weakref.finalize(self, _shutdown_held, held, channels)
         if uc:
-            self.collate_fn = ItemCollate(self.collate_fn)  # batches bring their items' fetch records
             self._configure_dataset()
         elif compat.is_map_style(self):
             self._own_random_sampler(generator)
@@ -220,6 +261,21 @@ class DataLoader(tud.DataLoader[Any]):
             # and a budget under one batch waited for room forever); the loader sets its epochs as
             # without the wrapper, so a resume knows the epoch and its order (elastic, exact)
             self._configure_planned(self._wrapped)
+        # HF Accelerate's prepare() rebuilds a loader as torch's and splits its data over the ranks
+        # again (IterableDatasetShard, or rank 0 reading for all): half the data lost, silently. Data
+        # ucmagic already split per rank (its datasets, a wrapper of one, a DistributedSampler) tells
+        # prepare() to leave this loader as it is: this loader, its resume state and its telemetry go on
+
+    @property
+    def _is_accelerate_prepared(self) -> bool:
+        """What HF Accelerate's ``prepare()`` asks before it rebuilds a loader: True (leave it as it is)
+        when this loader's data is already split per rank. Accelerate sets it after preparing."""
+        told = self.__dict__.get("_accelerate_prepared")
+        return bool(told) if told is not None else self._split_per_rank()
+
+    @_is_accelerate_prepared.setter
+    def _is_accelerate_prepared(self, value: bool) -> None:
+        self.__dict__["_accelerate_prepared"] = bool(value)
 
     # -- setup
     def _configure_dataset(self) -> None:
@@ -227,6 +283,13 @@ class DataLoader(tud.DataLoader[Any]):
         self._configure_planned(self.dataset)
         if self._consumed is None:
             self._set_channel(self.dataset.consumption_channel())
+
+    def _split_per_rank(self) -> bool:
+        """True when each rank's loader already iterates only that rank's share of the epoch."""
+        if self._uc or self._wrapped is not None:
+            return True
+        samplers = (self.sampler, getattr(self.batch_sampler, "sampler", None))
+        return any(isinstance(s, tud.DistributedSampler) for s in samplers)
 
     def _configure_planned(self, ds: PlannedDataset) -> None:
         bs = self.batch_size or 1
@@ -240,7 +303,7 @@ class DataLoader(tud.DataLoader[Any]):
 
     def _set_channel(self, chan: Any) -> None:
         self._consumed = chan
-        self._channels[:] = [] if chan is None else [chan]  # a dataset that needs no reports has none
+        _HELD[self][1][:] = [] if chan is None else [chan]  # a dataset that needs no reports has none
 
     def _report_consumed(self) -> None:
         """Tell the workers how many items of each stream the loop has finished with: every batch
@@ -251,11 +314,19 @@ class DataLoader(tud.DataLoader[Any]):
         for i, n in enumerate(self._items_delivered()):
             chan[i] = n
 
+    def _batches_used(self) -> int:
+        """Batches of this epoch the training step has had: every batch received, but for one a
+        consumer that fetches ahead (Lightning) still holds, until the epoch ran out."""
+        if self._epoch_complete:
+            return self._epoch_batches
+        return max(0, self._epoch_batches - self._lookahead)
+
     def _items_delivered(self) -> list[int]:
         """Items of each of this rank's worker streams in the batches the loop received this epoch."""
+        used = self._batches_used()
         if self._uc_needs is not None and self._uc_needs.yields_batches:  # each item is one of the dataset's batches
-            return plan.items_delivered(self._lengths, self.dataset.batch_quantum, False, self._epoch_batches)
-        return plan.items_delivered(self._lengths, self.batch_size, self.drop_last, self._epoch_batches)
+            return plan.items_delivered(self._lengths, self.dataset.batch_quantum, False, used)
+        return plan.items_delivered(self._lengths, self.batch_size, self.drop_last, used)
 
     def _own_random_sampler(self, generator: torch.Generator | None) -> None:
         """Make a RandomSampler's order depend only on (seed, epoch), so a resume can replay it."""
@@ -357,6 +428,7 @@ class DataLoader(tud.DataLoader[Any]):
 
     # -- iteration
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        self._lookahead = _caller_lookahead(self)
         self._begin_epoch()
         skip = 0
         map_style = compat.is_map_style(self)
@@ -364,11 +436,20 @@ class DataLoader(tud.DataLoader[Any]):
             self._epoch_batches = self._skip_batches  # the sampler wrapper skips them (no data loaded)
         elif not self._uc:
             skip, self._skip_batches = self._skip_batches, 0
-        inner = super().__iter__()
+        if self._uc:  # batches bring their items' fetch records, to this loader only: the collate_fn
+            user_collate = self.collate_fn  # others read (Accelerate's copy) stays the user's own
+            self.collate_fn = ItemCollate(user_collate)
+            try:
+                inner = super().__iter__()
+            finally:
+                self.collate_fn = user_collate
+        else:
+            inner = super().__iter__()
         if map_style:  # every sampler iterator of this start has skipped them (see _ResumableIndexSampler)
             self._skip_batches = 0
-        if compat.live_iterator(self) is not None and not self._held_iterators:
-            self._held_iterators.append(compat.live_iterator(self))
+        held = _HELD[self][0]
+        if compat.live_iterator(self) is not None and not held:
+            held.append(compat.live_iterator(self))
         return self._timed(inner, skip)
 
     def _make_sink(self) -> Any:
@@ -450,7 +531,7 @@ class DataLoader(tud.DataLoader[Any]):
             return {"version": STATE_VERSION, "kind": "iterable", "wraps": self._wrapped.kind,
                     **self._planned_state(self._wrapped, world)}
         if self._started:
-            epoch, batches, complete = self._epoch, self._epoch_batches, self._epoch_complete
+            epoch, batches, complete = self._epoch, self._batches_used(), self._epoch_complete
         else:  # the next iteration is the one to run (or resume)
             nxt = 0 if self._epoch is None else self._epoch + (0 if self._fresh else 1)
             epoch, batches, complete = nxt, self._skip_batches, False
@@ -474,7 +555,7 @@ class DataLoader(tud.DataLoader[Any]):
             mine = list(self._lengths) if self._epoch_complete else self._items_delivered()
         delivered = all_gather_ints(mine, world)
         state = ds.make_state(epoch, delivered, world=world, num_workers=nw)
-        return {"dataset": state, "epoch": int(state["epoch"]), "batches": self._epoch_batches, "step": self._step}
+        return {"dataset": state, "epoch": int(state["epoch"]), "batches": self._batches_used(), "step": self._step}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume: the next iteration delivers exactly what the saved epoch had not delivered yet.
@@ -549,7 +630,8 @@ class DataLoader(tud.DataLoader[Any]):
             fn(self._epoch)
 
     def _shutdown_workers(self) -> None:
-        _shutdown_held(self._held_iterators, self._channels)
+        held, channels = _HELD[self]
+        _shutdown_held(held, channels)
         if compat.live_iterator(self) is not None:
-            _shutdown_held([compat.live_iterator(self)], self._channels)
+            _shutdown_held([compat.live_iterator(self)], channels)
             compat.forget_iterator(self)
