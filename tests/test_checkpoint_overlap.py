@@ -6,7 +6,7 @@ that its owner is dead.
 
 The one-directory promise has one oracle, :class:`LatestModel` (a pure model of what a load must see),
 checked against real saves over generated interleavings of starts and completions
-(``UCMAGIC_OVERLAP_EXAMPLES``, default 8, more for a longer run).
+(``UCMAGIC_OVERLAP_EXAMPLES``, default 20, more for a longer run).
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ from ucmagic.files.locks import process_tag
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 TESTS = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(TESTS)
-EXAMPLES = int(os.environ.get("UCMAGIC_OVERLAP_EXAMPLES", "8"))
+EXAMPLES = int(os.environ.get("UCMAGIC_OVERLAP_EXAMPLES", "20"))
 
 
 @pytest.fixture()
