@@ -23,11 +23,13 @@ children, two-rank cells in one gloo pair), then the resumed runs; each cell has
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import itertools
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import tarfile
@@ -47,6 +49,7 @@ SCRIPT = os.path.join(HERE, "scripts", "matrix_delivery.py")
 COUNT, BATCH, BLOCK = 48, 4, 8
 CELL_TIMEOUT, SPAWN_CELL_TIMEOUT = 90, 180  # hang detectors (2-core machine, spawn starts interpreters)
 CHILDREN = 2  # one-rank children run side by side
+EXIT_GRACE = 30  # seconds a child that printed DONE has to exit
 
 
 def product_cells() -> list[dict[str, Any]]:
@@ -160,6 +163,8 @@ class Children:
         return path
 
     def start(self, phase: str, cells: list[dict[str, Any]], world: int, **extra: Any) -> list[subprocess.Popen]:
+        """One child per rank, each in a session of its own, writing to files (never a pipe: a child
+        blocked on a full pipe, or a pipe held open by its orphaned workers, would stall the parent)."""
         spec = self._spec(phase, cells, **extra)
         self.n += 1
         env = dict(self.env)
@@ -169,9 +174,32 @@ class Children:
             if world > 1:
                 e.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                          PG_INIT=f"file://{self.work}/pg-{self.n}")
-            procs.append(subprocess.Popen([sys.executable, SCRIPT, spec], env=e, stdout=subprocess.PIPE,
-                                          stderr=subprocess.PIPE, text=True))
+            log = os.path.join(self.work, f"child-{self.n}-{rank}")
+            with open(log + ".out", "w") as out, open(log + ".err", "w") as err:
+                p = subprocess.Popen([sys.executable, SCRIPT, spec], env=e, stdout=out, stderr=err,
+                                     start_new_session=True)
+            p.log = log  # type: ignore[attr-defined]
+            procs.append(p)
         return procs
+
+    @staticmethod
+    def finish(p: subprocess.Popen, deadline: float) -> tuple[str, str, int]:
+        """Wait for a child until ``deadline`` (monotonic), kill what is left of its session (the
+        DataLoader workers of a child that exited mid-cell); its output and exit status."""
+        log = p.log  # type: ignore[attr-defined]
+        done_at = None
+        while p.poll() is None and time.monotonic() < deadline:
+            if done_at is None:
+                with open(log + ".out") as out:
+                    done_at = time.monotonic() if "\nDONE\n" in "\n" + out.read() else None
+            elif time.monotonic() > done_at + EXIT_GRACE:
+                break  # it hangs at exit (faulthandler is off by then)
+            time.sleep(0.2)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+        with open(log + ".out") as out, open(log + ".err") as err:
+            return out.read(), err.read(), p.returncode
 
     def run(self, jobs: list[tuple[str, list[dict[str, Any]], int, dict[str, Any]]]) -> tuple[dict[str, list], dict]:
         """Run ``(phase, cells, world, extra)`` jobs side by side until each cell has a result on every
@@ -183,15 +211,8 @@ class Children:
             running = [(job, self.start(job[0], job[1], job[2], **job[3])) for job in pending]
             pending = []
             for (phase, cells, world, extra), procs in running:
-                limit = sum(c["timeout"] for c in cells) + 120
-                outs = []
-                for p in procs:
-                    try:
-                        out, err = p.communicate(timeout=limit)
-                    except subprocess.TimeoutExpired:
-                        p.kill()
-                        out, err = p.communicate()
-                    outs.append((out, err, p.returncode))
+                deadline = time.monotonic() + sum(c["timeout"] for c in cells) + 120
+                outs = [self.finish(p, deadline) for p in procs]
                 per_rank: list[dict[str, Any]] = [{} for _ in procs]
                 for r, (out, err, rc) in enumerate(outs):
                     for line in out.splitlines():
