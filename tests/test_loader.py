@@ -760,3 +760,36 @@ def test_a_loader_rebuilt_from_anothers_attributes_keeps_its_workers_when_the_ol
     del old
     gc.collect()
     assert sorted(int(i) for b in new for i in b) == list(range(40))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("workers", [0, 2, 3])
+def test_a_loader_over_a_wrapper_has_the_length_of_the_epoch_it_delivers(tmp_path, workers):
+    """Trainers that count an epoch's steps (HF Trainer, Lightning) need a length; the wrapper has none."""
+    from ucmagic.testing import make_files
+
+    root = str(tmp_path / "vol")
+    make_files(root, 101, 64, per_dir=50)
+    loader = DataLoader(_PathsToRel(UCVolumeDataset(root, shuffle=True)), batch_size=8, num_workers=workers,
+                        collate_fn=list)
+    assert len(loader) == sum(1 for _ in loader)
+    part = _first(loader, 3)
+    state = loader.state_dict()
+    again = DataLoader(_PathsToRel(UCVolumeDataset(root, shuffle=True)), batch_size=8, num_workers=workers,
+                       collate_fn=list)
+    again.load_state_dict(state)
+    assert len(again) == len(loader)  # a whole epoch's, also while a resumed one delivers the rest
+    assert len(part) + len(_epoch_of(again)) == 101
+
+
+@pytest.mark.timeout(120)
+def test_what_other_code_reads_of_the_loader_is_the_users_collate_fn(tree):
+    """HF Accelerate rebuilt loaders from ``loader.collate_fn``, which was ucmagic's record-carrying
+    wrapper: ``TypeError: Can only concatenate tensors but got <class 'ucmagic.telemetry.BatchItems'>``."""
+    root, names = tree
+    loader = DataLoader(UCVolumeDataset(root), batch_size=8, num_workers=2, collate_fn=list)
+    assert loader.collate_fn is list
+    got = [b for b in loader]
+    assert all(type(b) is list for b in got) and sorted(rels(got)) == sorted(names)
+    assert loader.collate_fn is list
+    assert sum(len(loader.stats.batch_files(b)) for b in range(len(got))) == 120  # the records still arrive

@@ -84,3 +84,22 @@ def test_lightning_ddp_epochs_and_mid_epoch_checkpoint_resume_exactly(kind, data
     assert len(saved["1"]) == 2 * 5 * 8
     _exact(saved["1"] + resumed["1"], kind)
     _exact(resumed["2"], kind)
+
+
+@pytest.mark.parametrize("kind", ["files", "map"])
+def test_hf_trainer_epochs_and_checkpoint_resume_exactly(kind, data, tmp_path):
+    """``transformers.Trainer`` on a tiny config-built model, its loader a ucmagic.DataLoader (Accelerate
+    leaves it split per rank; its state saved with each checkpoint and loaded in
+    ``get_resumed_dataloader``): a checkpoint 5 steps into epoch 1, then
+    ``train(resume_from_checkpoint=...)``: epoch 1 and epoch 2 each exactly once."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    out, ckpt = str(tmp_path / "out"), str(tmp_path / "ckpt")
+    script = os.path.join(SCRIPTS, "trainer_hf.py")
+    for phase in ("save", "resume"):
+        _run([script, kind, phase, data, out, ckpt], tmp_path)
+    saved, resumed = _seen(out, f"hf-{kind}-save"), _seen(out, f"hf-{kind}-resume")
+    _exact(saved["0"], kind)
+    assert len(saved["1"]) == 2 * 5 * 8
+    _exact(saved["1"] + resumed["1"], kind)
+    _exact(resumed["2"], kind)

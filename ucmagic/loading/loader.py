@@ -356,6 +356,22 @@ class DataLoader(tud.DataLoader[Any]):
     def _skip_batches(self, n: int) -> None:
         self._pending_skip[0] = int(n)
 
+    def __len__(self) -> int:
+        """Batches per epoch, as torch counts them; for a user's wrapper around a ucmagic dataset (which
+        has no length of its own): the batches this rank's loop receives in a whole epoch (a resumed
+        epoch delivers fewer), so trainers that count an epoch's steps (HF ``Trainer``, Lightning) can."""
+        wrapped = self._wrapped
+        if wrapped is None or self.batch_size is None:
+            return super().__len__()
+        self._configure_planned(wrapped)
+        rank, world = dist_info()[:2]
+        nw = max(1, self.num_workers)
+        upcoming = wrapped.upcoming_epoch()
+        pool, _ = wrapped.epoch_plan(upcoming + 1)  # an epoch no resume state cut short
+        spans = plan.stream_spans(plan.ranges_len(pool), world, nw, wrapped.partition, wrapped.batch_quantum)
+        mine = [b - a for a, b in spans][rank * nw:(rank + 1) * nw]
+        return sum(plan.batches_per_stream(mine, self.batch_size, self.drop_last))
+
     # -- callbacks
     def add_batch_callback(self, fn: BatchCallback) -> BatchCallback:
         """Call ``fn(loader, stats)`` on the main thread after each batch (before the loop gets it)."""
