@@ -793,3 +793,27 @@ def test_what_other_code_reads_of_the_loader_is_the_users_collate_fn(tree):
     assert all(type(b) is list for b in got) and sorted(rels(got)) == sorted(names)
     assert loader.collate_fn is list
     assert sum(len(loader.stats.batch_files(b)) for b in range(len(got))) == 120  # the records still arrive
+
+
+def test_under_lightning_the_batch_its_fetcher_holds_ahead_is_not_counted_as_received():
+    """Lightning's fit loop takes one batch ahead of an unsized loader (to know which batch is last);
+    a checkpoint then counted it as trained and the resume skipped it (one batch per rank lost)."""
+    def start(loader):
+        return iter(loader)
+
+    from_lightning = types.FunctionType(start.__code__, {"__name__": "lightning.pytorch.utilities.combined_loader",
+                                                         "__builtins__": __builtins__, "iter": iter})
+    a = DataLoader(Counting(40), batch_size=4, num_workers=0)
+    it = from_lightning(a)
+    trained = [next(it).tolist() for _ in range(3)]
+    next(it)  # fetched ahead, not trained yet
+    state = a.state_dict()
+    assert state["batches"] == 3
+    b = DataLoader(Counting(40), batch_size=4, num_workers=0)
+    b.load_state_dict(state)
+    assert sorted(sum(trained, []) + [int(i) for x in b for i in x]) == list(range(40))
+    plain = DataLoader(Counting(40), batch_size=4, num_workers=0)
+    pit = iter(plain)
+    for _ in range(4):
+        next(pit)
+    assert plain.state_dict()["batches"] == 4  # a plain loop has used every batch it received
