@@ -420,12 +420,13 @@ def test_pack_never_writes_through_a_link_at_a_shard_name_in_its_own_destination
 
 # ---------------------------------------------------------------- checkpoint saves into a tree holding links
 
-@pytest.mark.xfail(strict=True, reason="open (issue 42 item 2): the checkpoint writer opens root/step_<n> as its "
-                   "volume root, resolving a link there; the fix belongs in transfer.makedirs or the writer")
-@pytest.mark.parametrize("single_file", [True, False])
-def test_a_checkpoint_save_never_writes_through_a_step_folder_link_planted_in_its_root(tmp_path, single_file):
+@pytest.mark.parametrize("single_file,async_", [(True, False), (False, False), (True, True), (False, True)])
+def test_a_checkpoint_save_never_writes_through_a_step_folder_link_planted_in_its_root(tmp_path, single_file, async_):
+    """root/step_1 is a link to ~/.ssh (whoever made it: ucmagic names step folders, so a link there was
+    planted): save_checkpoint (the engine of %ucckpt and the CLI) refuses it, naming the link."""
     torch = pytest.importorskip("torch")
     from ucmagic import save_checkpoint
+    from ucmagic.errors import UnsafeDirectoryError
 
     home = tmp_path / "home"
     before = victim_files(home)
@@ -433,7 +434,156 @@ def test_a_checkpoint_save_never_writes_through_a_step_folder_link_planted_in_it
     root.mkdir()
     os.symlink(home / ".ssh", root / "step_1")  # the next save's folder, made a link to ~/.ssh
     model = torch.nn.Linear(2, 2)
-    with pytest.raises(Exception) as got:  # refused or failed: either way nothing lands there
-        save_checkpoint(str(root), model=model, step=1, single_file=single_file)
-    assert "symbolic link" in str(got.value) or isinstance(got.value, OSError)
+    with pytest.raises(UnsafeDirectoryError, match="symbolic link") as got:  # refused before any write
+        save_checkpoint(str(root), model=model, step=1, single_file=single_file, async_=async_)
+    assert str(root / "step_1") in str(got.value)
     assert snapshot(home) == before and sorted(os.listdir(home / ".ssh")) == ["authorized_keys", "id_rsa"]
+    os.unlink(root / "step_1")  # once the link is gone the same save works
+    out = save_checkpoint(str(root), model=model, step=1, single_file=single_file, async_=async_)
+    assert (out.result(timeout=120) if async_ else out) == str(root / "step_1")
+    assert not os.path.islink(root / "step_1")
+
+
+@pytest.mark.parametrize("single_file", [True, False])
+def test_a_checkpoint_file_name_planted_as_a_link_in_the_step_folder_is_never_written_through(tmp_path, single_file):
+    """A real step folder whose record or checkpoint.pt name is a link to the victim's files: the save
+    fails with the named error and the files it points to are unchanged."""
+    torch = pytest.importorskip("torch")
+    from ucmagic import save_checkpoint
+    from ucmagic.checkpoints.format import SAVING_NAME, SINGLE_FILE_NAME
+    from ucmagic.errors import UnsafeDirectoryError
+
+    home = tmp_path / "home"
+    before = victim_files(home)
+    step = tmp_path / "ckpts" / "step_1"
+    step.mkdir(parents=True)
+    os.symlink(home / ".bashrc", step / SAVING_NAME)
+    if single_file:
+        os.unlink(step / SAVING_NAME)
+        os.symlink(home / ".profile", step / SINGLE_FILE_NAME)
+    with pytest.raises(UnsafeDirectoryError, match="symbolic link"):
+        save_checkpoint(str(step.parent), model=torch.nn.Linear(2, 2), step=1, single_file=single_file)
+    assert snapshot(home) == before
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_dcp_writer_folder_that_is_another_users_link_is_refused_one_of_the_users_own_is_followed(tmp_path):
+    need_root()
+    torch = pytest.importorskip("torch")
+    import torch.distributed.checkpoint as dcp
+
+    from ucmagic import UCVolumeWriter
+    from ucmagic.errors import UnsafeDirectoryError
+
+    home = tmp_path / "home"
+    before = victim_files(home)
+    shared = attacker_dir(tmp_path / "shared")
+    os.symlink(home / ".ssh", shared / "run1")
+    chown_tree(shared)  # the link is the attacker's
+    state = {"w": torch.zeros(4)}
+    with pytest.raises(UnsafeDirectoryError, match="another user"):
+        dcp.save(state, storage_writer=UCVolumeWriter(str(shared / "run1")))
+    assert snapshot(home) == before
+    mine = tmp_path / "big-disk" / "run1"
+    mine.mkdir(parents=True)
+    os.symlink(mine, tmp_path / "run1")  # the user's own link to a bigger disk: the folder they mean
+    dcp.save(state, storage_writer=UCVolumeWriter(str(tmp_path / "run1")))
+    assert ".metadata" in os.listdir(mine)
+
+
+def test_makedirs_below_a_checkpoint_root_is_refused_exactly_when_a_link_is_on_the_way():
+    """Model: ``makedirs(root/a/b/..., root=root)`` raises iff some folder below the root on the way to the
+    target (the target included) is a symbolic link; a link's target never gains an entry."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from ucmagic.checkpoints import transfer as xfer
+    from ucmagic.errors import UnsafeDirectoryError
+
+    @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(depth=st.integers(1, 4), made=st.integers(0, 4), link_at=st.one_of(st.none(), st.integers(0, 4)),
+           root_is_link=st.booleans())
+    def check(depth, made, link_at, root_is_link):
+        with tempfile.TemporaryDirectory() as tmp:
+            victim = os.path.join(tmp, "victim")
+            os.mkdir(victim)
+            real_root = os.path.join(tmp, "real-root")
+            os.mkdir(real_root)
+            root = os.path.join(tmp, "root")
+            if root_is_link:  # the root itself is the user's to name: a link there is followed
+                os.symlink(real_root, root)
+            else:
+                root = real_root
+            parts = [f"d{i}" for i in range(depth)]
+            made_n = min(made, depth)
+            cur = root
+            for i, part in enumerate(parts):
+                cur = os.path.join(cur, part)
+                if link_at == i and i <= made_n:
+                    os.symlink(victim, cur)
+                    break
+                if i < made_n:
+                    os.mkdir(cur)
+            target = os.path.join(root, *parts)
+            on_the_way = link_at is not None and link_at < depth and link_at <= made_n
+            if on_the_way:
+                with pytest.raises(UnsafeDirectoryError, match="symbolic link"):
+                    xfer.makedirs(target, root=root)
+            else:
+                xfer.makedirs(target, root=root)
+                assert os.path.isdir(os.path.join(real_root, *parts))
+            assert os.listdir(victim) == []
+
+    check()
+
+
+def test_a_load_never_reads_through_a_step_folder_link_out_of_its_root(tmp_path):
+    """root/step_1 -> another run's checkpoint: load_checkpoint refuses it (UnsafeSourceError naming it),
+    listing and "latest" leave it out; a link inside the root is read as before; clean never removes
+    through a link."""
+    torch = pytest.importorskip("torch")
+    from ucmagic import list_checkpoints, load_checkpoint, save_checkpoint
+    from ucmagic.checkpoints.commit import clean_checkpoints
+    from ucmagic.checkpoints.format import SAVING_NAME, make_saving_record
+
+    other = tmp_path / "other-run"
+    other.mkdir()
+    save_checkpoint(str(other), model=torch.nn.Linear(2, 2), step=1, single_file=True)
+    root = tmp_path / "ckpts"
+    root.mkdir()
+    os.symlink(other / "step_1", root / "step_1")
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(UnsafeSourceError, match="outside the checkpoint root") as got:
+        load_checkpoint(str(root), 1, model=model)
+    assert str(root / "step_1") in str(got.value)
+    assert list_checkpoints(str(root)) == []
+    save_checkpoint(str(root), model=model, step=2, single_file=True)
+    os.symlink(root / "step_2", root / "step_3")  # inside the root: followed
+    assert load_checkpoint(str(root), 3, model=model)[0] == 2
+    assert load_checkpoint(str(root), model=model)[0] in (2, 3)
+    # an abandoned save's folder reached through a link is not this root's to remove
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / SAVING_NAME).write_bytes(make_saving_record(save_id="x", host="another-host", pid=1, now=0))
+    (elsewhere / "keep.txt").write_text("mine")
+    os.symlink(elsewhere, root / "step_9")
+    clean_checkpoints(str(root), force=True)
+    assert sorted(os.listdir(elsewhere)) == [SAVING_NAME, "keep.txt"]
+
+
+def test_ucckpt_save_refuses_a_step_folder_link_in_one_line(magic_shell, monkeypatch, tmp_path):
+    torch = pytest.importorskip("torch")
+    from IPython.core.error import UsageError
+
+    monkeypatch.delenv("UCMAGIC_RAISE", raising=False)
+    monkeypatch.setenv("UCMAGIC_PROGRESS", "off")
+    home = tmp_path / "home"
+    before = victim_files(home)
+    root = tmp_path / "ckpts"
+    root.mkdir()
+    os.symlink(home / ".ssh", root / "step_1")
+    magic_shell.user_ns["model"] = torch.nn.Linear(2, 2)
+    with pytest.raises(UsageError, match="symbolic link") as got:
+        magic_shell.run_line_magic("ucckpt", f"save {root} -m model --step 1")
+    assert "\n" not in str(got.value) and str(root / "step_1") in str(got.value)
+    assert snapshot(home) == before

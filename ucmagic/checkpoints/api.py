@@ -204,6 +204,8 @@ def _probe(root: str, name: str) -> CheckpointInfo | None:
     from . import transfer as xfer
 
     path = os.path.join(root, name)
+    if xfer.outside_link(root, name) is not None:
+        return None  # a link out of the root: another place's data, never loaded through it
     if not xfer.isdir(path):
         return _torch_save_file(path, name) if is_torch_save_name(name) else None
     try:
@@ -390,7 +392,7 @@ def save_checkpoint(root: str | os.PathLike[str], *, model: Any, optimizer: Any 
         try:
             if dist_info(from_env=False).rank == 0:
                 try:
-                    xfer.makedirs(path)
+                    xfer.makedirs(path, root=root_path)  # step_<N> is never a link (one planted would be followed)
                 except OSError as e:
                     raise xfer.destination_error(e, path) from None
                 fut = _save_single(path, state, info, writer_kw, async_, pending.cancel if pending else None)
@@ -409,6 +411,10 @@ def save_checkpoint(root: str | os.PathLike[str], *, model: Any, optimizer: Any 
     import torch.distributed.checkpoint as dcp
 
     state = _dcp_state(model, optimizer)
+    try:
+        xfer.makedirs(path, root=root_path)  # step_<N> is never a link (the writer is given it as its own folder)
+    except OSError as e:
+        raise xfer.destination_error(e, path) from None
     writer = UCVolumeWriter(path, commit_info=info, **{"warn_overwrite": False, **writer_kw})
     if not async_:
         with _unwrapping(), _quiet():
@@ -461,6 +467,9 @@ def resolve_step(root: str | os.PathLike[str], step: int | str, *,
         return chosen.step, chosen.path  # type: ignore[return-value]
     number = pick_step([], step)
     path = os.path.join(root_path, step_dirname(number))  # type: ignore[arg-type]
+    outside = xfer.outside_link(root_path, step_dirname(number))  # type: ignore[arg-type]
+    if outside is not None:
+        raise outside
     if xfer.isdir(path):
         return number, path  # type: ignore[return-value]
     infos = list_checkpoints(root_path)

@@ -252,6 +252,8 @@ def abandoned_dirs(root: str, *, force: bool = False, now: float | None = None) 
 
     def check(name: str) -> str | None:
         d = os.path.join(root, name)
+        if not xfer.is_url(d) and os.path.islink(d):
+            return None  # never removed through a link: what it points to is not this root's
         try:
             record = read_saving_record(d)
         except (OSError, CheckpointError):

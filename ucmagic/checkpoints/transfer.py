@@ -5,7 +5,8 @@ check its size (``verify="full"`` also reads it back). Downloads hash as they co
 with the manifest. CRC-32 (``zlib.crc32``, ~6 GB/s here, releases the GIL) is used rather than
 SHA-256 (~1.8 GB/s): it guards against torn and bit-flipped files, not against tampering.
 Checkpoint paths that are URLs (``s3://...``) go through their store's Volume instead (the last
-section): one atomic put per file, the same records and checks.
+section): one atomic put per file, the same records and checks. Local writes never go through a
+symbolic link someone planted below the checkpoint root (:func:`makedirs`, :func:`no_link_written`).
 """
 from __future__ import annotations
 
@@ -17,11 +18,12 @@ import shutil
 import threading
 import time
 import zlib
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Iterator, TypeVar
 
-from .._util import RetryPolicy, copy_local, is_remote_url
+from .._util import RetryPolicy, copy_local, is_remote_url, open_emptied, path_under, write_all
 from ..files.cache_layout import default_cache_dir
-from ..files.locks import dir_problem, pid_running, private_dir, process_tag, tag_alive
+from ..files.locks import (check_write_dest, dir_problem, pid_running, private_dir, process_tag, refuse_links_below,
+                           tag_alive)
 from ..files.volume import FsspecVolume, Volume, open_volume
 from .format import FileRecord
 from ..errors import (
@@ -30,6 +32,9 @@ from ..errors import (
     CheckpointError,
     CheckpointUploadError,
     SourceNotFoundError,
+    UCMagicError,
+    UnsafeDirectoryError,
+    UnsafeSourceError,
 )
 from ..units import format_size
 
@@ -139,11 +144,13 @@ def check_destination(path: str) -> None:
     """Raise :class:`CheckpointDestinationError` when checkpoint directory ``path`` cannot be written.
 
     Looks at the nearest existing ancestor (no write happens): a regular file there, or a directory
-    this process may not write (a read-only mount, missing permission), is refused in one line.
+    this process may not write (a read-only mount, missing permission), is refused in one line; so is
+    ``path`` when it is another user's symbolic link (:func:`checked_dir`, :class:`UnsafeDirectoryError`).
     A URL is not checked here: its store answers the first write.
     """
     if is_url(path):
         return
+    checked_dir(path)
     p = _nearest_existing(path)
     if not os.path.isdir(p):
         raise CheckpointDestinationError(
@@ -163,8 +170,11 @@ def _read_only(path: str) -> bool:
 _FULL = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
 
 
-def destination_error(exc: BaseException, path: str) -> CheckpointError:
-    """The one-line ucmagic error for an OS error while writing checkpoint ``path`` (others pass through)."""
+def destination_error(exc: BaseException, path: str) -> UCMagicError:
+    """The one-line ucmagic error for an OS error while writing checkpoint ``path`` (others pass through,
+    and so does a refusal to write through a symbolic link, :class:`UnsafeDirectoryError`)."""
+    if isinstance(exc, UnsafeDirectoryError):
+        return exc
     if is_url(path) or is_url(getattr(exc, "filename", None) or ""):
         return url_destination_error(exc, path)
     if isinstance(exc, CheckpointError) or not isinstance(exc, OSError):
@@ -236,7 +246,8 @@ def upload_file(local: str, remote: str, *, verify: str = "size", delete: bool =
     def once() -> FileRecord:
         if is_url(remote):
             return _upload_url(local, remote, verify, check)
-        n, crc = _copy(local, remote, sync=True, check=check)
+        with no_link_written(remote):
+            n, crc = _copy(local, remote, sync=True, check=check)
         size = os.stat(remote).st_size
         if size != n:
             raise OSError(f"{remote} has {size} bytes after upload, expected {n}")
@@ -249,9 +260,10 @@ def upload_file(local: str, remote: str, *, verify: str = "size", delete: bool =
     try:
         rec = _retry(f"upload {remote}", once, retries)
     except BaseException as e:
-        with contextlib.suppress(OSError):
-            remove_quietly(remote)  # a partial copy only takes space on the volume
-        if isinstance(e, CheckpointError) or not isinstance(e, Exception):
+        if not isinstance(e, UnsafeDirectoryError):  # a refused link stays for the user to see
+            with contextlib.suppress(OSError):
+                remove_quietly(remote)  # a partial copy only takes space on the volume
+        if isinstance(e, (CheckpointError, UnsafeDirectoryError)) or not isinstance(e, Exception):
             raise
         if isinstance(e, OSError):
             raise destination_error(e, os.path.dirname(remote)) from None
@@ -307,10 +319,13 @@ def write_bytes(remote: str, data: bytes) -> FileRecord:
             vol, rel = locate(remote)
             vol.write_bytes(rel, data)
             return
-        with open(remote, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        with no_link_written(remote):
+            fd = open_emptied(remote, 0o666)  # never through a link at the file's own name (O_NOFOLLOW)
+        try:
+            write_all(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
     try:
         _retry(f"write {remote}", once)
@@ -432,13 +447,73 @@ def list_names(path: str) -> list[str]:
     return vol.list_names(rel)
 
 
-def makedirs(path: str) -> None:
-    """Create directory ``path`` and its parents (a no-op on an object store)."""
-    if not is_url(path):
-        os.makedirs(path, exist_ok=True)
+def makedirs(path: str, root: str | None = None) -> None:
+    """Create directory ``path`` and its parents (a no-op on an object store).
+
+    Locally ``path`` is never made or used through a symbolic link that someone planted: with
+    ``root`` (the checkpoint root the user named, ``path`` below it: ``save_checkpoint``'s
+    ``root/step_<N>``) no folder below ``root`` on the way to ``path``, ``path`` included, may be a
+    link, whoever made it (ucmagic names those folders); without it ``path`` (a folder the user named)
+    may be a link only of the user's own (:func:`checked_dir`). Else :class:`UnsafeDirectoryError`
+    names the link.
+    """
+    if is_url(path):
+        vol, rel = locate(path)
+        vol.makedirs(rel)
         return
-    vol, rel = locate(path)
-    vol.makedirs(rel)
+    below = None if root is None else _rel_below(root, path)
+    if root is not None and below is not None:
+        refuse_links_below(root, below, whole=True)
+    os.makedirs(path, exist_ok=True)
+    if root is not None and below is not None:
+        refuse_links_below(root, below, whole=True)  # one made while the folders were being made
+    checked_dir(path)
+
+
+def _rel_below(root: str, path: str) -> str | None:
+    """``path`` relative to ``root`` (``/``-separated) when it lies below it (by name, links not resolved)."""
+    rel = os.path.relpath(os.path.abspath(path), os.path.abspath(root))
+    if rel == os.curdir or rel == os.pardir or rel.startswith(os.pardir + os.sep):
+        return None
+    return rel.replace(os.sep, "/")
+
+
+def checked_dir(path: str) -> None:
+    """Refuse (:class:`UnsafeDirectoryError`) to write into local checkpoint directory ``path`` when it is a
+    symbolic link of another user's (:func:`~ucmagic.files.locks.check_write_dest`); one of the user's own
+    names the folder they mean. Nothing is checked when ``path`` is missing or not a link."""
+    if os.path.islink(path):
+        check_write_dest(path, allow_shared=True, what="checkpoint directory")
+
+
+@contextlib.contextmanager
+def no_link_written(path: str) -> Iterator[None]:
+    """Around the local write of checkpoint file ``path``: refused when its folder is another user's link
+    (:func:`checked_dir`); the write must open ``path`` with ``O_NOFOLLOW`` (``open_emptied``,
+    ``copy_local``), and a link there fails it as :class:`UnsafeDirectoryError` naming the link."""
+    checked_dir(os.path.dirname(path))
+    try:
+        yield
+    except OSError as e:
+        if e.errno != errno.ELOOP or not os.path.islink(path):
+            raise
+        raise UnsafeDirectoryError(f"ucmagic will not write checkpoint file {path}: it is a symbolic link (a write "
+                                   "through it could land anywhere); remove it") from None
+
+
+def outside_link(root: str, name: str) -> UnsafeSourceError | None:
+    """The error for loading entry ``name`` of local checkpoint root ``root`` when it is a symbolic link
+    whose target lies outside the root (a link someone who can write to the root planted would make a
+    load read another place's data); None otherwise (a link inside the root, ``latest -> step_5``, is fine)."""
+    if is_url(root):
+        return None
+    path = os.path.join(root, name)
+    if not os.path.islink(path) or path_under(path, root) not in (None, "."):
+        return None
+    target = os.path.realpath(path)
+    return UnsafeSourceError(f"ucmagic will not load checkpoint {path}: it is a symbolic link to {target}, outside "
+                             f"the checkpoint root {root}; load that checkpoint from its own root "
+                             f"(load_checkpoint({os.path.dirname(target)!r}, ...)) if you trust it, or remove the link")
 
 
 def remove_tree(path: str) -> None:

@@ -252,6 +252,11 @@ class UCVolumeWriter(FileSystemWriter):
     Saves still running when the interpreter exits are completed first; one that cannot complete is
     reported on stderr and the process exits with status 1.
 
+    Never through a planted link: a local ``path`` that is a symbolic link is used only when it is the
+    user's own (never another user's), and every file in it is opened ``O_NOFOLLOW``; a link at a
+    file's name fails the save with :class:`~ucmagic.errors.UnsafeDirectoryError` naming it
+    (``save_checkpoint`` also refuses a ``step_<N>`` folder that is a link, whoever made it).
+
     Args:
         path: checkpoint directory (local, a mount, ``/Volumes/...``) or an fsspec URL (``s3://bucket/run/step_5``).
         storage_options: fsspec options for a URL path (credentials, ``client_kwargs``...); default: the

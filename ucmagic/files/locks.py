@@ -139,6 +139,24 @@ def check_write_dest(path: str, *, allow_shared: bool = False, sticky_ok: bool =
                                    "your own, or pass allow_shared_dest=True if you trust everyone who can write there")
 
 
+def refuse_links_below(root: str, rel: str, *, whole: bool = False) -> None:
+    """Refuse (:class:`~ucmagic.errors.UnsafeDirectoryError`, naming it) to write ``rel`` (``/``-separated)
+    under ``root`` when a folder on the way down from ``root`` (``root`` itself not: the user named it),
+    and ``rel`` itself with ``whole``, is a symbolic link: ucmagic named those folders, so a link there
+    was planted, and a write through it could land anywhere. The walk ends at the first missing folder."""
+    parts = rel.split("/")
+    cur = root
+    for part in parts if whole else parts[:-1]:
+        cur = os.path.join(cur, part)
+        try:
+            st = os.lstat(cur)
+        except FileNotFoundError:
+            return
+        if stat_mod.S_ISLNK(st.st_mode):
+            raise UnsafeDirectoryError(f"ucmagic will not write {rel} under {root}: {cur} is a symbolic link (a write "
+                                       "through it could land anywhere); remove it")
+
+
 def _mkdir_private(path: str) -> None:
     """``mkdir`` with mode 0700 exactly (a umask may remove bits from the mode ``mkdir`` gets)."""
     os.mkdir(path, 0o700)

@@ -24,8 +24,9 @@ from typing import Any, Callable, Iterable, Iterator, NamedTuple, Sequence, Unio
 from . import ranged
 from .._util import (FILL_BUFFER, LOCAL_DISK_FS, DaemonPool, atomic_target, atomic_write, copy_fds, copy_file_to_path,
                      copy_local, is_remote_url, mount_fs_type, open_emptied, path_under, wait_result)
+from .locks import refuse_links_below
 from ..errors import (EmptyListingError, FetchError, InvalidArgumentError, SourceChangedError, SourceNotADirectoryError,
-                      SourceNotFoundError, UnreadableDirectoryError, UnsafeDirectoryError, UnsafeSourceError)
+                      SourceNotFoundError, UnreadableDirectoryError, UnsafeSourceError)
 
 # A directory read faster than this (seconds: a fixed part plus one per entry) is "local and
 # cached": the listing goes on reading on one thread, as threads contending for the GIL cost more
@@ -576,17 +577,7 @@ class LocalVolume(Volume):
         folder on the way from the root (and ``rel`` itself with ``whole``) is a symbolic link, which
         could send the write anywhere (a checkpoint or export root others could write to). The last
         component of a file is replaced by a rename, never followed."""
-        parts = _writable(rel).split("/")
-        cur = self.root
-        for part in parts if whole else parts[:-1]:
-            cur = os.path.join(cur, part)
-            try:
-                st = os.lstat(cur)
-            except FileNotFoundError:
-                break
-            if stat_mod.S_ISLNK(st.st_mode):
-                raise UnsafeDirectoryError(f"ucmagic will not write {rel} under {self.root}: {cur} is a symbolic "
-                                           "link (a write through it could land anywhere); remove it")
+        refuse_links_below(self.root, _writable(rel), whole=whole)
         return self._path(rel)
 
     def write_bytes(self, rel: str, data: bytes) -> None:
