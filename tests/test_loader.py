@@ -9,6 +9,8 @@ import types
 import numpy as np
 import numpy.random  # imported before forking workers
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
@@ -817,3 +819,91 @@ def test_under_lightning_the_batch_its_fetcher_holds_ahead_is_not_counted_as_rec
     for _ in range(4):
         next(pit)
     assert plain.state_dict()["batches"] == 4  # a plain loop has used every batch it received
+
+
+# ------------------------------------------------------------------ issue 40: map-style resume on another world size
+
+def _model_shares(order: list[int], world: int) -> list[list[int]]:
+    """The pure model of one epoch of a map-style dataset under ucmagic.DataLoader: the epoch's order
+    (one permutation on every rank) in contiguous shares, rank r the r-th; every rank the same count
+    with several ranks (the short share is padded from the start of the order)."""
+    n = len(order)
+    if world == 1:
+        return [list(order)]
+    c = -(-n // world)
+    return [[order[p % n] for p in range(r * c, (r + 1) * c)] if n else [] for r in range(world)]
+
+
+def _run_ranks_map(monkeypatch, n, bs, world, workers, k, state=None):
+    """One loader per simulated rank (RANK/WORLD_SIZE), each takes ``k`` batches (all with None);
+    then every rank's state_dict(), its gather of what each rank received faked in-process."""
+    from ucmagic.loading import loader as loader_mod
+
+    loaders, got = [], []
+    for r in range(world):
+        monkeypatch.setenv("RANK", str(r))
+        monkeypatch.setenv("WORLD_SIZE", str(world))
+        d = DataLoader(_Items(n), batch_size=bs, shuffle=True, num_workers=workers, persistent_workers=False,
+                       multiprocessing_context="fork" if workers else None, generator=torch.Generator().manual_seed(9))
+        if state is not None:
+            d.load_state_dict(state)
+        mine = []
+        for i, b in enumerate(d):
+            mine += [int(x) for x in b]
+            if k is not None and i + 1 == k:
+                break
+        loaders.append(d)
+        got.append(mine)
+    if k is None:
+        return got, None
+    counts: list[int] = []
+    for record in (True, False):
+        for r, d in enumerate(loaders):
+            monkeypatch.setenv("RANK", str(r))
+            monkeypatch.setattr(loader_mod, "all_gather_ints",
+                                lambda mine, w: (counts.extend(mine), mine * w)[1] if record else list(counts))
+            state = d.state_dict()
+    return got, json.loads(json.dumps(state))
+
+
+@pytest.mark.timeout(120)
+@given(n=st.integers(1, 40), bs=st.integers(1, 5), world=st.integers(1, 3), world_after=st.integers(1, 3),
+       workers=st.integers(0, 2), workers_after=st.integers(0, 2), data=st.data())
+@settings(max_examples=int(os.environ.get("UCMAGIC_MAP_RESUME_EXAMPLES", "12")), deadline=None,
+          suppress_health_check=list(HealthCheck))
+def test_map_style_resume_on_another_world_size_delivers_exactly_the_rest(monkeypatch, n, bs, world, world_after,
+                                                                          workers, workers_after, data):
+    """Issue 40: a map-style dataset under ucmagic.DataLoader (no sampler=) saved on ``world`` ranks after
+    ``k`` batches per rank and resumed on ``world_after`` ranks (other num_workers too) delivers exactly the
+    items no rank received before, each once but for the padding that evens out the ranks; when nothing was
+    left, the next epoch is whole. Checked against the pure model (_model_shares) of both epochs' split."""
+    first, _ = _run_ranks_map(monkeypatch, n, 1, world, 0, None)  # the whole epoch, to learn its order
+    order = [x for share in first for x in share][:n] if world > 1 else first[0]
+    assert _model_shares(order, world) == first  # the split is the model's
+    per_rank = -(-len(first[0]) // bs)
+    k = data.draw(st.integers(1, max(1, per_rank)), label="batches per rank before the save")
+    before, state = _run_ranks_map(monkeypatch, n, bs, world, workers, k)
+    received = {x for share in _model_shares(order, world) for x in share[:k * bs]}
+    assert {x for b in before for x in b} == received
+    after, _ = _run_ranks_map(monkeypatch, n, bs, world_after, workers_after, None, state)
+    rest = [x for x in order if x not in received]
+    if not rest:  # the epoch had ended: the next one, whole
+        assert state["epoch"] == 1 and sorted({x for a in after for x in a}) == list(range(n))
+        return
+    assert sorted(set(x for a in after for x in a)) == sorted(rest)
+    assert _model_shares(rest, world_after) == after  # in the rest's order, split as a fresh epoch is
+
+
+def test_map_style_with_your_own_sampler_on_another_world_size_is_refused_by_name(monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    sampler = torch.utils.data.DistributedSampler(_Items(30), num_replicas=2, rank=0, seed=1)
+    a = DataLoader(_Items(30), batch_size=4, sampler=sampler, num_workers=0)
+    run_until(a, 2)
+    from ucmagic.loading import loader as loader_mod
+    monkeypatch.setattr(loader_mod, "all_gather_ints", lambda mine, w: list(mine) * w)
+    state = a.state_dict()
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(ResumeLayoutError, match="DistributedSampler.*resume on 2 ranks"):
+        DataLoader(_Items(30), batch_size=4, sampler=torch.utils.data.DistributedSampler(
+            _Items(30), num_replicas=3, rank=0), num_workers=0).load_state_dict(state)

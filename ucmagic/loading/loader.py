@@ -5,9 +5,10 @@ Resume counts the batches the training loop *received* in the current epoch (not
 prefetched) and turns that count into items per worker stream with the round-robin model in
 :mod:`ucmagic.files.plan`. For a :class:`~ucmagic.files.dataset.UCVolumeDataset` the state is the epoch's
 remaining pool (position ranges), valid for any ``num_workers`` and world size; the loader drives
-such planned datasets only through :class:`ucmagic.files.epochs.PlannedDataset`. Map-style datasets
-resume by skipping the delivered batches of the (re-seeded) sampler; other iterable datasets by
-skipping delivered batches with the same layout.
+such planned datasets only through :class:`ucmagic.files.epochs.PlannedDataset`. A map-style dataset
+given without a sampler is split over the ranks by the loader's own sampler and resumes from the
+positions of its epoch order left (any layout); with the user's sampler, by skipping the delivered
+batches (same world size); other iterable datasets by skipping delivered batches with the same layout.
 """
 from __future__ import annotations
 
@@ -96,6 +97,57 @@ class _ResumableIndexSampler:
 
 
 _END = object()
+
+
+def _order_seed(seed: int, epoch: int) -> int:
+    """The generator seed of one epoch's order (as the loader seeds a RandomSampler's generator)."""
+    return (seed * 1_000_003 + epoch) % (2**63)
+
+
+class _SplitSampler(tud.DistributedSampler):  # type: ignore[type-arg]
+    """``ucmagic.DataLoader``'s sampler for a map-style dataset given without ``sampler=``.
+
+    One order per epoch (``torch.randperm`` from ``(seed, epoch)`` with shuffle, else ``0..n-1``:
+    the order a RandomSampler/SequentialSampler gives on one rank), split over the ranks in
+    contiguous shares of the epoch's *pool* (the positions of that order still to deliver: all of
+    them, or what a resume left, set by the loader). Every rank gets the same count (with several
+    ranks the short share is padded from the start of the pool, as ``DistributedSampler`` does), so
+    collectives cannot hang. It is a ``DistributedSampler`` so trainers (Lightning, Accelerate) see
+    the data is split already and add no sampler of their own. Rank and world size are read when it
+    is iterated; the loader sets ``seed``, ``epoch`` and ``pool`` before each epoch.
+    """
+
+    def __init__(self, dataset: Any, shuffle: bool) -> None:  # no super().__init__: it asks for a rank now
+        self.dataset: Any = dataset
+        self.shuffle = bool(shuffle)
+        self.seed = 0
+        self.epoch = 0
+        self.drop_last = False
+        self.pool: plan.Ranges | None = None  # None: the whole epoch
+        self.rank, self.num_replicas = 0, 1
+
+    def epoch_pool(self) -> plan.Ranges:
+        return self.pool if self.pool is not None else [(0, len(self.dataset))]
+
+    def share(self, pool: plan.Ranges | None = None) -> plan.Ranges:
+        """This rank's positions of the epoch order, in delivery order."""
+        self.rank, self.num_replicas = dist_info()[:2]
+        return plan.stream_positions(self.epoch_pool() if pool is None else pool, self.num_replicas, self.rank, 1, 0)
+
+    def __iter__(self) -> Iterator[int]:
+        pos = plan.positions(self.share())
+        if not self.shuffle:
+            return iter(pos.tolist())
+        g = torch.Generator()
+        g.manual_seed(_order_seed(self.seed, self.epoch))
+        order = torch.randperm(len(self.dataset), generator=g).numpy()
+        return iter(order[pos].tolist())
+
+    def __len__(self) -> int:
+        return plan.ranges_len(self.share())
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
 
 # Consumers known to take one batch ahead of the one their training step uses (the module that calls
 # iter() on the loader): Lightning's fit loop fetches the next batch before it runs the current one,
@@ -210,6 +262,11 @@ class DataLoader(tud.DataLoader[Any]):
             persistent_workers = num_workers > 0
         if pin_memory is None:
             pin_memory = torch.cuda.is_available()
+        split: _SplitSampler | None = None
+        if not uc and sampler is None and batch_sampler is None and not isinstance(dataset, tud.IterableDataset):
+            # a map-style dataset: ucmagic splits it over the ranks itself (exact, and resumable on any layout)
+            sampler = split = _SplitSampler(dataset, bool(shuffle))
+            shuffle = None
         # by keyword: Lightning re-creates a loader from the arguments its first __init__ call saw (to add
         # a DistributedSampler), which is this one when the class was imported after Lightning patched them
         super().__init__(dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler,
@@ -236,6 +293,10 @@ class DataLoader(tud.DataLoader[Any]):
         self._pending_skip = [0]  # batches to skip at the next iteration (non-UC resume)
         self._sampler_gen: torch.Generator | None = None
         self._sampler_seed: int | None = None
+        self._split = split  # the loader's own rank-splitting sampler (map-style dataset without sampler=)
+        self._seed_agreed = False  # the ranks agreed on _sampler_seed (a gather at the first epoch)
+        self._next_pool: plan.Ranges | None = None  # the pool of the next epoch (a resume's rest), None: whole
+        self._epoch_pool: plan.Ranges = []  # the pool the current epoch started with
         self._consumed: Any = None  # the dataset's consumption channel (UCVolumeDataset)
         # Persistent workers are shut down by a finaliser that holds their iterator: when the loader
         # dies inside a reference cycle (a callback that refers to it), the iterator's queues are
@@ -249,6 +310,8 @@ class DataLoader(tud.DataLoader[Any]):
         weakref.finalize(self, _shutdown_held, held, channels)
         if uc:
             self._configure_dataset()
+        elif split is not None:
+            self._sampler_seed = int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
         elif compat.is_map_style(self):
             self._own_random_sampler(generator)
         # the seed's pattern: a wrapper IterableDataset over a UCVolumeDataset; the loop's consumption
@@ -430,11 +493,46 @@ class DataLoader(tud.DataLoader[Any]):
                 self._epoch += 1
             self._fresh = False
             if self._sampler_gen is not None and self._sampler_seed is not None:  # set together
-                self._sampler_gen.manual_seed((self._sampler_seed * 1_000_003 + self._epoch) % (2**63))
+                self._sampler_gen.manual_seed(_order_seed(self._sampler_seed, self._epoch))
+            if self._split is not None:
+                self._begin_split_epoch(self._split)
         self._epoch_batches = 0
         self._epoch_complete = False
         self._started = True
         self.stats.begin_epoch(self._epoch)
+
+    def _agree_seed(self) -> None:
+        """Every rank orders the epoch with one seed: rank 0's, gathered once when a process group is up
+        (each process drew its own from torch's generator)."""
+        world = dist_info(from_env=False).world
+        if not self._seed_agreed and world > 1 and self._split is not None and self._split.shuffle:
+            self._sampler_seed = all_gather_ints([int(self._sampler_seed or 0)], world)[0]
+        self._seed_agreed = True
+
+    def _begin_split_epoch(self, split: _SplitSampler) -> None:
+        self._agree_seed()
+        split.seed, split.epoch = int(self._sampler_seed or 0), int(self._epoch or 0)
+        split.pool, self._next_pool = self._next_pool, None
+        self._epoch_pool = split.epoch_pool()
+
+    def _split_state(self, split: _SplitSampler, world: int) -> dict[str, Any]:
+        """What the epoch has left, as a pool of positions of its order: valid on any world size."""
+        if self._started and self._epoch_complete:
+            return {"epoch": int(self._epoch or 0), "pool": None, "complete": True}
+        pool: plan.Ranges | None
+        if self._started:
+            used = self._batches_used()
+            share = plan.ranges_len(split.share(self._epoch_pool))
+            mine = min(share, used * self.batch_size) if self.batch_size is not None else min(share, used)
+            delivered = all_gather_ints([mine], world)
+            epoch = int(self._epoch or 0)
+            pool = plan.remaining_pool(self._epoch_pool, world, 1, "pad", 1, delivered)
+        else:  # the next iteration is the one to run (or resume)
+            epoch = 0 if self._epoch is None else self._epoch + (0 if self._fresh else 1)
+            pool = self._next_pool
+        if pool is not None and not pool:  # all delivered, the end not reached yet: the next epoch is whole
+            epoch, pool = epoch + 1, None
+        return {"epoch": epoch, "pool": None if pool is None else [[a, b] for a, b in pool], "complete": False}
 
     def _stream_lengths(self, epoch: int, ds: PlannedDataset) -> list[int]:
         """Items of each of this rank's worker streams in ``epoch``."""
@@ -553,6 +651,10 @@ class DataLoader(tud.DataLoader[Any]):
             epoch, batches, complete = nxt, self._skip_batches, False
         base = {"version": STATE_VERSION, "epoch": epoch, "batches": batches, "complete": complete,
                 "world": world, "num_workers": self.num_workers, "step": self._step}
+        if self._split is not None:  # the rest as positions of the epoch's order: any layout
+            split = self._split_state(self._split, world)
+            return {**base, **split, "batches": batches if split["pool"] is not None or split["complete"] else 0,
+                    "kind": "map", "len": len(self.dataset), "sampler_seed": self._sampler_seed, "split": True}
         if compat.is_map_style(self):
             sampler: Any = getattr(self.batch_sampler, "sampler", None) or self.sampler
             return {**base, "kind": "map", "len": len(self.dataset), "sampler_seed": self._sampler_seed,
@@ -620,14 +722,26 @@ class DataLoader(tud.DataLoader[Any]):
             if state["len"] != len(self.dataset):
                 raise ListingChangedError(f"the dataset has {len(self.dataset)} items but the state was saved with "
                                           f"{state['len']}: resume needs the same dataset")
-            if state["world"] != world:
-                raise ResumeLayoutError(
-                    f"this map-style dataset's state was saved on world_size={state['world']}, not {world}: its "
-                    f"sampler splits the epoch by world size; resume on {state['world']} ranks (any num_workers), "
-                    "or use a ucmagic dataset (UCVolumeDataset, TarShards(...).stream()), which resumes on any")
             if state.get("sampler_seed") is not None:
                 self._sampler_seed = int(state["sampler_seed"])
+                self._seed_agreed = True
+            if state.get("split") and self._split is not None:  # ucmagic's own split: any world size
+                self._epoch, self._skip_batches, self._fresh = int(state["epoch"]) + bool(state["complete"]), 0, True
+                pool = None if state["complete"] or state["pool"] is None else state["pool"]
+                self._next_pool = None if pool is None else [(int(a), int(b)) for a, b in pool]
+                return
             sampler: Any = getattr(self.batch_sampler, "sampler", None) or self.sampler
+            if state.get("split"):
+                raise ResumeLayoutError(
+                    f"this state was saved by a ucmagic.DataLoader that split the map-style dataset itself (no "
+                    f"sampler=); this loader has your {type(sampler).__name__}, whose order ucmagic does not know: "
+                    "build the loader without sampler= / batch_sampler= to resume it")
+            if state["world"] != world:
+                raise ResumeLayoutError(
+                    f"this map-style dataset's state was saved on world_size={state['world']}, not {world}, with "
+                    f"your own {type(sampler).__name__}, which splits the epoch by world size in an order ucmagic "
+                    f"cannot re-split: resume on {state['world']} ranks (any num_workers), or leave the sampler "
+                    "to ucmagic.DataLoader (no sampler=: it splits over ranks itself and resumes on any)")
             if state.get("sampler_epoch") is not None and callable(getattr(sampler, "set_epoch", None)):
                 sampler.set_epoch(int(state["sampler_epoch"]))
         elif state["num_workers"] != self.num_workers or state["world"] != world:
