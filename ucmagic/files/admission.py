@@ -14,8 +14,11 @@ of fills earlier in the loop's order still waiting for room:
   takes) is **admitted over the budget**, after evicting what there is to evict: the loop always
   makes progress, and only a head fill goes over, so the directory stays within ``limit`` plus one
   file per stream whose loop waits on it.
-- else **wait**: room comes as the loop consumes (consumed entries lose their protection and become
-  evictable), and fills waiting earlier in the loop's order (``ahead``) get it first.
+- else **wait**, after evicting what there is to evict (all of it is needed, by this fill or by one
+  earlier in the loop's order): room comes as the loop consumes (consumed entries lose their
+  protection and become evictable), and fills waiting earlier in the loop's order (``ahead``) get it
+  first. Evicting before waiting matters: the count that found those entries is not repeated for a
+  moment, and a head fill admitted over the budget meanwhile would go over on top of them.
 
 No deadlock: every stream's protected entries are items its loop has not consumed yet, and the
 consumer takes them in its order; the fill it waits for is a head fill, which never waits, so it
@@ -65,4 +68,4 @@ def admit(size: int, limit: int, held: int, evictable: Iterable[tuple[str, int, 
         return Admission(ADMIT, tuple(victims), freed)
     if head:
         return Admission(ADMIT, tuple(victims), freed, over=True)
-    return Admission(WAIT)
+    return Admission(WAIT, tuple(victims), freed)  # the room it frees is this fill's, or an earlier one's
