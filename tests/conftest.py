@@ -3,6 +3,13 @@ import shutil
 import tempfile
 
 import pytest
+from hypothesis import HealthCheck, settings
+
+# Generated tests judge behaviour, not speed: on a 2-core machine running subprocess-heavy tests beside
+# them, an example may take seconds to draw or run. No deadline and no "too slow" health check, for every
+# test (a test's own @settings still sets its example count).
+settings.register_profile("ucmagic", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("ucmagic")
 
 
 def pytest_addoption(parser):
