@@ -26,9 +26,10 @@ Expected outcomes (:func:`judge`):
 
 - an epoch that completes delivers every file exactly once with the source's bytes (content hashes),
   at a path ending with the file's source-relative path (item 3);
-- ``tiny``: the event's own outcome, as with any budget: a budget of at least the largest file works,
-  fills beyond it wait for room (issue 40 item 4; only a budget that can never make progress, under the
-  largest file, is refused); never a hang;
+- ``tiny``: the event's own outcome, as with any budget: with consumption reports (``uc``, ``wrap_uc``)
+  a budget of at least the largest file works, fills beyond it wait for room (issue 40 item 4); without
+  them (plain loop, torch's loader) a budget that cannot hold a stream's protection window is refused at
+  the first item by BudgetTooSmallError naming ``cache_limit``; never a hang;
 - ``complete``/``break``: completion (``break``: the partial epoch's items correct and distinct,
   then a whole second epoch);
 - ``sigint``: KeyboardInterrupt reaches the loop, then the process exits;
@@ -489,11 +490,20 @@ def judge(cell: dict[str, str], r: dict[str, Any]) -> list[str]:
             out.extend(delivery_problems(f"epoch {i + 1}", e["sum"], whole=not e["partial"], changed_ok=changed_ok))
 
     # a budget of at least the largest file works (issue 40 item 4): ``tiny`` holds 1.5 files, less than a
-    # batch, and is never refused; fills beyond it wait for room
+    # batch; fills beyond it wait for room. Where the loop reports what it consumed (ucmagic.DataLoader,
+    # also through a wrapper) it is never refused. Where nothing reports it (a plain loop, torch's loader),
+    # a stream protects the last items it handed out (README, docs/cache.md): a budget that cannot hold
+    # that window is refused at the first item by BudgetTooSmallError naming the size needed, never a hang
+    # and never an evicted file the loop still opens.
     tiny_refused = budget == "tiny" and named(oc) and not r["event_fired"]
-    if tiny_refused:
+    reports = cell["consumer"] in ("uc", "wrap_uc")
+    if tiny_refused and reports:
         out.append(f"a budget of {r.get('limit')} B holds the largest file ({MAX_SIZE} B): it must work, "
                    f"got {describe(oc)}")
+    elif tiny_refused:
+        need("BudgetTooSmallError" in oc.get("mro", []) and "cache_limit" in oc.get("msg", ""),
+             f"without consumption reports a too-small window is BudgetTooSmallError naming cache_limit, "
+             f"got {describe(oc)}")
     elif ev in ("complete", "break", "second"):
         need(complete, f"expected the epoch to complete, got {describe(oc)}")
     elif ev == "sigint":
@@ -523,6 +533,8 @@ def judge(cell: dict[str, str], r: dict[str, Any]) -> list[str]:
         o2 = s2.get("outcome", {})
         if o2.get("kind") == "complete":
             out.extend(delivery_problems("second process", s2["sum"], whole=True))
+        elif budget == "tiny" and "BudgetTooSmallError" in o2.get("mro", []) and "cache_limit" in o2.get("msg", ""):
+            pass  # the second process is a plain loop (no reports) under the first one's budget, the smallest holds
         else:
             out.append(f"second process: expected completion, got {describe(o2)}")
     if "recovery" in r:
@@ -613,10 +625,14 @@ def test_judge_passes_a_correct_epoch_and_names_each_broken_expectation():
 
 
 def test_judge_wants_a_budget_above_the_largest_file_to_work_and_named_errors_elsewhere():
-    tiny = {"consumer": "torch", "budget": "tiny", "workers": "fork2", "event": "complete"}
-    refused = _result(outcome=_error("BudgetTooSmallError", "CacheFullError", "UCMagicError"), limit=12 * KiB,
+    tiny = {"consumer": "uc", "budget": "tiny", "workers": "fork2", "event": "complete"}
+    refused = _result(outcome=_error("BudgetTooSmallError", "CacheFullError", "UCMagicError",
+                                     msg="cache_limit=12.3 kB cannot hold 64 files"), limit=12 * KiB,
                       peak=0, event_fired=False)
     assert "must work" in " ".join(judge(tiny, refused))  # 12 KiB holds the largest file (8 KiB)
+    unreported = {**tiny, "consumer": "torch"}  # torch's queue is not reported: the window must fit, or a named refusal
+    assert judge(unreported, refused) == []
+    assert judge(unreported, {**refused, "outcome": _error("CacheFullError", "UCMagicError", msg="no room")})
     assert judge(tiny, _result(limit=12 * KiB, peak=0)) == []  # less than a batch, and it completes
     assert judge(tiny, {**refused, "outcome": _error("FileNotFoundError", "OSError")})
     plain_tiny = {**tiny, "consumer": "plain", "workers": "w0"}
