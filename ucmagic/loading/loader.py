@@ -135,16 +135,21 @@ class _SplitSampler(tud.DistributedSampler):  # type: ignore[type-arg]
         return plan.stream_positions(self.epoch_pool() if pool is None else pool, self.num_replicas, self.rank, 1, 0)
 
     def __iter__(self) -> Iterator[int]:
+        # lazy: the pool, seed and epoch are read at the first next(), so a state loaded between iter()
+        # and the first batch (Lightning restores its loaders so) is the one followed
         pos = plan.positions(self.share())
         if not self.shuffle:
-            return iter(pos.tolist())
+            yield from pos.tolist()
+            return
         g = torch.Generator()
         g.manual_seed(_order_seed(self.seed, self.epoch))
         order = torch.randperm(len(self.dataset), generator=g).numpy()
-        return iter(order[pos].tolist())
+        yield from order[pos].tolist()
 
     def __len__(self) -> int:
-        return plan.ranges_len(self.share())
+        """This rank's items in a whole epoch (a resumed epoch delivers fewer): trainers that restore their
+        own batch count (Lightning) end a resumed epoch at that count, and this must not be the rest's."""
+        return plan.ranges_len(self.share([(0, len(self.dataset))]))
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = int(epoch)
@@ -467,6 +472,9 @@ class DataLoader(tud.DataLoader[Any]):
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch of the next iteration (forwarded to the dataset and sampler when they have set_epoch)."""
+        split = self._split
+        if split is not None and self._started and self._epoch_batches == 0 and int(epoch) == self._epoch:
+            self._next_pool = split.pool  # the same epoch again before any batch (Lightning): a resume's rest stays
         self._epoch, self._fresh = int(epoch), True
         self._started = False
         seen: list[Any] = []
@@ -729,6 +737,9 @@ class DataLoader(tud.DataLoader[Any]):
                 self._epoch, self._skip_batches, self._fresh = int(state["epoch"]) + bool(state["complete"]), 0, True
                 pool = None if state["complete"] or state["pool"] is None else state["pool"]
                 self._next_pool = None if pool is None else [(int(a), int(b)) for a, b in pool]
+                if self._started and self._epoch_batches == 0:  # an iteration began, no batch taken yet
+                    split = self._split
+                    split.seed, split.epoch, split.pool = int(self._sampler_seed or 0), self._epoch, self._next_pool
                 return
             sampler: Any = getattr(self.batch_sampler, "sampler", None) or self.sampler
             if state.get("split"):
