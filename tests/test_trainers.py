@@ -103,3 +103,21 @@ def test_hf_trainer_epochs_and_checkpoint_resume_exactly(kind, data, tmp_path):
     assert len(saved["1"]) == 2 * 5 * 8
     _exact(saved["1"] + resumed["1"], kind)
     _exact(resumed["2"], kind)
+
+
+def test_accelerate_splitting_a_ucmagic_dataset_again_raises_with_the_fix(data, tmp_path):
+    """torch's DataLoader over the files wrapper under ``accelerator.prepare`` (HF Trainer's own loader
+    too): Accelerate would split the per-rank data again (200 of 400 files per epoch, silently); the
+    first batch raises SplitTwiceError naming the fix, in both of Accelerate's modes; with the fix
+    (ucmagic.DataLoader) the epoch is exact."""
+    pytest.importorskip("accelerate")
+    out = str(tmp_path / "out")
+    _run([os.path.join(SCRIPTS, "trainer_split_twice.py"), data, out], tmp_path)
+    ranks = [json.load(open(os.path.join(out, f"split-twice-rank{r}.json"))) for r in (0, 1)]
+    for r, got in enumerate(ranks):
+        for mode in ("dispatch=True", "dispatch=False"):
+            if mode == "dispatch=True" and r == 1:
+                continue
+            assert "splits this UCVolumeDataset over the ranks again" in got[mode], (r, mode, got[mode])
+            assert "ucmagic.DataLoader(dataset, ...) to accelerator.prepare" in got[mode]
+    _exact(ranks[0]["fixed"] + ranks[1]["fixed"], "files")

@@ -79,6 +79,11 @@ class ResumeLayoutError(UCMagicError, ValueError):
     loaded on a layout (``num_workers``, world size) it cannot be resumed on exactly."""
 
 
+class SplitTwiceError(UCMagicError, RuntimeError):
+    """A trainer (HF Accelerate's ``prepare``, HF ``Trainer``'s own loader) splits over the ranks a
+    ucmagic dataset that already reads only its rank's share: most of each epoch would be lost."""
+
+
 class UnsafeCacheError(UCMagicError, PermissionError):
     """The cache directory is not private to the current user."""
 

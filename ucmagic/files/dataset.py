@@ -30,7 +30,7 @@ from .locks import process_tag
 from .protection import release_at_exit
 from ..errors import NotAnEntryError
 from ..dist import dist_info, local_world_size
-from .epochs import EpochTracking, StateSchema
+from .epochs import EpochTracking, StateSchema, refuse_split_twice
 from ..errors import (BudgetTooSmallError, CacheFullError, CacheFullFetchError, FetchError, InvalidArgumentError,
                      SourceChangedError)
 from .fetch import read_ahead, restart_timeout, shared_pool, with_retries
@@ -1179,6 +1179,7 @@ class UCVolumeDataset(EpochTracking, IterableDataset[str]):
         """This (rank, worker) stream's items this epoch and their protection (begins the epoch in
         the main process; a worker follows the epoch its main process began)."""
         info = get_worker_info()
+        refuse_split_twice(self.kind)  # Accelerate re-splitting what is split per rank already
         cache = self.cache
         if main:
             self.begin_epoch()

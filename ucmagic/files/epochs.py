@@ -26,6 +26,8 @@ workers) a kind declares in :class:`LoaderNeeds`, never through its name.
 """
 from __future__ import annotations
 
+import inspect
+import sys
 import uuid
 import weakref
 from dataclasses import dataclass
@@ -33,9 +35,9 @@ from typing import Any, ClassVar, Mapping, Protocol, Sequence, runtime_checkable
 
 from . import plan
 from .locks import file_lock
-from ..dist import dist_info, local_world_size
+from ..dist import dist_info, local_world_size, worker_info
 from .._util import is_integer
-from ..errors import InvalidArgumentError, ListingChangedError
+from ..errors import InvalidArgumentError, ListingChangedError, SplitTwiceError
 from .._shared import SharedInt, SharedInts
 from ..telemetry import SharedCounters
 
@@ -395,3 +397,52 @@ class EpochTracking:
         self.reshuffle_every = state.get("reshuffle_every")
         self._resume = dict(state)
         self.restart_epochs(int(state["epoch"]))
+
+
+# HF Accelerate's wrappers that split a loader's data over the ranks (again, for a ucmagic dataset)
+_ACCELERATE_SPLITTERS = ("IterableDatasetShard", "DataLoaderShard", "DataLoaderDispatcher")
+
+
+def _accelerate_splitter(depth: int = 16) -> str | None:
+    """The Accelerate class splitting the iteration now starting over the ranks, or None.
+
+    Seen in the frames that iterate the dataset (``IterableDatasetShard`` in a worker or the main
+    process, a dispatcher's fetch) or, in a worker forked by such a loader, as the loader Accelerate
+    marked active when it started. Cheap: nothing is looked at unless Accelerate is imported.
+    """
+    if "accelerate.data_loader" not in sys.modules:
+        return None
+    frame = inspect.currentframe()
+    for _ in range(depth):
+        if frame is None:
+            break
+        if frame.f_globals.get("__name__") == "accelerate.data_loader":
+            owner = frame.f_locals.get("self")
+            name = type(owner).__name__ if owner is not None else frame.f_code.co_name
+            if name in _ACCELERATE_SPLITTERS:
+                return name
+        frame = frame.f_back
+    state = sys.modules.get("accelerate.state")
+    shared = getattr(getattr(state, "GradientState", None), "_shared_state", None)
+    refs = shared.get("_dataloader_references_ref") if isinstance(shared, dict) else None
+    active = refs[-1]() if refs and refs[-1] is not None else None  # GradientState.active_dataloader
+    name = type(active).__name__ if active is not None else ""
+    # only when that loader is the one this worker serves (a loader left mid-epoch stays marked active)
+    served = getattr(worker_info(), "dataset", None)
+    if name in _ACCELERATE_SPLITTERS and served is not None and getattr(active, "dataset", None) is served:
+        return name
+    return None
+
+
+def refuse_split_twice(kind: str) -> None:
+    """Raise :class:`~ucmagic.errors.SplitTwiceError` when HF Accelerate splits over the ranks an
+    iteration of a ucmagic dataset (``kind``) that already reads only this rank's share."""
+    if dist_info().world <= 1:
+        return
+    splitter = _accelerate_splitter()
+    if splitter is not None:
+        raise SplitTwiceError(
+            f"HF Accelerate's {splitter} splits this {kind} over the ranks again, but each rank already reads "
+            "only its share (most of every epoch would be lost): pass ucmagic.DataLoader(dataset, ...) to "
+            "accelerator.prepare (it is left as it is); under HF Trainer, override get_train_dataloader as in "
+            "docs/trainers.md")
