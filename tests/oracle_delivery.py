@@ -20,10 +20,11 @@ The model's rules (the promise of README "Resume mid-epoch" and docs/loading.md,
    epoch when the saved one had ended; then the following epoch whole. Also at epoch >= 1 without
    ``set_epoch``.
 4. **Elastic.** The rest is exact with another ``num_workers`` or world size for every ucmagic iterable
-   dataset and for a user wrapper whose inner dataset is one. A map-style dataset (ours or the user's:
-   its sampler, DistributedSampler on several ranks, splits the epoch by world size) resumes with any
-   ``num_workers`` on the world size it was saved on. A user IterableDataset of its own resumes on the
-   same layout only. What is not resumed is refused in ``load_state_dict()`` with a named
+   dataset and for a user wrapper whose inner dataset is one. A map-style dataset (ours or the user's)
+   under ``ucmagic.DataLoader`` without a sampler of the user's is split by the loader and resumes on any
+   world size; under the user's own sampler (torch's DistributedSampler on several ranks, as a torch
+   user writes it) with any ``num_workers`` on the world size it was saved on. A user IterableDataset
+   of its own resumes on the same layout only. What is not resumed is refused in ``load_state_dict()`` with a named
    ``UCMagicError`` (never NotImplementedError). (docs/loading.md "Exactly once".)
 """
 from __future__ import annotations
@@ -89,7 +90,10 @@ def refused(c: Mapping[str, Any]) -> bool:
     """The resume must be refused in load_state_dict() with a named UCMagicError (rule 4)."""
     if c["resume"] == "none":
         return False
-    return (c["kind"] == "user_iter" and c["change"] != "none") or (c["kind"] in MAP_STYLE and c["change"] == "world")
+    # a map-style dataset under ucmagic.DataLoader (no sampler of the user's) is split by the loader and resumes
+    # on any world size; under a sampler of the user's (torch's DistributedSampler) only on the same world size
+    return (c["kind"] == "user_iter" and c["change"] != "none") or (
+        c["kind"] in MAP_STYLE and c["change"] == "world" and c["consumer"] != "uc")
 
 
 def stop_batch(c: Mapping[str, Any], batches: int) -> int:

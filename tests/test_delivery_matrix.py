@@ -305,13 +305,7 @@ def verdicts(request, tmp_path_factory):
 
 # Cells that fail on main because of a delivery bug not fixed yet (issue 40): (matches, reason). A listed
 # cell that passes fails (strict): take it off the list when the fix lands.
-KNOWN_FAILURES: list[tuple[Any, str]] = [
-    (lambda c: c["consumer"] == "plain" and c["resume"] == "epoch_end",
-     "open (issue 40): a plain loop's dataset.state_dict() saved after the epoch ended, loaded in a new process, "
-     "gives an empty iteration first and the next epoch only after it (ucmagic.DataLoader resumes the next "
-     "epoch at once: loader._load_uc calls finish_epoch when nothing remains; the datasets' own "
-     "load_state_dict does not); UCVolumeDataset, ParquetDataset, TarShards.stream(), mix"),
-]
+KNOWN_FAILURES: list[tuple[Any, str]] = []
 
 
 @pytest.mark.timeout(3600)

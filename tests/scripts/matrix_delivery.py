@@ -124,8 +124,8 @@ def make_source(c: dict[str, Any], ds: Any, world: int, workers: int) -> Any:
     elif c["consumer"] == "torch":
         kw["batch_size"] = None  # the dataset batches rows itself
     if c["kind"] in MAP_STYLE:
-        if world > 1:  # what a user writes for several ranks
-            kw["sampler"] = tud.DistributedSampler(ds, shuffle=c["shuffle"], seed=SEED)
+        if world > 1 and c["consumer"] != "uc":  # what a torch user writes for several ranks (ucmagic's
+            kw["sampler"] = tud.DistributedSampler(ds, shuffle=c["shuffle"], seed=SEED)  # loader splits itself)
         else:
             kw["shuffle"] = c["shuffle"]
     cls = ucmagic.DataLoader if c["consumer"] == "uc" else tud.DataLoader

@@ -15,8 +15,8 @@ Call order (one loader iteration; the loader is the only caller besides the data
     pool, _ = epoch_plan(epoch)               # the loader sizes the worker streams from it
     ... the dataset's __iter__ runs (in workers, or in this process) ...
     make_state(epoch, delivered, world=, num_workers=)   # state_dict(); upcoming_epoch() before any iteration
-    load_state_dict(state)                    # resume; then finish_epoch(state["epoch"])
-                                              # when the saved epoch had delivered everything
+    load_state_dict(state)                    # resume (a state whose epoch had delivered everything
+                                              # resumes at the next epoch, as finish_epoch(state["epoch"]))
 
 Every dataset state carries ``version``, ``kind`` (the dataset's :attr:`~PlannedDataset.kind`),
 ``epoch``, ``pool`` and ``remaining``, built and checked by the kind's :class:`StateSchema` (the
@@ -397,6 +397,8 @@ class EpochTracking:
         self.reshuffle_every = state.get("reshuffle_every")
         self._resume = dict(state)
         self.restart_epochs(int(state["epoch"]))
+        if int(state["remaining"]) == 0:  # saved after the epoch ended: the next iteration is the next epoch
+            self.finish_epoch(int(state["epoch"]))
 
 
 # HF Accelerate's wrappers that split a loader's data over the ranks (again, for a ucmagic dataset)

@@ -250,6 +250,8 @@ class Mix(EpochTracking, IterableDataset[Any]):
                                       "changed): mix the same streams with the same weights and seed to resume")
         self._resume = dict(state)
         self.restart_epochs(int(state["epoch"]))
+        if int(state["remaining"]) == 0:  # saved after the epoch ended: the next iteration is the next epoch
+            self.finish_epoch(int(state["epoch"]))
         self._epoch_main, self._delivered_main = None, 0
 
 
