@@ -4,7 +4,8 @@ Parquet files, atomically) and ``ParquetDataset`` (stream column batches into Py
 Modules: :mod:`.sources` (table names, the local catalog, resolving any source, DuckDB/Spark
 relations, "files or table?"), :mod:`.api` (``load_table``, ``register_table``), :mod:`.export`
 (``export_parquet``), :mod:`.parquet_dataset` (``ParquetDataset``), :mod:`.rows` (pure row
-planning) and :mod:`.columns` (each Arrow type's output, lossless). The names below load on first use: ``import ucmagic.tables`` imports no torch.
+planning) and :mod:`.columns` (each Arrow type's output, lossless). The names below load on first
+use: ``import ucmagic.tables`` imports no torch.
 """
 from __future__ import annotations
 
