@@ -121,3 +121,49 @@ def test_accelerate_splitting_a_ucmagic_dataset_again_raises_with_the_fix(data, 
             assert "splits this UCVolumeDataset over the ranks again" in got[mode], (r, mode, got[mode])
             assert "ucmagic.DataLoader(dataset, ...) to accelerator.prepare" in got[mode]
     _exact(ranks[0]["fixed"] + ranks[1]["fixed"], "files")
+
+
+def _split_kinds(root):
+    """One dataset of each ucmagic iterable kind that reads only this rank's share."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    import ucmagic
+    from ucmagic.testing import make_files
+
+    make_files(os.path.join(root, "files"), 16, 64, per_dir=8)
+    os.makedirs(os.path.join(root, "pq"))
+    pq.write_table(pa.table({"x": list(range(32))}), os.path.join(root, "pq", "a.parquet"))
+    ucmagic.pack(os.path.join(root, "files"), os.path.join(root, "shards"), "16KB")
+    os.makedirs(os.path.join(root, "tok"))
+    np.arange(4096, dtype=np.uint16).tofile(os.path.join(root, "tok", "a.bin"))
+    cache = os.path.join(root, "cache")
+    tars = ucmagic.TarShards(os.path.join(root, "shards"), cache_dir=cache)
+    return {
+        "UCVolumeDataset": ucmagic.UCVolumeDataset(os.path.join(root, "files"), cache_dir=cache),
+        "ParquetDataset": ucmagic.ParquetDataset(os.path.join(root, "pq"), batch_size=4, cache_dir=cache),
+        "SampleStream": tars.stream(),
+        "Mix": ucmagic.mix([tars.stream(), tars.stream(seed=1)]),
+        "TokenWindows": ucmagic.TokenWindows(os.path.join(root, "tok"), block_size=8, cache_dir=cache).stream(),
+    }
+
+
+def test_accelerate_splitting_any_ucmagic_kind_again_raises_with_the_fix(tmp_path, monkeypatch):
+    """Accelerate's IterableDatasetShard (what prepare() wraps torch's loader's iterable in) over a rank's
+    share of any ucmagic kind: SplitTwiceError at the first item, naming the kind and the fix (in process:
+    RANK/WORLD_SIZE as torchrun sets them)."""
+    accelerate_data_loader = pytest.importorskip("accelerate.data_loader")
+    import ucmagic
+
+    kinds = _split_kinds(str(tmp_path))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for kind, ds in kinds.items():
+        shard = accelerate_data_loader.IterableDatasetShard(ds, batch_size=2, num_processes=2, process_index=0)
+        with pytest.raises(ucmagic.SplitTwiceError, match="accelerator.prepare") as e:
+            next(iter(shard))
+        assert "splits this" in str(e.value), (kind, str(e.value))
+    monkeypatch.setenv("WORLD_SIZE", "1")  # one rank: nothing is split twice, the shard reads on
+    shard = accelerate_data_loader.IterableDatasetShard(kinds["ParquetDataset"], batch_size=1, num_processes=1)
+    assert next(iter(shard))["x"].numel() == 4

@@ -22,7 +22,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from ..files import plan
 from ..dist import dist_info
-from ..files.epochs import EpochTracking, check_state_kind
+from ..files.epochs import EpochTracking, check_state_kind, refuse_split_twice
 from ..errors import ListingChangedError
 from .samples import SampleStream, ShardDataset
 from .shuffle import sample_layout
@@ -184,6 +184,7 @@ class Mix(EpochTracking, IterableDataset[Any]):
     # ------------------------------------------------------------ iteration
 
     def __iter__(self) -> Iterator[Any]:
+        refuse_split_twice(self.kind)  # Accelerate re-splitting what is split per rank already
         main = get_worker_info() is None
         if main:
             self.begin_epoch()

@@ -23,7 +23,7 @@ from .._util import settle_worker
 from ..files.cache import FileCache
 from ..files.locks import process_tag
 from ..dist import dist_info
-from ..files.epochs import EpochTracking, StateSchema
+from ..files.epochs import EpochTracking, StateSchema, refuse_split_twice
 from ..telemetry import SharedCounters
 from ..files.volume import FileEntry, Volume
 from .chunks import CHUNK_SIZE, SUFFIX, ChunkedFile, ChunkReader
@@ -296,6 +296,7 @@ class SampleStream(EpochTracking, IterableDataset[Any]):
     # ------------------------------------------------------------ iteration
 
     def __iter__(self) -> Iterator[Any]:
+        refuse_split_twice(self.kind)  # Accelerate re-splitting what is split per rank already
         info = get_worker_info()
         main = info is None
         ds = self.dataset

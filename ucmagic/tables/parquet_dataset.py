@@ -27,7 +27,7 @@ from .. import telemetry
 from ..files.cache import FileCache
 from ..files.cache_layout import cache_key
 from ..dist import dist_info
-from ..files.epochs import EpochTracking, LoaderNeeds, StateSchema, stream_lengths
+from ..files.epochs import EpochTracking, LoaderNeeds, StateSchema, refuse_split_twice, stream_lengths
 from ..errors import ListingChangedError, UnsupportedSourceError
 from ..files.fetch import read_ahead, with_retries
 from .columns import (check_exact, column_kind, mask_key, numeric_numpy, numpy_column,
@@ -688,6 +688,7 @@ class ParquetDataset(EpochTracking, IterableDataset[Any]):
                     val[1].close()
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
+        refuse_split_twice(self.kind)  # Accelerate re-splitting what is split per rank already
         main = get_worker_info() is None
         if main:
             self.begin_epoch()
