@@ -270,6 +270,8 @@ class CacheLayout:
         """Make the root and its folders, private to this user; refuse another user's or an unusable one."""
         fix = "use a directory of your own with cache_dir= or $UCMAGIC_CACHE_DIR"
         try:
+            if os.path.isfile(self.root) and not os.path.islink(self.root):  # a plain mistake, not an attack
+                raise NotADirectoryError(errno.ENOTDIR, "it is a file, not a directory")
             # the root itself (never through a link): a folder of this user's that others could write
             # to is made 0700, and then nothing in it may be a link or another user's (planted meanwhile)
             private_dir(self.root, tighten=True, what="cache directory", fix=fix)
