@@ -469,3 +469,30 @@ def test_a_run_hands_out_its_first_results_while_a_later_item_waits_on_their_con
         taken[0] += 1
     assert taken[0] == 1000
     assert pool.calls < 1000 // 4  # in runs
+
+
+class _LateFuturePool:
+    """Runs each call at once on the caller's thread, and completes its future a moment later: the
+    results are all there before the call's future is done, as when a pool thread is preempted
+    between appending its last result and returning."""
+
+    def submit(self, fn, *args):
+        import concurrent.futures
+        import threading
+
+        fut = concurrent.futures.Future()
+        fut.set_running_or_notify_cancel()
+        fn(*args)
+        threading.Timer(0.05, fut.set_result, args=(None,)).start()
+        return fut
+
+
+@pytest.mark.timeout(60)
+def test_read_ahead_hands_out_every_result_when_a_call_ends_after_its_results_were_taken():
+    # before: the consumer took a call's last result while its future was still running, then spun
+    # for good on the finished call (seen as a cold epoch of bench/coldwarm.py that never ended)
+    from ucmagic.files.fetch import read_ahead
+
+    items = list(range(6))
+    assert list(read_ahead(lambda i: i * 10, items, depth=1, pool=_LateFuturePool())) == [i * 10 for i in items]
+    assert list(read_ahead(lambda i: i * 10, items, depth=3, pool=_LateFuturePool())) == [i * 10 for i in items]

@@ -366,6 +366,12 @@ class _ReadAhead(Generic[T, R]):
                 task = self._pending[0]  # stays in pending while waited for: an interrupt cancels it
                 error = None if task.future is None else self._collect(task, task.future)
                 complete = error is None and (task.future is None or task.future.done())
+                if complete and task.taken == len(task.items):
+                    # its last result was handed out while the call was still ending (results are
+                    # appended before the future completes): retire it now, else this loop spins on it
+                    self._retire(self._pending.popleft())
+                    self._fill()
+                    continue
                 ready = len(task.results)  # a call still running (or stalled) may append more
                 while task.taken < ready:
                     i = task.taken
