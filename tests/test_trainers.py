@@ -51,17 +51,21 @@ def _exact(ids, kind):
     assert len(ids) == len(set(ids)) == N[kind] and sorted(ids) == list(range(N[kind]))
 
 
+def _save_then_resume(name, script, kind, data, tmp_path):
+    """Run ``script`` to its mid-epoch save, then again resuming from it; what each run saw."""
+    out, ckpt = str(tmp_path / "out"), str(tmp_path / "ckpt")
+    for phase in ("save", "resume"):
+        _run([os.path.join(SCRIPTS, script), kind, phase, data, out, ckpt], tmp_path)
+    return _seen(out, f"{name}-{kind}-save"), _seen(out, f"{name}-{kind}-resume")
+
+
 @pytest.mark.parametrize("kind", ["files", "map"])
 def test_accelerate_epochs_and_save_load_state_resume_exactly(kind, data, tmp_path):
     """``acc.prepare(ucmagic.DataLoader(...))`` leaves the loader split per rank (before: 200 of 400
     files per epoch), and ``register_for_checkpointing`` + ``save_state``/``load_state`` resume epoch 1
     (no set_epoch for the files) with exactly the items not delivered before the save."""
     pytest.importorskip("accelerate")
-    out, ckpt = str(tmp_path / "out"), str(tmp_path / "ckpt")
-    script = os.path.join(SCRIPTS, "trainer_accelerate.py")
-    for phase in ("save", "resume"):
-        _run([script, kind, phase, data, out, ckpt], tmp_path)
-    saved, resumed = _seen(out, f"accelerate-{kind}-save"), _seen(out, f"accelerate-{kind}-resume")
+    saved, resumed = _save_then_resume("accelerate", "trainer_accelerate.py", kind, data, tmp_path)
     _exact(saved["0"], kind)
     assert len(saved["1"]) == 2 * 5 * 8  # 5 steps of 8 on 2 ranks before the save
     _exact(saved["1"] + resumed["1"], kind)
@@ -94,11 +98,7 @@ def test_hf_trainer_epochs_and_checkpoint_resume_exactly(kind, data, tmp_path):
     ``train(resume_from_checkpoint=...)``: epoch 1 and epoch 2 each exactly once."""
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
-    out, ckpt = str(tmp_path / "out"), str(tmp_path / "ckpt")
-    script = os.path.join(SCRIPTS, "trainer_hf.py")
-    for phase in ("save", "resume"):
-        _run([script, kind, phase, data, out, ckpt], tmp_path)
-    saved, resumed = _seen(out, f"hf-{kind}-save"), _seen(out, f"hf-{kind}-resume")
+    saved, resumed = _save_then_resume("hf", "trainer_hf.py", kind, data, tmp_path)
     _exact(saved["0"], kind)
     assert len(saved["1"]) == 2 * 5 * 8
     _exact(saved["1"] + resumed["1"], kind)
