@@ -923,6 +923,17 @@ def register_volume(scheme_or_predicate: VolumeMatch, cls: type[Volume]) -> None
     _backends.insert(0, (key, matches, cls))
 
 
+def unregister_volume(scheme_or_predicate: VolumeMatch) -> bool:
+    """Undo :func:`register_volume` for this scheme (or this very predicate object); paths it matched go to
+    the next registration that matches them again (the built-ins in the end). False when it was not registered."""
+    key: VolumeMatch = (scheme_or_predicate.lower().rstrip(":/") if isinstance(scheme_or_predicate, str)
+                        else scheme_or_predicate)
+    kept = [b for b in _backends if b[0] != key]
+    removed = len(kept) != len(_backends)
+    _backends[:] = kept
+    return removed
+
+
 def volume_class(path: str) -> type[Volume]:
     """The registered backend class for ``path`` (the latest registration that matches)."""
     for _, matches, cls in _backends:
