@@ -1,4 +1,5 @@
 """Protection records: written, read, reaped with their owner, counted per stream (ucmagic.files.protection)."""
+import contextlib
 import multiprocessing as mp
 import os
 import sys
@@ -94,3 +95,41 @@ def test_a_record_naming_an_entry_by_its_record_names_protects_it(tmp_path):
     assert names == [record_name(p)]
     c.write_record(c.record_path(process_tag(), 0), names)
     assert c.evict(10**9) == 0 and os.path.exists(p)
+
+
+def test_a_record_that_grows_on_a_full_disk_keeps_every_old_name_and_says_so(tmp_path):
+    """A record rewritten longer on a full cache disk must not be cut short silently (a short write
+    lost the names past the point where the disk ran out, and eviction then removed files a loop was
+    about to open): the old record stays whole and the write raises ENOSPC."""
+    import errno
+    import subprocess
+
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)], capture_output=True,
+                       text=True, timeout=20)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    try:
+        c = FileCache(str(mnt / "c"))
+        rec = c.record_path(process_tag(), 0)
+        old = [f"{i:04d}" + "o" * 60 for i in range(50)]  # ~3 kB: one page
+        c.write_record(rec, old)
+        fd = os.open(mnt / "ballast", os.O_WRONLY | os.O_CREAT, 0o600)
+        with contextlib.suppress(OSError):  # the disk is full now, to the last byte
+            while os.write(fd, b"\0" * 4096):
+                pass
+        os.close(fd)
+        grown = old + [f"{i:04d}" + "n" * 60 for i in range(200)]  # ~16 kB: needs pages the disk lacks
+        with pytest.raises(OSError) as info:  # before: no error, and the record named 64 of the 250
+            c.write_record(rec, grown)
+        assert info.value.errno in (errno.ENOSPC, errno.EDQUOT)
+        assert c.protected_names() == set(old)
+        os.unlink(mnt / "ballast")
+        c.write_record(rec, grown)
+        assert c.protected_names() == set(grown)
+        c.drop_record(rec)
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False, capture_output=True, timeout=20)

@@ -31,9 +31,10 @@ from .protection import release_at_exit
 from ..errors import NotAnEntryError
 from ..dist import dist_info, local_world_size
 from .epochs import EpochTracking, StateSchema, refuse_split_twice
-from ..errors import (BudgetTooSmallError, CacheFullError, CacheFullFetchError, FetchError, InvalidArgumentError,
+from ..errors import (BudgetTooSmallError, FetchError, InvalidArgumentError,
                      SourceChangedError)
-from .fetch import read_ahead, restart_timeout, shared_pool, with_retries
+from .fetch import read_ahead, restart_timeout, shared_pool
+from .filler import CacheFiller, SkipPolicy
 from .listing import VALIDATE_MODES, Listing, forget_listing, open_listing
 from ..progress import Progress
 from .._shared import SharedBits, SharedInts
@@ -216,7 +217,13 @@ class _Stream:
 
     def _write(self) -> None:
         if not self._stop.is_set():  # stopped (its dataset is gone, or its next iteration began): no more
-            self.cache.write_record(self.path, self.items.names(self.lo, self.hi))
+            names = self.items.names(self.lo, self.hi)
+            try:
+                self.cache.write_record(self.path, names)
+            except OSError as exc:  # the record could not grow (the old one stays whole): a full cache disk
+                if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise self.cache.disk_full(sum(len(n) + 1 for n in names)) from exc
+                raise
 
     def _done(self) -> int:
         c = self.consumed()
@@ -894,6 +901,8 @@ class UCVolumeDataset(EpochTracking, IterableDataset[str]):
         self._lease_items, self._lease_set = DEFAULT_LEASE_ITEMS, False
         self._init_epochs()
         self._counters = SharedCounters()
+        self.filler = CacheFiller(self.cache, retries=self.retries, counters=self._counters,
+                                  skip=SkipPolicy(on_error, on_missing))
         self._consumed = SharedInts(MAX_STREAMS + 2)  # items the loop finished, per worker stream
         self._resume: dict[str, Any] | None = None
         self._delivered_main = 0
@@ -996,39 +1005,11 @@ class UCVolumeDataset(EpochTracking, IterableDataset[str]):
     def _fetch(self, e: FileEntry, key: tuple[str, str] | None = None, *, may_exceed: Callable[[], bool] | None = None,
                on_wait: Callable[[], None] | None = None, looked_up: bool = False,
                count_hit: bool = True) -> tuple[str, bool]:
-        """``(cached path, copied now)`` for ``e``: a hit, or one (single-flight) copy from the volume.
-        Counted in the stats as a miss or (unless not ``count_hit``) a hit."""
+        """``(cached path, copied now)`` for ``e``: a hit, or one (single-flight) copy from the volume
+        (:meth:`CacheFiller.fill_file`). Counted in the stats as a miss or (unless not ``count_hit``) a hit."""
         key_, suffix = key or self._key(e)
-        t0 = time.perf_counter()  # FileCache.fill looks the entry up first: a hit returns fetched=False
-        volume = self.volume
-        kw = {"expect": e} if _takes_expect(volume) else {}
-
-        def write(tmp: str) -> int:
-            return volume.copy_to(e.path, tmp, **kw)
-
-        def attempt(_: Any) -> tuple[str, bool]:
-            try:
-                return self.cache.fill(key_, suffix, e.size, write, may_exceed=may_exceed, on_wait=on_wait,
-                                       looked_up=looked_up, rel=e.path, space=self.space)
-            except OSError as exc:
-                if exc.errno in (errno.ENOSPC, errno.EDQUOT):  # the cache disk, not the file: not retried
-                    raise self.cache.disk_full(e.size) from exc
-                raise
-
-        try:
-            path, fetched = with_retries(attempt, None, self.retries, on_retry=lambda _: self._counters.add(retries=1))
-        except FetchError:
-            raise
-        except CacheFullError as exc:  # catchable as CacheFullError (and FetchError), naming the file
-            raise CacheFullFetchError(f"{self.volume.display(e.path)}: {exc}") from exc
-        except Exception as exc:
-            raise copy_error(self.volume, e.path, exc) from exc
-        if fetched:
-            self._counters.add(misses=1, bytes_fetched=e.size)
-            self._counters.record_latency(time.perf_counter() - t0)
-        elif count_hit:
-            self._counters.add(hits=1)
-        return path, fetched
+        return self.filler.fill_file(self.volume, e, key_, suffix, rel=e.path, space=self.space, may_exceed=may_exceed,
+                                     on_wait=on_wait, looked_up=looked_up, count_hit=count_hit)
 
     def _fetch_item(self, items: StreamItems, pos: int, *, may_exceed: Callable[[], bool],
                     on_wait: Callable[[], None], looked_up: bool,
@@ -1103,9 +1084,7 @@ class UCVolumeDataset(EpochTracking, IterableDataset[str]):
         list(shared_pool(CHECK_THREADS, "check").map(same, [todo[a:a + step] for a in range(0, len(todo), step)]))
 
     def _skippable(self, exc: BaseException) -> bool:
-        if isinstance(exc, CacheFullError):  # the cache disk or budget, not the file: every next one fails too
-            return False
-        return self.on_error == "skip" or (self.on_missing == "skip" and _source_missing(exc))
+        return self.filler.skippable(exc)
 
     def _consumption(self, slot: int) -> Callable[[], int | None]:
         """Items of stream ``slot`` the loop has finished with (ucmagic.DataLoader), else None."""

@@ -47,8 +47,15 @@ class ProtectionRecords:
             # ext4 flush it first (auto_da_alloc, ~5 ms a call), and evictions, which read records
             # under the exclusive lock, never see a half-written one. A process killed between the
             # two calls leaves the new names plus a tail of old ones: more protection, never less.
+            # A record that grows gets its room first: on a full disk a write stops short (silently,
+            # the names past that point lost), while a failed allocation leaves the old record whole.
             fd = self.kept.fd(path)
-            os.pwrite(fd, data, 0)
+            grow = len(data) - os.fstat(fd).st_size
+            if grow > 0 and hasattr(os, "posix_fallocate"):
+                os.posix_fallocate(fd, len(data) - grow, grow)
+            view, done = memoryview(data), 0
+            while done < len(data):
+                done += os.pwrite(fd, view[done:], done)
             os.ftruncate(fd, len(data))
 
     def drop_record(self, path: str) -> None:
