@@ -5,7 +5,7 @@ It stores files in a local directory but declares itself remote (no ``local_root
 ``atomic_rename = False`` as on object stores), and counts every call it serves per root, so a test can
 prove that a path went through it::
 
-    from toy_backend import toy_backend  # noqa: F401  (the fixture)
+    from toy_backend import toy_backend_fixture  # noqa: F401  (the ``toy_backend`` fixture)
 
     def test_x(toy_backend):
         (toy_backend.root / "a.bin").write_bytes(b"...")
@@ -35,7 +35,7 @@ from ucmagic.files.volume import (FileEntry, Volume, check_unchanged, filter_ent
 
 SCHEME = "toy"
 
-# root -> method name -> calls served, in this process
+# absolute local path served (the root plus the call's ``rel``) -> method name -> calls, in this process
 CALLS: dict[str, Counter[str]] = {}
 
 
@@ -74,8 +74,8 @@ class ToyVolume(Volume):
 
     # ------------------------------------------------------------ bookkeeping
 
-    def _count(self, what: str) -> None:
-        CALLS.setdefault(self.root, Counter())[what] += 1
+    def _count(self, what: str, rel: str = "") -> None:
+        CALLS.setdefault(self._path(rel), Counter())[what] += 1
 
     def _path(self, rel: str) -> str:
         rel = rel.strip("/")
@@ -99,12 +99,12 @@ class ToyVolume(Volume):
         return self._check_listing(filter_entries(entries, pattern), pattern)
 
     def stat(self, rel: str) -> FileEntry:
-        self._count("stat")
+        self._count("stat", rel)
         st = os.stat(self._path(rel))
         return FileEntry(rel, st.st_size, st.st_mtime)
 
     def copy_to(self, rel: str, dest: str, *, expect: FileEntry | None = None) -> int:
-        self._count("copy_to")
+        self._count("copy_to", rel)
         if expect is not None and expect.size >= self.range_threshold:
             return self.ranged_copy(rel, dest, expect)
         with open(self._path(rel), "rb") as src, open(dest, "wb") as out:
@@ -114,13 +114,13 @@ class ToyVolume(Volume):
         return n
 
     def range_reader(self, rel: str) -> _Reader:
-        self._count("range_reader")
+        self._count("range_reader", rel)
         return _Reader(self._path(rel))
 
     # ------------------------------------------------------------ the write side
 
     def write_bytes(self, rel: str, data: bytes) -> None:
-        self._count("write_bytes")
+        self._count("write_bytes", rel)
         target = self._path(rel)
         os.makedirs(os.path.dirname(target), exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(target), prefix=".toy-")
@@ -129,27 +129,27 @@ class ToyVolume(Volume):
         os.replace(tmp, target)
 
     def upload(self, local_path: str, rel: str) -> None:
-        self._count("upload")
+        self._count("upload", rel)
         with open(local_path, "rb") as f:
             data = f.read()
         self.write_bytes(rel, data)
-        CALLS[self.root]["write_bytes"] -= 1  # counted once, as an upload
+        CALLS[self._path(rel)]["write_bytes"] -= 1  # counted once, as an upload
 
     def read_bytes(self, rel: str) -> bytes:
-        self._count("read_bytes")
+        self._count("read_bytes", rel)
         with open(self._path(rel), "rb") as f:
             return f.read()
 
     def exists(self, rel: str) -> bool:
-        self._count("exists")
+        self._count("exists", rel)
         return os.path.exists(self._path(rel))
 
     def makedirs(self, rel: str) -> None:
-        self._count("makedirs")
+        self._count("makedirs", rel)
         os.makedirs(self._path(rel), exist_ok=True)
 
     def remove(self, rel: str, *, missing_ok: bool = True) -> None:
-        self._count("remove")
+        self._count("remove", rel)
         try:
             os.remove(self._path(rel))
         except FileNotFoundError:
@@ -157,7 +157,7 @@ class ToyVolume(Volume):
                 raise
 
     def remove_tree(self, rel: str) -> None:
-        self._count("remove_tree")
+        self._count("remove_tree", rel)
         path = self._path(rel)
         if os.path.isdir(path):
             shutil.rmtree(path)
@@ -165,14 +165,14 @@ class ToyVolume(Volume):
             os.remove(path)
 
     def rename(self, src_rel: str, dst_rel: str) -> None:
-        self._count("rename")
+        self._count("rename", src_rel)
         dst = self._path(dst_rel)
         os.makedirs(os.path.dirname(dst), exist_ok=True)
         shutil.copyfile(self._path(src_rel), dst)  # a copy then a delete, as on an object store
         os.remove(self._path(src_rel))
 
     def list_names(self, rel: str) -> list[str]:
-        self._count("list_names")
+        self._count("list_names", rel)
         path = self._path(rel)
         return sorted(os.listdir(path)) if os.path.isdir(path) else []
 
@@ -198,7 +198,7 @@ class ToyBackend:
 
     @property
     def calls(self) -> Counter[str]:
-        """Calls served on volumes rooted at or under :attr:`root` (a URL of a subfolder is another root)."""
+        """Calls served on paths at or under :attr:`root` (whatever root the serving volume had)."""
         total: Counter[str] = Counter()
         for root, counts in CALLS.items():
             if root == str(self.root) or root.startswith(str(self.root) + os.sep):
@@ -211,8 +211,8 @@ class ToyBackend:
         return sum(calls[m] for m in methods) if methods else sum(calls.values())
 
 
-@pytest.fixture
-def toy_backend(tmp_path: Path) -> Iterator[ToyBackend]:
+@pytest.fixture(name="toy_backend")
+def toy_backend_fixture(tmp_path: Path) -> Iterator[ToyBackend]:
     """``toy://`` registered for the test over a fresh directory ``tmp_path / "toy"``, unregistered after."""
     root = tmp_path / "toy"
     root.mkdir()

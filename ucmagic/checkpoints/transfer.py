@@ -24,7 +24,7 @@ from .._util import RetryPolicy, copy_local, is_remote_url, open_emptied, path_u
 from ..files.cache_layout import default_cache_dir
 from ..files.locks import (check_write_dest, dir_problem, pid_running, private_dir, process_tag, refuse_links_below,
                            tag_alive)
-from ..files.volume import FsspecVolume, Volume, open_volume
+from ..files.volume import FsspecVolume, Volume, open_volume, volume_class
 from .format import FileRecord
 from ..errors import (
     CheckpointCorruptError,
@@ -366,7 +366,7 @@ def remove_quietly(path: str) -> None:
 # as on a disk. Local paths keep the code above, unchanged.
 
 _OPTIONS: dict[str, dict[str, Any]] = {}  # "s3://bucket" -> storage options a writer/reader was given
-_VOLUMES: dict[tuple[str, str], Volume] = {}
+_VOLUMES: dict[tuple[str, str, type[Volume]], Volume] = {}  # a backend registered later is a new key
 _VOLUMES_MU = threading.Lock()
 
 
@@ -398,13 +398,16 @@ def locate(url: str) -> tuple[Volume, str]:
     base, rel = _store(url)
     with _VOLUMES_MU:
         opts = _OPTIONS.get(base, {})
-        key = (base, repr(sorted(opts.items())))
+        key = (base, repr(sorted(opts.items())), volume_class(base))
         vol = _VOLUMES.get(key)
         if vol is None:
             try:
                 vol = open_volume(base, opts or None)
             except SourceNotFoundError:  # cannot be listed (a bucket policy): writes may still work
-                vol = FsspecVolume(base, opts or None)
+                cls = volume_class(base)
+                if not issubclass(cls, FsspecVolume):  # a registered backend's own from_path said no
+                    raise
+                vol = cls(base, opts or None)
             except ValueError as e:  # fsspec knows no such protocol
                 raise CheckpointError(f"cannot open the store of checkpoint path {url}: {e}; pass a directory or "
                                       "an fsspec URL whose protocol is installed (s3://, gs://, ...)") from None
