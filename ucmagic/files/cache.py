@@ -40,7 +40,6 @@ from .budget import DEFAULT_MIN_FREE, BudgetKeeper, reap
 from .cache_layout import (CacheLayout, RemovalToken, cache_root, entry_file, other_version_file,
                            STAMP_S_BITS, protection_name, serial, version_stamp)
 from .cache_usage import CacheUsage
-from .fetch import watch_progress
 from .handles import key_locks, kept_open
 from .locks import process_tag
 from .protection import ProtectionRecords
@@ -226,7 +225,8 @@ class FileCache:
 
     def fill(self, key: str, suffix: str, size: int, write: Callable[[str], int], *,
              may_exceed: Callable[[], bool] | None = None, on_wait: Callable[[], None] | None = None,
-             looked_up: bool = False, rel: str | None = None, space: str | None = None) -> tuple[str, bool]:
+             looked_up: bool = False, rel: str | None = None, space: str | None = None,
+             progress: Callable[[Callable[[], object] | None], None] | None = None) -> tuple[str, bool]:
         """Return the entry for ``key``, calling ``write(tmp_path) -> nbytes`` once if it is missing.
 
         Returns ``(path, fetched)``. Concurrent callers (threads or processes) for one key wait for
@@ -236,7 +236,9 @@ class FileCache:
         ``looked_up``: the caller just found no entry, or expects none (a run of misses): the lookup
         before the lock is skipped (the one under the lock still runs, so a hit is still found).
         ``rel``, ``space``: the source's relative path, kept at the end of the entry's path, and the
-        dataset root's space (see :meth:`lookup`).
+        dataset root's space (see :meth:`lookup`). ``progress`` is told a probe of the bytes written
+        while the copy runs, then None (e.g. :func:`ucmagic.files.fetch.watch_progress`; fills go
+        through :class:`ucmagic.files.filler.CacheFiller`, which passes it).
         The file is copied under ``tmp/``, stamped with its version and linked to its name in
         ``files/`` in one step once complete, so a reader never sees a partial file; an entry is
         never replaced in place (another version goes to its own place).
@@ -267,7 +269,8 @@ class FileCache:
                 if anon < 0 and tmp is None:
                     tmp = self.layout.tmp_path(key, size, "part")
                 part = f"/proc/self/fd/{anon}" if anon >= 0 else (tmp or "")
-                watch_progress((lambda: _written(os.fstat(anon))) if anon >= 0 else (lambda: _written(os.stat(part))))
+                if progress is not None:
+                    progress((lambda: _written(os.fstat(anon))) if anon >= 0 else (lambda: _written(os.stat(part))))
                 try:
                     _check_size(write(part), size)
                     os.utime(anon if anon >= 0 else part, ns=(time.time_ns(), version_stamp(key)))
@@ -278,7 +281,8 @@ class FileCache:
                             os.unlink(tmp)
                         tmp = None
                 finally:
-                    watch_progress(None)
+                    if progress is not None:
+                        progress(None)
                     if anon >= 0:
                         os.close(anon)
         except BaseException:

@@ -27,13 +27,13 @@ from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
-from ..files import ranged
 from ..files.cache import FileCache
 from ..files.cache_layout import cache_key, entry_record_names
+from ..files.filler import CacheFiller
 from ..files.locks import process_tag
-from ..files.fetch import shared_pool, with_retries
+from ..files.fetch import shared_pool
 from ..telemetry import SharedCounters
-from ..files.volume import FileEntry, Volume, check_unchanged
+from ..files.volume import FileEntry, Volume
 
 CHUNK_SIZE = 32 << 20
 """Default bytes per chunk."""
@@ -76,51 +76,20 @@ class ChunkedFile:
         return entry_record_names(self.key(c), SUFFIX, end - start)
 
 
-class _OffsetReader:
-    """A range reader shifted by ``base`` bytes: ranged_copy of one chunk reads the source at its offset."""
-
-    def __init__(self, reader: ranged.RangeReader, base: int) -> None:
-        self.reader, self.base = reader, base
-
-    def readinto_at(self, offset: int, buf: memoryview) -> int:
-        return self.reader.readinto_at(self.base + offset, buf)
-
-    def close(self) -> None:
-        self.reader.close()
-
-
 def fill_chunk(cache: FileCache, f: ChunkedFile, c: int, *, may_exceed: Callable[[], bool] | None = None,
-               retries: int = 3, checked: set[str] | None = None) -> tuple[str, bool]:
-    """``(path, filled)`` of chunk ``c`` of ``f`` in ``cache``: a hit, or one ranged copy of its bytes.
+               retries: int = 3, checked: set[str] | None = None,
+               filler: CacheFiller | None = None) -> tuple[str, bool]:
+    """``(path, filled)`` of chunk ``c`` of ``f`` in ``cache``: a hit, or one ranged copy of its bytes
+    (:meth:`CacheFiller.fill_range`, the one fill path: ``filler``, else one with ``retries``).
 
     The source is stat'ed before the first fill of ``f`` (tracked in ``checked``) and after every
     fill; a source that no longer matches ``f.entry`` raises SourceChangedError and the chunk is dropped.
     """
-    vol, e = f.volume, f.entry
     start, end = f.span(c)
-    key = f.key(c)
-    hit = cache.lookup(key, SUFFIX, end - start)
-    if hit:
-        return hit, False
-    if checked is None or e.path not in checked:
-        check_unchanged(vol, e, vol.stat(e.path))
-        if checked is not None:
-            checked.add(e.path)
-    range_size = max(1 << 20, min(vol.range_size, f.chunk_size // 4))
-
-    def write(tmp: str) -> int:
-        return ranged.ranged_copy(lambda: _OffsetReader(vol.range_reader(e.path), start), end - start, tmp,
-                                  range_size=range_size, chunk=vol.range_chunk, retries=vol.range_retries)
-
-    path, filled = with_retries(lambda _: cache.fill(key, SUFFIX, end - start, write, may_exceed=may_exceed),
-                                None, retries)
-    if filled:
-        try:
-            check_unchanged(vol, e, vol.stat(e.path))
-        except BaseException:
-            cache.remove([path])
-            raise
-    return path, filled
+    filler = filler or CacheFiller(cache, retries=retries)
+    return filler.fill_range(f.volume, f.entry, start, end, key=f.key(c), suffix=SUFFIX, checked=checked,
+                             may_exceed=may_exceed,
+                             range_size=max(1 << 20, min(f.volume.range_size, f.chunk_size // 4)))
 
 
 class ChunkReader:
@@ -142,6 +111,7 @@ class ChunkReader:
         self.keep = max(1, int(keep))
         self.counters = counters
         self.retries = retries
+        self.filler = CacheFiller(cache, retries=retries, counters=counters)  # the one fill path: counted there
         self._threads = max(1, int(threads))
         self._record = cache.record_path(owner or process_tag(), f"chunks-{slot}-{id(self):x}")
         self._held: OrderedDict[tuple[int, int], int] = OrderedDict()  # (file, chunk) -> open descriptor
@@ -165,16 +135,8 @@ class ChunkReader:
     # ------------------------------------------------------------ fills
 
     def _fill(self, fc: tuple[int, int], wanted: threading.Event) -> str:
-        t0 = time.perf_counter()
         path, filled = fill_chunk(self.cache, self.files[fc[0]], fc[1], may_exceed=wanted.is_set,
-                                  retries=self.retries, checked=self._checked)
-        if self.counters is not None:
-            start, end = self.files[fc[0]].span(fc[1])
-            if filled:
-                self.counters.add(misses=1, bytes_fetched=end - start)
-                self.counters.record_latency(time.perf_counter() - t0)  # the panel's fetch p50/p99: chunk fills
-            else:
-                self.counters.add(hits=1)
+                                  checked=self._checked, filler=self.filler)
         if filled:
             self.fills += 1
         return path
