@@ -90,3 +90,15 @@ def test_checkpoints_save_list_and_load_through_a_registered_backend(toy_backend
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
     assert (toy_backend.root / "run" / "step_2").is_dir()  # written where the backend keeps its files
     assert toy_backend.served("upload", "write_bytes") >= 1 and toy_backend.served("read_bytes", "copy_to") >= 1
+
+
+def test_tar_shards_read_through_a_registered_backend(toy_backend, tmp_path):
+    import ucmagic
+    from ucmagic.shards.pack import pack
+
+    src = tmp_path / "src"
+    data = _files(src)
+    pack(str(src), toy_backend.root / "shards", "1MB", progress=False, workers=1)
+    got = list(ucmagic.TarShards(toy_backend.url("shards"), cache_dir=str(tmp_path / "cache")))
+    assert sorted(s["bin"] for s in got) == sorted(data.values())
+    assert toy_backend.served("list") >= 1 and toy_backend.served("range_reader", "copy_to") >= 1
