@@ -21,7 +21,6 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from .._util import FILL_BUFFER, copy_file_to_path
 from ..files import plan
 from .. import telemetry
 from ..files.cache import FileCache
@@ -29,50 +28,21 @@ from ..files.cache_layout import cache_key
 from ..dist import dist_info
 from ..files.epochs import EpochTracking, LoaderNeeds, StateSchema, refuse_split_twice, stream_lengths
 from ..errors import ListingChangedError, UnsupportedSourceError
-from ..files.fetch import read_ahead, with_retries
+from ..files.fetch import read_ahead
+from ..files.filler import CacheFiller
+from ..files.volume import FileEntry
 from .columns import (check_exact, column_kind, mask_key, numeric_numpy, numpy_column,
                       output_kind, temporal_int64, to_pandas)
 from .rows import EpochLayout, Segment
-from .delta import deleted_in, filter_rows, live_counts, live_span
-from .sources import delta_snapshot, hive_partitions, resolve_source
+from .deletion_vectors import deleted_in, filter_rows, live_span
+from .footers import add_partitions, read_footers
+from .sources import delta_snapshot, resolve_source
+from .table_io import TableFiles
 
 STATE_VERSION = 1
 DEFAULT_SHUFFLE_BUFFER = 65536
 
 __all__ = ["ParquetDataset"]
-
-
-class _File:
-    """One Parquet file: ``group_rows`` are the rows each row group yields (after a Delta deletion vector);
-    ``delta`` is its Delta add (None for plain Parquet), ``stored_rows`` the rows stored (with a DV only)."""
-
-    __slots__ = ("path", "size", "mtime", "group_rows", "delta", "stored_rows", "nulls", "partition")
-
-    def __init__(self, path: str, size: int, mtime: float, group_rows: list[int], delta: Any = None,
-                 stored_rows: list[int] | None = None, nulls: frozenset[str] = frozenset()) -> None:
-        self.path, self.size, self.mtime, self.group_rows = path, size, mtime, group_rows
-        self.delta, self.stored_rows = delta, stored_rows
-        self.nulls = nulls  # columns that may hold nulls in this file (footer statistics; logical names)
-        self.partition: dict[str, Any] = {}  # Hive partition values of a plain Parquet directory
-
-
-def _footer_nulls(md: Any, names: Sequence[str]) -> set[str]:
-    """Top-level columns (of ``names``, as the file names them) that may hold nulls: a null count above zero
-    or no null count in a row group's statistics; a column the file lacks counts too."""
-    may: set[str] = set()
-    leaves = [md.schema.column(j).path for j in range(md.num_columns)]
-    for name in names:
-        cols = [j for j, p in enumerate(leaves) if p == name or p.startswith(name + ".")]
-        if not cols:
-            may.add(name)
-            continue
-        for g in range(md.num_row_groups):
-            rg = md.row_group(g)
-            if rg.num_rows and any((st := rg.column(j).statistics) is None or not st.has_null_count
-                                   or st.null_count > 0 for j in cols):
-                may.add(name)
-                break
-    return may
 
 
 FORMATS = ("torch", "numpy", "arrow", "pandas")
@@ -180,8 +150,12 @@ class ParquetDataset(EpochTracking, IterableDataset[Any]):
                 self.snapshot = delta_snapshot(src) if src.kind == "delta" else None
                 paths = [f.path for f in self.snapshot.files] if self.snapshot is not None else list(src.paths)
                 self.remote = any("://" in p for p in paths)
-                self.files, schema = self._read_footers(paths)
-                schema = self._add_partitions(src, schema)
+                self.io = TableFiles(self.snapshot.root if self.snapshot is not None else src.root,
+                                     storage_options)
+                self.files, schema = read_footers(paths, self.snapshot, self.io, timeout=timeout,
+                                                  what=str(self.path))
+                if self.snapshot is None:
+                    schema = add_partitions(src, schema, self.files)
                 break
             except FileNotFoundError:  # an export_parquet overwrite swapped the directory meanwhile?
                 if attempt == 4:
@@ -190,6 +164,7 @@ class ParquetDataset(EpochTracking, IterableDataset[Any]):
         self.use_cache = ((self.remote or any(p.startswith("/Volumes/") for p in paths)) if cache is None
                           else bool(cache))
         self.cache = FileCache(cache_dir, cache_limit) if self.use_cache else None
+        self._fill: CacheFiller | None = None
         names = list(schema.names)
         if columns is not None:
             columns = list(columns)
@@ -222,90 +197,6 @@ class ParquetDataset(EpochTracking, IterableDataset[Any]):
         self._layouts: dict[tuple[Any, ...], EpochLayout] = {}
 
     # ------------------------------------------------------------ metadata
-
-    def _fs(self) -> Any:
-        import fsspec
-
-        return fsspec.core.url_to_fs(self.files[0].path, **(self.storage_options or {}))[0]
-
-    def _read_footers(self, paths: list[str]) -> tuple[list[_File], Any]:
-        """Footers of every file: row groups and (Delta) rows left per row group after its deletion vector,
-        each vector read and dropped in turn; the schema (the Delta table's, or the files' unified)."""
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
-        snap = self.snapshot
-        dfiles = snap.files if snap is not None else [None] * len(paths)
-        fs = None
-        if self.remote:
-            import fsspec
-
-            fs = fsspec.core.url_to_fs(paths[0], **(self.storage_options or {}))[0]
-
-        def footer(item: tuple[str, Any]) -> tuple[_File, Any]:
-            p, dfile = item
-            if fs is not None:
-                info = fs.info(p)
-                with fs.open(p, "rb") as f:
-                    md = pq.read_metadata(f)
-                from ..files.volume import info_mtime
-
-                size, mtime = int(info.get("size") or 0), info_mtime(info)
-            else:
-                st = os.stat(p)
-                md = pq.read_metadata(p)
-                size, mtime = st.st_size, st.st_mtime
-            rows = [md.row_group(i).num_rows for i in range(md.num_row_groups)]
-            stored = None
-            if snap is not None and dfile is not None and dfile.dv is not None:
-                stored, rows = rows, live_counts(snap.deleted_rows(dfile), rows)
-            arrow_schema = md.schema.to_arrow_schema()
-            if snap is not None:  # logical names: absent columns and null partition values count as nulls
-                cols = snap.file_columns(arrow_schema, snap.data_columns)
-                phys = _footer_nulls(md, [v for v in cols.values() if v is not None])
-                nulls = {c for c, v in cols.items() if v is None or v in phys}
-                nulls |= {c for c, v in (dfile.partition if dfile is not None else ()) if v is None}
-            else:
-                nulls = _footer_nulls(md, arrow_schema.names)
-            return _File(p, size, mtime, rows, dfile, stored, frozenset(nulls)), arrow_schema
-
-        got = list(read_ahead(footer, list(zip(paths, dfiles)), depth=16, timeout=self.timeout,
-                              describe=lambda it: it[0]))
-        if snap is not None:  # the table's schema: files may predate columns (nulls) or name them physically
-            return [f for f, _ in got], snap.schema
-        schema = got[0][1]
-        for f, s in got[1:]:
-            missing = [n for n in schema.names if n not in s.names]
-            if missing:
-                raise ValueError(f"{f.path} lacks column {missing[0]!r} that {got[0][0].path} has: "
-                                 "all files of a ParquetDataset need the same columns")
-        if any(s != schema for _, s in got[1:]):  # e.g. string in one file, large_string in another
-            try:
-                schema = pa.unify_schemas([s for _, s in got], promote_options="permissive")
-            except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
-                raise ValueError(f"the files of {self.path!r} have columns of incompatible types ({e}): "
-                                 "write them with one schema") from e
-            schema = pa.schema([schema.field(n) for n in got[0][1].names])
-        return [f for f, _ in got], schema
-
-    def _add_partitions(self, src: Any, schema: Any) -> Any:
-        """Hive ``key=value/`` directories of a plain Parquet directory become columns (typed as pyarrow infers
-        them), appended to the files' schema; each file keeps its values."""
-        import pyarrow as pa
-
-        if self.snapshot is not None:
-            return schema
-        parts, values = hive_partitions(src)
-        if not len(parts):
-            return schema
-        clash = [f.name for f in parts if f.name in schema.names]
-        if clash:
-            raise ValueError(f"{src.describe()}: column {clash[0]!r} is both in the files and a partition "
-                             f"directory ({clash[0]}=...): rename one of them")
-        for f in self.files:
-            f.partition = {p.name: values.get(f.path, {}).get(p.name) for p in parts}
-            f.nulls = f.nulls | {k for k, v in f.partition.items() if v is None}
-        return pa.schema(list(schema) + list(parts))
 
     def _mask_columns(self, names: list[str]) -> list[str]:
         """Columns that get a validity mask (``name + "__valid"``) in the torch and numpy formats: those whose
@@ -357,6 +248,7 @@ class ParquetDataset(EpochTracking, IterableDataset[Any]):
     def __getstate__(self) -> dict[str, Any]:
         st = self.__dict__.copy()
         st["_layouts"] = {}
+        st["_fill"] = None
         return st
 
     @property
@@ -404,26 +296,22 @@ class ParquetDataset(EpochTracking, IterableDataset[Any]):
     # ------------------------------------------------------------ reading
 
     def _local(self, fi: int) -> str:
-        """Local path of file ``fi`` (a cached copy for remote or mounted files)."""
+        """Local path of file ``fi`` (a cached copy for remote or mounted files: the cache's one fill path,
+        :class:`~ucmagic.files.filler.CacheFiller`, through the file's registered volume)."""
         f = self.files[fi]
-        cache = self.cache
-        if cache is None:
+        if self.cache is None:
             return f.path
+        vol, rel = self.io.locate(f.path)
         key = cache_key("parquet", f.path, f.size, f.mtime)
-        hit = cache.lookup(key, ".parquet", f.size)
-        if hit:
-            return hit
-
-        def write(tmp: str) -> int:
-            if self.remote:  # as FsspecVolume's fills: the thread's reused buffer, raw writes
-                with self._fs().open(f.path, "rb") as src:
-                    return copy_file_to_path(src, tmp, buffer_size=FILL_BUFFER)
-            from ..files.volume import LocalVolume
-
-            return LocalVolume(os.path.dirname(f.path)).copy_to(os.path.basename(f.path), tmp)
-
-        path, _ = with_retries(lambda _: cache.fill(key, ".parquet", f.size, write), None, 5)
+        path, _ = self._filler().fill_file(vol, FileEntry(rel, f.size, f.mtime), key, ".parquet")
         return path
+
+    def _filler(self) -> CacheFiller:
+        if self._fill is None:
+            if self.cache is None:
+                raise RuntimeError("this ParquetDataset reads without a cache (cache=False)")
+            self._fill = CacheFiller(self.cache)
+        return self._fill
 
     def _changed(self, fi: int, why: str) -> ListingChangedError:
         return ListingChangedError(
@@ -439,11 +327,17 @@ class ParquetDataset(EpochTracking, IterableDataset[Any]):
             got = readers.get(key)
         if got is not None:
             return got[0]
+        path = self._local(fi)
         try:
-            f = open(self._local(fi), "rb")  # noqa: SIM115 - closed with the reader
+            if path != self.files[fi].path:  # a cached copy
+                f = open(path, "rb")  # noqa: SIM115 - closed with the reader
+                size = os.fstat(f.fileno()).st_size
+            else:  # the file itself, through its volume (plain reads where it is local)
+                size = self.io.stat(path).size
+                f = self.io.open(path, size)
         except FileNotFoundError:
             raise self._changed(fi, "disappeared") from None
-        if os.fstat(f.fileno()).st_size != self.files[fi].size:
+        if size != self.files[fi].size:
             f.close()
             raise self._changed(fi, "changed size")
         # Delta timestamps are microseconds: INT96 files (Spark) read as us, so far dates do not overflow

@@ -335,14 +335,6 @@ def resolve_source(source: Any, *, version: int | None = None,
 
 # ---------------------------------------------------------------- reading with the embedded engine
 
-def _fs_for(src: Source) -> Any:
-    import fsspec
-    import pyarrow.fs as pafs
-
-    fs = fsspec.core.url_to_fs(src.root or src.paths[0], **(src.storage_options or {}))[0]
-    return pafs.PyFileSystem(pafs.FSSpecHandler(fs)), fs
-
-
 def delta_snapshot(src: Source) -> Any:
     """The :class:`~ucmagic.tables.delta.DeltaSnapshot` of a ``delta`` source (its version, files, schema),
     resolved once per source: every reader of the source sees the same version."""
@@ -375,10 +367,13 @@ def arrow_dataset(src: Source, columns: Sequence[str] | None = None) -> Any:
     hive: dict[str, Any] = {}
     if hive_partitioned(src):
         hive = {"partitioning": "hive", "partition_base_dir": fsspec_strip(src.root or "")}
-    if src.remote:
-        pafs, fs = _fs_for(src)
-        paths = [fsspec_strip(p) for p in src.paths]
-        return pads.dataset(paths, format=fmt, filesystem=pafs, **hive)
+    if src.remote:  # read through the registered volume of the source (ranged reads)
+        from .table_io import TableFiles, arrow_filesystem
+
+        fs = arrow_filesystem(TableFiles(src.root, src.storage_options))
+        if hive:
+            hive["partition_base_dir"] = src.root
+        return pads.dataset(list(src.paths), format=fmt, filesystem=fs, **hive)
     return pads.dataset(src.paths, format=fmt, **hive)
 
 
@@ -392,7 +387,7 @@ def hive_partitions(src: Source) -> tuple[Any, dict[str, dict[str, Any]]]:
         return pa.schema([]), {}
     ds = arrow_dataset(src)
     schema = ds.partitioning.schema if ds.partitioning is not None else pa.schema([])
-    by_path = {fsspec_strip(p): p for p in src.paths}
+    by_path = {p if src.remote else fsspec_strip(p): p for p in src.paths}
     values = {by_path.get(fr.path, fr.path): pads.get_partition_keys(fr.partition_expression)
               for fr in ds.get_fragments()}
     return schema, values
