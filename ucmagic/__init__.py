@@ -100,6 +100,9 @@ _EXPORTS = {
     "SampleStream": "shards.samples",
     "mix": "shards.mix",
     "ShardFormatError": "errors",
+    "files_from_table": "tables.volume_table",
+    "TableFilesDataset": "tables.volume_table",
+    "DuplicatePathError": "errors",
 }
 
 __all__ = sorted(_EXPORTS)

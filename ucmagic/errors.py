@@ -233,6 +233,10 @@ class MagicUsageError(UCMagicError, ValueError):
     """A magic was used wrongly (raised instead of IPython's UsageError when ``UCMAGIC_RAISE=1``)."""
 
 
+class DuplicatePathError(UCMagicError, ValueError):
+    """Several rows of a table given to ``files_from_table`` name the same file (one row per file)."""
+
+
 EXTRAS = {"matplotlib": "notebook", "ipywidgets": "notebook", "IPython": "notebook", "mlflow": "mlflow",
           "s3fs": "s3", "deltalake": "delta", "pyspark": "spark", "mfusepy": "fuse"}
 
