@@ -35,7 +35,7 @@ from typing import Any, Mapping, Sequence
 
 # ---------------------------------------------------------------- dimensions
 
-KINDS = ("files", "wrapper", "parquet", "tar_map", "tar_stream", "tokens", "mix", "user_map", "user_iter")
+KINDS = ("files", "wrapper", "parquet", "tar_map", "tar_stream", "tokens", "mix", "user_map", "user_iter", "table")
 DIMS: dict[str, tuple[Any, ...]] = {
     "kind": KINDS,
     "consumer": ("plain", "torch", "uc"),
@@ -47,7 +47,7 @@ DIMS: dict[str, tuple[Any, ...]] = {
 }
 MAP_STYLE = frozenset({"tar_map", "tokens", "user_map"})  # len() and [i]: a sampler orders them
 # kinds whose own state_dict() serves a plain single-process loop
-PLAIN_STATE = frozenset({"files", "parquet", "tar_stream", "mix"})
+PLAIN_STATE = frozenset({"files", "parquet", "tar_stream", "mix", "table"})
 # kinds that reshuffle per epoch (a user IterableDataset of its own shuffles once, with a fixed seed)
 RESHUFFLED = frozenset(KINDS) - {"user_iter"}
 RESHUFFLE_MIN = 8  # from 8 items up two epochs' permutations coincide with odds under 1/40,000

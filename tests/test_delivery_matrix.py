@@ -4,15 +4,17 @@ model of tests/oracle_delivery.py (its docstring states the rules).
 Dimensions (tests/oracle_delivery.DIMS; cell ids ``kind-consumer-wN-start-shuf|seq-resume-change``):
 dataset kind (UCVolumeDataset, the seeds' wrapper IterableDataset around it, ParquetDataset, TarShards
 map-style and ``.stream()``, TokenWindows, ``mix`` of two tar streams, a user map-style Dataset, a user
-IterableDataset) x consumer (plain loop, torch's DataLoader, ucmagic.DataLoader) x workers (0-3) x start
+IterableDataset, ``files_from_table``: labels from a Parquet table, files from the volume, each item's label
+checked against its file) x consumer (plain loop, torch's DataLoader, ucmagic.DataLoader) x workers (0-3) x start
 method (fork, spawn) x shuffle x resume point (none: two whole epochs; a random batch; the epoch's end;
 a random batch of epoch 1 without set_epoch; after a ``break``) x change on resume (none, num_workers,
 world size: saved on 2 gloo ranks, resumed on 1). Impossible combinations are mapped with their reason
 (:func:`oracle_delivery.impossible`).
 
-Data: 48 items of each kind (files of 1-3 KiB under ``train/class<k>/``, 48 Parquet rows in 3 row
-groups, 48 tar samples in 3 shards, 48 windows of 8 uint16 tokens over 2 files; the mix draws from those
-tar samples and 24 others). Batches of 4. The resumed run is a new process that reads the state as JSON.
+Data: 48 items of each kind (files of 1-3 KiB under ``train/class<k>/`` and a Parquet table of their labels,
+48 Parquet rows in 3 row groups, 48 tar samples in 3 shards, 48 windows of 8 uint16 tokens over 2 files; the
+mix draws from those tar samples and 24 others). Batches of 4. The resumed run is a new process that reads the
+state as JSON.
 
 Runs: the default suite takes an all-pairs sample (allpairspy, impossible cells filtered out); ``--matrix=full``
 (or ``UCMAGIC_MATRIX=full``) the whole product; :func:`test_exactly_once_over_drawn_cells` draws cells with
@@ -109,6 +111,10 @@ def write_data(root: str) -> dict[str, Any]:
     pqdir = os.path.join(root, "parquet")
     os.makedirs(pqdir)
     pq.write_table(pa.table({"id": list(range(COUNT))}), os.path.join(pqdir, "part-0.parquet"), row_group_size=16)
+    labels = os.path.join(root, "labels")
+    os.makedirs(labels)
+    pq.write_table(pa.table({"path": rels, "label": [int(r.split("/")[1][5:]) for r in rels]}),
+                   os.path.join(labels, "part-0.parquet"))
 
     def tars(d: str, prefix: str, n: int, per: int) -> list[str]:
         os.makedirs(d)
@@ -130,10 +136,10 @@ def write_data(root: str) -> dict[str, Any]:
     half = len(tokens) // 2 + 3  # a window crosses the file boundary
     tokens[:half].tofile(os.path.join(tok, "part-0.bin"))
     tokens[half:].tofile(os.path.join(tok, "part-1.bin"))
-    items = {"files": rels, "wrapper": rels, "parquet": [f"r{i:03d}" for i in range(COUNT)], "tar_map": keys,
-             "tar_stream": keys, "tokens": [f"t{i:03d}" for i in range(COUNT)],
+    items = {"files": rels, "wrapper": rels, "table": rels, "parquet": [f"r{i:03d}" for i in range(COUNT)],
+             "tar_map": keys, "tar_stream": keys, "tokens": [f"t{i:03d}" for i in range(COUNT)],
              "user_map": [f"u{i:03d}" for i in range(COUNT)], "user_iter": [f"v{i:03d}" for i in range(COUNT)]}
-    return {"paths": {"files": files, "parquet": pqdir, "tars": os.path.join(root, "tars"),
+    return {"paths": {"files": files, "table": labels, "parquet": pqdir, "tars": os.path.join(root, "tars"),
                       "tars_b": os.path.join(root, "tars_b"), "tokens": tok, "count": COUNT}, "items": items}
 
 
@@ -344,7 +350,7 @@ def test_every_combination_is_run_or_mapped_with_a_reason():
     for vals in itertools.product(*oracle.DIMS.values()):
         c = dict(zip(names, vals))
         assert (oracle.cell_id(c) in full) != bool(oracle.impossible(c)), oracle.cell_id(c)
-    assert len(full) == 1814
+    assert len(full) == 2020
 
 
 def test_the_default_sample_holds_every_pair_the_product_holds():

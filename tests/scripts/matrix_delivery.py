@@ -92,6 +92,8 @@ def make_dataset(kind: str, shuffle: bool, data: dict[str, Any], cache: str) -> 
     if kind in ("files", "wrapper"):
         ds = ucmagic.UCVolumeDataset(data["files"], shuffle=shuffle, seed=SEED, cache_dir=cache)
         return ds if kind == "files" else Wrapper(ds)
+    if kind == "table":  # labels from a Parquet table, files from the volume
+        return ucmagic.files_from_table(data["table"], root=data["files"], shuffle=shuffle, seed=SEED, cache_dir=cache)
     if kind == "parquet":
         return ucmagic.ParquetDataset(data["parquet"], columns=["id"], batch_size=BATCH, shuffle=shuffle, seed=SEED)
     if kind in ("tar_map", "tar_stream"):
@@ -151,8 +153,16 @@ def ids(kind: str, x: Any, batched: bool) -> list[str]:
     if kind == "tokens":
         rows = x if batched else x.unsqueeze(0)
         return [f"t{int(r[0]) // BLOCK:03d}" for r in rows]
+    if kind == "table":  # an item's id is its file's, marked where its label is not that file's row's
+        pairs = zip(x["path"], x["label"].tolist()) if batched else [(x["path"], x["label"])]
+        return [labelled(header(p), int(label)) for p, label in pairs]
     got = list(x) if batched else [x]
     return [header(p) for p in got] if kind == "files" else [str(v) for v in got]
+
+
+def labelled(rel: str, label: int) -> str:
+    """``rel`` when ``label`` is its row's (the class in its folder name), else a mark the judge counts unplanned."""
+    return rel if rel.split("/")[1] == f"class{label}" else f"mislabelled {rel} as {label}"
 
 
 def run_epoch(c: dict[str, Any], ds: Any, source: Any, epoch: int, stop: int | None,
