@@ -10,8 +10,9 @@ from __future__ import annotations
 import ctypes
 import math
 import multiprocessing as mp
+import time
 from array import array
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -214,38 +215,143 @@ def take_items(n: int) -> tuple[bytes, bytes, int]:
     return idx, fetch, nbytes
 
 
+# ------------------------------------------------------------------ stage clock (the producing process)
+#
+# Where a batch's time goes inside the process that produces it, measured per batch (the clock reads are
+# per batch, not per item, except ucmagic's fetch under a user's wrapper):
+#   1. the batch starts when its index reaches the producing process: BatchStart, unpickled in a worker
+#      (the loader's index sampler marks it directly with num_workers=0): batch_started();
+#   2. under a user's wrapper, the time inside the planned dataset's next() adds up (fetch_timed(), which
+#      the planned dataset puts around its own iterator when set_fetch_timing(True) was called here);
+#   3. ItemCollate reads the clock at collate start and end, and sends the batch's StageTimes with it.
+
+STAGES = ("fetch", "user", "collate")  # seconds per batch in the producing process, in this order
+_clock = [0.0, 0.0, 0.0]  # [batch start (perf_counter; 0: not marked), fetch seconds since, last collate end]
+_timing = [False]  # time the planned dataset's next() (a user's wrapper is around it)
+
+
+def batch_started() -> None:
+    """The producing process takes the next batch's index now (its stage clock starts)."""
+    _clock[0] = time.perf_counter()
+
+
+def _received(value: Any) -> Any:
+    batch_started()
+    return value
+
+
+class BatchStart:
+    """An index a DataLoader worker receives; unpickling it marks the batch's start there and gives
+    back the index itself (``value``), so the fetcher sees what torch's sampler yielded."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __reduce__(self) -> tuple[Callable[[Any], Any], tuple[Any]]:
+        return _received, (self.value,)
+
+
+def set_fetch_timing(on: bool) -> None:
+    """Time every planned dataset iterator this process opens from now on (see :func:`fetch_timed`)."""
+    _timing[0] = bool(on)
+
+
+def fetch_timed(it: Iterator[Any]) -> Iterator[Any]:
+    """``it`` itself, or, when fetch timing is on here (a user's wrapper iterates a planned dataset),
+    an iterator adding the time spent in ``next(it)`` to this process's stage clock."""
+    return _timed(it) if _timing[0] else it
+
+
+def _timed(it: Iterator[Any]) -> Iterator[Any]:
+    nxt, perf, clock = it.__next__, time.perf_counter, _clock
+    try:
+        while True:
+            t0 = perf()
+            try:
+                x = nxt()
+            except StopIteration:
+                return
+            clock[1] += perf() - t0
+            yield x
+    finally:
+        close = getattr(it, "close", None)
+        if close is not None:
+            close()
+
+
+class StageMode:
+    """How the producing process's time splits for a loader's dataset (:class:`ItemCollate`'s ``mode``)."""
+
+    PLANNED = 0  # ucmagic's own dataset: everything before collate is its fetch
+    WRAPPER = 1  # a user's dataset around a planned one: fetch is timed inside, the rest is the user's
+    OTHER = 2  # any other dataset (map-style ``__getitem__``, a plain IterableDataset): the user's
+
+
+def _stage_times(mode: int, t_collate: float, t_end: float) -> tuple[float, float, float]:
+    """``(fetch, user, collate)`` seconds of the batch whose collate ran ``t_collate``-``t_end``; resets the clock."""
+    start, fetched, last = _clock
+    begun = start or last  # not marked (a plain iterable with workers): since the last batch's collate
+    produce = t_collate - begun if begun else math.nan
+    _clock[0], _clock[1], _clock[2] = 0.0, 0.0, t_end
+    if mode == StageMode.PLANNED:
+        return produce, 0.0, t_end - t_collate
+    if mode == StageMode.WRAPPER:
+        return fetched, max(0.0, produce - fetched), t_end - t_collate
+    return 0.0, produce, t_end - t_collate
+
+
 class BatchItems:
-    """A batch travelling from a worker with the fetch records of its items (unwrapped by the loader)."""
+    """A batch travelling from a worker with the fetch records of its items and its stage times
+    (``stages``: seconds in :data:`STAGES` order), unwrapped by the loader."""
 
-    __slots__ = ("batch", "worker", "index", "fetch", "nbytes")
+    __slots__ = ("batch", "worker", "index", "fetch", "nbytes", "stages")
 
-    def __init__(self, batch: Any, worker: int, index: bytes, fetch: bytes, nbytes: int) -> None:
+    def __init__(self, batch: Any, worker: int, index: bytes, fetch: bytes, nbytes: int,
+                 stages: tuple[float, float, float] = (math.nan, math.nan, math.nan)) -> None:
         self.batch, self.worker, self.index, self.fetch, self.nbytes = batch, worker, index, fetch, nbytes
+        self.stages = stages
 
     def pin_memory(self, device: Any = None) -> BatchItems:  # the pin-memory thread pins the batch inside
         from ._torch_compat import pin_memory
 
-        return BatchItems(pin_memory(self.batch, device), self.worker, self.index, self.fetch, self.nbytes)
+        return BatchItems(pin_memory(self.batch, device), self.worker, self.index, self.fetch, self.nbytes,
+                          self.stages)
 
 
 class ItemCollate:
-    """Wraps a DataLoader's ``collate_fn``: each batch leaves its process with its items' records."""
+    """Wraps a DataLoader's ``collate_fn``: each batch leaves its process with its items' records and
+    its stage times (``mode``: a :class:`StageMode`). Unpickled in a spawned worker under a wrapper, it
+    turns fetch timing on there (a forked one inherits the main process's setting)."""
 
-    def __init__(self, inner: Callable[[Any], Any]) -> None:
+    def __init__(self, inner: Callable[[Any], Any], mode: int = StageMode.PLANNED) -> None:
         self.inner = inner
+        self.mode = mode
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        if self.mode == StageMode.WRAPPER:
+            set_fetch_timing(True)
 
     def __call__(self, data: Any) -> BatchItems:
+        t0 = time.perf_counter()
         n = len(data) if isinstance(data, list) else 1
         index, fetch, nbytes = take_items(n)
         info = worker_info()
-        return BatchItems(self.inner(data), -1 if info is None else info.id, index, fetch, nbytes)
+        out = self.inner(data)
+        stages = _stage_times(self.mode, t0, time.perf_counter())
+        return BatchItems(out, -1 if info is None else info.id, index, fetch, nbytes, stages)
 
 
 class ItemLog:
     """Per-batch item records in the main process: which items each batch held (file index), each
     item's fetch time and hit/miss, plus per-batch epoch, worker, rank, miss count and bytes.
 
-    Memory: 8 bytes per item and 26 per batch, items kept in detail up to ``cap`` (default 10 M,
+    Each batch's stage times in its producing process (:data:`STAGES`: fetch, user, collate seconds;
+    NaN when not measured) are kept for every batch.
+
+    Memory: 8 bytes per item and 38 per batch, items kept in detail up to ``cap`` (default 10 M,
     80 MB); later batches keep their per-batch totals.
     """
 
@@ -260,15 +366,21 @@ class ItemLog:
         self.nbytes = array("q")
         self.index = array("i")
         self.fetch = array("f")  # seconds, negative for a hit
+        self.stage_fetch = array("f")  # the producing process's seconds per batch (STAGES)
+        self.stage_user = array("f")
+        self.stage_collate = array("f")
         self.truncated = False
 
     def __len__(self) -> int:
         return len(self.start)
 
     def add(self, epoch: int, worker: int, index: bytes = b"", fetch: bytes = b"", nbytes: int = 0,
-            rank: int = 0) -> None:
-        """Append one batch (its items' ``index`` int32 and ``fetch`` float32 bytes)."""
+            rank: int = 0, stages: Sequence[float] = (math.nan, math.nan, math.nan)) -> None:
+        """Append one batch (its items' ``index`` int32 and ``fetch`` float32 bytes, its stage seconds)."""
         n = len(index) // 4
+        self.stage_fetch.append(stages[0])
+        self.stage_user.append(stages[1])
+        self.stage_collate.append(stages[2])
         self.start.append(len(self.index))
         self.count.append(n)
         self.epoch.append(epoch)
@@ -296,13 +408,14 @@ class ItemLog:
 
     def arrays(self) -> dict[str, np.ndarray]:
         """Every per-batch column and the item columns as numpy arrays (copies)."""
-        out = {k: np.array(getattr(self, k)) for k in ("start", "count", "epoch", "worker", "rank", "misses",
-                                                         "nbytes", "index", "fetch")}
-        return out
+        return {k: np.array(getattr(self, k)) for k in _LOG_COLUMNS}
 
     def memory_bytes(self) -> int:
-        return sum(a.itemsize * len(a) for a in (self.start, self.count, self.epoch, self.worker, self.rank,
-                                                   self.misses, self.nbytes, self.index, self.fetch))
+        return sum(getattr(self, k).itemsize * len(getattr(self, k)) for k in _LOG_COLUMNS)
 
     def reset(self) -> None:
         type(self).__init__(self, self.cap)
+
+
+_LOG_COLUMNS = ("start", "count", "epoch", "worker", "rank", "misses", "nbytes", "index", "fetch", "stage_fetch",
+                "stage_user", "stage_collate")

@@ -12,7 +12,6 @@ batches (same world size); other iterable datasets by skipping delivered batches
 """
 from __future__ import annotations
 
-import inspect
 import os
 import time
 import weakref
@@ -28,9 +27,12 @@ from ..files import plan
 from ..dist import all_gather_ints, dist_info
 from ..files.epochs import LoaderNeeds, PlannedDataset, stream_lengths, wrapped_planned
 from ..errors import InvalidArgumentError, ListingChangedError, ResumeLayoutError
+from .consumers import caller_lookahead
 from .loader_stats import LoaderStats
+from .mlflow_sink import cache_gauges
+from .samplers import END, ResumableIndexSampler, SplitSampler, StageIndexSampler, order_seed
 from ..presenters import presenter
-from ..telemetry import ItemCollate
+from ..telemetry import ItemCollate, StageMode, set_fetch_timing
 
 __all__ = ["DataLoader"]
 
@@ -61,140 +63,6 @@ def default_num_workers(needs: LoaderNeeds | None = None) -> int:
     except (AttributeError, OSError):
         cpus = os.cpu_count() or 1
     return max(1, min(DEFAULT_NUM_WORKERS, cpus))
-
-
-# ------------------------------------------------------------------ sampler skipping (map-style resume)
-
-class _ResumableIndexSampler:
-    """Wraps the loader's index sampler: the iteration after a resume skips delivered batches.
-
-    Every ``iter()`` taken while the loader starts that iteration skips them: torch takes two
-    (one in its base iterator, one when the multi-process iterator resets), and the skip once went
-    to the first only, so a resume with workers replayed the whole epoch. The skip runs at the
-    first ``next()``, so the dropped iterator draws no random order. The loader clears the
-    count once its iterator exists (:meth:`DataLoader.__iter__`). It shares only a one-item list
-    with the loader (no reference cycle: torch shuts persistent workers down from the iterator's
-    ``__del__``, which must not wait for the cycle collector).
-    """
-
-    def __init__(self, inner: Any, pending: list[int]) -> None:
-        self.inner = inner
-        self.pending = pending
-
-    def __iter__(self) -> Iterator[Any]:
-        return self._skipping(self.pending[0])
-
-    def _skipping(self, skip: int) -> Iterator[Any]:
-        # lazy, as torch's samplers are: the iterator torch takes and drops unused draws no random order
-        it: Iterator[Any] = iter(self.inner)
-        for _ in range(skip):
-            if next(it, _END) is _END:
-                return
-        yield from it
-
-    def __len__(self) -> int:
-        return len(self.inner)
-
-
-_END = object()
-
-
-def _order_seed(seed: int, epoch: int) -> int:
-    """The generator seed of one epoch's order (as the loader seeds a RandomSampler's generator)."""
-    return (seed * 1_000_003 + epoch) % (2**63)
-
-
-class _SplitSampler(tud.DistributedSampler):  # type: ignore[type-arg]
-    """``ucmagic.DataLoader``'s sampler for a map-style dataset given without ``sampler=``.
-
-    One order per epoch (``torch.randperm`` from ``(seed, epoch)`` with shuffle, else ``0..n-1``:
-    the order a RandomSampler/SequentialSampler gives on one rank), split over the ranks in
-    contiguous shares of the epoch's *pool* (the positions of that order still to deliver: all of
-    them, or what a resume left, set by the loader). Every rank gets the same count (with several
-    ranks the short share is padded from the start of the pool, as ``DistributedSampler`` does), so
-    collectives cannot hang. It is a ``DistributedSampler`` so trainers (Lightning, Accelerate) see
-    the data is split already and add no sampler of their own. Rank and world size are read when it
-    is iterated; the loader sets ``seed``, ``epoch`` and ``pool`` before each epoch.
-    """
-
-    def __init__(self, dataset: Any, shuffle: bool) -> None:  # no super().__init__: it asks for a rank now
-        self.dataset: Any = dataset
-        self.shuffle = bool(shuffle)
-        self.seed = 0
-        self.epoch = 0
-        self.drop_last = False
-        self.pool: plan.Ranges | None = None  # None: the whole epoch
-        self.rank, self.num_replicas = 0, 1
-
-    def epoch_pool(self) -> plan.Ranges:
-        return self.pool if self.pool is not None else [(0, len(self.dataset))]
-
-    def share(self, pool: plan.Ranges | None = None) -> plan.Ranges:
-        """This rank's positions of the epoch order, in delivery order."""
-        self.rank, self.num_replicas = dist_info()[:2]
-        return plan.stream_positions(self.epoch_pool() if pool is None else pool, self.num_replicas, self.rank, 1, 0)
-
-    def __iter__(self) -> Iterator[int]:
-        # lazy: the pool, seed and epoch are read at the first next(), so a state loaded between iter()
-        # and the first batch (Lightning restores its loaders so) is the one followed
-        pos = plan.positions(self.share())
-        if not self.shuffle:
-            yield from pos.tolist()
-            return
-        g = torch.Generator()
-        g.manual_seed(_order_seed(self.seed, self.epoch))
-        order = torch.randperm(len(self.dataset), generator=g).numpy()
-        yield from order[pos].tolist()
-
-    def __len__(self) -> int:
-        """This rank's items in a whole epoch (a resumed epoch delivers fewer): trainers that restore their
-        own batch count (Lightning) end a resumed epoch at that count, and this must not be the rest's."""
-        return plan.ranges_len(self.share([(0, len(self.dataset))]))
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = int(epoch)
-
-# Consumers known to take one batch ahead of the one their training step uses (the module that calls
-# iter() on the loader): Lightning's fit loop fetches the next batch before it runs the current one,
-# to know which batch is last; its CombinedLoader is what iterates each loader.
-_LOOKAHEAD_CALLERS = ("lightning.pytorch.utilities.combined_loader", "pytorch_lightning.utilities.combined_loader")
-
-
-def _caller_lookahead(loader: tud.DataLoader[Any], depth: int = 4) -> int:
-    """Batches the code iterating ``loader`` holds ahead of the one it uses: 1 under Lightning when the
-    loader has no length (its fetcher reads one batch ahead to learn which is last), else 0.
-
-    Seen from the module that called ``iter()`` (a few frames up): a loader has no other way to learn
-    that a received batch has not reached the training step yet.
-    """
-    try:
-        len(loader)
-        return 0  # a known length: Lightning counts the batches and fetches none ahead
-    except (TypeError, NotImplementedError):
-        pass
-    here = inspect.currentframe()
-    frame = here.f_back.f_back if here is not None and here.f_back is not None else None  # __iter__'s caller
-    for _ in range(depth):
-        if frame is None:
-            break
-        if frame.f_globals.get("__name__") in _LOOKAHEAD_CALLERS:
-            return 1
-        frame = frame.f_back
-    return 0
-
-
-def _cache_gauges(counters: Any) -> Callable[[], dict[str, float]]:
-    """MLflow gauges of a UCVolumeDataset's shared counters: bytes fetched and cache hit rate."""
-
-    def gauges() -> dict[str, float]:
-        t = counters.totals()
-        lookups = t["hits"] + t["misses"]
-        out = {"bytes_fetched": float(t["bytes_fetched"])}
-        if lookups:
-            out["cache_hit_rate"] = t["hits"] / lookups
-        return out
-
-    return gauges
 
 
 def _shutdown_held(held: list[Any], channels: list[Any]) -> None:
@@ -267,10 +135,10 @@ class DataLoader(tud.DataLoader[Any]):
             persistent_workers = num_workers > 0
         if pin_memory is None:
             pin_memory = torch.cuda.is_available()
-        split: _SplitSampler | None = None
+        split: SplitSampler | None = None
         if not uc and sampler is None and batch_sampler is None and not isinstance(dataset, tud.IterableDataset):
             # a map-style dataset: ucmagic splits it over the ranks itself (exact, and resumable on any layout)
-            sampler = split = _SplitSampler(dataset, bool(shuffle))
+            sampler = split = SplitSampler(dataset, bool(shuffle))
             shuffle = None
         # by keyword: Lightning re-creates a loader from the arguments its first __init__ call saw (to add
         # a DistributedSampler), which is this one when the class was imported after Lightning patched them
@@ -284,7 +152,6 @@ class DataLoader(tud.DataLoader[Any]):
         self._uc_needs = needs
         self.log_to_mlflow = log_to_mlflow
         self.log_interval = float(log_interval)
-        self.stats = LoaderStats(dataset)
         self._batch_callbacks: list[BatchCallback] = []
         self._end_callbacks: list[EndCallback] = []
         self._step = 0  # batches delivered since creation (MLflow step); restored on resume
@@ -329,6 +196,11 @@ class DataLoader(tud.DataLoader[Any]):
             # and a budget under one batch waited for room forever); the loader sets its epochs as
             # without the wrapper, so a resume knows the epoch and its order (elastic, exact)
             self._configure_planned(self._wrapped)
+        planned = self._planned
+        self.stats = LoaderStats(planned if planned is not None else dataset, setup={
+            "num_workers": num_workers, "prefetch_factor": prefetch_factor or 0, "batch_size": batch_size or 1,
+            "dataset": planned.kind if planned is not None else type(dataset).__name__,
+            "cache_limit": getattr(getattr(planned, "cache", None), "limit", None)})
         # HF Accelerate's prepare() rebuilds a loader as torch's and splits its data over the ranks
         # again (IterableDatasetShard, or rank 0 reading for all): half the data lost, silently. Data
         # ucmagic already split per rank (its datasets, a wrapper of one, a DistributedSampler) tells
@@ -412,8 +284,10 @@ class DataLoader(tud.DataLoader[Any]):
         inner = compat.base_index_sampler(self)
         pending = self.__dict__.get("_pending_skip")
         if pending is not None and compat.is_map_style(self):
-            return _ResumableIndexSampler(inner, pending)
-        return inner
+            inner = ResumableIndexSampler(inner, pending)
+        if pending is None:  # torch's own __init__ asking
+            return inner
+        return StageIndexSampler(inner, self.num_workers > 0)
 
     @property
     def _skip_batches(self) -> int:
@@ -501,7 +375,7 @@ class DataLoader(tud.DataLoader[Any]):
                 self._epoch += 1
             self._fresh = False
             if self._sampler_gen is not None and self._sampler_seed is not None:  # set together
-                self._sampler_gen.manual_seed(_order_seed(self._sampler_seed, self._epoch))
+                self._sampler_gen.manual_seed(order_seed(self._sampler_seed, self._epoch))
             if self._split is not None:
                 self._begin_split_epoch(self._split)
         self._epoch_batches = 0
@@ -517,13 +391,13 @@ class DataLoader(tud.DataLoader[Any]):
             self._sampler_seed = all_gather_ints([int(self._sampler_seed or 0)], world)[0]
         self._seed_agreed = True
 
-    def _begin_split_epoch(self, split: _SplitSampler) -> None:
+    def _begin_split_epoch(self, split: SplitSampler) -> None:
         self._agree_seed()
         split.seed, split.epoch = int(self._sampler_seed or 0), int(self._epoch or 0)
         split.pool, self._next_pool = self._next_pool, None
         self._epoch_pool = split.epoch_pool()
 
-    def _split_state(self, split: _SplitSampler, world: int) -> dict[str, Any]:
+    def _split_state(self, split: SplitSampler, world: int) -> dict[str, Any]:
         """What the epoch has left, as a pool of positions of its order: valid on any world size."""
         if self._started and self._epoch_complete:
             return {"epoch": int(self._epoch or 0), "pool": None, "complete": True}
@@ -550,7 +424,7 @@ class DataLoader(tud.DataLoader[Any]):
 
     # -- iteration
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
-        self._lookahead = _caller_lookahead(self)
+        self._lookahead = caller_lookahead(self)
         self._begin_epoch()
         skip = 0
         map_style = compat.is_map_style(self)
@@ -558,16 +432,18 @@ class DataLoader(tud.DataLoader[Any]):
             self._epoch_batches = self._skip_batches  # the sampler wrapper skips them (no data loaded)
         elif not self._uc:
             skip, self._skip_batches = self._skip_batches, 0
-        if self._uc:  # batches bring their items' fetch records, to this loader only: the collate_fn
-            user_collate = self.collate_fn  # others read (Accelerate's copy) stays the user's own
-            self.collate_fn = ItemCollate(user_collate)
-            try:
-                inner = super().__iter__()
-            finally:
-                self.collate_fn = user_collate
-        else:
+        # batches bring their items' fetch records and stage times, to this loader only: the collate_fn
+        # others read (Accelerate's copy) stays the user's own
+        mode = StageMode.PLANNED if self._uc else StageMode.WRAPPER if self._wrapped is not None else StageMode.OTHER
+        if mode == StageMode.WRAPPER:
+            set_fetch_timing(True)  # here and in forked workers; spawned ones turn it on with ItemCollate
+        user_collate = self.collate_fn
+        self.collate_fn = ItemCollate(user_collate, mode)
+        try:
             inner = super().__iter__()
-        if map_style:  # every sampler iterator of this start has skipped them (see _ResumableIndexSampler)
+        finally:
+            self.collate_fn = user_collate
+        if map_style:  # every sampler iterator of this start has skipped them (see ResumableIndexSampler)
             self._skip_batches = 0
         held = _HELD[self][0]
         if compat.live_iterator(self) is not None and not held:
@@ -580,7 +456,7 @@ class DataLoader(tud.DataLoader[Any]):
         from .mlflow_sink import MlflowSink
 
         counters = self.dataset.counters if self._uc else None
-        extra = _cache_gauges(counters) if counters is not None else None
+        extra = cache_gauges(counters) if counters is not None else None
         rank = dist_info().rank
         return MlflowSink.for_active_run(rank, interval=self.log_interval, extra=extra)
 
@@ -591,7 +467,7 @@ class DataLoader(tud.DataLoader[Any]):
         error: BaseException | None = None
         try:
             for _ in range(skip):  # generic iterable resume: drop what was delivered before
-                if next(inner, _END) is _END:
+                if next(inner, END) is END:
                     break
                 self._epoch_batches += 1
             last = None
@@ -614,7 +490,7 @@ class DataLoader(tud.DataLoader[Any]):
                 self._step += 1
                 stats.record_batch(fetch, compute)
                 if sink is not None:
-                    sink.add(step, fetch, compute)
+                    sink.add(step, fetch, compute, stats.last_stages)
                 for cb in batch_cbs:
                     cb(self, stats)
                 last = t1

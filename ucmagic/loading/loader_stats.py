@@ -41,7 +41,7 @@ class LoaderStats:
     misses and bytes fetched come from the dataset's shared counters.
     """
 
-    def __init__(self, dataset: object = None) -> None:
+    def __init__(self, dataset: object = None, setup: dict[str, Any] | None = None) -> None:
         self._dataset = dataset
         self._rec = BatchRecorder()
         self._item_log = ItemLog()
@@ -49,10 +49,13 @@ class LoaderStats:
         self.epoch_count = 0  # batches delivered in the current epoch
         self.last_fetch_s = math.nan
         self.last_compute_s = math.nan
+        self.last_stages: tuple[float, float, float] | None = None  # the last batch's (fetch, user, collate) s
         self._cache_base: dict[str, int] | None = None
         self._pending: BatchItems | None = None
         self._files: dict[int, tuple[str, int | None]] = {}  # index -> (name, bytes) of loaded stats
         self._saved_counters: dict[str, int] | None = None  # cache counters of loaded stats
+        # the loader's settings and the machine's cores (advise() reads them; saved with the stats)
+        self.setup: dict[str, Any] = {"cores": stats_file.cores(), **(setup or {})}
 
     # -- recording (loop thread)
     def take_items(self, batch: Any) -> Any:
@@ -69,8 +72,10 @@ class LoaderStats:
         epoch = self.epoch if self.epoch is not None else 0
         if p is None:
             self._item_log.add(epoch, -1)
+            self.last_stages = None
         else:
-            self._item_log.add(epoch, p.worker, p.index, p.fetch, p.nbytes)
+            self._item_log.add(epoch, p.worker, p.index, p.fetch, p.nbytes, stages=p.stages)
+            self.last_stages = p.stages
         self.last_fetch_s, self.last_compute_s = fetch_s, compute_s
         self.epoch_count += 1
 
@@ -202,8 +207,9 @@ class LoaderStats:
 
     # -- per-item fetch records (analysis: stats_analysis)
     def batches(self) -> dict[str, np.ndarray]:
-        """One row per batch: ``step`` (per rank), ``fetch_s``, ``compute_s``, ``epoch``, ``worker``
-        (-1: main process), ``rank``, ``items``, ``misses`` and ``bytes`` (of the recorded items)."""
+        """One row per batch: ``step`` (per rank), ``fetch_s`` (the loop's wait), ``compute_s``, ``epoch``,
+        ``worker`` (-1: main process), ``rank``, ``items``, ``misses``, ``bytes`` (of the recorded items) and
+        the producing process's stage seconds ``stage_fetch_s``, ``stage_user_s``, ``stage_collate_s``."""
         return analysis.batch_table(self._rec, self._item_log)
 
     def describe_item(self, index: int) -> tuple[str, int | None]:
@@ -235,9 +241,35 @@ class LoaderStats:
 
     select = staticmethod(analysis.select)  # mask over batches() rows: steps lo..hi, one epoch/worker/rank
 
+    def breakdown(self, epoch: int | None = None, *, per_epoch: bool = False) -> dict[Any, Any]:
+        """Where the time went, in seconds: the loop's ``compute`` and ``wait`` (the wait split over the
+        stages of the batches waited on: ``wait_fetch``, ``wait_user``, ``wait_collate``), and the
+        producing processes' ``fetch`` (ucmagic's fetch: cache lookups, copies, waiting on read-ahead),
+        ``user`` (your code: a wrapper's decode, a map-style ``__getitem__``) and ``collate`` seconds,
+        which overlap the loop when there are workers; ``batches``. One ``epoch`` only, or with
+        ``per_epoch`` a dict of such dicts by epoch."""
+        b = self.batches()
+        if per_epoch:
+            return {int(e): analysis.breakdown(b, b["epoch"] == e) for e in np.unique(b["epoch"])}
+        return analysis.breakdown(b, analysis.select(b, epoch=epoch))
+
     def hints(self) -> list[str]:
-        """One-line suggestions from the records: where the wait is and what would shorten it."""
+        """One-line findings from the records: where the wait is (what to change: :meth:`advise`)."""
         return analysis.straggler_hints(self.batches(), self.stall_fraction, self.batch_files)
+
+    def advise(self) -> list[Any]:
+        """A ranked list of changes, each an :class:`~ucmagic.loading.advise.Advice` with the predicted
+        epoch time and the measured numbers it used (``str()`` of one is its line)."""
+        from .advise import advise
+
+        return advise(analysis.measured(self.batches(), self._setup_now(), self._counters(), self._item_log))
+
+    def _setup_now(self) -> dict[str, Any]:
+        """:attr:`setup` with the dataset's size (files, bytes) when it has a listing."""
+        ds, out = self._dataset, dict(self.setup)
+        with contextlib.suppress(Exception):  # a dataset without a listing (or one not listed yet)
+            out.update(files=len(ds.listing), dataset_bytes=int(ds.total_bytes))  # type: ignore[attr-defined]
+        return out
 
     # -- save / load / merge (the saved form: stats_file)
     def to_dict(self) -> dict[str, Any]:
@@ -247,7 +279,8 @@ class LoaderStats:
             from ..dist import dist_info
 
             rank = dist_info().rank
-        return stats_file.to_dict(self._rec, self._item_log, self.describe_item, self._counters(), rank)
+        return stats_file.to_dict(self._rec, self._item_log, self.describe_item, self._counters(), rank,
+                                  self._setup_now())
 
     def save(self, path: str | os.PathLike[str]) -> str:
         """Write the stats as JSON (atomically); also logged as an MLflow artifact when a run is active."""
@@ -264,7 +297,7 @@ class LoaderStats:
         records = stats_file.from_dict(d, rank)
         st = cls()
         st._rec, st._item_log, st._files = records.rec, records.log, records.files
-        st._saved_counters, st.epoch = records.counters, records.epoch
+        st._saved_counters, st.epoch, st.setup = records.counters, records.epoch, records.setup
         return st
 
     @classmethod

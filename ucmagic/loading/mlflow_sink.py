@@ -17,7 +17,7 @@ import threading
 import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any, Callable, Tuple
 
 import numpy as np
 
@@ -57,8 +57,24 @@ def log_artifact(path: str, folder: str = "ucmagic") -> None:
         warnings.warn(f"ucmagic: could not log {path} to MLflow run {run}: {exc}", stacklevel=3)
 
 
+def cache_gauges(counters: Any) -> Callable[[], dict[str, float]]:
+    """MLflow gauges of a UCVolumeDataset's shared counters: bytes fetched and cache hit rate."""
+
+    def gauges() -> dict[str, float]:
+        t = counters.totals()
+        lookups = t["hits"] + t["misses"]
+        out = {"bytes_fetched": float(t["bytes_fetched"])}
+        if lookups:
+            out["cache_hit_rate"] = t["hits"] / lookups
+        return out
+
+    return gauges
+
+
 WINDOW_NAMES = ("fetch_seconds", "compute_seconds", "fetch_p50_seconds", "fetch_p99_seconds",
-                "fetch_max_seconds", "stall_fraction", "batches")
+                "fetch_max_seconds", "stall_fraction", "batches", "stage_fetch_seconds", "stage_user_seconds",
+                "stage_collate_seconds")
+Stages = Tuple[float, float, float]  # a batch's fetch, user, collate seconds in its producing process
 
 
 def metric_keys(rank: int) -> dict[str, str]:
@@ -66,18 +82,25 @@ def metric_keys(rank: int) -> dict[str, str]:
     return {n: f"{PREFIX}/{n}/rank_{rank}" for n in WINDOW_NAMES}
 
 
-def window_metrics(fetch: list[float], compute: list[float]) -> dict[str, float]:
+def window_metrics(fetch: list[float], compute: list[float], stages: list[Stages] | None = None) -> dict[str, float]:
     """Aggregates of one window of batches: mean fetch and compute time, p50/p99/max fetch
-    latency, stall fraction (share of the window's time spent waiting for data) and batch count."""
+    latency, stall fraction (share of the window's time spent waiting for data), batch count and the
+    mean stage seconds per batch in the producing processes (``stage_*_seconds``, measured batches only)."""
     f = np.asarray(fetch, dtype=float)
     c = np.asarray(compute, dtype=float)
     if not len(f):
         return {}
     p50, p99 = p50_p99(f)
     total = float(f.sum() + c.sum())
-    return {"fetch_seconds": float(f.mean()), "compute_seconds": float(c.mean()) if len(c) else 0.0,
-            "fetch_p50_seconds": float(p50), "fetch_p99_seconds": float(p99), "fetch_max_seconds": float(f.max()),
-            "stall_fraction": float(f.sum()) / total if total > 0 else 0.0, "batches": float(len(f))}
+    out = {"fetch_seconds": float(f.mean()), "compute_seconds": float(c.mean()) if len(c) else 0.0,
+           "fetch_p50_seconds": float(p50), "fetch_p99_seconds": float(p99), "fetch_max_seconds": float(f.max()),
+           "stall_fraction": float(f.sum()) / total if total > 0 else 0.0, "batches": float(len(f))}
+    st = np.asarray(stages or [], dtype=float).reshape(-1, 3)
+    st = st[~np.isnan(st).any(axis=1)]
+    if len(st):
+        for name, v in zip(("stage_fetch_seconds", "stage_user_seconds", "stage_collate_seconds"), st.mean(axis=0)):
+            out[name] = float(v)
+    return out
 
 
 class MlflowSink:
@@ -106,6 +129,7 @@ class MlflowSink:
         self._client = client
         self._fetch: list[float] = []
         self._compute: list[float] = []
+        self._stages: list[Stages] = []
         self._step = 0
         self._next_flush = time.monotonic() + self.interval
         self._pool: ThreadPoolExecutor | None = None
@@ -127,18 +151,21 @@ class MlflowSink:
         return cls(run_id, rank, **kw)
 
     # -- loop thread
-    def add(self, step: int, fetch_s: float, compute_s: float) -> None:
-        """Buffer one batch; hand the window to the writer when ``interval`` has passed."""
+    def add(self, step: int, fetch_s: float, compute_s: float, stages: Stages | None = None) -> None:
+        """Buffer one batch (``stages``: its producing process's fetch, user, collate seconds); hand the
+        window to the writer when ``interval`` has passed."""
         self._fetch.append(fetch_s)
         self._compute.append(compute_s)
+        if stages is not None:
+            self._stages.append(stages)
         self._step = step
         if time.monotonic() >= self._next_flush:
             self.flush(wait=False)
 
     def flush(self, wait: bool = True) -> None:
         """Write what is buffered; with ``wait`` block until every write so far is done."""
-        fetch, compute = self._fetch, self._compute
-        self._fetch, self._compute = [], []
+        fetch, compute, stages = self._fetch, self._compute, self._stages
+        self._fetch, self._compute, self._stages = [], [], []
         self._next_flush = time.monotonic() + self.interval
         if fetch:
             gauges: dict[str, float] = {}
@@ -150,7 +177,7 @@ class MlflowSink:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix="ucmagic-mlflow")
             self._pending = [f for f in self._pending if not f.done()]
-            window = (fetch, compute, self._step, int(time.time() * 1000))
+            window = (fetch, compute, self._step, int(time.time() * 1000), stages)
             self._pending.append(self._pool.submit(self._write, window, gauges))
         if wait:
             for f in self._pending:
@@ -165,12 +192,13 @@ class MlflowSink:
             self._pool = None
 
     # -- writer thread
-    def _write(self, window: tuple[list[float], list[float], int, int], gauges: dict[str, float]) -> None:
+    def _write(self, window: tuple[list[float], list[float], int, int, list[Stages]],
+               gauges: dict[str, float]) -> None:
         try:
             from mlflow.entities import Metric
 
-            fetch, compute, step, ts = window
-            values = {**window_metrics(fetch, compute), **gauges}
+            fetch, compute, step, ts, stages = window
+            values = {**window_metrics(fetch, compute, stages), **gauges}
             metrics = [Metric(self.keys.get(name) or f"{PREFIX}/{name}/rank_{self.rank}", float(v), ts, step)
                        for name, v in values.items() if v is not None and math.isfinite(float(v))]
             client = self._get_client()

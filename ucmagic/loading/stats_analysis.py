@@ -12,7 +12,8 @@ from typing import Any, Callable, Dict
 
 import numpy as np
 
-from ..telemetry import BatchRecorder, ItemLog, percentiles
+from ..telemetry import STAGES, BatchRecorder, ItemLog, percentiles
+from .advise import EpochTimes, Measured
 from ..units import short_name
 
 BatchTable = Dict[str, np.ndarray]  # one row per batch, see batch_table()
@@ -40,7 +41,70 @@ def batch_table(rec: BatchRecorder, log: ItemLog) -> BatchTable:
         step[m] = np.arange(int(m.sum()))
     return {"step": step, "fetch_s": rec.fetch_array()[:n], "compute_s": rec.compute_array()[:n],
             "epoch": a["epoch"][:n], "worker": a["worker"][:n], "rank": rank, "items": a["count"][:n],
-            "misses": a["misses"][:n], "bytes": a["nbytes"][:n]}
+            "misses": a["misses"][:n], "bytes": a["nbytes"][:n],
+            **{f"stage_{k}_s": a[f"stage_{k}"][:n].astype(float) for k in STAGES}}
+
+
+def breakdown(b: BatchTable, mask: np.ndarray) -> dict[str, float]:
+    """Seconds per stage of the batches in ``mask``: the loop's ``compute`` and ``wait``, the wait split
+    over each batch's stages in proportion (``wait_fetch``, ``wait_user``, ``wait_collate``; a batch
+    without stage times counts as fetch), the producing processes' ``fetch``, ``user``, ``collate``
+    (unmeasured batches count 0) and ``batches``."""
+    wait = b["fetch_s"][mask]
+    st = np.stack([np.nan_to_num(b[f"stage_{k}_s"][mask], nan=0.0) for k in STAGES]) if len(wait) else \
+        np.zeros((len(STAGES), 0))
+    made = st.sum(axis=0)
+    share = np.where(made > 0, st / np.where(made > 0, made, 1.0), np.array([[1.0], [0.0], [0.0]]))
+    out = {"compute": float(b["compute_s"][mask].sum()), "wait": float(wait.sum())}
+    for i, k in enumerate(STAGES):
+        out[f"wait_{k}"] = float((share[i] * wait).sum())
+    for i, k in enumerate(STAGES):
+        out[k] = float(st[i].sum())
+    out["batches"] = float(len(wait))
+    return out
+
+
+def refetched_items(log: ItemLog, epochs: np.ndarray) -> tuple[int, int]:
+    """``(misses of files already copied in an earlier epoch, misses in epochs after the first)``:
+    re-fetches mean the cache evicted what a later epoch read again (a ``cache_limit`` too small)."""
+    a = log.arrays()
+    n = min(len(epochs), len(a["count"]))
+    kept = int(a["start"][n - 1] + a["count"][n - 1]) if n else 0
+    if not kept or kept > len(a["index"]):
+        return 0, 0
+    item_epoch = np.repeat(epochs[:n], a["count"][:n])[:kept]
+    idx, miss = a["index"][:kept], ~np.signbit(a["fetch"][:kept])
+    seen: set[int] = set()
+    refetch = later = 0
+    for e in np.unique(item_epoch).tolist():
+        m = (item_epoch == e) & miss
+        ids = idx[m].tolist()
+        if e != int(item_epoch[0]):
+            later += len(ids)
+            refetch += sum(1 for i in ids if i in seen)
+        seen.update(ids)
+    return refetch, later
+
+
+def measured(b: BatchTable, setup: dict[str, Any], counters: dict[str, int] | None, log: ItemLog) -> Measured:
+    """The plain numbers :func:`~ucmagic.loading.advise.advise` decides on, from a loader's records."""
+    epochs = sorted({int(e) for e in b["epoch"]})
+    per = [breakdown(b, b["epoch"] == e) for e in epochs]
+    refetch, later = refetched_items(log, b["epoch"])
+    items = b["items"]
+    sized = items > 0
+    return Measured(
+        epochs=[EpochTimes(**{k: v for k, v in p.items() if k in EpochTimes.__dataclass_fields__},
+                           misses=int(b["misses"][b["epoch"] == e].sum()),
+                           items=int(items[b["epoch"] == e].sum()),
+                           wait_p99=float(percentiles(b["fetch_s"][b["epoch"] == e], (99,))["p99"]))
+                for e, p in zip(epochs, per)],
+        num_workers=int(setup.get("num_workers") or 0), prefetch_factor=int(setup.get("prefetch_factor") or 0),
+        cores=int(setup.get("cores") or 1), batch_size=int(setup.get("batch_size") or 1),
+        dataset=str(setup.get("dataset") or ""), cache_limit=setup.get("cache_limit"),
+        dataset_bytes=setup.get("dataset_bytes"), files=setup.get("files"),
+        mean_file_bytes=float(b["bytes"][sized].sum() / items[sized].sum()) if sized.any() else None,
+        refetches=refetch, later_misses=later, hits=(counters or {}).get("hits"))
 
 
 def select(b: BatchTable, *, lo: int | None = None, hi: int | None = None, epoch: int | None = None,
