@@ -1131,7 +1131,7 @@ class UCVolumeDataset(EpochTracking, IterableDataset[str]):
     def __iter__(self) -> Iterator[str]:
         it = self._iterate()
         _close_at_exit(it)
-        return it
+        return telemetry.fetch_timed(it)  # timed when a user's wrapper iterates it (the loader's stage times)
 
     def _iterate(self) -> Iterator[str]:
         main = get_worker_info() is None
