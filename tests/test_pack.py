@@ -215,7 +215,7 @@ class _AppendOnly:
 def test_shards_are_written_front_to_back_for_volumes_that_take_only_sequential_writes(src, tmp_path, monkeypatch):
     import builtins
 
-    import ucmagic.shards.pack as P  # noqa: N812 - the module under test
+    import ucmagic.shards.pack_state as P  # noqa: N812 - where shard files are opened
 
     root, _ = src
     ref = str(tmp_path / "ref")
@@ -249,7 +249,7 @@ def test_a_full_disk_stops_the_pack_with_what_to_do_and_a_rerun_completes_it(src
     import builtins
     import errno
 
-    import ucmagic.shards.pack as P  # noqa: N812 - the module under test
+    import ucmagic.shards.pack_state as P  # noqa: N812 - where shard files are opened
 
     root, _ = src
     source, size = (_frame(), "12KB") if table else (root, "20KB")

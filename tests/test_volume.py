@@ -309,7 +309,7 @@ class _ThreadNoting(LocalVolume):
 @pytest.mark.parametrize("delay, pooled", [(0.0, False), (0.15, True)])
 def test_fast_directories_are_read_on_the_calling_thread_and_slow_ones_concurrently(tmp_path, monkeypatch, delay,
                                                                                    pooled):
-    monkeypatch.setattr("ucmagic.files.volume.FAST_DIR_S", 0.1)  # a loaded machine's hiccup is not "slow"
+    monkeypatch.setattr("ucmagic.files.volume_local.FAST_DIR_S", 0.1)  # a loaded machine's hiccup is not "slow"
     for d in range(12):
         (tmp_path / f"d{d}").mkdir()
         (tmp_path / f"d{d}" / "f.bin").write_bytes(b"x")

@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from ucmagic.files import local_files
 from ucmagic.files import volume as volume_mod
 from ucmagic.files.volume import FsspecVolume, LocalVolume, Volume
 
@@ -137,22 +138,22 @@ def test_a_failed_upload_leaves_nothing_at_the_destination_nor_beside_it(tmp_pat
     vol: Volume = LocalVolume(str(root)) if kind == "local" else FsspecVolume(f"slow://{root}", {"open_ms": 0})
     src = tmp_path / "big.bin"
     src.write_bytes(os.urandom(1 << 20))
-    real_copy = volume_mod.copy_local
+    real_copy = local_files.copy_local
 
     def copy_half_then_fail(a: str, b: str, **kw: object) -> tuple[int, int]:
         with open(a, "rb") as f, open(b, "wb") as g:
             g.write(f.read(1 << 19))  # half the bytes are on disk under the temp name
         raise _CopyInterruptedError("disk full")
 
-    monkeypatch.setattr(volume_mod, "copy_local", copy_half_then_fail)
+    monkeypatch.setattr(local_files, "copy_local", copy_half_then_fail)
     with pytest.raises(_CopyInterruptedError):
         vol.upload(str(src), "ckpt/model.bin")
     assert not vol.exists("ckpt/model.bin")
     assert vol.list_names("ckpt") == []
     # an existing version stays whole when its replacement fails
-    monkeypatch.setattr(volume_mod, "copy_local", real_copy)
+    monkeypatch.setattr(local_files, "copy_local", real_copy)
     vol.upload(str(src), "ckpt/model.bin")
-    monkeypatch.setattr(volume_mod, "copy_local", copy_half_then_fail)
+    monkeypatch.setattr(local_files, "copy_local", copy_half_then_fail)
     with pytest.raises(_CopyInterruptedError):
         vol.upload(str(tmp_path / "big.bin"), "ckpt/model.bin")
     assert vol.read_bytes("ckpt/model.bin") == src.read_bytes()

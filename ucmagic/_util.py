@@ -412,6 +412,16 @@ def atomic_write(path: str, data: bytes, *, tmp: str | None = None, sync: bool =
             os.close(fd)
 
 
+def fsync_dir(path: str) -> None:
+    """Make a rename or creation in directory ``path`` durable (a no-op where directories cannot be synced)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
 def lazy_exports(package: str, exports: Mapping[str, str],
                  namespace: dict[str, Any]) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
     """A package's module ``__getattr__`` and ``__dir__`` (PEP 562) for public names loaded on first use.
