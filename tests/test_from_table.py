@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 import ucmagic
 from ucmagic.errors import (DuplicatePathError, FetchError, InvalidArgumentError, ListingChangedError,
-                            SourceChangedError, SourceNotFoundError)
+                            SourceChangedError, SourceNotFoundError, UnsafeSourceError)
 from ucmagic.tables.volume_table import duplicate_rows, relative_paths
 
 N = 24
@@ -227,6 +227,21 @@ def test_duplicate_rows_outside_paths_and_a_path_field_are_named_errors(files):
         ucmagic.files_from_table(pa.table({"file": rels, "path": rels}), path_column="file", root=root)
     with pytest.raises(InvalidArgumentError, match="no column 'nope'"):
         ucmagic.files_from_table(pa.table(rows), root=root, columns=["nope"])
+
+
+def test_a_link_out_of_the_root_is_refused_or_left_out(files, tmp_path):
+    root, rels, rows = files
+    secret = tmp_path / "secret.bin"
+    secret.write_bytes(b"secret\n")
+    os.symlink(secret, os.path.join(root, "c0", "link.bin"))
+    table = pa.table({"path": [*rels, "c0/link.bin"], "id": [*rows["id"], 99], "label": [*rows["label"], 0]})
+    with pytest.raises(UnsafeSourceError, match="link.bin"):
+        ucmagic.files_from_table(table, root=root)
+    with pytest.warns(UserWarning, match="left out 1 linked file"):
+        ds = ucmagic.files_from_table(table, root=root, on_error="skip")
+    assert sorted(check_items(ds, rels, rows)) == sorted(rels)
+    trusted = ucmagic.files_from_table(table, root=root, follow_symlinks="all", filter="id = 99")
+    assert [head(it["path"]) for it in trusted] == ["secret"]
 
 
 SEG = st.text(alphabet="abc._-", min_size=1, max_size=4).filter(lambda s: s not in (".", ".."))

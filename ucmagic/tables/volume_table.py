@@ -24,13 +24,15 @@ import builtins
 import hashlib
 import json
 import math
+import os
 import posixpath
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator, Sequence, cast
 
+from .._util import path_under
 from ..errors import (DuplicatePathError, EmptyListingError, InvalidArgumentError, SourceChangedError,
-                      SourceNotFoundError)
+                      SourceNotFoundError, UnsafeSourceError)
 from ..files.dataset import STATE_VERSION, UCVolumeDataset
 from ..files.epochs import StateSchema
 from ..files.ranged import RangeReader
@@ -353,6 +355,23 @@ def _stat_all(base: Volume, rels: list[str]) -> list[FileEntry | None]:
         return list(pool.map(one, rels, chunksize=64))
 
 
+def links_refused(root: str, rels: list[str], policy: str) -> list[str]:
+    """Files of a local ``root`` that ``follow_symlinks=policy`` refuses (as ``UCVolumeDataset``'s listing
+    does): ``"inside"``, reached through a link to outside ``root``; ``"none"``, through any link; ``"all"``: none."""
+    if policy == "all":
+        return []
+    real_root = os.path.realpath(root)
+
+    def refused(rel: str) -> bool:
+        real = os.path.realpath(os.path.join(root, *rel.split("/")))
+        if policy == "none":
+            return real != os.path.join(real_root, *rel.split("/"))
+        return path_under(real, real_root) is None
+
+    with ThreadPoolExecutor(STAT_THREADS, thread_name_prefix="ucmagic-table-links") as pool:
+        return [r for r, bad in zip(rels, pool.map(refused, rels, chunksize=64)) if bad]
+
+
 def _rows_hash(t: Any) -> str:
     """A hash of a table's content (its Arrow IPC stream)."""
     import pyarrow as pa
@@ -431,6 +450,18 @@ def files_from_table(table: Any, *, path_column: str = "path", columns: Sequence
             "collecting the labels in a list) or filter= the extra rows out")
     t = t.take(pa.array(order, pa.int64()))
     base = open_volume(root, options.get("storage_options"))
+    if base.local_root is not None:
+        out = links_refused(base.local_root, rels, options.get("follow_symlinks", "inside"))
+        if out:
+            named = ", ".join(base.display(r) for r in out[:MISSING_NAMED])
+            if options.get("on_error") != "skip":
+                raise UnsafeSourceError(f"{len(out)} file(s) the table names are links that follow_symlinks="
+                                        f"{options.get('follow_symlinks', 'inside')!r} refuses: {named}; pass "
+                                        "follow_symlinks='all' for a tree you trust, or on_error='skip' to leave "
+                                        "them out")
+            warnings.warn(f"ucmagic: left out {len(out)} linked file(s) follow_symlinks refuses: {named}", stacklevel=2)
+            keep = sorted(set(range(len(rels))) - {bisect.bisect_left(rels, r) for r in out})
+            t, rels = t.take(pa.array(keep, pa.int64())), [rels[i] for i in keep]
     if size_column is not None and mtime_column is not None:
         sizes, mtimes = t.column(size_column).to_pylist(), _seconds(t.column(mtime_column))
         bad = next((i for i, (s, m) in enumerate(zip(sizes, mtimes)) if s is None or m is None or s < 0
