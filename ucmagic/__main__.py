@@ -1,4 +1,4 @@
-"""Command line: ``python -m ucmagic demo|stage|pack|export|ckpt|cache|bench ...``."""
+"""Command line: ``python -m ucmagic demo|stage|pack|export|ckpt|cache|bench|advise ...``."""
 from __future__ import annotations
 
 import argparse
@@ -309,6 +309,31 @@ def _add_load(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.set_defaults(func=run)
 
 
+def _add_advise(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("advise", help="what to change so the loop stops waiting, from saved loader stats",
+                       description="Read stats saved by loader.stats.save() (or several ranks', merged) and print "
+                                   "loader.stats.advise(): a ranked list of changes, each with its predicted epoch "
+                                   "time and the measured numbers it used.")
+    p.add_argument("stats", nargs="+", help="STATS.json file(s) written by loader.stats.save()")
+    p.add_argument("--json", action="store_true", help="print the advice as a JSON list")
+
+    def run(a: argparse.Namespace) -> int:
+        import dataclasses
+        import json
+
+        from .loading.loader_stats import LoaderStats
+
+        stats = LoaderStats.load(a.stats[0]) if len(a.stats) == 1 else LoaderStats.merge(a.stats)
+        advice = stats.advise()
+        if a.json:
+            print(json.dumps([dataclasses.asdict(x) for x in advice], indent=1))
+        else:
+            print("\n".join(f"{i}. {x}" for i, x in enumerate(advice, 1)) or "no batches recorded")
+        return 0
+
+    p.set_defaults(func=run)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m ucmagic",
                                  description="ucmagic: training data from slow volumes into PyTorch, fast.")
@@ -324,6 +349,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_ckpt(sub)
     _add_cache(sub)
     _add_bench(sub)
+    _add_advise(sub)
     _own_usage(ap)
     return ap
 

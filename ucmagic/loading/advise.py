@@ -9,7 +9,8 @@ seconds (fetch, the user's code, collate), so ``w`` workers make one batch every
 ``max((f + u + k) / w, (u + k) / cpus)`` seconds (fetch waits on I/O and scales with the workers,
 the user's code and collate need a core each; ``cpus`` is the cores the loop leaves free); the loop
 takes ``c`` seconds of its own per batch, so the epoch lasts ``batches * max(c, period)`` plus what
-the measured epoch had beyond this model (startup), which every prediction keeps. With no workers
+the measured epoch had beyond this model, up to its first batch's wait (startup), which every
+prediction keeps. With no workers
 everything runs in the loop: ``batches * (c + f + u + k)``.
 """
 from __future__ import annotations
@@ -40,6 +41,7 @@ class EpochTimes:
     misses: int = 0
     items: int = 0
     wait_p99: float = 0.0
+    first_wait: float = 0.0  # the epoch's first batch's wait: its startup (workers, the first fetches)
 
     @property
     def total(self) -> float:
@@ -100,7 +102,8 @@ def epoch_model(e: EpochTimes, workers: int, cpus: float, fetch: float | None = 
 
 
 def _overhead(m: Measured, e: EpochTimes) -> float:
-    return max(0.0, e.total - epoch_model(e, m.num_workers, cpus_free(m, e)))
+    """What the measured epoch took beyond the model that a change keeps: its startup, at most."""
+    return min(e.first_wait, max(0.0, e.total - epoch_model(e, m.num_workers, cpus_free(m, e))))
 
 
 def _stages(e: EpochTimes) -> str:

@@ -1,0 +1,140 @@
+"""The advisor (issue 45 item 3): one recorded/synthetic workload per bottleneck kind, the model's
+arithmetic, and properties over generated stage times (hypothesis)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from ucmagic import DataLoader
+from ucmagic.loading.advise import EpochTimes, Measured, advise, epoch_model
+
+
+def epoch(n=100, *, fetch=0.0, user=0.0, collate=0.0, compute=0.01, wait=0.0, misses=0, items=None, p99=None):
+    """Per-batch seconds times ``n`` batches."""
+    return EpochTimes(compute=compute * n, wait=wait * n, fetch=fetch * n, user=user * n, collate=collate * n,
+                      batches=float(n), misses=misses, items=items if items is not None else 4 * n,
+                      wait_p99=p99 if p99 is not None else wait, first_wait=wait)
+
+
+def kinds(advice):
+    return [a.kind for a in advice]
+
+
+def test_loading_is_not_the_bottleneck_when_the_loop_hardly_waits():
+    got = advise(Measured([epoch(fetch=0.004, compute=0.05, wait=0.001)], num_workers=2, prefetch_factor=4, cores=4))
+    assert kinds(got) == ["none"] and "not the bottleneck" in str(got[0]) and "2%" in str(got[0])
+
+
+def test_decode_bound_asks_for_workers_up_to_the_cores():
+    # 1 worker, 40 ms of decoding per batch, the loop's own 10 ms: 4 workers on 4 cores keep up
+    m = Measured([epoch(user=0.04, compute=0.01, wait=0.03)], num_workers=1, prefetch_factor=4, cores=4)
+    top = advise(m)[0]
+    assert top.kind == "workers" and top.settings == {"num_workers": 4}
+    assert "decode-bound" in top.because and "your code 40.0 ms" in top.because and "4 cores" in top.because
+    assert top.predicted_s == pytest.approx(100 * 0.04 / (4 - 0.25))  # the loop keeps a quarter of a core busy
+    assert top.now_s == pytest.approx(4.0)
+
+
+def test_io_bound_asks_for_more_workers_than_cores():
+    m = Measured([epoch(fetch=0.08, user=0.001, compute=0.01, wait=0.03)], num_workers=2, prefetch_factor=4, cores=2)
+    top = advise(m)[0]
+    assert top.kind == "workers" and top.settings["num_workers"] > 2 and "I/O-bound" in top.because
+
+
+def test_bursty_waits_with_workers_that_keep_up_ask_for_a_deeper_prefetch():
+    m = Measured([epoch(fetch=0.01, user=0.005, compute=0.02, wait=0.01, p99=0.3)], num_workers=2,
+                 prefetch_factor=2, cores=2)
+    got = advise(m)
+    assert "prefetch" in kinds(got)
+    pf = got[kinds(got).index("prefetch")]
+    assert pf.settings == {"prefetch_factor": 4} and "p99 300 ms" in pf.because
+
+
+def test_refetches_ask_for_a_larger_cache_limit():
+    cold = epoch(fetch=0.05, compute=0.01, wait=0.04, misses=400)
+    later = epoch(fetch=0.05, compute=0.01, wait=0.04, misses=400)
+    m = Measured([cold, later], num_workers=2, prefetch_factor=4, cores=2, cache_limit=10**9,
+                 dataset_bytes=3 * 10**9, refetches=400, later_misses=400)
+    got = advise(m)
+    assert "cache_limit" in kinds(got)
+    c = got[kinds(got).index("cache_limit")]
+    assert "3.00 GB" in c.change and "now 1.00 GB" in c.change and "400 of 400" in c.because
+    assert c.predicted_s < c.now_s
+
+
+def test_a_cold_first_epoch_asks_for_warm():
+    cold = epoch(fetch=0.1, compute=0.01, wait=0.09, misses=400)
+    warm = epoch(fetch=0.001, compute=0.01, wait=0.0005, misses=0)
+    got = advise(Measured([cold, warm], num_workers=2, prefetch_factor=4, cores=2))
+    w = got[kinds(got).index("warm")]
+    assert w.now_s == pytest.approx(10.0) and w.predicted_s < 2.0 and "missed 400 of 400" in w.because
+
+
+def test_small_files_whose_opens_dominate_ask_for_packing():
+    cold = epoch(fetch=0.2, compute=0.01, wait=0.19, misses=400)  # 50 ms per 16 KB file
+    got = advise(Measured([cold], num_workers=2, prefetch_factor=4, cores=2, mean_file_bytes=16384))
+    p = got[kinds(got).index("pack")]
+    assert "16 KB" in p.because and "50.0 ms" in p.because and p.predicted_s < 0.5 * p.now_s
+
+
+def test_decode_bound_on_every_core_says_so():
+    m = Measured([epoch(user=0.04, compute=0.001, wait=0.02)], num_workers=2, prefetch_factor=4, cores=2)
+    got = advise(m)
+    assert kinds(got) == ["limit"] and "4 cores" in got[0].change
+
+
+def test_the_model_runs_everything_in_the_loop_without_workers():
+    e = epoch(fetch=0.01, user=0.02, collate=0.001, compute=0.005)
+    assert epoch_model(e, 0, 4) == pytest.approx(100 * 0.036)
+    assert epoch_model(e, 4, 2) == pytest.approx(100 * max(0.005, 0.031 / 4, 0.021 / 2))
+
+
+per_batch = st.floats(0.0, 0.2)
+
+
+@given(st.lists(st.tuples(per_batch, per_batch, per_batch, per_batch, per_batch), min_size=1, max_size=3),
+       st.integers(0, 8), st.sampled_from([2, 4]), st.integers(1, 16))
+def test_every_advice_predicts_a_saving_and_they_come_best_first(epochs, workers, prefetch, cores):
+    m = Measured([epoch(fetch=f, user=u, collate=k, compute=c, wait=w) for f, u, k, c, w in epochs],
+                 num_workers=workers, prefetch_factor=prefetch, cores=cores)
+    got = advise(m)
+    last = m.epochs[-1]
+    if last.total <= 0:
+        assert got == []
+        return
+    assert got, "a measured epoch always gets an answer"
+    changes = [a for a in got if a.kind not in ("none", "limit")]
+    assert all(a.predicted_s < a.now_s for a in changes)
+    savings = [a.now_s - a.predicted_s for a in changes]
+    assert savings == sorted(savings, reverse=True)
+    assert all(a.because and str(a).startswith(a.change) for a in got)
+
+
+class _Slow(torch.utils.data.Dataset):
+    def __len__(self):
+        return 24
+
+    def __getitem__(self, i):
+        time.sleep(0.01)
+        return i
+
+
+def test_recorded_stats_of_a_decode_bound_loop_ask_for_workers_also_from_the_cli(tmp_path):
+    loader = DataLoader(_Slow(), batch_size=4, num_workers=0, log_to_mlflow=False)
+    for _ in loader:
+        pass
+    got = loader.stats.advise()
+    assert got[0].kind in ("workers", "limit") and "your code" in got[0].because
+    path = loader.stats.save(tmp_path / "stats.json")
+    out = subprocess.run([sys.executable, "-m", "ucmagic", "advise", path, "--json"], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    rows = json.loads(out.stdout)
+    assert rows[0]["kind"] == got[0].kind and rows[0]["predicted_s"] == pytest.approx(got[0].predicted_s)
