@@ -254,6 +254,7 @@ class UcMagics(Magics):
     @argument("--limit", metavar="BYTES", help="cache budget, e.g. 50GB (default: keep 10%% of the disk free)")
     @argument("--no-widget", action="store_true", help="do not show the live progress widget")
     @argument("--explore", action="store_true", help="open the fetch-latency explorer in the panel when the loop ends")
+    @argument("--advise", action="store_true", help="show loader.stats.advise() in the panel when the loop ends")
     @argument("--rows", type=int, default=None, metavar="N", help="tables: load at most N rows")
     @argument("--columns", metavar="COLS", help="tables: comma-separated columns to load")
     @argument("--stream", action="store_true", help="tables: a ParquetDataset loader instead of a DataFrame")
@@ -343,7 +344,8 @@ class UcMagics(Magics):
 
             mode = resolve_mode(self.progress)
             if mode != "off":  # shown in this cell, updated by the loop in later cells
-                attach_monitor(loader, mode=mode, view=getattr(a, "panel", None), explore=a.explore)
+                attach_monitor(loader, mode=mode, view=getattr(a, "panel", None), explore=a.explore,
+                               advise=a.advise)
         return loader
 
     # -------------------------------------------------------------- %ucstage
