@@ -455,3 +455,42 @@ def test_explore_at_the_end_opens_it_when_the_loop_ends(tree):
     for _ in it:
         pass
     assert mon.view.explorer_box.children == (mon.explorer.widget,)
+
+
+# ------------------------------------------------------------------ issue 45: the epoch's stage bar, --advise
+
+def test_stage_bar_draws_the_loops_time_and_the_workers_seconds_per_stage():
+    from ucmagic.notebook.panel_render import stage_bar_svg
+
+    svg = stage_bar_svg({"compute": 1.0, "wait": 3.0, "wait_fetch": 2.0, "wait_user": 1.0, "wait_collate": 0.0,
+                         "fetch": 4.0, "user": 2.0, "collate": 0.5, "batches": 10})
+    root = ET.fromstring(svg[:svg.index("</svg>") + 6])
+    titles = [r.find("{http://www.w3.org/2000/svg}title").text for r in root.iter("{http://www.w3.org/2000/svg}rect")]
+    assert titles == ["loop compute: 1 s", "fetch: 2 s", "your code: 1 s", "fetch: 4 s", "your code: 2 s",
+                      "collate: 0.5 s"]
+    assert "waiting 75%" in svg
+
+
+def test_the_panel_shows_the_epochs_stages_and_the_advice_at_the_end():
+    import torch
+
+    from ucmagic.loading.loader import DataLoader
+
+    class Slow(torch.utils.data.Dataset):
+        def __len__(self):
+            return 12
+
+        def __getitem__(self, i):
+            import time
+            time.sleep(0.005)
+            return i
+
+    loader = DataLoader(Slow(), batch_size=4, num_workers=0, log_to_mlflow=False)
+    out = io.StringIO()
+    mon = widget.attach_monitor(loader, mode="text", show=False, advise=True)
+    mon.view = TextView(out, live=False)
+    for _ in loader:
+        pass
+    fin = mon.snapshot()
+    assert fin.stages["batches"] == 3 and fin.stages["user"] >= 12 * 0.005
+    assert fin.advice and "advice 1: " in out.getvalue()

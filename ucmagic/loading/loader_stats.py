@@ -50,6 +50,7 @@ class LoaderStats:
         self.last_fetch_s = math.nan
         self.last_compute_s = math.nan
         self.last_stages: tuple[float, float, float] | None = None  # the last batch's (fetch, user, collate) s
+        self.epoch_stages = analysis.StageTotals()  # the current epoch's seconds per stage (the live panel's bar)
         self._cache_base: dict[str, int] | None = None
         self._pending: BatchItems | None = None
         self._files: dict[int, tuple[str, int | None]] = {}  # index -> (name, bytes) of loaded stats
@@ -76,17 +77,20 @@ class LoaderStats:
         else:
             self._item_log.add(epoch, p.worker, p.index, p.fetch, p.nbytes, stages=p.stages)
             self.last_stages = p.stages
+        self.epoch_stages.add(fetch_s, compute_s, self.last_stages)
         self.last_fetch_s, self.last_compute_s = fetch_s, compute_s
         self.epoch_count += 1
 
     def begin_epoch(self, epoch: int | None) -> None:
         """A new iteration over ``epoch`` starts (per-epoch counts restart)."""
         self.epoch, self.epoch_count = epoch, 0
+        self.epoch_stages = analysis.StageTotals()
 
     def reset(self) -> None:
         """Forget every recorded batch."""
         self._rec.reset()
         self._item_log.reset()
+        self.epoch_stages = analysis.StageTotals()
         self.epoch_count = 0
         self.last_fetch_s = self.last_compute_s = math.nan
 

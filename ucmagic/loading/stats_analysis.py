@@ -8,7 +8,7 @@ the explorer and the panel read them through LoaderStats.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Dict
+from typing import Any, Callable, Dict, Sequence
 
 import numpy as np
 
@@ -45,23 +45,41 @@ def batch_table(rec: BatchRecorder, log: ItemLog) -> BatchTable:
             **{f"stage_{k}_s": a[f"stage_{k}"][:n].astype(float) for k in STAGES}}
 
 
+class StageTotals:
+    """Running seconds per stage of a set of batches (an epoch; the live panel's bar), O(1) per batch.
+
+    The loop's ``compute`` and ``wait``; the wait split over the batch's stages in proportion to its
+    stage times (``wait_fetch``, ``wait_user``, ``wait_collate``; a batch without them counts as
+    fetch); the producing processes' ``fetch``, ``user``, ``collate`` (overlapping the loop with
+    workers); ``batches``."""
+
+    KEYS = ("compute", "wait", *(f"wait_{k}" for k in STAGES), *STAGES, "batches")
+
+    def __init__(self) -> None:
+        self.sums = dict.fromkeys(self.KEYS, 0.0)
+
+    def add(self, wait: float, compute: float, stages: Sequence[float] | None) -> None:
+        s = self.sums
+        s["compute"] += compute
+        s["wait"] += wait
+        s["batches"] += 1
+        st = [0.0 if x is None or math.isnan(x) else float(x) for x in stages] if stages is not None else [0.0] * 3
+        made = sum(st)
+        for k, v in zip(STAGES, st):
+            s[k] += v
+            s[f"wait_{k}"] += wait * v / made if made > 0 else (wait if k == "fetch" else 0.0)
+
+    def as_dict(self) -> dict[str, float]:
+        return dict(self.sums)
+
+
 def breakdown(b: BatchTable, mask: np.ndarray) -> dict[str, float]:
-    """Seconds per stage of the batches in ``mask``: the loop's ``compute`` and ``wait``, the wait split
-    over each batch's stages in proportion (``wait_fetch``, ``wait_user``, ``wait_collate``; a batch
-    without stage times counts as fetch), the producing processes' ``fetch``, ``user``, ``collate``
-    (unmeasured batches count 0) and ``batches``."""
-    wait = b["fetch_s"][mask]
-    st = np.stack([np.nan_to_num(b[f"stage_{k}_s"][mask], nan=0.0) for k in STAGES]) if len(wait) else \
-        np.zeros((len(STAGES), 0))
-    made = st.sum(axis=0)
-    share = np.where(made > 0, st / np.where(made > 0, made, 1.0), np.array([[1.0], [0.0], [0.0]]))
-    out = {"compute": float(b["compute_s"][mask].sum()), "wait": float(wait.sum())}
-    for i, k in enumerate(STAGES):
-        out[f"wait_{k}"] = float((share[i] * wait).sum())
-    for i, k in enumerate(STAGES):
-        out[k] = float(st[i].sum())
-    out["batches"] = float(len(wait))
-    return out
+    """:class:`StageTotals` of the batches in ``mask``."""
+    t = StageTotals()
+    cols = [b[f"stage_{k}_s"][mask].tolist() for k in STAGES]
+    for w, c, *st in zip(b["fetch_s"][mask].tolist(), b["compute_s"][mask].tolist(), *cols):
+        t.add(w, c, st)
+    return t.as_dict()
 
 
 def refetched_items(log: ItemLog, epochs: np.ndarray) -> tuple[int, int]:

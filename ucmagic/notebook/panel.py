@@ -21,188 +21,20 @@ import sys
 import time
 import weakref
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence, TextIO
+from typing import Any, Callable, TextIO
 
-from ..progress import display_mode, format_duration
+from ..progress import display_mode
 from ..telemetry import p50_p99
 from ..units import format_size
+from .panel_render import PLOT_POINTS, RunSeries, Snapshot, format_ms, sparkline_svg, stage_bar_svg, summary_html, \
+    text_line
+
+__all__ = ["Monitor", "Snapshot", "TextView", "WidgetView", "ProgressBar", "attach_monitor", "format_ms",
+           "sparkline_svg", "text_line", "PLOT_POINTS"]
 
 DEFAULT_RATE_HZ = 4.0
 WINDOW = 256  # recent batches kept for the plot and the percentiles
-PLOT_POINTS = 120  # points drawn in the sparkline
 LOG_INTERVAL_S = 10.0  # one line every this many seconds when the output is a log, not a terminal
-
-
-# ------------------------------------------------------------------ pure: state and rendering
-
-@dataclass
-class Snapshot:
-    """What the display shows; plain data so the renderers are pure functions."""
-
-    title: str = "ucmagic"
-    state: str = "idle"  # idle | running | done | error
-    epoch: int | None = None
-    batches: int = 0
-    total_batches: int | None = None
-    items: int | None = 0  # None: unknown batch size
-    elapsed_s: float = 0.0
-    files: int | None = None  # None: the source has no file cache (e.g. Parquet)
-    files_cached: int = 0
-    bytes_total: int = 0
-    bytes_cached: int = 0
-    hit_rate: float | None = None
-    waits_ms: list[float] = field(default_factory=list)
-    p50_ms: float = math.nan
-    p99_ms: float = math.nan
-    error: str | None = None
-    run_ms: list[float] = field(default_factory=list)  # the whole epoch, max per bucket (see RunSeries)
-    hints: list[str] = field(default_factory=list)  # straggler hints, in the final state
-
-    @property
-    def batches_per_s(self) -> float:
-        return self.batches / self.elapsed_s if self.elapsed_s > 0 else 0.0
-
-    @property
-    def items_per_s(self) -> float | None:
-        if self.items is None:
-            return None
-        return self.items / self.elapsed_s if self.elapsed_s > 0 else 0.0
-
-    @property
-    def rate_known(self) -> bool:
-        """Enough batches and time for a throughput and an ETA that mean something (not "0 items/s")."""
-        from ..progress import MIN_RATE_S
-
-        return self.batches >= 2 and self.elapsed_s >= MIN_RATE_S
-
-    @property
-    def eta_s(self) -> float | None:
-        if self.total_batches is None or self.state != "running" or self.batches_per_s <= 0 or not self.rate_known:
-            return None
-        return max(0, self.total_batches - self.batches) / self.batches_per_s
-
-
-def format_ms(ms: float) -> str:
-    if not math.isfinite(ms):
-        return "-"
-    return f"{ms:.0f} ms" if ms >= 10 else f"{ms:.1f} ms"
-
-
-def text_line(s: Snapshot) -> str:
-    """One line for a terminal or a log: batches, cache fill, hit rate, latency, throughput, ETA.
-
-    Starts with :func:`ucmagic.progress.format_progress`'s line (the one ``stage`` prints)."""
-    from ..progress import format_progress
-
-    if s.state == "starting":
-        return f"{s.title}: {s.error or 'starting'}"
-    head = format_progress(s.batches, s.total_batches if s.state == "running" else None, 0, s.elapsed_s,
-                           desc=s.title, unit="batches")
-    parts = [head]
-    if s.files is not None:
-        parts.append(f"cached {s.files_cached:,}/{s.files:,} files, {format_size(s.bytes_cached)}/"
-                     f"{format_size(s.bytes_total)}")
-    if s.hit_rate is not None:
-        parts.append(f"hit {100 * s.hit_rate:.0f}%")
-    parts.append(f"wait p50 {format_ms(s.p50_ms)} p99 {format_ms(s.p99_ms)}")
-    ips = s.items_per_s
-    if s.rate_known or s.state != "running":
-        parts.append(f"{ips:,.0f} items/s" if ips is not None else f"{s.batches_per_s:,.1f} batches/s")
-    if s.state == "done":
-        parts.append("done")
-    elif s.state == "error":
-        parts.append(f"FAILED: {s.error}")
-    return "  ".join(parts)
-
-
-def sparkline_svg(waits_ms: Sequence[float], p50_ms: float, p99_ms: float, *, width: int = 360,
-                  height: int = 70, points: int = PLOT_POINTS, color: str = "#1f77b4") -> str:
-    """An inline SVG of recent per-batch waits (ms) with dashed p50 and p99 lines.
-
-    Pure string building (tens of microseconds). The y axis runs from 0 to the larger of the
-    highest point and 1.15 x p99, labelled in ms; when the highest point (a cold first batch) is
-    over 20 x p50 the axis is logarithmic, so the spike and the steady state both stay readable.
-    """
-    vals = list(waits_ms)[-points:]
-    pad_l, pad_r, pad_t, pad_b = 4, 64, 6, 14
-    pw, ph = width - pad_l - pad_r, height - pad_t - pad_b
-    top = max([*vals, (p99_ms * 1.15) if math.isfinite(p99_ms) else 0.0, 1e-3])
-    floor = max(min([v for v in vals if v > 0], default=top) * 0.8, top * 1e-4)
-    log = bool(vals) and math.isfinite(p50_ms) and p50_ms > 0 and top > 20 * p50_ms
-
-    def y_of(v: float) -> float:
-        if log:
-            frac = math.log(max(v, floor) / floor) / math.log(top / floor) if top > floor else 0.0
-        else:
-            frac = min(v, top) / top
-        return pad_t + ph - ph * min(1.0, max(0.0, frac))
-
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-           f'viewBox="0 0 {width} {height}" style="font:10px sans-serif">',
-           f'<rect x="{pad_l}" y="{pad_t}" width="{pw}" height="{ph}" fill="none" stroke="#8884"/>']
-    if vals:
-        step = pw / max(1, points - 1)
-        x0 = pad_l + pw - step * (len(vals) - 1)
-        pts = " ".join(f"{x0 + i * step:.1f},{y_of(v):.1f}" for i, v in enumerate(vals))
-        out.append(f'<polyline points="{pts}" fill="none" stroke="{color}" stroke-width="1.5"/>')
-    for label, v, c in (("p50", p50_ms, "#2ca02c"), ("p99", p99_ms, "#d62728")):
-        if math.isfinite(v):
-            y = y_of(v)
-            out.append(f'<line x1="{pad_l}" x2="{pad_l + pw}" y1="{y:.1f}" y2="{y:.1f}" stroke="{c}" '
-                       f'stroke-dasharray="4 3"/>')
-            out.append(f'<text x="{pad_l + pw + 4}" y="{y + 3:.1f}" fill="{c}">'
-                       f'{label} {html.escape(format_ms(v))}</text>')
-    out.append(f'<text x="{pad_l}" y="{height - 2}" fill="currentColor" opacity="0.7">'
-               f'wait per batch, whole epoch (max {html.escape(format_ms(top))}{", log scale" if log else ""})</text>')
-    out.append("</svg>")
-    return "".join(out)
-
-
-def summary_html(s: Snapshot) -> str:
-    """The status line under the plot: throughput, ETA or final state (red on error), then hints."""
-    if s.state == "starting":
-        return f"<i>{html.escape(s.error or 'starting')}</i>"
-    bits = [f"<b>{s.batches}</b>{'/' + str(s.total_batches) if s.total_batches is not None else ''} batches"]
-    if s.rate_known or s.state != "running":
-        bits.append(f"{s.batches_per_s:.1f} batches/s")
-        if s.items_per_s is not None:
-            bits.insert(1, f"{s.items_per_s:,.0f} items/s")
-    if s.hit_rate is not None:
-        bits.append(f"hit rate {100 * s.hit_rate:.0f}%")
-    if s.state == "running":
-        bits.append(f"ETA {format_duration(s.eta_s) if s.eta_s is not None else '-'}")
-    elif s.state == "done":
-        bits.append(f"<span style='color:#2ca02c'>done in {format_duration(s.elapsed_s)}</span>")
-    elif s.state == "error":
-        bits.append(f"<span style='color:#d62728'><b>failed:</b> {html.escape(str(s.error))}</span>")
-    hints = "".join(f"<div>&#9656; {html.escape(h)}</div>" for h in s.hints)
-    return " &middot; ".join(bits) + hints
-
-
-class RunSeries:
-    """The waits of a whole epoch in at most ``points`` values: each is the max of a bucket of
-    batches, and buckets double in width when full, so the first (cold) spike is never dropped."""
-
-    def __init__(self, points: int = PLOT_POINTS) -> None:
-        self.points = points
-        self.clear()
-
-    def clear(self) -> None:
-        self.values: list[float] = []
-        self.width = 1  # batches per value
-        self.n = 0
-
-    def add(self, v: float) -> None:
-        if self.n // self.width < len(self.values):
-            self.values[-1] = max(self.values[-1], v)
-        else:
-            self.values.append(v)
-        self.n += 1
-        if len(self.values) > self.points:  # bucket k of width 2w holds buckets 2k and 2k+1 of width w
-            vals = self.values
-            self.values = [max(vals[i:i + 2]) for i in range(0, len(vals), 2)]
-            self.width *= 2
 
 
 # ------------------------------------------------------------------ choosing a display
@@ -243,7 +75,8 @@ class TextView:
     def final(self, s: Snapshot) -> None:
         line = text_line(s)
         self._write(("\r" + line.ljust(self._width) if self.live else line) + "\n"
-                    + "".join(f"  hint: {h}\n" for h in s.hints))
+                    + "".join(f"  hint: {h}\n" for h in s.hints)
+                    + "".join(f"  advice {i}: {a}\n" for i, a in enumerate(s.advice, 1)))
         self._width = 0
 
     def _write(self, text: str) -> None:
@@ -305,6 +138,7 @@ class WidgetView:
                                          layout=layout)
         self.batch_lbl = w.HTML()
         self.plot = w.HTML()
+        self.stages = w.HTML()
         self.status = w.HTML()
         self.explore_button = w.Button(description="explore", tooltip="open the fetch-latency explorer here",
                                        icon="search", layout=w.Layout(width="110px", display="none"))
@@ -312,7 +146,7 @@ class WidgetView:
         self.explorer_box = w.VBox([])
         self.cache_rows = w.VBox([w.HBox([self.files_bar, self.files_lbl]), w.HBox([self.bytes_bar, self.bytes_lbl])])
         self.box = w.VBox([self.title, self.cache_rows, w.HBox([self.batch_bar, self.batch_lbl]), self.plot,
-                           w.HBox([self.status, self.explore_button]), self.explorer_box])
+                           self.stages, w.HBox([self.status, self.explore_button]), self.explorer_box])
         self.box.add_class("ucmagic-panel")
         self._displayed = False
         self.on_explore: Callable[[], None] = lambda: None  # set by the Monitor
@@ -358,6 +192,7 @@ class WidgetView:
         of = f"/{s.total_batches:,}" if s.total_batches is not None else ""
         self._set(self.batch_lbl, value=f"{ep}{s.batches:,}{of} batches")
         self._set(self.plot, value=sparkline_svg(s.run_ms or s.waits_ms, s.p50_ms, s.p99_ms))
+        self._set(self.stages, value=stage_bar_svg(s.stages) if s.stages.get("batches") else "")
         self._set(self.explore_button.layout, display=None if s.batches else "none")
 
     def final(self, s: Snapshot) -> None:
@@ -388,9 +223,10 @@ class Monitor:
 
     def __init__(self, loader: Any = None, *, mode: str | None = None, rate_hz: float = DEFAULT_RATE_HZ,
                  title: str | None = None, view: Any = None, clock: Callable[[], float] = time.monotonic,
-                 stream: TextIO | None = None, explore: bool = False) -> None:
+                 stream: TextIO | None = None, explore: bool = False, advise: bool = False) -> None:
         self.loader = loader
         self.explore_at_end = explore
+        self.advise_at_end = advise
         self.explorer: Any = None
         self.mode = "custom" if view is not None else resolve_mode(mode)
         self.period = 1.0 / rate_hz if rate_hz > 0 else 0.0
@@ -453,6 +289,9 @@ class Monitor:
         if callable(hints):
             with contextlib.suppress(Exception):  # the display is best effort
                 snap.hints = hints()
+        if self.advise_at_end:
+            with contextlib.suppress(Exception):  # the display is best effort
+                snap.advice = [str(a) for a in self.loader.stats.advise()]
         self._mark_counters()  # what is fetched from now on belongs to the next epoch (prefetch included)
         self.renders += 1
         self.view.final(snap)
@@ -564,6 +403,9 @@ class Monitor:
                      elapsed_s=(now - self._start) if self._start is not None else 0.0,
                      waits_ms=list(self._waits), p50_ms=p50_ms, p99_ms=p99_ms,
                      run_ms=list(self._run.values))
+        totals = getattr(getattr(self.loader, "stats", None), "epoch_stages", None)
+        if totals is not None:
+            s.stages = totals.as_dict()
         c = self._loader_snapshot()
         if isinstance(c.get("epoch"), int):
             s.epoch = c["epoch"]
@@ -606,19 +448,21 @@ def _total_batches(loader: Any) -> int | None:
 
 
 def attach_monitor(loader: Any, *, mode: str | None = None, rate_hz: float = DEFAULT_RATE_HZ,
-                   title: str | None = None, show: bool = True, view: Any = None, explore: bool = False) -> Monitor:
+                   title: str | None = None, show: bool = True, view: Any = None, explore: bool = False,
+                   advise: bool = False) -> Monitor:
     """Create a :class:`Monitor` for ``loader`` and register it as the loader's batch callback.
 
     ``loader.monitor()`` calls this. ``mode`` is ``widget``, ``text``, ``off`` or ``auto`` (default:
     ``UCMAGIC_PROGRESS``, else the widget in a notebook). With ``show`` the panel is displayed now.
     ``view``: an already shown view (``%ucload`` shows its panel before listing); ``explore``: open
-    the explorer in the panel when the epoch ends. Returns the monitor; ``monitor.detach()`` stops it.
+    the explorer in the panel when the epoch ends; ``advise``: show ``loader.stats.advise()`` then.
+    Returns the monitor; ``monitor.detach()`` stops it.
     """
     add = getattr(loader, "add_batch_callback", None)
     if add is None:
         raise TypeError(f"{type(loader).__name__} has no add_batch_callback(): wrap your dataset in "
                         "ucmagic.DataLoader, or call Monitor.on_batch() from your loop")
-    mon = Monitor(loader, mode=mode, rate_hz=rate_hz, title=title, view=view, explore=explore)
+    mon = Monitor(loader, mode=mode, rate_hz=rate_hz, title=title, view=view, explore=explore, advise=advise)
     if mon.mode == "off":
         return mon
     for old in list(getattr(loader, "_ucmagic_monitors", ())):  # one live display per loader
