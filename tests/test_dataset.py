@@ -454,7 +454,7 @@ def test_restart_checks_run_on_the_loop_thread_when_a_check_is_fast_else_on_thre
     import threading
 
     root, rels, cache, stats = _listed_then_counting_stats(tree, tmp_path, monkeypatch)
-    monkeypatch.setattr("ucmagic.files.dataset.FAST_CHECK_S", fast_s)  # 1 s: every check "fast"; 0: none
+    monkeypatch.setattr("ucmagic.files.filler.FAST_CHECK_S", fast_s)  # 1 s: every check "fast"; 0: none
     threads: set[int] = set()
     counting = LocalVolume.stat
 

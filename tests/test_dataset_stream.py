@@ -35,7 +35,7 @@ BUDGET = 240 * SIZE
 CHILD = r"""
 import os, sys, time
 from ucmagic import UCVolumeDataset
-from ucmagic.files.dataset import RESIZE_S
+from ucmagic.files.lease import RESIZE_S
 role, src, cache, work = sys.argv[1:5]
 def flag(name):
     open(os.path.join(work, name), "w").close()
