@@ -177,3 +177,53 @@ def test_delta_without_deltalake_names_the_extra(monkeypatch, tmp_path):
     with pytest.raises(MissingExtraError,
                        match=r'reading a Delta table needs deltalake.*pip install "ucmagic\[delta\]"'):
         tables.delta_files(tables.resolve_source(str(tmp_path)))
+
+
+# ------------------------------------------------------------------ issue 45: per-batch stages, the interactive chart
+
+def test_chart_points_carry_each_batchs_stages_and_keep_the_slowest_when_thinned():
+    from ucmagic.notebook.chart import chart_points
+
+    st = _explorer_stats()
+    b = st.batches()
+    b["stage_fetch_s"][:] = 0.001
+    b["stage_user_s"][:] = 0.004
+    pts = chart_points(b, np.ones(60, dtype=bool))
+    assert len(pts) == 60 and pts[5]["wait_ms"] == 800 and pts[5]["user_ms"] == 4 and pts[5]["collate_ms"] == 0
+    thin = chart_points(b, np.ones(60, dtype=bool), max_points=6)
+    assert len(thin) == 6 and {5, 45} <= {p["index"] for p in thin}  # each bucket's slowest batch
+
+
+def test_the_chart_zooms_picks_and_names_files_and_replaces_the_png_once_shown():
+    pytest.importorskip("ipywidgets")
+    pytest.importorskip("anywidget")
+    from ucmagic.notebook.chart import ASSET
+
+    assert ASSET.is_file() and "export default" in ASSET.read_text()
+    ex = _explorer_stats().explore()
+    chart = ex.chart
+    assert len(chart.points) == 60 and chart.selected == 5
+    chart.view = [30, 59]  # a drag in the browser
+    assert ex.range.value == (30, 59) and len(chart.points) == 30 and chart.selected == 45
+    chart.view = []  # a double click
+    assert ex.range.value == (0, 59)
+    chart.hovered = 45
+    assert "/v/late.jpg" in chart.hover_info and "miss" in chart.hover_info
+    chart.selected = 5  # a click
+    assert "/v/cold.jpg" in ex.files.value
+    assert ex.plot.layout.display != "none"
+    chart.rendered = True  # the browser loaded the widget's JavaScript
+    assert ex.plot.layout.display == "none"
+
+
+def test_the_explorer_shows_a_batchs_stages(tmp_path):
+    pytest.importorskip("ipywidgets")
+    import torch
+
+    from ucmagic import DataLoader
+
+    loader = DataLoader(torch.arange(12), batch_size=4, num_workers=0, log_to_mlflow=False)
+    for _ in loader:
+        pass
+    ex = loader.stats.explore()
+    assert "made in the main process: fetch" in ex.files.value and "your code" in ex.table.value

@@ -17,6 +17,7 @@ import numpy as np
 from ..errors import import_extra
 from ..telemetry import p50_p99
 from ..units import format_size, short_name
+from .chart import chart_points, new_chart
 
 if TYPE_CHECKING:
     from ..loading.loader_stats import LoaderStats
@@ -70,6 +71,24 @@ def figure_png(step: np.ndarray, fetch_s: np.ndarray, misses: np.ndarray, items:
     return buf.getvalue()
 
 
+def _stage_ms(b: dict[str, np.ndarray], key: str, i: int) -> str:
+    v = float(b[key][i])
+    return "-" if np.isnan(v) else _ms(v)
+
+
+def _stage_cells(b: dict[str, np.ndarray], i: int) -> str:
+    return "".join(f"<td>{_stage_ms(b, f'stage_{k}_s', i)}</td>" for k in ("fetch", "user", "collate"))
+
+
+def stage_line(b: dict[str, np.ndarray], i: int) -> str:
+    """``; made in ... : fetch .., your code .., collate ..`` of batch ``i`` ("" when not measured)."""
+    if np.isnan(float(b["stage_fetch_s"][i])):
+        return ""
+    worker = "the main process" if int(b["worker"][i]) < 0 else f"worker {int(b['worker'][i])}"
+    return (f"; made in {worker}: fetch {_stage_ms(b, 'stage_fetch_s', i)}, your code "
+            f"{_stage_ms(b, 'stage_user_s', i)}, collate {_stage_ms(b, 'stage_collate_s', i)}")
+
+
 def files_table(rows: list[dict[str, Any]]) -> str:
     """HTML table of a batch's files (slowest first)."""
     if not rows:
@@ -116,13 +135,20 @@ class Explorer:
         self.batch = w.BoundedIntText(value=0, min=0, max=max(0, len(b["step"]) - 1), description="batch #",
                                       layout=w.Layout(width="180px"))
         self.files = w.HTML()
+        self.chart = new_chart()  # interactive bars (anywidget); the PNG stays until the chart has rendered
+        if self.chart is not None:
+            self.chart.observe(self._zoomed, names="view")
+            self.chart.observe(self._clicked, names="selected")
+            self.chart.observe(self._hovered, names="hovered")
+            self.chart.observe(self._chart_shown, names="rendered")
         for c in (self.range, self.epoch, self.worker, self.rank):
             c.observe(self._changed, names="value")
         self.slowest.observe(self._picked, names="value")
         self.batch.observe(self._typed, names="value")
         self.widget = w.VBox([
             w.HTML(f"<b>{html.escape(self.title)}</b>"), self.summary, self.hints,
-            w.HBox([self.range, self.epoch, self.worker, self.rank]), self.plot,
+            w.HBox([self.range, self.epoch, self.worker, self.rank]),
+            *([self.chart] if self.chart is not None else []), self.plot,
             w.HTML("<b>slowest batches in view</b> (select one, or type any batch number, to see its files)"),
             self.table, w.HBox([self.slowest, self.batch]), self.files,
         ])
@@ -158,6 +184,9 @@ class Explorer:
             self.summary.value = "<i>no batches in this selection</i>"
         self.plot.value = figure_png(b["step"][m], f, b["misses"][m], b["items"][m], title=self.title)
         slow = self.slowest_in_view()
+        if self.chart is not None:
+            self.chart.points = chart_points(b, m)
+            self.chart.selected = slow[0] if slow else -1
         rows = []
         for i in slow:
             files = self.stats.batch_files(i)[:FILES_PER_BATCH]
@@ -167,11 +196,13 @@ class Explorer:
                                 f"{format_size(r['bytes']) if r['bytes'] is not None else '-'}, "
                                 f"{'hit' if r['hit'] else 'miss'})" for r in files) or "-"
             rows.append(f"<tr><td>{i}</td><td>{int(b['epoch'][i])}</td><td>{int(b['worker'][i])}</td>"
-                        f"<td>{_ms(float(b['fetch_s'][i]))}</td><td>{int(b['misses'][i])}/{int(b['items'][i])}</td>"
+                        f"<td>{_ms(float(b['fetch_s'][i]))}</td>{_stage_cells(b, i)}"
+                        f"<td>{int(b['misses'][i])}/{int(b['items'][i])}</td>"
                         f"<td style='text-align:left'>{names}</td></tr>")
         self.table.value = ("<table class='ucmagic-slowest' style='white-space:nowrap'>"
-                            "<tr><th>batch</th><th>epoch</th><th>worker</th>"
-                            "<th>wait</th><th>misses</th><th style='text-align:left'>slowest files</th></tr>"
+                            "<tr><th>batch</th><th>epoch</th><th>worker</th><th>wait</th><th>fetch</th>"
+                            "<th>your code</th><th>collate</th>"
+                            "<th>misses</th><th style='text-align:left'>slowest files</th></tr>"
                             + "".join(rows) + "</table>") if rows else "<i>no batches in this selection</i>"
         self.slowest.options = [(f"batch {i}: {_ms(float(b['fetch_s'][i]))}", i) for i in slow]
         if slow:
@@ -184,7 +215,8 @@ class Explorer:
             self.files.value = f"<i>no batch {i}</i>"
             return
         head = (f"<b>batch {i}</b> (epoch {int(b['epoch'][i])}, worker {int(b['worker'][i])}, rank "
-                f"{int(b['rank'][i])}, step {int(b['step'][i])}): waited {_ms(float(b['fetch_s'][i]))}<br>")
+                f"{int(b['rank'][i])}, step {int(b['step'][i])}): waited {_ms(float(b['fetch_s'][i]))}"
+                f"{stage_line(b, i)}<br>")
         self.files.value = head + files_table(self.stats.batch_files(i))
 
     def _hints_html(self) -> str:
@@ -194,6 +226,26 @@ class Explorer:
     # -- events
     def _changed(self, change: Any = None) -> None:
         self.refresh()
+
+    def _zoomed(self, change: Any) -> None:  # the chart's drag (or double click: the whole run)
+        view = change["new"]
+        self.range.value = (int(view[0]), int(view[1])) if len(view) == 2 else (self.range.min, self.range.max)
+
+    def _clicked(self, change: Any) -> None:
+        if change["new"] is not None and change["new"] >= 0:
+            self.show_batch(int(change["new"]))
+
+    def _hovered(self, change: Any) -> None:
+        i = int(change["new"])
+        if self.chart is not None and 0 <= i < len(self.b["step"]):
+            files = self.stats.batch_files(i)[:FILES_PER_BATCH]
+            self.chart.hover_info = "slowest files:\n" + "\n".join(
+                f"  {short_name(r['file'], 60)} {_ms(r['fetch_s'])} {'hit' if r['hit'] else 'miss'}"
+                for r in files) if files else "no item records"
+
+    def _chart_shown(self, change: Any) -> None:
+        if change["new"]:
+            self.plot.layout.display = "none"  # custom widgets load here: the chart replaces the PNG
 
     def _picked(self, change: Any) -> None:
         if change["new"] is not None:
