@@ -715,7 +715,7 @@ def test_optimizer_state_loads_when_a_parameter_never_got_a_gradient(tmp_path, s
 # ---------------------------------------------------------------- messages: one line each, named
 
 def test_a_missing_store_credential_is_named_with_how_to_set_it(tmp_path, monkeypatch):
-    from ucmagic.checkpoints.api import _credentials_error
+    from ucmagic.checkpoints.steps import credentials_error as _credentials_error
     from ucmagic.errors import CheckpointCredentialsError
 
     class NoCredentialsError(Exception):  # botocore's class, by name: botocore need not be installed
