@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 import ucmagic
 from ucmagic.errors import (DuplicatePathError, FetchError, InvalidArgumentError, ListingChangedError,
-                            SourceChangedError, SourceNotFoundError, UnsafeSourceError)
+                            NotAnEntryError, SourceChangedError, SourceNotFoundError, UnsafeSourceError)
 from ucmagic.tables.volume_table import duplicate_rows, relative_paths
 
 N = 24
@@ -64,6 +64,9 @@ def test_a_pandas_dataframe_of_relative_paths_yields_each_file_once_with_its_row
     assert [head(it["path"]) for it in items] == sorted(rels)  # unshuffled: the sorted listing's order
     assert ds.stats()["misses"] == N
     assert ds.source_of(items[0]["path"]).rel == head(items[0]["path"])
+    assert ds.row_of(items[0]["path"]) == items[0]
+    with pytest.raises(NotAnEntryError):
+        ds.row_of(os.path.join(root, rels[0]))  # the source file itself is no cached entry
     again = list(ucmagic.files_from_table(pd.DataFrame(rows), root=root, columns=["label", "id"]))
     assert [it["path"] for it in again] == [it["path"] for it in items]  # the cache serves a second dataset
 

@@ -33,6 +33,7 @@ from typing import Any, Iterator, Sequence, cast
 from .._util import path_under
 from ..errors import (DuplicatePathError, EmptyListingError, InvalidArgumentError, SourceChangedError,
                       SourceNotFoundError, UnsafeSourceError)
+from ..files.cache_layout import unmap_relpath
 from ..files.dataset import STATE_VERSION, UCVolumeDataset
 from ..files.epochs import StateSchema
 from ..files.ranged import RangeReader
@@ -271,14 +272,23 @@ class TableVolume(Volume):
     def copy_to(self, rel: str, dest: str, *, expect: FileEntry | None = None) -> int:
         if expect is None or self.slack == 0.0:
             return self.base.copy_to(rel, dest, expect=expect) if expect is not None else self.base.copy_to(rel, dest)
-        now = self.base.stat(rel)  # the table's mtime is in its own unit: compared within it
+        if expect.size < self.base.range_threshold:  # one plain copy, then one look (as FsspecVolume's copy)
+            n = self.base.copy_to(rel, dest)
+            self._check_listed(rel, expect, self.base.stat(rel))
+            return n
+        now = self.base.stat(rel)  # a ranged copy checks against an exact entry: the volume's own
+        self._check_listed(rel, expect, now)
+        return self.base.copy_to(rel, dest, expect=now)  # the volume's own check of a change during the copy
+
+    def _check_listed(self, rel: str, expect: FileEntry, now: FileEntry) -> None:
+        """Refuse ``now`` unless it is the file the table lists: the same size, the mtime within the
+        table's unit."""
         if now.size != expect.size or abs(now.mtime - expect.mtime) > self.slack:
             raise SourceChangedError(
                 f"{self.display(rel)} is not the file the table lists (table: {expect.size} bytes, mtime "
                 f"{expect.mtime:.6f}; volume: {now.size} bytes, mtime {now.mtime:.6f}): the table's size and mtime "
                 "columns must hold the file's current values; update them, or leave size_column/mtime_column "
                 "out to stat the files")
-        return self.base.copy_to(rel, dest, expect=now)  # the volume's own check of a change during the copy
 
     def range_reader(self, rel: str) -> RangeReader:
         return self.base.range_reader(rel)
@@ -323,10 +333,27 @@ class TableFilesDataset(UCVolumeDataset):
 
     def row_of(self, path: str) -> dict[str, Any]:
         """The item of a cached path this dataset yielded: ``{"path": path, <field>: value, ...}``."""
-        rel = self.source_of(path).rel
-        i = bisect.bisect_left(self.rels, rel)
+        i = self._row_index(path)
         cols = self.fields.columns
         return {"path": path, **{name: cols[k][i].as_py() for k, name in enumerate(self.field_names)}}
+
+    def _row_index(self, path: str) -> int:
+        """The row of a path this dataset yielded: read off the entry's path (``<cache>/files/<space>[~v]/
+        <mapped rel>``, docs/cache.md) where it names one of the rows, else through :meth:`source_of`
+        (an escaped name; a path that is no entry of this dataset raises NotAnEntryError there)."""
+        prefix = self._files_prefix
+        if path.startswith(prefix):
+            top, _, inner = path[len(prefix):].partition(os.sep)
+            rel = unmap_relpath(inner.replace(os.sep, "/")) if top.partition("~")[0] == self.space else None
+            if rel is not None:
+                i = bisect.bisect_left(self.rels, rel)
+                if i < len(self.rels) and self.rels[i] == rel:
+                    return i
+        return bisect.bisect_left(self.rels, self.source_of(path).rel)
+
+    @property
+    def _files_prefix(self) -> str:
+        return os.path.join(self.cache.root, "files") + os.sep
 
     def __iter__(self) -> Iterator[dict[str, Any]]:  # type: ignore[override]  # dicts, not paths
         return self._rows(super().__iter__())
