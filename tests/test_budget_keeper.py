@@ -31,7 +31,7 @@ def test_budget_evicts_least_recently_used_but_not_protected(tmp_path):
         p, _ = c.fill(cache_key("v", str(i), 200, 0), "", 200, writer(bytes(200)))
         used_at(p, i)  # file 0 is the least recently used
         paths.append(p)
-    c.write_record(c.record_path(process_tag(), 0), [record_name(paths[0])])
+    c.records.write_record(c.records.record_path(process_tag(), 0), [record_name(paths[0])])
     used_at(paths[1], time.time())  # file 1 becomes most recently used
     c.fill(cache_key("v", "new", 200, 0), "", 200, writer(bytes(200)))
     assert os.path.exists(paths[0])  # protected: kept despite being oldest
@@ -43,8 +43,8 @@ def test_budget_evicts_least_recently_used_but_not_protected(tmp_path):
 def test_fill_waits_for_room_then_proceeds_when_a_consumer_frees_it(tmp_path):
     c = FileCache(str(tmp_path / "c"), limit=500)
     p, _ = c.fill(cache_key("v", "held", 400, 0), "", 400, writer(bytes(400)))
-    rec = c.record_path(process_tag(), 0)
-    c.write_record(rec, [record_name(p)])
+    rec = c.records.record_path(process_tag(), 0)
+    c.records.write_record(rec, [record_name(p)])
     done = threading.Event()
     waits = []
     t = threading.Thread(target=lambda: (c.fill(cache_key("v", "next", 300, 0), "", 300, writer(bytes(300)),
@@ -52,7 +52,7 @@ def test_fill_waits_for_room_then_proceeds_when_a_consumer_frees_it(tmp_path):
     t.start()
     assert not done.wait(0.3) and waits  # no room: it waits instead of overshooting
     assert c.usage().total_bytes <= 500
-    c.drop_record(rec)  # the consumer is done with the held file
+    c.records.drop_record(rec)  # the consumer is done with the held file
     assert done.wait(10)
     t.join()
     assert c.usage().total_bytes <= 500 and not os.path.exists(p)
@@ -61,7 +61,7 @@ def test_fill_waits_for_room_then_proceeds_when_a_consumer_frees_it(tmp_path):
 def test_head_of_line_fill_may_exceed_the_budget(tmp_path):
     c = FileCache(str(tmp_path / "c"), limit=500)
     p, _ = c.fill(cache_key("v", "held", 400, 0), "", 400, writer(bytes(400)))
-    c.write_record(c.record_path(process_tag(), 0), [record_name(p)])
+    c.records.write_record(c.records.record_path(process_tag(), 0), [record_name(p)])
     q, fetched = c.fill(cache_key("v", "next", 300, 0), "", 300, writer(bytes(300)), may_exceed=lambda: True)
     assert fetched and os.path.exists(p) and os.path.exists(q)
 
@@ -86,7 +86,7 @@ def test_a_fill_no_loop_waits_on_gives_up_with_an_error_when_no_room_is_ever_fre
     # another live fill holds 9 kB (its temp file's name carries its final size): nothing to evict
     open(os.path.join(c.root, "tmp", f"{'ab' * 20}.{process_tag()}.0.9000.part"), "wb").close()
     with pytest.raises(CacheFullError, match=r"no room for a 5\.0 KB file in cache_limit=10\.0 KB"):
-        c.reserve(5000, os.path.join(c.root, "tmp", "mine.part"))
+        c.budget_keeper.reserve(5000, os.path.join(c.root, "tmp", "mine.part"))
 
 
 def test_budget_is_the_smallest_cache_limit_of_live_objects_and_ignores_dead_processes(tmp_path):
@@ -107,7 +107,7 @@ def test_budget_is_the_smallest_cache_limit_of_live_objects_and_ignores_dead_pro
 def test_usage_accounts_every_byte_under_the_cache_dir(tmp_path):
     c = FileCache(str(tmp_path / "c"))
     c.fill(cache_key("v", "x", 300, 0), "", 300, writer(bytes(300)))
-    c.write_record(c.record_path(process_tag(), 0), ["a" * 40])
+    c.records.write_record(c.records.record_path(process_tag(), 0), ["a" * 40])
     with open(os.path.join(c.root, "tmp", "k.1-1.0.50.part"), "wb") as f:
         f.write(bytes(10))  # a fill in progress counts at its final size (in its name)
     with open(os.path.join(c.root, "stray"), "wb") as f:
@@ -141,7 +141,7 @@ def test_a_fill_waiting_behind_a_big_file_still_copying_does_not_give_up(tmp_pat
     t.start()
     try:
         time.sleep(0.1)
-        c.reserve(5000, os.path.join(c.root, "tmp", "mine.part"), may_exceed=lambda: False)
+        c.budget_keeper.reserve(5000, os.path.join(c.root, "tmp", "mine.part"), may_exceed=lambda: False)
     finally:
         stop.set()
         t.join()

@@ -176,10 +176,10 @@ def test_two_datasets_iterated_together_in_one_process_each_keep_their_protectio
     b = UCVolumeDataset(str(tmp_path / "b"), cache_dir=cache, cache_limit=2_000_000)
     for i, (pa, pb) in enumerate(zip(a, b)):
         if i == 50:
-            protected = a.cache.protected_names(reap=False)
+            protected = a.cache.records.protected_names(reap=False)
             assert a.cache.entry_name(pa) in protected and b.cache.entry_name(pb) in protected
             assert len(os.listdir(os.path.join(cache, "prot"))) == 2
-            assert a.cache.live_streams() == 2
+            assert a.cache.records.live_streams() == 2
     del a, b, pa, pb
     import gc
 

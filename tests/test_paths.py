@@ -264,14 +264,15 @@ def test_entries_of_the_old_layout_are_reaped_unless_a_live_process_protects_the
         os.makedirs(os.path.join(d, "train", "cat"))
         with open(os.path.join(d, "train", "cat", "img0.jpg"), "wb") as f:
             f.write(b"x" * 10)
-    cache.write_record(cache.record_path(process_tag(), 0), [os.path.basename(held), os.path.basename(held_dir)])
+    rec = cache.records.record_path(process_tag(), 0)
+    cache.records.write_record(rec, [os.path.basename(held), os.path.basename(held_dir)])
     assert "other" in cache_command("info", root)
     ds = UCVolumeDataset(src, cache_dir=root)  # a new dataset reaps what no live process protects
     assert not os.path.exists(gone) and not os.path.exists(os.path.dirname(gone)) and os.path.exists(held)
     assert not os.path.exists(gone_dir) and os.path.exists(held_dir)
     assert all(os.sep + "files" + os.sep + ds.space + os.sep in p for p in ds)  # never served from the old layouts
     assert cache.usage().files == len(list(ds))  # the old layouts' bytes count as other, not as entries
-    cache.drop_record(cache.record_path(process_tag(), 0))
+    cache.records.drop_record(rec)
     assert "2 old-layout" in cache_command("prune", root)
     assert not os.path.exists(os.path.join(root, "data")) and not os.path.exists(held_dir)
 
@@ -283,7 +284,7 @@ def test_budget_eviction_and_clear_remove_whole_entries(tmp_path):
     ds = UCVolumeDataset(src, cache_dir=root)
     list(ds)
     cache = FileCache(root)
-    cache.drop_records(process_tag(), dead_writers_only=False)  # the loop's last items are released
+    cache.records.drop_records(process_tag(), dead_writers_only=False)  # the loop's last items are released
     u = cache.usage()
     assert u.files == len(tree) and u.bytes == sum(map(len, tree.values()))
     files = os.path.join(root, "files")

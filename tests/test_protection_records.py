@@ -23,18 +23,18 @@ def test_record_names_parse(name, parsed):
 
 def test_protection_record_rewritten_in_place_holds_exactly_the_new_names(tmp_path):
     c = FileCache(str(tmp_path / "c"))
-    rec = c.record_path(process_tag(), 0)
-    c.write_record(rec, ["a" * 40 + ".bin", "b" * 40 + ".bin"])
-    c.write_record(rec, ["c" * 40])
-    assert c.protected_names() == {"c" * 40}
-    c.drop_record(rec)
-    assert c.protected_names() == set() and os.listdir(tmp_path / "c" / "prot") == []
-    c.write_record(rec, ["d" * 40])  # written again after a drop: a new file
-    assert c.protected_names() == {"d" * 40}
+    rec = c.records.record_path(process_tag(), 0)
+    c.records.write_record(rec, ["a" * 40 + ".bin", "b" * 40 + ".bin"])
+    c.records.write_record(rec, ["c" * 40])
+    assert c.records.protected_names() == {"c" * 40}
+    c.records.drop_record(rec)
+    assert c.records.protected_names() == set() and os.listdir(tmp_path / "c" / "prot") == []
+    c.records.write_record(rec, ["d" * 40])  # written again after a drop: a new file
+    assert c.records.protected_names() == {"d" * 40}
     os.unlink(rec)  # removed behind the writer's back (clear_cache of a process it thought gone)
-    c.write_record(rec, ["e" * 40])
-    assert c.protected_names() == {"e" * 40}
-    c.drop_record(rec)
+    c.records.write_record(rec, ["e" * 40])
+    assert c.records.protected_names() == {"e" * 40}
+    c.records.drop_record(rec)
 
 
 def test_protection_of_a_dead_owner_is_released_at_once(tmp_path):
@@ -44,7 +44,7 @@ def test_protection_of_a_dead_owner_is_released_at_once(tmp_path):
     dead = os.path.join(c.root, "prot", f"999999999-1@{process_tag()}.0.rec")
     with open(dead, "w") as f:
         f.write(record_name(p))
-    assert record_name(p) not in c.protected_names(reap=True) and not os.path.exists(dead)
+    assert record_name(p) not in c.records.protected_names(reap=True) and not os.path.exists(dead)
     for i in range(2):  # the budget now evicts the formerly protected entry
         c.fill(cache_key("v", f"n{i}", 200, 0), "", 200, writer(bytes(200)))
     assert not os.path.exists(p)
@@ -65,10 +65,10 @@ def test_dead_process_records_and_temp_files_are_reaped(tmp_path):
 
 def test_live_streams_counts_the_records_of_live_owners_in_every_process(tmp_path):
     c = FileCache(str(tmp_path / "c"))
-    assert c.live_streams() == 0
-    mine = [c.record_path(process_tag(), slot) for slot in (0, 1)]
+    assert c.records.live_streams() == 0
+    mine = [c.records.record_path(process_tag(), slot) for slot in (0, 1)]
     for p in mine:
-        c.write_record(p, ["a-1"])
+        c.records.write_record(p, ["a-1"])
     ctx = mp.get_context("spawn")
     other = ctx.Process(target=time.sleep, args=(30,))
     other.start()
@@ -78,13 +78,13 @@ def test_live_streams_counts_the_records_of_live_owners_in_every_process(tmp_pat
             f.write("b-1")  # a stream of another live process on this cache
         with open(os.path.join(c.root, "prot", f"999999999-1@{process_tag()}.0.rec"), "w") as f:
             f.write("c-1")  # a dead owner's
-        assert c.live_streams() == 3
-        c.drop_record(mine[0])
-        assert c.live_streams() == 2
+        assert c.records.live_streams() == 3
+        c.records.drop_record(mine[0])
+        assert c.records.live_streams() == 2
     finally:
         other.kill()
         other.join(10)
-    assert c.live_streams() == 1
+    assert c.records.live_streams() == 1
 
 
 def test_a_record_naming_an_entry_by_its_record_names_protects_it(tmp_path):
@@ -93,7 +93,7 @@ def test_a_record_naming_an_entry_by_its_record_names_protects_it(tmp_path):
     p, _ = c.fill(key, ".chunk", 5, writer(b"12345"))
     names = entry_record_names(key, ".chunk", 5)
     assert names == [record_name(p)]
-    c.write_record(c.record_path(process_tag(), 0), names)
+    c.records.write_record(c.records.record_path(process_tag(), 0), names)
     assert c.evict(10**9) == 0 and os.path.exists(p)
 
 
@@ -114,9 +114,9 @@ def test_a_record_that_grows_on_a_full_disk_keeps_every_old_name_and_says_so(tmp
         pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
     try:
         c = FileCache(str(mnt / "c"))
-        rec = c.record_path(process_tag(), 0)
+        rec = c.records.record_path(process_tag(), 0)
         old = [f"{i:04d}" + "o" * 60 for i in range(50)]  # ~3 kB: one page
-        c.write_record(rec, old)
+        c.records.write_record(rec, old)
         fd = os.open(mnt / "ballast", os.O_WRONLY | os.O_CREAT, 0o600)
         with contextlib.suppress(OSError):  # the disk is full now, to the last byte
             while os.write(fd, b"\0" * 4096):
@@ -124,12 +124,12 @@ def test_a_record_that_grows_on_a_full_disk_keeps_every_old_name_and_says_so(tmp
         os.close(fd)
         grown = old + [f"{i:04d}" + "n" * 60 for i in range(200)]  # ~16 kB: needs pages the disk lacks
         with pytest.raises(OSError) as info:  # before: no error, and the record named 64 of the 250
-            c.write_record(rec, grown)
+            c.records.write_record(rec, grown)
         assert info.value.errno in (errno.ENOSPC, errno.EDQUOT)
-        assert c.protected_names() == set(old)
+        assert c.records.protected_names() == set(old)
         os.unlink(mnt / "ballast")
-        c.write_record(rec, grown)
-        assert c.protected_names() == set(grown)
-        c.drop_record(rec)
+        c.records.write_record(rec, grown)
+        assert c.records.protected_names() == set(grown)
+        c.records.drop_record(rec)
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False, capture_output=True, timeout=20)

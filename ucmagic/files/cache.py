@@ -35,7 +35,7 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 
 from .._shared import SharedBits
-from ..errors import CacheDirError, CacheFullError
+from ..errors import CacheDirError
 from .budget import DEFAULT_MIN_FREE, BudgetKeeper, reap
 from .cache_layout import (CacheLayout, RemovalToken, cache_root, entry_file, other_version_file,
                            STAMP_S_BITS, protection_name, serial, version_stamp)
@@ -253,7 +253,7 @@ class FileCache:
         tmp = None
         if self.budget() is not None:  # this process's cache_limit, or a smaller one of another live process
             tmp = self.layout.tmp_path(key, size, "part")
-        self.reserve(size, tmp or "", may_exceed=may_exceed, on_wait=on_wait)
+        self.budget_keeper.reserve(size, tmp or "", may_exceed=may_exceed, on_wait=on_wait)
         try:
             with self._keys.hold(key):
                 path = self.lookup(key, suffix, size, rel=rel, space=space)
@@ -353,36 +353,11 @@ class FileCache:
             protected = self.records.protected_names(except_owner=process_tag())
             return self.remove(p for p in paths if (name := self.entry_name(p)) is not None and name not in protected)
 
-    # ------------------------------------------------------------ protection records (ProtectionRecords)
-
-    def record_path(self, owner: str, slot: int | str) -> str:
-        """Where the writing process keeps its protection record for stream ``slot`` on behalf of ``owner``."""
-        return self.records.record_path(owner, slot)
-
-    def write_record(self, path: str, names: Iterable[str]) -> None:
-        """Atomically replace the protection record at ``path`` with ``names`` (entry names)."""
-        self.records.write_record(path, names)
-
-    def drop_record(self, path: str) -> None:
-        self.records.drop_record(path)
-
-    def drop_records(self, owner: str, *, dead_writers_only: bool = True) -> int:
-        """Remove records owned by ``owner`` (by default only those whose writing process is gone)."""
-        return self.records.drop_records(owner, dead_writers_only=dead_writers_only)
-
-    def protected_names(self, *, reap: bool = True) -> set[str]:
-        """Entry names protected by live owners; records of dead owners are dropped (``reap``)."""
-        return self.records.protected_names(reap=reap)
-
-    def live_streams(self) -> int:
-        """How many protection records (one per stream) have a live owner, this process's included."""
-        return self.records.live_streams()
-
     # ------------------------------------------------------------ budget, eviction, accounting (BudgetKeeper)
 
     def usage(self) -> CacheUsage:
         """Every byte under the cache directory, by kind (entries, protection records, temp files, other)."""
-        return self.budget_keeper.scan(self.protected_names(reap=False))[1]
+        return self.budget_keeper.scan(self.records.protected_names(reap=False))[1]
 
     def reap(self) -> dict[str, int]:
         """Drop protection records of dead owners, temp files and half-removed entries of dead writers, and
@@ -397,23 +372,10 @@ class FileCache:
         """Remove least-recently-used unprotected entries: see :meth:`BudgetKeeper.evict`."""
         return self.budget_keeper.evict(bytes_to_free, keep_below=keep_below)
 
-    def reserve(self, size: int, tmp: str, *, may_exceed: Callable[[], bool] | None = None,
-                on_wait: Callable[[], None] | None = None) -> None:
-        """Hold room for ``size`` bytes at ``tmp``: see :meth:`BudgetKeeper.reserve`."""
-        self.budget_keeper.reserve(size, tmp, may_exceed=may_exceed, on_wait=on_wait)
-
-    def disk_full(self, size: int, free: int | None = None, floor: int | None = None) -> CacheFullError:
-        """The error of a fill the cache disk has no room for: see :meth:`BudgetKeeper.disk_full`."""
-        return self.budget_keeper.disk_full(size, free, floor)
-
     def budget(self, *, fresh: bool = False) -> int | None:
         """The byte budget fills honour: the smallest ``cache_limit`` of any live process using this directory
         (``fresh``: read the records now, not the figure of the last second)."""
         return self.budget_keeper.budget(fresh=fresh)
-
-    def budget_name(self, limit: int) -> str:
-        """``cache_limit=...`` as an error names it, saying so when another live dataset set it."""
-        return self.budget_keeper.budget_name(limit)
 
     # ------------------------------------------------------------ whole-cache maintenance
 
@@ -422,7 +384,7 @@ class FileCache:
         keeper = self.budget_keeper
         with keeper.eviction_lock():
             reaped = self.reap()
-            free, _ = keeper.scan(self.protected_names(reap=False))
+            free, _ = keeper.scan(self.records.protected_names(reap=False))
             n = self.remove(p for p, _, _ in free)
             keeper.write_ledger(keeper.scan(set())[1].total_bytes)
         return {"entries": n, **reaped}

@@ -485,8 +485,9 @@ class UCVolumeDataset(EpochTracking, IterableDataset[str]):
             try:
                 return size(budget), budget
             except BudgetTooSmallError:
+                name = cache.budget_keeper.budget_name(budget or 0)
                 raise BudgetTooSmallError(
-                    f"{exc} -- the budget in force is {cache.budget_name(budget or 0)}; raise that dataset's "
+                    f"{exc} -- the budget in force is {name}; raise that dataset's "
                     "cache_limit, or let it go (del it, end its process) first") from None
 
     def _other_budget_settled(self, budget: int) -> int | None:

@@ -224,6 +224,12 @@ class LeaseRecord:
             self._named = None
             self.cache.records.drop_record(self.path)
 
+    def clear(self) -> None:
+        """Name nothing for now: the record goes; a later :meth:`write` makes it again."""
+        with self._mu:
+            self._named = None
+            self.cache.records.drop_record(self.path)
+
     def stop(self) -> None:
         """Write no more (the stream's next iteration writes it, or its dataset is gone); the file stays."""
         with self._mu:

@@ -81,7 +81,7 @@ class WindowPolicy:
         (:func:`~ucmagic.files.admission.admit`: fills beyond it wait for room in the loop's order, the
         one the loop waits for may go over), so only a smaller one is refused.
 
-        ``live`` streams of every process share the cache (:meth:`FileCache.live_streams`): where
+        ``live`` streams of every process share the cache (:meth:`ProtectionRecords.live_streams`): where
         there are more than this process's ``streams``, the budget is split over all of them, and a
         window with its release step, the read-ahead and the items covered ahead of it (which protect
         what other processes fetched) fit the smaller share. The window never goes below the least
@@ -155,4 +155,4 @@ class LiveSizing:
     def __call__(self) -> Sizing | None:
         budget = self.cache.budget()
         return None if budget is None else self.policy.sized(budget, self.streams, self.reported,
-                                                             self.cache.live_streams())
+                                                             self.cache.records.live_streams())

@@ -30,6 +30,7 @@ from typing import Any, Callable, Iterable, Sequence
 from ..files.cache import FileCache
 from ..files.cache_layout import cache_key, entry_record_names
 from ..files.filler import CacheFiller
+from ..files.lease import LeaseRecord
 from ..files.locks import process_tag
 from ..files.fetch import shared_pool
 from ..telemetry import SharedCounters
@@ -113,12 +114,12 @@ class ChunkReader:
         self.retries = retries
         self.filler = CacheFiller(cache, retries=retries, counters=counters)  # the one fill path: counted there
         self._threads = max(1, int(threads))
-        self._record = cache.record_path(owner or process_tag(), f"chunks-{slot}-{id(self):x}")
+        # the lease of this reader's chunks: one protection record (ucmagic.files.lease), as every family's
+        self._lease = LeaseRecord(cache, owner or process_tag(), f"chunks-{slot}-{id(self):x}")
         self._held: OrderedDict[tuple[int, int], int] = OrderedDict()  # (file, chunk) -> open descriptor
         self._inflight: dict[tuple[int, int], tuple[Future[Any], threading.Event]] = {}
         self._mu = threading.Lock()
         self._checked: set[str] = set()
-        self._named: frozenset[str] = frozenset()
         self.last_wait_s = 0.0  # seconds the last read waited for a fill
         self.last_hit = True  # the last read's chunks were all cached or held already
         self.fills = 0
@@ -127,10 +128,8 @@ class ChunkReader:
 
     def _protect(self) -> None:
         with self._mu:
-            names = frozenset(n for i, c in [*self._held, *self._inflight] for n in self.files[i].names(c))
-        if names != self._named:
-            self.cache.write_record(self._record, sorted(names))
-            self._named = names
+            names = {n for i, c in [*self._held, *self._inflight] for n in self.files[i].names(c)}
+        self._lease.write(sorted(names))  # written only when the names change
 
     # ------------------------------------------------------------ fills
 
@@ -289,5 +288,4 @@ class ChunkReader:
             fut.cancel()
             ev.set()
         wait([fut for fut, _ in jobs], timeout=CLOSE_WAIT_S)
-        self.cache.drop_record(self._record)
-        self._named = frozenset()
+        self._lease.clear()
