@@ -6,7 +6,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ucmagic.files.admission import ADMIT, REFUSE, WAIT, admit
+from ucmagic.files.admission import (ADMIT, REFUSE, STALL, WAIT, Waiting, admit, must_count, next_delay,
+                                     still_waiting)
 
 entries = st.lists(st.tuples(st.integers(1, 1000), st.floats(0, 1e6, allow_nan=False)), max_size=12).map(
     lambda es: [(f"e{i}", n, t) for i, (n, t) in enumerate(es)])
@@ -143,3 +144,46 @@ def test_two_streams_of_files_each_larger_than_half_the_budget_complete():
     mib = 1 << 20
     taken, peak = run_loop([[512 * mib] * 2, [512 * mib] * 2], 700_000_000, 4, [], 0)
     assert taken == 4 and peak <= 700_000_000 + 2 * 512 * mib
+
+
+# ---------------------------------------------------------------- while a fill waits (issue 43 item 4)
+
+@given(st.lists(st.tuples(st.floats(0, 50, allow_nan=False), st.integers(0, 1000), st.none() | st.integers(0, 5)),
+                min_size=1, max_size=40), st.floats(0.5, 100, allow_nan=False))
+def test_a_waiting_fill_stalls_only_after_stall_s_without_room_freed_or_copying(steps, stall_s):
+    """Any sequence of counts: a stall comes exactly when ``stall_s`` passed since the last count that
+    showed progress (a lower count, or fills still copying), never earlier."""
+    w, now, last_progress, best, copied = Waiting(), 0.0, 0.0, None, None
+    for dt, held, copying in steps:
+        now += dt
+        w, verdict = still_waiting(w, now, held, copying, stall_s)
+        progress = best is None or held < best or copying != copied
+        if progress:
+            best, copied, last_progress = held if best is None else min(best, held), copying, now
+            assert verdict == WAIT and w.since == now
+        else:
+            assert verdict == (STALL if now - last_progress > stall_s else WAIT)
+        if verdict == STALL:
+            return
+        assert w.best == best and w.copied == copied
+
+
+@given(st.none() | st.integers(0, 2000), st.integers(1, 1000), st.integers(1, 2000),
+       st.floats(0, 5, allow_nan=False), st.floats(0, 0.2, allow_nan=False))
+def test_the_ledger_is_trusted_only_while_it_is_fresh_and_says_there_is_room(ledger, size, limit, since, scan_s):
+    count = must_count(ledger, size, limit, since, scan_s)
+    if ledger is None or since > max(1.0, 50 * scan_s):
+        assert count  # unreadable or old: counted
+    elif ledger + size <= limit:
+        assert not count  # fresh and room: a fill needs no scan
+    else:
+        assert count == (since > max(0.02, 10 * scan_s))  # no room: counted again, but once per moment
+
+
+def test_the_pause_between_asks_grows_to_50ms_and_follows_the_cost_of_a_count():
+    d, seen = 0.005, []
+    for _ in range(10):
+        d = next_delay(d, 0.0001)
+        seen.append(d)
+    assert seen == sorted(seen) and seen[-1] == 0.05
+    assert next_delay(0.005, 0.004) == 0.02  # never under 5 counts' cost

@@ -1,5 +1,9 @@
 """Whether a fill may take room in a budgeted cache now (pure: plain numbers in, a decision out).
 
+The budget keeper (:class:`ucmagic.files.budget.BudgetKeeper`) does the I/O: locks, counts, removals,
+sleeps. Every decision it takes is here: admit, wait, evict whom (:func:`admit`), re-count or trust the
+ledger (:func:`must_count`), stall (:func:`still_waiting`) and how long to pause (:func:`next_delay`).
+
 The rule (:func:`admit`), for a fill of ``size`` bytes under a budget ``limit``, the directory
 holding ``held`` bytes (entries, fills in progress at their final size, records) and ``ahead`` bytes
 of fills earlier in the loop's order still waiting for room:
@@ -69,3 +73,46 @@ def admit(size: int, limit: int, held: int, evictable: Iterable[tuple[str, int, 
     if head:
         return Admission(ADMIT, tuple(victims), freed, over=True)
     return Admission(WAIT, tuple(victims), freed)  # the room it frees is this fill's, or an earlier one's
+
+
+# ---------------------------------------------------------------- while a fill waits (pure)
+
+STALL = "stall"
+
+
+class Waiting(NamedTuple):
+    """What a waiting fill remembers between counts: the lowest count seen (``best``; None: none yet),
+    since when (``since``), and what fills in progress had written at the last count (``copied``)."""
+
+    best: int | None = None
+    since: float = 0.0
+    copied: int | None = None
+
+
+def still_waiting(w: Waiting, now: float, held: int, copying: int | None, stall_s: float) -> tuple[Waiting, str]:
+    """``(next state, WAIT or STALL)`` for a fill that found no room at time ``now`` with ``held`` bytes
+    counted and ``copying`` (what fills in progress have written; None: not counted this time).
+
+    Room freed (a lower count) or fills still copying (a big file on its way, not a deadlock) start the
+    stall clock over; a fill that saw neither for ``stall_s`` seconds stalls: the caller raises."""
+    if w.best is None or held < w.best or copying != w.copied:
+        return Waiting(held if w.best is None else min(held, w.best), now, copying), WAIT
+    if now - w.since > stall_s:
+        return w, STALL
+    return w, WAIT
+
+
+def must_count(ledger: int | None, size: int, limit: int, since: float, scan_s: float) -> bool:
+    """Whether a waiting fill re-counts the directory now instead of trusting the byte ledger
+    (``ledger``: its figure, None when unreadable; ``since``: seconds since the last count of this
+    process; ``scan_s``: what a count costs). The ledger is a hint: re-counted before deciding there is
+    no room, but once per moment per process, not once per waiting thread (they would queue on the
+    lock behind each other's scans, the head of the loop among them)."""
+    if ledger is None or since > max(1.0, 50 * scan_s):
+        return True
+    return ledger + size > limit and since > max(0.02, 10 * scan_s)
+
+
+def next_delay(delay: float, scan_s: float) -> float:
+    """The pause before a waiting fill asks again: growing by half up to 50 ms, never under 5 counts' cost."""
+    return min(0.05, max(delay * 1.5, 5 * scan_s))

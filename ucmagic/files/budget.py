@@ -20,7 +20,7 @@ from typing import Callable, Iterable
 
 from ..errors import CacheFullError
 from ..units import format_size
-from .admission import ADMIT, REFUSE, admit
+from .admission import ADMIT, REFUSE, STALL, Waiting, admit, must_count, next_delay, still_waiting
 from .cache_layout import CacheLayout, RemovalToken, listdir, serial
 from .locks import open_private
 from .cache_usage import CacheUsage, scan
@@ -214,8 +214,8 @@ class BudgetKeeper:
         Fills of this process that started waiting earlier (the loop's order) get room first."""
         delay = 0.005
         waited = 0.0
-        best, best_at = None, time.monotonic()  # the lowest count seen while waiting, and since when
-        copied: int | None = None  # what fills in progress had written at the last count
+        state = Waiting()  # the lowest count seen while waiting, since when, what fills had copied
+        stall_s = STALL_S if may_exceed is None else LOOP_STALL_S
         ticket = self._queue(size)
         try:
             while True:
@@ -228,14 +228,10 @@ class BudgetKeeper:
                 head = waited >= 0.05 and may_exceed is not None and may_exceed()
                 with self.eviction_lock():
                     total = self.read_ledger()
-                    since = time.monotonic() - self._synced_at
                     evictable: list[tuple[str, int, float]] = []
-                    counted, copying = False, copied
-                    # the ledger is a hint: re-count before deciding there is no room, but once per
-                    # moment per process, not once per waiting thread (they would queue on the lock
-                    # behind each other's scans, the head of the loop among them)
-                    if total is None or since > max(1.0, 50 * self._scan_s) or (
-                            total + size > limit and since > max(0.02, 10 * self._scan_s)):
+                    counted, copying = False, state.copied
+                    if total is None or must_count(total, size, limit, time.monotonic() - self._synced_at,
+                                                   self._scan_s):
                         reap(self.layout, self.records)
                         evictable, usage = self.scan(self.records.protected_names(reap=False))
                         total, copying = usage.total_bytes, usage.tmp_written
@@ -253,31 +249,32 @@ class BudgetKeeper:
                         self.write_ledger(total)
                 if d.verdict == REFUSE:  # the budget in force shrank below this file meanwhile
                     raise self._too_big(size, limit)
-                if best is None or total < best or copying != copied:
-                    # room freed, or fills still copying (the loop waits on a big file, not on a deadlock)
-                    best, best_at, copied = min(total, best if best is not None else total), time.monotonic(), copying
-                elif may_exceed is None and time.monotonic() - best_at > STALL_S:
-                    # no loop of this process waits on this fill, and nothing was freed for a long time
-                    raise CacheFullError(
-                        f"no room for a {format_size(size)} file in {self.budget_name(limit)} for {STALL_S:g} s: "
-                        f"{format_size(total)} is held by files running loops have not consumed yet. Raise "
-                        "cache_limit, or let those loops finish first")
-                elif may_exceed is not None and time.monotonic() - best_at > LOOP_STALL_S:
-                    # a loop's fill, never allowed over and nothing freed: the loop's consumption reports
-                    # lag behind what it read (a wrapper that yields fewer items than it takes), a deadlock
-                    raise CacheFullError(
-                        f"no room for a {format_size(size)} file in {self.budget_name(limit)} for "
-                        f"{LOOP_STALL_S:g} s while the loop waits: {format_size(total)} is held by files it has "
-                        "not reported consumed (a wrapper dataset that yields fewer items than it reads "
-                        "under-reports). Raise cache_limit to hold a few batches per DataLoader worker, or set "
-                        "cache_limit=None")
+                state, verdict = still_waiting(state, time.monotonic(), total, copying, stall_s)
+                if verdict == STALL:
+                    raise self._stalled(size, limit, total, loop=may_exceed is not None)
                 if on_wait is not None:
                     on_wait()  # may raise: the loop that wanted this file is gone
                 time.sleep(delay)
                 waited += delay
-                delay = min(0.05, max(delay * 1.5, 5 * self._scan_s))
+                delay = next_delay(delay, self._scan_s)
         finally:
             self._dequeue(ticket)
+
+    def _stalled(self, size: int, limit: int, total: int, *, loop: bool) -> CacheFullError:
+        """The error of a fill that waited for room without any being freed (see :func:`still_waiting`)."""
+        if not loop:  # no loop of this process waits on this fill, and nothing was freed for a long time
+            return CacheFullError(
+                f"no room for a {format_size(size)} file in {self.budget_name(limit)} for {STALL_S:g} s: "
+                f"{format_size(total)} is held by files running loops have not consumed yet. Raise "
+                "cache_limit, or let those loops finish first")
+        # a loop's fill, never allowed over and nothing freed: the loop's consumption reports lag
+        # behind what it read (a wrapper that yields fewer items than it takes), a deadlock
+        return CacheFullError(
+            f"no room for a {format_size(size)} file in {self.budget_name(limit)} for "
+            f"{LOOP_STALL_S:g} s while the loop waits: {format_size(total)} is held by files it has "
+            "not reported consumed (a wrapper dataset that yields fewer items than it reads "
+            "under-reports). Raise cache_limit to hold a few batches per DataLoader worker, or set "
+            "cache_limit=None")
 
     def _queue(self, size: int) -> int:
         """A ticket for a fill of ``size`` bytes about to ask for room: fills asking earlier go first."""
