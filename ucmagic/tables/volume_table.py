@@ -155,7 +155,6 @@ def read_rows(table: Any, *, needed: Sequence[str] | None, filter: Any = None,  
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    from .api import load_table
     from .sources import arrow_dataset, resolve_source
 
     if filter is not None and not isinstance(filter, (str, pc.Expression)):
@@ -193,6 +192,8 @@ def read_rows(table: Any, *, needed: Sequence[str] | None, filter: Any = None,  
     elif src.kind == "delta":
         t = arrow_dataset(src).read_all()  # the snapshot's rows, deletion vectors applied
     else:  # SQL, a table name through Spark, CSV, a DuckDB relation: load_table's exact read
+        from .api import load_table  # (pandas: imported only here, so DataLoader workers fork a smaller process)
+
         t = pa.Table.from_pandas(load_table(table, version=version, storage_options=storage_options),
                                  preserve_index=False)
     if expr is not None:
