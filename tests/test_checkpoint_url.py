@@ -15,6 +15,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from ucmagic.checkpoints import format as fmt
+from ucmagic._util import is_remote_url
 from ucmagic.checkpoints import transfer as xfer
 from ucmagic.checkpoints.api import (
     CheckpointCorruptError,
@@ -241,7 +242,7 @@ def test_s3_directory_without_commit_nor_metadata_is_refused(root: str, opts: di
 
 
 def test_checkpoint_url_splits_into_store_and_key() -> None:
-    assert xfer.is_url("s3://b/run") and not xfer.is_url("/Volumes/c/s/v") and not xfer.is_url("file:///tmp/x")
+    assert is_remote_url("s3://b/run") and not is_remote_url("/Volumes/c/s/v") and not is_remote_url("file:///tmp/x")
     assert xfer.url_path("s3://b/run/ckpts/") == "s3://b/run/ckpts"
 
 

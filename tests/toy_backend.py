@@ -30,6 +30,7 @@ from typing import Any, Iterator
 import pytest
 
 from ucmagic.errors import SourceNotADirectoryError, SourceNotFoundError
+from ucmagic.files.local_files import FdReader  # a stream on a local file (the toy keeps its files locally)
 from ucmagic.files.volume import (FileEntry, Volume, check_unchanged, filter_entries, register_volume,
                                   unregister_volume)
 
@@ -37,19 +38,6 @@ SCHEME = "toy"
 
 # absolute local path served (the root plus the call's ``rel``) -> method name -> calls, in this process
 CALLS: dict[str, Counter[str]] = {}
-
-
-class _Reader:
-    """A read stream on one file for ranged copies."""
-
-    def __init__(self, path: str) -> None:
-        self.fd = os.open(path, os.O_RDONLY)
-
-    def readinto_at(self, offset: int, buf: memoryview) -> int:
-        return os.preadv(self.fd, [buf], offset)
-
-    def close(self) -> None:
-        os.close(self.fd)
 
 
 class ToyVolume(Volume):
@@ -113,9 +101,9 @@ class ToyVolume(Volume):
             check_unchanged(self, expect, self.stat(rel))
         return n
 
-    def range_reader(self, rel: str) -> _Reader:
+    def range_reader(self, rel: str) -> FdReader:
         self._count("range_reader", rel)
-        return _Reader(self._path(rel))
+        return FdReader(self._path(rel))
 
     # ------------------------------------------------------------ the write side
 

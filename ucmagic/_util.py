@@ -14,6 +14,7 @@ import os
 import queue
 import random
 import re
+import sys
 import threading
 import time
 import zlib
@@ -27,14 +28,15 @@ R = TypeVar("R")
 _URL_RE = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.\-]*://")
 
 
-def is_url(path: str) -> bool:
+def is_url(path: str | os.PathLike[str]) -> bool:
     """True for ``scheme://...`` (``s3://``, ``file://``, ``slow://``...), False for local and ``/Volumes`` paths."""
-    return bool(_URL_RE.match(path))
+    return bool(_URL_RE.match(os.fspath(path)))
 
 
-def is_remote_url(path: str) -> bool:
-    """A URL that is not ``file://`` (read through fsspec rather than the local filesystem)."""
-    return is_url(path) and not path.startswith("file://")
+def is_remote_url(path: str | os.PathLike[str]) -> bool:
+    """A URL that is not ``file://``: read and written through its registered volume backend (fsspec's by
+    default) rather than the local filesystem. The one URL test of checkpoints, staging, pack and datasets."""
+    return is_url(path) and not os.fspath(path).startswith("file://")
 
 
 # Retries of a failing file copy: enough that a volume failing 1 open in 3 leaves under 1% odds that
@@ -377,6 +379,28 @@ def settle_worker(trim: int = 64 << 20, mmap: int = 32 << 20) -> bool:
             _settled[pid] = False
     return _settled[pid]
 
+
+def release_free_heap() -> None:
+    """Hand memory freed by the fetch threads back to the OS (glibc ``malloc_trim``; elsewhere a no-op).
+
+    Each thread allocates from its own glibc arena; what a stream frees there stays mapped (and
+    counted in the process's own memory) until trimmed, so without this a worker's memory grows
+    with the number of items it fetched (measured: bench/listing.py, docs/scaling.md). The other
+    half of the process-memory tuning, beside :func:`settle_worker`.
+    """
+    trim = _TRIM[0]
+    if trim is None:
+        trim = lambda: None  # noqa: E731 - the no-op
+        if sys.platform.startswith("linux"):
+            with contextlib.suppress(OSError, AttributeError):
+                fn = ctypes.CDLL("libc.so.6").malloc_trim
+                fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
+                trim = lambda: fn(0)  # noqa: E731
+        _TRIM[0] = trim
+    trim()
+
+
+_TRIM: list[Callable[[], Any] | None] = [None]
 
 _tmp_counter = itertools.count()
 

@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from .._util import is_remote_url
 from . import transfer as xfer
 from .format import (
     COMMIT_NAME,
@@ -51,7 +52,7 @@ ABANDONED_AFTER_S = 24 * 3600.0
 def volume_dir(path: str | os.PathLike[str]) -> str:
     """The directory of a checkpoint path: local (``/Volumes/...`` resolved) or an fsspec URL (``s3://...``)."""
     p = os.fspath(path)
-    if xfer.is_url(p):
+    if is_remote_url(p):
         return xfer.url_path(p)
     p = p.removeprefix("file://")
     if "://" in p:
@@ -235,7 +236,7 @@ def reclaim_dir(path: str) -> None:
     rest = [n for n in names if n not in (METADATA_NAME, SAVING_NAME)]
     for name in first + rest:
         full = os.path.join(path, name)
-        if xfer.is_url(full) or not os.path.isdir(full):
+        if is_remote_url(full) or not os.path.isdir(full):
             xfer.remove_quietly(full)
         else:
             xfer.remove_tree(full)
@@ -252,7 +253,7 @@ def abandoned_dirs(root: str, *, force: bool = False, now: float | None = None) 
 
     def check(name: str) -> str | None:
         d = os.path.join(root, name)
-        if not xfer.is_url(d) and os.path.islink(d):
+        if not is_remote_url(d) and os.path.islink(d):
             return None  # never removed through a link: what it points to is not this root's
         try:
             record = read_saving_record(d)
@@ -289,7 +290,7 @@ def clean_checkpoints(root: str | os.PathLike[str], *, force: bool = False,
     ones and saves still running are never touched. ``root`` may be an fsspec URL.
     """
     path = volume_dir(root)
-    if xfer.is_url(path):
+    if is_remote_url(path):
         xfer.use_storage_options(path, storage_options)
     elif not os.path.isdir(path):
         from ..errors import SourceNotFoundError

@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.futures import Future
 
+from .._util import is_remote_url
 from .. import _torch_compat as compat
 from . import transfer as xfer
 from .commit import in_progress_error, read_commit, read_saving_record, volume_dir
@@ -82,7 +83,7 @@ def _size_or_none(path: str) -> int | None:
 
 def _stamp(path: str) -> tuple[int, int, int]:
     """What identifies this version of file ``path``: (inode, size, mtime in ns); on a store (0, size, mtime)."""
-    if xfer.is_url(path):
+    if is_remote_url(path):
         size, mtime = xfer.stat_file(path)
         return 0, size, int(mtime * 1e9)
     st = os.stat(path)
@@ -200,11 +201,11 @@ class UCVolumeReader(FileSystemReader):
                  allow_unsafe_pickle: bool = False, min_free: int | str = "512MB",
                  storage_options: dict[str, Any] | None = None, **kwargs: Any) -> None:
         where = volume_dir(path)
-        if xfer.is_url(where):
+        if is_remote_url(where):
             xfer.use_storage_options(where, storage_options)
         super().__init__(where, **kwargs)
         compat.install_filesystem(self, _DownloadedFileSystem())
-        if xfer.is_url(where):
+        if is_remote_url(where):
             self.path = self.fs.init_path(where)  # torch's FileSystem made it a Path ("s3:/..."); a URL stays one
         self.wait = None if wait is None else max(0.0, float(wait))
         self.staging_dir = staging_dir

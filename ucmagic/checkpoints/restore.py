@@ -6,6 +6,7 @@ import os
 import pickle
 from typing import Any
 
+from .._util import is_remote_url
 from .format import SINGLE_FILE_NAME, describe_keys, key_mismatch, shape_mismatch
 from .reader import UCVolumeReader
 from .unpickle import unsafe_reason
@@ -92,7 +93,7 @@ def load_torch_file(path: str, model: Any, optimizer: Any, map_location: Any,
                      reader_kw: dict[str, Any] | None = None) -> None:
     from . import transfer as xfer
 
-    if xfer.is_url(path):  # torch.load reads a local file: download it first (and delete it after)
+    if is_remote_url(path):  # torch.load reads a local file: download it first (and delete it after)
         staging = xfer.make_staging_dir((reader_kw or {}).get("staging_dir"), "torch-file-load")
         try:
             local = os.path.join(staging, os.path.basename(path))

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ParamSpec, TypeVar
 
+from .._util import is_remote_url
 from .format import (COMMIT_NAME, KIND_DCP, KIND_TORCH_SAVE, METADATA_NAME, SAVING_NAME, CheckpointInfo, foreign_step,
                      is_torch_save_name, looks_like_torch_save, parse_step_dirname, pick_latest, pick_step, sort_infos,
                      step_dirname, to_delete)
@@ -74,7 +75,7 @@ def checkpoint_root(root: str | os.PathLike[str], *, create: bool = False,
     from . import transfer as xfer
 
     path = volume_dir(root)
-    if xfer.is_url(path):
+    if is_remote_url(path):
         xfer.use_storage_options(path, storage_options)
         if create or xfer.isdir(path):  # an object store has no empty directories: one is made by its files
             return path

@@ -148,7 +148,7 @@ def check_destination(path: str) -> None:
     ``path`` when it is another user's symbolic link (:func:`checked_dir`, :class:`UnsafeDirectoryError`).
     A URL is not checked here: its store answers the first write.
     """
-    if is_url(path):
+    if is_remote_url(path):
         return
     checked_dir(path)
     p = _nearest_existing(path)
@@ -175,7 +175,7 @@ def destination_error(exc: BaseException, path: str) -> UCMagicError:
     and so does a refusal to write through a symbolic link, :class:`UnsafeDirectoryError`)."""
     if isinstance(exc, UnsafeDirectoryError):
         return exc
-    if is_url(path) or is_url(getattr(exc, "filename", None) or ""):
+    if is_remote_url(path) or is_remote_url(getattr(exc, "filename", None) or ""):
         return url_destination_error(exc, path)
     if isinstance(exc, CheckpointError) or not isinstance(exc, OSError):
         return exc if isinstance(exc, CheckpointError) else CheckpointUploadError(
@@ -214,7 +214,7 @@ def _copy(src_path: str, dst_path: str, *, sync: bool, check: Callable[[], None]
 
 def file_crc(path: str) -> tuple[int, int]:
     """(size, CRC-32) of a file."""
-    if is_url(path):
+    if is_remote_url(path):
         data = read_bytes(path)
         return len(data), zlib.crc32(data)
     crc = n = 0
@@ -244,7 +244,7 @@ def upload_file(local: str, remote: str, *, verify: str = "size", delete: bool =
     """
 
     def once() -> FileRecord:
-        if is_url(remote):
+        if is_remote_url(remote):
             return _upload_url(local, remote, verify, check)
         with no_link_written(remote):
             n, crc = _copy(local, remote, sync=True, check=check)
@@ -280,7 +280,7 @@ def download_file(remote: str, local: str, expected: FileRecord | None, *, name:
     from .format import check_record
 
     try:
-        n, crc = _retry(f"download {remote}", lambda: _download_url(remote, local) if is_url(remote)
+        n, crc = _retry(f"download {remote}", lambda: _download_url(remote, local) if is_remote_url(remote)
                         else _copy(remote, local, sync=False), retries)
     except FileNotFoundError:
         raise CheckpointCorruptError(f"{where}: {name} is missing; the checkpoint is incomplete "
@@ -315,7 +315,7 @@ def write_bytes(remote: str, data: bytes) -> FileRecord:
     """Write a small file straight to the volume, fsync'd (on a store: one atomic put); return its record."""
 
     def once() -> None:
-        if is_url(remote):
+        if is_remote_url(remote):
             vol, rel = locate(remote)
             vol.write_bytes(rel, data)
             return
@@ -338,7 +338,7 @@ def read_bytes(remote: str) -> bytes:
     """Read a small file from the volume (retrying transient errors)."""
 
     def once() -> bytes:
-        if is_url(remote):
+        if is_remote_url(remote):
             vol, rel = locate(remote)
             return vol.read_bytes(rel)
         with open(remote, "rb") as f:
@@ -349,7 +349,7 @@ def read_bytes(remote: str) -> bytes:
 
 def remove_quietly(path: str) -> None:
     """Delete a file if present."""
-    if is_url(path):
+    if is_remote_url(path):
         vol, rel = locate(path)
         vol.remove(rel, missing_ok=True)
         return
@@ -369,10 +369,6 @@ _OPTIONS: dict[str, dict[str, Any]] = {}  # "s3://bucket" -> storage options a w
 _VOLUMES: dict[tuple[str, str, type[Volume]], Volume] = {}  # a backend registered later is a new key
 _VOLUMES_MU = threading.Lock()
 
-
-def is_url(path: str | os.PathLike[str]) -> bool:
-    """True for a checkpoint path on an fsspec store (a URL other than ``file://``)."""
-    return is_remote_url(os.fspath(path))
 
 
 def _store(url: str) -> tuple[str, str]:
@@ -422,7 +418,7 @@ def url_path(path: str | os.PathLike[str]) -> str:
 
 def exists(path: str) -> bool:
     """True when file or directory ``path`` exists (on a store: a key, or keys under it)."""
-    if not is_url(path):
+    if not is_remote_url(path):
         return os.path.exists(path)
     vol, rel = locate(path)
     return vol.exists(rel)
@@ -430,21 +426,21 @@ def exists(path: str) -> bool:
 
 def isdir(path: str) -> bool:
     """True for a directory (on a store: a prefix with keys under it)."""
-    if not is_url(path):
+    if not is_remote_url(path):
         return os.path.isdir(path)
     return bool(list_names(path))
 
 
 def isfile(path: str) -> bool:
     """True for a file (on a store: a key with nothing under it)."""
-    if not is_url(path):
+    if not is_remote_url(path):
         return os.path.isfile(path)
     return exists(path) and not list_names(path)
 
 
 def list_names(path: str) -> list[str]:
     """Names directly in directory ``path`` (``os.listdir``; on a store ``[]`` when nothing is there)."""
-    if not is_url(path):
+    if not is_remote_url(path):
         return os.listdir(path)
     vol, rel = locate(path)
     return vol.list_names(rel)
@@ -460,7 +456,7 @@ def makedirs(path: str, root: str | None = None) -> None:
     may be a link only of the user's own (:func:`checked_dir`). Else :class:`UnsafeDirectoryError`
     names the link.
     """
-    if is_url(path):
+    if is_remote_url(path):
         vol, rel = locate(path)
         vol.makedirs(rel)
         return
@@ -508,7 +504,7 @@ def outside_link(root: str, name: str) -> UnsafeSourceError | None:
     """The error for loading entry ``name`` of local checkpoint root ``root`` when it is a symbolic link
     whose target lies outside the root (a link someone who can write to the root planted would make a
     load read another place's data); None otherwise (a link inside the root, ``latest -> step_5``, is fine)."""
-    if is_url(root):
+    if is_remote_url(root):
         return None
     path = os.path.join(root, name)
     if not os.path.islink(path) or path_under(path, root) not in (None, "."):
@@ -521,7 +517,7 @@ def outside_link(root: str, name: str) -> UnsafeSourceError | None:
 
 def remove_tree(path: str) -> None:
     """Delete directory ``path`` and everything in it, ignoring errors (as ``shutil.rmtree``'s)."""
-    if not is_url(path):
+    if not is_remote_url(path):
         shutil.rmtree(path, ignore_errors=True)
         return
     vol, rel = locate(path)
@@ -531,7 +527,7 @@ def remove_tree(path: str) -> None:
 
 def stat_file(path: str) -> tuple[int, float]:
     """``(size, mtime)`` of file ``path``; :class:`FileNotFoundError` when it is not there."""
-    if not is_url(path):
+    if not is_remote_url(path):
         st = os.stat(path)
         return st.st_size, st.st_mtime
     vol, rel = locate(path)
@@ -541,7 +537,7 @@ def stat_file(path: str) -> tuple[int, float]:
 
 def read_head(path: str, n: int) -> bytes:
     """The first ``n`` bytes of file ``path`` (fewer when it is shorter)."""
-    if not is_url(path):
+    if not is_remote_url(path):
         with open(path, "rb") as f:
             return f.read(n)
     vol, rel = locate(path)

@@ -53,7 +53,7 @@ from .format import (
     split_buckets,
     stale_files,
 )
-from .._util import is_url
+from .._util import is_remote_url, is_url
 from ..dist import dist_info
 from ..errors import CheckpointError, CheckpointExistsError, CheckpointSupersededError
 from ..units import parse_size
@@ -288,14 +288,14 @@ class UCVolumeWriter(FileSystemWriter):
             thread_count = min(4, os.cpu_count() or 1)
         where = volume_dir(path)
         self.storage_options = storage_options
-        if xfer.is_url(where):
+        if is_remote_url(where):
             xfer.use_storage_options(where, storage_options)
         super().__init__(where, thread_count=max(1, thread_count), **kwargs)
         xfer.check_destination(os.fspath(self.path))
         if verify not in ("size", "full"):
             raise ValueError(f"verify must be 'size' or 'full', got {verify!r}")
         compat.install_filesystem(self, _StagingFileSystem())
-        if xfer.is_url(where):
+        if is_remote_url(where):
             self.path = self.fs.init_path(where)  # torch's FileSystem made it a Path ("s3:/..."); a URL stays one
         self.overwrite = bool(overwrite)
         self.warn_overwrite = bool(warn_overwrite)
@@ -328,7 +328,7 @@ class UCVolumeWriter(FileSystemWriter):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._started = threading.Event()
-        if xfer.is_url(self.path):
+        if is_remote_url(self.path):
             xfer.use_storage_options(os.fspath(self.path), self.__dict__.get("storage_options"))
 
     # -- the save-in-progress record
@@ -407,7 +407,7 @@ class UCVolumeWriter(FileSystemWriter):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         p = os.fspath(checkpoint_id)
-        return "://" not in p or p.startswith("file://") or xfer.is_url(p)
+        return "://" not in p or p.startswith("file://") or is_remote_url(p)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self._coordinator = bool(is_coordinator)
