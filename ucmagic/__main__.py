@@ -141,13 +141,16 @@ def _add_export(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     p.add_argument("--mode", default="overwrite", choices=["overwrite", "append", "error"],
                    help="overwrite (default: replace atomically), append (new files beside the old) or error")
     p.add_argument("--partition-by", default=None, help="comma-separated partition columns")
+    p.add_argument("--where", default=None, metavar="PREDICATE",
+                   help="only the rows a SQL predicate keeps (DuckDB's dialect), e.g. \"label = 3\"")
 
     def run(a: argparse.Namespace) -> int:
         from .tables import export_parquet
 
         cols = [c.strip() for c in a.partition_by.split(",") if c.strip()] if a.partition_by else None
         print(f"exporting {a.source} -> {a.dest} ...", file=sys.stderr, flush=True)
-        res = export_parquet(a.source, a.dest, target_file_size=a.file_size, mode=a.mode, partition_by=cols)
+        res = export_parquet(a.source, a.dest, target_file_size=a.file_size, mode=a.mode, partition_by=cols,
+                             filter=a.where)
         print(res)
         return 0
 
@@ -299,11 +302,13 @@ def _add_load(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("-p", "--pattern", default=None, help="files: only those matching GLOB, e.g. '**/*.jpg'")
     p.add_argument("--files", action="store_true", help="treat SOURCE as a directory of files even if it holds Parquet")
     p.add_argument("--stream", action="store_true", help="tables: as a streaming loader (ParquetDataset)")
+    p.add_argument("--where", default=None, metavar="PREDICATE",
+                   help="tables: count the rows a SQL predicate keeps (DuckDB's dialect; reads its columns)")
 
     def run(a: argparse.Namespace) -> int:
         from .api import describe_load
 
-        print(describe_load(a.source, files=a.files, pattern=a.pattern, stream=a.stream).describe())
+        print(describe_load(a.source, files=a.files, pattern=a.pattern, stream=a.stream, where=a.where).describe())
         return 0
 
     p.set_defaults(func=run)

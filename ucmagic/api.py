@@ -91,7 +91,7 @@ def load(source: str | os.PathLike[str], *, files: bool = False, pattern: str | 
          columns: Sequence[str] | None = None, stream: bool = False, kind: str | None = None,
          block_size: int | None = None,
          on_start: Callable[[str], None] | None = None, listing_progress: Callable[[int], None] | None = None,
-         **loader_kwargs: Any) -> Any:
+         where: Any = None, **loader_kwargs: Any) -> Any:
     """Load training data from ``source``: a DataLoader for files (or ``stream=True`` tables), else a DataFrame.
 
     ``files=True`` reads a directory of Parquet files as files. ``pattern`` selects files (``"**/*.jpg"``);
@@ -101,7 +101,8 @@ def load(source: str | os.PathLike[str], *, files: bool = False, pattern: str | 
     runs (instead of the stderr line). Raises :class:`LoadUsageError` for options that do not apply.
     A directory of tar shards (an ``index.json`` from ``pack``, or only ``.tar`` files) streams samples
     (:class:`~ucmagic.shards.TarShards`); ``kind="files"`` / ``"shards"`` / ``"tokens"`` (with ``block_size``)
-    overrides the guess (docs/shards.md).
+    overrides the guess (docs/shards.md). ``where``: tables only, the rows a SQL predicate (DuckDB's dialect)
+    or a pyarrow expression keeps (``filter=`` of load_table / ParquetDataset).
     """
     from .shards.detect import check_kind, shard_kind
 
@@ -111,10 +112,12 @@ def load(source: str | os.PathLike[str], *, files: bool = False, pattern: str | 
     check_load_args(source, kind, pattern=pattern, batch_size=batch_size, num_workers=num_workers,
                     shuffle=shuffle, cache_dir=cache_dir, cache_limit=cache_limit, rows=rows, columns=columns,
                     stream=stream)
+    if where is not None and kind == "files":
+        raise _bad("where=/--where", f"applies to tables, but {source} is a directory of files")
     if kind == "table" and not stream:
         from .tables.api import load_table
 
-        return load_table(source, columns=list(columns) if columns else None, limit=rows)
+        return load_table(source, columns=list(columns) if columns else None, limit=rows, filter=where)
     if on_start is not None:
         on_start("stream" if stream else kind)
     from .loading.loader import DataLoader
@@ -140,20 +143,23 @@ def load(source: str | os.PathLike[str], *, files: bool = False, pattern: str | 
 
     pds = ParquetDataset(source, columns=list(columns) if columns else None,
                          batch_size=batch_size or DEFAULT_ROW_BATCH, shuffle=shuffle, seed=seed,
-                         cache_dir=cache_dir, cache_limit=limit)
+                         cache_dir=cache_dir, cache_limit=limit, filter=where)
     return DataLoader(pds, batch_size=None, **loader_kwargs)
 
 
 def describe_load(source: str | os.PathLike[str], *, files: bool = False, pattern: str | None = None,
-                  stream: bool = False) -> LoadPlan:
+                  stream: bool = False, where: Any = None) -> LoadPlan:
     """What :func:`load` would build from ``source``, without building it: kind, file count, rows, bytes.
 
     Lists the files (or reads Parquet footers) but reads no data; rows and bytes are ``None`` where
-    only the engine could tell (SQL queries, Spark tables, CSV rows).
+    only the engine could tell (SQL queries, Spark tables, CSV rows). With ``where`` (a filter), the rows it
+    keeps: its columns are read (row groups its statistics rule out are not).
     """
     source = os.fspath(source)
     kind = source_kind(source, files=files)
     check_load_args(source, kind, pattern=pattern, stream=stream)
+    if where is not None and kind == "files":
+        raise _bad("where=/--where", f"applies to tables, but {source} is a directory of files")
     if kind == "files":
         from .shards.detect import shard_kind
         from .files.volume import open_volume
@@ -179,4 +185,8 @@ def describe_load(source: str | os.PathLike[str], *, files: bool = False, patter
         rows = sum(pq.read_metadata(p).num_rows for p in paths)
         if snap is not None:  # rows a deletion vector removed are not the table's
             rows -= sum(f.dv.cardinality for f in snap.files if f.dv is not None)
+        if where is not None:
+            from .tables.parquet_dataset import ParquetDataset
+
+            rows = ParquetDataset(source, filter=where, cache=False).num_rows
     return LoadPlan(source, shown, files=len(paths), rows=rows, bytes=nbytes)

@@ -257,6 +257,8 @@ class UcMagics(Magics):
     @argument("--advise", action="store_true", help="show loader.stats.advise() in the panel when the loop ends")
     @argument("--rows", type=int, default=None, metavar="N", help="tables: load at most N rows")
     @argument("--columns", metavar="COLS", help="tables: comma-separated columns to load")
+    @argument("--where", default=None, metavar="PREDICATE",
+              help="tables: only the rows a SQL predicate keeps (DuckDB's dialect), e.g. \"label = 3\"")
     @argument("--stream", action="store_true", help="tables: a ParquetDataset loader instead of a DataFrame")
     @argument("--files", action="store_true", help="treat SOURCE as a directory of files even if it holds Parquet")
     @argument("--kind", default=None, metavar="KIND",
@@ -291,6 +293,7 @@ class UcMagics(Magics):
                           num_workers=a.workers if a.workers is not None else self.workers, shuffle=a.shuffle,
                           seed=a.seed, cache_dir=a.cache_dir or self.cache_dir, cache_limit=limit,
                           rows=a.rows, columns=columns, stream=a.stream, kind=a.kind, block_size=a.block_size,
+                          where=a.where,
                           on_start=lambda kind: self._early_panel(a, kind),
                           listing_progress=((lambda count: self._listing_progress(a, count))
                                             if self._panel_wanted(a) else None),

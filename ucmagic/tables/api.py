@@ -18,6 +18,7 @@ from . import sources
 from ..errors import (InvalidTableNameError, ListingChangedError, SourceNotFoundError,  # noqa: F401 - re-exported
                      TableNotFoundError, TableTooLargeError, UnsupportedSourceError, UnsupportedTableFeatureError,
                      import_extra)
+from .predicate import RowFilter, filter_relation, filtered_reader, spark_filter
 from .sources import (DATA_EXTS, MANIFEST, Source, TableName, active_spark, arrow_dataset,  # noqa: F401 - re-exported
                       catalog_root, connect, delta_files, duckdb_relation, fsspec_strip, is_delta_dir, is_sql,
                       is_spark_dataframe, list_tables, looks_like_table_name, parse_table_name, read_manifest,
@@ -76,12 +77,14 @@ def estimate_memory(src: Source, columns: Sequence[str] | None, limit: int | Non
 
 def load_table(name_or_path: Any, *, columns: Sequence[str] | None = None, limit: int | None = None,
                version: int | None = None, max_bytes: int | str | None = None,
-               storage_options: dict[str, Any] | None = None) -> Any:
+               storage_options: dict[str, Any] | None = None, filter: Any = None) -> Any:  # noqa: A002 - documented name
     """Read a table into a pandas DataFrame (the ``toPandas()`` path, for tables that fit in memory).
 
     ``name_or_path``: ``catalog.schema.table`` (Spark when a session is active, else the local
     catalog), a Delta directory (``version=`` for time travel), Parquet/CSV files, a SQL query,
-    or a Spark DataFrame. ``columns`` projects, ``limit`` caps rows. A table larger than the
+    or a Spark DataFrame. ``columns`` projects, ``limit`` caps rows, ``filter`` keeps the rows a SQL
+    predicate string (DuckDB's dialect; Spark's for Spark sources) or a pyarrow compute expression keeps
+    (pushed down to partitions and row-group statistics; docs/tables.md, "Filters"). A table larger than the
     memory budget (``max_bytes``, ``$UCMAGIC_LOAD_TABLE_MAX_BYTES``, default half the available
     memory) raises :class:`TableTooLargeError` pointing to ``export_parquet`` + ``ParquetDataset``.
     """
@@ -90,7 +93,7 @@ def load_table(name_or_path: Any, *, columns: Sequence[str] | None = None, limit
     src = resolve_source(name_or_path, version=version, storage_options=storage_options)
     budget = memory_budget(max_bytes)
     if src.kind in ("spark", "spark_table"):
-        df = spark_dataframe(src)
+        df = spark_filter(spark_dataframe(src), filter)  # Spark filters in Spark
         if columns:
             df = df.select(*columns)
         if limit is not None:
@@ -108,13 +111,23 @@ def load_table(name_or_path: Any, *, columns: Sequence[str] | None = None, limit
                 import tempfile
 
                 sources.sweep_spill_dirs(tempfile.gettempdir())  # as connect() does: a killed export's spill
-                return _exact_pandas(_arrow_table(src, columns, limit))
+                return _exact_pandas(_arrow_table(src, columns, limit, filter))
             con = connect()
             try:
-                rel = select_columns(duckdb_relation(con, src), columns, src.describe())
-                if limit is not None:
-                    rel = rel.limit(limit)
-                return rel.df()
+                rel = duckdb_relation(con, src)
+
+                def reopen() -> tuple[Any, Any]:
+                    other = connect()
+                    return duckdb_relation(other, src), other.close
+
+                rel, close = filter_relation(con, rel, RowFilter.of(filter, rel.columns), reopen)
+                try:
+                    rel = select_columns(rel, columns, src.describe())
+                    if limit is not None:
+                        rel = rel.limit(limit)
+                    return rel.df()
+                finally:
+                    close()
             finally:
                 con.close()
         except Exception as e:
@@ -134,28 +147,38 @@ def load_table(name_or_path: Any, *, columns: Sequence[str] | None = None, limit
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-def _arrow_table(src: Source, columns: Sequence[str] | None, limit: int | None) -> Any:
+def _arrow_table(src: Source, columns: Sequence[str] | None, limit: int | None, spec: Any = None) -> Any:
     """The rows of a Parquet or Delta source as a pyarrow Table, in file order: Hive partitions as columns,
-    a Delta snapshot's rows (deletion vectors applied), only ``columns``, at most ``limit`` rows."""
+    a Delta snapshot's rows (deletion vectors applied), only ``columns``, only the rows the filter ``spec``
+    keeps (after the deletion vectors), at most ``limit`` rows."""
     import pyarrow as pa
 
     cols = list(columns) if columns else None
-    data = arrow_dataset(src, cols)
+    names = arrow_dataset(src).schema.names if spec is not None else []
+    rf = RowFilter.of(spec, names)
+    read = None if cols is None else cols + [c for c in (rf.columns if rf else []) if c not in cols]
+    data = arrow_dataset(src, read)
     if src.kind != "delta":  # a pyarrow dataset: columns checked, projected and limited by its scanner
         if cols:
             missing = [c for c in cols if c not in data.schema.names]
             if missing:
                 raise KeyError(f"{src.describe()} has no column {missing[0]!r}; columns: "
                                f"{', '.join(data.schema.names)}")
-        return data.head(limit, columns=cols) if limit is not None else data.to_table(columns=cols)
+        if rf is None:
+            return data.head(limit, columns=cols) if limit is not None else data.to_table(columns=cols)
+        # pruned by partitions and row-group statistics, then the exact pass below
+        data = rf.prune_dataset(data).scanner(columns=read).to_reader()
+    if rf is not None:
+        data = filtered_reader(data, rf)
     batches, n = [], 0
-    for batch in data:  # a RecordBatchReader of the snapshot's rows
+    for batch in data:  # a RecordBatchReader of the snapshot's (or the filtered) rows
         if limit is not None and n + batch.num_rows >= limit:
             batches.append(batch.slice(0, limit - n))
             break
         batches.append(batch)
         n += batch.num_rows
-    return pa.Table.from_batches(batches, schema=data.schema)
+    t = pa.Table.from_batches(batches, schema=data.schema)
+    return t.select(cols) if cols and t.column_names != cols else t
 
 
 def _exact_pandas(table: Any) -> Any:

@@ -33,6 +33,7 @@ from typing import Any, Sequence
 from .._util import is_remote_url, path_under
 from ..errors import (EmptyListingError, ExportOverlapError, SourceNotADirectoryError, SourceNotFoundError,
                       UCMagicError, UnsupportedSourceError)
+from .predicate import RowFilter, filter_relation, spark_filter
 from .sources import (MANIFEST, Source, connect, delta_files, duckdb_relation, is_data_path, remember_export,
                       resolve_source, spark_dataframe, volume_manifest)
 from ..units import format_size, parse_size
@@ -274,12 +275,19 @@ COMPRESSIONS = ("snappy", "zstd", "gzip", "lz4", "lz4_raw", "brotli", "uncompres
 
 
 def _write_duckdb(src: Source, staging: str, target: int, cols: list[str], memory_limit: Any,
-                  threads: int | None, compression: str) -> None:
+                  threads: int | None, compression: str, spec: Any = None) -> None:
     if compression.lower() not in COMPRESSIONS:
         raise ValueError(f"compression must be one of {', '.join(COMPRESSIONS)}, got {compression!r}")
     con = connect(memory_limit, threads)
+    close: Any = con.close  # replaced by the filter's (a second connection for an expression)
     try:
         rel = duckdb_relation(con, src, writable=[staging])
+
+        def reopen() -> tuple[Any, Any]:
+            other = connect(memory_limit, threads)
+            return duckdb_relation(other, src), other.close
+
+        rel, close = filter_relation(con, rel, RowFilter.of(spec, rel.columns), reopen)
         missing = [c for c in cols if c not in rel.columns]
         if missing:
             raise KeyError(f"partition_by column {missing[0]!r} is not in {src.describe()}; "
@@ -293,6 +301,7 @@ def _write_duckdb(src: Source, staging: str, target: int, cols: list[str], memor
             interruptible(con, lambda: _copy_in_order(con, rel, staging, target, rows, compression.lower()))
     finally:
         con.close()
+        close()
 
 
 def _copy_in_order(con: Any, rel: Any, dest: str, target: int, rows: int, compression: str) -> None:
@@ -354,8 +363,8 @@ def _spark_row_bytes(df: Any, sample: int = 20000) -> float:
     return max(1.0, buf.tell() / int(t.num_rows))
 
 
-def _write_spark(src: Source, staging: str, target: int, cols: list[str], compression: str) -> None:
-    df = spark_dataframe(src)
+def _write_spark(src: Source, staging: str, target: int, cols: list[str], compression: str, spec: Any = None) -> None:
+    df = spark_filter(spark_dataframe(src), spec)  # Spark filters in Spark
     rows = df.count()
     nfiles, per_file = spark_file_plan(rows, _spark_row_bytes(df), target)
     df = df.repartition(nfiles, *cols) if cols else df.repartition(nfiles)
@@ -421,7 +430,8 @@ def export_parquet(source: Any, dest: str | os.PathLike[str], *, target_file_siz
                    mode: str = "overwrite", partition_by: str | Sequence[str] | None = None,
                    version: int | None = None, memory_limit: int | str | None = DEFAULT_MEMORY_LIMIT,
                    threads: int | None = None, compression: str = "snappy",
-                   storage_options: dict[str, Any] | None = None, allow_shared_dest: bool = False) -> ExportResult:
+                   storage_options: dict[str, Any] | None = None, allow_shared_dest: bool = False,
+                   filter: Any = None) -> ExportResult:  # noqa: A002 - the option's documented name
     """Write ``source`` as Parquet files of about ``target_file_size`` into the directory ``dest``.
 
     ``source``: a Spark DataFrame or a table name with an active Spark session (Spark writes,
@@ -433,6 +443,8 @@ def export_parquet(source: Any, dest: str | os.PathLike[str], *, target_file_siz
     old ones (uniquely named; ucmagic's readers see all of them or none, and an append killed midway
     is rolled back by the next ucmagic call on ``dest``, so rerunning it adds its rows once);
     ``mode="error"`` refuses a non-empty ``dest``.
+    ``filter``: only the rows a SQL predicate string (DuckDB's dialect; Spark's for Spark sources) or a pyarrow
+    compute expression keeps (see docs/tables.md, "Filters").
     ``partition_by`` writes Hive-style ``col=value/`` directories. The embedded engine streams its
     input under ``memory_limit``. Returns an :class:`ExportResult` (files, rows, bytes, seconds).
     A local ``dest`` (or its folder) of another user's or writable by others is refused
@@ -464,7 +476,7 @@ def export_parquet(source: Any, dest: str | os.PathLike[str], *, target_file_siz
             raise FileExistsError(f"{dest} exists and is not empty: pass mode='overwrite' to replace it")
         staging = tempfile.mkdtemp(prefix="ucmagic-export-")
         try:
-            _write_duckdb(src, os.path.join(staging, "out"), target, cols, memory_limit, threads, compression)
+            _write_duckdb(src, os.path.join(staging, "out"), target, cols, memory_limit, threads, compression, filter)
             out = os.path.join(staging, "out")
             rels = _finish_staging(out, export_id, rename=True)
             rows, size = _count(out, rels)
@@ -489,9 +501,9 @@ def export_parquet(source: Any, dest: str | os.PathLike[str], *, target_file_siz
     old = None
     try:
         if spark:
-            _write_spark(src, staging, target, cols, compression)
+            _write_spark(src, staging, target, cols, compression, filter)
         else:
-            _write_duckdb(src, staging, target, cols, memory_limit, threads, compression)
+            _write_duckdb(src, staging, target, cols, memory_limit, threads, compression, filter)
         if not os.path.isdir(staging):
             os.makedirs(staging)
         rels = _finish_staging(staging, export_id, rename=not spark)

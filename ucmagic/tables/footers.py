@@ -16,9 +16,9 @@ __all__ = ["TableFile", "footer_nulls", "read_footers", "add_partitions"]
 class TableFile:
     """One Parquet file: ``group_rows`` are the rows each row group yields (after a Delta deletion vector and
     a filter); ``delta`` is its Delta add (None for plain Parquet), ``stored_rows`` the rows stored (with a DV
-    or a filter); ``meta`` its footer while the dataset is being built (None after)."""
+    or a filter); ``meta`` its footer (not pickled: a worker reads it again when it needs it)."""
 
-    __slots__ = ("path", "size", "mtime", "group_rows", "delta", "stored_rows", "nulls", "partition", "meta")
+    __slots__ = ("path", "size", "mtime", "group_rows", "delta", "stored_rows", "nulls", "partition", "meta", "kept")
 
     def __init__(self, path: str, size: int, mtime: float, group_rows: list[int], delta: Any = None,
                  stored_rows: list[int] | None = None, nulls: frozenset[str] = frozenset()) -> None:
@@ -27,6 +27,7 @@ class TableFile:
         self.nulls = nulls  # columns that may hold nulls in this file (footer statistics; logical names)
         self.partition: dict[str, Any] = {}  # Hive partition values of a plain Parquet directory
         self.meta: Any = None
+        self.kept: list[Any] | None = None  # with a filter: per row group, the packed bitmap of stored rows kept
 
     def __getstate__(self) -> tuple[Any, ...]:
         return tuple(getattr(self, k) if k != "meta" else None for k in self.__slots__)

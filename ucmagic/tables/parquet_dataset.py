@@ -31,11 +31,13 @@ from ..errors import ListingChangedError, UnsupportedSourceError
 from ..files.fetch import read_ahead
 from ..files.filler import CacheFiller
 from ..files.volume import FileEntry
-from .columns import (check_exact, column_kind, mask_key, numeric_numpy, numpy_column,
-                      output_kind, temporal_int64, to_pandas)
+from .columns import (check_exact, column_kind, mask_key, numeric_numpy, output_kind, temporal_int64)
 from .rows import EpochLayout, Segment
-from .deletion_vectors import deleted_in, filter_rows, live_span
+from .deletion_vectors import filter_rows, live_span
+from .batching import BatchCutter
 from .footers import add_partitions, read_footers
+from .group_reader import RangeFile, dropped_rows, group_span, index_file, read_columns, stored_starts
+from .predicate import RowFilter
 from .sources import delta_snapshot, resolve_source
 from .table_io import TableFiles
 
@@ -117,7 +119,7 @@ class ParquetDataset(EpochTracking, IterableDataset[Any]):
                  cache: bool | None = None, cache_dir: str | None = None, cache_limit: int | str | None = None,
                  prefetch: int = 2, timeout: float | None = 300.0,
                  storage_options: dict[str, Any] | None = None, reshuffle_every: int | None = None,
-                 format: str = "torch") -> None:  # noqa: A002 - the option's documented name
+                 format: str = "torch", filter: Any = None) -> None:  # noqa: A002 - the options' documented names
         if format not in FORMATS:
             raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
         self.format = format
@@ -165,6 +167,7 @@ class ParquetDataset(EpochTracking, IterableDataset[Any]):
                           else bool(cache))
         self.cache = FileCache(cache_dir, cache_limit) if self.use_cache else None
         self._fill: CacheFiller | None = None
+        self._checked: set[str] = set()  # files stat-ed before their first ranged fill
         names = list(schema.names)
         if columns is not None:
             columns = list(columns)
@@ -181,12 +184,17 @@ class ParquetDataset(EpochTracking, IterableDataset[Any]):
                 check_exact(c, schema.field(c).type, c in self._dtypes, src.describe())
                 if output_kind(schema.field(c).type) == "decimal":
                     self._kinds[c] = "float64"  # dtype= asked for the rounding
+        self.filter = RowFilter.of(filter, names)
+        if self.filter is not None:
+            self._index()
         self.masked = self._mask_columns(names)
         self._mask_set = set(self.masked)
         # the keys of a torch/numpy batch: each column, followed by its mask when it has one
         self.out_keys = [k for c in self.columns for k in ((c, mask_key(c)) if c in self._mask_set else (c,))]
-        self.group_rows = [r for f in self.files for r in f.group_rows]
-        self._group_file = [(i, j) for i, f in enumerate(self.files) for j in range(len(f.group_rows))]
+        # the row groups the epochs plan over (with a filter: those that keep a row)
+        self._group_file = [(i, j) for i, f in enumerate(self.files) for j, r in enumerate(f.group_rows)
+                            if r or self.filter is None]
+        self.group_rows = [self.files[i].group_rows[j] for i, j in self._group_file]
         self.num_rows = int(sum(self.group_rows))
         biggest = max(self.group_rows, default=0)
         self.shuffle_buffer = int(shuffle_buffer) if shuffle_buffer else max(DEFAULT_SHUFFLE_BUFFER, biggest)
@@ -221,6 +229,8 @@ class ParquetDataset(EpochTracking, IterableDataset[Any]):
                 h.update(f"{dv}\n".encode("utf-8", "surrogateescape"))
         for f in self.files:
             h.update(f"{f.path}\0{f.size}\0{','.join(map(str, f.group_rows))}\n".encode("utf-8", "surrogateescape"))
+        if self.filter is not None:  # a state saved under one filter never resumes under another
+            h.update(f"filter\0{self.filter.text}\n".encode("utf-8", "surrogateescape"))
         return h.hexdigest()[:16]
 
     def _resolve_dtypes(self, dtype: Any) -> dict[str, torch.dtype]:
@@ -248,7 +258,7 @@ class ParquetDataset(EpochTracking, IterableDataset[Any]):
     def __getstate__(self) -> dict[str, Any]:
         st = self.__dict__.copy()
         st["_layouts"] = {}
-        st["_fill"] = None
+        st["_fill"], st["_checked"] = None, set()
         return st
 
     @property
@@ -306,6 +316,39 @@ class ParquetDataset(EpochTracking, IterableDataset[Any]):
         path, _ = self._filler().fill_file(vol, FileEntry(rel, f.size, f.mtime), key, ".parquet")
         return path
 
+    def _meta(self, fi: int) -> Any:
+        """The footer of file ``fi`` (read again in a process that received the dataset pickled)."""
+        import pyarrow.parquet as pq
+
+        f = self.files[fi]
+        if f.meta is None:
+            with self.io.open(f.path, f.size) as src:
+                f.meta = pq.read_metadata(src)
+        return f.meta
+
+    def _pq_options(self) -> dict[str, Any]:
+        # Delta timestamps are microseconds: INT96 files (Spark) read as us, so far dates do not overflow
+        return {"coerce_int96_timestamp_unit": "us"} if self.snapshot is not None else {}
+
+    def _index(self) -> None:
+        """With a filter: evaluate it over every file (pruned row groups unread, only its columns read, by ranged
+        reads through the volume): each file's kept rows per row group (:func:`index_file`)."""
+        import pyarrow.parquet as pq
+
+        rf = self.filter
+        if rf is None:
+            return
+
+        def one(fi: int) -> None:
+            f = self.files[fi]
+            with self.io.open(f.path, f.size) as src:
+                index_file(pq.ParquetFile(src, metadata=self._meta(fi), **self._pq_options()), f, rf, self.schema,
+                           self.snapshot, self.schema)
+
+        for _ in read_ahead(one, range(len(self.files)), depth=8, timeout=self.timeout,
+                            describe=lambda fi: f"filter over {self.files[fi].path}"):
+            pass
+
     def _filler(self) -> CacheFiller:
         if self._fill is None:
             if self.cache is None:
@@ -319,12 +362,29 @@ class ParquetDataset(EpochTracking, IterableDataset[Any]):
             "by export_parquet?): create the ParquetDataset again to read the new version"
         )
 
-    def _open(self, readers: dict[Any, Any], lock: threading.Lock, fi: int) -> Any:
+    def _open(self, readers: dict[Any, Any], lock: threading.Lock, fi: int, j: int | None = None,
+              ranged: bool | None = None) -> Any:
+        """This thread's ParquetFile of file ``fi``: the cached copy (whole-file fill), the file itself through
+        its volume (no cache), or, ``ranged`` (default: with a filter), a file of which row group ``j``'s bytes
+        were filled into the cache as one byte range (:meth:`CacheFiller.fill_range`)."""
         import pyarrow.parquet as pq
 
+        ranged = (self.filter is not None) if ranged is None else ranged
         key = (threading.get_ident(), fi)
         with lock:
             got = readers.get(key)
+        if ranged and self.cache is not None and j is not None and (got is None or isinstance(got[1], RangeFile)):
+            tf = self.files[fi]
+            if got is None:
+                rfile = RangeFile(tf.path, tf.size)
+                got = (pq.ParquetFile(rfile, metadata=self._meta(fi), **self._pq_options()), rfile)
+                with lock:
+                    readers[key] = got
+            lo, hi = group_span(self._meta(fi), j)
+            vol, rel = self.io.locate(tf.path)
+            path, _ = self._filler().fill_range(vol, FileEntry(rel, tf.size, tf.mtime), lo, hi, checked=self._checked)
+            got[1].add(lo, hi, path)
+            return got[0]
         if got is not None:
             return got[0]
         path = self._local(fi)
@@ -340,50 +400,29 @@ class ParquetDataset(EpochTracking, IterableDataset[Any]):
         if size != self.files[fi].size:
             f.close()
             raise self._changed(fi, "changed size")
-        # Delta timestamps are microseconds: INT96 files (Spark) read as us, so far dates do not overflow
-        pf = pq.ParquetFile(f, coerce_int96_timestamp_unit="us") if self.snapshot is not None else pq.ParquetFile(f)
+        pf = pq.ParquetFile(f, **self._pq_options())
         with lock:
             readers[key] = (pf, f)
         return pf
 
     def _read_group(self, readers: dict[Any, Any], lock: threading.Lock, g: int) -> tuple[Any, np.ndarray | None]:
-        """Row group ``g`` and the mask of its rows that survive a Delta deletion vector (None: all do).
-        For Delta, the table's columns (logical names, partition columns, nulls for columns the file
-        predates); for Parquet, the unified types. The caller applies the mask (one copy, see _load)."""
+        """Row group ``g`` (every stored row, as the table defines them: :func:`read_columns`) and the stored rows
+        that are not rows of the table (a Delta deletion vector, the filter; None: none). The caller drops them
+        (one copy, see _load)."""
         fi, j = self._group_file[g]
-        pf = self._open(readers, lock, fi)
-        snap = self.snapshot
-        if snap is None:
-            part = self.files[fi].partition
-            t = pf.read_row_group(j, columns=[c for c in self.columns if c not in part], use_threads=False)
-            if part:  # Hive partition values: one constant column each, in the requested order
-                import pyarrow as pa
-
-                n = t.num_rows
-                for c in self.columns:
-                    if c in part:
-                        typ = self.schema.field(c).type
-                        t = t.append_column(c, pa.nulls(n, typ) if part[c] is None
-                                            else pa.repeat(pa.scalar(part[c], typ), n))
-                t = t.select(self.columns)
-            want = pa_schema_of(self.schema, self.columns)
-            return (t if t.schema.equals(want) else t.cast(want)), None
+        pf = self._open(readers, lock, fi, j)
         f = self.files[fi]
+        t = read_columns(pf, f, j, self.columns, self.schema, self.snapshot)
+        if f.stored_rows is None or f.kept is not None or self.snapshot is None:
+            return t, dropped_rows(f, j, None, None)
         key = (threading.get_ident(), "delta")
         with lock:
             cur = readers.get(key)
         if cur is None or cur[0] != fi:  # this thread moves to another file: its mask replaces the last one
-            cols = snap.file_columns(pf.schema_arrow, [c for c in self.columns if c not in snap.partition_columns])
-            deleted = snap.deleted_rows(f.delta) if f.stored_rows is not None else None
-            starts = np.concatenate([[0], np.cumsum(f.stored_rows)]) if f.stored_rows is not None else None
-            cur = (fi, cols, deleted, starts)
+            cur = (fi, self.snapshot.deleted_rows(f.delta), stored_starts(f))
             with lock:
                 readers[key] = cur
-        _, cols, deleted, starts = cur
-        data = pf.read_row_group(j, columns=sorted({v for v in cols.values() if v is not None}), use_threads=False)
-        dels = (deleted_in(deleted, int(starts[j]), int(starts[j + 1]))
-                if deleted is not None and starts is not None else None)
-        return snap.logical(data, f.delta, self.columns, cols), dels
+        return t, dropped_rows(f, j, cur[1], cur[2])
 
     def _load(self, lay: EpochLayout, seg: Segment, readers: dict[Any, Any],
               lock: threading.Lock) -> tuple[dict[str, Any], int]:
@@ -447,108 +486,9 @@ class ParquetDataset(EpochTracking, IterableDataset[Any]):
             out[c] = t.to(dt) if dt is not None and t.dtype != dt else t
         return out, seg.hi - seg.lo
 
-    def _batches(self, pieces: Iterator[tuple[dict[str, Any], int]], own: bool) -> Iterator[dict[str, Any]]:
-        """Re-cut decoded pieces into batches of ``batch_size`` rows (the last may be short).
-
-        ``own``: batches leave this process (DataLoader worker): numeric columns are packed into
-        one fresh buffer per batch, so each batch crosses to the main process as one shared block.
-        """
-        import pyarrow as pa
-
-        if self.format != "torch":
-            yield from self._table_batches(pieces)
-            return
-        bs = self.batch_size
-        cols = self.out_keys
-        tensor_cols = [c for c in cols if c not in self._lists]
-        pending: list[tuple[dict[str, Any], int, int]] = []  # (piece, start, stop)
-        npend = 0
-
-        def pack(batch: dict[str, Any]) -> dict[str, Any]:
-            if not tensor_cols:
-                return batch
-            sizes = [(batch[c].numel() * batch[c].element_size() + 7) // 8 * 8 for c in tensor_cols]
-            buf = torch.empty(sum(sizes), dtype=torch.uint8)
-            off = 0
-            for c, n in zip(tensor_cols, sizes):
-                t = batch[c]
-                view = buf[off:off + t.numel() * t.element_size()].view(t.dtype)
-                view.copy_(t)
-                batch[c] = view
-                off += n
-            return batch
-
-        def emit(parts: list[tuple[dict[str, Any], int, int]]) -> dict[str, Any]:
-            batch: dict[str, Any] = {}
-            for c in cols:
-                if c in self._lists:
-                    arrs = [p[c].slice(a, b - a) for p, a, b in parts]
-                    batch[c] = (arrs[0] if len(arrs) == 1 else pa.concat_arrays(arrs)).to_pylist()
-                else:
-                    ts = [p[c][a:b] for p, a, b in parts]
-                    batch[c] = ts[0] if len(ts) == 1 else torch.cat(ts)
-            return pack(batch) if own else batch
-
-        for piece, n in pieces:
-            off = 0
-            if npend:
-                take = min(bs - npend, n)
-                pending.append((piece, 0, take))
-                npend += take
-                off = take
-                if npend < bs:
-                    continue
-                yield emit(pending)
-                pending, npend = [], 0
-            if not own and not set(cols) - set(tensor_cols):  # fast path: views of the decoded tensors
-                while n - off >= bs:
-                    yield {c: piece[c][off:off + bs] for c in cols}
-                    off += bs
-            else:
-                while n - off >= bs:
-                    yield emit([(piece, off, off + bs)])
-                    off += bs
-            if off < n:
-                pending.append((piece, off, n))
-                npend += n - off
-        if npend:
-            yield emit(pending)
-
-    def _table_batches(self, pieces: Iterator[tuple[dict[str, Any], int]]) -> Iterator[Any]:
-        """``format`` numpy/arrow/pandas: re-cut the decoded tables into batches of ``batch_size`` rows."""
-        import pyarrow as pa
-
-        bs = self.batch_size
-        pending: list[Any] = []
-        npend = 0
-
-        def emit(parts: list[Any]) -> Any:
-            t = parts[0] if len(parts) == 1 else pa.concat_tables(parts)
-            if self.format == "arrow":
-                return t
-            if self.format == "pandas":
-                return to_pandas(t)
-            out = {}
-            for c in self.columns:
-                col = t.column(c)
-                out[c] = numpy_column(col)
-                if c in self._mask_set:
-                    out[mask_key(c)] = np.asarray(col.is_valid().to_numpy(zero_copy_only=False), dtype=bool)
-            return out
-
-        for piece, n in pieces:
-            table = piece[""]
-            off = 0
-            while off < n:
-                take = min(bs - npend, n - off)
-                pending.append(table.slice(off, take))
-                npend += take
-                off += take
-                if npend == bs:
-                    yield emit(pending)
-                    pending, npend = [], 0
-        if npend:
-            yield emit(pending)
+    def cutter(self) -> BatchCutter:
+        """How decoded pieces become this dataset's batches."""
+        return BatchCutter(self.format, self.batch_size, self.columns, self.out_keys, self._lists, self._mask_set)
 
     def iter_stream(self, epoch: int, rank: int = 0, world: int = 1, worker: int = 0,
                     num_workers: int = 1) -> Iterator[dict[str, Any]]:
@@ -571,7 +511,7 @@ class ParquetDataset(EpochTracking, IterableDataset[Any]):
         try:
             pieces = read_ahead(load, segs, depth=self.prefetch,
                                 timeout=self.timeout, describe=lambda s: f"row-group window {s.window}")
-            for batch in self._batches(unpack(pieces), own):
+            for batch in self.cutter().batches(unpack(pieces), own):
                 nbytes = (sum(v.nbytes for v in batch.values() if isinstance(v, (torch.Tensor, np.ndarray)))
                           if isinstance(batch, dict) else int(getattr(batch, "nbytes", 0) or 0))
                 telemetry.record_item(cur[0], True, cur[1], nbytes)

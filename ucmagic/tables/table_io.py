@@ -124,8 +124,7 @@ class TableFiles:
         local = vol.local_file(rel)
         if local is not None:
             return open(local, "rb")
-        return io.BufferedReader(VolumeFile(vol, rel, vol.stat(rel).size if size is None else size),
-                                 buffer_size=1 << 20)
+        return VolumeFile(vol, rel, vol.stat(rel).size if size is None else size)  # unbuffered: exact ranges
 
     def read_range(self, path: str, offset: int, length: int) -> bytes:
         with self.open(path) as f:

@@ -1,0 +1,182 @@
+"""Reading one row group of a table's file as the table's rows, and the row index a ``filter=`` builds.
+
+:func:`read_columns` reads columns of one row group (every stored row: the caller drops what a deletion
+vector or the filter removes): for Delta, the table's logical columns (partition columns, nulls for columns
+the file predates); for Parquet, the unified types with Hive partition values. :func:`index_file` evaluates
+a :class:`~ucmagic.tables.predicate.RowFilter` over a file's row groups (pruned by statistics and partition
+values first; only the filter's columns are read, by ranged reads through the volume) and records the kept
+rows as bitmaps: the row index a filtered ParquetDataset plans its epochs and ``rows[i]`` over.
+:class:`RangeFile` is a file whose row groups were filled one by one into the cache (byte ranges), read with
+the footer the dataset already holds.
+"""
+from __future__ import annotations
+
+import bisect
+import io
+import os
+from typing import Any, Sequence
+
+import numpy as np
+
+from .deletion_vectors import deleted_in, filter_rows, keep_mask
+from .footers import TableFile
+from .predicate import RowFilter
+
+__all__ = ["read_columns", "dropped_rows", "index_file", "group_span", "RangeFile"]
+
+
+def read_columns(pf: Any, f: TableFile, j: int, columns: Sequence[str], schema: Any, snap: Any) -> Any:
+    """Columns ``columns`` of row group ``j`` of ``f`` (every stored row), as the table defines them."""
+    import pyarrow as pa
+
+    cols = list(columns)
+    if snap is None:
+        part = f.partition
+        t = pf.read_row_group(j, columns=[c for c in cols if c not in part], use_threads=False)
+        if part:  # Hive partition values: one constant column each, in the requested order
+            n = t.num_rows
+            for c in cols:
+                if c in part:
+                    typ = schema.field(c).type
+                    t = t.append_column(c, pa.nulls(n, typ) if part[c] is None
+                                        else pa.repeat(pa.scalar(part[c], typ), n))
+            t = t.select(cols)
+        want = pa.schema([schema.field(c) for c in cols])
+        return t if t.schema.equals(want) else t.cast(want)
+    fcols = snap.file_columns(pf.schema_arrow, [c for c in cols if c not in snap.partition_columns])
+    data = pf.read_row_group(j, columns=sorted({v for v in fcols.values() if v is not None}), use_threads=False)
+    return snap.logical(data, f.delta, cols, fcols)
+
+
+def stored_starts(f: TableFile) -> np.ndarray | None:
+    """First stored row of each row group of ``f`` (None when every stored row is a row: no DV, no filter)."""
+    return None if f.stored_rows is None else np.concatenate([[0], np.cumsum(f.stored_rows)]).astype(np.int64)
+
+
+def dropped_rows(f: TableFile, j: int, deleted: np.ndarray | None, starts: np.ndarray | None) -> np.ndarray | None:
+    """Stored rows of row group ``j`` that are not rows of the (filtered) table, sorted; None when none are.
+    ``deleted``: the file's deletion vector (sorted file rows), ``starts``: :func:`stored_starts`."""
+    if f.kept is not None:
+        bits = f.kept[j]
+        n = f.stored_rows[j] if f.stored_rows is not None else 0
+        if bits is None:
+            return np.arange(n, dtype=np.int64)
+        gone = np.flatnonzero(~np.unpackbits(bits, count=n).astype(bool))
+        return gone if len(gone) else None
+    if deleted is None or starts is None:
+        return None
+    return deleted_in(deleted, int(starts[j]), int(starts[j + 1]))
+
+
+def index_file(pf: Any, f: TableFile, rf: RowFilter, schema: Any, snap: Any, part_schema: Any = None) -> None:
+    """Evaluate ``rf`` over ``f`` (after its deletion vector): ``f.kept[j]`` the packed bitmap of the stored rows
+    kept (None: row group pruned, nothing kept), ``f.group_rows[j]`` their count, ``f.stored_rows`` set."""
+    md = pf.metadata
+    stored = [md.row_group(j).num_rows for j in range(md.num_row_groups)]
+    if snap is None:
+        may = rf.groups_may_match(md, md.schema.to_arrow_schema(), f.partition, part_schema)
+    elif snap.mapping_mode == "none":
+        may = rf.groups_may_match(md, md.schema.to_arrow_schema(), dict(f.delta.partition), snap.schema)
+    else:  # column mapping: statistics are under physical names; the exact pass decides
+        may = [True] * len(stored)
+    deleted = snap.deleted_rows(f.delta) if snap is not None and f.delta is not None and f.delta.dv else None
+    starts = np.concatenate([[0], np.cumsum(stored)]).astype(np.int64)
+    lives: dict[int, np.ndarray | None] = {}
+    parts = []  # the live rows of every row group that may match: one evaluation per file
+    for j, n in enumerate(stored):
+        live = keep_mask(deleted, int(starts[j]), int(starts[j + 1])) if deleted is not None else None
+        if not may[j] or n == 0 or (live is not None and not live.any()):
+            continue
+        t = read_columns(pf, f, j, rf.columns, schema, snap)
+        lives[j] = live
+        parts.append(t if live is None else filter_rows(t, live))
+    import pyarrow as pa
+
+    got = rf.keep(pa.concat_tables(parts)) if parts else np.zeros(0, dtype=bool)
+    kept: list[np.ndarray | None] = []
+    rows: list[int] = []
+    at = 0
+    for j, n in enumerate(stored):
+        if j not in lives:
+            kept.append(None)
+            rows.append(0)
+            continue
+        live = lives[j]
+        width = n if live is None else int(live.sum())
+        if live is None:
+            mask = got[at:at + width]
+        else:
+            mask = live.copy()
+            mask[live] = got[at:at + width]
+        at += width
+        count = int(mask.sum())
+        kept.append(np.packbits(mask) if count else None)
+        rows.append(count)
+    f.kept, f.group_rows, f.stored_rows = kept, rows, stored
+
+
+def group_span(md: Any, j: int) -> tuple[int, int]:
+    """Byte range ``[start, end)`` of row group ``j``'s column chunks in its file."""
+    rg = md.row_group(j)
+    lo, hi = None, 0
+    for k in range(rg.num_columns):
+        c = rg.column(k)
+        start = c.dictionary_page_offset if c.has_dictionary_page and c.dictionary_page_offset else c.data_page_offset
+        lo = start if lo is None else min(lo, start)
+        hi = max(hi, start + c.total_compressed_size)
+    return int(lo or 0), int(hi)
+
+
+class RangeFile(io.RawIOBase):
+    """A Parquet file of which only some byte ranges are here (each a cache entry holding ``[start, end)``):
+    pyarrow, given the footer, reads only inside them; a read elsewhere is an error naming the offset."""
+
+    def __init__(self, name: str, size: int) -> None:
+        super().__init__()
+        self.name_, self.size = name, int(size)
+        self.starts: list[int] = []
+        self.spans: list[tuple[int, int, int]] = []  # (start, end, fd), sorted by start
+        self.pos = 0
+
+    def add(self, start: int, end: int, path: str) -> None:
+        if any(s == start and e == end for s, e, _ in self.spans):
+            return
+        fd = os.open(path, os.O_RDONLY)
+        i = bisect.bisect_left(self.starts, start)
+        self.starts.insert(i, start)
+        self.spans.insert(i, (start, end, fd))
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.size}[whence]
+        self.pos = max(0, base + int(offset))
+        return self.pos
+
+    def readinto(self, buf: Any) -> int:
+        view = memoryview(buf).cast("B")
+        want = min(len(view), max(0, self.size - self.pos))
+        if not want:
+            return 0
+        i = bisect.bisect_right(self.starts, self.pos) - 1
+        if i < 0 or self.pos + want > self.spans[i][1]:
+            raise OSError(f"{self.name_}: bytes {self.pos}..{self.pos + want} were not filled (a row group's "
+                          "range is filled before it is read)")
+        start, _, fd = self.spans[i]
+        got = os.preadv(fd, [view[:want]], self.pos - start)
+        self.pos += got
+        return got
+
+    def close(self) -> None:
+        if not self.closed:
+            for _, _, fd in self.spans:
+                os.close(fd)
+            self.spans, self.starts = [], []
+        super().close()
