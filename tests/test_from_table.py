@@ -191,9 +191,12 @@ def test_a_state_of_another_table_version_is_refused(files):
     ds = ucmagic.files_from_table(pa.table(rows), root=root)
     next(iter(ds))
     state = ds.state_dict()
+    list(ds)  # every file cached by this version
     relabelled = ucmagic.files_from_table(pa.table({**rows, "label": [9] * N}), root=root)
     with pytest.raises(ListingChangedError):
         relabelled.load_state_dict(state)
+    assert {it["label"] for it in relabelled} == {9}  # the new version's fields ...
+    assert relabelled.stats()["misses"] == 0  # ... over the same files, cached by the first version
     ucmagic.files_from_table(pa.table(rows), root=root).load_state_dict(state)  # the same rows: fine
 
 

@@ -329,7 +329,8 @@ class TableFilesDataset(UCVolumeDataset):
         self.fingerprint = hashlib.sha256(f"{self.listing.fingerprint}\0{rows_hash}".encode()).hexdigest()[:16]
 
     def __repr__(self) -> str:
-        return (f"TableFilesDataset({self.volume.display()!r}, files={len(self.listing)}, fields={self.field_names}, "
+        fields = getattr(self, "field_names", None)  # (None while __init__ runs)
+        return (f"TableFilesDataset({self.volume.display()!r}, files={len(self.listing)}, fields={fields}, "
                 f"cache_dir={self.cache.root!r}, shuffle={self.shuffle!r})")
 
     def row_of(self, path: str) -> dict[str, Any]:
