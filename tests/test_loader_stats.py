@@ -193,3 +193,15 @@ def test_the_engine_loads_the_notebook_layer_only_when_something_is_shown():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["[]", "['ucmagic.notebook',", "'ucmagic.notebook.plots']", "Figure"]
+
+
+def test_the_warm_stall_hint_names_the_measured_stage_when_there_is_one():
+    """Issue 45: with stage times the hint says where the wait went (measured), not a guess that it is decoding."""
+    n = 20
+    st = synth([0.05] * n, compute=[0.01] * n, items=warm_items(n))
+    d = st.to_dict()
+    d.update(stage_fetch_s=[0.001] * n, stage_user_s=[0.002] * n, stage_collate_s=[0.04] * n)
+    hint = [h for h in LoaderStats.from_dict(d).hints() if "warm cache" in h]
+    assert hint == ["the loop waits for data 83% of the time with a warm cache, 93% of it on collate (measured): "
+                    "see stats.advise()"]
+    assert any("decoding is the bottleneck" in h for h in st.hints())  # no stage times: the old inference

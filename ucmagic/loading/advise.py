@@ -215,7 +215,7 @@ def _warm(m: Measured) -> Advice | None:
         fetch = first.fetch * (1 - first.misses / max(1, first.items))
         how = "the hits' share of the fetch kept"
     predicted = epoch_model(first, m.num_workers, cpus, fetch) + _overhead(m, first)
-    return Advice("warm", "ds.warm() before training", predicted, first.total,
+    return Advice("warm", "ds.warm(background=False) before training", predicted, first.total,
                   f"epoch 0 missed {first.misses} of {first.items} items and waited {_s(first.wait)} s of "
                   f"{_s(first.total)} s (fetch {_s(first.fetch)} s); {how}; warming copies the files once, "
                   "before the loop, in parallel", {"warm": True})

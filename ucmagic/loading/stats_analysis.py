@@ -213,6 +213,12 @@ def _decode_hint(b: BatchTable, stall: float) -> str | None:
     misses, items = int(b["misses"].sum()), int(b["items"].sum())
     if stall < DECODE_STALL or (items and misses > WARM_MISS_SHARE * items):
         return None
+    t = breakdown(b, np.ones(len(b["fetch_s"]), dtype=bool))
+    if t["wait"] > 0 and t["fetch"] + t["user"] + t["collate"] > 0:  # measured: say where, advise() says what
+        where = max(STAGES, key=lambda k: t[f"wait_{k}"])
+        name = {"fetch": "ucmagic's fetch", "user": "your code (decode, transforms)", "collate": "collate"}[where]
+        return (f"the loop waits for data {stall:.0%} of the time with a warm cache, "
+                f"{t[f'wait_{where}'] / t['wait']:.0%} of it on {name} (measured): see stats.advise()")
     workers = {int(w) for w in b["worker"] if w >= 0}
     now = f" (now {len(workers)})" if workers else ""
     return (f"the loop waits for data {stall:.0%} of the time with a warm cache: decoding is the "
