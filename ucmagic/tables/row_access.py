@@ -1,0 +1,145 @@
+"""Random access by row to a ParquetDataset: ``ds.rows[i]`` (one row), ``ds.rows[i:j]`` (a batch),
+``len(ds.rows)`` (the table's rows; with ``filter=``, the rows it keeps).
+
+Row ``i`` is the ``i``-th row in the files' order (after deletion vectors and the filter). The row index is
+the dataset's: row counts per row group from the footers (with a filter, the kept-row bitmaps built from the
+filter's columns), so ``rows[i]`` finds its row group by a binary search and reads that row group only (a
+byte range filled into the cache for remote and ``/Volumes`` files). Decoded row groups are kept in a small
+per-process LRU (``cache_groups``), so nearby and repeated rows cost no decode.
+
+:class:`Rows` is a map-style ``torch.utils.data.Dataset``: use it with torch samplers, ``torch``'s
+DataLoader or ``ucmagic.DataLoader`` (exact resume). Call order: ``rows = ds.rows`` (or
+``Rows(ds.reader, ...)``), then ``rows[i]`` from any thread; a worker process gets its own handles and LRU.
+"""
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+from torch.utils.data import Dataset
+
+from .batching import BatchCutter
+from .rows import EpochLayout, Segment
+from .table_reader import TableReader, close_readers
+
+__all__ = ["Rows", "DEFAULT_CACHE_GROUPS"]
+
+DEFAULT_CACHE_GROUPS = 8
+"""Decoded row groups kept per process by ``ds.rows``."""
+
+
+class Rows(Dataset[Any]):
+    """``ds.rows`` (see the module). ``fingerprint``: the dataset's (files, version, filter), for resume checks."""
+
+    def __init__(self, reader: TableReader, group_rows: list[int], cutter: BatchCutter, fingerprint: str,
+                 cache_groups: int = DEFAULT_CACHE_GROUPS) -> None:
+        self.reader, self.cutter, self.fingerprint = reader, cutter, fingerprint
+        self.layout = EpochLayout(group_rows)  # files' order, one window per row group
+        self.starts = self.layout.win_start
+        self.cache_groups = max(1, int(cache_groups))
+        self._init_local()
+
+    def _init_local(self) -> None:
+        self._readers: dict[Any, Any] = {}
+        self._lock = threading.Lock()
+        self._decoded: OrderedDict[int, tuple[dict[str, Any], int]] = OrderedDict()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k not in ("_readers", "_lock", "_decoded")}
+
+    def __setstate__(self, st: dict[str, Any]) -> None:
+        self.__dict__.update(st)
+        self._init_local()
+
+    def __len__(self) -> int:
+        return int(self.layout.total)
+
+    def __repr__(self) -> str:
+        return f"<rows of a ParquetDataset: {len(self)} rows in {self.layout.num_windows} row groups>"
+
+    def close(self) -> None:
+        """Close the files and drop the decoded row groups (reopened on the next access)."""
+        with self._lock:
+            close_readers(self._readers)
+            self._decoded.clear()
+
+    def _window(self, w: int) -> tuple[dict[str, Any], int]:
+        """Row group ``w`` decoded (the dataset's own decoding), from the LRU or read now."""
+        with self._lock:
+            got = self._decoded.get(w)
+            if got is not None:
+                self._decoded.move_to_end(w)
+                return got
+        got = self.reader.load(self.layout, Segment(w, 0, self.layout.window_len(w)), self._readers, self._lock,
+                               ranged=True)
+        with self._lock:
+            self._decoded[w] = got
+            while len(self._decoded) > self.cache_groups:
+                self._decoded.popitem(last=False)
+        return got
+
+    def _pieces(self, lo: int, hi: int) -> list[tuple[dict[str, Any], int]]:
+        """Decoded pieces holding rows ``lo..hi``, sliced to them."""
+        out = []
+        w = int(np.searchsorted(self.starts, lo, side="right")) - 1
+        while lo < hi:
+            start, stop = int(self.starts[w]), int(self.starts[w + 1])
+            if stop > lo:
+                piece, _ = self._window(w)
+                a, b = lo - start, min(hi, stop) - start
+                out.append((_slice(piece, a, b), b - a))
+                lo = start + b
+            w += 1
+        return out
+
+    def __getitem__(self, index: Any) -> Any:
+        n = len(self)
+        if isinstance(index, slice):
+            lo, hi, step = index.indices(n)
+            if step != 1:
+                raise IndexError("rows[i:j:k]: only a step of 1 is supported; index rows one by one for others")
+            hi = max(lo, hi)
+            return self._batch(lo, hi)
+        try:
+            i = int(index)
+        except TypeError:
+            raise TypeError(f"rows[...] takes an int or a slice, got {type(index).__name__}") from None
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(f"row {index} is out of range: the table has {n} rows")
+        return _row(self._batch(i, i + 1), self.cutter.format)
+
+    def __getitems__(self, indices: list[int]) -> list[Any]:  # torch's batched fetch: one lookup per row
+        return [self[i] for i in indices]
+
+    def _batch(self, lo: int, hi: int) -> Any:
+        cut = BatchCutter(self.cutter.format, max(1, hi - lo), self.cutter.columns, self.cutter.out_keys,
+                          self.cutter.lists, self.cutter.mask_set)
+        if hi > lo:
+            return next(iter(cut.batches(iter(self._pieces(lo, hi)), False)))
+        if not self.layout.num_windows:
+            return None
+        one = next(iter(cut.batches(iter([(_slice(self._window(0)[0], 0, 1), 1)]), False)))  # no rows, same keys
+        if isinstance(one, dict):
+            return {k: v[:0] for k, v in one.items()}
+        return one.slice(0, 0) if hasattr(one, "slice") else one.iloc[:0]
+
+
+def _slice(piece: dict[str, Any], a: int, b: int) -> dict[str, Any]:
+    """Rows ``a..b`` of a decoded piece (tensors and Arrow arrays, or one Arrow table under ``""``)."""
+    out = {}
+    for k, v in piece.items():
+        out[k] = v.slice(a, b - a) if hasattr(v, "slice") and not hasattr(v, "numpy") else v[a:b]
+    return out
+
+
+def _row(batch: Any, fmt: str) -> Any:
+    """One row of a one-row batch: a dict of values (0-d tensors, numpy scalars, Python objects)."""
+    if fmt == "arrow":
+        return batch.to_pylist()[0]
+    if fmt == "pandas":
+        return batch.iloc[0].to_dict()
+    return {k: v[0] for k, v in batch.items()}

@@ -1,0 +1,247 @@
+"""Reading a ParquetDataset's row groups: opening files (a cached whole copy, the file itself through its
+volume, or row groups filled as byte ranges), the filter's row index, and decoding a segment of rows into
+tensors or Arrow arrays.
+
+Call order of :class:`TableReader`: the dataset builds it once its files, schema and output types are known;
+``index()`` once when a filter is set; then, per stream (one ``readers`` dict and lock each, closed with
+:func:`close_readers`), ``load(layout, segment, readers, lock)`` for each segment, from the read-ahead's
+threads. It pickles without its filler (a worker builds its own).
+"""
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import ListingChangedError
+from ..files.cache import FileCache
+from ..files.cache_layout import cache_key
+from ..files.fetch import read_ahead
+from ..files.filler import CacheFiller
+from ..files.volume import FileEntry
+from .columns import column_kind, mask_key, numeric_numpy, temporal_int64
+from .deletion_vectors import filter_rows, live_span
+from .footers import TableFile
+from .group_reader import RangeFile, dropped_rows, group_span, index_file, read_columns, stored_starts
+from .predicate import RowFilter
+from .rows import EpochLayout, Segment
+from .table_io import TableFiles
+
+__all__ = ["TableReader", "close_readers"]
+
+_NP_DTYPES = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16,
+              torch.int64: np.int64, torch.int32: np.int32, torch.int16: np.int16, torch.int8: np.int8,
+              torch.uint8: np.uint8, torch.bool: np.bool_}
+
+
+def close_readers(readers: dict[Any, Any]) -> None:
+    """Close the files a stream's ``readers`` opened."""
+    for key, val in list(readers.items()):
+        if key[1] != "delta" and val[1] is not None:  # (ParquetFile, file) pairs; "delta": a deletion vector
+            val[1].close()
+    readers.clear()
+
+
+class TableReader:
+    """Reads and decodes row groups of a table's files (see the module for the call order)."""
+
+    def __init__(self, files: list[TableFile], io: TableFiles, cache: FileCache | None, snapshot: Any, schema: Any,
+                 columns: list[str], format: str, kinds: dict[str, str], mask_set: set[str],  # noqa: A002 - the option's name
+                 dtypes: dict[str, Any], filter: RowFilter | None, timeout: float | None) -> None:  # noqa: A002
+        self.files, self.io, self.cache, self.snapshot, self.schema = files, io, cache, snapshot, schema
+        self.columns, self.format, self.kinds, self.mask_set, self.dtypes = columns, format, kinds, mask_set, dtypes
+        self.filter, self.timeout = filter, timeout
+        self.group_file: list[tuple[int, int]] = []  # the dataset's row groups: (file, row group in the file)
+        self._fill: CacheFiller | None = None
+        self._checked: set[str] = set()  # files stat-ed before their first ranged fill
+
+    def __getstate__(self) -> dict[str, Any]:
+        st = self.__dict__.copy()
+        st["_fill"], st["_checked"] = None, set()
+        return st
+
+    def local(self, fi: int) -> str:
+        """Local path of file ``fi`` (a cached copy for remote or mounted files: the cache's one fill path,
+        :class:`~ucmagic.files.filler.CacheFiller`, through the file's registered volume)."""
+        f = self.files[fi]
+        if self.cache is None:
+            return f.path
+        vol, rel = self.io.locate(f.path)
+        key = cache_key("parquet", f.path, f.size, f.mtime)
+        path, _ = self.filler().fill_file(vol, FileEntry(rel, f.size, f.mtime), key, ".parquet")
+        return path
+
+    def meta(self, fi: int) -> Any:
+        """The footer of file ``fi`` (read again in a process that received the dataset pickled)."""
+        import pyarrow.parquet as pq
+
+        f = self.files[fi]
+        if f.meta is None:
+            with self.io.open(f.path, f.size) as src:
+                f.meta = pq.read_metadata(src)
+        return f.meta
+
+    def pq_options(self) -> dict[str, Any]:
+        # Delta timestamps are microseconds: INT96 files (Spark) read as us, so far dates do not overflow
+        return {"coerce_int96_timestamp_unit": "us"} if self.snapshot is not None else {}
+
+    def index(self) -> None:
+        """With a filter: evaluate it over every file (pruned row groups unread, only its columns read, by ranged
+        reads through the volume): each file's kept rows per row group (:func:`index_file`)."""
+        import pyarrow.parquet as pq
+
+        rf = self.filter
+        if rf is None:
+            return
+
+        def one(fi: int) -> None:
+            f = self.files[fi]
+            with self.io.open(f.path, f.size) as src:
+                index_file(pq.ParquetFile(src, metadata=self.meta(fi), **self.pq_options()), f, rf, self.schema,
+                           self.snapshot, self.schema)
+
+        for _ in read_ahead(one, range(len(self.files)), depth=8, timeout=self.timeout,
+                            describe=lambda fi: f"filter over {self.files[fi].path}"):
+            pass
+
+    def filler(self) -> CacheFiller:
+        if self._fill is None:
+            if self.cache is None:
+                raise RuntimeError("this ParquetDataset reads without a cache (cache=False)")
+            self._fill = CacheFiller(self.cache)
+        return self._fill
+
+    def changed(self, fi: int, why: str) -> ListingChangedError:
+        return ListingChangedError(
+            f"{self.files[fi].path} {why} since this ParquetDataset was created (was the directory overwritten "
+            "by export_parquet?): create the ParquetDataset again to read the new version"
+        )
+
+    def open(self, readers: dict[Any, Any], lock: threading.Lock, fi: int, j: int | None = None,
+              ranged: bool | None = None) -> Any:
+        """This thread's ParquetFile of file ``fi``: the cached copy (whole-file fill), the file itself through
+        its volume (no cache), or, ``ranged`` (default: with a filter), a file of which row group ``j``'s bytes
+        were filled into the cache as one byte range (:meth:`CacheFiller.fill_range`)."""
+        import pyarrow.parquet as pq
+
+        ranged = (self.filter is not None) if ranged is None else ranged
+        key = (threading.get_ident(), fi)
+        with lock:
+            got = readers.get(key)
+        if ranged and self.cache is not None and j is not None and (got is None or isinstance(got[1], RangeFile)):
+            tf = self.files[fi]
+            if got is None:
+                rfile = RangeFile(tf.path, tf.size)
+                got = (pq.ParquetFile(rfile, metadata=self.meta(fi), **self.pq_options()), rfile)
+                with lock:
+                    readers[key] = got
+            lo, hi = group_span(self.meta(fi), j)
+            vol, rel = self.io.locate(tf.path)
+            path, _ = self.filler().fill_range(vol, FileEntry(rel, tf.size, tf.mtime), lo, hi, checked=self._checked)
+            got[1].add(lo, hi, path)
+            return got[0]
+        if got is not None:
+            return got[0]
+        path = self.local(fi)
+        try:
+            if path != self.files[fi].path:  # a cached copy
+                f = open(path, "rb")  # noqa: SIM115 - closed with the reader
+                size = os.fstat(f.fileno()).st_size
+            else:  # the file itself, through its volume (plain reads where it is local)
+                size = self.io.stat(path).size
+                f = self.io.open(path, size)
+        except FileNotFoundError:
+            raise self.changed(fi, "disappeared") from None
+        if size != self.files[fi].size:
+            f.close()
+            raise self.changed(fi, "changed size")
+        pf = pq.ParquetFile(f, **self.pq_options())
+        with lock:
+            readers[key] = (pf, f)
+        return pf
+
+    def read_group(self, readers: dict[Any, Any], lock: threading.Lock, g: int,
+                   ranged: bool | None = None) -> tuple[Any, np.ndarray | None]:
+        """Row group ``g`` (every stored row, as the table defines them: :func:`read_columns`) and the stored rows
+        that are not rows of the table (a Delta deletion vector, the filter; None: none). The caller drops them
+        (one copy, see _load)."""
+        fi, j = self.group_file[g]
+        pf = self.open(readers, lock, fi, j, ranged)
+        f = self.files[fi]
+        t = read_columns(pf, f, j, self.columns, self.schema, self.snapshot)
+        if f.stored_rows is None or f.kept is not None or self.snapshot is None:
+            return t, dropped_rows(f, j, None, None)
+        key = (threading.get_ident(), "delta")
+        with lock:
+            cur = readers.get(key)
+        if cur is None or cur[0] != fi:  # this thread moves to another file: its mask replaces the last one
+            cur = (fi, self.snapshot.deleted_rows(f.delta), stored_starts(f))
+            with lock:
+                readers[key] = cur
+        return t, dropped_rows(f, j, cur[1], cur[2])
+
+    def load(self, lay: EpochLayout, seg: Segment, readers: dict[Any, Any], lock: threading.Lock,
+             ranged: bool | None = None) -> tuple[dict[str, Any], int]:
+        """Decode one segment: tensors (numeric columns, converted once) or arrow arrays (the rest). ``ranged``:
+        fill only the row groups' byte ranges into the cache (default: with a filter)."""
+        import pyarrow as pa
+
+        pieces = lay.window_pieces(seg.window)
+        perm = lay.window_perm(seg.window)
+        pick = None  # keep mask over ``table`` (a deletion vector), applied while converting (one copy)
+        if perm is None:  # one row group per window: read it, slice zero-copy
+            g, lo, _ = pieces[0]
+            t, dels = self.read_group(readers, lock, g, ranged)
+            if dels is None:
+                table = t.slice(lo + seg.lo, seg.hi - seg.lo)
+            else:
+                first, stop, pick = live_span(dels, lo + seg.lo, lo + seg.hi)
+                table = t.slice(first, stop - first)
+        else:
+            parts = []
+            for g, lo, hi in pieces:  # node mode: a row group may be cut at a node's slice edge
+                t, dels = self.read_group(readers, lock, g, ranged)
+                if dels is not None:
+                    keep = np.ones(t.num_rows, dtype=bool)
+                    keep[dels] = False
+                    t = filter_rows(t, keep)
+                parts.append(t if lo == 0 and hi == t.num_rows else t.slice(lo, hi - lo))
+            table = parts[0] if len(parts) == 1 else pa.concat_tables(parts)
+            table = table.take(pa.array(perm[seg.lo:seg.hi]))
+        if self.format != "torch":  # numpy, arrow, pandas: converted when a batch is cut
+            return {"": table if pick is None else filter_rows(table, pick)}, seg.hi - seg.lo
+        out: dict[str, Any] = {}
+        apick = None
+        for c in self.columns:
+            col = table.column(c)
+            kind = self.kinds[c]
+            if kind == "decode":
+                col = col.cast(col.type.value_type)
+                kind = column_kind(col.type)
+            if kind == "int64":
+                col = temporal_int64(col)
+            elif kind in ("float64", "decimal"):  # a wide decimal only with dtype= (check_exact)
+                col = col.cast(pa.float64())
+            if kind == "list":
+                if pick is not None:
+                    apick = pa.array(pick) if apick is None else apick
+                    col = col.filter(apick)
+                out[c] = col.combine_chunks()
+                continue
+            if c in self.mask_set:  # the type decides the dtype; nulls are 0/False (NaN) and the mask says so
+                valid = np.asarray(col.is_valid().to_numpy(zero_copy_only=False), dtype=bool)
+                out[mask_key(c)] = torch.from_numpy(valid[pick] if pick is not None else valid)
+            arr = numeric_numpy(col)
+            if pick is not None:
+                arr = arr[pick]  # a fresh array (boolean indexing): the deletion vector costs no extra copy
+            dt = self.dtypes.get(c)
+            if dt is not None and _NP_DTYPES.get(dt) is not None:
+                arr = arr.astype(_NP_DTYPES[dt])
+            elif not arr.flags.writeable:
+                arr = arr.copy()
+            t = torch.from_numpy(arr)
+            out[c] = t.to(dt) if dt is not None and t.dtype != dt else t
+        return out, seg.hi - seg.lo
