@@ -72,7 +72,7 @@ class LocalVolume(Volume):
         network mount is a round trip each), its folders and its mtime."""
         files: list[FileEntry] = []
         dirs: list[str] = []
-        outside = self._outside
+        outside: builtins.list[str] = self.__dict__.setdefault("_outside_links", [])  # left out, reported by scan()
         where = os.path.join(self.root, rel) if rel else self.root
         try:
             mtime_ns = os.stat(where).st_mtime_ns  # before reading: a file added meanwhile changes it later
@@ -87,7 +87,8 @@ class LocalVolume(Volume):
                         if rx is not None and not rx.match(name):
                             continue
                         st = de.stat()  # follows a symlink to a file; a dangling one raises
-                        if stat_mod.S_ISREG(st.st_mode) and de.is_symlink() and not self._link_allowed(de.path):
+                        if stat_mod.S_ISREG(st.st_mode) and de.is_symlink() \
+                                and not link_allowed(de.path, self.root, self.follow_symlinks):
                             outside.append(name)
                             continue
                     except OSError:
@@ -106,41 +107,14 @@ class LocalVolume(Volume):
                 "access to it, or pass on_error='skip' to leave it out") from exc
         return files, dirs, mtime_ns
 
-    @property
-    def _outside(self) -> builtins.list[str]:
-        """Symlinks left out of the listing in progress (pointing outside the root)."""
-        got: builtins.list[str] = self.__dict__.setdefault("_outside_links", [])
-        return got
-
-    def _link_allowed(self, path: str) -> bool:
-        """Whether the symlinked file at ``path`` is listed under :attr:`follow_symlinks`."""
-        if self.follow_symlinks == "all":
-            return True
-        if self.follow_symlinks == "none":
-            return False
-        return path_under(path, self.root) not in (None, ".")
-
-    def _report_outside(self) -> None:
-        """One warning (or :class:`UnsafeSourceError`) for the links a listing left out, naming them."""
-        links = sorted(self.__dict__.pop("_outside_links", None) or [])
-        if not links or self.follow_symlinks == "none":
-            return
-        named = ", ".join(links[:5]) + (f" and {len(links) - 5} more" if len(links) > 5 else "")
-        msg = (f"{len(links)} symlink(s) in {self.root} point outside it and were left out: {named}. "
-               "Pass follow_symlinks='all' if you trust this tree")
-        if self.outside_links == "raise":
-            raise UnsafeSourceError(msg + ", or on_error='skip' to leave them out")
-        import warnings
-
-        warnings.warn("ucmagic: " + msg, stacklevel=3)
-
     def scan(self, pattern: str | None = None) -> Iterator[DirScan]:
         """Directories yielded as read: on this thread while they read fast, then concurrently
         (each readdir on a network mount is slow) from the first slow one on. Symlinked files are
         listed per :attr:`follow_symlinks`; those left out are reported once, at the end."""
         self.__dict__["_outside_links"] = []
         yield from self._scan(pattern)
-        self._report_outside()
+        report_outside_links(self.__dict__.pop("_outside_links", None) or [], self.root, self.follow_symlinks,
+                             self.outside_links)
 
     def _scan(self, pattern: str | None = None) -> Iterator[DirScan]:
         rx = compile_pattern(pattern) if pattern else None
@@ -248,3 +222,28 @@ class LocalVolume(Volume):
 
     def list_names(self, rel: str) -> builtins.list[str]:
         return local_names(self._path(rel))
+
+
+def link_allowed(path: str, root: str, follow_symlinks: str) -> bool:
+    """Whether the symlinked file at ``path`` is listed under ``follow_symlinks`` (:attr:`Volume.follow_symlinks`)."""
+    if follow_symlinks == "all":
+        return True
+    if follow_symlinks == "none":
+        return False
+    return path_under(path, root) not in (None, ".")
+
+
+def report_outside_links(links: list[str], root: str, follow_symlinks: str, outside_links: str) -> None:
+    """One warning (or :class:`UnsafeSourceError` where ``outside_links == "raise"``) for the symlinks a listing
+    of ``root`` left out because they point outside it, naming them."""
+    links = sorted(links)
+    if not links or follow_symlinks == "none":
+        return
+    named = ", ".join(links[:5]) + (f" and {len(links) - 5} more" if len(links) > 5 else "")
+    msg = (f"{len(links)} symlink(s) in {root} point outside it and were left out: {named}. "
+           "Pass follow_symlinks='all' if you trust this tree")
+    if outside_links == "raise":
+        raise UnsafeSourceError(msg + ", or on_error='skip' to leave them out")
+    import warnings
+
+    warnings.warn("ucmagic: " + msg, stacklevel=3)
