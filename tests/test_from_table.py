@@ -81,6 +81,8 @@ def test_a_parquet_directory_of_absolute_paths_finds_its_root(files, tmp_path):
     ds = ucmagic.files_from_table(str(table), columns=["id", "label"])  # root: the files' common folder
     assert ds.volume.display() == root
     assert sorted(check_items(ds, rels, rows)) == sorted(rels)
+    val = ucmagic.files_from_table(str(table), columns=["id", "label"], filter=pc.field("split") == "val")
+    assert sorted(check_items(val, rels, rows)) == sorted(r for i, r in enumerate(rels) if rows["split"][i] == "val")
     mixed = {**rows, "path": [os.path.join(root, r) if i % 2 else r for i, r in enumerate(rels)]}
     assert sorted(check_items(ucmagic.files_from_table(pa.table(mixed), root=root), rels, rows)) == sorted(rels)
     with pytest.raises(InvalidArgumentError, match="relative path 'c0/img000.bin' and root= is not set"):

@@ -186,9 +186,10 @@ def read_rows(table: Any, *, needed: Sequence[str] | None, filter: Any = None,  
         if cols is not None:
             df = df.select(*[c for c in cols if c in df.columns])
         t = df.toArrow() if hasattr(df, "toArrow") else pa.Table.from_pandas(df.toPandas(), preserve_index=False)
-    elif src.kind == "parquet":
+    elif src.kind == "parquet":  # only the needed columns read; the expression pushed into the scan
         data = arrow_dataset(src)
-        t, expr = data.to_table(filter=expr) if expr is not None else data.to_table(), None
+        absent = [c for c in cols or () if c not in data.schema.names]
+        t, expr = data.to_table(columns=[c for c in cols or data.schema.names if c not in absent], filter=expr), None
     elif src.kind == "delta":
         t = arrow_dataset(src).read_all()  # the snapshot's rows, deletion vectors applied
     else:  # SQL, a table name through Spark, CSV, a DuckDB relation: load_table's exact read
