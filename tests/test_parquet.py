@@ -554,6 +554,20 @@ def test_spark_dataframe_export_then_parquet_dataset(spark, tmp_path):
 
 
 @pytest.mark.spark
+def test_a_spark_parquet_table_name_in_parquet_dataset_reads_its_files(spark):
+    """Issue 44 item 7: with an active session, a Parquet-format catalog table resolves to its files through
+    the session (filter= and rows work on it); a table of another provider is refused naming the fix."""
+    spark.range(300).selectExpr("id", "id % 4 AS label").write.mode("overwrite").format("parquet") \
+        .saveAsTable("default.ucm_pq_files")
+    ds = ParquetDataset("spark_catalog.default.ucm_pq_files", batch_size=64, filter="label = 3")
+    assert sorted(int(v) for b in ds for v in b["id"]) == [i for i in range(300) if i % 4 == 3]
+    assert int(ds.rows[0]["label"]) == 3
+    spark.range(10).write.mode("overwrite").format("json").saveAsTable("default.ucm_js_files")
+    with pytest.raises(UnsupportedSourceError, match="export_parquet"):
+        ParquetDataset("spark_catalog.default.ucm_js_files")
+
+
+@pytest.mark.spark
 def test_spark_table_names_go_through_the_session(spark, tmp_path, monkeypatch):
     monkeypatch.delenv("UCMAGIC_CATALOG_ROOT", raising=False)
     register_table("spark_catalog.default.ucm_t", frame(500), format="parquet", mode="overwrite")

@@ -35,7 +35,7 @@ from .row_access import Rows
 from .table_reader import TableReader, close_readers
 from .footers import add_partitions, read_footers
 from .predicate import RowFilter
-from .sources import delta_snapshot, resolve_source
+from .sources import delta_snapshot, resolve_source, spark_table_files
 from .table_io import TableFiles
 
 STATE_VERSION = 1
@@ -137,6 +137,8 @@ class ParquetDataset(EpochTracking, IterableDataset[Any]):
         for attempt in range(5):
             try:
                 src = resolve_source(self.path, version=version, storage_options=storage_options)
+                if src.kind == "spark_table":  # a Spark catalog table: its files, through the session
+                    src = spark_table_files(src, version)
                 if src.kind not in ("delta", "parquet"):
                     raise UnsupportedSourceError(
                         f"ParquetDataset reads Parquet files or a Delta table, not a {src.kind} source "
