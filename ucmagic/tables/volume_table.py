@@ -43,10 +43,9 @@ __all__ = ["TableFilesDataset", "TableVolume", "files_from_table", "read_rows", 
 
 STAT_THREADS = 16  # parallel stats of the files when the table gives no sizes and mtimes
 MISSING_NAMED = 3  # missing files named in an error or warning (the rest are counted)
-# How filter= is applied until ParquetDataset/load_table take it (issue 44 item 4): a pyarrow
-# expression by pyarrow (pushed into the scan of a Parquet directory), a SQL string by DuckDB on the
-# rows read (all columns are read then), in Spark for a Spark DataFrame.
-FILTER_VIA = "pyarrow expression: pyarrow; SQL string: DuckDB over the rows read; Spark DataFrame: Spark"
+# How filter= is applied: load_table's (tables/predicate.RowFilter), pushed down to partitions and
+# row-group statistics for Parquet and Delta; over the rows in memory for pandas and pyarrow data; in Spark.
+FILTER_VIA = "load_table's filter= (Parquet/Delta pushed down), RowFilter over in-memory rows, Spark for Spark"
 FLOAT_SLACK = 1e-6  # seconds as a float near 2**31 are exact to ~2.4e-7: a table's value may be 1 us off
 _MTIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
 
@@ -151,77 +150,45 @@ def _filter_text(filter: Any) -> str:  # noqa: A002 - the option's documented na
 def read_rows(table: Any, *, needed: Sequence[str] | None, filter: Any = None,  # noqa: A002
               version: int | None = None, storage_options: dict[str, Any] | None = None) -> tuple[Any, str]:
     """``(pyarrow Table of the rows, identity)``: ``table`` read with the ``needed`` columns (None: all),
-    rows kept where ``filter`` holds (see :data:`FILTER_VIA`)."""
+    rows kept where ``filter`` holds, as ``load_table``'s ``filter=`` keeps them (:data:`FILTER_VIA`)."""
     import pyarrow as pa
-    import pyarrow.compute as pc
 
-    from .sources import arrow_dataset, resolve_source
+    from .predicate import RowFilter, spark_filter
+    from .sources import resolve_source
 
-    if filter is not None and not isinstance(filter, (str, pc.Expression)):
-        raise InvalidArgumentError(f"filter must be a SQL predicate string (DuckDB's dialect, e.g. \"split = "
-                                   f"'train'\") or a pyarrow.compute expression, got {type(filter).__name__}")
     src = resolve_source(table, version=version, storage_options=storage_options)
-    where = filter  # what is left to apply after the read
-    cols = None if (needed is None or isinstance(filter, str)) else list(needed)
-    expr = filter if isinstance(filter, pc.Expression) else None
-    if src.kind == "pandas":
-        t = pa.Table.from_pandas(src.obj, preserve_index=False)
-    elif src.kind == "arrow":
+    cols = None if needed is None else list(needed)
+    if src.kind in ("pandas", "arrow"):  # in memory: no copy through pandas
         obj = src.obj
-        if isinstance(obj, pa.RecordBatch):
+        if src.kind == "pandas":
+            t = pa.Table.from_pandas(obj, preserve_index=False)
+        elif isinstance(obj, pa.RecordBatch):
             t = pa.Table.from_batches([obj])
         elif isinstance(obj, pa.RecordBatchReader):
             t = obj.read_all()
         elif isinstance(obj, pa.Table):
             t = obj
-        else:  # a pyarrow dataset: the filter is pushed into its scan
-            t, expr = obj.to_table(filter=expr), None
-    elif src.kind == "spark":
-        df = src.obj
-        if isinstance(where, str):  # in Spark, before anything leaves the cluster
-            df, where = df.filter(where), None
-        elif expr is not None:
-            raise InvalidArgumentError("a Spark DataFrame takes filter= as a SQL string (Spark filters it); a "
-                                       "pyarrow expression applies to Arrow data only")
+        else:  # a pyarrow dataset
+            t = obj.to_table()
+        rf = RowFilter.of(filter, t.column_names)
+        if rf is not None:
+            t = rf.apply(t)
+    elif src.kind == "spark":  # filtered in Spark, before anything leaves the cluster
+        df = spark_filter(src.obj, filter)
         if cols is not None:
             df = df.select(*[c for c in cols if c in df.columns])
         t = df.toArrow() if hasattr(df, "toArrow") else pa.Table.from_pandas(df.toPandas(), preserve_index=False)
-    elif src.kind == "parquet":  # only the needed columns read; the expression pushed into the scan
-        data = arrow_dataset(src)
-        absent = [c for c in cols or () if c not in data.schema.names]
-        t, expr = data.to_table(columns=[c for c in cols or data.schema.names if c not in absent], filter=expr), None
-    elif src.kind == "delta":
-        t = arrow_dataset(src).read_all()  # the snapshot's rows, deletion vectors applied
-    else:  # SQL, a table name through Spark, CSV, a DuckDB relation: load_table's exact read
-        from .api import load_table  # (pandas: imported only here, so DataLoader workers fork a smaller process)
+    else:  # Parquet, Delta (pruned by partitions and row-group statistics), SQL, CSV, table names: load_table
+        from .api import load_table  # (pandas: imported only here)
 
-        t = pa.Table.from_pandas(load_table(table, version=version, storage_options=storage_options),
-                                 preserve_index=False)
-    if expr is not None:
-        t = t.filter(expr)
-    if isinstance(where, str):
-        t = _sql_filter(t, where)
+        t = pa.Table.from_pandas(load_table(table, columns=cols, filter=filter, version=version,
+                                            storage_options=storage_options), preserve_index=False)
     if cols is not None:
         missing = [c for c in cols if c not in t.column_names]
         if missing:
             raise InvalidArgumentError(f"{src.describe()} has no column {missing[0]!r}; its columns: "
                                        f"{', '.join(t.column_names)}")
     return t, _identity(src, table, version)
-
-
-def _sql_filter(t: Any, predicate: str) -> Any:
-    """Rows of ``t`` where the SQL ``predicate`` holds (DuckDB, no file access)."""
-    from .sources import connect, restrict_sql
-
-    con = connect()
-    try:
-        con.register("ucmagic_rows", t)
-        restrict_sql(con)
-        rel = con.sql(f"SELECT * FROM ucmagic_rows WHERE {predicate}")  # noqa: S608 - the user's own predicate, no file access
-        reader = getattr(rel, "to_arrow_reader", None) or rel.fetch_arrow_reader  # the name before DuckDB 2
-        return reader(1 << 16).read_all()
-    finally:
-        con.close()
 
 
 # ---------------------------------------------------------------- the volume of the table's files
