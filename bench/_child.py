@@ -1,18 +1,48 @@
 """Shared by the benchmarks: run one contender in a child process while a thread samples it."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import threading
-from typing import Callable
+from typing import Any, Callable
 
 
-def run_sampled(cmd: list[str], env: dict[str, str], mode: str, sample: Callable[[int], int],
-                interval: float, timeout: float) -> tuple[dict, int]:
-    """Run ``cmd``; every ``interval`` s record ``sample(pid)``. Returns (the last JSON line it printed,
-    or ``{"error": ..., "mode": mode}``, the peak sample).
+def tree_memory(pid: int) -> tuple[int, int]:
+    """(summed PSS, summed USS) in bytes of ``pid`` and every process under it.
+
+    PSS splits each shared page between the processes mapping it; USS counts only the pages no other
+    process maps (what the tree would give back if it ended). Both from one ``memory_full_info()`` call."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0, 0
+    pss = uss = 0
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+            info = p.memory_full_info()
+            pss += info.pss
+            uss += info.uss
+    return pss, uss
+
+
+def _peak(a: Any, b: Any) -> Any:
+    """The larger sample: element-wise for tuples (each measure's own peak), else ``max``."""
+    if isinstance(a, tuple):
+        return tuple(max(x, y) for x, y in zip(a, b))
+    return max(a, b)
+
+
+def run_sampled(cmd: list[str], env: dict[str, str], mode: str, sample: Callable[[int], Any],
+                interval: float, timeout: float) -> tuple[dict, Any]:
+    """Run ``cmd``; every ``interval`` s record ``sample(pid)`` (a number, or a tuple of numbers whose
+    peaks are kept one by one). Returns (the last JSON line it printed, or ``{"error": ..., "mode": mode}``,
+    the peak sample).
 
     ``os.sync()`` first: the gigabytes an earlier contender wrote reach the disk before this one starts,
     not while it writes its cache (measured in bench/shards.py: a cold epoch run right after another
@@ -20,12 +50,13 @@ def run_sampled(cmd: list[str], env: dict[str, str], mode: str, sample: Callable
     os.sync()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,  # our own script
                             start_new_session=True)  # its own group: a timeout kills its worker processes too
-    peak = [0]
+    peak: list[Any] = [None]
     done = threading.Event()
 
     def loop() -> None:
         while not done.wait(interval):
-            peak[0] = max(peak[0], sample(proc.pid))
+            now = sample(proc.pid)
+            peak[0] = now if peak[0] is None else _peak(peak[0], now)
 
     th = threading.Thread(target=loop, daemon=True)
     th.start()
@@ -41,6 +72,8 @@ def run_sampled(cmd: list[str], env: dict[str, str], mode: str, sample: Callable
         raise
     done.set()
     th.join()
+    if peak[0] is None:  # ended before the first sample
+        peak[0] = sample(proc.pid)
     lines = [ln for ln in out.splitlines() if ln.startswith("{")]
     if timed_out:
         return {"error": [f"timed out after {timeout:g} s"], "mode": mode}, peak[0]
