@@ -102,3 +102,18 @@ def test_tar_shards_read_through_a_registered_backend(toy_backend, tmp_path):
     got = list(ucmagic.TarShards(toy_backend.url("shards"), cache_dir=str(tmp_path / "cache")))
     assert sorted(s["bin"] for s in got) == sorted(data.values())
     assert toy_backend.served("list") >= 1 and toy_backend.served("range_reader", "copy_to") >= 1
+
+
+def test_a_checkpoint_store_a_registered_backend_refuses_is_not_opened_by_fsspec_instead():
+    from ucmagic.errors import SourceNotFoundError
+    from ucmagic.checkpoints.api import list_checkpoints
+    from toy_backend import registered
+
+    class Refusing(ToyVolume):
+        @classmethod
+        def from_path(cls, path, storage_options=None):
+            raise SourceNotFoundError(f"{path}: this store is closed (the backend's own answer)")
+
+    with registered("toyno", Refusing), pytest.raises(Exception) as got:
+        list_checkpoints("toyno://shelf/run")
+    assert "the backend's own answer" in str(got.value), got.value  # not fsspec's "no file system handles toyno://"
