@@ -117,3 +117,13 @@ def test_a_checkpoint_store_a_registered_backend_refuses_is_not_opened_by_fsspec
     with registered("toyno", Refusing), pytest.raises(Exception) as got:
         list_checkpoints("toyno://shelf/run")
     assert "the backend's own answer" in str(got.value), got.value  # not fsspec's "no file system handles toyno://"
+
+
+def test_token_windows_read_through_a_registered_backend(toy_backend, tmp_path):
+    np = pytest.importorskip("numpy")
+    from ucmagic.shards import TokenWindows
+
+    np.save(toy_backend.root / "tokens.npy", np.arange(1000, dtype="<u2"))
+    ds = TokenWindows(toy_backend.url(), block_size=8, dtype="uint16", cache_dir=str(tmp_path / "cache"))
+    assert ds[3].tolist() == list(range(24, 33))  # a window and its target token
+    assert toy_backend.served("list") >= 1 and toy_backend.served("range_reader", "copy_to", "read_bytes") >= 1
