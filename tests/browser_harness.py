@@ -501,3 +501,61 @@ for epoch in range({epochs}):
 print("workers:", loader.num_workers, "straggler:", SLOW)
 loader.stats.explore()
 '''
+
+
+# ------------------------------------------------------------------ the explorer's interactive chart (issue 45)
+
+_CHART_JS = """
+(i) => {
+  const cell = document.querySelectorAll('.jp-Notebook .jp-Cell')[i];
+  const chart = cell && cell.querySelector('.ucmagic-explorer .ucmagic-chart');
+  if (!chart) return null;
+  const bars = [...chart.querySelectorAll('rect.ucmagic-bar')];
+  let tallest = null, top = -1;
+  const per = {};
+  for (const b of bars) {  // a batch's bar is its stacked rects: the tallest batch by their summed height
+    const s = b.getAttribute('data-step');
+    per[s] = (per[s] || 0) + parseFloat(b.getAttribute('height'));
+    if (per[s] > top) { top = per[s]; tallest = s; }
+  }
+  const tip = chart.querySelector('.ucmagic-chart-tip');
+  const img = cell.querySelector('.ucmagic-explorer img');
+  return {
+    steps: Object.keys(per).length,
+    tallest: tallest === null ? -1 : parseInt(tallest),
+    by_height: Object.keys(per).sort((a, b) => per[b] - per[a]).map(s => parseInt(s)),
+    tip: tip && tip.style.display !== 'none' ? tip.innerText : '',
+    png_shown: !!img && img.getBoundingClientRect().height > 0,
+    width: chart.querySelector('svg').getBoundingClientRect().width,
+  };
+}
+"""
+
+
+def chart_state(lab: LabPage, i: int) -> dict[str, Any] | None:
+    """The explorer chart of cell ``i``: ``steps`` (batches drawn), ``tallest`` (the step of the
+    longest wait), ``by_height`` (the steps, longest wait first), ``tip`` (the hover text shown),
+    ``png_shown`` (the PNG fallback still visible)."""
+    d = lab.page.evaluate(_CHART_JS, i)
+    return d or None
+
+
+def hover_chart_step(lab: LabPage, i: int, step: int) -> None:
+    """Move the mouse over the bar of batch step ``step`` in cell ``i``'s chart."""
+    bar = lab.cell(i).locator(f".ucmagic-chart rect.ucmagic-bar[data-step='{step}']").last
+    bar.scroll_into_view_if_needed()
+    bar.hover(force=True)
+
+
+def drag_chart(lab: LabPage, i: int, start: float, end: float) -> None:
+    """Drag across cell ``i``'s chart from ``start`` to ``end`` (fractions of its plot width): a zoom."""
+    svg = lab.cell(i).locator(".ucmagic-chart svg").first
+    svg.scroll_into_view_if_needed()
+    r = svg.bounding_box()
+    left, width, y = r["x"] + 52, r["width"] - 62, r["y"] + r["height"] / 2  # the plot area (batch_chart.js)
+    mouse = lab.page.mouse
+    mouse.move(left + start * width, y)
+    mouse.down()
+    mouse.move(left + (start + end) / 2 * width, y, steps=4)
+    mouse.move(left + end * width, y, steps=4)
+    mouse.up()

@@ -156,9 +156,11 @@ def test_explorer_zooms_and_names_the_slow_file(lab, artifacts):
     while time.monotonic() < deadline and not (before and before.img and before.table):
         before = bh.explorer_state(lab, 2)
         time.sleep(0.2)
-    assert before and before.img and before.img_height > 100, before  # a PNG (blob: URL) drawn
+    assert before and before.img, before  # a PNG (blob: URL) drawn: shown until the chart renders
     assert straggler in before.table, before.table
     assert before.summary.startswith("24 batches in view"), before.summary
+    _hover_and_zoom_the_chart(lab, straggler, artifacts)
+    before = bh.explorer_state(lab, 2) or before
     lab.screenshot(artifacts / "explorer.png")
     bh.move_range_start(lab, 2, 3)
     deadline = time.monotonic() + 60
@@ -169,3 +171,39 @@ def test_explorer_zooms_and_names_the_slow_file(lab, artifacts):
     assert after.summary.startswith("21 batches in view"), after.summary
     assert after.img != before.img and after.table != before.table
     assert straggler in after.table and straggler in after.files  # the slowest batch in view holds it
+
+
+def _hover_and_zoom_the_chart(lab, straggler: str, artifacts: Path) -> None:
+    """The interactive chart (anywidget): it replaces the PNG once its JavaScript runs; hovering the
+    tallest bar names that batch and, asked from the kernel, the straggler; a drag zooms the range."""
+    chart = _until(lambda: bh.chart_state(lab, 2), lambda c: c["steps"] == 24 and not c["png_shown"],
+                   "the chart to draw 24 batches and hide the PNG")
+    tip = None
+    for step in chart["by_height"][:3]:  # the straggler's batch is among the longest waits (the first: startup)
+        bh.hover_chart_step(lab, 2, step)
+        tip = _until(lambda: bh.chart_state(lab, 2), lambda c, s=step: f"step {s})" in c["tip"]
+                     and "slowest files" in c["tip"], f"the hover over step {step} to show its files")
+        if straggler in tip["tip"]:
+            break
+    assert tip and straggler in tip["tip"] and "made in: fetch" in tip["tip"], tip
+    lab.screenshot(artifacts / "explorer-chart-hover.png", cell=2)
+    bh.drag_chart(lab, 2, 0.0, 0.5)
+    zoomed = _until(lambda: bh.explorer_state(lab, 2), lambda e: not e.summary.startswith("24 batches"),
+                    "the drag to zoom the range")
+    n = int(zoomed.summary.split()[0])
+    assert 8 <= n <= 16, zoomed.summary  # about the first half of 24 batches
+    assert _until(lambda: bh.chart_state(lab, 2), lambda c: c["steps"] == n, "the chart to redraw")["steps"] == n
+    lab.page.locator(".ucmagic-chart svg").first.dblclick()
+    _until(lambda: bh.explorer_state(lab, 2), lambda e: e.summary.startswith("24 batches in view"),
+           "a double click to show the whole run again")
+
+
+def _until(read, ok, what: str, timeout: float = 60):
+    deadline = time.monotonic() + timeout
+    got = None
+    while time.monotonic() < deadline:
+        got = read()
+        if got is not None and ok(got):
+            return got
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}; last seen: {got}")

@@ -33,6 +33,20 @@ __all__ = ["LoaderStats", "RECENT"]
 RECENT = 256  # batches in a snapshot's recent window
 
 
+class _Read:
+    """A read-only attribute of :class:`LoaderStats`: one key of what one of its methods returns
+    (None when that returns None): the percentiles and the cache counters, without a method each."""
+
+    def __init__(self, method: str, key: str, doc: str) -> None:
+        self.method, self.key, self.__doc__ = method, key, doc
+
+    def __get__(self, obj: Any, owner: Any = None) -> Any:
+        if obj is None:
+            return self
+        got = getattr(obj, self.method)()
+        return got[self.key] if got else None
+
+
 class LoaderStats:
     """Per-batch timings of a :class:`DataLoader` (all epochs since creation or :meth:`reset`).
 
@@ -119,17 +133,9 @@ class LoaderStats:
         """``{"p50", "p90", "p99"}`` of fetch latency (seconds)."""
         return percentiles(self._rec.fetch_array())
 
-    @property
-    def p50(self) -> float:
-        return self.percentiles()["p50"]
-
-    @property
-    def p90(self) -> float:
-        return self.percentiles()["p90"]
-
-    @property
-    def p99(self) -> float:
-        return self.percentiles()["p99"]
+    p50 = _Read("percentiles", "p50", "Median fetch latency (seconds).")
+    p90 = _Read("percentiles", "p90", "90th percentile of fetch latency (seconds).")
+    p99 = _Read("percentiles", "p99", "99th percentile of fetch latency (seconds).")
 
     @property
     def max(self) -> float:
@@ -146,20 +152,9 @@ class LoaderStats:
         c = getattr(self._dataset, "counters", None)  # a planned dataset's (ucmagic.files.epochs.PlannedDataset)
         return c.totals() if isinstance(c, SharedCounters) else self._saved_counters
 
-    @property
-    def hits(self) -> int | None:
-        t = self._counters()
-        return t["hits"] if t else None
-
-    @property
-    def misses(self) -> int | None:
-        t = self._counters()
-        return t["misses"] if t else None
-
-    @property
-    def bytes_fetched(self) -> int | None:
-        t = self._counters()
-        return t["bytes_fetched"] if t else None
+    hits = _Read("_counters", "hits", "Cache hits over all workers (None: the dataset has no cache).")
+    misses = _Read("_counters", "misses", "Cache misses over all workers (None: the dataset has no cache).")
+    bytes_fetched = _Read("_counters", "bytes_fetched", "Bytes copied from the volume (None: no cache).")
 
     def cache(self) -> dict[str, Any] | None:
         """The dataset's full ``stats()`` (cache fill scans the listing: O(files)); None if it has none."""

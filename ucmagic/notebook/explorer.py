@@ -239,9 +239,9 @@ class Explorer:
         i = int(change["new"])
         if self.chart is not None and 0 <= i < len(self.b["step"]):
             files = self.stats.batch_files(i)[:FILES_PER_BATCH]
-            self.chart.hover_info = "slowest files:\n" + "\n".join(
+            self.chart.hover_info = f"batch {i} files\nslowest files:\n" + "\n".join(
                 f"  {short_name(r['file'], 60)} {_ms(r['fetch_s'])} {'hit' if r['hit'] else 'miss'}"
-                for r in files) if files else "no item records"
+                for r in files) if files else f"batch {i} files\nno item records"
 
     def _chart_shown(self, change: Any) -> None:
         if change["new"]:

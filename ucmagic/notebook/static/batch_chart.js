@@ -87,7 +87,8 @@ function render({ model, el }) {
     const extra = model.get("hover_info");
     tip.textContent = `batch ${p.index} (epoch ${p.epoch}, worker ${p.worker}, step ${p.step})\n` +
       `waited ${ms(p.wait_ms)}; made in: fetch ${ms(p.fetch_ms)}, your code ${ms(p.user_ms)}, collate ${ms(p.collate_ms)}\n` +
-      `${p.misses}/${p.items} cache misses` + (extra && hoverStep === step ? "\n" + extra : "");
+      `${p.misses}/${p.items} cache misses` +
+      (extra && extra.startsWith(`batch ${p.index} `) ? "\n" + extra.slice(extra.indexOf("\n") + 1) : "");
     const r = root.getBoundingClientRect();
     tip.style.left = Math.min(ev.clientX - r.left + 12, W - 200) + "px";
     tip.style.top = (ev.clientY - r.top + 12) + "px";
@@ -95,8 +96,9 @@ function render({ model, el }) {
   }
 
   let dragFrom = null, band = null, lastEv = null;
+  const xIn = ev => ev.clientX - svg.getBoundingClientRect().left;  // not offsetX: the target may be a bar
   svg.addEventListener("mousemove", ev => {
-    const x = ev.offsetX;
+    const x = xIn(ev);
     lastEv = ev;
     const step = stepAt(x);
     if (step !== hoverStep) {
@@ -105,27 +107,40 @@ function render({ model, el }) {
       if (p) { model.set("hovered", p.index); model.save_changes(); }
     }
     showTip(ev, step);
-    if (dragFrom !== null) {
-      if (!band) band = (() => { const e = document.createElementNS(svgNS, "rect"); e.setAttribute("fill", "rgba(31,119,180,0.2)"); svg.appendChild(e); return e; })();
-      band.setAttribute("x", Math.min(dragFrom, x)); band.setAttribute("y", T);
-      band.setAttribute("width", Math.abs(x - dragFrom)); band.setAttribute("height", H - T - B);
-    }
   });
   svg.addEventListener("mouseleave", () => { tip.style.display = "none"; hoverStep = null; });
-  svg.addEventListener("mousedown", ev => { dragFrom = ev.offsetX; band = null; });
-  svg.addEventListener("mouseup", ev => {
-    const from = dragFrom;
+  // the drag is followed on the window: the notebook must not start a cell drag or a text selection,
+  // and a release outside the chart still ends it
+  const onMove = ev => {
+    if (dragFrom === null) return;
+    const x = Math.max(L, Math.min(W - R, xIn(ev)));
+    if (!band) { band = document.createElementNS(svgNS, "rect"); band.setAttribute("fill", "rgba(31,119,180,0.2)"); svg.appendChild(band); }
+    band.setAttribute("x", Math.min(dragFrom, x)); band.setAttribute("y", T);
+    band.setAttribute("width", Math.abs(x - dragFrom)); band.setAttribute("height", H - T - B);
+  };
+  const onUp = ev => {
+    window.removeEventListener("mousemove", onMove, true);
+    window.removeEventListener("mouseup", onUp, true);
+    const from = dragFrom, x = xIn(ev);
     dragFrom = null;
     if (band) { band.remove(); band = null; }
     if (from === null) return;
-    if (Math.abs(ev.offsetX - from) < 4) {  // a click: pick the batch
-      const p = point(stepAt(ev.offsetX));
+    if (Math.abs(x - from) < 4) {  // a click: pick the batch
+      const p = point(stepAt(x));
       if (p) { model.set("selected", p.index); model.save_changes(); }
       return;
     }
-    const a = stepAt(Math.min(from, ev.offsetX)), b = stepAt(Math.max(from, ev.offsetX));
+    const a = stepAt(Math.min(from, x)), b = stepAt(Math.max(from, x));
     model.set("view", [a, b]);
     model.save_changes();
+  };
+  svg.addEventListener("mousedown", ev => {
+    ev.preventDefault();
+    ev.stopPropagation();
+    dragFrom = xIn(ev);
+    band = null;
+    window.addEventListener("mousemove", onMove, true);
+    window.addEventListener("mouseup", onUp, true);
   });
   svg.addEventListener("dblclick", () => { model.set("view", []); model.save_changes(); });
   model.on("change:points", draw);
