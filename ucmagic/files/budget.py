@@ -11,6 +11,7 @@ floor (``min_free``) holds with or without a budget.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import shutil
 import threading
@@ -29,6 +30,7 @@ from .protection import ProtectionRecords
 
 DEFAULT_MIN_FREE = 0.10
 STALL_S = 120.0  # a fill no loop waits on gives up after this long without any room freed nor any fill copying
+SETTLE_S = 3.0  # a budget too small set by another dataset is re-read this long before it is refused
 LOOP_STALL_S = 60.0  # a fill of a loop (may_exceed given) likewise: its consumption reports never free room
 
 
@@ -118,6 +120,18 @@ class BudgetKeeper:
                     os.unlink(os.path.join(self.layout.locks, name))
         self._budget, self._limits_at = best, now
         return best
+
+    def settled(self, budget: int) -> int | None:
+        """The budget in force once datasets on their way out are gone: a dataset just interrupted
+        (Ctrl-C, an error) keeps its cache_limit record while a fill of it is still running, or
+        until a collection frees it from a reference cycle. Re-read for up to :data:`SETTLE_S`."""
+        gc.collect()
+        deadline = time.monotonic() + SETTLE_S
+        now = self.budget(fresh=True)
+        while now is not None and now <= budget and time.monotonic() < deadline:
+            time.sleep(0.1)
+            now = self.budget(fresh=True)
+        return now
 
     def budget_name(self, limit: int) -> str:
         """``cache_limit=...`` as an error names it (saying so when another dataset set it)."""

@@ -2,14 +2,10 @@
 from __future__ import annotations
 
 import contextlib
-import gc
 import os
-import shutil
-import threading
 import time
 import weakref
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -20,30 +16,26 @@ from . import plan
 from .. import telemetry
 from .._util import DEFAULT_RETRIES, is_integer, path_under
 from .cache import FileCache, SeenEntries
-from .cache_layout import (cache_key, cache_keys, cache_root, map_relpath, safe_suffix, serial,
-                           space_of, unmap_relpath)
+from .cache_layout import cache_root, space_of
 from .locks import process_tag
 from .protection import release_at_exit
-from ..errors import NotAnEntryError
 from ..dist import dist_info, local_world_size
 from .epochs import EpochTracking, StateSchema, refuse_split_twice
-from ..errors import BudgetTooSmallError, InvalidArgumentError
-from .fetch import read_ahead
-from .epoch_stream import EpochParts, EpochStream, Retired, release_free_heap
+from ..errors import InvalidArgumentError
+from .epoch_stream import EpochParts, EpochStream, Retired
+from .dataset_files import ListedFiles, SourceFile
 from .filler import CacheFiller, SkipPolicy, SourceChecks
-from .lease import ConsumptionChannel, LeaseRecord, StreamLease, drop_records
-from .stream_items import STREAM_CHUNK, STREAM_CHUNKS_KEPT, StreamItems  # noqa: F401 - STREAM_CHUNKS_KEPT: kept importable from here
+from .lease import ConsumptionChannel, StreamLease, StreamLeases
+from .stream_items import STREAM_CHUNKS_KEPT, StreamItems  # noqa: F401 - STREAM_CHUNKS_KEPT: tests import it from here
 from .listing import VALIDATE_MODES, Listing, open_listing
 from ..progress import Progress
 from .._shared import SharedBits
 from ..telemetry import SharedCounters, percentiles
-from .volume import FileEntry, Volume, open_volume
-from .windows import DEFAULT_LEASE_ITEMS, LiveSizing, Sizing, WindowPolicy
+from .volume import Volume, open_volume
+from .windows import DEFAULT_LEASE_ITEMS, WindowPolicy
 
 STATE_VERSION = 2  # 2: the array-free epoch order (plan.ORDER_VERSION 2)
 DEFAULT_INFLIGHT = 128  # files in flight per rank, spread over its DataLoader workers
-MIN_COVER = 16  # items a stream's record covers ahead at least (unless a shared budget asks fewer)
-OTHER_BUDGET_GRACE_S = 3.0  # a budget too small set by another dataset is re-read this long before it is refused
 
 
 def check_seed(seed: Any) -> int:
@@ -53,16 +45,6 @@ def check_seed(seed: Any) -> int:
         raise InvalidArgumentError(f"seed must be an integer, got {seed!r} ({type(seed).__name__}): "
                                    "pass an int such as seed=0")
     return int(seed)
-
-
-@dataclass(frozen=True)
-class SourceFile:
-    """Where a cached file came from (:meth:`UCVolumeDataset.source_of`)."""
-
-    source: str  # the file in the volume, as ucmagic displays it (a local path or a URI)
-    rel: str  # its path relative to the dataset's root (what the cached path ends with)
-    size: int  # bytes, as listed
-    mtime: float  # modification time (seconds since the epoch), as listed
 
 
 class CheckedFiles(SharedBits):
@@ -246,14 +228,14 @@ class UCVolumeDataset(EpochTracking, IterableDataset[str]):
         self._counters = SharedCounters()
         self.filler = CacheFiller(self.cache, retries=self.retries, counters=self._counters,
                                   skip=SkipPolicy(on_error, on_missing))
+        self.files = ListedFiles(self.listing, self.volume, self.cache, self.space, self.filler)
+        self._leases = StreamLeases(self.cache)  # this object's stream leases (records) in each process
         self._consumed = ConsumptionChannel()  # items the loop finished, per worker stream
         self._resume: dict[str, Any] | None = None
         self._main_stream: EpochStream | None = None  # the main process's iteration (state_dict)
         self._epoch_main = 0
         self._owner = ""  # the consuming process (set when pickled for DataLoader workers)
         self._seen: SeenEntries | None = None  # the cache entries this process found (warm lookups)
-        self._record_pid = self._record_serial = 0  # see _record_id
-        self._record_paths: set[str] = set()
         self.cache.reap()  # protection and temp files left by dead processes go at once
 
     # ------------------------------------------------------------ basics
@@ -325,34 +307,9 @@ class UCVolumeDataset(EpochTracking, IterableDataset[str]):
         rank, world, _, _, worker, nworkers = dist_info()
         pool, order = self.epoch_plan(self.epoch if epoch is None else epoch)
         pos = plan.stream_positions(pool, world, rank, nworkers, worker, self.partition, self.batch_quantum)
-        return StreamItems(self.listing, pos, order, self._chunk_keys, self.space)
-
-    def _chunk_keys(self, idx: np.ndarray) -> list[tuple[str, str]]:
-        """``(cache key, suffix)`` of a chunk of files: the keys stored in the node listing (the
-        suffix stays empty: an entry keeps the file's relative path, extension included)."""
-        if self.listing.volume_uri != self.volume.uri:  # keys depend on the URI the listing was built under
-            return cache_keys(self.volume.uri, self.listing.entries(idx))
-        return [(k, "") for k in self.listing.keys(idx)]
+        return StreamItems(self.listing, pos, order, self.files.keys, self.space)
 
     # ------------------------------------------------------------ fetching
-
-    def _inflight(self) -> int:
-        if self.prefetch:
-            return int(self.prefetch)
-        nworkers = dist_info().num_workers
-        return max(8, DEFAULT_INFLIGHT // max(1, nworkers))
-
-    def _key(self, e: FileEntry) -> tuple[str, str]:
-        return cache_key(self.volume.uri, e.path, e.size, e.mtime), safe_suffix(e.path)
-
-    def _fetch(self, e: FileEntry, key: tuple[str, str] | None = None, *, may_exceed: Callable[[], bool] | None = None,
-               on_wait: Callable[[], None] | None = None, looked_up: bool = False,
-               count_hit: bool = True) -> tuple[str, bool]:
-        """``(cached path, copied now)`` for ``e``: a hit, or one (single-flight) copy from the volume
-        (:meth:`CacheFiller.fill_file`). Counted in the stats as a miss or (unless not ``count_hit``) a hit."""
-        key_, suffix = key or self._key(e)
-        return self.filler.fill_file(self.volume, e, key_, suffix, rel=e.path, space=self.space, may_exceed=may_exceed,
-                                     on_wait=on_wait, looked_up=looked_up, count_hit=count_hit)
 
     @property
     def counters(self) -> SharedCounters:
@@ -371,16 +328,6 @@ class UCVolumeDataset(EpochTracking, IterableDataset[str]):
         return WindowPolicy(self.lease_items, typical, n, least_window=self.lease_items if self._lease_set else None,
                             largest=int(self.listing.sizes.max()) if n else 0)
 
-    def _read_ahead_bytes(self, streams: int) -> int:
-
-        """Bytes one stream may hold in flight: its share of the budget, else of the free disk above the floor."""
-        if self.cache.limit is not None:
-            cap = self.cache.limit
-        else:
-            du = shutil.disk_usage(self.cache.root)
-            cap = du.free - int(du.total * self.cache.min_free)
-        return max(1, cap // max(1, streams))
-
     def __iter__(self) -> Iterator[str]:
         it = self._iterate()
         _close_at_exit(it)
@@ -388,7 +335,8 @@ class UCVolumeDataset(EpochTracking, IterableDataset[str]):
 
     def _iterate(self) -> Iterator[str]:
         main = get_worker_info() is None
-        depth = self._inflight()
+        # files in flight per stream: prefetch=, else the rank's DEFAULT_INFLIGHT spread over its workers
+        depth = int(self.prefetch) if self.prefetch else max(8, DEFAULT_INFLIGHT // max(1, dist_info().num_workers))
         items, lease = self._open_stream(main, depth)
         if self._seen is None:
             self._seen = self.cache.seen_entries(len(self.listing))
@@ -426,81 +374,10 @@ class UCVolumeDataset(EpochTracking, IterableDataset[str]):
         items = self.stream_items(epoch)
         if main:
             self._epoch_main, self._main_stream = epoch, None
-        return items, self._protected(items, owner, 0 if info is None else info.id, depth)
-
-    def _protected(self, items: StreamItems, owner: str, slot: int, depth: int) -> StreamLease:
-        """The :class:`StreamLease` protecting ``items``, sized for the budget and the live streams
-        (:class:`BudgetTooSmallError` here, at the first item, where this process's share is too small)."""
-        cache = self.cache
-        _, world, _, _, _, nworkers = dist_info()
-        budget = cache.budget_keeper.budget()
-        consumption = self._consumed.reader(slot)
-        streams, reported = nworkers * local_world_size(world), consumption.consumed() is not None
-        # one record per stream of this dataset object: another dataset iterated in the same process
-        # (a validation loop, two datasets zipped) keeps its own
-        record = LeaseRecord(cache, owner, f"{slot}-{self._record_id()}")
-        self._record_paths.add(record.path)
-        record.write([])  # this stream counts among the live ones before it sizes itself
-        policy = self.window_policy()
-
-        def size(b: int | None) -> Sizing:
-            return policy.protection(b, streams, reported, cache.records.live_streams(),
-                                     unbudgeted_bytes=self._read_ahead_bytes(streams))
-
-        try:
-            sizing, budget = self._sized(size, budget)
-        except BudgetTooSmallError:
-            record.drop()
-            raise
-        lease = StreamLease(record, items, quantum=self.batch_quantum, window=sizing.window,
-                            chunk=max(MIN_COVER, depth), consumption=consumption, budgeted=budget is not None,
-                            sizer=LiveSizing(policy, cache, streams, reported), sizing=sizing)
-        if budget is not None:
-            lease.start_refresher()
-        return lease
-
-    def _record_id(self) -> int:
-        """This dataset object's number in this process (its protection records carry it; a
-        DataLoader worker's copy gets its own). Its records in this process go with the object."""
-        pid = os.getpid()
-        if self._record_pid != pid:
-            self._record_serial, self._record_pid = serial(), pid
-            self._record_paths = set()
-            # on garbage collection only: at exit the owner's records go with it (release_at_exit), and
-            # a DataLoader worker's stay while its loop still holds the last batches it handed out
-            weakref.finalize(self, drop_records, self.cache, self._record_paths, pid).atexit = False
-        return self._record_serial
-
-    def _sized(self, size: Callable[[int | None], Sizing], budget: int | None) -> tuple[Sizing, int | None]:
-        """``(size(budget), budget)``. Refused by a budget another dataset set (this one set none, or a
-        larger one), sized again under the budget in force once datasets on their way out are gone,
-        and refused then naming it as theirs; this dataset's own budget is refused at once."""
-        try:
-            return size(budget), budget
-        except BudgetTooSmallError as exc:
-            cache = self.cache
-            if budget is None or (cache.limit is not None and budget >= cache.limit):
-                raise
-            budget = self._other_budget_settled(budget)
-            try:
-                return size(budget), budget
-            except BudgetTooSmallError:
-                name = cache.budget_keeper.budget_name(budget or 0)
-                raise BudgetTooSmallError(
-                    f"{exc} -- the budget in force is {name}; raise that dataset's "
-                    "cache_limit, or let it go (del it, end its process) first") from None
-
-    def _other_budget_settled(self, budget: int) -> int | None:
-        """The budget in force once datasets on their way out are gone: a dataset just interrupted
-        (Ctrl-C, an error) keeps its cache_limit record while a fill of it is still running, or
-        until a collection frees it from a reference cycle. Re-read for up to OTHER_BUDGET_GRACE_S."""
-        gc.collect()
-        deadline = time.monotonic() + OTHER_BUDGET_GRACE_S
-        now = self.cache.budget(fresh=True)
-        while now is not None and now <= budget and time.monotonic() < deadline:
-            time.sleep(0.1)
-            now = self.cache.budget(fresh=True)
-        return now
+        slot = 0 if info is None else info.id
+        return items, self._leases.open(items, owner, slot, policy=self.window_policy(),
+                                        consumption=self._consumed.reader(slot), quantum=self.batch_quantum,
+                                        depth=depth)
 
     # ------------------------------------------------------------ resume
 
@@ -539,32 +416,7 @@ class UCVolumeDataset(EpochTracking, IterableDataset[str]):
     def warm(self, background: bool = True, *, threads: int | None = None) -> Future[int]:
         """Copy every file of the listing into the cache. Returns a Future (already done when
         ``background=False``) whose result is the number of files fetched from the volume."""
-        fut: Future[int] = Future()
-        depth = threads or DEFAULT_INFLIGHT
-
-        def run() -> None:
-            before = self._counters.totals()["misses"]
-            try:
-                for _ in read_ahead(self._fetch, self.listing.iter_entries(), depth=depth, timeout=self.timeout):
-                    pass
-                fut.set_result(self._counters.totals()["misses"] - before)
-            except BaseException as exc:  # noqa: BLE001 - surfaces through fut.result()
-                fut.set_exception(exc)
-
-        if background:
-            threading.Thread(target=run, name="ucmagic-warm", daemon=True).start()
-        else:
-            run()
-            fut.result()
-        return fut
-
-    def _cached_paths(self) -> Iterator[tuple[str, int]]:
-        """(path, bytes) of each file of the listing that is in the cache, in listing order."""
-        for e in self.listing.iter_entries(STREAM_CHUNK):  # small chunks: a short-lived per-file transient
-            p = self.cache.lookup(*self._key(e), e.size, rel=e.path, space=self.space, touch=False)
-            if p is not None:
-                yield p, e.size
-        release_free_heap()
+        return self.files.warm(background, threads or DEFAULT_INFLIGHT, self.timeout)
 
     def describe_item(self, index: int) -> tuple[str, int]:
         """``(display path, bytes)`` of file ``index`` of the listing (for fetch records)."""
@@ -580,54 +432,21 @@ class UCVolumeDataset(EpochTracking, IterableDataset[str]):
         :class:`~ucmagic.errors.NotAnEntryError` for a path that is not one of this dataset's files
         in its cache (another dataset's entry, a version no longer listed, any other path).
         """
-        given = os.path.abspath(os.fspath(path))
-        files = os.path.join(self.cache.root, "files") + os.sep
-        top, _, inner = given[len(files):].partition(os.sep) if given.startswith(files) else ("", "", "")
-        space, _, version = top.partition("~")
-        index = None
-        if space == self.space and inner:
-            inner = inner.replace(os.sep, "/")
-            rel = unmap_relpath(inner)
-            index = self.listing.find(rel) if rel is not None else self._find_mapped(inner)
-        if index is not None:
-            e = self.listing.entry(index)
-            key, _ = self._chunk_keys(np.array([index]))[0]
-            if (key[:16] == version if version else self._holds_version(given, key)) \
-                    and map_relpath(e.path) == inner:
-                return SourceFile(self.volume.display(e.path), e.path, e.size, e.mtime)
-        raise NotAnEntryError(
-            f"{given} is not a cached file of {self.volume.display()} (those are under {files}{self.space}/<relative "
-            "path>): pass a path this dataset yielded, from its current listing")
-
-    def _find_mapped(self, mapped: str) -> int | None:
-        """The listing index of the file whose entry path :func:`map_relpath` hashed to ``mapped``."""
-        for i in self.listing.unplain_indices():
-            if map_relpath(self.listing.entry(int(i)).path) == mapped:
-                return int(i)
-        return None
-
-    def _holds_version(self, path: str, key: str) -> bool:
-        """Whether the entry file ``path`` (at its first place) is the version of ``key``, or is gone
-        (a path alone then answers)."""
-        try:
-            os.stat(path)
-        except (FileNotFoundError, NotADirectoryError):
-            return True
-        return self.cache.claims(path, key)
+        return self.files.source_of(path)
 
     def clear_cache(self) -> int:
         """Remove this dataset's files from the cache, plus protection records of dead processes and
         abandoned temp files (other datasets' entries stay, and so do files that a running loop of
         another process has not consumed yet). Returns the number of entries removed."""
         self.cache.reap()
-        return self.cache.remove_unprotected(p for p, _ in self._cached_paths())
+        return self.cache.remove_unprotected(p for p, _ in self.files.cached())
 
     def stats(self) -> dict[str, Any]:
         """Files/bytes cached of the total, hits, misses, bytes fetched, retries, errors, fetch latency,
         and every byte under ``cache_dir``: this dataset's entries, other entries, protection records
         and temp files (``cache_*`` keys; they add up to ``cache_total_bytes``)."""
         n_cached = mine = 0
-        for _, size in self._cached_paths():
+        for _, size in self.files.cached():
             n_cached += 1
             mine += size
         u = self.cache.usage()

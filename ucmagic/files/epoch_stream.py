@@ -17,16 +17,15 @@ Call order (one per iteration, on the loop's thread)::
 """
 from __future__ import annotations
 
-import contextlib
 import os
-import sys
 import threading
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Generator, Iterator
+from typing import Callable, Generator, Iterator
 
 from .. import telemetry
+from .._util import release_free_heap
 from ..errors import SourceChangedError
 from .cache import SeenEntries
 from .fetch import read_ahead, restart_timeout
@@ -45,30 +44,6 @@ SKIPPED_NAMED = 3  # skipped files named in an epoch's warning (the rest are cou
 class Retired(BaseException):
     """Ends a stream whose ucmagic.DataLoader loop left the iteration (:meth:`StreamLease.retired`); a
     BaseException, so no handler of errors takes it."""
-
-
-def release_free_heap() -> None:
-    """Hand memory freed by the fetch threads back to the OS (glibc ``malloc_trim``; elsewhere a no-op).
-
-    Each thread allocates from its own glibc arena; what a stream frees there stays mapped (and
-    counted in the process's own memory) until trimmed, so without this a worker's memory grows
-    with the number of items it fetched (measured: bench/listing.py, docs/scaling.md).
-    """
-    trim = _TRIM[0]
-    if trim is None:
-        trim = lambda: None  # noqa: E731 - the no-op
-        if sys.platform.startswith("linux"):
-            import ctypes
-
-            with contextlib.suppress(OSError, AttributeError):
-                fn = ctypes.CDLL("libc.so.6").malloc_trim
-                fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
-                trim = lambda: fn(0)  # noqa: E731
-        _TRIM[0] = trim
-    trim()
-
-
-_TRIM: list[Callable[[], Any] | None] = [None]
 
 
 @dataclass

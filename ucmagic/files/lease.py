@@ -21,6 +21,10 @@ Call order of a :class:`StreamLease` (one per stream and iteration)::
     lease.may_exceed(pos)   # asked by a fill waiting for room: is the loop blocked on ``pos``?
     lease.finish(abandoned=...)   # the iteration ended: keep only what is handed out and not consumed
 
+Call order of :class:`StreamLeases` (one per dataset object; a DataLoader worker's copy makes its own):
+``leases.open(items, owner, slot, policy=..., consumption=..., quantum=..., depth=...)`` per stream and
+iteration, sized for the budget and the live streams (:class:`BudgetTooSmallError` there, at the first item).
+
 Call order of the channel: the loader calls ``reset(streams)`` per iteration, ``channel[s] = n`` per
 batch, ``retire()`` when the loop leaves; each stream reads ``channel.reader(slot)`` once per iteration.
 """
@@ -29,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import shutil
 import threading
 import time
 import weakref
@@ -36,10 +41,14 @@ from dataclasses import dataclass
 from typing import NamedTuple, Protocol, Sequence
 
 from .._shared import SharedInts
+from ..dist import dist_info, local_world_size
+from ..errors import BudgetTooSmallError
 from .cache import FileCache
-from .windows import Sizing
+from .cache_layout import serial
+from .windows import LiveSizing, Sizing, WindowPolicy
 
 RESIZE_S = 1.0  # how often a stream re-reads the budget and the streams sharing the cache
+MIN_COVER = 16  # items a stream's record covers ahead at least (unless a shared budget asks fewer)
 REFRESH_S = 0.01  # how often a stream's refresher releases what the loop consumed
 
 
@@ -449,3 +458,87 @@ def drop_records(cache: FileCache, paths: set[str], pid: int) -> None:
                 lease.stop()
             cache.records.drop_record(path)
 
+
+
+class StreamLeases:
+    """The stream leases of one dataset object in one process: their records carry the object's number
+    here, and go with the object (garbage collection; at exit the owner's records go with it). See the
+    module for the call order."""
+
+    def __init__(self, cache: FileCache) -> None:
+        self.cache = cache
+        self._pid = self._serial = 0
+        self._paths: set[str] = set()
+
+    def __getstate__(self) -> dict[str, object]:
+        return {"cache": self.cache}  # per process
+
+    def __setstate__(self, st: dict[str, object]) -> None:
+        self.__init__(st["cache"])  # type: ignore[misc]
+
+    def _number(self) -> int:
+        """This object's number in this process (a DataLoader worker's copy gets its own)."""
+        pid = os.getpid()
+        if self._pid != pid:
+            self._serial, self._pid = serial(), pid
+            self._paths = set()
+            # on garbage collection only: at exit the owner's records go with it (release_at_exit), and
+            # a DataLoader worker's stay while its loop still holds the last batches it handed out
+            weakref.finalize(self, drop_records, self.cache, self._paths, pid).atexit = False
+        return self._serial
+
+    def read_ahead_bytes(self, streams: int) -> int:
+        """Bytes one stream may hold in flight: its share of the budget, else of the free disk above the floor."""
+        cache = self.cache
+        if cache.limit is not None:
+            cap = cache.limit
+        else:
+            du = shutil.disk_usage(cache.root)
+            cap = du.free - int(du.total * cache.min_free)
+        return max(1, cap // max(1, streams))
+
+    def open(self, items: Names, owner: str, slot: int, *, policy: WindowPolicy, consumption: StreamConsumption,
+             quantum: int, depth: int) -> StreamLease:
+        """The :class:`StreamLease` protecting ``items`` for stream ``slot`` on behalf of ``owner``, sized
+        for the budget and the live streams (:class:`BudgetTooSmallError` here, at the first item, where
+        this process's share is too small)."""
+        cache = self.cache
+        _, world, _, _, _, nworkers = dist_info()
+        keeper = cache.budget_keeper
+        budget = keeper.budget()
+        streams, reported = nworkers * local_world_size(world), consumption.consumed() is not None
+        # one record per stream of this dataset object: another dataset iterated in the same process
+        # (a validation loop, two datasets zipped) keeps its own
+        record = LeaseRecord(cache, owner, f"{slot}-{self._number()}")
+        self._paths.add(record.path)
+        record.write([])  # this stream counts among the live ones before it sizes itself
+
+        def size(b: int | None) -> Sizing:
+            return policy.protection(b, streams, reported, cache.records.live_streams(),
+                                     unbudgeted_bytes=self.read_ahead_bytes(streams))
+
+        try:
+            try:
+                sizing = size(budget)
+            except BudgetTooSmallError as exc:
+                # refused by a budget another dataset set (this one set none, or a larger one): sized again
+                # under the budget in force once datasets on their way out are gone, and refused then
+                # naming it as theirs; this dataset's own budget is refused at once
+                if budget is None or (cache.limit is not None and budget >= cache.limit):
+                    raise
+                budget = keeper.settled(budget)
+                try:
+                    sizing = size(budget)
+                except BudgetTooSmallError:
+                    raise BudgetTooSmallError(
+                        f"{exc} -- the budget in force is {keeper.budget_name(budget or 0)}; raise that "
+                        "dataset's cache_limit, or let it go (del it, end its process) first") from None
+        except BudgetTooSmallError:
+            record.drop()
+            raise
+        lease = StreamLease(record, items, quantum=quantum, window=sizing.window, chunk=max(MIN_COVER, depth),
+                            consumption=consumption, budgeted=budget is not None,
+                            sizer=LiveSizing(policy, cache, streams, reported), sizing=sizing)
+        if budget is not None:
+            lease.start_refresher()
+        return lease
