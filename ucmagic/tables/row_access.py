@@ -110,7 +110,16 @@ class Rows(Dataset[Any]):
             i += n
         if not 0 <= i < n:
             raise IndexError(f"row {index} is out of range: the table has {n} rows")
-        return _row(self._batch(i, i + 1), self.cutter.format)
+        fmt = self.cutter.format
+        if fmt == "numpy":  # numpy's conversions (datetime64, objects) are the batch cutter's
+            return _row(self._batch(i, i + 1), fmt)
+        w = int(np.searchsorted(self.starts, i, side="right")) - 1
+        piece, _ = self._window(w)
+        k = i - int(self.starts[w])
+        if fmt == "torch":  # tensors (and masks) indexed, Arrow arrays (lists, strings) as Python values
+            lists = self.cutter.lists
+            return {c: (piece[c][k].as_py() if c in lists else piece[c][k]) for c in self.cutter.out_keys}
+        return _row(piece[""].slice(k, 1), "arrow")
 
     def __getitems__(self, indices: list[int]) -> list[Any]:  # torch's batched fetch: one lookup per row
         return [self[i] for i in indices]
