@@ -65,6 +65,7 @@ _EXPORTS = {
     "local_path": "files.volume",
     "Volume": "files.volume",
     "register_volume": "files.volume",
+    "unregister_volume": "files.volume",
     "TorchVersionError": "errors",
     "CheckpointError": "errors",
     "CheckpointNotCommittedError": "errors",
