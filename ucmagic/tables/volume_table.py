@@ -31,8 +31,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator, Sequence, cast
 
 from .._util import path_under
-from ..errors import (DuplicatePathError, EmptyListingError, InvalidArgumentError, SourceChangedError,
-                      SourceNotFoundError, UnsafeSourceError)
+from ..errors import (DuplicatePathError, EmptyListingError, InvalidArgumentError, ListingChangedError,
+                      SourceChangedError, SourceNotFoundError, UnsafeSourceError)
 from ..files.cache_layout import unmap_relpath
 from ..files.dataset import STATE_VERSION, UCVolumeDataset
 from ..files.epochs import StateSchema
@@ -319,7 +319,12 @@ class TableFilesDataset(UCVolumeDataset):
                 i = bisect.bisect_left(self.rels, rel)
                 if i < len(self.rels) and self.rels[i] == rel:
                     return i
-        return bisect.bisect_left(self.rels, self.source_of(path).rel)
+        rel = self.source_of(path).rel
+        i = bisect.bisect_left(self.rels, rel)
+        if i == len(self.rels) or self.rels[i] != rel:  # never another row's fields
+            raise ListingChangedError(f"{rel!r} is in this node's listing but not in the table's rows: create "
+                                      "the dataset again (relist=True)")
+        return i
 
     @property
     def _files_prefix(self) -> str:
@@ -404,10 +409,11 @@ def files_from_table(table: Any, *, path_column: str = "path", columns: Sequence
         table_storage_options: fsspec options for reading a remote table (``storage_options=`` goes to
             the files' volume, as for ``UCVolumeDataset``).
         **options: ``UCVolumeDataset``'s (cache_dir, cache_limit, shuffle, seed, partition, prefetch,
-            on_missing, ...). A file the table names that does not exist: ``on_missing="raise"`` (the
-            default) raises :class:`SourceNotFoundError` naming it at construction (when stat-ed) or at
-            its fetch (sizes from the table); ``"skip"`` leaves it out with a warning (counted in
-            ``stats()["errors"]`` when found at its fetch).
+            on_missing, ...); ``validate=`` has no effect: the node's listing is compared with the rows in
+            memory each time (a reused one is never another table's or version's). A file the table names
+            that does not exist: ``on_missing="raise"`` (the default) raises :class:`SourceNotFoundError`
+            naming it at construction (when stat-ed) or at its fetch (sizes from the table); ``"skip"``
+            leaves it out with a warning (counted in ``stats()["errors"]`` when found at its fetch).
 
     Several rows naming one file raise :class:`DuplicatePathError`: one row per file (aggregate the
     labels, e.g. ``GROUP BY path``). See docs/table_files.md.
@@ -491,4 +497,6 @@ def files_from_table(table: Any, *, path_column: str = "path", columns: Sequence
     volume = TableVolume(base, entries, json.dumps([identity, path_column, _filter_text(filter)]), slack=slack)
     if "path" in options:
         raise InvalidArgumentError("path= is the table's path_column and root=: leave it out")
+    if options.get("validate") == "none":  # the node listing is always compared with the rows (in memory)
+        options = {**options, "validate": "files"}
     return TableFilesDataset(volume, rels, rows, _rows_hash(t.select([path_column, *meta, *fields])), **options)
