@@ -115,6 +115,22 @@ def test_a_delta_table_with_sizes_and_mtimes_is_not_stated_and_a_stale_row_is_re
         ucmagic.files_from_table(table, root=root, size_column="size")
 
 
+def test_a_url_root_stat_or_sized_from_the_table(files):
+    root, rels, rows = files
+    url = "slow://" + root
+    so = {"open_ms": 1, "list_ms": 1, "mbps": 0}
+    absolute = pa.table({**rows, "path": [f"{url}/{r}" for r in rels]})
+    with pytest.raises(InvalidArgumentError, match="pass root="):
+        ucmagic.files_from_table(absolute, storage_options=so)
+    stated = ucmagic.files_from_table(absolute, root=url, storage_options=so)
+    assert sorted(check_items(stated, rels, rows)) == sorted(rels)
+    sts = [os.stat(os.path.join(root, r)) for r in rels]
+    sized = pa.table({**rows, "size": [st.st_size for st in sts], "mtime": [st.st_mtime for st in sts]})
+    got = ucmagic.files_from_table(sized, root=url, size_column="size", mtime_column="mtime", storage_options=so,
+                                   cache_dir=os.path.join(os.path.dirname(root), "c2"))
+    assert sorted(check_items(got, rels, rows)) == sorted(rels) and got.stats()["misses"] == N
+
+
 def test_filter_as_sql_and_as_a_pyarrow_expression_keep_the_same_rows(files):
     root, rels, rows = files
     table = pa.table(rows)
