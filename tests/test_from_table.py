@@ -178,6 +178,22 @@ def test_shuffled_resume_in_a_plain_loop_and_under_ucmagic_dataloader_delivers_t
     assert sorted(got + after) == sorted(rels)
 
 
+def test_a_cache_budget_smaller_than_the_files_delivers_every_file_once(tmp_path):
+    root = tmp_path / "big"
+    rels = [f"c{i % 3}/f{i:02d}.bin" for i in range(24)]
+    for r in rels:
+        (root / r).parent.mkdir(parents=True, exist_ok=True)
+        (root / r).write_bytes(r.encode() + b"\n" + bytes(20_000))
+    ds = ucmagic.files_from_table(pa.table({"path": rels, "label": [i % 3 for i in range(24)]}), root=str(root),
+                                  cache_limit=100_000)  # a fifth of the files
+    seen, peak = [], 0
+    for batch in ucmagic.DataLoader(ds, batch_size=2):
+        seen += [head(p) for p in batch["path"]]
+        peak = max(peak, ds.stats()["bytes_cached"])
+    assert sorted(seen) == sorted(rels)
+    assert peak < 24 * 20_000 // 2  # entries were evicted on the way
+
+
 def test_a_wrapper_in_the_seeds_pattern_resumes_through_ucmagic_dataloader(files):
     import torch.utils.data as tud
 
