@@ -233,10 +233,18 @@ def test_a_filter_reads_only_the_row_groups_that_match_from_the_volume(tmp_path)
     _ByteCountingToy.bytes_read = 0
     with toy_backend.registered(toy_backend.SCHEME, _ByteCountingToy):
         url = f"{toy_backend.SCHEME}://{root}"
-        ds = ParquetDataset(url, batch_size=64, filter="id >= 102_100 AND id < 102_140", cache_dir=str(tmp_path / "c"))
+        pred = "id >= 102_100 AND id < 102_140"
+        ds = ParquetDataset(url, batch_size=64, filter=pred, cache_dir=str(tmp_path / "c"))
+        built = _ByteCountingToy.bytes_read
         assert _ds_ids(ds) == list(range(102_100, 102_140))
         assert _ds_ids(ds) == list(range(102_100, 102_140))  # a second epoch: the row group's range is cached
-    assert _ByteCountingToy.bytes_read < 0.08 * total, (_ByteCountingToy.bytes_read, total)  # footers + 1 group
+        assert _ByteCountingToy.bytes_read < 0.08 * total, (_ByteCountingToy.bytes_read, total)  # footers + 1 group
+        before = _ByteCountingToy.bytes_read
+        again = ParquetDataset(url, batch_size=64, filter=pred, cache_dir=str(tmp_path / "c"))
+        assert _ByteCountingToy.bytes_read - before < built  # the row index is cached: footers only
+        assert again.group_rows == ds.group_rows and _ds_ids(again) == list(range(102_100, 102_140))
+        other = ParquetDataset(url, batch_size=64, filter=pred + " + 1", cache_dir=str(tmp_path / "c"))
+        assert other.num_rows == 41  # another filter, another index
 
 
 # ---------------------------------------------------------------- --where

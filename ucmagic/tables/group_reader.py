@@ -180,3 +180,62 @@ class RangeFile(io.RawIOBase):
                 os.close(fd)
             self.spans, self.starts = [], []
         super().close()
+
+
+# ---------------------------------------------------------------- the row index on disk
+
+INDEX_VERSION = 1
+
+
+def index_key(files: Sequence[TableFile], rf: RowFilter, version: Any) -> str:
+    """Names one row index: the files (path, size, mtime, deletion vector), the table version and the filter."""
+    import hashlib
+
+    h = hashlib.sha256(f"rowindex\0{INDEX_VERSION}\0{version}\0{rf.text}\n".encode("utf-8", "surrogateescape"))
+    for f in files:
+        dv = f.delta.dv.unique_id if f.delta is not None and f.delta.dv is not None else ""
+        h.update(f"{f.path}\0{f.size}\0{f.mtime!r}\0{dv}\n".encode("utf-8", "surrogateescape"))
+    return h.hexdigest()[:32]
+
+
+def save_index(path: str, files: Sequence[TableFile]) -> None:
+    """Write the files' row index (``kept``, ``group_rows``, ``stored_rows``) to ``path`` (npz, 0600, atomic)."""
+    from .._util import atomic_write
+
+    rows, stored, lens, bits = [], [], [], []
+    for f in files:
+        if f.kept is None or f.stored_rows is None:
+            return
+        rows += f.group_rows
+        stored += f.stored_rows
+        for b in f.kept:
+            lens.append(-1 if b is None else len(b))
+            if b is not None:
+                bits.append(b)
+    buf = io.BytesIO()
+    np.savez(buf, rows=np.asarray(rows, np.int64), stored=np.asarray(stored, np.int64),
+             lens=np.asarray(lens, np.int64), bits=np.concatenate(bits) if bits else np.zeros(0, np.uint8))
+    atomic_write(path, buf.getvalue(), mode=0o600)
+
+
+def load_index(path: str, files: Sequence[TableFile], groups: Sequence[int]) -> bool:
+    """Set the files' row index from ``path`` (``groups``: row groups per file); False when it is missing or
+    does not fit (then the caller builds it)."""
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            rows, stored, lens, bits = z["rows"], z["stored"], z["lens"], z["bits"]
+    except (OSError, ValueError, KeyError):
+        return False
+    if len(rows) != sum(groups) or len(stored) != len(rows) or len(lens) != len(rows):
+        return False
+    g = at = 0
+    for f, n in zip(files, groups):
+        kept: list[np.ndarray | None] = []
+        for k in range(n):
+            width = int(lens[g + k])
+            kept.append(None if width < 0 else bits[at:at + width].copy())
+            at += max(width, 0)
+        f.kept, f.group_rows = kept, [int(r) for r in rows[g:g + n]]
+        f.stored_rows = [int(r) for r in stored[g:g + n]]
+        g += n
+    return True

@@ -9,6 +9,7 @@ threads. It pickles without its filler (a worker builds its own).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from typing import Any
@@ -21,11 +22,13 @@ from ..files.cache import FileCache
 from ..files.cache_layout import cache_key
 from ..files.fetch import read_ahead
 from ..files.filler import CacheFiller
+from ..files.locks import private_dir
 from ..files.volume import FileEntry
 from .columns import column_kind, mask_key, numeric_numpy, temporal_int64
 from .deletion_vectors import filter_rows, live_span
 from .footers import TableFile
-from .group_reader import RangeFile, dropped_rows, group_span, index_file, read_columns, stored_starts
+from .group_reader import (RangeFile, dropped_rows, group_span, index_file, index_key, load_index, read_columns,
+                           save_index, stored_starts)
 from .predicate import RowFilter
 from .rows import EpochLayout, Segment
 from .table_io import TableFiles
@@ -103,9 +106,29 @@ class TableReader:
                 index_file(pq.ParquetFile(src, metadata=self.meta(fi), **self.pq_options()), f, rf, self.schema,
                            self.snapshot, self.schema)
 
+        path = self._index_path(rf)
+        if path is not None and load_index(path, self.files, [self.meta(i).num_row_groups
+                                                              for i in range(len(self.files))]):
+            return
         for _ in read_ahead(one, range(len(self.files)), depth=8, timeout=self.timeout,
                             describe=lambda fi: f"filter over {self.files[fi].path}"):
             pass
+        if path is not None:
+            with contextlib.suppress(OSError):  # a cache that cannot take it: built again next time
+                save_index(path, self.files)
+
+    def _index_path(self, rf: RowFilter) -> str | None:
+        """Where the row index of these files, this version and this filter is kept (the cache's ``row-index``
+        folder, private); None without a cache."""
+        if self.cache is None:
+            return None
+        folder = os.path.join(self.cache.root, "row-index")
+        try:
+            private_dir(folder, what="row-index folder of the cache")
+        except OSError:
+            return None
+        version = self.snapshot.version if self.snapshot is not None else None
+        return os.path.join(folder, index_key(self.files, rf, version) + ".npz")
 
     def filler(self) -> CacheFiller:
         if self._fill is None:
