@@ -75,7 +75,7 @@ WORKERS = [pytest.param(0, None, id="main"), pytest.param(2, "fork", id="fork")]
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("workers,ctx", WORKERS + [pytest.param(1, "spawn", id="spawn")])
+@pytest.mark.parametrize("workers,ctx", WORKERS)
 def test_a_wrappers_fetch_is_timed_inside_and_is_not_the_users(tmp_path, workers, ctx):
     """30 ms per open, one file in flight, nothing else slow: the wait is ucmagic's fetch (timed
     inside the wrapped dataset), not the wrapper's code (the records of a wrapper were dropped before)."""
@@ -160,3 +160,33 @@ def test_mlflow_windows_carry_the_mean_stage_seconds():
     assert m["stage_fetch_seconds"] == pytest.approx(0.2) and m["stage_user_seconds"] == pytest.approx(0.3)
     assert m["stage_collate_seconds"] == pytest.approx(0.02)
     assert "stage_fetch_seconds" not in window_metrics([0.1], [0.5])
+
+
+def test_a_spawned_worker_turns_fetch_timing_on_when_it_unpickles_the_collate():
+    """Under spawn nothing is inherited: the record-carrying collate_fn (unpickled in each worker
+    before it iterates) turns the wrapped dataset's fetch timing on there (a fork inherits it). The
+    whole spawn path costs seconds per run; the item records' spawn test covers its transport."""
+    import inspect
+    import pickle
+
+    from ucmagic import telemetry
+
+    telemetry.set_fetch_timing(False)
+    try:
+        plain = pickle.loads(pickle.dumps(telemetry.ItemCollate(list, telemetry.StageMode.PLANNED)))
+        assert not inspect.isgenerator(telemetry.fetch_timed(iter([1])))  # untimed: the iterator itself
+        wrapped = pickle.loads(pickle.dumps(telemetry.ItemCollate(list, telemetry.StageMode.WRAPPER)))
+        it = telemetry.fetch_timed(iter([1, 2]))
+        assert inspect.isgenerator(it) and list(it) == [1, 2]
+        assert plain.mode == telemetry.StageMode.PLANNED and wrapped.inner is list
+    finally:
+        telemetry.set_fetch_timing(False)
+
+
+def test_a_batch_start_mark_gives_the_worker_the_index_itself():
+    import pickle
+
+    from ucmagic import telemetry
+
+    assert pickle.loads(pickle.dumps(telemetry.BatchStart([3, 1, 2]))) == [3, 1, 2]
+    assert pickle.loads(pickle.dumps(telemetry.BatchStart(None))) is None

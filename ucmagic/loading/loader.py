@@ -77,6 +77,33 @@ def _shutdown_held(held: list[Any], channels: list[Any]) -> None:
         compat.shutdown_workers(held.pop())
 
 
+def _rank_streams(ds: PlannedDataset, epoch: int, num_workers: int) -> list[int]:
+    """Items of each of this rank's worker streams of ``ds`` in ``epoch``."""
+    rank, world = dist_info()[:2]
+    nw = max(1, num_workers)
+    return stream_lengths(ds, epoch, world, nw)[rank * nw:(rank + 1) * nw]
+
+
+def _load_planned(ds: PlannedDataset, ds_state: dict[str, Any]) -> None:
+    ds.load_state_dict(ds_state)
+    if ds_state["remaining"] == 0:  # the epoch had finished: go on with the next one
+        ds.finish_epoch(int(ds_state["epoch"]))
+
+
+def _own_random_sampler(loader: tud.DataLoader[Any], generator: torch.Generator | None
+                        ) -> tuple[int | None, torch.Generator | None]:
+    """Make a RandomSampler's order depend only on (seed, epoch), so a resume can replay it: the
+    loader's ``(seed, generator)`` to reseed per epoch, ``(None, None)`` when it is not its own."""
+    s: Any = loader.sampler
+    if not isinstance(s, tud.RandomSampler):
+        s = getattr(loader.batch_sampler, "sampler", None)
+    if not isinstance(s, tud.RandomSampler) or (s.generator is not None and s.generator is not generator):
+        return None, None
+    seed = int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
+    s.generator = torch.Generator()
+    return seed, s.generator
+
+
 # ------------------------------------------------------------------ the loader
 
 # Each loader's persistent-worker iterator and consumption channel, for its finaliser (see __init__)
@@ -185,7 +212,7 @@ class DataLoader(tud.DataLoader[Any]):
         elif split is not None:
             self._sampler_seed = int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
         elif compat.is_map_style(self):
-            self._own_random_sampler(generator)
+            self._sampler_seed, self._sampler_gen = _own_random_sampler(self, generator)
         # the seed's pattern: a wrapper IterableDataset over a UCVolumeDataset; the loop's consumption
         # reaches the inner dataset, so its protection follows the loop as without the wrapper
         self._wrapped = None if uc else wrapped_planned(dataset)
@@ -201,17 +228,18 @@ class DataLoader(tud.DataLoader[Any]):
             "num_workers": num_workers, "prefetch_factor": prefetch_factor or 0, "batch_size": batch_size or 1,
             "dataset": planned.kind if planned is not None else type(dataset).__name__,
             "cache_limit": getattr(getattr(planned, "cache", None), "limit", None)})
-        # HF Accelerate's prepare() rebuilds a loader as torch's and splits its data over the ranks
-        # again (IterableDatasetShard, or rank 0 reading for all): half the data lost, silently. Data
-        # ucmagic already split per rank (its datasets, a wrapper of one, a DistributedSampler) tells
-        # prepare() to leave this loader as it is: this loader, its resume state and its telemetry go on
 
     @property
     def _is_accelerate_prepared(self) -> bool:
-        """What HF Accelerate's ``prepare()`` asks before it rebuilds a loader: True (leave it as it is)
-        when this loader's data is already split per rank. Accelerate sets it after preparing."""
-        told = self.__dict__.get("_accelerate_prepared")
-        return bool(told) if told is not None else self._split_per_rank()
+        """What HF Accelerate's ``prepare()`` asks before it rebuilds a loader as torch's and splits its
+        data over the ranks again (IterableDatasetShard, or rank 0 reading for all: half the data lost,
+        silently): True (leave this loader, its resume state and telemetry as they are) when its data is
+        split per rank already (ucmagic's datasets, a wrapper of one, a DistributedSampler)."""
+        told = self.__dict__.get("_accelerate_prepared")  # Accelerate sets it after preparing
+        if told is not None:
+            return bool(told)
+        samplers = (self.sampler, getattr(self.batch_sampler, "sampler", None))
+        return self._uc or self._wrapped is not None or any(isinstance(s, tud.DistributedSampler) for s in samplers)
 
     @_is_accelerate_prepared.setter
     def _is_accelerate_prepared(self, value: bool) -> None:
@@ -223,13 +251,6 @@ class DataLoader(tud.DataLoader[Any]):
         self._configure_planned(self.dataset)
         if self._consumed is None:
             self._set_channel(self.dataset.consumption_channel())
-
-    def _split_per_rank(self) -> bool:
-        """True when each rank's loader already iterates only that rank's share of the epoch."""
-        if self._uc or self._wrapped is not None:
-            return True
-        samplers = (self.sampler, getattr(self.batch_sampler, "sampler", None))
-        return any(isinstance(s, tud.DistributedSampler) for s in samplers)
 
     def _configure_planned(self, ds: PlannedDataset) -> None:
         bs = self.batch_size or 1
@@ -267,17 +288,6 @@ class DataLoader(tud.DataLoader[Any]):
         if self._uc_needs is not None and self._uc_needs.yields_batches:  # each item is one of the dataset's batches
             return plan.items_delivered(self._lengths, self.dataset.batch_quantum, False, used)
         return plan.items_delivered(self._lengths, self.batch_size, self.drop_last, used)
-
-    def _own_random_sampler(self, generator: torch.Generator | None) -> None:
-        """Make a RandomSampler's order depend only on (seed, epoch), so a resume can replay it."""
-        s: Any = self.sampler
-        if not isinstance(s, tud.RandomSampler):
-            s = getattr(self.batch_sampler, "sampler", None)
-        if not isinstance(s, tud.RandomSampler) or (s.generator is not None and s.generator is not generator):
-            return
-        self._sampler_seed = int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
-        self._sampler_gen = torch.Generator()
-        s.generator = self._sampler_gen
 
     @property
     def _index_sampler(self) -> Any:
@@ -365,7 +375,7 @@ class DataLoader(tud.DataLoader[Any]):
             self._configure_planned(planned)
             # num_workers=0: the dataset's own __iter__ runs next here and must not advance the epoch again
             self._epoch = planned.begin_epoch(hand_over=self.num_workers == 0)
-            self._lengths = self._stream_lengths(self._epoch, planned)
+            self._lengths = _rank_streams(planned, self._epoch, self.num_workers)
             if self._consumed is not None:
                 self._consumed.reset(len(self._lengths))
         else:
@@ -415,12 +425,6 @@ class DataLoader(tud.DataLoader[Any]):
         if pool is not None and not pool:  # all delivered, the end not reached yet: the next epoch is whole
             epoch, pool = epoch + 1, None
         return {"epoch": epoch, "pool": None if pool is None else [[a, b] for a, b in pool], "complete": False}
-
-    def _stream_lengths(self, epoch: int, ds: PlannedDataset) -> list[int]:
-        """Items of each of this rank's worker streams in ``epoch``."""
-        rank, world = dist_info()[:2]
-        nw = max(1, self.num_workers)
-        return stream_lengths(ds, epoch, world, nw)[rank * nw:(rank + 1) * nw]
 
     # -- iteration
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
@@ -582,7 +586,7 @@ class DataLoader(tud.DataLoader[Any]):
                              f"dataset is {expected}: load it into the same kind of dataset")
         planned = self._planned
         if planned is not None and "dataset" in state:
-            self._load_planned(planned, state["dataset"])
+            _load_planned(planned, state["dataset"])
         elif "dataset" in state:
             raise ValueError(f"this state was saved from a loader over a wrapper of a {state.get('wraps')}; this "
                              "loader's dataset wraps none: load it into a loader over the same wrapper")
@@ -593,12 +597,6 @@ class DataLoader(tud.DataLoader[Any]):
         self._epoch_batches = 0
         self._epoch_complete = False
         self._started = False
-
-    @staticmethod
-    def _load_planned(ds: PlannedDataset, ds_state: dict[str, Any]) -> None:
-        ds.load_state_dict(ds_state)
-        if ds_state["remaining"] == 0:  # the epoch had finished: go on with the next one
-            ds.finish_epoch(int(ds_state["epoch"]))
 
     def _load_generic(self, state: dict[str, Any]) -> None:
         rank, world = dist_info()[:2]
