@@ -262,3 +262,38 @@ def test_where_on_the_cli_load_and_export_and_on_ucload(tmp_path, capsys, magic_
     monkeypatch.setenv("UCMAGIC_PROGRESS", "off")
     df = magic_shell.run_line_magic("ucload", f'{root} --where "label = 1 AND id < 100"')
     assert sorted(df["id"].tolist()) == [i for i in want if i < 100]
+
+
+def test_delta_time_travel_inline_vectors_updates_checkpoints_and_id_mapping_filter_as_deltalake(tmp_path):
+    deltalake = pytest.importorskip("deltalake")
+    import delta_fixtures as fx
+
+    def check(table, predicate, version=None):
+        live = pa.table(pa.RecordBatchReader.from_stream(deltalake.DeltaTable(table, version=version).scan()))
+        con = duckdb.connect()
+        con.register("live", live)
+        want = sorted(r[0] for r in con.execute(f"SELECT id FROM live WHERE {predicate}").fetchall())
+        con.close()
+        got = _ds_ids(ParquetDataset(table, batch_size=9, filter=predicate, version=version))
+        assert got == want, (table, predicate, version)
+        assert sorted(load_table(table, filter=predicate, version=version)["id"].tolist()) == want
+
+    path = str(tmp_path / "d")
+    deltalake.write_deltalake(path, pa.table({"id": pa.array(range(80), pa.int64()),
+                                              "x": pa.array([float(i) for i in range(80)])}))
+    fx.enable_dv_protocol(path)
+    add = fx.live_adds(path)[0]["path"]
+    v1 = fx.delete_rows(path, {add: [3, 4, 5]}, storage="i")
+    fx.delete_rows(path, {add: range(40, 50)}, storage="u", runs=True)
+    for version in (v1, None):
+        check(path, "x < 45 AND id % 2 = 1", version)
+    upd = str(tmp_path / "u")
+    deltalake.write_deltalake(upd, pa.table({"id": pa.array(range(60), pa.int64()), "x": pa.array([1.0] * 60)}))
+    deltalake.DeltaTable(upd).update(updates={"x": "x + 100"}, predicate="id < 5")
+    deltalake.DeltaTable(upd).delete("id >= 50")
+    deltalake.DeltaTable(upd).create_checkpoint()
+    check(upd, "x > 50 OR id > 45")
+    mapped = str(tmp_path / "m")
+    words = [f"w{i % 4}" for i in range(30)]
+    fx.write_column_mapped(mapped, pa.table({"id": pa.array(range(30), pa.int64()), "b": words}), mode="id", files=2)
+    check(mapped, "b = 'w1' AND id > 3")
