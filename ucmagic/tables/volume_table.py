@@ -384,6 +384,59 @@ def _rows_hash(t: Any) -> str:
     return hashlib.sha256(sink.getvalue().to_pybytes()).hexdigest()[:16]
 
 
+def _without_refused_links(t: Any, rels: list[str], base: Volume, options: dict[str, Any]) -> tuple[Any, list[str]]:
+    """The rows whose files ``follow_symlinks`` allows on a local root; the others raise
+    :class:`UnsafeSourceError` or, with ``on_error="skip"``, are left out with a warning."""
+    import pyarrow as pa
+
+    policy = options.get("follow_symlinks", "inside")
+    out = links_refused(base.local_root or "", rels, policy)
+    if not out:
+        return t, rels
+    named = ", ".join(base.display(r) for r in out[:MISSING_NAMED])
+    if options.get("on_error") != "skip":
+        raise UnsafeSourceError(f"{len(out)} file(s) the table names are links that follow_symlinks={policy!r} "
+                                f"refuses: {named}; pass follow_symlinks='all' for a tree you trust, or "
+                                "on_error='skip' to leave them out")
+    warnings.warn(f"ucmagic: left out {len(out)} linked file(s) follow_symlinks refuses: {named}", stacklevel=3)
+    keep = sorted(set(range(len(rels))) - {bisect.bisect_left(rels, r) for r in out})
+    return t.take(pa.array(keep, pa.int64())), [rels[i] for i in keep]
+
+
+def _table_entries(t: Any, rels: list[str], size_column: str, mtime_column: str) -> list[FileEntry]:
+    """The listing from the table's size and mtime columns (a value for every file, or InvalidArgumentError)."""
+    sizes, mtimes = t.column(size_column).to_pylist(), _seconds(t.column(mtime_column))
+    bad = next((i for i, (s, m) in enumerate(zip(sizes, mtimes)) if s is None or m is None or s < 0
+                or not math.isfinite(m)), None)
+    if bad is not None:
+        raise InvalidArgumentError(f"row of {rels[bad]!r} has size {sizes[bad]!r}, mtime {mtimes[bad]!r}: "
+                                   "size_column and mtime_column must hold a value for every file")
+    return [FileEntry(r, int(s), float(cast(float, m))) for r, s, m in zip(rels, sizes, mtimes)]  # checked
+
+
+def _stat_entries(t: Any, rels: list[str], base: Volume,
+                  options: dict[str, Any]) -> tuple[Any, list[str], list[FileEntry]]:
+    """The listing from one parallel stat of every file; a missing file raises SourceNotFoundError or, with
+    ``on_missing``/``on_error="skip"``, its row is left out with a warning."""
+    import pyarrow as pa
+
+    stats = _stat_all(base, rels)
+    missing = [r for r, st in zip(rels, stats) if st is None]
+    if missing:
+        named = ", ".join(base.display(r) for r in missing[:MISSING_NAMED])
+        more = f" and {len(missing) - MISSING_NAMED} more" if len(missing) > MISSING_NAMED else ""
+        if "skip" not in (options.get("on_missing"), options.get("on_error")):
+            raise SourceNotFoundError(f"{len(missing)} file(s) the table names do not exist: {named}{more}; fix "
+                                      "the paths (and root=), filter= those rows out, or pass on_missing='skip'")
+        warnings.warn(f"ucmagic: left out {len(missing)} file(s) the table names that do not exist: "
+                      f"{named}{more}", stacklevel=3)
+        keep = [i for i, st in enumerate(stats) if st is not None]
+        if not keep:
+            raise EmptyListingError("none of the files the table names exists: check the paths and root=")
+        t, rels = t.take(pa.array(keep, pa.int64())), [rels[i] for i in keep]
+    return t, rels, [FileEntry(r, st.size, st.mtime) for r, st in zip(rels, (x for x in stats if x is not None))]
+
+
 def files_from_table(table: Any, *, path_column: str = "path", columns: Sequence[str] | None = None,
                      root: str | None = None, filter: Any = None,  # noqa: A002 - the option's documented name
                      size_column: str | None = None, mtime_column: str | None = None, version: int | None = None,
@@ -422,6 +475,8 @@ def files_from_table(table: Any, *, path_column: str = "path", columns: Sequence
 
     if not isinstance(path_column, str):
         raise InvalidArgumentError(f"path_column must be a column name, got {path_column!r}")
+    if "path" in options:
+        raise InvalidArgumentError("path= is the table's path_column and root=: leave it out")
     if (size_column is None) != (mtime_column is None):
         raise InvalidArgumentError("size_column and mtime_column go together: give both (the files are not "
                                    "stat-ed) or neither (each file is stat-ed once)")
@@ -454,49 +509,15 @@ def files_from_table(table: Any, *, path_column: str = "path", columns: Sequence
     t = t.take(pa.array(order, pa.int64()))
     base = open_volume(root, options.get("storage_options"))
     if base.local_root is not None:
-        out = links_refused(base.local_root, rels, options.get("follow_symlinks", "inside"))
-        if out:
-            named = ", ".join(base.display(r) for r in out[:MISSING_NAMED])
-            if options.get("on_error") != "skip":
-                raise UnsafeSourceError(f"{len(out)} file(s) the table names are links that follow_symlinks="
-                                        f"{options.get('follow_symlinks', 'inside')!r} refuses: {named}; pass "
-                                        "follow_symlinks='all' for a tree you trust, or on_error='skip' to leave "
-                                        "them out")
-            warnings.warn(f"ucmagic: left out {len(out)} linked file(s) follow_symlinks refuses: {named}", stacklevel=2)
-            keep = sorted(set(range(len(rels))) - {bisect.bisect_left(rels, r) for r in out})
-            t, rels = t.take(pa.array(keep, pa.int64())), [rels[i] for i in keep]
+        t, rels = _without_refused_links(t, rels, base, options)
     if size_column is not None and mtime_column is not None:
-        sizes, mtimes = t.column(size_column).to_pylist(), _seconds(t.column(mtime_column))
-        bad = next((i for i, (s, m) in enumerate(zip(sizes, mtimes)) if s is None or m is None or s < 0
-                    or not math.isfinite(m)), None)
-        if bad is not None:
-            raise InvalidArgumentError(f"row of {rels[bad]!r} has size {sizes[bad]!r}, mtime {mtimes[bad]!r}: "
-                                       "size_column and mtime_column must hold a value for every file")
-        entries = [FileEntry(r, int(s), float(cast(float, m))) for r, s, m in zip(rels, sizes, mtimes)]  # checked
+        entries = _table_entries(t, rels, size_column, mtime_column)
         slack = mtime_slack(t.schema.field(mtime_column).type)
     else:
-        stats = _stat_all(base, rels)
-        missing = [r for r, st in zip(rels, stats) if st is None]
-        if missing:
-            named = ", ".join(base.display(r) for r in missing[:MISSING_NAMED])
-            more = f" and {len(missing) - MISSING_NAMED} more" if len(missing) > MISSING_NAMED else ""
-            skip = "skip" in (options.get("on_missing"), options.get("on_error"))
-            if not skip:
-                raise SourceNotFoundError(f"{len(missing)} file(s) the table names do not exist: {named}{more}; fix "
-                                          "the paths (and root=), filter= those rows out, or pass on_missing='skip'")
-            warnings.warn(f"ucmagic: left out {len(missing)} file(s) the table names that do not exist: "
-                          f"{named}{more}", stacklevel=2)
-            keep = [i for i, st in enumerate(stats) if st is not None]
-            if not keep:
-                raise EmptyListingError("none of the files the table names exists: check the paths and root=")
-            t = t.take(pa.array(keep, pa.int64()))
-            rels, stats = [rels[i] for i in keep], [stats[i] for i in keep]
-        entries = [FileEntry(r, st.size, st.mtime) for r, st in zip(rels, stats) if st is not None]
+        t, rels, entries = _stat_entries(t, rels, base, options)
         slack = 0.0
     rows = t.select(fields)
     volume = TableVolume(base, entries, json.dumps([identity, path_column, _filter_text(filter)]), slack=slack)
-    if "path" in options:
-        raise InvalidArgumentError("path= is the table's path_column and root=: leave it out")
     if options.get("validate") == "none":  # the node listing is always compared with the rows (in memory)
         options = {**options, "validate": "files"}
     return TableFilesDataset(volume, rels, rows, _rows_hash(t.select([path_column, *meta, *fields])), **options)
