@@ -428,6 +428,36 @@ def _normalise_verify(verify: Any) -> str | None:
     raise StagingError(f"verify must be 'size' or None, got {verify!r}")
 
 
+def _check_arguments(concurrency: Any, processes: Any, retries: Any, follow_symlinks: Any) -> None:
+    for name, value, low in (("concurrency", concurrency, 1), ("processes", processes, 1), ("retries", retries, 0)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
+            raise StagingError(f"{name} must be an integer >= {low}, got {value!r}")
+    if follow_symlinks not in FOLLOW_SYMLINKS:
+        raise StagingError(f"follow_symlinks must be one of {FOLLOW_SYMLINKS}, got {follow_symlinks!r}")
+
+
+def _plan_copies(entries: Sequence[FileEntry], tree: DestTree,
+                 res: StageResult) -> tuple[list[FileEntry], list[tuple[str, str]]]:
+    """The entries to copy, and (path, why) of those whose destination folder is refused; the unchanged
+    ones (same size and mtime as a staged copy) are counted as skipped in ``res``."""
+    todo: list[FileEntry] = []
+    for e in entries:
+        st = tree.lstat(e.path)
+        if st is not None and stat_mod.S_ISREG(st.st_mode) and is_unchanged(e, st):
+            res.skipped += 1
+            res.skipped_bytes += e.size
+        else:
+            todo.append(e)
+    unsafe: dict[str, str] = {}  # folder -> why no file is written there
+    for folder in sorted({e.path.rpartition("/")[0] for e in todo}):
+        try:
+            tree.folder(folder)
+        except (UnsafeDirectoryError, OSError) as exc:
+            unsafe[folder] = str(exc)
+    blocked = [(e.path, unsafe[e.path.rpartition("/")[0]]) for e in todo if e.path.rpartition("/")[0] in unsafe]
+    return [e for e in todo if e.path.rpartition("/")[0] not in unsafe], blocked
+
+
 def stage(src: Any, dest: str | os.PathLike[str], *, pattern: str | None = None, concurrency: int = 256,
           verify: str | None = "size", progress: bool | str = True, retries: int = 3,
           processes: int | None = None, storage_options: dict[str, Any] | None = None,
@@ -465,11 +495,7 @@ def stage(src: Any, dest: str | os.PathLike[str], *, pattern: str | None = None,
         print(res)   # staged 120,000 files (18.0 GB) in 95.2 s, ...
     """
     t0 = time.monotonic()
-    for name, value, low in (("concurrency", concurrency, 1), ("processes", processes, 1), ("retries", retries, 0)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
-            raise StagingError(f"{name} must be an integer >= {low}, got {value!r}")
-    if follow_symlinks not in FOLLOW_SYMLINKS:
-        raise StagingError(f"follow_symlinks must be one of {FOLLOW_SYMLINKS}, got {follow_symlinks!r}")
+    _check_arguments(concurrency, processes, retries, follow_symlinks)
     verify = _normalise_verify(verify)
     vol = open_volume(src, storage_options)
     vol.follow_symlinks = follow_symlinks
@@ -487,23 +513,8 @@ def stage(src: Any, dest: str | os.PathLike[str], *, pattern: str | None = None,
     tree.folder("")  # the destination itself: made, or refused (UnsafeDirectoryError) before any copy
     sweep_temp_files(tree, {os.path.dirname(e.path) for e in entries})
 
-    todo: list[FileEntry] = []
     res = StageResult(source=vol.display(), dest=dest_root, total=len(entries))
-    for e in entries:
-        st = tree.lstat(e.path)
-        if st is not None and stat_mod.S_ISREG(st.st_mode) and is_unchanged(e, st):
-            res.skipped += 1
-            res.skipped_bytes += e.size
-        else:
-            todo.append(e)
-    unsafe: dict[str, str] = {}  # folder -> why no file is written there
-    for folder in sorted({e.path.rpartition("/")[0] for e in todo}):
-        try:
-            tree.folder(folder)
-        except (UnsafeDirectoryError, OSError) as exc:
-            unsafe[folder] = str(exc)
-    blocked = [(e.path, unsafe[e.path.rpartition("/")[0]]) for e in todo if e.path.rpartition("/")[0] in unsafe]
-    todo = [e for e in todo if e.path.rpartition("/")[0] not in unsafe]
+    todo, blocked = _plan_copies(entries, tree, res)
 
     nproc, threads = plan_workers(len(todo), concurrency, processes)
     res.processes, res.threads = nproc, threads
