@@ -29,7 +29,8 @@ _EXPORTS = {
         "classify_source", "connect", "delta_files", "delta_snapshot", "duckdb_relation", "fsspec_strip",
         "is_delta_dir", "is_sql",
         "is_spark_dataframe", "list_tables", "looks_like_table_name", "parse_table_name", "read_manifest",
-        "resolve_path_source", "resolve_source", "select_columns", "spark_dataframe", "table_path")},
+        "resolve_path_source", "resolve_source", "select_columns", "table_path")},
+    "spark_dataframe": "spark_source",
     # the errors of this layer (all defined in ucmagic.errors)
     **{name: "api" for name in (
         "InvalidTableNameError", "ListingChangedError", "SourceNotFoundError", "TableNotFoundError",

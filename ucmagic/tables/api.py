@@ -22,7 +22,8 @@ from .predicate import RowFilter, filter_relation, filtered_reader, spark_filter
 from .sources import (DATA_EXTS, MANIFEST, Source, TableName, active_spark, arrow_dataset,  # noqa: F401 - re-exported
                       catalog_root, connect, delta_files, duckdb_relation, fsspec_strip, is_delta_dir, is_sql,
                       is_spark_dataframe, list_tables, looks_like_table_name, parse_table_name, read_manifest,
-                      resolve_path_source, resolve_source, select_columns, spark_dataframe, table_path)
+                      resolve_path_source, resolve_source, select_columns, table_path)
+from .spark_source import spark_dataframe
 from ..units import format_size, parse_size
 
 

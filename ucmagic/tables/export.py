@@ -35,7 +35,8 @@ from ..errors import (EmptyListingError, ExportOverlapError, SourceNotADirectory
                       UCMagicError, UnsupportedSourceError)
 from .predicate import RowFilter, filter_relation, spark_filter
 from .sources import (MANIFEST, Source, connect, delta_files, duckdb_relation, is_data_path, remember_export,
-                      resolve_source, spark_dataframe, volume_manifest)
+                      resolve_source, volume_manifest)
+from .spark_source import spark_dataframe
 from ..units import format_size, parse_size
 from ..files.locks import check_write_dest
 from ..files.volume import FsspecVolume, Volume, resolve_local_path, volume_class

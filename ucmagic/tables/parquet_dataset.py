@@ -35,7 +35,8 @@ from .row_access import Rows
 from .table_reader import TableReader, close_readers
 from .footers import add_partitions, read_footers
 from .predicate import RowFilter
-from .sources import delta_snapshot, resolve_source, spark_table_files
+from .sources import delta_snapshot, resolve_source
+from .spark_source import spark_table_files
 from .table_io import TableFiles
 
 STATE_VERSION = 1
