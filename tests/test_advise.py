@@ -138,3 +138,19 @@ def test_recorded_stats_of_a_decode_bound_loop_ask_for_workers_also_from_the_cli
     assert out.returncode == 0, out.stderr
     rows = json.loads(out.stdout)
     assert rows[0]["kind"] == got[0].kind and rows[0]["predicted_s"] == pytest.approx(got[0].predicted_s)
+
+
+def test_no_warming_when_the_cache_cannot_hold_the_dataset():
+    cold = epoch(fetch=0.1, compute=0.01, wait=0.09, misses=400)
+    m = Measured([cold, cold], num_workers=2, prefetch_factor=4, cores=2, cache_limit=10**9,
+                 dataset_bytes=4 * 10**9, refetches=400, later_misses=400)
+    assert "warm" not in kinds(advise(m)) and "cache_limit" in kinds(advise(m))
+
+
+def test_a_changed_first_epoch_keeps_only_the_startup_beyond_making_its_first_batch():
+    cold = epoch(fetch=0.1, compute=0.01, wait=0.09, misses=400)
+    cold.first_wait, cold.first_made = 2.5, 0.5  # 2 s of starting workers, 0.5 s making the batch
+    warm = epoch(fetch=0.001, compute=0.01, wait=0.0005, misses=0)
+    w = advise(Measured([cold, warm], num_workers=2, prefetch_factor=4, cores=2))
+    top = w[kinds(w).index("warm")]
+    assert top.predicted_s == pytest.approx(100 * 0.01 + 2.0)

@@ -42,6 +42,7 @@ class EpochTimes:
     items: int = 0
     wait_p99: float = 0.0
     first_wait: float = 0.0  # the epoch's first batch's wait: its startup (workers, the first fetches)
+    first_made: float = 0.0  # that batch's stage seconds: what of the first wait was making it
 
     @property
     def total(self) -> float:
@@ -104,6 +105,11 @@ def epoch_model(e: EpochTimes, workers: int, cpus: float, fetch: float | None = 
 def _overhead(m: Measured, e: EpochTimes) -> float:
     """What the measured epoch took beyond the model that a change keeps: its startup, at most."""
     return min(e.first_wait, max(0.0, e.total - epoch_model(e, m.num_workers, cpus_free(m, e))))
+
+
+def _startup(e: EpochTimes) -> float:
+    """The epoch's start beyond making its first batch (starting workers): kept by a changed first epoch."""
+    return max(0.0, e.first_wait - e.first_made)
 
 
 def _stages(e: EpochTimes) -> str:
@@ -203,8 +209,8 @@ def _cold(m: Measured) -> bool:
 
 def _warm(m: Measured) -> Advice | None:
     first = m.epochs[0]
-    if not _cold(m):
-        return None
+    if not _cold(m) or (m.cache_limit and m.dataset_bytes and m.cache_limit < m.dataset_bytes):
+        return None  # the cache cannot hold the dataset: warming it evicts what it copied first
     cpus = cpus_free(m, first)
     warm = next((e for e in m.epochs[1:] if e.misses <= 0.05 * max(1, e.items)), None)
     if warm is not None:
@@ -214,7 +220,7 @@ def _warm(m: Measured) -> Advice | None:
     else:
         fetch = first.fetch * (1 - first.misses / max(1, first.items))
         how = "the hits' share of the fetch kept"
-    predicted = epoch_model(first, m.num_workers, cpus, fetch) + _overhead(m, first)
+    predicted = epoch_model(first, m.num_workers, cpus, fetch) + _startup(first)
     return Advice("warm", "ds.warm(background=False) before training", predicted, first.total,
                   f"epoch 0 missed {first.misses} of {first.items} items and waited {_s(first.wait)} s of "
                   f"{_s(first.total)} s (fetch {_s(first.fetch)} s); {how}; warming copies the files once, "
@@ -232,7 +238,7 @@ def _pack(m: Measured, e: EpochTimes) -> Advice | None:
     if per_miss <= 2 * read:
         return None
     fetch = cold.fetch * read / per_miss
-    predicted = epoch_model(cold, m.num_workers, cpus_free(m, cold), fetch) + _overhead(m, cold)
+    predicted = epoch_model(cold, m.num_workers, cpus_free(m, cold), fetch) + _startup(cold)
     return Advice("pack", "pack the small files into shards (ucmagic.shards.pack)", predicted, cold.total,
                   f"mean file {m.mean_file_bytes / 1024:.0f} KB took {per_miss * 1e3:.1f} ms of fetch per copy "
                   f"in epoch 0, {read * 1e3:.2f} ms at an assumed {SHARD_RATE / 1e6:.0f} MB/s from shards: the "

@@ -116,7 +116,8 @@ def measured(b: BatchTable, setup: dict[str, Any], counters: dict[str, int] | No
                            misses=int(b["misses"][b["epoch"] == e].sum()),
                            items=int(items[b["epoch"] == e].sum()),
                            wait_p99=float(percentiles(b["fetch_s"][b["epoch"] == e], (99,))["p99"]),
-                           first_wait=float(b["fetch_s"][b["epoch"] == e][0]))
+                           first_wait=float(b["fetch_s"][b["epoch"] == e][0]),
+                           first_made=float(sum(np.nan_to_num(b[f"stage_{k}_s"][b["epoch"] == e][0]) for k in STAGES)))
                 for e, p in zip(epochs, per)],
         num_workers=int(setup.get("num_workers") or 0), prefetch_factor=int(setup.get("prefetch_factor") or 0),
         cores=int(setup.get("cores") or 1), batch_size=int(setup.get("batch_size") or 1),
