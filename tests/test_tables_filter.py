@@ -153,7 +153,7 @@ def _tables(draw):
     return files
 
 
-@settings(max_examples=25)
+@settings(max_examples=12)
 @given(tables=_tables(), predicate=_predicates())
 def test_generated_tables_and_predicates_keep_duckdbs_rows(tmp_path_factory, tables, predicate):
     root = tmp_path_factory.mktemp("gen")

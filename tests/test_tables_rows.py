@@ -49,7 +49,7 @@ def test_rows_index_a_row_and_slice_a_batch_in_every_format(tmp_path, fmt):
         ds.rows[n]
 
 
-@settings(max_examples=20)
+@settings(max_examples=10)
 @given(lo=st.integers(0, 300), width=st.integers(0, 120), filtered=st.booleans())
 def test_rows_slices_equal_the_rows_iteration_delivers_in_order(tmp_path_factory, lo, width, filtered):
     root = tmp_path_factory.mktemp("rows")
