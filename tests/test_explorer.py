@@ -72,7 +72,7 @@ def test_each_batch_records_exactly_its_own_files_in_cold_and_warm_epochs(tmp_pa
     ds = UCVolumeDataset(str(tmp_path / "v"), cache_dir=str(tmp_path / "c"), shuffle=True)
     loader = DataLoader(ds, batch_size=5, num_workers=0, log_to_mlflow=False)
     delivered = [[list(b) for b in loader] for _ in range(3)]  # a cold epoch, then warm runs
-    index_of = {p: i for i, (p, _) in enumerate(ds._cached_paths())}
+    index_of = {p: i for i, (p, _) in enumerate(ds.files.cached())}
     stats = loader.stats
     b = stats.batches()
     assert len(b["step"]) == 3 * 8
