@@ -83,6 +83,8 @@ def test_row_groups_the_statistics_rule_out_are_pruned(tmp_path):
     ds = ParquetDataset(str(tmp_path / "t"), batch_size=8, filter="id >= 75 AND id < 95")
     assert ds.num_rows == 20 and ds.group_rows == [5, 10, 5]  # of 24 row groups, the three that hold the rows
     assert ParquetDataset(str(tmp_path / "t"), filter="label = 7").num_rows == 0  # partition values prune
+    only_x = ParquetDataset(str(tmp_path / "t"), columns=["x"], batch_size=100, filter="id >= 75 AND id < 95")
+    assert only_x.columns == ["x"] and [list(b) for b in only_x] == [["x", "x__valid"]]  # filter columns not added
 
 
 def test_bad_filters_are_refused_naming_the_fix(tmp_path):
