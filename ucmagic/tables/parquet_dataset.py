@@ -4,8 +4,9 @@ Rows are split over ``world_size x num_workers`` streams as equal contiguous row
 row groups at the edges) with :mod:`ucmagic.files.plan`, so every rank gets the same number of rows, no
 row is skipped or repeated (except wrap-around padding), and ``state_dict`` resumes exactly, on
 any layout. Each stream reads only the requested columns of the row groups it needs, decoding
-ahead on a thread; remote files (fsspec URLs, ``/Volumes`` FUSE mounts) go through the local
-file cache first. A Delta table is read through its snapshot (:mod:`ucmagic.tables.delta`): row
+ahead on a thread; remote files (URLs of any registered volume backend, ``/Volumes`` FUSE mounts) go
+through the local file cache first (whole files, or with ``filter=`` and for ``ds.rows`` the row groups read,
+as byte ranges). A Delta table is read through its snapshot (:mod:`ucmagic.tables.delta`): row
 groups count the rows its deletion vectors leave, and each row group is turned into the table's
 rows (logical names, partition columns, the vector applied) as it is read.
 """
@@ -99,6 +100,12 @@ class ParquetDataset(EpochTracking, IterableDataset[Any]):
         cache_dir, cache_limit: the file cache (see :class:`ucmagic.files.cache.FileCache`).
         prefetch: row-group windows decoded ahead per stream.
         storage_options: for fsspec URLs.
+        filter: only the rows a SQL predicate string (DuckDB's dialect, ``"label = 3"``) or a pyarrow compute
+            expression keeps, after Delta deletion vectors; row groups the partition values and statistics rule
+            out are never read, the others are read as byte ranges (docs/tables.md, "Filters").
+
+    ``ds.rows`` gives random access by row (``ds.rows[i]``, ``ds.rows[i:j]``, ``len(ds.rows)``), a map-style
+    dataset over the same (filtered) rows.
     """
 
     kind = "ParquetDataset"
