@@ -3,7 +3,8 @@ Parquet files, atomically) and ``ParquetDataset`` (stream column batches into Py
 
 Modules: :mod:`.sources` (table names, the local catalog, resolving any source, DuckDB/Spark
 relations, "files or table?"), :mod:`.api` (``load_table``, ``register_table``), :mod:`.export`
-(``export_parquet``), :mod:`.parquet_dataset` (``ParquetDataset``), :mod:`.rows` (pure row
+(``export_parquet``), :mod:`.parquet_dataset` (``ParquetDataset``), :mod:`.volume_table`
+(``files_from_table``: labels from a table, files from a volume), :mod:`.rows` (pure row
 planning) and :mod:`.columns` (each Arrow type's output, lossless). The names below load on first
 use: ``import ucmagic.tables`` imports no torch.
 """
@@ -23,6 +24,8 @@ _EXPORTS = {
     "ExportResult": "export",
     "recover_destination": "export",
     "ParquetDataset": "parquet_dataset",
+    "files_from_table": "volume_table",
+    "TableFilesDataset": "volume_table",
     # the source names (``ucmagic.tables.resolve_source`` ... worked before sources.py was split out)
     **{name: "sources" for name in (
         "DATA_EXTS", "MANIFEST", "Source", "TableName", "active_spark", "arrow_dataset", "catalog_root",
