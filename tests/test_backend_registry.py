@@ -127,3 +127,13 @@ def test_token_windows_read_through_a_registered_backend(toy_backend, tmp_path):
     ds = TokenWindows(toy_backend.url(), block_size=8, dtype="uint16", cache_dir=str(tmp_path / "cache"))
     assert ds[3].tolist() == list(range(24, 33))  # a window and its target token
     assert toy_backend.served("list") >= 1 and toy_backend.served("range_reader", "copy_to", "read_bytes") >= 1
+
+
+def test_loader_workers_read_through_a_registered_backend(toy_backend, tmp_path):
+    import ucmagic
+
+    data = _files(toy_backend.root)
+    ds = ucmagic.UCVolumeDataset(toy_backend.url(), cache_dir=str(tmp_path / "cache"))
+    loader = ucmagic.DataLoader(ds, batch_size=2, num_workers=2)  # each worker gets the pickled ToyVolume
+    got = sorted(open(p, "rb").read() for batch in loader for p in batch)
+    assert got == sorted(data.values())
