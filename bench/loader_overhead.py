@@ -47,6 +47,42 @@ def loop(loader, compute_s: float) -> tuple[float, float]:
     return time.perf_counter() - w0, time.process_time() - c0
 
 
+def stage_cost_us(n: int = 20000) -> float:
+    """Microseconds per batch of what the stage times add: the index's start mark pickled and
+    unpickled, the collate clock and stage tuple, the main process's epoch totals."""
+    import pickle
+
+    from ucmagic import telemetry
+    from ucmagic.loading.stats_analysis import StageTotals
+
+    index, plain = telemetry.BatchStart([None] * 32), [None] * 32
+    wrap, bare = telemetry.ItemCollate(list), list
+    totals, stages = StageTotals(), (0.001, 0.0, 0.0001)
+    data = list(range(32))
+
+    def with_stages() -> None:
+        for _ in range(n):
+            pickle.loads(pickle.dumps(index))
+            wrap(data)
+            totals.add(0.001, 0.002, stages)
+
+    def without() -> None:
+        for _ in range(n):
+            pickle.loads(pickle.dumps(plain))
+            bare(data)
+            telemetry.take_items(32)  # the records' own share, there before the stage times
+
+    def best_of(fn) -> float:
+        out = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+        return min(out)
+
+    return max(0.0, best_of(with_stages) - best_of(without)) / n * 1e6
+
+
 def warm_epoch(files: int, repeat: int) -> None:
     """Warm UCVolumeDataset epochs, 2 workers: torch's loader vs ucmagic's (see the module docstring)."""
     from ucmagic import UCVolumeDataset
@@ -69,10 +105,14 @@ def warm_epoch(files: int, repeat: int) -> None:
             n = sum(len(b) for b in ld)
             best[name] = min(best.get(name, float("inf")), time.perf_counter() - t0)
     ref = best["torch.utils.data.DataLoader"]
+    stage_us = stage_cost_us()
     print(f"warm UCVolumeDataset epoch, {n} files, 2 workers (fork), batch 32, best of {repeat}; "
           f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
     for name, secs in best.items():
         print(f"{name:34s} {secs:7.3f} s  {(secs / ref - 1) * 100:+6.2f}%  {n / secs:10,.0f} files/s")
+    per_batch = best["ucmagic.DataLoader (stage times)"] / max(1, n // 32) * 1e6
+    print(f"stage times' own work per batch: {stage_us:.1f} us of the {per_batch:.0f} us a batch takes here "
+          f"({stage_us / per_batch * 100:.2f}%; the workers' part runs in parallel, so this overstates it)")
     import shutil
 
     shutil.rmtree(work, ignore_errors=True)

@@ -58,19 +58,31 @@ class StageTotals:
     def __init__(self) -> None:
         self.sums = dict.fromkeys(self.KEYS, 0.0)
 
-    def add(self, wait: float, compute: float, stages: Sequence[float] | None) -> None:
+    def add(self, wait: float, compute: float, stages: Sequence[float | None] | None) -> None:
+        """One batch (unrolled: the loop's thread runs it per batch)."""
         s = self.sums
         s["compute"] += compute
         s["wait"] += wait
         s["batches"] += 1
-        st = [0.0 if x is None or math.isnan(x) else float(x) for x in stages] if stages is not None else [0.0] * 3
-        made = sum(st)
-        for k, v in zip(STAGES, st):
-            s[k] += v
-            s[f"wait_{k}"] += wait * v / made if made > 0 else (wait if k == "fetch" else 0.0)
+        f, u, k = (_num(x) for x in stages) if stages is not None else (0.0, 0.0, 0.0)
+        s["fetch"] += f
+        s["user"] += u
+        s["collate"] += k
+        made = f + u + k
+        if made > 0:
+            share = wait / made
+            s["wait_fetch"] += f * share
+            s["wait_user"] += u * share
+            s["wait_collate"] += k * share
+        else:
+            s["wait_fetch"] += wait
 
     def as_dict(self) -> dict[str, float]:
         return dict(self.sums)
+
+
+def _num(x: float | None) -> float:
+    return 0.0 if x is None or x != x else float(x)  # x != x: NaN
 
 
 def breakdown(b: BatchTable, mask: np.ndarray) -> dict[str, float]:
