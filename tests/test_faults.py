@@ -343,7 +343,7 @@ def test_four_processes_on_one_cache_copy_each_file_once(tmp_path):
 
 def _entry_path(ds: UCVolumeDataset, rel: str) -> str:
     e = next(e for e in ds.listing.iter_entries() if e.path == rel)
-    key, suffix = ds._key(e)
+    key, suffix = ds.files.key(e)
     return ds.cache.lookup(key, suffix, e.size, rel=e.path, space=ds.space, touch=False) or \
         ds.cache.data_path(key, suffix, e.size, e.path, ds.space)
 

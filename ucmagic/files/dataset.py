@@ -228,7 +228,6 @@ class UCVolumeDataset(EpochTracking, IterableDataset[str]):
         self._counters = SharedCounters()
         self.filler = CacheFiller(self.cache, retries=self.retries, counters=self._counters,
                                   skip=SkipPolicy(on_error, on_missing))
-        self.files = ListedFiles(self.listing, self.volume, self.cache, self.space, self.filler)
         self._leases = StreamLeases(self.cache)  # this object's stream leases (records) in each process
         self._consumed = ConsumptionChannel()  # items the loop finished, per worker stream
         self._resume: dict[str, Any] | None = None
@@ -310,6 +309,11 @@ class UCVolumeDataset(EpochTracking, IterableDataset[str]):
         return StreamItems(self.listing, pos, order, self.files.keys, self.space)
 
     # ------------------------------------------------------------ fetching
+
+    @property
+    def files(self) -> ListedFiles:
+        """This dataset's listed files in its cache (keys, cached paths, sources, warming)."""
+        return ListedFiles(self.listing, self.volume, self.cache, self.space, self.filler)
 
     @property
     def counters(self) -> SharedCounters:
