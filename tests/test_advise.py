@@ -154,3 +154,19 @@ def test_a_changed_first_epoch_keeps_only_the_startup_beyond_making_its_first_ba
     w = advise(Measured([cold, warm], num_workers=2, prefetch_factor=4, cores=2))
     top = w[kinds(w).index("warm")]
     assert top.predicted_s == pytest.approx(100 * 0.01 + 2.0)
+
+
+def test_merged_ranks_are_advised_on_the_rank_the_others_wait_for(tmp_path):
+    from ucmagic import LoaderStats
+
+    def part(rank, wait):
+        n = 10
+        return {"version": 1, "rank": rank, "fetch_s": [wait] * n, "compute_s": [0.01] * n, "count": [0] * n,
+                "epoch": [0] * n, "worker": [0] * n, "misses": [0] * n, "nbytes": [0] * n, "item_index": [],
+                "item_fetch_s": [], "files": {}, "counters": None, "truncated": False,
+                "stage_fetch_s": [0.0] * n, "stage_user_s": [wait] * n, "stage_collate_s": [0.0] * n,
+                "setup": {"cores": 4, "num_workers": 1, "prefetch_factor": 2}}
+
+    merged = LoaderStats.merge([LoaderStats.from_dict(part(0, 0.001)), LoaderStats.from_dict(part(1, 0.04))])
+    top = merged.advise()[0]
+    assert top.kind == "workers" and top.now_s == pytest.approx(10 * 0.05)  # rank 1's epoch, not the sum

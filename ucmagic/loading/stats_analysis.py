@@ -117,10 +117,16 @@ def refetched_items(log: ItemLog, epochs: np.ndarray) -> tuple[int, int]:
 
 
 def measured(b: BatchTable, setup: dict[str, Any], counters: dict[str, int] | None, log: ItemLog) -> Measured:
-    """The plain numbers :func:`~ucmagic.loading.advise.advise` decides on, from a loader's records."""
+    """The plain numbers :func:`~ucmagic.loading.advise.advise` decides on, from a loader's records
+    (merged ranks: the rank whose loop took longest, which the others wait for)."""
+    refetch, later = refetched_items(log, b["epoch"])  # over the whole log (its rows are b's)
+    ranks = np.unique(b["rank"])
+    if len(ranks) > 1:
+        slowest = max(ranks.tolist(), key=lambda r: float((b["fetch_s"] + b["compute_s"])[b["rank"] == r].sum()))
+        keep = b["rank"] == slowest
+        b = {k: v[keep] for k, v in b.items()}
     epochs = sorted({int(e) for e in b["epoch"]})
     per = [breakdown(b, b["epoch"] == e) for e in epochs]
-    refetch, later = refetched_items(log, b["epoch"])
     items = b["items"]
     sized = items > 0
     return Measured(
