@@ -494,3 +494,4 @@ def test_the_panel_shows_the_epochs_stages_and_the_advice_at_the_end():
     fin = mon.snapshot()
     assert fin.stages["batches"] == 3 and fin.stages["user"] >= 12 * 0.005
     assert fin.advice and "advice 1: " in out.getvalue()
+    assert "  stages: loop " in out.getvalue() and "your code" in out.getvalue()

@@ -26,8 +26,8 @@ from typing import Any, Callable, TextIO
 from ..progress import display_mode
 from ..telemetry import p50_p99
 from ..units import format_size
-from .panel_render import PLOT_POINTS, RunSeries, Snapshot, format_ms, sparkline_svg, stage_bar_svg, summary_html, \
-    text_line
+from .panel_render import PLOT_POINTS, RunSeries, Snapshot, format_ms, sparkline_svg, stage_bar_svg, stage_text, \
+    summary_html, text_line
 
 __all__ = ["Monitor", "Snapshot", "TextView", "WidgetView", "ProgressBar", "attach_monitor", "format_ms",
            "sparkline_svg", "text_line", "PLOT_POINTS"]
@@ -74,7 +74,9 @@ class TextView:
 
     def final(self, s: Snapshot) -> None:
         line = text_line(s)
+        stages = stage_text(s.stages)
         self._write(("\r" + line.ljust(self._width) if self.live else line) + "\n"
+                    + (f"  stages: {stages}\n" if stages else "")
                     + "".join(f"  hint: {h}\n" for h in s.hints)
                     + "".join(f"  advice {i}: {a}\n" for i, a in enumerate(s.advice, 1)))
         self._width = 0

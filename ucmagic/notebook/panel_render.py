@@ -219,3 +219,14 @@ def stage_bar_svg(stages: dict[str, float], *, width: int = 360) -> str:
             + bar(0, loop, head[:18]) + bar(20, made, "workers' s")
             + f"<text x='0' y='52' font-size='10'>{legend}</text></svg>"
             + f"<div style='font-size:11px'>{html.escape(head)}</div>")
+
+
+def stage_text(stages: dict[str, float]) -> str:
+    """The epoch's breakdown as one line (the text display's final state); "" before any batch."""
+    if not stages.get("batches"):
+        return ""
+    loop = stages.get("compute", 0.0) + stages.get("wait", 0.0)
+    waits = ", ".join(f"{STAGE_LABELS[k]} {stages.get(f'wait_{k}', 0.0):.2f}" for k in ("fetch", "user", "collate"))
+    made = ", ".join(f"{STAGE_LABELS[k]} {stages.get(k, 0.0):.2f}" for k in ("fetch", "user", "collate"))
+    return (f"loop {loop:.2f} s: compute {stages.get('compute', 0.0):.2f}, wait {stages.get('wait', 0.0):.2f} "
+            f"({waits}); producing processes: {made} s")
