@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -113,7 +114,6 @@ def save_checkpoint(root: str | os.PathLike[str], *, model: Any, optimizer: Any 
     make_commit(kind=FORMAT_SINGLE, save_id="", files={}, info=info)  # validates extra is JSON-able
     root_path = checkpoint_root(root, create=True, storage_options=writer_kw.get("storage_options"))
     path = os.path.join(root_path, name)
-    from . import transfer as xfer
 
     def finish() -> str:
         if dist_info(from_env=False).rank == 0:
@@ -123,32 +123,47 @@ def save_checkpoint(root: str | os.PathLike[str], *, model: Any, optimizer: Any 
         return path
 
     if single_file:
-        state = {"model": model.state_dict()}
-        if optimizer is not None:
-            state["optimizer"] = optimizer.state_dict()
-        fut = None
-        out: Future[str] = Future()
-        pending = track_pending_save(path, out) if async_ else None
-        try:
-            if dist_info(from_env=False).rank == 0:
-                try:
-                    xfer.makedirs(path, root=root_path)  # step_<N> is never a link (one planted would be followed)
-                except OSError as e:
-                    raise xfer.destination_error(e, path) from None
-                fut = _save_single(path, state, info, writer_kw, async_, pending.cancel if pending else None)
-        except BaseException as e:
-            out.set_exception(e)  # nothing is pending at exit
-            raise
-        if not async_:
-            barrier()
-            return finish()
-        if fut is None:
-            out.set_result(path)
-            return out
-        fut.add_done_callback(lambda f: out.set_exception(f.exception()) if f.exception() else _settle(out, finish))
-        return out
+        return _save_single_file(path, root_path, model, optimizer, info, writer_kw, async_, finish)
+    return _save_dcp(path, root_path, model, optimizer, info, writer_kw, async_, finish)
 
+
+def _save_single_file(path: str, root_path: str, model: Any, optimizer: Any, info: dict[str, Any],
+                      writer_kw: dict[str, Any], async_: bool, finish: Callable[[], str]) -> str | Future[str]:
+    """``save_checkpoint(single_file=True)``: rank 0 writes one ``torch.save`` file; ``finish`` runs retention."""
+    from . import transfer as xfer
+
+    state = {"model": model.state_dict()}
+    if optimizer is not None:
+        state["optimizer"] = optimizer.state_dict()
+    fut = None
+    out: Future[str] = Future()
+    pending = track_pending_save(path, out) if async_ else None
+    try:
+        if dist_info(from_env=False).rank == 0:
+            try:
+                xfer.makedirs(path, root=root_path)  # step_<N> is never a link (one planted would be followed)
+            except OSError as e:
+                raise xfer.destination_error(e, path) from None
+            fut = _save_single(path, state, info, writer_kw, async_, pending.cancel if pending else None)
+    except BaseException as e:
+        out.set_exception(e)  # nothing is pending at exit
+        raise
+    if not async_:
+        barrier()
+        return finish()
+    if fut is None:
+        out.set_result(path)
+        return out
+    fut.add_done_callback(lambda f: out.set_exception(f.exception()) if f.exception() else _settle(out, finish))
+    return out
+
+
+def _save_dcp(path: str, root_path: str, model: Any, optimizer: Any, info: dict[str, Any],
+              writer_kw: dict[str, Any], async_: bool, finish: Callable[[], str]) -> str | Future[str]:
+    """``save_checkpoint`` through torch DCP and :class:`UCVolumeWriter`; ``finish`` runs retention."""
     import torch.distributed.checkpoint as dcp
+
+    from . import transfer as xfer
 
     state = dcp_state(model, optimizer)
     try:
@@ -166,7 +181,7 @@ def save_checkpoint(root: str | os.PathLike[str], *, model: Any, optimizer: Any 
         deadline = time.monotonic() + 60  # torch warns from its save thread: stay quiet until it is past that
         while not f.done() and not writer.wait_started(0.05) and time.monotonic() < deadline:
             pass
-    out = Future()
+    out: Future[str] = Future()
     track_pending_save(path, out)
 
     def done(f: Any) -> None:
