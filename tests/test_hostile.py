@@ -189,7 +189,7 @@ def test_a_planted_entry_not_owned_by_the_user_is_not_served(tmp_path):
     sums = write_tree(str(vol), ["a.bin"])
     ds = UCVolumeDataset(str(vol), cache_dir=str(tmp_path / "c"))
     e = ds.listing.entry(0)
-    planted = ds.cache.data_path(*ds._key(e), e.size, e.path, ds.space)
+    planted = ds.cache.data_path(*ds.files.key(e), e.size, e.path, ds.space)
     os.makedirs(os.path.dirname(planted), exist_ok=True)
     with open(planted, "wb") as f:
         f.write(b"E" * e.size)  # right size, wrong bytes, someone else's file

@@ -6,7 +6,8 @@ from typing import Any
 
 from .._util import error_line
 from ..errors import TableNotFoundError, UnsupportedSourceError
-from .sources import Source, active_spark, resolve_path_source
+from . import sources
+from .sources import Source, resolve_path_source
 
 __all__ = ["spark_dataframe", "spark_table_files", "DELTA_SPARK_HINT"]
 
@@ -15,7 +16,7 @@ def spark_dataframe(src: Source) -> Any:
     """The Spark DataFrame of a ``spark`` or ``spark_table`` source."""
     if src.kind == "spark":
         return src.obj
-    spark = active_spark()
+    spark = sources.active_spark()  # looked up on the module: one place to patch in tests
     if spark is None:
         raise TableNotFoundError(f"table {src.name} needs an active Spark session, and there is none: "
                                  "start one (SparkSession.builder.getOrCreate()) or pass a table path")
@@ -35,7 +36,7 @@ def spark_table_files(src: Source, version: int | None = None) -> Source:
     """The files of a ``spark_table`` source, resolved through the active session (``DESCRIBE TABLE EXTENDED``:
     its provider and location): a Parquet table's directory, or a Delta table's directory read by ucmagic's
     Delta reader. Other providers (and views) raise :class:`UnsupportedSourceError` naming the fix."""
-    spark = active_spark()
+    spark = sources.active_spark()  # looked up on the module: one place to patch in tests
     if spark is None:
         raise TableNotFoundError(f"table {src.name} needs an active Spark session, and there is none: "
                                  "start one (SparkSession.builder.getOrCreate()) or pass a table path")
