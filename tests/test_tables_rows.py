@@ -105,3 +105,23 @@ def test_a_cold_row_of_a_remote_table_reads_one_row_group_range(tmp_path):
         assert cached < 0.05 * sum(os.path.getsize(root / f) for f in os.listdir(root))
     for key in [k for k in toy_backend.CALLS if k.startswith(str(root))]:
         del toy_backend.CALLS[key]
+
+
+def test_cache_clear_removes_the_row_index_and_the_rows_are_built_again(tmp_path):
+    from ucmagic.files.cache_report import cache_command
+
+    _write(tmp_path / "t")
+    cache = tmp_path / "c"
+    with toy_backend.registered():
+        url = toy_backend.ToyVolume(str(tmp_path / "t")).uri
+        ds = ParquetDataset(url, filter="id % 4 = 1", cache_dir=str(cache))
+        want = [int(v) for v in ds.rows[0:len(ds.rows)]["id"]]
+        assert want == list(range(1, 300, 4))
+        assert len(os.listdir(cache / "row-index")) == 1  # the filter's row index, kept for the next dataset
+        report = cache_command("clear", str(cache))
+        assert "1 row index(es)" in report and os.listdir(cache / "row-index") == []
+        again = ParquetDataset(url, filter="id % 4 = 1", cache_dir=str(cache))
+        assert [int(v) for v in again.rows[0:len(again.rows)]["id"]] == want
+        assert len(os.listdir(cache / "row-index")) == 1  # built again
+    for key in [k for k in toy_backend.CALLS if k.startswith(str(tmp_path / "t"))]:
+        del toy_backend.CALLS[key]

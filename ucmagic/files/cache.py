@@ -380,14 +380,22 @@ class FileCache:
     # ------------------------------------------------------------ whole-cache maintenance
 
     def clear(self) -> dict[str, int]:
-        """Remove every unprotected entry, orphaned record and abandoned temp file. Returns counts."""
+        """Remove every unprotected entry, orphaned record, abandoned temp file and built index (a
+        ParquetDataset's row index: built again when next needed). Returns counts."""
         keeper = self.budget_keeper
         with keeper.eviction_lock():
             reaped = self.reap()
             free, _ = keeper.scan(self.records.protected_names(reap=False))
             n = self.remove(p for p, _, _ in free)
             keeper.write_ledger(keeper.scan(set())[1].total_bytes)
-        return {"entries": n, **reaped}
+            indexes = 0
+            with contextlib.suppress(FileNotFoundError):
+                for de in os.scandir(self.layout.indexes):  # read whole when opened: safe to unlink under a reader
+                    if de.is_file(follow_symlinks=False):
+                        with contextlib.suppress(FileNotFoundError):
+                            os.unlink(de.path)
+                            indexes += 1
+        return {"entries": n, **reaped, "indexes": indexes}
 
 
 def _make_dirs(entries: str, name: str) -> None:

@@ -36,6 +36,7 @@ from .locks import check_own_entries, file_lock, open_private, private_dir, proc
 
 TMP_STALE_S = 6 * 3600.0  # a temp file whose writer cannot be identified is dropped after this long
 SUBDIRS = ("files", "tmp", "locks", "prot")
+INDEXES = "row-index"  # indexes built from entries (rebuilt when missing): not entries, removed by clear()
 OLD_DATA = "data"  # the layout before entries kept source names (data/<xx>/<key><ext>): reaped, never served
 OPAQUE = "k"  # files/k/: entries of opaque keys
 SPACE = "v"  # files/v<16 hex>: a dataset root's entries (and v<16 hex>~<16 hex>: other versions)
@@ -264,6 +265,7 @@ class CacheLayout:
         self.evict_lock = os.path.join(self.locks, "evict.lock")
         self.removals = os.path.join(self.locks, "removals")
         self.ledger = os.path.join(root, "usage")
+        self.indexes = os.path.join(root, INDEXES)
         self.ensure()
 
     def ensure(self) -> None:

@@ -36,8 +36,8 @@ def cache_command(action: str, root: str | None = None, *, limit: int | str | No
                 f"{r['tmp']} abandoned temp file(s), {r['old']} old-layout entries, evicted {format_size(freed)}")
     if action == "clear":
         r = cache.clear()
-        return (f"{cache.root}: removed {r['entries']} entries, {r['records']} protection record(s) and "
-                f"{r['tmp']} temp file(s); entries protected by running loops stay")
+        return (f"{cache.root}: removed {r['entries']} entries, {r['records']} protection record(s), "
+                f"{r['tmp']} temp file(s) and {r['indexes']} row index(es); entries protected by running loops stay")
     raise ValueError(f"unknown cache action {action!r}: use info, prune or clear")
 
 

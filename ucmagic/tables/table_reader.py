@@ -122,7 +122,7 @@ class TableReader:
         folder, private); None without a cache."""
         if self.cache is None:
             return None
-        folder = os.path.join(self.cache.root, "row-index")
+        folder = self.cache.layout.indexes
         try:
             private_dir(folder, what="row-index folder of the cache")
         except OSError:
