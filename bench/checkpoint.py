@@ -30,7 +30,8 @@ import torch  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 
 from ucmagic import testing  # noqa: E402
-from ucmagic.checkpoints.api import UCVolumeReader, UCVolumeWriter, _dcp_state  # noqa: E402
+from ucmagic.checkpoints.api import UCVolumeReader, UCVolumeWriter  # noqa: E402
+from ucmagic.checkpoints.torch_state import dcp_state  # noqa: E402
 
 PROFILES = {"p20": dict(open_ms=20, mbps=200), "p100": dict(open_ms=100, mbps=100)}
 DBAIR_PATH = "/tmp/dbair/x"
@@ -55,7 +56,7 @@ def fingerprint(state: dict) -> float:
 
 def fresh_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
     """The target of a load: the model's and optimizer's own tensors, zeroed (so a bad load shows)."""
-    state = _dcp_state(model, opt)
+    state = dcp_state(model, opt)
     tensors = list(state["model"].values()) + [t for s in state["optim"]["state"].values() for t in s.values()]
     with torch.no_grad():
         for t in tensors:
@@ -97,7 +98,7 @@ def l_torch_save(model, opt, path):
 
 
 def _dcp_save(writer, model, opt, async_):
-    state = _dcp_state(model, opt)
+    state = dcp_state(model, opt)
     t0 = time.perf_counter()
     if async_:
         fut = dcp.async_save(state, storage_writer=writer)
@@ -178,7 +179,7 @@ def main() -> None:
 
     model, opt = build(a.mb)
     truth = fingerprint({"model": model.state_dict()})
-    nbytes = sum(v.numel() * v.element_size() for v in _dcp_state(model, opt)["model"].values()) * 3
+    nbytes = sum(v.numel() * v.element_size() for v in dcp_state(model, opt)["model"].values()) * 3
     print(f"model: {len(model)} x Linear(2048, 2048), state with Adam ~{nbytes / 1e6:.0f} MB; "
           f"{os.cpu_count()} CPUs; torch {torch.__version__}")
     ms = methods(import_dbair())
