@@ -160,19 +160,35 @@ class RangeFile(io.RawIOBase):
         self.pos = max(0, base + int(offset))
         return self.pos
 
-    def readinto(self, buf: Any) -> int:
-        view = memoryview(buf).cast("B")
-        want = min(len(view), max(0, self.size - self.pos))
-        if not want:
-            return 0
+    def _span(self, want: int) -> tuple[int, int]:
+        """``(fd, offset in it)`` of the ``want`` bytes at the position; an error where they were not filled."""
         i = bisect.bisect_right(self.starts, self.pos) - 1
         if i < 0 or self.pos + want > self.spans[i][1]:
             raise OSError(f"{self.name_}: bytes {self.pos}..{self.pos + want} were not filled (a row group's "
                           "range is filled before it is read)")
         start, _, fd = self.spans[i]
-        got = os.preadv(fd, [view[:want]], self.pos - start)
+        return fd, self.pos - start
+
+    def readinto(self, buf: Any) -> int:
+        view = memoryview(buf).cast("B")
+        want = min(len(view), max(0, self.size - self.pos))
+        if not want:
+            return 0
+        fd, at = self._span(want)
+        got = os.preadv(fd, [view[:want]], at)
         self.pos += got
         return got
+
+    def read(self, size: int = -1) -> bytes:
+        """One ``pread`` into a new bytes object: pyarrow wraps it without a copy (RawIOBase.read copies
+        its bytearray once more)."""
+        want = max(0, self.size - self.pos) if size is None or size < 0 else min(size, max(0, self.size - self.pos))
+        if not want:
+            return b""
+        fd, at = self._span(want)
+        out = os.pread(fd, want, at)
+        self.pos += len(out)
+        return out
 
     def close(self) -> None:
         if not self.closed:
