@@ -35,8 +35,8 @@ import time
 
 import numpy as np
 import torch
-from _child import RemovedAtExit, run_sampled  # bench/ is on sys.path when a benchmark runs as a script
-from coldwarm import _tree_pss, client_cpu
+from _child import RemovedAtExit, run_sampled, tree_memory  # bench/ is on sys.path when a benchmark runs as a script
+from coldwarm import client_cpu
 from torch.utils.data import IterableDataset
 
 try:  # imported before anything is timed, as a training script does
@@ -133,7 +133,7 @@ def run_child(mode: str, src: str, cache: str, timeout: float = 1800) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, "--src", src, "--cache", cache]
     env = dict(os.environ, PYTHONPATH=os.path.dirname(HERE), UCMAGIC_PROGRESS="off")
     t0 = time.perf_counter()
-    res, peak = run_sampled(cmd, env, mode, _tree_pss, 0.1, timeout)
+    res, (peak, _uss) = run_sampled(cmd, env, mode, tree_memory, 0.1, timeout)
     if "error" not in res:
         res["wall"] = time.perf_counter() - t0
         res["peak_mb"] = peak / 1e6
