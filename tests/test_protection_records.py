@@ -6,6 +6,8 @@ import sys
 import time
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ucmagic.files.cache import FileCache
 from ucmagic.files.cache_layout import cache_key, entry_record_names
@@ -34,6 +36,30 @@ def test_protection_record_rewritten_in_place_holds_exactly_the_new_names(tmp_pa
     os.unlink(rec)  # removed behind the writer's back (clear_cache of a process it thought gone)
     c.records.write_record(rec, ["e" * 40])
     assert c.records.protected_names() == {"e" * 40}
+    c.records.drop_record(rec)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.lists(st.text(alphabet="abcdef/._", min_size=1, max_size=300), max_size=40), min_size=1, max_size=8))
+def test_a_record_rewritten_smaller_or_larger_protects_exactly_its_latest_names(tmp_path_factory, writes):
+    c = FileCache(str(tmp_path_factory.mktemp("rec") / "c"))
+    rec = c.records.record_path(process_tag(), 0)
+    for names in writes:
+        c.records.write_record(rec, names)
+        assert c.records.protected_names() == set(names) - {""}
+    c.records.drop_record(rec)
+
+
+def test_a_record_that_shrinks_a_little_keeps_its_size_and_one_that_shrinks_a_lot_gives_room_back(tmp_path):
+    c = FileCache(str(tmp_path / "c"))
+    rec = c.records.record_path(process_tag(), 0)
+    many = [f"{i:06d}" + "x" * 100 for i in range(2000)]  # ~210 KB
+    c.records.write_record(rec, many)
+    size = os.path.getsize(rec)
+    c.records.write_record(rec, many[1:])  # one name fewer: padded, no ftruncate (it cost ~80 us a call)
+    assert os.path.getsize(rec) == size and c.records.protected_names() == set(many[1:])
+    c.records.write_record(rec, many[:3])  # under half: truncated
+    assert os.path.getsize(rec) < 1000 and c.records.protected_names() == set(many[:3])
     c.records.drop_record(rec)
 
 

@@ -23,6 +23,10 @@ def parse_record_name(name: str) -> tuple[str, str] | None:
     return owner, rest.rsplit(".", 1)[0]
 
 
+RECORD_SLACK = 64 * 1024
+"""Bytes of NUL padding a record that shrank may keep (or up to its own size) before it is truncated."""
+
+
 class ProtectionRecords:
     """The protection records of one cache directory: written, dropped, read."""
 
@@ -49,14 +53,23 @@ class ProtectionRecords:
             # two calls leaves the new names plus a tail of old ones: more protection, never less.
             # A record that grows gets its room first: on a full disk a write stops short (silently,
             # the names past that point lost), while a failed allocation leaves the old record whole.
+            # A record that shrinks a little keeps its size, its tail overwritten with NUL bytes (readers stop
+            # at the first): cutting allocated blocks off with ftruncate cost ~80 us a call, 8% of a warm
+            # epoch of 200,000 small files, where each record grows and shrinks by a name every few items.
             fd = self.kept.fd(path)
-            grow = len(data) - os.fstat(fd).st_size
+            size = os.fstat(fd).st_size
+            payload = data + b"\n"  # the names end with a separator: an older reader sees the NULs as one name
+            cut = size - len(payload) > max(RECORD_SLACK, len(payload))  # shrunk by half or more: give room back
+            if not cut and len(payload) < size:
+                payload += bytes(size - len(payload))
+            grow = len(payload) - size
             if grow > 0 and hasattr(os, "posix_fallocate"):
-                os.posix_fallocate(fd, len(data) - grow, grow)
-            view, done = memoryview(data), 0
-            while done < len(data):
+                os.posix_fallocate(fd, size, grow)
+            view, done = memoryview(payload), 0
+            while done < len(payload):
                 done += os.pwrite(fd, view[done:], done)
-            os.ftruncate(fd, len(data))
+            if cut:
+                os.ftruncate(fd, len(payload))
 
     def drop_record(self, path: str) -> None:
         self.kept.close(path)
@@ -95,7 +108,9 @@ class ProtectionRecords:
                 continue
             try:
                 with open(full, "rb") as f:
-                    names.update(f.read().decode("utf-8", "surrogateescape").split("\n"))
+                    raw = f.read()
+                end = raw.find(b"\0")  # the padding of a record that shrank (write_record)
+                names.update((raw if end < 0 else raw[:end]).decode("utf-8", "surrogateescape").split("\n"))
             except FileNotFoundError:
                 continue
         names.discard("")
