@@ -12,7 +12,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ucmagic.shards.index import (INDEX_NAME, Member, MemberColumns, RangedFile, loads_index, dumps_index,
+from ucmagic.files.ranged import RangedFile
+from ucmagic.shards.index import (INDEX_NAME, Member, MemberColumns, loads_index, dumps_index,
                                   read_index, sample_starts, scan_tar, shard_info, split_key, write_index)
 from ucmagic.files.volume import LocalVolume
 

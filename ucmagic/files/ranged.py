@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import io
 import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Protocol
+from typing import Any, Protocol
 
 from .._util import DaemonPool, open_emptied, wait_result
 from .fetch import with_retries
@@ -233,3 +234,47 @@ def _pwrite_all(fd: int, view: memoryview, off: int) -> None:
     while view:  # pwrite may write less than asked
         w = os.pwrite(fd, view, off)
         view, off = view[w:], off + w
+
+
+class RangedFile(io.RawIOBase):
+    """A seekable read-only file object over a ``readinto_at`` stream (a :class:`RangeReader`, what
+    ``Volume.range_reader`` returns): a reader of the file's format (tar headers, a Parquet footer and its
+    column chunks) reads only the byte ranges it asks for. ``bytes_read`` counts them. Subclasses that
+    keep their bytes elsewhere override :meth:`readinto` and :meth:`close`."""
+
+    def __init__(self, reader: Any, size: int) -> None:
+        super().__init__()
+        self._reader, self._size, self._pos = reader, int(size), 0
+        self.bytes_read = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        self._pos = max(0, base + int(offset))
+        return self._pos
+
+    def readinto(self, buf: Any) -> int:
+        view = memoryview(buf).cast("B")
+        want = min(len(view), max(0, self._size - self._pos))
+        got = 0
+        while got < want:
+            n = self._reader.readinto_at(self._pos + got, view[got:want])
+            if n <= 0:
+                break
+            got += n
+        self._pos += got
+        self.bytes_read += got
+        return got
+
+    def close(self) -> None:
+        if not self.closed and self._reader is not None:
+            self._reader.close()
+        super().close()

@@ -19,9 +19,9 @@ import numpy as np
 import torch
 
 from ..errors import InvalidArgumentError, ShardFormatError
+from ..files.ranged import RangedFile
 from ..files.volume import FileEntry, Volume, filter_entries, open_volume
 from .chunks import CHUNK_SIZE
-from .index import RangedFile
 from .samples import ShardDataset, Span
 
 TOKEN_SUFFIXES = (".bin", ".npy")

@@ -20,10 +20,11 @@ import numpy as np
 from .._util import atomic_write
 from ..files.cache_layout import cache_key
 from ..files.locks import file_lock
+from ..files.ranged import RangedFile
 from ..errors import ShardFormatError
 from ..files.volume import FileEntry, Volume, filter_entries, open_volume
 from .chunks import CHUNK_SIZE
-from .index import (COMPRESSED, COMPRESSED_SUFFIXES, INDEX_NAME, MemberColumns, RangedFile, ShardInfo, dumps_index,
+from .index import (COMPRESSED, COMPRESSED_SUFFIXES, INDEX_NAME, MemberColumns, ShardInfo, dumps_index,
                     loads_index, plain_name, scan_tar, shard_info)
 from .samples import ShardDataset, Span
 

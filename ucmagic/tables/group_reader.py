@@ -18,6 +18,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ..files.ranged import RangedFile
 from .deletion_vectors import deleted_in, filter_rows, keep_mask
 from .footers import TableFile
 from .predicate import RowFilter
@@ -127,16 +128,15 @@ def group_span(md: Any, j: int) -> tuple[int, int]:
     return int(lo or 0), int(hi)
 
 
-class RangeFile(io.RawIOBase):
+class RangeFile(RangedFile):
     """A Parquet file of which only some byte ranges are here (each a cache entry holding ``[start, end)``):
     pyarrow, given the footer, reads only inside them; a read elsewhere is an error naming the offset."""
 
     def __init__(self, name: str, size: int) -> None:
-        super().__init__()
-        self.name_, self.size = name, int(size)
+        super().__init__(None, size)
+        self.name_ = name
         self.starts: list[int] = []
         self.spans: list[tuple[int, int, int]] = []  # (start, end, fd), sorted by start
-        self.pos = 0
 
     def add(self, start: int, end: int, path: str) -> None:
         if any(s == start and e == end for s, e, _ in self.spans):
@@ -146,48 +146,34 @@ class RangeFile(io.RawIOBase):
         self.starts.insert(i, start)
         self.spans.insert(i, (start, end, fd))
 
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self.pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.size}[whence]
-        self.pos = max(0, base + int(offset))
-        return self.pos
-
     def _span(self, want: int) -> tuple[int, int]:
         """``(fd, offset in it)`` of the ``want`` bytes at the position; an error where they were not filled."""
-        i = bisect.bisect_right(self.starts, self.pos) - 1
-        if i < 0 or self.pos + want > self.spans[i][1]:
-            raise OSError(f"{self.name_}: bytes {self.pos}..{self.pos + want} were not filled (a row group's "
+        i = bisect.bisect_right(self.starts, self._pos) - 1
+        if i < 0 or self._pos + want > self.spans[i][1]:
+            raise OSError(f"{self.name_}: bytes {self._pos}..{self._pos + want} were not filled (a row group's "
                           "range is filled before it is read)")
         start, _, fd = self.spans[i]
-        return fd, self.pos - start
+        return fd, self._pos - start
 
     def readinto(self, buf: Any) -> int:
         view = memoryview(buf).cast("B")
-        want = min(len(view), max(0, self.size - self.pos))
+        want = min(len(view), max(0, self._size - self._pos))
         if not want:
             return 0
         fd, at = self._span(want)
         got = os.preadv(fd, [view[:want]], at)
-        self.pos += got
+        self._pos += got
         return got
 
     def read(self, size: int = -1) -> bytes:
         """One ``pread`` into a new bytes object: pyarrow wraps it without a copy (RawIOBase.read copies
         its bytearray once more)."""
-        want = max(0, self.size - self.pos) if size is None or size < 0 else min(size, max(0, self.size - self.pos))
+        want = max(0, self._size - self._pos) if size is None or size < 0 else min(size, max(0, self._size - self._pos))
         if not want:
             return b""
         fd, at = self._span(want)
         out = os.pread(fd, want, at)
-        self.pos += len(out)
+        self._pos += len(out)
         return out
 
     def close(self) -> None:

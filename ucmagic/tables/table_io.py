@@ -10,12 +10,12 @@ folder and shared); it pickles without its open volumes (a worker opens its own)
 """
 from __future__ import annotations
 
-import io
 import os
 import threading
 from typing import Any
 
 from .._util import is_url
+from ..files.ranged import RangedFile
 from ..files.volume import FileEntry, Volume, open_volume
 
 __all__ = ["TableFiles", "VolumeFile", "arrow_filesystem"]
@@ -29,47 +29,12 @@ def _split(path: str) -> tuple[str, str]:
     return os.path.dirname(path) or ".", os.path.basename(path)
 
 
-class VolumeFile(io.RawIOBase):
+class VolumeFile(RangedFile):
     """A seekable read-only file over :meth:`Volume.range_reader`: pyarrow reads a Parquet footer and the
     column chunks it needs as byte ranges, never the whole file."""
 
     def __init__(self, vol: Volume, rel: str, size: int) -> None:
-        super().__init__()
-        self._reader = vol.range_reader(rel)
-        self._size, self._pos = int(size), 0
-        self.bytes_read = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
-        self._pos = max(0, base + int(offset))
-        return self._pos
-
-    def readinto(self, buf: Any) -> int:
-        view = memoryview(buf).cast("B")
-        want = min(len(view), max(0, self._size - self._pos))
-        got = 0
-        while got < want:
-            n = self._reader.readinto_at(self._pos + got, view[got:want])
-            if n <= 0:
-                break
-            got += n
-        self._pos += got
-        self.bytes_read += got
-        return got
-
-    def close(self) -> None:
-        if not self.closed:
-            self._reader.close()
-        super().close()
+        super().__init__(vol.range_reader(rel), size)
 
 
 class TableFiles:
