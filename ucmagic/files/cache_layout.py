@@ -395,35 +395,57 @@ class CacheLayout:
 class KeptOpen:
     """This process's descriptors of small files rewritten often (records, the removal token), kept
     open: reopened after a fork (a child must not write through its parent's) or once the file was
-    removed."""
+    removed. Each descriptor is kept with the identity (device, inode) of the file it opened: one that
+    no longer names that file (closed elsewhere, and its number reused) is forgotten, never written
+    through nor closed, and the file is opened again."""
 
     def __init__(self) -> None:
-        self._fds: dict[str, int] = {}
+        self._fds: dict[str, tuple[int, int, int]] = {}  # path: (fd, st_dev, st_ino)
         self._pid = os.getpid()
+
+    def _current(self, path: str) -> int | None:
+        """The kept descriptor of ``path`` if it still names the file it opened and that file is not removed."""
+        got = self._fds.get(path)
+        if got is None:
+            return None
+        fd, dev, ino = got
+        try:
+            st = os.fstat(fd)
+        except OSError:  # closed by someone else: not ours to close again
+            st = None
+        if st is None or (st.st_dev, st.st_ino) != (dev, ino):
+            if self._fds.get(path) == got:
+                del self._fds[path]
+            return None
+        if st.st_nlink == 0:  # removed meanwhile (e.g. by clear_cache)
+            self.close(path)
+            return None
+        return fd
 
     def fd(self, path: str) -> int:
         """The open descriptor of ``path`` (created if missing; FileNotFoundError if its folder is gone)."""
         pid = os.getpid()
         if self._pid != pid:
             self._fds, self._pid = {}, pid
-        fd = self._fds.get(path)
-        if fd is not None and os.fstat(fd).st_nlink == 0:  # removed meanwhile (e.g. by clear_cache)
-            self.close(path)
-            fd = None
+        fd = self._current(path)
         if fd is None:
             fd = open_private(path)  # never through a link planted in its place
-            kept = self._fds.setdefault(path, fd)  # shared by a process's datasets: another thread may
-            if kept != fd:  # have opened it meanwhile; one descriptor is kept
+            st = os.fstat(fd)
+            kept = self._fds.setdefault(path, (fd, st.st_dev, st.st_ino))  # shared by a process's datasets:
+            if kept[0] != fd:  # another thread may have opened it meanwhile; one descriptor is kept
                 os.close(fd)
-                fd = kept
+                fd = kept[0]
         return fd
 
     def close(self, path: str) -> None:
         if self._pid == os.getpid():
-            fd = self._fds.pop(path, None)
-            if fd is not None:
+            got = self._fds.pop(path, None)
+            if got is not None:
+                fd, dev, ino = got
                 with contextlib.suppress(OSError):
-                    os.close(fd)
+                    st = os.fstat(fd)
+                    if (st.st_dev, st.st_ino) == (dev, ino):  # still ours: a reused number is someone else's
+                        os.close(fd)
 
 
 class RemovalToken:
