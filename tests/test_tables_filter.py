@@ -249,6 +249,37 @@ def test_a_filter_reads_only_the_row_groups_that_match_from_the_volume(tmp_path)
         assert other.num_rows == 41  # another filter, another index
 
 
+def test_batches_read_from_mapped_cache_entries_survive_the_cache_being_cleared(tmp_path):
+    """Cached copies and row-group ranges are memory-mapped: a batch (arrow, zero-copy) still holds its values
+    after the entries are removed; an entry shortened by hand is filled again, never read short."""
+    root = tmp_path / "vol"
+    root.mkdir()
+    for i in range(2):
+        ids = np.arange(i * 4000, (i + 1) * 4000, dtype=np.int64)
+        pq.write_table(pa.table({"id": ids, "x": ids * 0.5}), root / f"f{i}.parquet", row_group_size=1000,
+                       compression="none")
+    cache = tmp_path / "c"
+    with toy_backend.registered(toy_backend.SCHEME, toy_backend.ToyVolume):
+        url = f"{toy_backend.SCHEME}://{root}"
+        for pred in (None, "id % 3 = 0"):
+            ds = ParquetDataset(url, batch_size=700, filter=pred, format="arrow", cache_dir=str(cache))
+            held = list(ds)  # arrow batches over the mapped entries
+            want = [i for i in range(8000) if pred is None or i % 3 == 0]
+            for dirpath, _, names in os.walk(cache):
+                for n in names:
+                    os.unlink(os.path.join(dirpath, n))
+            got = [v for b in held for v in b.column("id").to_pylist()]
+            assert got == want
+            assert [v for b in held for v in b.column("x").to_pylist()] == [i * 0.5 for i in want]
+            assert _ds_ids(ds) == want  # the entries are filled again
+        ranges = [os.path.join(d, n) for d, _, names in os.walk(cache) for n in names if n.endswith(".range")]
+        assert ranges
+        with open(ranges[0], "r+b") as f:
+            f.truncate(10)
+        fresh = ParquetDataset(url, batch_size=700, filter="id % 3 = 0", format="arrow", cache_dir=str(cache))
+        assert _ds_ids(fresh) == [i for i in range(8000) if i % 3 == 0]  # the short entry is a miss: filled again
+
+
 # ---------------------------------------------------------------- --where
 
 def test_where_on_the_cli_load_and_export_and_on_ucload(tmp_path, capsys, magic_shell, monkeypatch):

@@ -23,17 +23,19 @@ from .deletion_vectors import deleted_in, filter_rows, keep_mask
 from .footers import TableFile
 from .predicate import RowFilter
 
-__all__ = ["read_columns", "dropped_rows", "index_file", "group_span", "RangeFile"]
+__all__ = ["read_columns", "dropped_rows", "index_file", "group_span", "RangeFile", "map_file"]
 
 
-def read_columns(pf: Any, f: TableFile, j: int, columns: Sequence[str], schema: Any, snap: Any) -> Any:
-    """Columns ``columns`` of row group ``j`` of ``f`` (every stored row), as the table defines them."""
+def read_columns(pf: Any, f: TableFile, j: int, columns: Sequence[str], schema: Any, snap: Any,
+                 threads: bool = False) -> Any:
+    """Columns ``columns`` of row group ``j`` of ``f`` (every stored row), as the table defines them;
+    ``threads``: decode the columns on pyarrow's CPU pool (in a process that has the cores to itself)."""
     import pyarrow as pa
 
     cols = list(columns)
     if snap is None:
         part = f.partition
-        t = pf.read_row_group(j, columns=[c for c in cols if c not in part], use_threads=False)
+        t = pf.read_row_group(j, columns=[c for c in cols if c not in part], use_threads=threads)
         if part:  # Hive partition values: one constant column each, in the requested order
             n = t.num_rows
             for c in cols:
@@ -45,7 +47,7 @@ def read_columns(pf: Any, f: TableFile, j: int, columns: Sequence[str], schema: 
         want = pa.schema([schema.field(c) for c in cols])
         return t if t.schema.equals(want) else t.cast(want)
     fcols = snap.file_columns(pf.schema_arrow, [c for c in cols if c not in snap.partition_columns])
-    data = pf.read_row_group(j, columns=sorted({v for v in fcols.values() if v is not None}), use_threads=False)
+    data = pf.read_row_group(j, columns=sorted({v for v in fcols.values() if v is not None}), use_threads=threads)
     return snap.logical(data, f.delta, cols, fcols)
 
 
@@ -130,58 +132,81 @@ def group_span(md: Any, j: int) -> tuple[int, int]:
 
 class RangeFile(RangedFile):
     """A Parquet file of which only some byte ranges are here (each a cache entry holding ``[start, end)``):
-    pyarrow, given the footer, reads only inside them; a read elsewhere is an error naming the offset."""
+    pyarrow, given the footer, reads only inside them; a read elsewhere is an error naming the offset.
+
+    Each entry is memory-mapped (read-only) when added and ``read`` hands pyarrow a view of the mapping: no
+    copy before decoding and no descriptor kept. Cache entries are written to a temporary name and renamed,
+    never changed in place; one evicted while mapped stays readable until its mapping goes."""
 
     def __init__(self, name: str, size: int) -> None:
         super().__init__(None, size)
         self.name_ = name
         self.starts: list[int] = []
-        self.spans: list[tuple[int, int, int]] = []  # (start, end, fd), sorted by start
+        self.spans: list[tuple[int, int, memoryview]] = []  # (start, end, the entry's bytes), sorted by start
 
     def add(self, start: int, end: int, path: str) -> None:
         if any(s == start and e == end for s, e, _ in self.spans):
             return
-        fd = os.open(path, os.O_RDONLY)
+        view = map_file(path, end - start)
         i = bisect.bisect_left(self.starts, start)
         self.starts.insert(i, start)
-        self.spans.insert(i, (start, end, fd))
+        self.spans.insert(i, (start, end, view))
 
-    def _span(self, want: int) -> tuple[int, int]:
-        """``(fd, offset in it)`` of the ``want`` bytes at the position; an error where they were not filled."""
+    def _span(self, want: int) -> tuple[memoryview, int]:
+        """``(bytes of the entry, offset in it)`` of the ``want`` bytes at the position; an error where they
+        were not filled."""
         i = bisect.bisect_right(self.starts, self._pos) - 1
         if i < 0 or self._pos + want > self.spans[i][1]:
             raise OSError(f"{self.name_}: bytes {self._pos}..{self._pos + want} were not filled (a row group's "
                           "range is filled before it is read)")
-        start, _, fd = self.spans[i]
-        return fd, self._pos - start
+        start, _, view = self.spans[i]
+        return view, self._pos - start
+
+    def _want(self, size: int | None) -> int:
+        left = max(0, self._size - self._pos)
+        return left if size is None or size < 0 else min(size, left)
 
     def readinto(self, buf: Any) -> int:
         view = memoryview(buf).cast("B")
-        want = min(len(view), max(0, self._size - self._pos))
+        want = self._want(len(view))
         if not want:
             return 0
-        fd, at = self._span(want)
-        got = os.preadv(fd, [view[:want]], at)
-        self._pos += got
-        return got
+        src, at = self._span(want)
+        view[:want] = src[at:at + want]
+        self._pos += want
+        return want
 
-    def read(self, size: int = -1) -> bytes:
-        """One ``pread`` into a new bytes object: pyarrow wraps it without a copy (RawIOBase.read copies
-        its bytearray once more)."""
-        want = max(0, self._size - self._pos) if size is None or size < 0 else min(size, max(0, self._size - self._pos))
+    def read(self, size: int = -1) -> Any:  # a read-only view of the mapping, as pyarrow takes it
+        """A view of the mapped entry (pyarrow wraps it without a copy and keeps the mapping alive while it
+        holds it)."""
+        want = self._want(size)
         if not want:
             return b""
-        fd, at = self._span(want)
-        out = os.pread(fd, want, at)
-        self._pos += len(out)
-        return out
+        src, at = self._span(want)
+        self._pos += want
+        return src[at:at + want]
 
     def close(self) -> None:
-        if not self.closed:
-            for _, _, fd in self.spans:
-                os.close(fd)
+        if not self.closed:  # the mappings go with the last view pyarrow still holds
             self.spans, self.starts = [], []
         super().close()
+
+
+def map_file(path: str, size: int) -> memoryview:
+    """The first ``size`` bytes of the file at ``path``, memory-mapped read-only (no descriptor kept)."""
+    import mmap
+
+    if size <= 0:
+        return memoryview(b"")
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        have = os.fstat(fd).st_size
+        if have < size:
+            raise OSError(f"{path}: a cache entry of {have} bytes where {size} were filled (was the cache "
+                          "changed by hand?): run `python -m ucmagic cache clear` and read again")
+        return memoryview(mmap.mmap(fd, size, access=mmap.ACCESS_READ))
+    finally:
+        os.close(fd)
 
 
 # ---------------------------------------------------------------- the row index on disk

@@ -60,10 +60,11 @@ class TableReader:
         self.group_file: list[tuple[int, int]] = []  # the dataset's row groups: (file, row group in the file)
         self._fill: CacheFiller | None = None
         self._checked: set[str] = set()  # files stat-ed before their first ranged fill
+        self._threads: bool | None = None  # decode on pyarrow's threads (see threads())
 
     def __getstate__(self) -> dict[str, Any]:
         st = self.__dict__.copy()
-        st["_fill"], st["_checked"] = None, set()
+        st["_fill"], st["_checked"], st["_threads"] = None, set(), None
         return st
 
     def local(self, fi: int) -> str:
@@ -130,6 +131,15 @@ class TableReader:
         version = self.snapshot.version if self.snapshot is not None else None
         return os.path.join(folder, index_key(self.files, rf, version) + ".npz")
 
+    def threads(self) -> bool:
+        """Decode a row group's columns in parallel: in the loop's own process, not in a DataLoader worker
+        (workers already share the cores)."""
+        if self._threads is None:
+            from torch.utils.data import get_worker_info
+
+            self._threads = get_worker_info() is None
+        return self._threads
+
     def filler(self) -> CacheFiller:
         if self._fill is None:
             if self.cache is None:
@@ -148,6 +158,7 @@ class TableReader:
         """This thread's ParquetFile of file ``fi``: the cached copy (whole-file fill), the file itself through
         its volume (no cache), or, ``ranged`` (default: with a filter), a file of which row group ``j``'s bytes
         were filled into the cache as one byte range (:meth:`CacheFiller.fill_range`)."""
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
         ranged = (self.filter is not None) if ranged is None else ranged
@@ -170,9 +181,9 @@ class TableReader:
             return got[0]
         path = self.local(fi)
         try:
-            if path != self.files[fi].path:  # a cached copy
-                f = open(path, "rb")  # noqa: SIM115 - closed with the reader
-                size = os.fstat(f.fileno()).st_size
+            if path != self.files[fi].path:  # a cached copy (written once, renamed into place): memory-mapped
+                f = pa.memory_map(path)
+                size = f.size()
             else:  # the file itself, through its volume (plain reads where it is local)
                 size = self.io.stat(path).size
                 f = self.io.open(path, size)
@@ -194,7 +205,7 @@ class TableReader:
         fi, j = self.group_file[g]
         pf = self.open(readers, lock, fi, j, ranged)
         f = self.files[fi]
-        t = read_columns(pf, f, j, self.columns, self.schema, self.snapshot)
+        t = read_columns(pf, f, j, self.columns, self.schema, self.snapshot, threads=self.threads())
         if f.stored_rows is None or f.kept is not None or self.snapshot is None:
             return t, dropped_rows(f, j, None, None)
         key = (threading.get_ident(), "delta")
