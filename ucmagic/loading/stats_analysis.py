@@ -56,33 +56,40 @@ class StageTotals:
     KEYS = ("compute", "wait", *(f"wait_{k}" for k in STAGES), *STAGES, "batches")
 
     def __init__(self) -> None:
-        self.sums = dict.fromkeys(self.KEYS, 0.0)
+        self._v = [0.0] * len(self.KEYS)  # in KEYS order: the loop's thread adds to it per batch
 
     def add(self, wait: float, compute: float, stages: Sequence[float | None] | None) -> None:
-        """One batch (unrolled: the loop's thread runs it per batch)."""
-        s = self.sums
-        s["compute"] += compute
-        s["wait"] += wait
-        s["batches"] += 1
-        f, u, k = (_num(x) for x in stages) if stages is not None else (0.0, 0.0, 0.0)
-        s["fetch"] += f
-        s["user"] += u
-        s["collate"] += k
+        """One batch (flat and unrolled: the loop's thread runs it per batch)."""
+        v = self._v
+        v[0] += compute
+        v[1] += wait
+        v[8] += 1.0
+        if stages is None:
+            v[2] += wait
+            return
+        f, u, k = stages
+        f = 0.0 if f is None or f != f else f  # f != f: NaN (not measured)
+        u = 0.0 if u is None or u != u else u
+        k = 0.0 if k is None or k != k else k
+        v[5] += f
+        v[6] += u
+        v[7] += k
         made = f + u + k
         if made > 0:
             share = wait / made
-            s["wait_fetch"] += f * share
-            s["wait_user"] += u * share
-            s["wait_collate"] += k * share
+            v[2] += f * share
+            v[3] += u * share
+            v[4] += k * share
         else:
-            s["wait_fetch"] += wait
+            v[2] += wait
+
+    @property
+    def sums(self) -> dict[str, float]:
+        """Seconds per key (:data:`KEYS`)."""
+        return dict(zip(self.KEYS, self._v))
 
     def as_dict(self) -> dict[str, float]:
-        return dict(self.sums)
-
-
-def _num(x: float | None) -> float:
-    return 0.0 if x is None or x != x else float(x)  # x != x: NaN
+        return self.sums
 
 
 def breakdown(b: BatchTable, mask: np.ndarray) -> dict[str, float]:
