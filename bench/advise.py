@@ -10,13 +10,17 @@ Three workloads on the ``slow://`` simulator, each two epochs from an empty cach
   decode (the bytes' length): I/O-bound;
 - ``decode``: the seeds' ``ImageDataset`` (PIL decode to a float tensor, as bench/imagedataset.py)
   over JPEGs of about 40 KiB on P20: decode-bound;
-- ``budget``: P20, files of 64 KiB, ``cache_limit`` at 40% of the dataset: every epoch copies again.
+- ``budget``: P20, files of 64 KiB, ``cache_limit`` at 40% of the dataset: every epoch copies again;
+- ``decode-1core``: ``decode`` with the cache warmed first (``ds.warm()``, not timed) and the process
+  (so its workers) pinned to one of the machine's cores: decode-bound on every core it has, the advice
+  "use 2 cores" is followed by giving it two (on a machine with at least two).
 
 The loop does ``--step-ms`` of CPU work per batch (a training step). Then the top advice is applied
-(``num_workers``, ``prefetch_factor``, ``cache_limit``, or ``ds.warm()`` before the loop, its time
-printed apart; packing is not applied here, the row says so) and the two epochs run again from an
-empty cache; the epoch the advice predicted (the first for ``ds.warm()``, else the last) is compared.
-The sweep runs workers {0, 1, 2, 4} x prefetch {2, 4, 8} (``--quick``: {0, 2} x {2}, fewer files).
+(``num_workers``, ``prefetch_factor``, ``cache_limit``, ``ds.warm()`` before the loop, its time
+printed apart, or more cores where the machine has them; packing is not applied here, the row says
+so) and the two epochs run again from an empty cache; the epoch the advice predicted (the first for
+``ds.warm()``, else the last) is compared. The sweep runs workers {0, 1, 2, 4} x prefetch {2, 4, 8}
+(``--quick``: {0, 2} x {2}, fewer files), on the workload's cores.
 Targets (issue 45): following the advice lands within 20% of the sweep's best; each prediction
 within 25% of what was measured. Run it on a quiet machine: the figures are wall times.
 """
@@ -96,12 +100,35 @@ def workloads(work: str, quick: bool) -> dict[str, dict[str, Any]]:
     if not os.path.isdir(src):
         make_files(src, n // 2, 64 * 1024, per_dir=200)
     out["budget"] = {"src": src, "profile": P20, "wrap": Lengths, "limit": int(0.4 * (n // 2) * 64 * 1024)}
+    if len(all_cores()) >= 2:
+        out["decode-1core"] = {**out["decode"], "cores": 1, "warm": True}
     return out
 
 
+def all_cores() -> list[int]:
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+
+
+ALL_CORES = all_cores()
+
+
 def run(w: dict[str, Any], cache: str, step_s: float, *, workers: int | None = None, prefetch: int | None = None,
-        limit: Any = "default", warm: bool = False) -> dict[str, Any]:
-    """Two epochs from an empty cache; epoch seconds, the stats' advice and the ds.warm() seconds."""
+        limit: Any = "default", warm: bool = False, cores: int | None = None) -> dict[str, Any]:
+    """Two epochs from an empty cache; epoch seconds, the stats' advice and the ds.warm() seconds.
+    ``cores`` (default: the workload's, else all): the process and its workers run on that many cores."""
+    ncores = cores or w.get("cores") or len(ALL_CORES)
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, ALL_CORES[:ncores])
+    try:
+        return _run(w, cache, step_s, workers=workers, prefetch=prefetch, limit=limit,
+                    warm=warm or bool(w.get("warm")))
+    finally:
+        if hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, ALL_CORES)
+
+
+def _run(w: dict[str, Any], cache: str, step_s: float, *, workers: int | None, prefetch: int | None,
+         limit: Any, warm: bool) -> dict[str, Any]:
     cache = tempfile.mkdtemp(prefix="cache-", dir=cache)  # each run its own: no earlier loader's records
     ds = UCVolumeDataset(f"slow://{w['src']}", cache_dir=cache, storage_options=w["profile"],
                          cache_limit=w["limit"] if limit == "default" else limit)
@@ -117,7 +144,8 @@ def run(w: dict[str, Any], cache: str, step_s: float, *, workers: int | None = N
         warm_s = time.perf_counter() - t0
     loader = DataLoader(w["wrap"](ds), **kw)
     print(f"  running workers={loader.num_workers} prefetch={loader.prefetch_factor} limit={ds.cache.limit} "
-          f"warm={warm}", file=sys.stderr, flush=True)
+          f"warm={warm} cores={len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else '-'}",
+          file=sys.stderr, flush=True)
     secs = []
     for _ in range(2):
         t0 = time.perf_counter()
@@ -136,7 +164,11 @@ def apply(top: Any, w: dict[str, Any], base: dict[str, Any]) -> dict[str, Any] |
     """The run arguments that follow ``top`` (None: not applied by this bench)."""
     s = top.settings
     kw: dict[str, Any] = {"workers": base["workers"], "prefetch": base["prefetch"]}
-    if "num_workers" in s:
+    if "cores" in s:  # more cores (and a worker each): only where this machine has them
+        if int(s["cores"]) > len(ALL_CORES):
+            return None
+        kw["cores"], kw["workers"] = int(s["cores"]), int(s["num_workers"])
+    elif "num_workers" in s:
         kw["workers"] = int(s["num_workers"])
     elif "prefetch_factor" in s:
         kw["prefetch"] = int(s["prefetch_factor"])
@@ -154,7 +186,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer files and a 2-setting sweep (a smoke run)")
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "ucmagic-bench-advise"))
     ap.add_argument("--step-ms", type=float, default=5.0, help="CPU work of the loop per batch")
-    ap.add_argument("--only", default="io,decode,budget", help="comma-separated workloads")
+    ap.add_argument("--only", default="io,decode,budget,decode-1core", help="comma-separated workloads")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args()
     os.makedirs(args.workdir, exist_ok=True)
@@ -174,8 +206,8 @@ def main() -> None:
         row: dict[str, Any] = {"workload": name, "default": f"workers={base['workers']} prefetch={base['prefetch']}",
                                "epochs": base["epochs"], "advice": [str(a) for a in advice]}
         which = 0 if top is not None and top.kind in ("warm", "pack") else 1
-        if top is not None and top.kind not in ("none", "limit"):
-            kw = apply(top, w, base)
+        kw = apply(top, w, base) if top is not None and top.kind != "none" else None
+        if kw is not None or (top is not None and top.kind not in ("none", "limit")):
             row["top"] = top.change
             row["predicted_s"] = top.predicted_s
             if kw is None:
@@ -184,23 +216,23 @@ def main() -> None:
             else:
                 after = run(w, cache, step, **kw)
                 row["measured_s"] = after["epochs"][which]
-                row["warm_s"] = after["warm_s"] or None
+                row["warm_s"] = after["warm_s"] if top.kind == "warm" else None
         else:  # nothing to change in the loader: following the advice is keeping the default
             row["top"] = top.change if top is not None else "-"
             row["predicted_s"] = top.predicted_s if top is not None else None
             row["measured_s"] = base["epochs"][-1]
-            if top is not None and top.kind == "limit":  # its prediction is for a machine with more cores
+            if top is not None and top.kind == "limit":  # its prediction is for more cores than this machine has
                 row["followed_s"], row["measured_s"] = base["epochs"][-1], None
-                row["note"] = "limit: the prediction is for more cores, not measurable here; kept the default"
+                row["note"] = "limit: the prediction is for more cores than this machine has; kept the default"
         best = None
-        for nw, pf in sweep:
+        for nw, pf in sweep:  # on the workload's cores (a machine's setting is not the loader's)
             got = run(w, cache, step, workers=nw, prefetch=pf)["epochs"][which]
             if best is None or got < best[0]:
                 best = (got, f"workers={nw} prefetch={pf}")
         row["sweep_best_s"], row["sweep_best"] = best
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "advice"}), flush=True)
-    print(f"\n{'workload':9s} {'default epoch s':>16s}  {'top advice':40s} {'predicted':>9s} {'measured':>9s} "
+    print(f"\n{'workload':12s} {'default epoch s':>16s}  {'top advice':40s} {'predicted':>9s} {'measured':>9s} "
           f"{'pred err':>8s} {'sweep best':>10s} {'vs best':>8s}  best setting")
     for r in rows:
         pred, meas, best = r["predicted_s"], r["measured_s"], r["sweep_best_s"]
@@ -208,7 +240,7 @@ def main() -> None:
         err = f"{(pred - meas) / meas:+.0%}" if pred is not None and meas else "-"
         vs = f"{(followed - best) / best:+.0%}" if followed else "-"
         warmed = f"  (ds.warm() took {r['warm_s']:.2f} s before the epoch)" if r.get("warm_s") else ""
-        print(f"{r['workload']:9s} {' / '.join(f'{x:.2f}' for x in r['epochs']):>16s}  {r['top'][:40]:40s} "
+        print(f"{r['workload']:12s} {' / '.join(f'{x:.2f}' for x in r['epochs']):>16s}  {r['top'][:40]:40s} "
               f"{pred if pred is not None else float('nan'):9.2f} {meas if meas is not None else float('nan'):9.2f} "
               f"{err:>8s} {best:10.2f} {vs:>8s}  {r['sweep_best']}{'  (' + r['note'] + ')' if 'note' in r else ''}"
               f"{warmed}")

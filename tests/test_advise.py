@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ucmagic import DataLoader
-from ucmagic.loading.advise import EpochTimes, Measured, advise, epoch_model
+from ucmagic.loading.advise import EpochTimes, Measured, advise, compute_after, epoch_model
 
 
 def epoch(n=100, *, fetch=0.0, user=0.0, collate=0.0, compute=0.01, wait=0.0, misses=0, items=None, p99=None):
@@ -88,6 +88,7 @@ def test_decode_bound_on_every_core_says_so():
     m = Measured([epoch(user=0.04, compute=0.001, wait=0.02)], num_workers=2, prefetch_factor=4, cores=2)
     got = advise(m)
     assert kinds(got) == ["limit"] and "4 cores" in got[0].change
+    assert got[0].settings == {"cores": 4, "num_workers": 4}  # what the prediction assumed, to follow it
 
 
 def test_the_model_runs_everything_in_the_loop_without_workers():
@@ -170,3 +171,46 @@ def test_merged_ranks_are_advised_on_the_rank_the_others_wait_for(tmp_path):
     merged = LoaderStats.merge([LoaderStats.from_dict(part(0, 0.001)), LoaderStats.from_dict(part(1, 0.04))])
     top = merged.advise()[0]
     assert top.kind == "workers" and top.now_s == pytest.approx(10 * 0.05)  # rank 1's epoch, not the sum
+
+
+def test_taking_work_off_the_workers_gives_the_loop_its_cores_back():
+    # the loop's compute took 10 ms per batch, 6 ms of it on the CPU: 4 ms waiting for a core the copies held
+    e = epoch(fetch=0.05, user=0.001, collate=0.001, compute=0.010, wait=0.04, misses=400)
+    e.compute_cpu = 0.006 * 100
+    assert compute_after(e, e.fetch) == pytest.approx(e.compute)  # nothing changes: the measured compute
+    assert compute_after(e, 0.0) == pytest.approx(100 * (0.006 + 0.004 * 0.002 / 0.052))
+    e.compute_cpu = None  # unknown (no workers, stats saved before): the measured compute
+    assert compute_after(e, 0.0) == pytest.approx(e.compute)
+
+
+def test_a_larger_cache_limit_predicts_hits_with_the_loops_cpu_time_and_the_startup_only():
+    tight = epoch(fetch=0.08, user=0.001, collate=0.0, compute=0.007, wait=0.04, misses=400)
+    tight.compute_cpu = 0.005 * 100
+    tight.first_wait, tight.first_made = 0.3, 0.25  # the first batch's wait: mostly copying it
+    m = Measured([tight, tight], num_workers=2, prefetch_factor=4, cores=2, cache_limit=10**9,
+                 dataset_bytes=2 * 10**9, refetches=400, later_misses=400)
+    c = next(a for a in advise(m) if a.kind == "cache_limit")
+    loop = 0.005 + 0.002 * 0.001 / 0.081  # per batch: the CPU time and what is left of the contention
+    assert c.predicted_s == pytest.approx(100 * loop + 0.05)
+    assert "7.0 ms per batch, 5.0 ms of it on the CPU" in c.because
+
+
+def test_the_loops_cpu_per_epoch_is_recorded_saved_and_merged(tmp_path):
+    from ucmagic import LoaderStats
+
+    loader = DataLoader(list(range(64)), batch_size=8, num_workers=0, log_to_mlflow=False)
+    for _ in range(2):
+        for _ in loader:
+            end = time.thread_time() + 0.002
+            while time.thread_time() < end:
+                pass
+    cpu = loader.stats.setup["loop_cpu_s"]
+    assert set(cpu) == {"0", "1"} and all(v >= 8 * 0.002 for v in cpu.values())
+    again = LoaderStats.load(loader.stats.save(tmp_path / "s.json"))
+    assert again.setup["loop_cpu_s"] == pytest.approx(cpu)
+    other = LoaderStats.from_dict({**loader.stats.to_dict(), "rank": 1})
+    other.setup["loop_cpu_s"] = {"0": 100.0}
+    merged = LoaderStats.merge([again, other])
+    assert merged.setup["loop_cpu_s"] == pytest.approx({"0": 100.0, "1": cpu["1"]})  # the busiest rank's
+    loader.stats.reset()
+    assert "loop_cpu_s" not in loader.stats.setup

@@ -12,6 +12,10 @@ takes ``c`` seconds of its own per batch, so the epoch lasts ``batches * max(c, 
 the measured epoch had beyond this model, up to its first batch's wait (startup), which every
 prediction keeps. With no workers
 everything runs in the loop: ``batches * (c + f + u + k)``.
+
+A change that takes work off the workers (``ds.warm()``, a larger ``cache_limit``, packing) also gives
+the loop its cores back: of ``c``, the part beyond the loop thread's measured CPU time (it waited for a
+core) shrinks with the workers' work (:func:`compute_after`).
 """
 from __future__ import annotations
 
@@ -43,6 +47,7 @@ class EpochTimes:
     wait_p99: float = 0.0
     first_wait: float = 0.0  # the epoch's first batch's wait: its startup (workers, the first fetches)
     first_made: float = 0.0  # that batch's stage seconds: what of the first wait was making it
+    compute_cpu: float | None = None  # the loop thread's CPU seconds in the epoch (with workers; None: unknown)
 
     @property
     def total(self) -> float:
@@ -91,15 +96,38 @@ def cpus_free(m: Measured, e: EpochTimes) -> float:
     return max(1.0, m.cores - busy)
 
 
-def epoch_model(e: EpochTimes, workers: int, cpus: float, fetch: float | None = None) -> float:
-    """Modelled seconds of epoch ``e`` with ``workers`` (``fetch``: its total fetch seconds instead)."""
+def epoch_model(e: EpochTimes, workers: int, cpus: float, fetch: float | None = None,
+                compute: float | None = None) -> float:
+    """Modelled seconds of epoch ``e`` with ``workers`` (``fetch``, ``compute``: its total fetch and loop
+    compute seconds instead of the measured ones)."""
     n = max(e.batches, 1.0)
     f = (e.fetch if fetch is None else fetch) / n
-    u, k, c = e.user / n, e.collate / n, e.compute / n
+    u, k, c = e.user / n, e.collate / n, (e.compute if compute is None else compute) / n
     if workers <= 0:
         return e.batches * (c + f + u + k)
     period = max((f + u + k) / workers, (u + k) / min(cpus, workers))
     return e.batches * max(c, period)
+
+
+def compute_after(e: EpochTimes, fetch: float) -> float:
+    """The loop's compute seconds in epoch ``e`` once the workers fetch ``fetch`` seconds instead of
+    ``e.fetch``. The loop's thread ran ``e.compute_cpu`` of its ``e.compute`` seconds on a core; the rest it
+    waited for one the workers held, and that share shrinks with the workers' work (fetch + your code +
+    collate). Unknown CPU (no workers, older stats): the measured compute."""
+    cc = e.compute_cpu
+    work = e.fetch + e.user + e.collate
+    if cc is None or cc >= e.compute or work <= 0:
+        return e.compute
+    return cc + (e.compute - cc) * min(1.0, (fetch + e.user + e.collate) / work)
+
+
+def _contention(e: EpochTimes) -> str:
+    """The measured numbers :func:`compute_after` used, for an advice's ``because``."""
+    if e.compute_cpu is None or e.compute_cpu >= e.compute:
+        return ""
+    n = max(e.batches, 1.0)
+    return (f"; the loop's compute took {e.compute / n * 1e3:.1f} ms per batch, {e.compute_cpu / n * 1e3:.1f} ms of "
+            "it on the CPU: the rest shrinks with the workers' work")
 
 
 def _overhead(m: Measured, e: EpochTimes) -> float:
@@ -142,12 +170,14 @@ def advise(m: Measured) -> list[Advice]:
 
 
 def _limit(m: Measured, e: EpochTimes) -> Advice:
-    """Nothing within this machine helps: the workers use every core on fetch, your code and collate."""
+    """Nothing within this machine helps: the workers use every core on fetch, your code and collate.
+    Its ``settings``: ``cores`` (the machine's) and ``num_workers`` (one per core) it predicts with."""
     cpus = cpus_free(m, e)
     more = epoch_model(e, 2 * m.cores, cpus + m.cores) + _overhead(m, e)
     return Advice("limit", f"make your per-item code cheaper, or use {2 * m.cores} cores", more, e.total,
                   f"{m.num_workers} workers on {m.cores} cores already make batches as fast as the cores allow; "
-                  f"{_stages(e)}; predicted with twice the cores", {})
+                  f"{_stages(e)}; predicted with twice the cores and num_workers={2 * m.cores}",
+                  {"cores": 2 * m.cores, "num_workers": 2 * m.cores})
 
 
 def _s(x: float) -> str:
@@ -194,12 +224,14 @@ def _cache_limit(m: Measured, e: EpochTimes) -> Advice | None:
         return None
     share = min(1.0, m.refetches / max(1, sum(x.misses for x in m.epochs[1:])))
     # hits cost next to nothing beside a copy: the re-fetched share of the misses is that share of the fetch
-    predicted = epoch_model(e, m.num_workers, cpus_free(m, e), e.fetch * (1 - share)) + _overhead(m, e)
+    fetch = e.fetch * (1 - share)
+    predicted = epoch_model(e, m.num_workers, cpus_free(m, e), fetch, compute_after(e, fetch)) + _startup(e)
     size = f"{m.dataset_bytes / 1e9:.2f} GB" if m.dataset_bytes else "the dataset's size"
     now = f"now {m.cache_limit / 1e9:.2f} GB" if m.cache_limit else "now unset: the disk's free space"
     return Advice("cache_limit", f"cache_limit >= {size} ({now})", predicted, e.total,
                   f"{m.refetches} of {m.later_misses} misses after the first epoch re-fetched files the cache "
-                  f"had held (evicted); last epoch fetch {_s(e.fetch)} s", {"cache_limit": m.dataset_bytes})
+                  f"had held (evicted); last epoch fetch {_s(e.fetch)} s{_contention(e)}",
+                  {"cache_limit": m.dataset_bytes})
 
 
 def _cold(m: Measured) -> bool:
@@ -220,11 +252,11 @@ def _warm(m: Measured) -> Advice | None:
     else:
         fetch = first.fetch * (1 - first.misses / max(1, first.items))
         how = "the hits' share of the fetch kept"
-    predicted = epoch_model(first, m.num_workers, cpus, fetch) + _startup(first)
+    predicted = epoch_model(first, m.num_workers, cpus, fetch, compute_after(first, fetch)) + _startup(first)
     return Advice("warm", "ds.warm(background=False) before training", predicted, first.total,
                   f"epoch 0 missed {first.misses} of {first.items} items and waited {_s(first.wait)} s of "
-                  f"{_s(first.total)} s (fetch {_s(first.fetch)} s); {how}; warming copies the files once, "
-                  "before the loop, in parallel", {"warm": True})
+                  f"{_s(first.total)} s (fetch {_s(first.fetch)} s); {how}{_contention(first)}; warming copies "
+                  "the files once, before the loop, in parallel", {"warm": True})
 
 
 def _pack(m: Measured, e: EpochTimes) -> Advice | None:
@@ -238,8 +270,8 @@ def _pack(m: Measured, e: EpochTimes) -> Advice | None:
     if per_miss <= 2 * read:
         return None
     fetch = cold.fetch * read / per_miss
-    predicted = epoch_model(cold, m.num_workers, cpus_free(m, cold), fetch) + _startup(cold)
+    predicted = epoch_model(cold, m.num_workers, cpus_free(m, cold), fetch, compute_after(cold, fetch)) + _startup(cold)
     return Advice("pack", "pack the small files into shards (ucmagic.shards.pack)", predicted, cold.total,
                   f"mean file {m.mean_file_bytes / 1024:.0f} KB took {per_miss * 1e3:.1f} ms of fetch per copy "
                   f"in epoch 0, {read * 1e3:.2f} ms at an assumed {SHARD_RATE / 1e6:.0f} MB/s from shards: the "
-                  "per-file opens dominate", {"pack": True})
+                  f"per-file opens dominate{_contention(cold)}", {"pack": True})

@@ -13,6 +13,7 @@ batches (same world size); other iterable datasets by skipping delivered batches
 from __future__ import annotations
 
 import os
+import threading
 import time
 import weakref
 from typing import Any, Callable, Iterator, Mapping
@@ -469,6 +470,9 @@ class DataLoader(tud.DataLoader[Any]):
         sink = self._make_sink()
         perf = time.perf_counter
         error: BaseException | None = None
+        # the loop thread's CPU over the epoch (one read at each end): how much of its compute was its own work
+        ident, cpu = threading.get_ident, time.thread_time  # bound now: at exit the modules' names are None
+        cpu0, thread, epoch = cpu(), ident(), stats.epoch
         try:
             for _ in range(skip):  # generic iterable resume: drop what was delivered before
                 if next(inner, END) is END:
@@ -514,6 +518,8 @@ class DataLoader(tud.DataLoader[Any]):
                 planned.release_iteration(self)
             if sink is not None:
                 sink.close()
+            if ident() == thread:  # closed from another thread: its clock is not this loop's
+                stats.add_loop_cpu(epoch, cpu() - cpu0)
             for end_cb in self._end_callbacks:
                 end_cb(self, stats, error)
 

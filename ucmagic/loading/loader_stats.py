@@ -95,6 +95,13 @@ class LoaderStats:
         self.last_fetch_s, self.last_compute_s = fetch_s, compute_s
         self.epoch_count += 1
 
+    def add_loop_cpu(self, epoch: int | None, seconds: float) -> None:
+        """The loop's thread spent ``seconds`` of CPU in an iteration over ``epoch`` (kept in :attr:`setup`,
+        ``"loop_cpu_s"``: {epoch: seconds}, saved and merged with it)."""
+        per = self.setup.setdefault("loop_cpu_s", {})
+        key = str(epoch if epoch is not None else 0)
+        per[key] = per.get(key, 0.0) + max(0.0, float(seconds))
+
     def begin_epoch(self, epoch: int | None) -> None:
         """A new iteration over ``epoch`` starts (per-epoch counts restart)."""
         self.epoch, self.epoch_count = epoch, 0
@@ -105,6 +112,7 @@ class LoaderStats:
         self._rec.reset()
         self._item_log.reset()
         self.epoch_stages = analysis.StageTotals()
+        self.setup.pop("loop_cpu_s", None)
         self.epoch_count = 0
         self.last_fetch_s = self.last_compute_s = math.nan
 

@@ -134,6 +134,8 @@ def measured(b: BatchTable, setup: dict[str, Any], counters: dict[str, int] | No
         b = {k: v[keep] for k, v in b.items()}
     epochs = sorted({int(e) for e in b["epoch"]})
     per = [breakdown(b, b["epoch"] == e) for e in epochs]
+    loop_cpu = setup.get("loop_cpu_s") or {}
+    workers = int(setup.get("num_workers") or 0)
     items = b["items"]
     sized = items > 0
     return Measured(
@@ -142,9 +144,11 @@ def measured(b: BatchTable, setup: dict[str, Any], counters: dict[str, int] | No
                            items=int(items[b["epoch"] == e].sum()),
                            wait_p99=float(percentiles(b["fetch_s"][b["epoch"] == e], (99,))["p99"]),
                            first_wait=float(b["fetch_s"][b["epoch"] == e][0]),
-                           first_made=float(sum(np.nan_to_num(b[f"stage_{k}_s"][b["epoch"] == e][0]) for k in STAGES)))
+                           first_made=float(sum(np.nan_to_num(b[f"stage_{k}_s"][b["epoch"] == e][0]) for k in STAGES)),
+                           # with workers the loop thread's CPU is its compute's (without, it also made the batches)
+                           compute_cpu=(float(loop_cpu[str(e)]) if workers > 0 and str(e) in loop_cpu else None))
                 for e, p in zip(epochs, per)],
-        num_workers=int(setup.get("num_workers") or 0), prefetch_factor=int(setup.get("prefetch_factor") or 0),
+        num_workers=workers, prefetch_factor=int(setup.get("prefetch_factor") or 0),
         cores=int(setup.get("cores") or 1), batch_size=int(setup.get("batch_size") or 1),
         dataset=str(setup.get("dataset") or ""), cache_limit=setup.get("cache_limit"),
         dataset_bytes=setup.get("dataset_bytes"), files=setup.get("files"),

@@ -120,4 +120,10 @@ def merge(dicts: Sequence[dict[str, Any]]) -> dict[str, Any]:
     merged["files"] = {str(g): list(key) for key, g in names.items()}
     merged["counters"] = counters or None
     merged["setup"] = {**(dicts[0].get("setup") or {}), "ranks": len(dicts)} if dicts else {}
+    loop_cpu: dict[str, float] = {}  # per epoch, the busiest rank's loop
+    for d in dicts:
+        for e, v in ((d.get("setup") or {}).get("loop_cpu_s") or {}).items():
+            loop_cpu[e] = max(loop_cpu.get(e, 0.0), float(v))
+    if loop_cpu:
+        merged["setup"]["loop_cpu_s"] = loop_cpu
     return merged
