@@ -17,10 +17,12 @@ Three workloads on the ``slow://`` simulator, each two epochs from an empty cach
 
 The loop does ``--step-ms`` of CPU work per batch (a training step). Then the top advice is applied
 (``num_workers``, ``prefetch_factor``, ``cache_limit``, ``ds.warm()`` before the loop, its time
-printed apart, or more cores where the machine has them; packing is not applied here, the row says
-so) and the two epochs run again from an empty cache; the epoch the advice predicted (the first for
-``ds.warm()``, else the last) is compared. The sweep runs workers {0, 1, 2, 4} x prefetch {2, 4, 8}
-(``--quick``: {0, 2} x {2}, fewer files), on the workload's cores.
+printed apart, packing into tar shards of the size the advice names, read as a ``TarShards`` stream
+with the same budget, its time printed apart, or more cores where the machine has them) and the two
+epochs run again from an empty cache; the epoch the advice predicted (the first for ``ds.warm()`` and
+packing, else the last) is compared. The sweep runs workers {0, 1, 2, 4} x prefetch {2, 4, 8}
+(``--quick``: {0, 2} x {2}, fewer files), on the workload's cores. The followed advice runs 3 times:
+the median is compared.
 Targets (issue 45): following the advice lands within 20% of the sweep's best; each prediction
 within 25% of what was measured. Run it on a quiet machine: the figures are wall times.
 """
@@ -41,7 +43,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch
 from torch.utils.data import IterableDataset
 
-from ucmagic import DataLoader, UCVolumeDataset
+from ucmagic import DataLoader, TarShards, UCVolumeDataset
+from ucmagic import pack as pack_files
 from ucmagic.testing import make_files
 
 P100 = {"open_ms": 100, "mbps": 100, "list_ms": 50}
@@ -58,6 +61,17 @@ class Lengths(IterableDataset):
     def __iter__(self):
         for path in self.inner:
             yield os.path.getsize(path)
+
+
+class SampleLengths(IterableDataset):
+    """Trivial decode of packed samples (``TarShards`` stream): each sample's payload length."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def __iter__(self):
+        for sample in self.inner:
+            yield sum(len(v) for v in sample.values() if isinstance(v, bytes))
 
 
 class Images(IterableDataset):
@@ -83,7 +97,7 @@ def busy(seconds: float) -> None:
 
 
 def workloads(work: str, quick: bool) -> dict[str, dict[str, Any]]:
-    n = 160 if quick else 1200
+    n = 160 if quick else 2400
     out: dict[str, dict[str, Any]] = {}
     src = os.path.join(work, f"io-{n}")
     if not os.path.isdir(src):
@@ -105,6 +119,9 @@ def workloads(work: str, quick: bool) -> dict[str, dict[str, Any]]:
     return out
 
 
+FOLLOW_RUNS = 3  # runs of the followed advice; the median is compared with the prediction
+
+
 def all_cores() -> list[int]:
     return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
 
@@ -113,7 +130,7 @@ ALL_CORES = all_cores()
 
 
 def run(w: dict[str, Any], cache: str, step_s: float, *, workers: int | None = None, prefetch: int | None = None,
-        limit: Any = "default", warm: bool = False, cores: int | None = None) -> dict[str, Any]:
+        limit: Any = "default", warm: bool = False, cores: int | None = None, pack: int = 0) -> dict[str, Any]:
     """Two epochs from an empty cache; epoch seconds, the stats' advice and the ds.warm() seconds.
     ``cores`` (default: the workload's, else all): the process and its workers run on that many cores."""
     ncores = cores or w.get("cores") or len(ALL_CORES)
@@ -121,17 +138,34 @@ def run(w: dict[str, Any], cache: str, step_s: float, *, workers: int | None = N
         os.sched_setaffinity(0, ALL_CORES[:ncores])
     try:
         return _run(w, cache, step_s, workers=workers, prefetch=prefetch, limit=limit,
-                    warm=warm or bool(w.get("warm")))
+                    warm=warm or bool(w.get("warm")), pack=pack)
     finally:
         if hasattr(os, "sched_setaffinity"):
             os.sched_setaffinity(0, ALL_CORES)
 
 
+def packed(w: dict[str, Any], shard_size: int) -> tuple[str, float]:
+    """The workload's files packed into tar shards of ``shard_size`` bytes beside them (read through the slow
+    volume, as a user's pack from a volume would); ``(shards dir, seconds)``."""
+    dest = w["src"].rstrip("/") + "-packed"
+    shutil.rmtree(dest, ignore_errors=True)
+    t0 = time.perf_counter()
+    pack_files(f"slow://{w['src']}", dest, shard_size=shard_size, storage_options=w["profile"], progress=False)
+    return dest, time.perf_counter() - t0
+
+
 def _run(w: dict[str, Any], cache: str, step_s: float, *, workers: int | None, prefetch: int | None,
-         limit: Any, warm: bool) -> dict[str, Any]:
+         limit: Any, warm: bool, pack: int) -> dict[str, Any]:
     cache = tempfile.mkdtemp(prefix="cache-", dir=cache)  # each run its own: no earlier loader's records
-    ds = UCVolumeDataset(f"slow://{w['src']}", cache_dir=cache, storage_options=w["profile"],
-                         cache_limit=w["limit"] if limit == "default" else limit)
+    budget = w["limit"] if limit == "default" else limit
+    pack_s = None
+    if pack:
+        shards, pack_s = packed(w, pack)
+        ds: Any = TarShards(f"slow://{shards}", cache_dir=cache, storage_options=w["profile"], cache_limit=budget)
+        data: Any = (SampleLengths if w["wrap"] is Lengths else w["wrap"])(ds.stream())
+    else:
+        ds = UCVolumeDataset(f"slow://{w['src']}", cache_dir=cache, storage_options=w["profile"], cache_limit=budget)
+        data = w["wrap"](ds)
     kw: dict[str, Any] = {"batch_size": BATCH, "log_to_mlflow": False}
     if workers is not None:
         kw["num_workers"] = workers
@@ -142,7 +176,7 @@ def _run(w: dict[str, Any], cache: str, step_s: float, *, workers: int | None, p
         t0 = time.perf_counter()
         ds.warm(background=False)
         warm_s = time.perf_counter() - t0
-    loader = DataLoader(w["wrap"](ds), **kw)
+    loader = DataLoader(data, **kw)
     print(f"  running workers={loader.num_workers} prefetch={loader.prefetch_factor} limit={ds.cache.limit} "
           f"warm={warm} cores={len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else '-'}",
           file=sys.stderr, flush=True)
@@ -152,7 +186,8 @@ def _run(w: dict[str, Any], cache: str, step_s: float, *, workers: int | None, p
         for _ in loader:
             busy(step_s)
         secs.append(time.perf_counter() - t0)
-    out = {"epochs": secs, "advice": loader.stats.advise(), "warm_s": warm_s, "workers": loader.num_workers,
+    out = {"epochs": secs, "advice": loader.stats.advise(), "warm_s": warm_s, "pack_s": pack_s,
+           "workers": loader.num_workers,
            "prefetch": loader.prefetch_factor, "breakdown": loader.stats.breakdown(per_epoch=True)}
     del loader, ds  # persistent workers stop before the next run starts
     gc.collect()
@@ -176,6 +211,8 @@ def apply(top: Any, w: dict[str, Any], base: dict[str, Any]) -> dict[str, Any] |
         kw["limit"] = s["cache_limit"]
     elif s.get("warm"):
         kw["warm"] = True
+    elif s.get("pack") and w["wrap"] is Lengths:  # packed samples have no file paths to decode from
+        kw["pack"] = int(s.get("shard_size") or 1 << 30)
     else:
         return None
     return kw
@@ -214,9 +251,13 @@ def main() -> None:
                 row["measured_s"] = None
                 row["note"] = f"{top.kind}: not applied by this bench"
             else:
-                after = run(w, cache, step, **kw)
+                runs = [run(w, cache, step, **kw) for _ in range(FOLLOW_RUNS)]
+                runs.sort(key=lambda r: r["epochs"][which])
+                after = runs[len(runs) // 2]  # the median run of the followed advice
                 row["measured_s"] = after["epochs"][which]
+                row["measured_runs"] = [r["epochs"][which] for r in runs]
                 row["warm_s"] = after["warm_s"] if top.kind == "warm" else None
+                row["pack_s"] = after["pack_s"]
         else:  # nothing to change in the loader: following the advice is keeping the default
             row["top"] = top.change if top is not None else "-"
             row["predicted_s"] = top.predicted_s if top is not None else None
@@ -240,6 +281,8 @@ def main() -> None:
         err = f"{(pred - meas) / meas:+.0%}" if pred is not None and meas else "-"
         vs = f"{(followed - best) / best:+.0%}" if followed else "-"
         warmed = f"  (ds.warm() took {r['warm_s']:.2f} s before the epoch)" if r.get("warm_s") else ""
+        if r.get("pack_s"):
+            warmed = f"  (packing took {r['pack_s']:.2f} s before)"
         print(f"{r['workload']:12s} {' / '.join(f'{x:.2f}' for x in r['epochs']):>16s}  {r['top'][:40]:40s} "
               f"{pred if pred is not None else float('nan'):9.2f} {meas if meas is not None else float('nan'):9.2f} "
               f"{err:>8s} {best:10.2f} {vs:>8s}  {r['sweep_best']}{'  (' + r['note'] + ')' if 'note' in r else ''}"

@@ -154,7 +154,8 @@ def test_a_changed_first_epoch_keeps_only_the_startup_beyond_making_its_first_ba
     warm = epoch(fetch=0.001, compute=0.01, wait=0.0005, misses=0)
     w = advise(Measured([cold, warm], num_workers=2, prefetch_factor=4, cores=2))
     top = w[kinds(w).index("warm")]
-    assert top.predicted_s == pytest.approx(100 * 0.01 + 2.0)
+    # the warm epoch as measured (1.05 s beyond its own 0.5 ms startup) plus epoch 0's startup
+    assert top.predicted_s == pytest.approx(100 * (0.01 + 0.0005) - 0.0005 + 2.0)
 
 
 def test_merged_ranks_are_advised_on_the_rank_the_others_wait_for(tmp_path):
@@ -214,3 +215,17 @@ def test_the_loops_cpu_per_epoch_is_recorded_saved_and_merged(tmp_path):
     assert merged.setup["loop_cpu_s"] == pytest.approx({"0": 100.0, "1": cpu["1"]})  # the busiest rank's
     loader.stats.reset()
     assert "loop_cpu_s" not in loader.stats.setup
+
+
+def test_packing_predicts_one_open_per_shard_from_the_measured_copy_latency():
+    # 2,400 files of 16 KB (39 MB), each copy took 100 ms: 2 workers stream 2 shards each
+    cold = epoch(n=75, fetch=0.2, compute=0.005, wait=0.19, misses=2400, items=2400)
+    m = Measured([cold], num_workers=2, prefetch_factor=4, cores=2, mean_file_bytes=16384,
+                 dataset_bytes=2400 * 16384, miss_latency=0.1)
+    p = next(a for a in advise(m) if a.kind == "pack")
+    shard = 2400 * 16384 / 4
+    assert p.settings == {"pack": True, "shard_size": int(shard)}
+    assert "shards of 10MB" in p.change and "4 shards of 10 MB, each opened in 100 ms" in p.because
+    per_worker = 2 * (0.1 - 16384 / 100e6 + shard / 100e6)  # two opens and two shards' bytes
+    startup = 0.19  # the first batch's wait, nothing of it making the batch (no stage times here)
+    assert p.predicted_s == pytest.approx(75 * max(0.005, per_worker * 2 / 75 / 2) + startup)

@@ -19,6 +19,7 @@ core) shrinks with the workers' work (:func:`compute_after`).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 NOT_BOTTLENECK = 0.05  # the loop waits under this share of its time: loading is not the bottleneck
@@ -26,6 +27,7 @@ WORTH = 0.05  # a change predicted to save under this share of the epoch is not 
 REFETCH_SHARE = 0.05  # re-fetched items over this share of an epoch's items: the cache is too small
 SMALL_FILE = 256 * 1024  # mean bytes per file under which per-file opens dominate a copy
 SHARD_RATE = 100e6  # bytes/s assumed for reading packed shards (stated in the advice)
+MIN_SHARD, MAX_SHARD = 1 << 20, 1 << 30  # shard sizes the pack advice names: 1 MiB .. pack's default 1 GiB
 MAX_PREFETCH = 16
 
 
@@ -72,6 +74,7 @@ class Measured:
     refetches: int = 0  # misses of files an earlier epoch had copied already
     later_misses: int = 0  # misses in epochs after the first
     hits: int | None = None
+    miss_latency: float | None = None  # median seconds of one missed file's copy in epoch 0 (its fetch thread)
 
 
 @dataclass
@@ -243,20 +246,24 @@ def _warm(m: Measured) -> Advice | None:
     first = m.epochs[0]
     if not _cold(m) or (m.cache_limit and m.dataset_bytes and m.cache_limit < m.dataset_bytes):
         return None  # the cache cannot hold the dataset: warming it evicts what it copied first
-    cpus = cpus_free(m, first)
     warm = next((e for e in m.epochs[1:] if e.misses <= 0.05 * max(1, e.items)), None)
-    if warm is not None:
+    if warm is not None:  # a warm epoch was measured: epoch 0 warmed runs as it did (bursts included)
         n0, n1 = max(first.batches, 1.0), max(warm.batches, 1.0)
-        fetch = warm.fetch / n1 * n0
-        how = f"a warm epoch fetched {warm.fetch / n1 * 1e3:.1f} ms per batch"
+        steady = max(0.0, warm.total - _startup(warm))
+        predicted = steady * n0 / n1 + _startup(first)
+        how = f"a warm epoch took {_s(steady / n1 * 1e3)} ms per batch beyond its startup ({_stages(warm)})"
+        because = ""
     else:
         fetch = first.fetch * (1 - first.misses / max(1, first.items))
+        predicted = (epoch_model(first, m.num_workers, cpus_free(m, first), fetch, compute_after(first, fetch))
+                     + _startup(first))
         how = "the hits' share of the fetch kept"
-    predicted = epoch_model(first, m.num_workers, cpus, fetch, compute_after(first, fetch)) + _startup(first)
+        because = _contention(first)
     return Advice("warm", "ds.warm(background=False) before training", predicted, first.total,
                   f"epoch 0 missed {first.misses} of {first.items} items and waited {_s(first.wait)} s of "
-                  f"{_s(first.total)} s (fetch {_s(first.fetch)} s); {how}{_contention(first)}; warming copies "
-                  "the files once, before the loop, in parallel", {"warm": True})
+                  f"{_s(first.total)} s (fetch {_s(first.fetch)} s); {how}{because}; warming copies the files "
+                  "once, before the loop, in parallel (its own time, about that of epoch 0's copies, is not in "
+                  "the prediction)", {"warm": True})
 
 
 def _pack(m: Measured, e: EpochTimes) -> Advice | None:
@@ -269,9 +276,25 @@ def _pack(m: Measured, e: EpochTimes) -> Advice | None:
     read = m.mean_file_bytes / SHARD_RATE
     if per_miss <= 2 * read:
         return None
-    fetch = cold.fetch * read / per_miss
+    total = m.dataset_bytes or m.mean_file_bytes * max(1, cold.items)
+    workers = max(1, m.num_workers)
+    # shards enough for every worker to stream two: each shard costs one open (a file's copy latency
+    # less its bytes at the assumed rate) plus its bytes; a worker reads its shards one after another
+    shard = int(min(MAX_SHARD, max(MIN_SHARD, total / (2 * workers))))
+    shards = max(1, math.ceil(total / shard))
+    opening = max(0.0, m.miss_latency - read) if m.miss_latency is not None else 0.0
+    per_worker = math.ceil(shards / workers) * (opening + shard / SHARD_RATE)
+    fetch = min(cold.fetch, per_worker * workers)  # the model divides the fetch over the workers
     predicted = epoch_model(cold, m.num_workers, cpus_free(m, cold), fetch, compute_after(cold, fetch)) + _startup(cold)
-    return Advice("pack", "pack the small files into shards (ucmagic.shards.pack)", predicted, cold.total,
+    opens = (f"; {shards} shards of {shard / 1e6:.0f} MB, each opened in {opening * 1e3:.0f} ms (a file's copy "
+             f"took {m.miss_latency * 1e3:.0f} ms)" if m.miss_latency is not None else "")
+    return Advice("pack", f"pack the small files into shards of {_size(shard)} (ucmagic.shards.pack)", predicted,
+                  cold.total,
                   f"mean file {m.mean_file_bytes / 1024:.0f} KB took {per_miss * 1e3:.1f} ms of fetch per copy "
                   f"in epoch 0, {read * 1e3:.2f} ms at an assumed {SHARD_RATE / 1e6:.0f} MB/s from shards: the "
-                  f"per-file opens dominate{_contention(cold)}", {"pack": True})
+                  f"per-file opens dominate{opens}{_contention(cold)}", {"pack": True, "shard_size": shard})
+
+
+def _size(n: float) -> str:
+    """``n`` bytes as pack's ``shard_size`` takes it (MB or GB, rounded)."""
+    return f"{n / 1e9:.0f}GB" if n >= 1e9 else f"{max(1, round(n / 1e6))}MB"

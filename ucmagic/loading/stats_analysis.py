@@ -123,10 +123,25 @@ def refetched_items(log: ItemLog, epochs: np.ndarray) -> tuple[int, int]:
     return refetch, later
 
 
+def first_miss_latency(log: ItemLog, epochs: np.ndarray) -> float | None:
+    """Median seconds one missed file's copy took (on its fetch thread) in the first recorded epoch; None
+    without item records or misses."""
+    a = log.arrays()
+    n = min(len(epochs), len(a["count"]))
+    kept = int(a["start"][n - 1] + a["count"][n - 1]) if n else 0
+    if not kept or kept > len(a["fetch"]):
+        return None
+    item_epoch = np.repeat(epochs[:n], a["count"][:n])[:kept]
+    f = a["fetch"][:kept][item_epoch == item_epoch[0]]
+    miss = f[~np.signbit(f)]
+    return float(np.median(miss)) if len(miss) else None
+
+
 def measured(b: BatchTable, setup: dict[str, Any], counters: dict[str, int] | None, log: ItemLog) -> Measured:
     """The plain numbers :func:`~ucmagic.loading.advise.advise` decides on, from a loader's records
     (merged ranks: the rank whose loop took longest, which the others wait for)."""
     refetch, later = refetched_items(log, b["epoch"])  # over the whole log (its rows are b's)
+    latency = first_miss_latency(log, b["epoch"])
     ranks = np.unique(b["rank"])
     if len(ranks) > 1:
         slowest = max(ranks.tolist(), key=lambda r: float((b["fetch_s"] + b["compute_s"])[b["rank"] == r].sum()))
@@ -153,7 +168,7 @@ def measured(b: BatchTable, setup: dict[str, Any], counters: dict[str, int] | No
         dataset=str(setup.get("dataset") or ""), cache_limit=setup.get("cache_limit"),
         dataset_bytes=setup.get("dataset_bytes"), files=setup.get("files"),
         mean_file_bytes=float(b["bytes"][sized].sum() / items[sized].sum()) if sized.any() else None,
-        refetches=refetch, later_misses=later, hits=(counters or {}).get("hits"))
+        refetches=refetch, later_misses=later, hits=(counters or {}).get("hits"), miss_latency=latency)
 
 
 def select(b: BatchTable, *, lo: int | None = None, hi: int | None = None, epoch: int | None = None,
