@@ -1,7 +1,7 @@
 """Is the advice right? ``loader.stats.advise()`` checked against what following it measures, and
 against the best setting of a sweep (issue 45 item 4).
 
-    python bench/advise.py [--quick] [--workdir /tmp/ucmagic-bench-advise] [--json out.json]
+    python bench/advise.py [--quick] [--workdir /tmp/ucmagic-bench-advise] [--json out.json] [--follow KIND]
 
 Three workloads on the ``slow://`` simulator, each two epochs from an empty cache with a default
 ``ucmagic.DataLoader`` (batch 32, every other setting at its default):
@@ -225,6 +225,8 @@ def main() -> None:
     ap.add_argument("--step-ms", type=float, default=5.0, help="CPU work of the loop per batch")
     ap.add_argument("--only", default="io,decode,budget,decode-1core", help="comma-separated workloads")
     ap.add_argument("--json", default=None, help="also write the results here")
+    ap.add_argument("--follow", default=None, help="follow the first advice of this kind (warm, pack, cache_limit, "
+                    "workers, prefetch, limit) instead of the top one")
     args = ap.parse_args()
     os.makedirs(args.workdir, exist_ok=True)
     cache = os.path.join(args.workdir, "caches")
@@ -240,6 +242,8 @@ def main() -> None:
         base = run(w, cache, step)
         advice = base["advice"]
         top = advice[0] if advice else None
+        if args.follow:  # the first advice of that kind instead of the top one (kept when there is none)
+            top = next((a for a in advice if a.kind == args.follow), top)
         row: dict[str, Any] = {"workload": name, "default": f"workers={base['workers']} prefetch={base['prefetch']}",
                                "epochs": base["epochs"], "advice": [str(a) for a in advice]}
         which = 0 if top is not None and top.kind in ("warm", "pack") else 1
