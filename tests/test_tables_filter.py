@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import toy_backend
-from ucmagic import ListingChangedError
+from ucmagic import ColumnNotFoundError, ListingChangedError
 from ucmagic.errors import InvalidArgumentError
 from ucmagic.tables import ParquetDataset, export_parquet, load_table
 
@@ -94,10 +94,16 @@ def test_bad_filters_are_refused_naming_the_fix(tmp_path):
         ParquetDataset(root, filter="id = 1; DROP TABLE x")
     with pytest.raises(InvalidArgumentError, match="one predicate"):
         ParquetDataset(root, filter="1=1) UNION (SELECT 1")
-    with pytest.raises(KeyError, match="nope"):
+    with pytest.raises(ColumnNotFoundError, match="nope") as got:
         ParquetDataset(root, filter="nope = 3")
+    assert isinstance(got.value, KeyError) and isinstance(got.value, InvalidArgumentError)
+    assert str(got.value).startswith("filter 'nope = 3' names column 'nope'")  # no KeyError quotes around it
     with pytest.raises(InvalidArgumentError, match="pyarrow compute expression"):
         ParquetDataset(root, filter=42)
+    for call in (lambda: ParquetDataset(root, columns=["nope"]), lambda: load_table(root, columns=["nope"]),
+                 lambda: load_table(root, filter="nope > 1")):
+        with pytest.raises(ColumnNotFoundError, match="nope"):
+            call()
 
 
 def test_the_resume_fingerprint_includes_the_filter(tmp_path):

@@ -87,6 +87,7 @@ _EXPORTS = {
     "TableTooLargeError": "errors",
     "UnsupportedTableFeatureError": "errors",
     "LossyColumnError": "errors",
+    "ColumnNotFoundError": "errors",
     "ExportOverlapError": "errors",
     "StagingError": "errors",
     "PackError": "errors",

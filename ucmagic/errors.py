@@ -197,6 +197,14 @@ class LossyColumnError(UCMagicError, TypeError):
     the rounding, or read it with ``format="numpy"``/``"arrow"``/``"pandas"``."""
 
 
+class ColumnNotFoundError(InvalidArgumentError, KeyError):
+    """``columns=``, ``filter=`` or a column argument names a column the table lacks; the message lists the
+    table's columns. (Also a ``KeyError``, what these raised before.)"""
+
+    def __str__(self) -> str:  # KeyError's own str() quotes the message
+        return str(self.args[0]) if self.args else ""
+
+
 class ExportOverlapError(UCMagicError, ValueError):
     """``export_parquet``'s destination is inside its source (or the source inside the destination): the
     export would read its own output."""

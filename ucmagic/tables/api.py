@@ -15,7 +15,7 @@ import os
 from typing import Any, Sequence
 
 from . import sources
-from ..errors import (InvalidTableNameError, ListingChangedError, SourceNotFoundError,  # noqa: F401 - re-exported
+from ..errors import (ColumnNotFoundError, InvalidTableNameError, ListingChangedError, SourceNotFoundError,  # noqa: F401 - re-exported
                      TableNotFoundError, TableTooLargeError, UnsupportedSourceError, UnsupportedTableFeatureError,
                      import_extra)
 from .predicate import RowFilter, filter_relation, filtered_reader, spark_filter
@@ -163,7 +163,7 @@ def _arrow_table(src: Source, columns: Sequence[str] | None, limit: int | None, 
         if cols:
             missing = [c for c in cols if c not in data.schema.names]
             if missing:
-                raise KeyError(f"{src.describe()} has no column {missing[0]!r}; columns: "
+                raise ColumnNotFoundError(f"{src.describe()} has no column {missing[0]!r}; columns: "
                                f"{', '.join(data.schema.names)}")
         if rf is None:
             return data.head(limit, columns=cols) if limit is not None else data.to_table(columns=cols)

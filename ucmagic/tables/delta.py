@@ -27,7 +27,8 @@ from urllib.parse import unquote
 import numpy as np
 
 from .._util import is_url
-from ..errors import SourceNotFoundError, UnsafeSourceError, UnsupportedTableFeatureError, import_extra
+from ..errors import (ColumnNotFoundError, SourceNotFoundError, UnsafeSourceError, UnsupportedTableFeatureError,
+                      import_extra)
 from ..files.volume import Volume, open_volume
 from .deletion_vectors import (DeletionVector, decode_dv, join_path, deleted_in, filter_rows, keep_mask, live_counts,  # noqa: F401 - re-exported
                                live_span, load_deleted_rows, z85_decode)
@@ -175,7 +176,8 @@ class DeltaSnapshot:
         cols = list(columns) if columns is not None else list(self.schema.names)
         bad = [c for c in cols if c not in self.schema.names]
         if bad:
-            raise KeyError(f"Delta table {self.name} has no column {bad[0]!r}; columns: {', '.join(self.schema.names)}")
+            raise ColumnNotFoundError(f"Delta table {self.name} has no column {bad[0]!r}; columns: "
+                                      f"{', '.join(self.schema.names)}")
         schema = pa.schema([self.schema.field(c) for c in cols])
         files = self.files
 

@@ -27,7 +27,7 @@ from .. import telemetry
 from ..files.cache import FileCache
 from ..dist import dist_info
 from ..files.epochs import EpochTracking, LoaderNeeds, StateSchema, refuse_split_twice, stream_lengths
-from ..errors import UnsupportedSourceError
+from ..errors import ColumnNotFoundError, UnsupportedSourceError
 from ..files.fetch import read_ahead
 from .columns import (check_exact, column_kind, mask_key, output_kind)
 from .rows import EpochLayout, Segment
@@ -174,7 +174,7 @@ class ParquetDataset(EpochTracking, IterableDataset[Any]):
             columns = list(columns)
             bad = [c for c in columns if c not in names]
             if bad:
-                raise KeyError(f"{src.describe()} has no column {bad[0]!r}; columns: {', '.join(names)}")
+                raise ColumnNotFoundError(f"{src.describe()} has no column {bad[0]!r}; columns: {', '.join(names)}")
         self.columns = columns if columns is not None else names
         self.schema = schema
         self._kinds = {c: column_kind(schema.field(c).type) for c in self.columns}

@@ -19,7 +19,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..errors import InvalidArgumentError
+from ..errors import ColumnNotFoundError, InvalidArgumentError
 
 __all__ = ["RowFilter", "sql_to_expression"]
 
@@ -164,7 +164,7 @@ class RowFilter:
             lower = {n.lower(): n for n in names}  # DuckDB's names are case-insensitive
             missing = sorted(c for c in used if c not in names and c.lower() not in lower)
             if missing:
-                raise KeyError(f"filter {spec!r} names column {missing[0]!r}, which the table lacks; "
+                raise ColumnNotFoundError(f"filter {spec!r} names column {missing[0]!r}, which the table lacks; "
                                f"columns: {', '.join(names)}")
             self.columns = [n for n in names if n in used or n.lower() in {c.lower() for c in used}]
             self.text = "sql:" + spec

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from .._util import error_line, is_remote_url, is_url
-from ..errors import (EmptyListingError, InvalidTableNameError, SourceNotADirectoryError, SourceNotFoundError,
-                      SQLFileAccessError, TableNotFoundError, UnsupportedSourceError)
+from ..errors import (ColumnNotFoundError, EmptyListingError, InvalidTableNameError, SourceNotADirectoryError,
+                      SourceNotFoundError, SQLFileAccessError, TableNotFoundError, UnsupportedSourceError)
 from ..units import parse_size
 from ..files.volume import Volume, compile_pattern, existing_local_path, open_volume, resolve_local_path
 from .journal import committed_listing
@@ -488,7 +488,7 @@ def select_columns(rel: Any, columns: Sequence[str] | None, what: str) -> Any:
 
     missing = [c for c in columns if c not in rel.columns]
     if missing:
-        raise KeyError(f"{what} has no column {missing[0]!r}; columns: {', '.join(rel.columns)}")
+        raise ColumnNotFoundError(f"{what} has no column {missing[0]!r}; columns: {', '.join(rel.columns)}")
     return rel.select(*[duckdb.ColumnExpression(c) for c in columns])
 
 

@@ -31,8 +31,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator, Sequence, cast
 
 from .._util import path_under
-from ..errors import (DuplicatePathError, EmptyListingError, InvalidArgumentError, ListingChangedError,
-                      SourceChangedError, SourceNotFoundError, UnsafeSourceError)
+from ..errors import (ColumnNotFoundError, DuplicatePathError, EmptyListingError, InvalidArgumentError,
+                      ListingChangedError, SourceChangedError, SourceNotFoundError, UnsafeSourceError)
 from ..files.cache_layout import unmap_relpath
 from ..files.dataset import STATE_VERSION, UCVolumeDataset
 from ..files.epochs import StateSchema
@@ -186,7 +186,7 @@ def read_rows(table: Any, *, needed: Sequence[str] | None, filter: Any = None,  
     if cols is not None:
         missing = [c for c in cols if c not in t.column_names]
         if missing:
-            raise InvalidArgumentError(f"{src.describe()} has no column {missing[0]!r}; its columns: "
+            raise ColumnNotFoundError(f"{src.describe()} has no column {missing[0]!r}; its columns: "
                                        f"{', '.join(t.column_names)}")
     return t, _identity(src, table, version)
 
@@ -488,7 +488,7 @@ def files_from_table(table: Any, *, path_column: str = "path", columns: Sequence
                             storage_options=table_storage_options)
     for c in (path_column, *meta):
         if c not in t.column_names:
-            raise InvalidArgumentError(f"the table has no column {c!r}; its columns: {', '.join(t.column_names)}")
+            raise ColumnNotFoundError(f"the table has no column {c!r}; its columns: {', '.join(t.column_names)}")
     fields = list(columns) if columns is not None else [c for c in t.column_names if c not in (path_column, *meta)]
     if "path" in fields:
         raise InvalidArgumentError("a field named 'path' would hide the item's cached path: leave it out of "
