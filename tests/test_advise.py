@@ -229,3 +229,25 @@ def test_packing_predicts_one_open_per_shard_from_the_measured_copy_latency():
     per_worker = 2 * (0.1 - 16384 / 100e6 + shard / 100e6)  # two opens and two shards' bytes
     startup = 0.19  # the first batch's wait, nothing of it making the batch (no stage times here)
     assert p.predicted_s == pytest.approx(75 * max(0.005, per_worker * 2 / 75 / 2) + startup)
+
+
+def test_the_measured_copy_latency_is_the_median_miss_of_the_first_epoch():
+    import numpy as np
+
+    from ucmagic.loading.stats_analysis import first_miss_latency
+    from ucmagic.telemetry import ItemLog
+
+    log = ItemLog()
+
+    def batch(epoch, fetch):  # fetch seconds per item, negative for a hit
+        log.add(epoch, 0, np.arange(len(fetch), dtype=np.int32).tobytes(), np.array(fetch, np.float32).tobytes())
+
+    batch(0, [0.05, 0.04, -0.001])  # epoch 0: two misses of 50 and 40 ms, a hit
+    batch(0, [0.06, -0.002])
+    batch(1, [0.5, 0.5])  # later epochs do not count
+    epochs = np.array([0, 0, 1])
+    assert first_miss_latency(log.arrays(), epochs) == pytest.approx(0.05)
+    hits = ItemLog()
+    hits.add(0, 0, np.arange(2, dtype=np.int32).tobytes(), np.array([-0.001, -0.001], np.float32).tobytes())
+    assert first_miss_latency(hits.arrays(), np.array([0])) is None  # no misses: unknown
+    assert first_miss_latency(ItemLog().arrays(), np.array([], dtype=int)) is None

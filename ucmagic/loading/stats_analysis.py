@@ -101,15 +101,23 @@ def breakdown(b: BatchTable, mask: np.ndarray) -> dict[str, float]:
     return t.as_dict()
 
 
-def refetched_items(log: ItemLog, epochs: np.ndarray) -> tuple[int, int]:
-    """``(misses of files already copied in an earlier epoch, misses in epochs after the first)``:
-    re-fetches mean the cache evicted what a later epoch read again (a ``cache_limit`` too small)."""
-    a = log.arrays()
+def _item_epochs(a: dict[str, np.ndarray], epochs: np.ndarray) -> np.ndarray | None:
+    """The epoch of every item kept in detail (``a``: :meth:`ItemLog.arrays`); None when none are."""
     n = min(len(epochs), len(a["count"]))
     kept = int(a["start"][n - 1] + a["count"][n - 1]) if n else 0
     if not kept or kept > len(a["index"]):
+        return None
+    return np.repeat(epochs[:n], a["count"][:n])[:kept]
+
+
+def refetched_items(a: dict[str, np.ndarray], epochs: np.ndarray) -> tuple[int, int]:
+    """``(misses of files already copied in an earlier epoch, misses in epochs after the first)``:
+    re-fetches mean the cache evicted what a later epoch read again (a ``cache_limit`` too small).
+    ``a``: the item log's :meth:`ItemLog.arrays`."""
+    item_epoch = _item_epochs(a, epochs)
+    if item_epoch is None:
         return 0, 0
-    item_epoch = np.repeat(epochs[:n], a["count"][:n])[:kept]
+    kept = len(item_epoch)
     idx, miss = a["index"][:kept], ~np.signbit(a["fetch"][:kept])
     seen: set[int] = set()
     refetch = later = 0
@@ -123,16 +131,13 @@ def refetched_items(log: ItemLog, epochs: np.ndarray) -> tuple[int, int]:
     return refetch, later
 
 
-def first_miss_latency(log: ItemLog, epochs: np.ndarray) -> float | None:
+def first_miss_latency(a: dict[str, np.ndarray], epochs: np.ndarray) -> float | None:
     """Median seconds one missed file's copy took (on its fetch thread) in the first recorded epoch; None
-    without item records or misses."""
-    a = log.arrays()
-    n = min(len(epochs), len(a["count"]))
-    kept = int(a["start"][n - 1] + a["count"][n - 1]) if n else 0
-    if not kept or kept > len(a["fetch"]):
+    without item records or misses. ``a``: the item log's :meth:`ItemLog.arrays`."""
+    item_epoch = _item_epochs(a, epochs)
+    if item_epoch is None:
         return None
-    item_epoch = np.repeat(epochs[:n], a["count"][:n])[:kept]
-    f = a["fetch"][:kept][item_epoch == item_epoch[0]]
+    f = a["fetch"][:len(item_epoch)][item_epoch == item_epoch[0]]
     miss = f[~np.signbit(f)]
     return float(np.median(miss)) if len(miss) else None
 
@@ -140,8 +145,9 @@ def first_miss_latency(log: ItemLog, epochs: np.ndarray) -> float | None:
 def measured(b: BatchTable, setup: dict[str, Any], counters: dict[str, int] | None, log: ItemLog) -> Measured:
     """The plain numbers :func:`~ucmagic.loading.advise.advise` decides on, from a loader's records
     (merged ranks: the rank whose loop took longest, which the others wait for)."""
-    refetch, later = refetched_items(log, b["epoch"])  # over the whole log (its rows are b's)
-    latency = first_miss_latency(log, b["epoch"])
+    items_log = log.arrays()  # one copy for both (over the whole log: its rows are b's)
+    refetch, later = refetched_items(items_log, b["epoch"])
+    latency = first_miss_latency(items_log, b["epoch"])
     ranks = np.unique(b["rank"])
     if len(ranks) > 1:
         slowest = max(ranks.tolist(), key=lambda r: float((b["fetch_s"] + b["compute_s"])[b["rank"] == r].sum()))
