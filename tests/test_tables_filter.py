@@ -286,6 +286,37 @@ def test_batches_read_from_mapped_cache_entries_survive_the_cache_being_cleared(
         assert _ds_ids(fresh) == [i for i in range(8000) if i % 3 == 0]  # the short entry is a miss: filled again
 
 
+def test_a_cache_on_a_file_system_without_mmap_reads_plainly(tmp_path, monkeypatch):
+    import errno
+    import mmap
+    import types
+
+    import pyarrow
+
+    from ucmagic.tables import group_reader
+
+    tried = []
+
+    def no_mmap(*a, **k):
+        tried.append(a)
+        raise OSError(errno.ENODEV, "No such device")
+
+    monkeypatch.setattr(group_reader, "mmap", types.SimpleNamespace(mmap=no_mmap, ACCESS_READ=mmap.ACCESS_READ))
+    monkeypatch.setattr(pyarrow, "memory_map", no_mmap)
+    root = tmp_path / "vol"
+    root.mkdir()
+    ids = np.arange(3000, dtype=np.int64)
+    pq.write_table(pa.table({"id": ids}), root / "f.parquet", row_group_size=500)
+    with toy_backend.registered(toy_backend.SCHEME, toy_backend.ToyVolume):
+        url = f"{toy_backend.SCHEME}://{root}"
+        for pred in (None, "id % 7 = 0"):
+            ds = ParquetDataset(url, batch_size=256, filter=pred, cache_dir=str(tmp_path / "c"))
+            want = [i for i in range(3000) if pred is None or i % 7 == 0]
+            assert _ds_ids(ds) == want and _ds_ids(ds) == want  # cold, then from the cache
+    # both were refused and read around: pyarrow's map of a whole copy (a path), ours of a range (a descriptor)
+    assert {type(a[0]) for a in tried} == {str, int}
+
+
 # ---------------------------------------------------------------- --where
 
 def test_where_on_the_cli_load_and_export_and_on_ucload(tmp_path, capsys, magic_shell, monkeypatch):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import bisect
 import io
+import mmap
 import os
 from typing import Any, Sequence
 
@@ -193,9 +194,8 @@ class RangeFile(RangedFile):
 
 
 def map_file(path: str, size: int) -> memoryview:
-    """The first ``size`` bytes of the file at ``path``, memory-mapped read-only (no descriptor kept)."""
-    import mmap
-
+    """The first ``size`` bytes of the file at ``path``, memory-mapped read-only (no descriptor kept); read
+    into memory where the cache's file system cannot map files."""
     if size <= 0:
         return memoryview(b"")
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
@@ -204,7 +204,18 @@ def map_file(path: str, size: int) -> memoryview:
         if have < size:
             raise OSError(f"{path}: a cache entry of {have} bytes where {size} were filled (was the cache "
                           "changed by hand?): run `python -m ucmagic cache clear` and read again")
-        return memoryview(mmap.mmap(fd, size, access=mmap.ACCESS_READ))
+        try:
+            return memoryview(mmap.mmap(fd, size, access=mmap.ACCESS_READ))
+        except OSError:  # e.g. ENODEV: a file system without mmap
+            buf = bytearray(size)
+            view = memoryview(buf)
+            got = 0
+            while got < size:
+                n = os.preadv(fd, [view[got:]], got)
+                if n <= 0:
+                    raise OSError(f"{path}: a cache entry ended at byte {got} of {size}") from None
+                got += n
+            return view.toreadonly()
     finally:
         os.close(fd)
 

@@ -182,7 +182,12 @@ class TableReader:
         path = self.local(fi)
         try:
             if path != self.files[fi].path:  # a cached copy (written once, renamed into place): memory-mapped
-                f = pa.memory_map(path)
+                try:
+                    f = pa.memory_map(path)
+                except FileNotFoundError:
+                    raise
+                except OSError:  # a cache on a file system without mmap: plain reads
+                    f = pa.OSFile(path)
                 size = f.size()
             else:  # the file itself, through its volume (plain reads where it is local)
                 size = self.io.stat(path).size
