@@ -3,7 +3,7 @@ against the best setting of a sweep (issue 45 item 4).
 
     python bench/advise.py [--quick] [--workdir /tmp/ucmagic-bench-advise] [--json out.json] [--follow KIND]
 
-Three workloads on the ``slow://`` simulator, each two epochs from an empty cache with a default
+Four workloads on the ``slow://`` simulator, each two epochs from an empty cache with a default
 ``ucmagic.DataLoader`` (batch 32, every other setting at its default):
 
 - ``io``: the P100 profile (100 ms per open, 100 MB/s per stream), small files (16 KiB), a trivial
@@ -114,7 +114,7 @@ def workloads(work: str, quick: bool) -> dict[str, dict[str, Any]]:
     if not os.path.isdir(src):
         make_files(src, n // 2, 64 * 1024, per_dir=200)
     out["budget"] = {"src": src, "profile": P20, "wrap": Lengths, "limit": int(0.4 * (n // 2) * 64 * 1024)}
-    if len(all_cores()) >= 2:
+    if len(ALL_CORES) >= 2:
         out["decode-1core"] = {**out["decode"], "cores": 1, "warm": True}
     return out
 
@@ -144,14 +144,21 @@ def run(w: dict[str, Any], cache: str, step_s: float, *, workers: int | None = N
             os.sched_setaffinity(0, ALL_CORES)
 
 
+_PACKED: dict[tuple[str, int], tuple[str, float]] = {}  # packed once per workload and size, reused by each run
+
+
 def packed(w: dict[str, Any], shard_size: int) -> tuple[str, float]:
     """The workload's files packed into tar shards of ``shard_size`` bytes beside them (read through the slow
     volume, as a user's pack from a volume would); ``(shards dir, seconds)``."""
-    dest = w["src"].rstrip("/") + "-packed"
-    shutil.rmtree(dest, ignore_errors=True)
-    t0 = time.perf_counter()
-    pack_files(f"slow://{w['src']}", dest, shard_size=shard_size, storage_options=w["profile"], progress=False)
-    return dest, time.perf_counter() - t0
+    key = (w["src"], shard_size)
+    if key not in _PACKED:
+        dest = f"{w['src'].rstrip('/')}-packed-{shard_size}"
+        shutil.rmtree(dest, ignore_errors=True)
+        t0 = time.perf_counter()
+        pack_files(f"slow://{w['src']}", dest, shard_size=shard_size, storage_options=w["profile"],
+                   progress=False)
+        _PACKED[key] = (dest, time.perf_counter() - t0)
+    return _PACKED[key]
 
 
 def _run(w: dict[str, Any], cache: str, step_s: float, *, workers: int | None, prefetch: int | None,

@@ -403,24 +403,31 @@ class KeptOpen:
         self._fds: dict[str, tuple[int, int, int]] = {}  # path: (fd, st_dev, st_ino)
         self._pid = os.getpid()
 
+    @staticmethod
+    def _still_ours(got: tuple[int, int, int]) -> os.stat_result | None:
+        """The descriptor's stat when it still names the file it opened; None when it was closed elsewhere
+        (and its number maybe reused): not ours to write through or close."""
+        fd, dev, ino = got
+        try:
+            st = os.fstat(fd)
+        except OSError:
+            return None
+        return st if (st.st_dev, st.st_ino) == (dev, ino) else None
+
     def _current(self, path: str) -> int | None:
         """The kept descriptor of ``path`` if it still names the file it opened and that file is not removed."""
         got = self._fds.get(path)
         if got is None:
             return None
-        fd, dev, ino = got
-        try:
-            st = os.fstat(fd)
-        except OSError:  # closed by someone else: not ours to close again
-            st = None
-        if st is None or (st.st_dev, st.st_ino) != (dev, ino):
+        st = self._still_ours(got)
+        if st is None:
             if self._fds.get(path) == got:
                 del self._fds[path]
             return None
         if st.st_nlink == 0:  # removed meanwhile (e.g. by clear_cache)
             self.close(path)
             return None
-        return fd
+        return got[0]
 
     def fd(self, path: str) -> int:
         """The open descriptor of ``path`` (created if missing; FileNotFoundError if its folder is gone)."""
@@ -440,12 +447,9 @@ class KeptOpen:
     def close(self, path: str) -> None:
         if self._pid == os.getpid():
             got = self._fds.pop(path, None)
-            if got is not None:
-                fd, dev, ino = got
+            if got is not None and self._still_ours(got) is not None:  # a reused number is someone else's
                 with contextlib.suppress(OSError):
-                    st = os.fstat(fd)
-                    if (st.st_dev, st.st_ino) == (dev, ino):  # still ours: a reused number is someone else's
-                        os.close(fd)
+                    os.close(got[0])
 
 
 class RemovalToken:

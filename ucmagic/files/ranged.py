@@ -261,9 +261,14 @@ class RangedFile(io.RawIOBase):
         self._pos = max(0, base + int(offset))
         return self._pos
 
+    def _want(self, size: int | None) -> int:
+        """Bytes a read of ``size`` (None or negative: the rest) gets from the position: none past the end."""
+        left = max(0, self._size - self._pos)
+        return left if size is None or size < 0 else min(size, left)
+
     def readinto(self, buf: Any) -> int:
         view = memoryview(buf).cast("B")
-        want = min(len(view), max(0, self._size - self._pos))
+        want = self._want(len(view))
         got = 0
         while got < want:
             n = self._reader.readinto_at(self._pos + got, view[got:want])

@@ -19,6 +19,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ..files.local_files import FdReader
 from ..files.ranged import RangedFile
 from .deletion_vectors import deleted_in, filter_rows, keep_mask
 from .footers import TableFile
@@ -163,10 +164,6 @@ class RangeFile(RangedFile):
         start, _, view = self.spans[i]
         return view, self._pos - start
 
-    def _want(self, size: int | None) -> int:
-        left = max(0, self._size - self._pos)
-        return left if size is None or size < 0 else min(size, left)
-
     def readinto(self, buf: Any) -> int:
         view = memoryview(buf).cast("B")
         want = self._want(len(view))
@@ -206,16 +203,13 @@ def map_file(path: str, size: int) -> memoryview:
                           "changed by hand?): run `python -m ucmagic cache clear` and read again")
         try:
             return memoryview(mmap.mmap(fd, size, access=mmap.ACCESS_READ))
-        except OSError:  # e.g. ENODEV: a file system without mmap
+        except OSError:  # e.g. ENODEV: a file system without mmap: read into memory
             buf = bytearray(size)
-            view = memoryview(buf)
-            got = 0
-            while got < size:
-                n = os.preadv(fd, [view[got:]], got)
-                if n <= 0:
-                    raise OSError(f"{path}: a cache entry ended at byte {got} of {size}") from None
-                got += n
-            return view.toreadonly()
+            with RangedFile(FdReader(path), size) as f:
+                got = f.readinto(buf)
+            if got < size:
+                raise OSError(f"{path}: a cache entry ended at byte {got} of {size}") from None
+            return memoryview(buf).toreadonly()
     finally:
         os.close(fd)
 
