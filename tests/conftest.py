@@ -13,9 +13,31 @@ settings.load_profile("ucmagic")
 
 
 def pytest_addoption(parser):
-    parser.addoption("--matrix", default=os.environ.get("UCMAGIC_MATRIX", "pairs"), choices=("pairs", "full"),
-                     help="tests/test_matrix.py: the all-pairs sample (default) or the whole product "
-                          "(also UCMAGIC_MATRIX=full)")
+    parser.addoption("--full", action="store_true", default=os.environ.get("UCMAGIC_FULL") == "1",
+                     help="the long runs too (also UCMAGIC_FULL=1): tests marked 'full' (whole products, "
+                          "the whole trainers table, large fuzz runs, soak, timed checks) and the larger sizes "
+                          "tests read from run_size.FULL; .ci/run runs them after the default suite")
+    parser.addoption("--matrix", default=os.environ.get("UCMAGIC_MATRIX"), choices=("pairs", "full"),
+                     help="tests/test_matrix.py and test_delivery_matrix.py: the all-pairs sample (default) or "
+                          "the whole product (also UCMAGIC_MATRIX=full; --full implies full)")
+
+
+def pytest_configure(config):
+    """``--full`` is seen by test modules as ``run_size.FULL`` (read at import, after this hook)."""
+    if config.getoption("--full"):
+        os.environ["UCMAGIC_FULL"] = "1"
+    if config.getoption("--matrix") is None:
+        config.option.matrix = "full" if config.getoption("--full") else "pairs"
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``full`` run only with ``--full``."""
+    if config.getoption("--full"):
+        return
+    skip = pytest.mark.skip(reason="a long run: pytest --full (or UCMAGIC_FULL=1) runs it; .ci/run does")
+    for item in items:
+        if "full" in item.keywords:
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session", autouse=True)
