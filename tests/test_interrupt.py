@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from run_size import FULL
 from ucmagic import UCVolumeDataset
 from ucmagic.testing import make_files
 
@@ -196,8 +197,17 @@ def test_a_full_cache_disk_fails_once_with_a_named_error_and_the_interpreter_exi
 
 
 LEAVE_LOADER = """
-    import sys, time
+    import multiprocessing.process, sys, time
     from ucmagic import DataLoader, UCVolumeDataset
+
+    join = multiprocessing.process.BaseProcess.join
+
+    def logged_join(self, timeout=None):  # torch joins each worker with a timeout, then terminates it
+        join(self, timeout)
+        if timeout is not None and self.is_alive():
+            print("JOIN TIMED OUT", self.name, file=sys.stderr, flush=True)
+
+    multiprocessing.process.BaseProcess.join = logged_join
     ds = UCVolumeDataset(ROOT, cache_dir=CACHE, cache_limit=10 * 16384)  # 5 files per worker stream
     loader = DataLoader(ds, batch_size=4, num_workers=2, collate_fn=list)  # persistent workers
     for i, batch in enumerate(loader):
@@ -241,8 +251,10 @@ def test_a_loader_left_under_a_full_budget_exits_without_waiting_out_torchs_join
         assert p.returncode == 0, err[-3000:]
     else:
         assert p.returncode != 0 and "KeyboardInterrupt" in err, err[-3000:]
-    took = time.time() - left
-    assert took < JOIN_S, f"exit took {took:.1f} s: torch waited out a worker's join timeout ({JOIN_S:g} s)"
+    assert "JOIN TIMED OUT" not in err, f"torch waited out a worker's join timeout ({JOIN_S:g} s):\n{err[-3000:]}"
+    if FULL:  # timed on a quiet machine only
+        took = time.time() - left
+        assert took < JOIN_S, f"exit took {took:.1f} s: torch waited out a worker's join timeout ({JOIN_S:g} s)"
 
 
 HUNG = """
@@ -320,5 +332,6 @@ def test_ctrl_c_on_a_hung_mount_starts_no_open_and_exits_without_waiting_for_the
     assert len(interrupted) == 1 and opens, lines
     late = [t - interrupted[0] for t in opens if t > interrupted[0]]
     assert late == [], f"{len(late)} open(s) started after the KeyboardInterrupt ({len(opens)} in all)"
-    if workers:  # torch's join timeout, waited out for each worker still waiting on a hung open
+    if workers and FULL:  # torch's join timeout, waited out for each worker still waiting on a hung open
+        # (timed on a quiet machine only: the default suite's bound is EXIT_S, far below the hung opens' 600 s)
         assert exited - sent < workers * JOIN_S, f"exit took {exited - sent:.1f} s after SIGINT"

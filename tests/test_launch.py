@@ -41,8 +41,9 @@ def test_two_ranks_return_rank0_result_with_torchrun_environment(capfd):
         work.distributed(1, 2, 3)
 
 
+@pytest.mark.timeout(600)
 def test_exception_in_one_rank_surfaces_with_its_traceback_and_stops_the_others():
-    @distributed(num_processes=2, timeout=120)
+    @distributed(num_processes=2, timeout=900)
     def fails_on_rank1():
         import torch.distributed as dist
 
@@ -54,7 +55,7 @@ def test_exception_in_one_rank_surfaces_with_its_traceback_and_stops_the_others(
     t = time.monotonic()
     with pytest.raises(ValueError, match="bad batch on rank 1") as info:
         fails_on_rank1.distributed()
-    assert time.monotonic() - t < 100  # torn down, not hung until the timeout
+    assert time.monotonic() - t < 500  # torn down, not hung until the timeout (900 s: far from any start-up)
     cause = info.value.__cause__
     assert isinstance(cause, RemoteTraceback)
     assert "rank 1" in str(cause) and "fails_on_rank1" in str(cause) and "raise ValueError" in str(cause)
@@ -70,7 +71,7 @@ def test_timeout_stops_a_hung_run_with_a_clear_error():
     start = time.monotonic()
     with pytest.raises(DistributedTimeoutError, match="timeout=10"):
         hangs.distributed()
-    assert time.monotonic() - start < 60
+    assert time.monotonic() - start < 300  # stopped at the timeout, not at the sleep's 600 s
 
 
 def test_a_rank_that_dies_without_an_exception_is_reported():
