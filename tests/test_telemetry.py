@@ -136,3 +136,44 @@ def test_a_pinned_batch_keeps_its_item_records():
     pinned = items.pin_memory()  # no tensors inside: torch's pin-memory walk hands the data back as is
     assert pinned.batch == {"label": [1, 2], "name": "b0"}
     assert (pinned.worker, pinned.index, pinned.fetch, pinned.nbytes) == (3, items.index, items.fetch, 7)
+
+
+# ------------------------------------------------------------------ issue 52: what a batch weighs, what the machine had
+
+def test_batch_bytes_counts_arrays_and_bytes_in_nested_batches():
+    import numpy as np
+    import torch
+
+    from ucmagic.telemetry import batch_bytes
+
+    assert batch_bytes(torch.zeros(32, 3, 224, 224)) == 32 * 3 * 224 * 224 * 4
+    assert batch_bytes({"x": torch.zeros(4, dtype=torch.int64), "y": [b"abc", np.zeros(2)], "k": "name"}) == 32 + 3 + 16
+    assert batch_bytes(["/a/path"] * 10) == 0
+    many = [torch.zeros(1)] * 1000  # past the fanout: the walked part scaled to the whole
+    assert batch_bytes(many, fanout=64) == 4000
+
+
+def test_idle_seconds_read_from_proc_stat_per_core():
+    from ucmagic.telemetry import parse_idle
+
+    stat = ("cpu  100 0 50 9000 100 0 0 0 0 0\n"
+            "cpu0 50 0 25 4000 60 0 0 0 0 0\n"
+            "cpu1 50 0 25 5000 40 0 0 0 0 0\n"
+            "intr 12345\n")
+    assert parse_idle(stat) == pytest.approx((4000 + 60 + 5000 + 40) / 100)
+    assert parse_idle(stat, [1]) == pytest.approx(50.4)
+    assert parse_idle(stat, [7]) is None and parse_idle("garbage") is None
+    assert parse_idle(stat, [0], hz=1000) == pytest.approx(4.06)
+
+
+def test_a_workers_cpu_clock_is_read_at_most_every_50_ms_and_never_in_the_main_process():
+    import math
+
+    from ucmagic import telemetry
+
+    assert math.isnan(telemetry.worker_cpu(None, 1.0))
+    info = object()
+    first = telemetry.worker_cpu(info, 100.0)
+    assert first >= 0 and telemetry.worker_cpu(info, 100.01) == first  # too soon: the last read
+    other = object()  # a new worker process (a forked one starts its own mark)
+    assert telemetry.worker_cpu(other, 100.01) >= first

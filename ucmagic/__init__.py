@@ -105,6 +105,7 @@ _EXPORTS = {
     "files_from_table": "tables.volume_table",
     "TableFilesDataset": "tables.volume_table",
     "DuplicatePathError": "errors",
+    "StatsFileError": "errors",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -245,6 +245,11 @@ class DuplicatePathError(UCMagicError, ValueError):
     """Several rows of a table given to ``files_from_table`` name the same file (one row per file)."""
 
 
+class StatsFileError(UCMagicError, ValueError):
+    """A file given to ``LoaderStats.load`` (or ``python -m ucmagic advise``) is not what ``loader.stats.save()``
+    writes; the message names the file and what was expected."""
+
+
 EXTRAS = {"matplotlib": "notebook", "ipywidgets": "notebook", "IPython": "notebook", "mlflow": "mlflow",
           "s3fs": "s3", "deltalake": "delta", "pyspark": "spark", "mfusepy": "fuse"}
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import math
 import multiprocessing as mp
+import os
 import time
 from array import array
 from typing import Any, Callable, Iterator, Sequence
@@ -254,8 +255,19 @@ class BatchStart:
 
 
 def set_fetch_timing(on: bool) -> None:
-    """Time every planned dataset iterator this process opens from now on (see :func:`fetch_timed`)."""
+    """Time ucmagic's reads in this process from now on: every planned dataset iterator it opens (see
+    :func:`fetch_timed`) and every sample a shard dataset reads by index (:func:`fetch_timing`)."""
     _timing[0] = bool(on)
+
+
+def fetch_timing() -> bool:
+    """Whether ucmagic's reads are timed in this process (a user's dataset is around them)."""
+    return _timing[0]
+
+
+def add_fetch(seconds: float) -> None:
+    """Add ``seconds`` of ucmagic's reading (a shard sample read by index) to this process's stage clock."""
+    _clock[1] += seconds
 
 
 def fetch_timed(it: Iterator[Any]) -> Iterator[Any]:
@@ -286,7 +298,8 @@ class StageMode:
 
     PLANNED = 0  # ucmagic's own dataset: everything before collate is its fetch
     WRAPPER = 1  # a user's dataset around a planned one: fetch is timed inside, the rest is the user's
-    OTHER = 2  # any other dataset (map-style ``__getitem__``, a plain IterableDataset): the user's
+    OTHER = 2  # any other dataset (map-style ``__getitem__``, a plain IterableDataset): the user's, but for
+    # what ucmagic read inside it (a shard dataset's samples by index, a planned iterator): fetch
 
 
 def _stage_times(mode: int, t_collate: float, t_end: float) -> tuple[float, float, float]:
@@ -297,27 +310,45 @@ def _stage_times(mode: int, t_collate: float, t_end: float) -> tuple[float, floa
     _clock[0], _clock[1], _clock[2] = 0.0, 0.0, t_end
     if mode == StageMode.PLANNED:
         return produce, 0.0, t_end - t_collate
-    if mode == StageMode.WRAPPER:
-        return fetched, max(0.0, produce - fetched), t_end - t_collate
-    return 0.0, produce, t_end - t_collate
+    return fetched, max(0.0, produce - fetched), t_end - t_collate
+
+
+CPU_MARK_S = 0.05  # a worker reads its process's CPU clock at most this often (one syscall per read)
+_cpu_mark: list[Any] = [None, -math.inf, math.nan]  # [the worker's WorkerInfo, perf time of the read, CPU s then]
+
+
+def worker_cpu(info: Any, now: float) -> float:
+    """This worker process's CPU seconds (all its threads: decode, collate, its read-ahead), read at most
+    every :data:`CPU_MARK_S` (``now``: perf_counter); NaN in the main process (``info`` None). A forked
+    worker inherits the parent's mark: a new ``info`` starts its own."""
+    mark = _cpu_mark
+    if info is None:
+        return math.nan
+    if mark[0] is not info:
+        mark[0], mark[1] = info, -math.inf
+    if now - mark[1] >= CPU_MARK_S:
+        mark[1], mark[2] = now, time.process_time()
+    return float(mark[2])
 
 
 class BatchItems:
-    """A batch travelling from a worker with the fetch records of its items and its stage times
-    (``stages``: seconds in :data:`STAGES` order), unwrapped by the loader."""
+    """A batch travelling from a worker with the fetch records of its items, its stage times
+    (``stages``: seconds in :data:`STAGES` order) and its worker's CPU clock (``cpu``: the process's CPU
+    seconds at a recent mark, NaN in the main process), unwrapped by the loader."""
 
-    __slots__ = ("batch", "worker", "index", "fetch", "nbytes", "stages")
+    __slots__ = ("batch", "worker", "index", "fetch", "nbytes", "stages", "cpu")
 
     def __init__(self, batch: Any, worker: int, index: bytes, fetch: bytes, nbytes: int,
-                 stages: tuple[float, float, float] = (math.nan, math.nan, math.nan)) -> None:
+                 stages: tuple[float, float, float] = (math.nan, math.nan, math.nan), cpu: float = math.nan) -> None:
         self.batch, self.worker, self.index, self.fetch, self.nbytes = batch, worker, index, fetch, nbytes
         self.stages = stages
+        self.cpu = cpu
 
     def pin_memory(self, device: Any = None) -> BatchItems:  # the pin-memory thread pins the batch inside
         from ._torch_compat import pin_memory
 
         return BatchItems(pin_memory(self.batch, device), self.worker, self.index, self.fetch, self.nbytes,
-                          self.stages)
+                          self.stages, self.cpu)
 
 
 class ItemCollate:
@@ -331,7 +362,7 @@ class ItemCollate:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        if self.mode == StageMode.WRAPPER:
+        if self.mode != StageMode.PLANNED:
             set_fetch_timing(True)
 
     def __call__(self, data: Any) -> BatchItems:
@@ -340,8 +371,9 @@ class ItemCollate:
         index, fetch, nbytes = take_items(n)
         info = worker_info()
         out = self.inner(data)
-        stages = _stage_times(self.mode, t0, time.perf_counter())
-        return BatchItems(out, -1 if info is None else info.id, index, fetch, nbytes, stages)
+        t1 = time.perf_counter()
+        stages = _stage_times(self.mode, t0, t1)
+        return BatchItems(out, -1 if info is None else info.id, index, fetch, nbytes, stages, worker_cpu(info, t1))
 
 
 class ItemLog:
@@ -419,3 +451,60 @@ class ItemLog:
 
 _LOG_COLUMNS = ("start", "count", "epoch", "worker", "rank", "misses", "nbytes", "index", "fetch", "stage_fetch",
                 "stage_user", "stage_collate")
+
+
+# ------------------------------------------------------------------ what a batch weighs, what the machine had free
+
+def batch_bytes(batch: Any, depth: int = 3, fanout: int = 64) -> int:
+    """Bytes of the arrays (tensors, numpy) and ``bytes`` in a batch: what crosses from a worker to the
+    loop. Walks dicts, lists and tuples ``depth`` levels deep and their first ``fanout`` members (a batch
+    of many small objects counts what it walked: an estimate, cheap at any size)."""
+    nbytes = getattr(batch, "nbytes", None)
+    if isinstance(nbytes, int) and not isinstance(batch, (bytes, bytearray)):
+        return nbytes
+    if isinstance(batch, (bytes, bytearray, memoryview)):
+        return len(batch)
+    if depth <= 0:
+        return 0
+    if isinstance(batch, dict):
+        members = list(batch.values())
+    elif isinstance(batch, (list, tuple)):
+        members = list(batch)
+    else:
+        return 0
+    walked = sum(batch_bytes(x, depth - 1, fanout) for x in members[:fanout])
+    return walked if len(members) <= fanout else walked * len(members) // fanout
+
+
+def parse_idle(stat: str, cpus: Sequence[int] | None = None, hz: float = 100.0) -> float | None:
+    """Idle seconds (idle + iowait, summed over ``cpus``; all when None) in the text of ``/proc/stat``
+    (per-CPU lines, in ticks of ``1 / hz`` s); None when none of the lines is there."""
+    want = None if cpus is None else {f"cpu{c}" for c in cpus}
+    ticks, seen = 0, False
+    for line in stat.splitlines():
+        if not line.startswith("cpu") or line.startswith("cpu "):
+            continue
+        parts = line.split()
+        if want is not None and parts[0] not in want:
+            continue
+        if len(parts) < 6:
+            continue
+        try:
+            ticks += int(parts[4]) + int(parts[5])
+        except ValueError:
+            continue
+        seen = True
+    return ticks / hz if seen else None
+
+
+def idle_seconds() -> float | None:
+    """Idle core-seconds so far on the cores this process may run on (``/proc/stat``); None where the
+    machine does not say (not Linux). Two reads apart give what sat idle in between."""
+    try:
+        with open("/proc/stat") as f:
+            text = f.read()
+        cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+        hz = float(os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, AttributeError):
+        return None
+    return parse_idle(text, cpus, hz)

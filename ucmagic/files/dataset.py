@@ -24,6 +24,7 @@ from .epochs import EpochTracking, StateSchema, refuse_split_twice
 from ..errors import InvalidArgumentError
 from .epoch_stream import EpochParts, EpochStream, Retired
 from .dataset_files import ListedFiles, SourceFile
+from .fetch import DEFAULT_INFLIGHT, stream_depth
 from .filler import CacheFiller, SkipPolicy, SourceChecks
 from .lease import ConsumptionChannel, StreamLease, StreamLeases
 from .stream_items import STREAM_CHUNKS_KEPT, StreamItems  # noqa: F401 - STREAM_CHUNKS_KEPT: tests import it from here
@@ -35,7 +36,6 @@ from .volume import Volume, open_volume
 from .windows import DEFAULT_LEASE_ITEMS, WindowPolicy
 
 STATE_VERSION = 2  # 2: the array-free epoch order (plan.ORDER_VERSION 2)
-DEFAULT_INFLIGHT = 128  # files in flight per rank, spread over its DataLoader workers
 
 
 def check_seed(seed: Any) -> int:
@@ -142,6 +142,7 @@ class UCVolumeDataset(EpochTracking, IterableDataset[str]):
     """
 
     kind = "UCVolumeDataset"
+    read_ahead_scope = "rank"  # files in flight per rank (stream_depth): more workers do not copy more at once
     # version 1: before the array-free order (unshuffled only); states from before kinds have none
     state_schema = StateSchema(kind, STATE_VERSION, "files", older=(1,))
 
@@ -340,7 +341,7 @@ class UCVolumeDataset(EpochTracking, IterableDataset[str]):
     def _iterate(self) -> Iterator[str]:
         main = get_worker_info() is None
         # files in flight per stream: prefetch=, else the rank's DEFAULT_INFLIGHT spread over its workers
-        depth = int(self.prefetch) if self.prefetch else max(8, DEFAULT_INFLIGHT // max(1, dist_info().num_workers))
+        depth = stream_depth(self.prefetch, dist_info().num_workers)
         items, lease = self._open_stream(main, depth)
         if self._seen is None:
             self._seen = self.cache.seen_entries(len(self.listing))

@@ -23,6 +23,17 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 # Errors that another try will not fix (a source changed during its copy is deterministic: it surfaces at once).
+DEFAULT_INFLIGHT = 128  # files in flight per rank, spread over its DataLoader workers
+MIN_STREAM_DEPTH = 8  # ... at least this many per stream
+
+
+def stream_depth(prefetch: int | None, num_workers: int) -> int:
+    """Files in flight per stream of a file dataset: ``prefetch`` when set, else the rank's
+    :data:`DEFAULT_INFLIGHT` spread over its ``num_workers`` streams (at least :data:`MIN_STREAM_DEPTH`).
+    So, by default, more workers do not copy more files at once: the read-ahead is the rank's."""
+    return int(prefetch) if prefetch else max(MIN_STREAM_DEPTH, DEFAULT_INFLIGHT // max(1, num_workers))
+
+
 PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, CacheFullError,
              SourceChangedError)
 

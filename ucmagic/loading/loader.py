@@ -33,7 +33,7 @@ from .loader_stats import LoaderStats
 from .mlflow_sink import cache_gauges
 from .samplers import END, ResumableIndexSampler, SplitSampler, StageIndexSampler, order_seed
 from ..presenters import presenter
-from ..telemetry import ItemCollate, StageMode, set_fetch_timing
+from ..telemetry import ItemCollate, StageMode, idle_seconds, set_fetch_timing
 
 __all__ = ["DataLoader"]
 
@@ -140,6 +140,7 @@ class DataLoader(tud.DataLoader[Any]):
                  persistent_workers: bool | None = None, log_to_mlflow: bool | None = None,
                  log_interval: float = 5.0, **kwargs: Any) -> None:
         planned = dataset if isinstance(dataset, PlannedDataset) else None
+        chosen = [k for k, v in (("num_workers", num_workers), ("prefetch_factor", prefetch_factor)) if v is not None]
         kind = planned.kind if planned is not None else None
         needs = planned.loader_needs if planned is not None else None
         uc = planned is not None
@@ -225,10 +226,14 @@ class DataLoader(tud.DataLoader[Any]):
             # without the wrapper, so a resume knows the epoch and its order (elastic, exact)
             self._configure_planned(self._wrapped)
         planned = self._planned
+        scope = getattr(planned, "read_ahead_scope", None)
         self.stats = LoaderStats(planned if planned is not None else dataset, setup={
             "num_workers": num_workers, "prefetch_factor": prefetch_factor or 0, "batch_size": batch_size or 1,
             "dataset": planned.kind if planned is not None else type(dataset).__name__,
-            "cache_limit": getattr(getattr(planned, "cache", None), "limit", None)})
+            "cache_limit": getattr(getattr(planned, "cache", None), "limit", None),
+            # how the dataset reads ahead: per rank (files) or per worker stream (shards); its prefetch= (in flight)
+            "read_ahead": scope, "read_depth": getattr(planned, "prefetch", None) if scope == "rank" else None,
+            "chosen": chosen})  # the knobs the user set (advise() does not push one further unless measured to help)
 
     @property
     def _is_accelerate_prepared(self) -> bool:
@@ -429,6 +434,7 @@ class DataLoader(tud.DataLoader[Any]):
 
     # -- iteration
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        began = time.perf_counter()  # starting the iteration (its workers) is part of the epoch's time
         self._lookahead = caller_lookahead(self)
         self._begin_epoch()
         skip = 0
@@ -440,7 +446,7 @@ class DataLoader(tud.DataLoader[Any]):
         # batches bring their items' fetch records and stage times, to this loader only: the collate_fn
         # others read (Accelerate's copy) stays the user's own
         mode = StageMode.PLANNED if self._uc else StageMode.WRAPPER if self._wrapped is not None else StageMode.OTHER
-        if mode == StageMode.WRAPPER:
+        if mode != StageMode.PLANNED:  # ucmagic's reads inside a user's dataset count as fetch
             set_fetch_timing(True)  # here and in forked workers; spawned ones turn it on with ItemCollate
         user_collate = self.collate_fn
         self.collate_fn = ItemCollate(user_collate, mode)
@@ -453,7 +459,7 @@ class DataLoader(tud.DataLoader[Any]):
         held = _HELD[self][0]
         if compat.live_iterator(self) is not None and not held:
             held.append(compat.live_iterator(self))
-        return self._timed(inner, skip)
+        return self._timed(inner, skip, time.perf_counter() - began)
 
     def _make_sink(self) -> Any:
         if self.log_to_mlflow is False:
@@ -465,14 +471,16 @@ class DataLoader(tud.DataLoader[Any]):
         rank = dist_info().rank
         return MlflowSink.for_active_run(rank, interval=self.log_interval, extra=extra)
 
-    def _timed(self, inner: Iterator[Any], skip: int) -> Iterator[Any]:
+    def _timed(self, inner: Iterator[Any], skip: int, starting: float) -> Iterator[Any]:
         stats, batch_cbs = self.stats, self._batch_callbacks
         sink = self._make_sink()
         perf = time.perf_counter
         error: BaseException | None = None
-        # the loop thread's CPU over the epoch (one read at each end): how much of its compute was its own work
-        ident, cpu = threading.get_ident, time.thread_time  # bound now: at exit the modules' names are None
+        # the loop thread's CPU over the epoch (one read at each end): how much of its compute was its own work;
+        # the process's CPU and the cores that sat idle meanwhile: what the machine had free (advise())
+        ident, cpu, proc_cpu, idle = threading.get_ident, time.thread_time, time.process_time, idle_seconds
         cpu0, thread, epoch = cpu(), ident(), stats.epoch
+        wall0, proc0, idle0 = perf() - starting, proc_cpu(), idle()
         try:
             for _ in range(skip):  # generic iterable resume: drop what was delivered before
                 if next(inner, END) is END:
@@ -520,6 +528,9 @@ class DataLoader(tud.DataLoader[Any]):
                 sink.close()
             if ident() == thread:  # closed from another thread: its clock is not this loop's
                 stats.add_loop_cpu(epoch, cpu() - cpu0)
+                idle1 = idle()
+                stats.add_epoch_resources(epoch, wall=perf() - wall0, cpu=proc_cpu() - proc0,
+                                          idle=None if idle0 is None or idle1 is None else idle1 - idle0)
             for end_cb in self._end_callbacks:
                 end_cb(self, stats, error)
 

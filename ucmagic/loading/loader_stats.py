@@ -26,11 +26,12 @@ from . import stats_analysis as analysis
 from . import stats_file
 from .._util import atomic_write
 from ..presenters import presenter
-from ..telemetry import BatchItems, BatchRecorder, ItemLog, SharedCounters, percentiles
+from ..telemetry import BatchItems, BatchRecorder, ItemLog, SharedCounters, batch_bytes, percentiles
 
 __all__ = ["LoaderStats", "RECENT"]
 
 RECENT = 256  # batches in a snapshot's recent window
+WEIGH_FIRST, WEIGH_EVERY = 4, 64  # batches weighed (telemetry.batch_bytes): an epoch's first ones, then every 64th
 
 
 class _Read:
@@ -45,6 +46,16 @@ class _Read:
             return self
         got = getattr(obj, self.method)()
         return got[self.key] if got else None
+
+
+# The last knob advice given in this process per dataset (kind, files, bytes, batch size): a loader that runs
+# with its setting followed it, and advise() compares the two runs before advising that knob again.
+_ADVISED: dict[tuple[Any, ...], tuple[dict[str, Any], Any, str]] = {}
+_FOLLOWABLE = {"num_workers", "prefetch_factor", "cache_limit"}  # advice settings named as the loader's setup
+
+
+def _advice_key(setup: dict[str, Any]) -> tuple[Any, ...]:
+    return (setup.get("dataset"), setup.get("files"), setup.get("dataset_bytes"), setup.get("batch_size"))
 
 
 class LoaderStats:
@@ -69,15 +80,20 @@ class LoaderStats:
         self._pending: BatchItems | None = None
         self._files: dict[int, tuple[str, int | None]] = {}  # index -> (name, bytes) of loaded stats
         self._saved_counters: dict[str, int] | None = None  # cache counters of loaded stats
+        self._worker_clock: dict[int, float] = {}  # each worker's last CPU clock (telemetry.BatchItems.cpu)
         # the loader's settings and the machine's cores (advise() reads them; saved with the stats)
         self.setup: dict[str, Any] = {"cores": stats_file.cores(), **(setup or {})}
 
     # -- recording (loop thread)
     def take_items(self, batch: Any) -> Any:
-        """Unwrap a batch that brought its items' fetch records (see :class:`~ucmagic.telemetry.ItemCollate`)."""
+        """Unwrap a batch that brought its items' fetch records (see :class:`~ucmagic.telemetry.ItemCollate`);
+        weigh the first batches of an epoch and every 64th (what a batch carries across processes)."""
         if isinstance(batch, BatchItems):
             self._pending = batch
-            return batch.batch
+            batch = batch.batch
+        n = self.epoch_count
+        if n < WEIGH_FIRST or n % WEIGH_EVERY == 0:
+            self._epoch_resources()["weighed"].append(batch_bytes(batch))
         return batch
 
     def record_batch(self, fetch_s: float, compute_s: float) -> None:
@@ -91,6 +107,8 @@ class LoaderStats:
         else:
             self._item_log.add(epoch, p.worker, p.index, p.fetch, p.nbytes, stages=p.stages)
             self.last_stages = p.stages
+            if p.cpu == p.cpu:  # a worker's CPU clock (NaN: the main process's, measured per iteration)
+                self._worker_cpu(p.worker, p.cpu)
         self.epoch_stages.add(fetch_s, compute_s, self.last_stages)
         self.last_fetch_s, self.last_compute_s = fetch_s, compute_s
         self.epoch_count += 1
@@ -101,6 +119,36 @@ class LoaderStats:
         per = self.setup.setdefault("loop_cpu_s", {})
         key = str(epoch if epoch is not None else 0)
         per[key] = per.get(key, 0.0) + max(0.0, float(seconds))
+
+    def _worker_cpu(self, worker: int, cpu: float) -> None:
+        """Worker ``worker``'s process had used ``cpu`` CPU seconds when it made the batch just recorded."""
+        last = self._worker_clock.get(worker)
+        self._worker_clock[worker] = cpu
+        grew = cpu - last if last is not None and cpu >= last else cpu  # lower: a new process (workers restarted)
+        res = self._epoch_resources()
+        res["workers_cpu"] = res.get("workers_cpu", 0.0) + grew
+
+    def _epoch_resources(self) -> dict[str, Any]:
+        """The current epoch's entry of ``setup["resources"]`` (the loop's batch weights while it runs)."""
+        key = str(self.epoch if self.epoch is not None else 0)
+        res = self.setup.setdefault("resources", {}).setdefault(key, {})
+        res.setdefault("weighed", [])
+        return res  # type: ignore[no-any-return]
+
+    def add_epoch_resources(self, epoch: int | None, *, wall: float, cpu: float, idle: float | None) -> None:
+        """An iteration over ``epoch`` took ``wall`` seconds, its process ``cpu`` CPU seconds (all threads), and
+        ``idle`` core-seconds of the cores it may use sat idle meanwhile (None: unknown). Kept in :attr:`setup`
+        (``"resources"``: {epoch: {"wall", "cpu", "idle", "workers_cpu", "batch_bytes"}}), saved and merged."""
+        res = self.setup.setdefault("resources", {}).setdefault(str(epoch if epoch is not None else 0), {})
+        res["wall"] = res.get("wall", 0.0) + max(0.0, float(wall))
+        res["cpu"] = res.get("cpu", 0.0) + max(0.0, float(cpu))
+        if idle is not None and res.get("idle", 0.0) is not None:
+            res["idle"] = res.get("idle", 0.0) + max(0.0, float(idle))
+        else:
+            res["idle"] = None
+        weighed = res.pop("weighed", [])
+        if weighed:
+            res["batch_bytes"] = float(np.mean(weighed))
 
     def begin_epoch(self, epoch: int | None) -> None:
         """A new iteration over ``epoch`` starts (per-epoch counts restart)."""
@@ -113,6 +161,8 @@ class LoaderStats:
         self._item_log.reset()
         self.epoch_stages = analysis.StageTotals()
         self.setup.pop("loop_cpu_s", None)
+        self.setup.pop("resources", None)
+        self._worker_clock.clear()
         self.epoch_count = 0
         self.last_fetch_s = self.last_compute_s = math.nan
 
@@ -262,14 +312,35 @@ class LoaderStats:
 
     def hints(self) -> list[str]:
         """One-line findings from the records: where the wait is (what to change: :meth:`advise`)."""
-        return analysis.straggler_hints(self.batches(), self.stall_fraction, self.batch_files)
+        def items_of(b: int) -> tuple[np.ndarray, np.ndarray]:
+            _, fetch, hit = self._item_log.items(b)
+            return fetch, hit
 
-    def advise(self) -> list[Any]:
-        """A ranked list of changes, each an :class:`~ucmagic.loading.advise.Advice` with the predicted
-        epoch time and the measured numbers it used (``str()`` of one is its line)."""
+        return analysis.straggler_hints(self.batches(), self.stall_fraction, self.batch_files, items_of)
+
+    def advise(self, epochs: int | None = None) -> list[Any]:
+        """A ranked list of changes, each an :class:`~ucmagic.loading.advise.Advice` predicting the run's
+        seconds with it (the epochs recorded, or ``epochs``; its own cost included) against the measured run,
+        with the measured numbers it used (``str()`` of one is its line).
+
+        A knob that this process advised for the same data and this loader now runs with (the advice was
+        followed) is advised again only if this run measured a saving against the run it was advised on."""
         from .advise import advise
 
-        return advise(analysis.measured(self.batches(), self._setup_now(), self._counters(), self._item_log))
+        if epochs is not None and (not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 1):
+            from ..errors import InvalidArgumentError
+
+            raise InvalidArgumentError(f"epochs must be a positive int (the run's epochs to predict), got {epochs!r}")
+        setup = self._setup_now()
+        m = analysis.measured(self.batches(), setup, self._counters(), self._item_log, run_epochs=epochs)
+        key = _advice_key(setup)
+        before = _ADVISED.get(key)
+        follows = before is not None and all(setup.get(k) == v for k, v in before[0].items())
+        got = advise(m, before[1] if follows and before else None, before[2] if follows and before else None)
+        top = next((a for a in got if a.sure and a.kind != "none"), None)
+        if top is not None and set(top.settings) <= _FOLLOWABLE:
+            _ADVISED[key] = (dict(top.settings), m, top.kind)
+        return got
 
     def _setup_now(self) -> dict[str, Any]:
         """:attr:`setup` with the dataset's size (files, bytes) when it has a listing."""
@@ -309,9 +380,24 @@ class LoaderStats:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> LoaderStats:
-        """Read stats written by :meth:`save`."""
-        with open(os.fspath(path)) as f:
-            return cls.from_dict(json.load(f))
+        """Read stats written by :meth:`save`; :class:`~ucmagic.errors.StatsFileError` names the file and what it
+        expected where the file is something else."""
+        from ..errors import StatsFileError
+
+        path = os.fspath(path)
+        with open(path, "rb") as f:
+            raw = f.read()
+        if not raw.strip():
+            raise StatsFileError(f"{path} is empty: expected {stats_file.EXPECTED}")
+        try:
+            d = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            where = f" ({e.msg} at line {e.lineno}, column {e.colno})" if isinstance(e, json.JSONDecodeError) else ""
+            raise StatsFileError(f"{path} is not JSON{where}: expected {stats_file.EXPECTED}") from None
+        try:
+            return cls.from_dict(d)
+        except ValueError as e:
+            raise StatsFileError(f"{path} is not a LoaderStats file: {e}") from None
 
     @classmethod
     def merge(cls, parts: Iterable[LoaderStats | str | os.PathLike[str]]) -> LoaderStats:

@@ -62,11 +62,58 @@ def to_dict(rec: BatchRecorder, log: ItemLog, describe: Describe, counters: dict
             "files": files, "counters": counters, "truncated": log.truncated, "setup": dict(setup or {})}
 
 
-def from_dict(d: dict[str, Any], rank: int | None = None) -> Records:
-    """Records from :func:`to_dict` output (``rank`` overrides the saved ones)."""
-    if d.get("version") != SAVE_VERSION:
+EXPECTED = "a JSON object written by loader.stats.save()"
+
+
+def check(d: Any) -> None:
+    """Raise ``ValueError`` saying what is wrong where ``d`` (read from a file: anything) is not the saved form."""
+    if not isinstance(d, dict):
+        raise ValueError(f"expected {EXPECTED}, found a JSON {type(d).__name__}")
+    if "version" in d and d["version"] != SAVE_VERSION:
         raise ValueError(f"unsupported LoaderStats file version {d.get('version')!r} (this ucmagic reads "
                          f"version {SAVE_VERSION})")
+    if "version" not in d or "fetch_s" not in d:
+        raise ValueError(f"expected {EXPECTED} (keys version, fetch_s, compute_s, ...), found keys "
+                         f"{', '.join(sorted(map(str, d))[:6]) or 'none'}")
+    n = _column(d, "fetch_s", float)
+    for key in ("compute_s",):
+        if _column(d, key, float) != n:
+            raise ValueError(f"expected {key} to have one value per batch ({n}), found {len(d[key])}")
+    for key in ("count", "epoch", "worker", "misses", "nbytes"):
+        if _column(d, key, int) != n:
+            raise ValueError(f"expected {key} to have one value per batch ({n}), found {len(d[key])}")
+    for key in ("batch_rank", *STAGE_COLUMNS):
+        if d.get(key) is not None and _column(d, key, float, nulls=True) != n:
+            raise ValueError(f"expected {key} to have one value per batch ({n}), found {len(d[key])}")
+    if _column(d, "item_index", int) != _column(d, "item_fetch_s", float):
+        raise ValueError("expected item_index and item_fetch_s of the same length")
+    if any(c < 0 for c in d["count"]) or any(not 0 <= i < 2**31 for i in d["item_index"]):
+        raise ValueError("expected counts >= 0 and item indices in 0 .. 2**31 - 1")
+    files = d.get("files", {})
+    if not isinstance(files, dict) or not all(isinstance(v, list) and len(v) == 2 and isinstance(v[0], str)
+                                              for v in files.values()):
+        raise ValueError('expected files to map each item index to [name, bytes]')
+    for key in ("counters", "setup"):
+        if d.get(key) is not None and not isinstance(d[key], dict):
+            raise ValueError(f"expected {key} to be a JSON object, found a JSON {type(d[key]).__name__}")
+
+
+def _column(d: dict[str, Any], key: str, kind: type, nulls: bool = False) -> int:
+    """The length of ``d[key]``, a list of numbers (``kind`` int: whole numbers; ``nulls``: null allowed)."""
+    v = d.get(key)
+    if not isinstance(v, list):
+        found = "nothing" if v is None else type(v).__name__
+        raise ValueError(f"expected {key} to be a list of numbers, found {found}")
+    ok = (int,) if kind is int else (int, float)
+    if not all((x is None and nulls) or (isinstance(x, ok) and not isinstance(x, bool)) for x in v):
+        raise ValueError(f"expected {key} to hold only {'whole ' if kind is int else ''}numbers")
+    return len(v)
+
+
+def from_dict(d: dict[str, Any], rank: int | None = None) -> Records:
+    """Records from :func:`to_dict` output (``rank`` overrides the saved ones); ``ValueError`` (what was expected)
+    where ``d`` is not that (:func:`check`)."""
+    check(d)
     rec = BatchRecorder()
     rec.extend(d["fetch_s"], d["compute_s"])
     log = ItemLog()
@@ -126,4 +173,11 @@ def merge(dicts: Sequence[dict[str, Any]]) -> dict[str, Any]:
             loop_cpu[e] = max(loop_cpu.get(e, 0.0), float(v))
     if loop_cpu:
         merged["setup"]["loop_cpu_s"] = loop_cpu
+    resources: dict[str, dict[str, Any]] = {}  # per epoch, the rank whose iteration took longest
+    for d in dicts:
+        for e, r in ((d.get("setup") or {}).get("resources") or {}).items():
+            if isinstance(r, dict) and float(r.get("wall") or 0.0) >= float(resources.get(e, {}).get("wall") or 0.0):
+                resources[e] = r
+    if resources:
+        merged["setup"]["resources"] = resources
     return merged

@@ -20,6 +20,7 @@ from typing import Any, Generator, Iterator, Sequence
 import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info
 
+from .. import telemetry
 from ..files import plan
 from ..dist import dist_info
 from ..files.epochs import EpochTracking, check_state_kind, refuse_split_twice
@@ -85,6 +86,7 @@ class Mix(EpochTracking, IterableDataset[Any]):
     """Samples of several streams interleaved with ``weights`` (see the module doc)."""
 
     kind = "Mix"
+    read_ahead_scope = "stream"  # each worker stream reads its own chunks ahead
 
     def __init__(self, datasets: Sequence[Any], weights: Sequence[float] | None = None, *, seed: int = 0,
                  partition: str = "pad") -> None:
@@ -184,6 +186,9 @@ class Mix(EpochTracking, IterableDataset[Any]):
     # ------------------------------------------------------------ iteration
 
     def __iter__(self) -> Iterator[Any]:
+        return telemetry.fetch_timed(self._iterate())  # timed when a user's wrapper iterates it (stage times)
+
+    def _iterate(self) -> Iterator[Any]:
         refuse_split_twice(self.kind)  # Accelerate re-splitting what is split per rank already
         main = get_worker_info() is None
         if main:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
 from typing import Any, Generator, Iterator, Sequence
 
 import numpy as np
@@ -115,6 +116,7 @@ class ShardDataset(Dataset[Any]):
         return self.decode(i, parts)
 
     def __getitem__(self, i: int) -> Any:
+        t0 = time.perf_counter() if telemetry.fetch_timing() else 0.0  # a user's dataset around this one
         i = int(i)
         if i < 0:
             i += self.num_samples
@@ -122,6 +124,8 @@ class ShardDataset(Dataset[Any]):
         reader.begin()
         out = self.read_sample(reader, i)
         self.record_sample(reader, i)
+        if t0:
+            telemetry.add_fetch(time.perf_counter() - t0)
         return out
 
     def record_sample(self, reader: ChunkReader, i: int, spans: list[Span] | None = None) -> None:
@@ -214,6 +218,7 @@ class SampleStream(EpochTracking, IterableDataset[Any]):
     """
 
     kind = "SampleStream"
+    read_ahead_scope = "stream"  # each worker stream reads its own chunks ahead
     state_schema = StateSchema(kind, STATE_VERSION, "samples")
 
     def __init__(self, dataset: ShardDataset, *, shuffle: bool | str = False, seed: int = 0,
@@ -296,6 +301,9 @@ class SampleStream(EpochTracking, IterableDataset[Any]):
     # ------------------------------------------------------------ iteration
 
     def __iter__(self) -> Iterator[Any]:
+        return telemetry.fetch_timed(self._iterate())  # timed when a user's wrapper iterates it (stage times)
+
+    def _iterate(self) -> Iterator[Any]:
         refuse_split_twice(self.kind)  # Accelerate re-splitting what is split per rank already
         info = get_worker_info()
         main = info is None

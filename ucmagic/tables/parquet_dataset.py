@@ -352,6 +352,9 @@ class ParquetDataset(EpochTracking, IterableDataset[Any]):
             close_readers(readers)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
+        return telemetry.fetch_timed(self._iterate())  # timed when a user's wrapper iterates it (stage times)
+
+    def _iterate(self) -> Iterator[dict[str, Any]]:
         refuse_split_twice(self.kind)  # Accelerate re-splitting what is split per rank already
         main = get_worker_info() is None
         if main:
