@@ -327,3 +327,22 @@ def test_cache_commands_on_a_mistyped_cache_dir_say_so_and_create_nothing(tmp_pa
     p = cli("cache", action, "--cache-dir", str(typo))
     assert p.returncode == 0 and "no cache directory here" in p.stdout
     assert not typo.exists()
+
+
+@pytest.mark.parametrize("content,says", [
+    ("", "is empty: expected a JSON object written by loader.stats.save()"),
+    ("not json", "is not JSON (Expecting value at line 1, column 1): expected a JSON object written by"),
+    ('{"a": 1}', "is not a LoaderStats file: expected a JSON object written by loader.stats.save() (keys version, "
+                 "fetch_s, compute_s, ...), found keys a"),
+    ("[1, 2]", "is not a LoaderStats file: expected a JSON object written by loader.stats.save(), found a JSON list"),
+    ('{"version": 1, "fetch_s": [0.1], "compute_s": []}', "expected compute_s to have one value per batch (1)"),
+    ('{"version": 1, "fetch_s": ["x"]}', "expected fetch_s to hold only numbers"),
+])
+def test_advise_names_the_file_and_what_it_expected(tmp_path, content, says):
+    """Issue 52: a non-stats or empty JSON file said `unsupported LoaderStats file version None` or
+    `Expecting value: line 1 column 1`."""
+    path = tmp_path / "stats.json"
+    path.write_text(content)
+    r = cli("advise", str(path))
+    assert r.returncode == 1 and r.stdout == ""
+    assert r.stderr.startswith(f"ucmagic: error: {path} ") and says in r.stderr

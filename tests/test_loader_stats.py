@@ -17,8 +17,10 @@ from ucmagic.loading.loader_stats import LoaderStats
 
 # ------------------------------------------------------------------ synthetic stats
 
-def synth(fetch, *, compute=None, epoch=None, worker=None, rank=None, items=None, files=None) -> LoaderStats:
-    """LoaderStats from per-batch lists; ``items[b]`` is a list of ``(index, fetch_s, hit)``."""
+def synth(fetch, *, compute=None, epoch=None, worker=None, rank=None, items=None, files=None,
+          stages=None) -> LoaderStats:
+    """LoaderStats from per-batch lists; ``items[b]`` is a list of ``(index, fetch_s, hit)``; ``stages[b]`` the
+    producing process's ``(fetch, user, collate)`` seconds."""
     n = len(fetch)
     items = items if items is not None else [[] for _ in range(n)]
     d = {"version": 1, "rank": 0, "fetch_s": list(map(float, fetch)),
@@ -29,6 +31,9 @@ def synth(fetch, *, compute=None, epoch=None, worker=None, rank=None, items=None
          "item_index": [i for it in items for i, _, _ in it],
          "item_fetch_s": [(-f if h else f) for it in items for _, f, h in it],
          "files": {str(k): [v, 100] for k, v in (files or {}).items()}, "counters": None, "truncated": False}
+    if stages is not None:
+        for k, col in enumerate(("stage_fetch_s", "stage_user_s", "stage_collate_s")):
+            d[col] = [s[k] for s in stages]
     return LoaderStats.from_dict(d)
 
 
@@ -79,6 +84,41 @@ def test_hint_one_slow_worker():
     fetch = [0.05 if b % 3 == 2 else 0.01 for b in range(n)]
     hints = synth(fetch, compute=[1.0] * n, worker=[b % 3 for b in range(n)], items=warm_items(n)).hints()
     assert any(h.startswith("worker 2's batches wait 5.0x longer") for h in hints)
+
+
+def test_hint_names_no_file_when_every_open_costs_the_same():
+    """Issue 52: "3 files account for 100% of the p99 wait" named the first batch's files when every open cost the
+    same 250 ms; the startup batch is left out and a file is named only at 3x the median file's fetch."""
+    n = 60
+    fetch = [2.0] + [0.25 if b % 4 == 0 else 0.001 for b in range(1, n)]  # the first batch: the start
+    items = [[(b * 4 + k, 0.25, False) for k in range(4)] for b in range(n)]
+    hints = synth(fetch, items=items, compute=[0.05] * n, worker=[b % 2 for b in range(n)]).hints()
+    assert not [h for h in hints if "p99 wait" in h]
+    items[40][2] = (999, 1.5, False)  # one file 6x the median copy
+    fetch[40] = 1.5
+    hints = synth(fetch, items=items, compute=[0.05] * n, files={999: "/Volumes/m/d/v/slow.jpg"}).hints()
+    hint = [h for h in hints if "p99 wait" in h]
+    assert hint and hint[0].startswith("1 file account") and hint[0].endswith("slow.jpg") and "3x+ the median" in hint[0]
+
+
+def test_hint_names_a_worker_only_against_the_median_worker():
+    """Issue 52: "worker 0's batches wait 491x longer ... it reads slow files" when no file was slower: the loop
+    waits on the worker whose batch comes first in each round, though both make theirs alike."""
+    n = 60
+    fetch = [0.3 if b % 2 == 0 else 0.0005 for b in range(n)]  # the loop's waits alternate
+    items = [[(b * 4 + k, 0.2, False) for k in range(4)] for b in range(n)]
+    stages = [(0.28, 0.001, 0.0001)] * n  # both workers take as long to make a batch
+    hints = synth(fetch, items=items, worker=[b % 2 for b in range(n)], stages=stages).hints()
+    assert not [h for h in hints if h.startswith("worker")]
+    slow = [(0.9, 0.001, 0.0001) if b % 3 == 1 else (0.28, 0.001, 0.0001) for b in range(n)]
+    hints = synth(fetch, items=items, worker=[b % 3 for b in range(n)], stages=slow).hints()
+    hint = [h for h in hints if h.startswith("worker")]
+    assert hint == ["worker 1 takes 3.2x the median worker's time to make a batch (901 ms vs 281 ms): most of it "
+                    "in its fetch"]
+    slow_files = [[(b * 4 + k, 0.9 if b % 3 == 1 else 0.2, False) for k in range(4)] for b in range(n)]
+    hints = synth(fetch, items=slow_files, worker=[b % 3 for b in range(n)], stages=slow).hints()
+    assert any(h.startswith("worker 1 takes") and "it reads slow files (median fetch 900.0 ms vs 200.0 ms)" in h
+               for h in hints)
 
 
 def test_hint_one_slow_rank():

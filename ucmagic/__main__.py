@@ -317,23 +317,29 @@ def _add_load(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 def _add_advise(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("advise", help="what to change so the loop stops waiting, from saved loader stats",
                        description="Read stats saved by loader.stats.save() (or several ranks', merged) and print "
-                                   "loader.stats.advise(): a ranked list of changes, each with its predicted epoch "
-                                   "time and the measured numbers it used.")
+                                   "loader.stats.advise(): a ranked list of changes, each predicting the run's "
+                                   "seconds with it against the measured run, and the measured numbers it used.")
     p.add_argument("stats", nargs="+", help="STATS.json file(s) written by loader.stats.save()")
     p.add_argument("--json", action="store_true", help="print the advice as a JSON list")
+    p.add_argument("--epochs", type=at_least(1), default=None,
+                   help="predict a run of this many epochs (default: the epochs recorded)")
 
     def run(a: argparse.Namespace) -> int:
         import dataclasses
         import json
 
+        from .loading.advise import header
         from .loading.loader_stats import LoaderStats
 
         stats = LoaderStats.load(a.stats[0]) if len(a.stats) == 1 else LoaderStats.merge(a.stats)
-        advice = stats.advise()
+        advice = stats.advise(epochs=a.epochs)
         if a.json:
             print(json.dumps([dataclasses.asdict(x) for x in advice], indent=1))
+        elif not advice:
+            print("no batches recorded")
         else:
-            print("\n".join(f"{i}. {x}" for i, x in enumerate(advice, 1)) or "no batches recorded")
+            print(header(advice))
+            print("\n".join(f"{i}. {x}" for i, x in enumerate(advice, 1)))
         return 0
 
     p.set_defaults(func=run)

@@ -18,13 +18,16 @@ from ..units import short_name
 
 BatchTable = Dict[str, np.ndarray]  # one row per batch, see batch_table()
 FileRows = Callable[[int], "list[dict[str, Any]]"]  # batch position -> its items, slowest first
+ItemTimes = Callable[[int], "tuple[np.ndarray, np.ndarray]"]  # batch position -> its items' (fetch seconds, hit)
 
 COLD_SHARE = 0.5  # a cold epoch (or the batches with misses) holding this share of the wait: warm first
 FEW_FILES = 3  # files named by the p99 hint
 FEW_FILES_SHARE = 0.3  # ... when they hold this share of the p99 wait
+SLOW_FILE = 3.0  # ... and each took this many times the median file's fetch (of its kind: copies or lookups)
 DECODE_STALL = 0.3  # waiting this share of the time with a warm cache: decoding is the bottleneck
 WARM_MISS_SHARE = 0.05  # a cache is warm when at most this share of items missed
 SLOW_WORKER = 2.0  # a worker's median wait this many times the others' (and >= 5 ms)
+STAGE_WORDS = {"fetch": "its fetch", "user": "your code", "collate": "collate"}
 SLOW_RANK = 1.5  # a rank's mean wait this many times the median rank's (and >= 1 ms)
 NOT_BOTTLENECK = 0.05  # waiting under this share of the time: loading is not the bottleneck
 
@@ -137,44 +140,79 @@ def first_miss_latency(a: dict[str, np.ndarray], epochs: np.ndarray) -> float | 
     item_epoch = _item_epochs(a, epochs)
     if item_epoch is None:
         return None
-    f = a["fetch"][:len(item_epoch)][item_epoch == item_epoch[0]]
-    miss = f[~np.signbit(f)]
-    return float(np.median(miss)) if len(miss) else None
+    return item_latencies(a, epochs).get(int(item_epoch[0]), (None, None))[0]
 
 
-def measured(b: BatchTable, setup: dict[str, Any], counters: dict[str, int] | None, log: ItemLog) -> Measured:
+def item_latencies(a: dict[str, np.ndarray], epochs: np.ndarray) -> dict[int, tuple[float | None, float | None]]:
+    """Per epoch, ``(median seconds of a missed file's copy, median seconds of a cached item's lookup)``
+    (None where the epoch had none) from the item records. ``a``: the item log's :meth:`ItemLog.arrays`."""
+    item_epoch = _item_epochs(a, epochs)
+    if item_epoch is None:
+        return {}
+    f = a["fetch"][:len(item_epoch)]
+    out: dict[int, tuple[float | None, float | None]] = {}
+    for e in np.unique(item_epoch).tolist():
+        x = f[item_epoch == e]
+        hit = np.signbit(x)
+        out[int(e)] = (float(np.median(x[~hit])) if (~hit).any() else None,
+                       float(np.median(-x[hit])) if hit.any() else None)
+    return out
+
+
+def measured(b: BatchTable, setup: dict[str, Any], counters: dict[str, int] | None, log: ItemLog,
+             run_epochs: int | None = None) -> Measured:
     """The plain numbers :func:`~ucmagic.loading.advise.advise` decides on, from a loader's records
-    (merged ranks: the rank whose loop took longest, which the others wait for)."""
-    items_log = log.arrays()  # one copy for both (over the whole log: its rows are b's)
+    (merged ranks: the rank whose loop took longest, which the others wait for); ``run_epochs``: the run's
+    epochs to predict (None: those recorded)."""
+    items_log = log.arrays()  # one copy for all three (over the whole log: its rows are b's)
     refetch, later = refetched_items(items_log, b["epoch"])
     latency = first_miss_latency(items_log, b["epoch"])
+    per_item = item_latencies(items_log, b["epoch"])
     ranks = np.unique(b["rank"])
     if len(ranks) > 1:
         slowest = max(ranks.tolist(), key=lambda r: float((b["fetch_s"] + b["compute_s"])[b["rank"] == r].sum()))
         keep = b["rank"] == slowest
         b = {k: v[keep] for k, v in b.items()}
     epochs = sorted({int(e) for e in b["epoch"]})
-    per = [breakdown(b, b["epoch"] == e) for e in epochs]
     loop_cpu = setup.get("loop_cpu_s") or {}
+    resources = setup.get("resources") or {}
     workers = int(setup.get("num_workers") or 0)
     items = b["items"]
     sized = items > 0
+    made = np.nan_to_num(b["stage_fetch_s"]) + np.nan_to_num(b["stage_user_s"]) + np.nan_to_num(b["stage_collate_s"])
+    out = []
+    for e in epochs:
+        m = b["epoch"] == e
+        p = breakdown(b, m)
+        got = resources.get(str(e)) if isinstance(resources, dict) else None
+        res: dict[str, Any] = got if isinstance(got, dict) else {}
+        miss_s, hit_s = per_item.get(e, (None, None))
+        out.append(EpochTimes(
+            **{k: v for k, v in p.items() if k in EpochTimes.__dataclass_fields__},
+            misses=int(b["misses"][m].sum()), items=int(items[m].sum()),
+            wait_p99=float(percentiles(b["fetch_s"][m], (99,))["p99"]),
+            first_wait=float(b["fetch_s"][m][0]), first_made=float(made[m][0]),
+            # with workers the loop thread's CPU is its compute's (without, it also made the batches)
+            compute_cpu=(float(loop_cpu[str(e)]) if workers > 0 and str(e) in loop_cpu else None),
+            miss_latency=miss_s, hit_latency=hit_s, wall=_number(res.get("wall")), cpu=_number(res.get("cpu")),
+            workers_cpu=_number(res.get("workers_cpu")) if workers > 0 else None, idle=_number(res.get("idle")),
+            batch_bytes=_number(res.get("batch_bytes")), made=made[m].tolist(), waits=b["fetch_s"][m].tolist(),
+            computes=b["compute_s"][m].tolist()))
     return Measured(
-        epochs=[EpochTimes(**{k: v for k, v in p.items() if k in EpochTimes.__dataclass_fields__},
-                           misses=int(b["misses"][b["epoch"] == e].sum()),
-                           items=int(items[b["epoch"] == e].sum()),
-                           wait_p99=float(percentiles(b["fetch_s"][b["epoch"] == e], (99,))["p99"]),
-                           first_wait=float(b["fetch_s"][b["epoch"] == e][0]),
-                           first_made=float(sum(np.nan_to_num(b[f"stage_{k}_s"][b["epoch"] == e][0]) for k in STAGES)),
-                           # with workers the loop thread's CPU is its compute's (without, it also made the batches)
-                           compute_cpu=(float(loop_cpu[str(e)]) if workers > 0 and str(e) in loop_cpu else None))
-                for e, p in zip(epochs, per)],
-        num_workers=workers, prefetch_factor=int(setup.get("prefetch_factor") or 0),
+        epochs=out, num_workers=workers, prefetch_factor=int(setup.get("prefetch_factor") or 0),
         cores=int(setup.get("cores") or 1), batch_size=int(setup.get("batch_size") or 1),
         dataset=str(setup.get("dataset") or ""), cache_limit=setup.get("cache_limit"),
         dataset_bytes=setup.get("dataset_bytes"), files=setup.get("files"),
         mean_file_bytes=float(b["bytes"][sized].sum() / items[sized].sum()) if sized.any() else None,
-        refetches=refetch, later_misses=later, hits=(counters or {}).get("hits"), miss_latency=latency)
+        refetches=refetch, later_misses=later, hits=(counters or {}).get("hits"), miss_latency=latency,
+        read_ahead=setup.get("read_ahead") if setup.get("read_ahead") in ("rank", "stream") else None,
+        read_depth=int(setup["read_depth"]) if isinstance(setup.get("read_depth"), int) else None,
+        run_epochs=run_epochs)
+
+
+def _number(v: Any) -> float | None:
+    """A saved number (a file's value: anything), or None."""
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
 
 
 def select(b: BatchTable, *, lo: int | None = None, hi: int | None = None, epoch: int | None = None,
@@ -213,14 +251,21 @@ def cache_fill(totals: dict[str, int], base: dict[str, int]) -> dict[str, Any]:
 
 # ------------------------------------------------------------------ straggler hints
 
-def straggler_hints(b: BatchTable, stall: float, files_of: FileRows) -> list[str]:
+def straggler_hints(b: BatchTable, stall: float, files_of: FileRows, items_of: ItemTimes | None = None) -> list[str]:
     """One-line hints from a batch table: where the wait is and what would shorten it.
 
     ``stall`` is the loop's share of time waiting for data; ``files_of(b)`` the items of batch ``b``
-    (file name and fetch time), slowest first."""
+    (file name and fetch time), slowest first; ``items_of(b)`` their fetch seconds and hit flags alone (cheap;
+    default: from ``files_of``)."""
     if len(b["fetch_s"]) == 0:
         return []
-    return [h for h in (_cold_hint(b), _few_files_hint(b, files_of), _decode_hint(b, stall), _worker_hint(b),
+    if items_of is None:
+        def items_of(i: int) -> tuple[np.ndarray, np.ndarray]:
+            rows = files_of(i)
+            return (np.array([r["fetch_s"] for r in rows], dtype=float),
+                    np.array([bool(r.get("hit")) for r in rows], dtype=bool))
+    return [h for h in (_cold_hint(b), _few_files_hint(b, files_of, items_of), _decode_hint(b, stall),
+                        _worker_hint(b, items_of),
                         _rank_hint(b), _not_bottleneck_hint(b, stall)) if h]
 
 
@@ -240,24 +285,56 @@ def _cold_hint(b: BatchTable) -> str | None:
     return None
 
 
-def _few_files_hint(b: BatchTable, files_of: FileRows) -> str | None:
+def startup_batches(b: BatchTable) -> np.ndarray:
+    """Mask of each epoch's first batch on each rank: its wait is the start (workers, the first copies)."""
+    first = np.zeros(len(b["step"]), dtype=bool)
+    seen: set[tuple[int, int]] = set()
+    for i, key in enumerate(zip(b["rank"].tolist(), b["epoch"].tolist())):
+        if key not in seen:
+            seen.add(key)
+            first[i] = True
+    return first
+
+
+def _few_files_hint(b: BatchTable, files_of: FileRows, items_of: ItemTimes) -> str | None:
+    """The files behind the slowest batches (startup batches left out), each slower than the median file."""
     fetch = b["fetch_s"]
-    if len(fetch) < 20 or float(fetch.sum()) <= 0:
+    steady = np.flatnonzero(~startup_batches(b))
+    if len(steady) < 20 or float(fetch[steady].sum()) <= 0:
         return None
-    slow = np.flatnonzero(fetch >= percentiles(fetch, (99,))["p99"])
+    p99 = percentiles(fetch[steady], (99,))["p99"]
+    slow = steady[fetch[steady] >= p99]
     wait = float(fetch[slow].sum())
-    per_file: dict[str, float] = {}
+    per_file: dict[str, tuple[float, bool]] = {}
     for i in slow.tolist():
         for r in files_of(i):
-            per_file[r["file"]] = max(per_file.get(r["file"], 0.0), r["fetch_s"])
+            if r["fetch_s"] > per_file.get(r["file"], (-1.0, False))[0]:
+                per_file[r["file"]] = (r["fetch_s"], bool(r.get("hit")))
     if not per_file or wait <= 0:
         return None
-    top = sorted(per_file.items(), key=lambda kv: -kv[1])[:FEW_FILES]
-    share = min(1.0, sum(v for _, v in top) / wait)
+    typical = _median_fetch(items_of, steady)
+    top = [(k, v) for k, (v, hit) in sorted(per_file.items(), key=lambda kv: -kv[1][0])
+           if v >= SLOW_FILE * typical.get(hit, typical.get(None, 0.0))][:FEW_FILES]
+    share = min(1.0, sum(v for _, v in top) / wait) if top else 0.0
     if share < FEW_FILES_SHARE:
         return None
     names = ", ".join(short_name(k) for k, _ in top)
-    return f"{len(top)} file{'s' if len(top) > 1 else ''} account for {share:.0%} of the p99 wait: {names}"
+    return (f"{len(top)} file{'s' if len(top) > 1 else ''} account for {share:.0%} of the p99 wait, each "
+            f"{SLOW_FILE:g}x+ the median file's fetch: {names}")
+
+
+def _median_fetch(items_of: ItemTimes, rows: np.ndarray, cap: int = 2000) -> dict[bool | None, float]:
+    """Median fetch seconds of the items in batches ``rows`` (up to ``cap`` of them, evenly spread): per kind
+    (True: cached lookups, False: copies) where a kind has 10+ items, and of all (``None``)."""
+    pick = rows if len(rows) <= cap else rows[np.linspace(0, len(rows) - 1, cap).astype(int)]
+    got = [items_of(i) for i in pick.tolist()]
+    fetch = np.concatenate([f for f, _ in got]) if got else np.zeros(0)
+    hit = np.concatenate([h for _, h in got]) if got else np.zeros(0, dtype=bool)
+    out: dict[bool | None, float] = {k: float(np.median(fetch[hit == k])) for k in (True, False)
+                                     if int((hit == k).sum()) >= 10}
+    if len(fetch):
+        out[None] = float(np.median(fetch))
+    return out
 
 
 def _decode_hint(b: BatchTable, stall: float) -> str | None:
@@ -276,17 +353,34 @@ def _decode_hint(b: BatchTable, stall: float) -> str | None:
             f"bottleneck, raise num_workers{now}")
 
 
-def _worker_hint(b: BatchTable) -> str | None:
-    workers = sorted({int(w) for w in b["worker"] if w >= 0})
+def _worker_hint(b: BatchTable, items_of: ItemTimes) -> str | None:
+    """A worker that makes its batches (its stage seconds; without them, the loop's waits for them) 2x+ slower
+    than the median worker, startup batches left out; "it reads slow files" only when its files' fetch is."""
+    steady = ~startup_batches(b)
+    workers = sorted({int(w) for w in b["worker"][steady] if w >= 0})
     if len(workers) < 2:
         return None
-    med = {w: float(np.median(b["fetch_s"][b["worker"] == w])) for w in workers}
+    made = b["stage_fetch_s"] + b["stage_user_s"] + b["stage_collate_s"]
+    measured = bool(np.isfinite(made[steady & (b["worker"] >= 0)]).all())
+    per = made if measured else b["fetch_s"]
+    med = {w: float(np.median(per[steady & (b["worker"] == w)])) for w in workers}
     worst = max(med, key=lambda w: med[w])
-    others = float(np.median([v for w, v in med.items() if w != worst]))
-    if med[worst] < 5e-3 or med[worst] < SLOW_WORKER * max(others, 1e-9):
+    typical = float(np.median([v for w, v in med.items() if w != worst]))
+    if med[worst] < 5e-3 or med[worst] < SLOW_WORKER * max(typical, 1e-9):
         return None
-    return (f"worker {worst}'s batches wait {med[worst] / max(others, 1e-9):.1f}x longer than the "
-            f"others' (median {med[worst] * 1e3:.0f} ms vs {others * 1e3:.0f} ms): it reads slow files")
+    head = (f"worker {worst} takes {med[worst] / max(typical, 1e-9):.1f}x the median worker's time to make a batch "
+            f"({med[worst] * 1e3:.0f} ms vs {typical * 1e3:.0f} ms)" if measured else
+            f"worker {worst}'s batches wait {med[worst] / max(typical, 1e-9):.1f}x longer than the median "
+            f"worker's ({med[worst] * 1e3:.0f} ms vs {typical * 1e3:.0f} ms)")
+    mine = _median_fetch(items_of, np.flatnonzero(steady & (b["worker"] == worst)), 500).get(None)
+    others = np.flatnonzero(steady & (b["worker"] >= 0) & (b["worker"] != worst))
+    theirs = _median_fetch(items_of, others, 500).get(None)
+    if mine is not None and theirs is not None and mine >= SLOW_WORKER * max(theirs, 1e-6):
+        return f"{head}: it reads slow files (median fetch {mine * 1e3:.1f} ms vs {theirs * 1e3:.1f} ms)"
+    if measured:
+        where = max(STAGES, key=lambda k: float(np.nansum(b[f"stage_{k}_s"][steady & (b["worker"] == worst)])))
+        return f"{head}: most of it in {STAGE_WORDS[where]}"
+    return head
 
 
 def _rank_hint(b: BatchTable) -> str | None:

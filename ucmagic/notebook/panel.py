@@ -78,6 +78,7 @@ class TextView:
         self._write(("\r" + line.ljust(self._width) if self.live else line) + "\n"
                     + (f"  stages: {stages}\n" if stages else "")
                     + "".join(f"  hint: {h}\n" for h in s.hints)
+                    + (f"  advice against {s.advice_head}\n" if s.advice and s.advice_head else "")
                     + "".join(f"  advice {i}: {a}\n" for i, a in enumerate(s.advice, 1)))
         self._width = 0
 
@@ -293,7 +294,10 @@ class Monitor:
                 snap.hints = hints()
         if self.advise_at_end:
             with contextlib.suppress(Exception):  # the display is best effort
-                snap.advice = [str(a) for a in self.loader.stats.advise()]
+                from ..loading.advise import header
+
+                got = self.loader.stats.advise()
+                snap.advice, snap.advice_head = [str(a) for a in got], header(got)
         self._mark_counters()  # what is fetched from now on belongs to the next epoch (prefetch included)
         self.renders += 1
         self.view.final(snap)

@@ -39,6 +39,7 @@ class Snapshot:
     hints: list[str] = field(default_factory=list)  # straggler hints, in the final state
     stages: dict[str, float] = field(default_factory=dict)  # the epoch's seconds per stage (stage_bar_svg)
     advice: list[str] = field(default_factory=list)  # stats.advise() lines, in the final state (--advise)
+    advice_head: str = ""  # the measured run they compare with (advise.header)
 
     @property
     def batches_per_s(self) -> float:
@@ -159,7 +160,8 @@ def summary_html(s: Snapshot) -> str:
         bits.append(f"<span style='color:#d62728'><b>failed:</b> {html.escape(str(s.error))}</span>")
     hints = "".join(f"<div>&#9656; {html.escape(h)}</div>" for h in s.hints)
     advice = "".join(f"<div>{i}. {html.escape(a)}</div>" for i, a in enumerate(s.advice, 1))
-    return " &middot; ".join(bits) + hints + (f"<div><b>advice</b>{advice}</div>" if advice else "")
+    head = f" <span style='opacity:0.8'>against {html.escape(s.advice_head)}</span>" if s.advice_head else ""
+    return " &middot; ".join(bits) + hints + (f"<div><b>advice</b>{head}{advice}</div>" if advice else "")
 
 
 class RunSeries:
