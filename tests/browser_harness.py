@@ -552,10 +552,76 @@ def drag_chart(lab: LabPage, i: int, start: float, end: float) -> None:
     svg = lab.cell(i).locator(".ucmagic-chart svg").first
     svg.scroll_into_view_if_needed()
     r = svg.bounding_box()
-    left, width, y = r["x"] + 52, r["width"] - 62, r["y"] + r["height"] / 2  # the plot area (batch_chart.js)
+    s = r["width"] / 720  # the chart draws in a 720-wide box (batch_chart.js's W), scaled to its width
+    left, width, y = r["x"] + 52 * s, r["width"] - 62 * s, r["y"] + r["height"] / 2  # its plot area (L, R)
     mouse = lab.page.mouse
     mouse.move(left + start * width, y)
     mouse.down()
     mouse.move(left + (start + end) / 2 * width, y, steps=4)
     mouse.move(left + end * width, y, steps=4)
     mouse.up()
+
+
+# ------------------------------------------------------------------ does it read cleanly? (issue 52)
+
+_PANEL_LAYOUT_JS = """
+(i) => {
+  const cell = document.querySelectorAll('.jp-Notebook .jp-Cell')[i];
+  const box = cell && cell.querySelector('.ucmagic-panel');
+  if (!box) return null;
+  const texts = [];
+  for (const svg of box.querySelectorAll('svg')) {
+    const w = svg.getBoundingClientRect();
+    for (const t of svg.querySelectorAll('text')) {  // each label drawn whole, inside its picture
+      const r = t.getBoundingClientRect();
+      texts.push({text: t.textContent, inside: r.left >= w.left - 1 && r.right <= w.right + 1,
+                  stages: svg.classList.contains('ucmagic-stages')});
+    }
+  }
+  const line = box.querySelector('polyline');
+  const first = line ? parseFloat(line.getAttribute('points').trim().split(/\\s+/)[0].split(',')[0]) : null;
+  const button = [...box.querySelectorAll('button')].find(b => (b.title || '').includes('explorer'));
+  const br = button ? button.getBoundingClientRect() : null;
+  return {
+    texts,
+    text: box.innerText,
+    first_x: first,
+    button: button ? {text: button.innerText.trim(), width: br.width, shown: br.width > 0,
+                      clipped: button.scrollWidth > button.clientWidth + 1,
+                      inside: br.right <= box.getBoundingClientRect().right + 1} : null,
+  };
+}
+"""
+
+
+def panel_layout(lab: LabPage, i: int) -> dict[str, Any] | None:
+    """How the panel of cell ``i`` is laid out: every SVG label (``text``, drawn ``inside`` its picture), the
+    panel's text, the sparkline's first point (``first_x``, SVG units) and the explore button (its text,
+    whether its label is clipped, whether it sits inside the panel)."""
+    return lab.page.evaluate(_PANEL_LAYOUT_JS, i) or None
+
+
+_EXPLORER_LAYOUT_JS = """
+(i) => {
+  const cell = document.querySelectorAll('.jp-Notebook .jp-Cell')[i];
+  const box = cell && cell.querySelector('.ucmagic-explorer');
+  if (!box) return null;
+  const right = box.getBoundingClientRect().right + 1;
+  const over = [...box.querySelectorAll('svg, table, .widget-hbox, .widget-dropdown, .widget-html-content')]
+      .filter(e => e.getBoundingClientRect().width > 0 && e.getBoundingClientRect().right > right)
+      .map(e => e.className.baseVal !== undefined ? 'svg' : (e.className || e.tagName));
+  const files = [...box.querySelectorAll('.ucmagic-slowest tr td:last-child')];
+  return {
+    overflowing: over,
+    files_wrap: files.length > 0 && files.every(td => getComputedStyle(td).whiteSpace === 'normal'),
+    files_inside: files.every(td => td.getBoundingClientRect().right <= right),
+    width: box.getBoundingClientRect().width,
+  };
+}
+"""
+
+
+def explorer_layout(lab: LabPage, i: int) -> dict[str, Any] | None:
+    """How the explorer of cell ``i`` is laid out: the parts reaching past its right edge (``overflowing``),
+    whether the slowest-files cells wrap and stay inside it, its width."""
+    return lab.page.evaluate(_EXPLORER_LAYOUT_JS, i) or None

@@ -131,6 +131,22 @@ def test_panel_shows_the_final_state(lab, first_run):
     assert "epoch done" in lab.output_text(0)
 
 
+def test_the_panel_reads_cleanly(lab, first_run):
+    """Issue 52: labels cut off ("loop 6.43 s, waiti", "workers' s"), the loop's line printed twice, the
+    whole-epoch sparkline drawn right-aligned with its left half empty, the explore button collapsing to an
+    icon and an ellipsis at the end of the epoch."""
+    lay = _until(lambda: bh.panel_layout(lab, 0), lambda d: d["button"] and d["button"]["shown"],
+                 "the panel's explore button to show")
+    clipped = [t["text"] for t in lay["texts"] if not t["inside"]]
+    assert not clipped, f"labels drawn past their picture's edge: {clipped}"
+    labels = [t["text"] for t in lay["texts"] if t["stages"]]
+    assert labels[:2] == ["the loop", "making batches"], labels
+    assert lay["text"].count("the loop ") == 1 and "waiting" in lay["text"], lay["text"]
+    assert lay["first_x"] is not None and lay["first_x"] <= 5, lay  # the epoch so far, from the left edge
+    button = lay["button"]
+    assert button["text"] == "explore" and not button["clipped"] and button["inside"], button
+
+
 def test_a_failing_loop_turns_the_panel_red(lab, first_run, artifacts):
     lab.run_cell(1)
     lab.wait_cell_done(1, timeout=120)
@@ -187,9 +203,13 @@ def _hover_and_zoom_the_chart(lab, straggler: str, artifacts: Path) -> None:
             break
     assert tip and straggler in tip["tip"] and "made in: fetch" in tip["tip"], tip
     lab.screenshot(artifacts / "explorer-chart-hover.png", cell=2)
+    lay = bh.explorer_layout(lab, 2)
+    assert lay and not lay["overflowing"], lay  # issue 52: the controls, chart and table fit the output's width
+    assert lay["files_wrap"] and lay["files_inside"], lay  # the slowest-files column wraps, never clips
     bh.drag_chart(lab, 2, 0.0, 0.5)
     zoomed = _until(lambda: bh.explorer_state(lab, 2), lambda e: not e.summary.startswith("24 batches"),
                     "the drag to zoom the range")
+    assert bh.chart_state(lab, 2)["tip"] == "", "the tooltip stayed up after the drag (issue 52)"
     n = int(zoomed.summary.split()[0])
     assert 8 <= n <= 16, zoomed.summary  # about the first half of 24 batches
     assert _until(lambda: bh.chart_state(lab, 2), lambda c: c["steps"] == n, "the chart to redraw")["steps"] == n

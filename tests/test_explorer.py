@@ -11,6 +11,11 @@ from ucmagic.errors import MissingExtraError, import_extra
 from ucmagic.loading.loader_stats import LoaderStats
 
 
+def plain(html: str) -> str:
+    """A widget's HTML without the line-break hints (<wbr>) it puts after slashes in file names."""
+    return html.replace("<wbr>", "")
+
+
 # ------------------------------------------------------------------ real loaders
 
 SLOW = 40  # the injected straggler: listing index of the slow file
@@ -45,7 +50,7 @@ def test_spawned_workers_send_every_item_record_and_the_explorer_names_the_slow_
     assert top["file"].endswith(rels[SLOW]) and not top["hit"] and top["fetch_s"] >= 0.8 and top["bytes"] == 500
     ex = stats.explore()  # how long the loop waited for that batch depends on the machine's load: not asserted
     ex.batch.value = int(slow_batch)
-    assert rels[SLOW] in ex.files.value.split("</tr>")[1]  # first (slowest) row of the batch's files
+    assert rels[SLOW] in plain(ex.files.value).split("</tr>")[1]  # first (slowest) row of the batch's files
 
 
 def test_records_with_workers_in_the_main_process_and_drop_last(tmp_path):
@@ -115,10 +120,11 @@ def _explorer_stats():
 def test_explorer_range_changes_plot_and_slowest_table():
     pytest.importorskip("ipywidgets")
     ex = _explorer_stats().explore()
-    png, table = ex.plot.value, ex.table.value
-    assert "/v/cold.jpg" in table and "/v/cold.jpg" in ex.files.value  # slowest batch selected
+    png, table = ex.plot.value, plain(ex.table.value)
+    assert "/v/cold.jpg" in table and "/v/cold.jpg" in plain(ex.files.value)  # slowest batch selected
     ex.range.value = (30, 59)
-    assert ex.plot.value != png and "/v/cold.jpg" not in ex.table.value and "/v/late.jpg" in ex.table.value
+    table = plain(ex.table.value)
+    assert ex.plot.value != png and "/v/cold.jpg" not in table and "/v/late.jpg" in table
     assert ex.summary.value.startswith("30 batches in view")
 
 
@@ -136,9 +142,9 @@ def test_selecting_any_batch_shows_its_files():
     pytest.importorskip("ipywidgets")
     ex = _explorer_stats().explore()
     ex.batch.value = 7
-    assert "<b>batch 7</b>" in ex.files.value and ex.files.value.count("<tr>") == 5  # header + 4 files
+    assert "<b>batch 7</b>" in plain(ex.files.value) and plain(ex.files.value).count("<tr>") == 5  # header + 4 files
     ex.slowest.value = 45
-    assert "/v/late.jpg" in ex.files.value
+    assert "/v/late.jpg" in plain(ex.files.value)
 
 
 def test_explorer_works_on_saved_and_merged_stats(tmp_path):
@@ -210,7 +216,7 @@ def test_the_chart_zooms_picks_and_names_files_and_replaces_the_png_once_shown()
     chart.hovered = 45
     assert "/v/late.jpg" in chart.hover_info and "miss" in chart.hover_info
     chart.selected = 5  # a click
-    assert "/v/cold.jpg" in ex.files.value
+    assert "/v/cold.jpg" in plain(ex.files.value)
     assert ex.plot.layout.display != "none"
     chart.rendered = True  # the browser loaded the widget's JavaScript
     assert ex.plot.layout.display == "none"
@@ -226,4 +232,4 @@ def test_the_explorer_shows_a_batchs_stages(tmp_path):
     for _ in loader:
         pass
     ex = loader.stats.explore()
-    assert "made in the main process: fetch" in ex.files.value and "your code" in ex.table.value
+    assert "made in the main process: fetch" in plain(ex.files.value) and "your code" in plain(ex.table.value)

@@ -319,7 +319,7 @@ def _few_files_hint(b: BatchTable, files_of: FileRows, items_of: ItemTimes) -> s
     if share < FEW_FILES_SHARE:
         return None
     names = ", ".join(short_name(k) for k, _ in top)
-    return (f"{len(top)} file{'s' if len(top) > 1 else ''} account for {share:.0%} of the p99 wait, each "
+    return (f"{len(top)} file{'s account' if len(top) > 1 else ' accounts'} for {share:.0%} of the p99 wait, each "
             f"{SLOW_FILE:g}x+ the median file's fetch: {names}")
 
 

@@ -25,6 +25,8 @@ if TYPE_CHECKING:
 ALL = "all"
 SLOWEST = 10  # batches in the slowest-batches table
 FILES_PER_BATCH = 3  # files shown per batch in that table
+WRAP = "text-align:left;white-space:normal;overflow-wrap:anywhere"  # a cell of file names: wraps, never clips
+NAME_WIDTH = 40  # characters of a file's name in the slowest-batches table (the end of it; all of it on hover)
 
 
 def _ms(s: float) -> str:
@@ -71,6 +73,11 @@ def figure_png(step: np.ndarray, fetch_s: np.ndarray, misses: np.ndarray, items:
     return buf.getvalue()
 
 
+def breakable(name: str) -> str:
+    """``name`` as HTML that wraps after its slashes (then anywhere, as the cell's style says)."""
+    return html.escape(name).replace("/", "/<wbr>")
+
+
 def _stage_ms(b: dict[str, np.ndarray], key: str, i: int) -> str:
     v = float(b[key][i])
     return "-" if np.isnan(v) else _ms(v)
@@ -94,7 +101,7 @@ def files_table(rows: list[dict[str, Any]]) -> str:
     if not rows:
         return "<i>no item records for this batch</i>"
     body = "".join(
-        f"<tr><td style='text-align:left'>{html.escape(r['file'])}</td>"
+        f"<tr><td style='{WRAP}'>{breakable(r['file'])}</td>"
         f"<td>{format_size(r['bytes']) if r['bytes'] is not None else '-'}</td><td>{_ms(r['fetch_s'])}</td>"
         f"<td style='color:{'#1f77b4' if r['hit'] else '#ff7f0e'}'>{'hit' if r['hit'] else 'miss'}</td></tr>"
         for r in rows)
@@ -119,19 +126,19 @@ class Explorer:
         top = int(b["step"].max()) if len(b["step"]) else 0
         self.title = title or "fetch wait per batch"
         self.range = w.IntRangeSlider(value=(0, top), min=0, max=max(top, 1), description="batches",
-                                      continuous_update=False, layout=w.Layout(width="60%"))
+                                      continuous_update=False, layout=w.Layout(width="300px"))
         self.epoch = w.Dropdown(options=_options(b["epoch"], "epoch"), value=ALL, description="epoch",
-                                layout=w.Layout(width="180px"))
+                                style={"description_width": "initial"}, layout=w.Layout(width="170px"))
         self.worker = w.Dropdown(options=_options(b["worker"], "worker"), value=ALL, description="worker",
-                                 layout=w.Layout(width="180px"))
+                                 style={"description_width": "initial"}, layout=w.Layout(width="170px"))
         self.rank = w.Dropdown(options=_options(b["rank"], "rank"), value=ALL, description="rank",
-                               layout=w.Layout(width="180px"))
+                               style={"description_width": "initial"}, layout=w.Layout(width="170px"))
         self.rank.layout.display = None if len(np.unique(b["rank"])) > 1 else "none"
         self.summary = w.HTML()
         self.hints = w.HTML(self._hints_html())
         self.plot = w.Image(format="png")
         self.table = w.HTML()
-        self.slowest = w.Select(options=[], rows=6, description="slowest", layout=w.Layout(width="60%"))
+        self.slowest = w.Select(options=[], rows=6, description="slowest", layout=w.Layout(width="380px"))
         self.batch = w.BoundedIntText(value=0, min=0, max=max(0, len(b["step"]) - 1), description="batch #",
                                       layout=w.Layout(width="180px"))
         self.files = w.HTML()
@@ -147,10 +154,10 @@ class Explorer:
         self.batch.observe(self._typed, names="value")
         self.widget = w.VBox([
             w.HTML(f"<b>{html.escape(self.title)}</b>"), self.summary, self.hints,
-            w.HBox([self.range, self.epoch, self.worker, self.rank]),
+            w.HBox([self.range, self.epoch, self.worker, self.rank], layout=w.Layout(flex_flow="row wrap")),
             *([self.chart] if self.chart is not None else []), self.plot,
             w.HTML("<b>slowest batches in view</b> (select one, or type any batch number, to see its files)"),
-            self.table, w.HBox([self.slowest, self.batch]), self.files,
+            self.table, w.HBox([self.slowest, self.batch], layout=w.Layout(flex_flow="row wrap")), self.files,
         ])
         self.widget.add_class("ucmagic-explorer")
         self.refresh()
@@ -190,17 +197,17 @@ class Explorer:
         rows = []
         for i in slow:
             files = self.stats.batch_files(i)[:FILES_PER_BATCH]
-            names = "<br>".join(f"<span title='{html.escape(r['file'])}'>"
-                                f"{html.escape(short_name(r['file'], 70))}</span> "
-                                f"({_ms(r['fetch_s'])}, "
-                                f"{format_size(r['bytes']) if r['bytes'] is not None else '-'}, "
-                                f"{'hit' if r['hit'] else 'miss'})" for r in files) or "-"
-            rows.append(f"<tr><td>{i}</td><td>{int(b['epoch'][i])}</td><td>{int(b['worker'][i])}</td>"
-                        f"<td>{_ms(float(b['fetch_s'][i]))}</td>{_stage_cells(b, i)}"
+            names = "<br>".join(f"<span title='{html.escape(r['file'])}'>{_ms(r['fetch_s'])} "
+                                f"{'hit' if r['hit'] else 'miss'}, "
+                                f"{format_size(r['bytes']) if r['bytes'] is not None else '-'}: "
+                                f"{breakable(short_name(r['file'], NAME_WIDTH))}</span>" for r in files) or "-"
+            rows.append(f"<tr style='white-space:nowrap'><td>{i}</td><td>{int(b['epoch'][i])}</td>"
+                        f"<td>{int(b['worker'][i])}</td><td>{_ms(float(b['fetch_s'][i]))}</td>{_stage_cells(b, i)}"
                         f"<td>{int(b['misses'][i])}/{int(b['items'][i])}</td>"
-                        f"<td style='text-align:left'>{names}</td></tr>")
-        self.table.value = ("<table class='ucmagic-slowest' style='white-space:nowrap'>"
-                            "<tr><th>batch</th><th>epoch</th><th>worker</th><th>wait</th><th>fetch</th>"
+                        f"<td style='{WRAP}'>{names}</td></tr>")
+        self.table.value = ("<table class='ucmagic-slowest' style='width:100%'>"
+                            "<tr style='white-space:nowrap'><th>batch</th><th>epoch</th><th>worker</th><th>wait</th>"
+                            "<th>fetch</th>"
                             "<th>your code</th><th>collate</th>"
                             "<th>misses</th><th style='text-align:left'>slowest files</th></tr>"
                             + "".join(rows) + "</table>") if rows else "<i>no batches in this selection</i>"

@@ -488,7 +488,7 @@ class UcMagics(Magics):
             _check_exists("ucckpt", a.root, directory=True)
             from ..checkpoints.api import list_checkpoints
 
-            result = list_checkpoints(a.root)
+            result = CheckpointList(list_checkpoints(a.root))
         else:
             result = self._save_or_load(a, local_ns)
         if a.out:
@@ -553,6 +553,21 @@ class UcMagics(Magics):
 
 
 # ------------------------------------------------------------------ small helpers
+
+class CheckpointList(list):
+    """What ``%ucckpt list`` returns: ``list_checkpoints``'s list (``CheckpointInfo`` items, ``time`` in epoch
+    seconds), shown as a table with this machine's local dates."""
+
+    def __repr__(self) -> str:
+        if not self:
+            return "no committed checkpoints"
+        from ..checkpoints.format import format_checkpoints
+
+        return format_checkpoints(self, utc=False)
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
+        p.text(repr(self))
+
 
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version

@@ -142,9 +142,10 @@ class WidgetView:
         self.batch_lbl = w.HTML()
         self.plot = w.HTML()
         self.stages = w.HTML()
-        self.status = w.HTML()
+        self.status = w.HTML(layout=w.Layout(flex="1 1 auto", min_width="0"))  # long lines wrap beside the button
         self.explore_button = w.Button(description="explore", tooltip="open the fetch-latency explorer here",
-                                       icon="search", layout=w.Layout(width="110px", display="none"))
+                                       icon="search", layout=w.Layout(width="110px", min_width="110px",
+                                                                      flex="0 0 auto", display="none"))
         self.explore_button.on_click(lambda _: self.on_explore())
         self.explorer_box = w.VBox([])
         self.cache_rows = w.VBox([w.HBox([self.files_bar, self.files_lbl]), w.HBox([self.bytes_bar, self.bytes_lbl])])

@@ -100,7 +100,8 @@ def text_line(s: Snapshot) -> str:
 
 def sparkline_svg(waits_ms: Sequence[float], p50_ms: float, p99_ms: float, *, width: int = 360,
                   height: int = 70, points: int = PLOT_POINTS, color: str = "#1f77b4") -> str:
-    """An inline SVG of recent per-batch waits (ms) with dashed p50 and p99 lines.
+    """An inline SVG of per-batch waits (ms) with dashed p50 and p99 lines: the values span the plot's
+    width from its left edge (the epoch so far), the first at the left.
 
     Pure string building (tens of microseconds). The y axis runs from 0 to the larger of the
     highest point and 1.15 x p99, labelled in ms; when the highest point (a cold first batch) is
@@ -124,9 +125,8 @@ def sparkline_svg(waits_ms: Sequence[float], p50_ms: float, p99_ms: float, *, wi
            f'viewBox="0 0 {width} {height}" style="font:10px sans-serif">',
            f'<rect x="{pad_l}" y="{pad_t}" width="{pw}" height="{ph}" fill="none" stroke="#8884"/>']
     if vals:
-        step = pw / max(1, points - 1)
-        x0 = pad_l + pw - step * (len(vals) - 1)
-        pts = " ".join(f"{x0 + i * step:.1f},{y_of(v):.1f}" for i, v in enumerate(vals))
+        step = pw / max(1, len(vals) - 1)
+        pts = " ".join(f"{pad_l + i * step:.1f},{y_of(v):.1f}" for i, v in enumerate(vals))
         out.append(f'<polyline points="{pts}" fill="none" stroke="{color}" stroke-width="1.5"/>')
     for label, v, c in (("p50", p50_ms, "#2ca02c"), ("p99", p99_ms, "#d62728")):
         if math.isfinite(v):
@@ -191,20 +191,23 @@ class RunSeries:
 
 STAGE_COLORS = {"compute": "#9e9e9e", "fetch": "#ff7f0e", "user": "#9467bd", "collate": "#2ca02c"}
 STAGE_LABELS = {"compute": "loop compute", "fetch": "fetch", "user": "your code", "collate": "collate"}
+BAR_LABELS = ("the loop", "making batches")  # the two bars' labels: short enough for LABEL_W at 11 px
+LABEL_W = 100
 
 
 def stage_bar_svg(stages: dict[str, float], *, width: int = 360) -> str:
     """Two stacked bars of an epoch's seconds (``LoaderStats.breakdown()``'s keys): the loop's time
-    (compute, then the wait split over the stages of the batches waited on), and beside it the
-    producing processes' seconds per stage (they overlap the loop when there are workers)."""
+    (compute, then the wait split over the stages of the batches waited on), and beside it the seconds
+    spent making batches per stage (in workers they overlap the loop), with one line of their totals
+    under them."""
     loop = [("compute", stages.get("compute", 0.0))] + [(k, stages.get(f"wait_{k}", 0.0))
                                                         for k in ("fetch", "user", "collate")]
     made = [(k, stages.get(k, 0.0)) for k in ("fetch", "user", "collate")]
     scale = max(sum(v for _, v in loop), sum(v for _, v in made), 1e-9)
-    bar_w, label_w = width - 110, 110
+    bar_w = width - LABEL_W
 
     def bar(y: int, parts: list[tuple[str, float]], label: str) -> str:
-        x, out = float(label_w), [f"<text x='0' y='{y + 11}' font-size='11'>{html.escape(label)}</text>"]
+        x, out = float(LABEL_W), [f"<text x='0' y='{y + 11}' font-size='11'>{html.escape(label)}</text>"]
         for k, v in parts:
             w = bar_w * v / scale
             if w > 0:
@@ -216,11 +219,12 @@ def stage_bar_svg(stages: dict[str, float], *, width: int = 360) -> str:
     total = sum(v for _, v in loop)
     legend = " ".join(f"<tspan fill='{STAGE_COLORS[k]}'>&#9632;</tspan> {STAGE_LABELS[k]}" for k in STAGE_COLORS)
     wait = stages.get("wait", 0.0)
-    head = f"loop {total:.3g} s, waiting {100 * wait / total:.0f}%" if total > 0 else "loop"
+    line = (f"the loop {total:.2f} s, waiting {100 * wait / total:.0f}%" if total > 0 else "the loop") + (
+        "; making batches: " + ", ".join(f"{STAGE_LABELS[k]} {v:.2f} s" for k, v in made))
     return (f"<svg xmlns='http://www.w3.org/2000/svg' width='{width}' height='58' class='ucmagic-stages'>"
-            + bar(0, loop, head[:18]) + bar(20, made, "workers' s")
+            + bar(0, loop, BAR_LABELS[0]) + bar(20, made, BAR_LABELS[1])
             + f"<text x='0' y='52' font-size='10'>{legend}</text></svg>"
-            + f"<div style='font-size:11px'>{html.escape(head)}</div>")
+            + f"<div class='ucmagic-stages-line' style='font-size:11px'>{html.escape(line)}</div>")
 
 
 def stage_text(stages: dict[str, float]) -> str:

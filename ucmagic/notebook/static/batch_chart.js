@@ -2,6 +2,7 @@
 // spent on (fetch, your code, collate; grey without stage times). Hover: the batch, its stages and
 // slowest files (asked from Python: `hovered` -> `hover_info`). Drag: zoom (`view` = [lo, hi] steps).
 // Double click: the whole selection. Click: pick the batch (`selected`). No dependencies, no CDN.
+// The plot is drawn in a W x H box scaled to the width it is given (at most W): narrow outputs see all of it.
 const COLORS = { fetch: "#ff7f0e", user: "#9467bd", collate: "#2ca02c", none: "#9e9e9e" };
 const LABELS = { fetch: "fetch", user: "your code", collate: "collate" };
 const W = 720, H = 240, L = 52, R = 10, T = 10, B = 30;
@@ -15,8 +16,10 @@ function render({ model, el }) {
   root.style.userSelect = "none";
   const svgNS = "http://www.w3.org/2000/svg";
   const svg = document.createElementNS(svgNS, "svg");
-  svg.setAttribute("width", W);
-  svg.setAttribute("height", H);
+  svg.setAttribute("viewBox", `0 0 ${W} ${H}`);
+  svg.setAttribute("width", "100%");
+  svg.style.maxWidth = W + "px";
+  svg.style.display = "block";
   const tip = document.createElement("div");
   tip.className = "ucmagic-chart-tip";
   Object.assign(tip.style, { position: "absolute", display: "none", background: "rgba(255,255,255,0.95)",
@@ -90,14 +93,18 @@ function render({ model, el }) {
       `${p.misses}/${p.items} cache misses` +
       (extra && extra.startsWith(`batch ${p.index} `) ? "\n" + extra.slice(extra.indexOf("\n") + 1) : "");
     const r = root.getBoundingClientRect();
-    tip.style.left = Math.min(ev.clientX - r.left + 12, W - 200) + "px";
+    tip.style.left = Math.max(0, Math.min(ev.clientX - r.left + 12, r.width - 220)) + "px";
     tip.style.top = (ev.clientY - r.top + 12) + "px";
     tip.style.display = "block";
   }
 
+  function hideTip() { tip.style.display = "none"; hoverStep = null; lastEv = null; }
+
   let dragFrom = null, band = null, lastEv = null;
-  const xIn = ev => ev.clientX - svg.getBoundingClientRect().left;  // not offsetX: the target may be a bar
+  // the pointer in the plot's own units (not offsetX: the target may be a bar; the plot may be scaled)
+  const xIn = ev => { const r = svg.getBoundingClientRect(); return (ev.clientX - r.left) * W / (r.width || W); };
   svg.addEventListener("mousemove", ev => {
+    if (dragFrom !== null) return;  // dragging: the band, not the tooltip
     const x = xIn(ev);
     lastEv = ev;
     const step = stepAt(x);
@@ -108,7 +115,7 @@ function render({ model, el }) {
     }
     showTip(ev, step);
   });
-  svg.addEventListener("mouseleave", () => { tip.style.display = "none"; hoverStep = null; });
+  svg.addEventListener("mouseleave", hideTip);
   // the drag is followed on the window: the notebook must not start a cell drag or a text selection,
   // and a release outside the chart still ends it
   const onMove = ev => {
@@ -124,6 +131,7 @@ function render({ model, el }) {
     const from = dragFrom, x = xIn(ev);
     dragFrom = null;
     if (band) { band.remove(); band = null; }
+    hideTip();  // the bars under the pointer are about to change: a tooltip left now would describe another batch
     if (from === null) return;
     if (Math.abs(x - from) < 4) {  // a click: pick the batch
       const p = point(stepAt(x));
@@ -137,13 +145,14 @@ function render({ model, el }) {
   svg.addEventListener("mousedown", ev => {
     ev.preventDefault();
     ev.stopPropagation();
+    hideTip();
     dragFrom = xIn(ev);
     band = null;
     window.addEventListener("mousemove", onMove, true);
     window.addEventListener("mouseup", onUp, true);
   });
-  svg.addEventListener("dblclick", () => { model.set("view", []); model.save_changes(); });
-  model.on("change:points", draw);
+  svg.addEventListener("dblclick", () => { hideTip(); model.set("view", []); model.save_changes(); });
+  model.on("change:points", () => { hideTip(); draw(); });
   model.on("change:selected", draw);
   model.on("change:hover_info", () => { if (lastEv && hoverStep !== null) showTip(lastEv, hoverStep); });
   draw();
