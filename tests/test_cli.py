@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from ucmagic.__main__ import format_checkpoints
+from ucmagic.checkpoints.format import format_checkpoints
 from ucmagic.testing import make_files
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

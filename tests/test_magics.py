@@ -364,6 +364,12 @@ def test_ucckpt_save_list_load_roundtrip_with_loader_state(ip, model_ns, tmp_pat
     assert fut.result(timeout=60).endswith("step_7")
     steps = run(ip, "%ucckpt list $ck")
     assert [c.step for c in steps] == [7]
+    import time
+
+    when = time.strftime("%Y-%m-%d %H:%M", time.localtime(steps[0].time))  # issue 52: was time=1796514470.36
+    shown = repr(steps)
+    assert shown.splitlines()[0].split()[:3] == ["STEP", "COMMITTED", "SIZE"] and when in shown
+    assert time.strftime("%Z", time.localtime(steps[0].time)) in shown and "time=" not in shown
     rest = [p for b in it for p in b]
     saved = {k: v.clone() for k, v in model.state_dict().items()}
     with torch.no_grad():
@@ -468,3 +474,21 @@ def test_ucstage_rejects_jobs_below_one(ip, tree, tmp_path, jobs):
     ip.user_ns["root"] = tree[0]
     assert f"-j must be >= 1, got {jobs}" in usage(ip, f"%ucstage $root {tmp_path}/d -j {jobs}")
     assert not os.path.exists(f"{tmp_path}/d")
+
+
+def test_ucckpt_takes_an_fsspec_url_as_its_root(ip, model_ns):
+    """Issue 52: docs/notebook.md said %ucckpt refuses URLs while its help says fsspec URLs work; they do
+    (memory:// here, any fsspec store in general: docs/checkpoints.md)."""
+    import uuid
+
+    import fsspec
+
+    root = f"memory://ucmagic-{uuid.uuid4().hex[:8]}/run"
+    ip.user_ns["ck"] = root
+    try:
+        assert run(ip, "%ucckpt save $ck -m model --opt opt --step 5").endswith("step_5")
+        assert [c.step for c in run(ip, "%ucckpt list $ck")] == [5]
+        step, _ = run(ip, "%ucckpt load $ck latest -m model --opt opt")
+        assert step == 5
+    finally:
+        fsspec.filesystem("memory").rm(root.removeprefix("memory://").split("/")[0], recursive=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
-from typing import Callable, Sequence
+from typing import Callable
 
 
 def at_least(low: int) -> Callable[[str], int]:
@@ -157,36 +157,6 @@ def _add_export(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     p.set_defaults(func=run)
 
 
-def _field(item: object, name: str, index: int) -> object:
-    if isinstance(item, dict):
-        return item.get(name)
-    if hasattr(item, name):
-        return getattr(item, name)
-    return item[index] if isinstance(item, (tuple, list)) and len(item) > index else None
-
-
-def format_checkpoints(items: Sequence[object]) -> str:
-    """A table of complete checkpoints: step (``-`` when a foreign name has none), commit time (UTC), size,
-    path, and a KIND column (``dcp``, ``torch.save``) when any was not written by ucmagic."""
-    import time as _time
-
-    from .units import format_size
-
-    kinds = [str(_field(it, "kind", 4) or "ucmagic") for it in items]
-    foreign = any(not k.startswith("ucmagic") for k in kinds)
-    rows = [("STEP", "COMMITTED (UTC)", "SIZE", "PATH") + (("KIND",) if foreign else ())]
-    for it, kind in zip(items, kinds):
-        step, path, t, size = (_field(it, "step", 0), _field(it, "path", 1), _field(it, "time", 2),
-                               _field(it, "size", 3))
-        when = (_time.strftime("%Y-%m-%d %H:%M:%S", _time.gmtime(float(t))) if isinstance(t, (int, float))
-                else str(t or ""))
-        rows.append((str(step) if step is not None else "-", when,
-                     format_size(size) if isinstance(size, (int, float)) else str(size or ""), str(path or ""))
-                    + ((kind,) if foreign else ()))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
-
-
 def _add_ckpt(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("ckpt", help="inspect checkpoints, remove killed saves",
                        description="Inspect checkpoints written by ucmagic; remove what killed saves left.")
@@ -200,6 +170,7 @@ def _add_ckpt(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
     def run_list(a: argparse.Namespace) -> int:
         from .checkpoints.api import list_checkpoints
+        from .checkpoints.format import format_checkpoints
 
         items = list(list_checkpoints(a.root))
         if not items:  # like list_checkpoints() returning []; a missing root raised above

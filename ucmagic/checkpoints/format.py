@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from ..errors import (  # noqa: F401 - re-exported: checkpoint errors were defined here before
@@ -321,3 +321,37 @@ def describe_keys(keys: list[str], limit: int = 5) -> str:
     """``a, b, c (+7 more)``."""
     shown = ", ".join(keys[:limit])
     return shown + (f" (+{len(keys) - limit} more)" if len(keys) > limit else "")
+
+
+# ---------------------------------------------------------------- the table of checkpoints (CLI, %ucckpt list)
+
+def _field(item: object, name: str, index: int) -> object:
+    if isinstance(item, dict):
+        return item.get(name)
+    if hasattr(item, name):
+        return getattr(item, name)
+    return item[index] if isinstance(item, (tuple, list)) and len(item) > index else None
+
+
+def format_checkpoints(items: Sequence[object], *, utc: bool = True) -> str:
+    """A table of complete checkpoints: step (``-`` when a foreign name has none), commit time (UTC, or with
+    ``utc=False`` this machine's local time with its zone), size, path, and a KIND column (``dcp``,
+    ``torch.save``) when any was not written by ucmagic."""
+    from ..units import format_size
+
+    kinds = [str(_field(it, "kind", 4) or "ucmagic") for it in items]
+    foreign = any(not k.startswith("ucmagic") for k in kinds)
+    rows = [("STEP", "COMMITTED (UTC)" if utc else "COMMITTED", "SIZE", "PATH") + (("KIND",) if foreign else ())]
+    for it, kind in zip(items, kinds):
+        step, path, t, size = (_field(it, "step", 0), _field(it, "path", 1), _field(it, "time", 2),
+                               _field(it, "size", 3))
+        if isinstance(t, (int, float)) and not isinstance(t, bool):
+            when = (time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(float(t))) if utc
+                    else time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(float(t))))
+        else:
+            when = str(t or "")
+        rows.append((str(step) if step is not None else "-", when,
+                     format_size(size) if isinstance(size, (int, float)) else str(size or ""), str(path or ""))
+                    + ((kind,) if foreign else ()))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
