@@ -140,7 +140,6 @@ class DataLoader(tud.DataLoader[Any]):
                  persistent_workers: bool | None = None, log_to_mlflow: bool | None = None,
                  log_interval: float = 5.0, **kwargs: Any) -> None:
         planned = dataset if isinstance(dataset, PlannedDataset) else None
-        chosen = [k for k, v in (("num_workers", num_workers), ("prefetch_factor", prefetch_factor)) if v is not None]
         kind = planned.kind if planned is not None else None
         needs = planned.loader_needs if planned is not None else None
         uc = planned is not None
@@ -232,8 +231,7 @@ class DataLoader(tud.DataLoader[Any]):
             "dataset": planned.kind if planned is not None else type(dataset).__name__,
             "cache_limit": getattr(getattr(planned, "cache", None), "limit", None),
             # how the dataset reads ahead: per rank (files) or per worker stream (shards); its prefetch= (in flight)
-            "read_ahead": scope, "read_depth": getattr(planned, "prefetch", None) if scope == "rank" else None,
-            "chosen": chosen})  # the knobs the user set (advise() does not push one further unless measured to help)
+            "read_ahead": scope, "read_depth": getattr(planned, "prefetch", None) if scope == "rank" else None})
 
     @property
     def _is_accelerate_prepared(self) -> bool:

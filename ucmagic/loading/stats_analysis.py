@@ -13,7 +13,7 @@ from typing import Any, Callable, Dict, Sequence
 import numpy as np
 
 from ..telemetry import STAGES, BatchRecorder, ItemLog, percentiles
-from .advise import EpochTimes, Measured
+from .advise_model import EpochTimes, Measured
 from ..units import short_name
 
 BatchTable = Dict[str, np.ndarray]  # one row per batch, see batch_table()
