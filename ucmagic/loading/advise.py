@@ -49,6 +49,7 @@ CROSS_RATE = 1e9  # bytes/s assumed for moving a batch through shared memory bet
 CROSS_SURE = 0.1  # a batch's crossing (at CROSS_RATE) over this share of its time: 0 <-> N workers is unsure
 WORKER_START_S = 0.05  # seconds to start one worker process (fork), once per run (persistent workers)
 MAX_PREFETCH = 16
+REPLAY_MAX = 20_000  # batches of an epoch replayed through torch's pipeline (prefetch advice)
 COST_DOUBT = 0.25  # a change with its own cost must save this share of that cost more than the noise
 
 
@@ -258,12 +259,14 @@ def _prefetch(m: Measured, now: float) -> Advice | None:
         return None
     per = []
     for e in m.epochs:
-        if len(e.made) != int(e.batches) or len(e.computes) != len(e.made):
+        n = len(e.made)
+        if n != int(e.batches) or len(e.computes) != n or not n:
             return None  # no per-batch records to replay
+        k = min(n, REPLAY_MAX)  # a long epoch: its first batches, the saving scaled to all of them
+        made, comp = [float(x) for x in e.made[:k]], [float(x) for x in e.computes[:k]]
         start = startup(e)
-        was = replay(e.made, e.computes, w0, m.prefetch_factor, start)
-        deeper = replay(e.made, e.computes, w0, depth, start)
-        per.append(max(0.0, e.total - max(0.0, was - deeper)))
+        saved = replay(made, comp, w0, m.prefetch_factor, start) - replay(made, comp, w0, depth, start)
+        per.append(max(0.0, e.total - max(0.0, saved) * n / k))
     predicted = run_of(m, per, warm_epoch(m, m.epochs[-1]) if repeats_warm(m) else None)
     last = m.epochs[-1]
     return Advice("prefetch", f"prefetch_factor={depth} (now {m.prefetch_factor})", predicted, now,

@@ -30,7 +30,7 @@ an epoch, at least :data:`WORTH` of the run and :data:`MIN_SAVING_S`.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 from ..files.fetch import stream_depth
@@ -71,9 +71,9 @@ class EpochTimes:
     workers_cpu: float | None = None  # the workers' CPU seconds in it
     idle: float | None = None  # core-seconds that sat idle on the cores the loader may use
     batch_bytes: float | None = None  # mean bytes of arrays in a batch (what crosses from a worker)
-    made: list[float] = field(default_factory=list)  # per batch: its producing process's seconds (stages)
-    waits: list[float] = field(default_factory=list)  # per batch: the loop's wait
-    computes: list[float] = field(default_factory=list)  # per batch: the loop's compute before asking for it
+    made: Sequence[float] = ()  # per batch: its producing process's seconds (stages)
+    waits: Sequence[float] = ()  # per batch: the loop's wait
+    computes: Sequence[float] = ()  # per batch: the loop's compute before asking for it
 
     @property
     def total(self) -> float:

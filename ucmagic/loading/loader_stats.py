@@ -15,6 +15,7 @@ answers from them; the work lives in one unit per job:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -107,8 +108,9 @@ class LoaderStats:
         else:
             self._item_log.add(epoch, p.worker, p.index, p.fetch, p.nbytes, stages=p.stages)
             self.last_stages = p.stages
-            if p.cpu == p.cpu:  # a worker's CPU clock (NaN: the main process's, measured per iteration)
-                self._worker_cpu(p.worker, p.cpu)
+            cpu = p.cpu  # a worker's CPU clock, read every 50 ms (NaN: the main process's, measured per iteration)
+            if cpu == cpu and self._worker_clock.get(p.worker) != cpu:
+                self._worker_cpu(p.worker, cpu)
         self.epoch_stages.add(fetch_s, compute_s, self.last_stages)
         self.last_fetch_s, self.last_compute_s = fetch_s, compute_s
         self.epoch_count += 1
@@ -338,8 +340,10 @@ class LoaderStats:
         follows = before is not None and all(setup.get(k) == v for k, v in before[0].items())
         got = advise(m, before[1] if follows and before else None, before[2] if follows and before else None)
         top = next((a for a in got if a.sure and a.kind != "none"), None)
-        if top is not None and set(top.settings) <= _FOLLOWABLE:
-            _ADVISED[key] = (dict(top.settings), m, top.kind)
+        if top is not None and set(top.settings) <= _FOLLOWABLE:  # kept without the per-batch columns
+            slim = dataclasses.replace(m, epochs=[dataclasses.replace(e, made=(), waits=(), computes=())
+                                                  for e in m.epochs])
+            _ADVISED[key] = (dict(top.settings), slim, top.kind)
         return got
 
     def _setup_now(self) -> dict[str, Any]:

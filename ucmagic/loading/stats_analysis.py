@@ -196,8 +196,8 @@ def measured(b: BatchTable, setup: dict[str, Any], counters: dict[str, int] | No
             compute_cpu=(float(loop_cpu[str(e)]) if workers > 0 and str(e) in loop_cpu else None),
             miss_latency=miss_s, hit_latency=hit_s, wall=_number(res.get("wall")), cpu=_number(res.get("cpu")),
             workers_cpu=_number(res.get("workers_cpu")) if workers > 0 else None, idle=_number(res.get("idle")),
-            batch_bytes=_number(res.get("batch_bytes")), made=made[m].tolist(), waits=b["fetch_s"][m].tolist(),
-            computes=b["compute_s"][m].tolist()))
+            batch_bytes=_number(res.get("batch_bytes")), made=made[m], waits=b["fetch_s"][m],
+            computes=b["compute_s"][m]))
     return Measured(
         epochs=out, num_workers=workers, prefetch_factor=int(setup.get("prefetch_factor") or 0),
         cores=int(setup.get("cores") or 1), batch_size=int(setup.get("batch_size") or 1),
