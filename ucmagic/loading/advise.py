@@ -45,8 +45,8 @@ WRITE_RATE = 500e6  # bytes/s assumed for writing packed shards to local disk
 PACK_FILE_S = 3e-4  # pack's own seconds per file (tar headers, the index), assumed
 PACK_START_S = 0.3  # pack's listing, index and commit, assumed
 MIN_SHARD, MAX_SHARD = 1 << 20, 1 << 30  # shard sizes the pack advice names: 1 MiB .. pack's default 1 GiB
-CROSS_RATE = 1e9  # bytes/s assumed for moving a batch through shared memory between processes
-CROSS_SURE = 0.1  # a batch's crossing (at CROSS_RATE) over this share of its time: 0 <-> N workers is unsure
+CROSS_RATE = 0.5e9  # bytes/s assumed for moving a batch between processes (issue 52: 19 MB cost 30-50 ms more)
+CROSS_SURE = 0.1  # a batch's crossing (at CROSS_RATE) over this share of its time: a change of workers is unsure
 WORKER_START_S = 0.05  # seconds to start one worker process (fork), once per run (persistent workers)
 MAX_PREFETCH = 16
 REPLAY_MAX = 20_000  # batches of an epoch replayed through torch's pipeline (prefetch advice)
@@ -177,12 +177,12 @@ def _unsure_epochs(m: Measured) -> list[int]:
 
 
 def _crossing(m: Measured, workers: int) -> tuple[bool, str]:
-    """Whether moving to ``workers`` changes where batches are made (0 <-> some workers) by more than the model
-    can say: ``(unsure, why)``. Moved into the loop's process, your code runs beside the loop (and torch's
-    threads there); moved out, it runs on one thread per worker and its batches cross between processes: the run
-    measured neither."""
+    """Whether moving to ``workers`` changes how batches are made by more than the model can say: ``(unsure,
+    why)``. Big batches: copied through shared memory by each worker at once (memory traffic the run measured
+    at one count only), or not at all without workers. Moved into the loop's process, your code runs beside the
+    loop (and torch's threads there); moved out, on one thread per worker: the run measured neither."""
     w0 = m.num_workers
-    if (w0 > 0) == (workers > 0):
+    if workers == w0:
         return False, ""
     worst = 0.0
     for e in m.epochs:
@@ -190,9 +190,12 @@ def _crossing(m: Measured, workers: int) -> tuple[bool, str]:
             worst = max(worst, (e.batch_bytes / CROSS_RATE) / (e.total / e.batches))
     if worst > CROSS_SURE:
         mb = max(e.batch_bytes or 0.0 for e in m.epochs) / 1e6
-        return True, (f"batches of {mb:.1f} MB would {'stop crossing' if workers == 0 else 'cross'} between "
-                      f"processes, about {worst:.0%} of a batch's time at an assumed {CROSS_RATE / 1e9:.0f} GB/s, "
-                      "which this run did not measure")
+        how = ("would stop crossing between processes" if workers == 0 else
+               f"would cross from {workers} workers at once" if w0 > 0 else "would cross between processes")
+        return True, (f"batches of {mb:.1f} MB {how}, about {worst:.0%} of a batch's time at an assumed "
+                      f"{CROSS_RATE / 1e9:.1f} GB/s, which this run did not measure")
+    if (w0 > 0) == (workers > 0):
+        return False, ""
     last = m.epochs[-1]
     if workers == 0 and user_share(last) >= USER_SHARE:
         return True, (f"your code ({user_share(last):.0%} of making a batch) would run in the loop's process, beside "
