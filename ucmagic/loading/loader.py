@@ -526,9 +526,12 @@ class DataLoader(tud.DataLoader[Any]):
                 sink.close()
             if ident() == thread:  # closed from another thread: its clock is not this loop's
                 stats.add_loop_cpu(epoch, cpu() - cpu0)
-                idle1 = idle()
-                stats.add_epoch_resources(epoch, wall=perf() - wall0, cpu=proc_cpu() - proc0,
-                                          idle=None if idle0 is None or idle1 is None else idle1 - idle0)
+                try:  # best effort: closed at interpreter exit, the builtins /proc/stat needs may be gone
+                    idle1 = idle()
+                    stats.add_epoch_resources(epoch, wall=perf() - wall0, cpu=proc_cpu() - proc0,
+                                              idle=None if idle0 is None or idle1 is None else idle1 - idle0)
+                except Exception:  # noqa: BLE001, S110 - nothing to report it to then
+                    pass
             for end_cb in self._end_callbacks:
                 end_cb(self, stats, error)
 
