@@ -181,7 +181,9 @@ def test_explorer_zooms_and_names_the_slow_file(lab, artifacts):
     bh.move_range_start(lab, 2, 3)
     deadline = time.monotonic() + 60
     after = before
-    while time.monotonic() < deadline and not after.summary.startswith("21 batches in view"):
+    # the summary, the table and the files are three widgets, updated one after the other: wait for all three
+    while time.monotonic() < deadline and not (after.summary.startswith("21 batches in view")
+                                               and straggler in after.table and straggler in after.files):
         time.sleep(0.2)
         after = bh.explorer_state(lab, 2) or before
     assert after.summary.startswith("21 batches in view"), after.summary

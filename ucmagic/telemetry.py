@@ -229,11 +229,14 @@ def take_items(n: int) -> tuple[bytes, bytes, int]:
 STAGES = ("fetch", "user", "collate")  # seconds per batch in the producing process, in this order
 _clock = [0.0, 0.0, 0.0]  # [batch start (perf_counter; 0: not marked), fetch seconds since, last collate end]
 _timing = [False]  # time the planned dataset's next() (a user's wrapper is around it)
+_clock_owner: list[Any] = [None]  # the WorkerInfo (None: the main process) whose batches the clock last timed
 
 
 def batch_started() -> None:
-    """The producing process takes the next batch's index now (its stage clock starts)."""
+    """The producing process takes the next batch's index now (its stage clock starts; ucmagic's reads
+    timed before it, outside any batch, are not this batch's)."""
     _clock[0] = time.perf_counter()
+    _clock[1] = 0.0
 
 
 def _received(value: Any) -> Any:
@@ -370,6 +373,10 @@ class ItemCollate:
         n = len(data) if isinstance(data, list) else 1
         index, fetch, nbytes = take_items(n)
         info = worker_info()
+        if _clock_owner[0] is not info:  # a new worker (forked with the parent's clock) or back in the main process
+            _clock_owner[0] = info
+            if not _clock[0]:  # not marked: nothing of the parent's clock is this batch's
+                _clock[1] = _clock[2] = 0.0
         out = self.inner(data)
         t1 = time.perf_counter()
         stages = _stage_times(self.mode, t0, t1)
