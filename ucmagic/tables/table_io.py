@@ -58,6 +58,8 @@ class TableFiles:
             vol = self._vols.get(folder)
         if vol is None:
             vol = open_volume(folder, self.storage_options)
+            if folder != self.root:  # a file named by itself (the user's, or an allowed Delta path): as named
+                vol.follow_symlinks = "all"
             with self._mu:
                 self._vols[folder] = vol
         return vol
@@ -86,9 +88,9 @@ class TableFiles:
         """A seekable binary file of ``path`` (plain reads where the volume has a local file, else ranged
         reads through the volume); the caller closes it."""
         vol, rel = self.locate(path)
-        local = vol.local_file(rel)
-        if local is not None:
-            return open(local, "rb")
+        fd = vol.open_local(rel)  # a table's file is checked when opened: never a link out of the table
+        if fd is not None:
+            return open(fd, "rb")
         return VolumeFile(vol, rel, vol.stat(rel).size if size is None else size)  # unbuffered: exact ranges
 
     def read_range(self, path: str, offset: int, length: int) -> bytes:
