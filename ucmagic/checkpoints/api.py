@@ -232,4 +232,5 @@ def load_checkpoint(root: str | os.PathLike[str], step: int | str = "latest", *,
         load_single(path, commit, model, optimizer, map_location, reader_kw)
     else:
         load_dcp(path, model, optimizer, reader_kw)
-    return int(commit.get("step", chosen)), commit.get("extra")
+    step_saved = commit.get("step")  # an int or None: parse_commit checked it
+    return (chosen if step_saved is None else int(step_saved)), commit.get("extra")

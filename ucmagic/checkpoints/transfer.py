@@ -15,12 +15,16 @@ import errno
 import os
 import re
 import shutil
+import stat as stat_mod
 import threading
 import time
 import zlib
 from typing import Any, Callable, Iterator, TypeVar
 
-from .._util import RetryPolicy, copy_local, is_remote_url, open_emptied, path_under, write_all
+from .._util import (O_NOFOLLOW, RetryPolicy, copy_fds, copy_local, is_remote_url, open_emptied, path_under,
+                     write_all)
+from ..files.entries import is_safe_rel
+from ..files.local_files import open_beneath
 from ..files.cache_layout import default_cache_dir
 from ..files.locks import (check_write_dest, dir_problem, pid_running, private_dir, process_tag, refuse_links_below,
                            tag_alive)
@@ -29,6 +33,7 @@ from .format import FileRecord
 from ..errors import (
     CheckpointCorruptError,
     CheckpointDestinationError,
+    CheckpointPathError,
     CheckpointError,
     CheckpointUploadError,
     SourceNotFoundError,
@@ -274,14 +279,79 @@ def upload_file(local: str, remote: str, *, verify: str = "size", delete: bool =
     return rec
 
 
+def open_inside(where: str, name: str) -> int:
+    """A read descriptor of the file ``name`` (a relative path read from the checkpoint's own records) in the
+    local checkpoint folder ``where``, never through a link out of it (:func:`~ucmagic.files.local_files.
+    open_beneath`): a name with ``..`` or an absolute start, or a link to elsewhere, raises
+    :class:`~ucmagic.errors.CheckpointPathError` naming it."""
+    if not is_safe_rel(name):
+        raise CheckpointPathError(f"{where}: the checkpoint names the file {name!r}, outside its folder; it was "
+                                  "not read (a checkpoint someone else wrote?)")
+    try:
+        fd = open_beneath(os.path.realpath(where), name, flags=os.O_NONBLOCK)  # a FIFO there: no hang
+    except UnsafeSourceError as e:
+        raise CheckpointPathError(f"{where}: {name} is a symbolic link out of the checkpoint folder ({e}); it was "
+                                  "not read") from None
+    except OSError as e:
+        if e.errno in (errno.ENAMETOOLONG, errno.ENOTDIR):
+            raise FileNotFoundError(e.errno, e.strerror, e.filename) from None
+        raise
+    if not stat_mod.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CheckpointCorruptError(f"{where}: {name} is not a regular file; it was not read")
+    os.set_blocking(fd, True)  # a regular file: plain reads from here on (a FUSE server sees no O_NONBLOCK)
+    return fd
+
+
+def source_size(where: str, name: str) -> int | None:
+    """The size of checkpoint file ``name`` in ``where`` (None when missing), checked as it will be read
+    (:func:`open_inside`; on a store: its size there)."""
+    if is_remote_url(where):
+        try:
+            return stat_file(f"{url_path(where)}/{name}")[0] if is_safe_rel(name) else None
+        except FileNotFoundError:
+            return None
+    try:
+        fd = open_inside(where, name)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    try:
+        return os.fstat(fd).st_size
+    finally:
+        os.close(fd)
+
+
+def _copy_inside(where: str, name: str, local: str) -> tuple[int, int]:
+    """Copy checkpoint file ``name`` of the local folder ``where`` (:func:`open_inside`) to ``local``, a new file
+    in this load's private staging; ``(bytes, crc)``."""
+    fsrc = open_inside(where, name)
+    try:
+        fdst = os.open(local, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            return copy_fds(fsrc, fdst, crc=True, buffer_size=CHUNK)
+        finally:
+            os.close(fdst)
+    finally:
+        os.close(fsrc)
+
+
 def download_file(remote: str, local: str, expected: FileRecord | None, *, name: str, where: str,
                   retries: int = RETRIES) -> FileRecord:
-    """Copy a checkpoint file from the volume to local disk, checking size and CRC against ``expected``."""
+    """Copy checkpoint file ``name`` of folder ``where`` (``remote`` is ``where/name``) to the new local file
+    ``local``, checking size and CRC against ``expected``. A local source is opened by :func:`open_inside`."""
     from .format import check_record
 
+    def once() -> tuple[int, int]:
+        if is_remote_url(remote):
+            return _download_url(remote, local)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(local)  # a retry's new file (O_EXCL)
+        return _copy_inside(where, name, local)
+
     try:
-        n, crc = _retry(f"download {remote}", lambda: _download_url(remote, local) if is_remote_url(remote)
-                        else _copy(remote, local, sync=False), retries)
+        n, crc = _retry(f"download {remote}", once, retries)
+    except CheckpointError:
+        raise
     except FileNotFoundError:
         raise CheckpointCorruptError(f"{where}: {name} is missing; the checkpoint is incomplete "
                                      "(re-save it or load another step)") from None
@@ -297,11 +367,16 @@ def download_file(remote: str, local: str, expected: FileRecord | None, *, name:
 
 
 def download_bytes(remote: str, expected: FileRecord, *, name: str, where: str, retries: int = RETRIES) -> bytes:
-    """Read a checkpoint file from the volume into memory, checking size and CRC against ``expected``."""
+    """Read checkpoint file ``name`` of folder ``where`` (``remote`` is ``where/name``) into memory, checking size
+    and CRC against ``expected``: at most one byte more than the manifest says is read (a longer file fails
+    the size check; nothing is allocated for what a manifest claims beyond it)."""
     from .format import check_record
 
     try:
-        data = _retry(f"read {remote}", lambda: read_bytes(remote), retries)
+        data = _retry(f"read {remote}", lambda: read_head(remote, expected.size + 1, where=where, name=name),
+                      retries)
+    except CheckpointError:
+        raise
     except FileNotFoundError:
         raise CheckpointCorruptError(f"{where}: {name} is missing; the checkpoint is incomplete "
                                      "(re-save it or load another step)") from None
@@ -535,10 +610,11 @@ def stat_file(path: str) -> tuple[int, float]:
     return entry.size, entry.mtime
 
 
-def read_head(path: str, n: int) -> bytes:
-    """The first ``n`` bytes of file ``path`` (fewer when it is shorter)."""
+def read_head(path: str, n: int, *, where: str | None = None, name: str | None = None) -> bytes:
+    """The first ``n`` bytes of file ``path`` (fewer when it is shorter); with ``where`` and ``name`` (``path``
+    is ``where/name``) a local file is opened by :func:`open_inside`."""
     if not is_remote_url(path):
-        with open(path, "rb") as f:
+        with open(open_inside(where, name) if where is not None and name is not None else path, "rb") as f:
             return f.read(n)
     vol, rel = locate(path)
     reader = vol.range_reader(rel)
