@@ -137,15 +137,16 @@ COPY_BUFFER = 1 << 20
 FILL_BUFFER = 256 << 10  # a cache fill's reads: FUSE serves up to 128 KiB per request; a buffer per fill thread
 
 
-def open_emptied(path: str, mode: int = 0o600) -> int:
+def open_emptied(path: str, mode: int = 0o600, *, dir_fd: int | None = None) -> int:
     """A descriptor of ``path`` (made if missing) open for writing at offset 0, the file empty; one
     already empty is not truncated. On ext4 a truncated file starts its writeback when it is closed
     (``auto_da_alloc``): the cache's fills reopen an empty unnamed file, and an ``O_TRUNC`` there
     doubled the kernel time of each small file's copy (docs/benchmarks.md). A symbolic link at
     ``path`` is never followed (``O_NOFOLLOW``: the open fails), except ``/proc/self/fd/<n>``, which
-    names a descriptor of this process's own (the cache's unnamed fill files)."""
+    names a descriptor of this process's own (the cache's unnamed fill files). ``dir_fd``: ``path`` is a
+    name in that directory's descriptor (a checked folder: the write cannot be redirected by a rename)."""
     nofollow = 0 if path.startswith("/proc/self/fd/") else O_NOFOLLOW
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | nofollow, mode)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | nofollow, mode, dir_fd=dir_fd)
     try:
         if os.fstat(fd).st_size:
             os.ftruncate(fd, 0)

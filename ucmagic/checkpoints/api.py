@@ -63,11 +63,17 @@ def _save_single(path: str, state: dict[str, Any], info: dict[str, Any], writer_
     save_id = str(uuid.uuid4())
     staging = xfer.make_staging_dir(writer_kw.get("staging_dir"), f"single-{save_id}")
     local = os.path.join(staging, SINGLE_FILE_NAME)
+    held = False
     try:
-        torch.save(state, local)
+        with open(local, "wb", opener=xfer.new_file_opener) as f:  # new, by the staging folder's descriptor
+            torch.save(state, f)
+        xfer.hold_dir(path, shared_ok=bool(writer_kw.get("allow_shared_dest", False)))  # written by descriptor
+        held = True
         begin_save(path, save_id)  # readers refuse from here on; an older save of this step is un-committed
     except BaseException as e:
         xfer.release_staging_dir(staging)
+        if held:
+            xfer.release_dir(path)
         if isinstance(e, OSError) and not isinstance(e, CheckpointError):
             raise xfer.destination_error(e, path) from None
         raise
@@ -85,6 +91,7 @@ def _save_single(path: str, state: dict[str, Any], info: dict[str, Any], writer_
             commit_save(path, save_id, marker)  # only if no newer save of this step began meanwhile
         finally:
             xfer.release_staging_dir(staging)
+            xfer.release_dir(path)
 
     if not async_:
         upload()
@@ -106,13 +113,16 @@ def save_checkpoint(root: str | os.PathLike[str], *, model: Any, optimizer: Any 
     state is copied; it resolves to the checkpoint path once the checkpoint is durable, committed
     and retention has run, and raises upload errors. ``keep=N`` keeps the N highest committed steps.
     ``single_file=True``: rank 0 writes one ``torch.save`` file (small models). Other keyword
-    arguments go to :class:`UCVolumeWriter`. Returns the checkpoint directory (or the Future).
+    arguments go to :class:`UCVolumeWriter`. A local ``root`` another user owns or may write to (or below a
+    folder another user may write to) is refused (``UnsafeDirectoryError``) unless ``allow_shared_dest=True``.
+    Returns the checkpoint directory (or the Future).
     """
     name = step_dirname(step)
     to_delete([], keep, step)  # validates keep before anything is written
     info = {"step": step, "extra": extra}
     make_commit(kind=FORMAT_SINGLE, save_id="", files={}, info=info)  # validates extra is JSON-able
-    root_path = checkpoint_root(root, create=True, storage_options=writer_kw.get("storage_options"))
+    root_path = checkpoint_root(root, create=True, storage_options=writer_kw.get("storage_options"),
+                                allow_shared=bool(writer_kw.get("allow_shared_dest", False)))
     path = os.path.join(root_path, name)
 
     def finish() -> str:

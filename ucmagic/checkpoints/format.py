@@ -120,6 +120,16 @@ def looks_like_torch_save(head: bytes) -> bool:
     return head.startswith(b"PK\x03\x04") or head[:1] == b"\x80"
 
 
+ZIP_TAIL = (1 << 16) + 22  # the zip's end-of-central-directory record lies within this many bytes of its end
+
+
+def torn_torch_save(head: bytes, tail: bytes) -> bool:
+    """True when a ``torch.save`` archive (``head``: its first bytes; ``tail``: its last :data:`ZIP_TAIL` bytes)
+    lacks the end of its zip directory: a save cut short (killed, or a full disk), which ``torch.load``
+    refuses with a raw zip error. A legacy pickle cannot be told: False."""
+    return head.startswith(b"PK\x03\x04") and b"PK\x05\x06" not in tail
+
+
 def sort_infos(infos: Iterable[CheckpointInfo]) -> list[CheckpointInfo]:
     """Oldest step first; entries without a step last, by path."""
     return sorted(infos, key=lambda i: (i.step is None, i.step or 0, not i.kind.startswith("ucmagic"), i.path))

@@ -112,6 +112,12 @@ def load_torch_file(path: str, model: Any, optimizer: Any, map_location: Any,
         raise UnsafeCheckpointError(f"{path} holds objects that are not plain tensors and containers "
                                     f"({unsafe_reason(exc)}); it was not loaded. Only load checkpoints you trust"
                                     ) from None
+    except (RuntimeError, EOFError) as exc:  # torch's zip reader on a file cut short ("PytorchStreamReader ...")
+        if isinstance(exc, RuntimeError) and "PytorchStreamReader" not in str(exc) and "zip" not in str(exc):
+            raise
+        raise CheckpointCorruptError(f"{path} is not a complete torch.save file ({error_line(exc)}): a save that "
+                                     "was killed or ran out of space; nothing was loaded. Load another checkpoint or "
+                                     "save it again") from None
     _restore_from_dict(path, state, model, optimizer)
 
 

@@ -21,13 +21,13 @@ import time
 import zlib
 from typing import Any, Callable, Iterator, TypeVar
 
-from .._util import (O_NOFOLLOW, RetryPolicy, copy_fds, copy_local, is_remote_url, open_emptied, path_under,
+from .._util import (O_NOFOLLOW, RetryPolicy, copy_fds, is_remote_url, open_emptied, path_under,
                      write_all)
 from ..files.entries import is_safe_rel
 from ..files.local_files import open_beneath
 from ..files.cache_layout import default_cache_dir
-from ..files.locks import (check_write_dest, dir_problem, pid_running, private_dir, process_tag, refuse_links_below,
-                           tag_alive)
+from ..files.locks import (CheckedDir, check_write_dest, dir_problem, pid_running, private_dir, process_tag,
+                           refuse_links_below, shared_by_local_users, tag_alive)
 from ..files.volume import FsspecVolume, Volume, open_volume, volume_class
 from .format import FileRecord
 from ..errors import (
@@ -95,6 +95,97 @@ def sweep_stale(root: str, *, now: float | None = None) -> list[str]:
     return gone
 
 
+# ---------------------------------------------------------------- folders being written, by descriptor
+#
+# A local folder a save writes into (its step folder, a staging folder) is opened once as a checked directory
+# descriptor (files.locks.CheckedDir) for as long as the save writes there: every file this module creates,
+# replaces or removes in it goes through that descriptor with no link followed, so the folder renamed or
+# swapped for a link meanwhile (by someone who may write above it) cannot redirect a write.
+
+_ANCHORS: dict[str, list[Any]] = {}  # folder (normalised path) -> [CheckedDir, holders]
+_ANCHORS_MU = threading.Lock()
+
+
+def _forget_anchors() -> None:
+    global _ANCHORS_MU
+    _ANCHORS_MU = threading.Lock()
+    for d, _ in _ANCHORS.values():
+        d.close()  # the child's copies of its parent's descriptors
+    _ANCHORS.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_anchors)
+
+
+def _key(path: str | os.PathLike[str]) -> str:
+    return os.path.normpath(os.fspath(path))
+
+
+def hold_dir(path: str | os.PathLike[str], *, shared_ok: bool = True, what: str = "checkpoint directory") -> None:
+    """Open the existing local folder ``path`` (a link of the user's own is followed to the folder it names,
+    another user's refused) as a checked descriptor that this module's writes into it use until
+    :func:`release_dir` (held per holder: calls nest). ``shared_ok=False``: the folder must also be private to
+    the user (:meth:`CheckedDir.open`). A URL is not held (a store has no descriptor)."""
+    if is_remote_url(path):
+        return
+    key = _key(path)
+    with _ANCHORS_MU:
+        got = _ANCHORS.get(key)
+        if got is not None:
+            got[1] += 1
+            return
+        checked_dir(key)
+        target = os.path.realpath(key) if os.path.islink(key) else key  # the user's own link: its folder
+        shared_ok = shared_ok or not shared_by_local_users(target)  # on a mount the service decides who writes
+        _ANCHORS[key] = [CheckedDir.open(target, shared_ok=shared_ok, what=what,
+                                         fix="save to a folder of your own, or pass allow_shared_dest=True if you "
+                                             "trust everyone who can write there"), 1]
+
+
+def release_dir(path: str | os.PathLike[str]) -> None:
+    """One holder of :func:`hold_dir` is done with ``path``; the last one closes its descriptor."""
+    if is_remote_url(path):
+        return
+    with _ANCHORS_MU:
+        got = _ANCHORS.get(_key(path))
+        if got is None:
+            return
+        got[1] -= 1
+        if got[1] <= 0:
+            del _ANCHORS[_key(path)]
+            got[0].close()
+
+
+def _held(path: str) -> tuple[int | None, str]:
+    """``(folder descriptor, name)`` of local file ``path`` when its folder is held (:func:`hold_dir`), else
+    ``(None, path)``."""
+    if _ANCHORS:
+        got = _ANCHORS.get(_key(os.path.dirname(path)))
+        if got is not None:
+            return got[0].fd, os.path.basename(path)
+    return None, path
+
+
+def create_new(path: str, mode: int = 0o600, *, flags: int = os.O_WRONLY) -> int:
+    """A new local file ``path`` open for writing (``flags``): ``O_EXCL``, never through a link, through its
+    folder's descriptor where the folder is held (:func:`hold_dir`: a staging folder, a step folder)."""
+    dir_fd, name = _held(path)
+    return os.open(name, flags | os.O_CREAT | os.O_EXCL | O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dir_fd)
+
+
+def new_file_opener(path: str, flags: int) -> int:
+    """An ``opener=`` for ``open(path, "wb", opener=...)``: the file is made new (:func:`create_new`)."""
+    return create_new(path)
+
+
+def _open_write(path: str) -> int:
+    """Local checkpoint file ``path`` opened for writing, emptied (:func:`~ucmagic._util.open_emptied`: never
+    through a link at its name), through its folder's descriptor where the folder is held."""
+    dir_fd, name = _held(path)
+    return open_emptied(name, 0o666, dir_fd=dir_fd)
+
+
 def make_staging_dir(root: str | None, name: str) -> str:
     """Create a new private (0700) staging directory ``<root>/<name>@<pid>-<start time>.<random>``
     and return it (never one that exists already: another user cannot prepare it).
@@ -119,6 +210,7 @@ def make_staging_dir(root: str | None, name: str) -> str:
             continue  # someone's folder of that name: never reuse it, draw another name
         except FileNotFoundError:
             continue  # another saver removed the (then empty) shared root in between: make it again
+        hold_dir(path, shared_ok=False, what="checkpoint staging folder")  # its files: made by descriptor
         return path
 
 
@@ -128,6 +220,7 @@ def release_staging_dir(path: str) -> None:
     ``rmdir`` only removes an empty directory, so another saver's staging in the root is never touched
     (and :func:`make_staging_dir` recreates a root removed under it).
     """
+    release_dir(path)
     shutil.rmtree(path, ignore_errors=True)
     root = os.path.dirname(path)
     if root == shared_staging_root():
@@ -213,23 +306,45 @@ def check_free_space(path: str, need: int, reserve: int) -> None:
 
 
 def _copy(src_path: str, dst_path: str, *, sync: bool, check: Callable[[], None] | None = None) -> tuple[int, int]:
-    """Copy with a running CRC-32; return (bytes, crc)."""
-    return copy_local(src_path, dst_path, crc=True, sync=sync, buffer_size=CHUNK, check=check)
+    """Copy the local file ``src_path`` to checkpoint file ``dst_path`` (:func:`_open_write`: through its
+    folder's descriptor while a save holds it, never through a link) with a running CRC-32; (bytes, crc).
+    ``check`` runs before each 8 MB and may raise (a cancelled save)."""
+    fdst = _open_write(dst_path)
+    try:
+        fsrc = os.open(src_path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            out = copy_fds(fsrc, fdst, crc=True, check=check, buffer_size=CHUNK)
+        finally:
+            os.close(fsrc)
+        if sync:
+            os.fsync(fdst)
+        return out
+    finally:
+        os.close(fdst)
 
 
 def file_crc(path: str) -> tuple[int, int]:
-    """(size, CRC-32) of a file."""
+    """(size, CRC-32) of a file (a local one never read through a link at its name)."""
     if is_remote_url(path):
         data = read_bytes(path)
         return len(data), zlib.crc32(data)
+    dir_fd, name = _held(path)
+    fd = os.open(name, os.O_RDONLY | O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    try:
+        return _fd_crc(fd)
+    finally:
+        os.close(fd)
+
+
+def _fd_crc(fd: int) -> tuple[int, int]:
+    """(size, CRC-32) of the file open on ``fd``, read back from its start (positional reads)."""
     crc = n = 0
-    with open(path, "rb", buffering=0) as f:
-        while True:
-            b = f.read(CHUNK)
-            if not b:
-                return n, crc
-            crc = zlib.crc32(b, crc)
-            n += len(b)
+    while True:
+        b = os.pread(fd, CHUNK, n)
+        if not b:
+            return n, crc
+        crc = zlib.crc32(b, crc)
+        n += len(b)
 
 
 def _retry(what: str, fn: Callable[[], _T], retries: int = RETRIES) -> _T:
@@ -253,7 +368,8 @@ def upload_file(local: str, remote: str, *, verify: str = "size", delete: bool =
             return _upload_url(local, remote, verify, check)
         with no_link_written(remote):
             n, crc = _copy(local, remote, sync=True, check=check)
-        size = os.stat(remote).st_size
+        dir_fd, name = _held(remote)  # through the step folder's descriptor while the save holds it
+        size = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_size
         if size != n:
             raise OSError(f"{remote} has {size} bytes after upload, expected {n}")
         if verify == "full":
@@ -326,7 +442,7 @@ def _copy_inside(where: str, name: str, local: str) -> tuple[int, int]:
     in this load's private staging; ``(bytes, crc)``."""
     fsrc = open_inside(where, name)
     try:
-        fdst = os.open(local, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        fdst = create_new(local)  # in the load's staging folder, through its descriptor
         try:
             return copy_fds(fsrc, fdst, crc=True, buffer_size=CHUNK)
         finally:
@@ -344,8 +460,7 @@ def download_file(remote: str, local: str, expected: FileRecord | None, *, name:
     def once() -> tuple[int, int]:
         if is_remote_url(remote):
             return _download_url(remote, local)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(local)  # a retry's new file (O_EXCL)
+        remove_quietly(local)  # a retry's new file (O_EXCL)
         return _copy_inside(where, name, local)
 
     try:
@@ -395,7 +510,7 @@ def write_bytes(remote: str, data: bytes) -> FileRecord:
             vol.write_bytes(rel, data)
             return
         with no_link_written(remote):
-            fd = open_emptied(remote, 0o666)  # never through a link at the file's own name (O_NOFOLLOW)
+            fd = _open_write(remote)  # never through a link at the file's own name (O_NOFOLLOW)
         try:
             write_all(fd, data)
             os.fsync(fd)
@@ -423,13 +538,14 @@ def read_bytes(remote: str) -> bytes:
 
 
 def remove_quietly(path: str) -> None:
-    """Delete a file if present."""
+    """Delete a file if present (through its folder's descriptor where the folder is held)."""
     if is_remote_url(path):
         vol, rel = locate(path)
         vol.remove(rel, missing_ok=True)
         return
+    dir_fd, name = _held(path)
     with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
+        os.unlink(name, dir_fd=dir_fd)
 
 
 # ---------------------------------------------------------------- URL destinations (any fsspec store)
@@ -538,7 +654,7 @@ def makedirs(path: str, root: str | None = None) -> None:
     below = None if root is None else _rel_below(root, path)
     if root is not None and below is not None:
         refuse_links_below(root, below, whole=True)
-    os.makedirs(path, exist_ok=True)
+    os.makedirs(path, mode=0o755, exist_ok=True)  # never writable by others, whatever the umask
     if root is not None and below is not None:
         refuse_links_below(root, below, whole=True)  # one made while the folders were being made
     checked_dir(path)
@@ -610,6 +726,23 @@ def stat_file(path: str) -> tuple[int, float]:
     return entry.size, entry.mtime
 
 
+def read_tail(path: str, n: int) -> bytes:
+    """The last ``n`` bytes of file ``path`` (all of it when shorter)."""
+    size = stat_file(path)[0]
+    if not is_remote_url(path):
+        with open(path, "rb") as f:
+            f.seek(max(0, size - n))
+            return f.read(n)
+    vol, rel = locate(path)
+    reader = vol.range_reader(rel)
+    try:
+        buf = bytearray(min(n, size))
+        got = reader.readinto_at(max(0, size - n), memoryview(buf))
+        return bytes(buf[:got])
+    finally:
+        reader.close()
+
+
 def read_head(path: str, n: int, *, where: str | None = None, name: str | None = None) -> bytes:
     """The first ``n`` bytes of file ``path`` (fewer when it is shorter); with ``where`` and ``name`` (``path``
     is ``where/name``) a local file is opened by :func:`open_inside`."""
@@ -646,10 +779,16 @@ def _upload_url(local: str, remote: str, verify: str, check: Callable[[], None] 
 
 
 def _download_url(remote: str, local: str) -> tuple[int, int]:
-    """Copy a checkpoint file from its store to local disk; ``(bytes, crc)`` of what arrived."""
+    """Copy a checkpoint file from its store to the new local file ``local`` (made through its staging folder's
+    descriptor: :func:`create_new`); ``(bytes, crc)`` of what arrived."""
     vol, rel = locate(remote)
-    vol.copy_to(rel, local)
-    return file_crc(local)
+    remove_quietly(local)  # a retry's new file
+    fd = create_new(local, flags=os.O_RDWR)
+    try:
+        vol.copy_to(rel, f"/proc/self/fd/{fd}" if os.path.isdir("/proc/self/fd") else local)
+        return _fd_crc(fd)
+    finally:
+        os.close(fd)
 
 
 def url_destination_error(exc: BaseException, path: str) -> CheckpointError:
