@@ -116,10 +116,13 @@ def load_table(name_or_path: Any, *, columns: Sequence[str] | None = None, limit
             con = connect()
             try:
                 rel = duckdb_relation(con, src)
+                sandbox_files(con, src)  # a filter= (or a column name) runs with file access off, as every other
 
                 def reopen() -> tuple[Any, Any]:
                     other = connect()
-                    return duckdb_relation(other, src), other.close
+                    out = duckdb_relation(other, src)
+                    sandbox_files(other, src)
+                    return out, other.close
 
                 rel, close = filter_relation(con, rel, RowFilter.of(filter, rel.columns), reopen)
                 try:
@@ -284,3 +287,11 @@ def _to_pandas(data: Any) -> Any:
         return src.obj
     t = _to_arrow(data)
     return t.to_pandas() if hasattr(t, "to_pandas") else t.read_all().to_pandas()
+
+
+def sandbox_files(con: Any, src: Any) -> None:
+    """Before a ``filter=`` runs on ``con`` over the files of ``src`` (a CSV or Parquet source DuckDB reads
+    itself): DuckDB may read those files and nothing else (``enable_external_access=false``: the filter's SQL
+    cannot read, write or attach other files, as a query's cannot; :func:`~ucmagic.tables.sources.restrict_sql`)."""
+    if src.kind in ("csv", "parquet") and not src.remote and src.paths:
+        sources.restrict_sql(con, list(src.paths))
