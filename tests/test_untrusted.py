@@ -437,3 +437,67 @@ def test_a_tar_header_with_a_negative_size_is_refused_by_name(tmp_path):
     raw[148:154] = f"{sum(raw[:512]) & 0o777777:06o}".encode()
     with pytest.raises(ShardFormatError, match="claims"):
         scan_tar(io.BytesIO(bytes(raw)), "bad.tar")
+
+
+# ---------------------------------------------------------------- leftovers and torn files
+
+def test_an_empty_step_folder_a_killed_save_left_is_reclaimed_by_the_next_save_and_reported_by_clean(tmp_path):
+    from ucmagic import list_checkpoints
+    from ucmagic.checkpoints.commit import clean_checkpoints
+
+    root = tmp_path / "ck"
+    model, opt = trained()
+    save_checkpoint(str(root), model=model, step=1)
+    for n in (2, 3):
+        (root / f"step_{n}").mkdir()  # killed between making step_<N> and its first write
+        os.utime(root / f"step_{n}", (1, 1))
+    (root / "step_9").mkdir()  # a save making it right now: too young to be a killed one's
+    (root / "notes").mkdir()  # not a step folder: never ucmagic's to remove
+    os.utime(root / "notes", (1, 1))
+    save_checkpoint(str(root), model=model, step=4)
+    assert sorted(os.listdir(root)) == ["notes", "step_1", "step_4", "step_9"]
+    (root / "step_5").mkdir()
+    os.utime(root / "step_5", (1, 1))
+    assert clean_checkpoints(str(root)) == [str(root / "step_5")]
+    assert clean_checkpoints(str(root), force=True) == [str(root / "step_9")]
+    assert [i.step for i in list_checkpoints(str(root))] == [1, 4]
+
+
+def test_a_torn_lightning_checkpoint_is_never_latest_and_loading_it_names_it(tmp_path):
+    """``epoch=4-step=200.ckpt`` half written (killed, or the disk filled): listed as complete and chosen as
+    latest before issue 50, failing with torch's raw zip error."""
+    from ucmagic import list_checkpoints
+    from ucmagic.checkpoints.restore import load_torch_file
+    from ucmagic.errors import CheckpointCorruptError
+
+    root = tmp_path / "lightning"
+    root.mkdir()
+    model, _ = trained()
+    torch.save({"state_dict": model.state_dict()}, root / "epoch=3-step=150.ckpt")
+    torch.save({"state_dict": model.state_dict()}, root / "epoch=4-step=200.ckpt")
+    whole = (root / "epoch=4-step=200.ckpt").read_bytes()
+    (root / "epoch=4-step=200.ckpt").write_bytes(whole[: len(whole) // 2])
+    with pytest.warns(UserWarning, match=r"epoch=4-step=200\.ckpt is not a complete torch.save file"):
+        infos = list_checkpoints(str(root))
+    assert [i.step for i in infos] == [150]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert load_checkpoint(str(root), model=trained(seed=7)[0])[0] == 150
+    with pytest.raises(CheckpointCorruptError, match=r"epoch=4-step=200\.ckpt is not a complete"):
+        load_torch_file(str(root / "epoch=4-step=200.ckpt"), trained(seed=7)[0], None, None)
+
+
+@pytest.mark.parametrize("fmt", ["csv", "parquet"])
+def test_a_filter_over_files_runs_with_duckdb_external_access_off(tmp_path, fmt):
+    """A CSV source's filter= ran with DuckDB's external access on (every other source's was off)."""
+    import pyarrow as pa
+    import pyarrow.csv as pacsv
+    import pyarrow.parquet as pq
+
+    from ucmagic import load_table
+
+    t = pa.table({"a": [1, 2, 3]})
+    path = tmp_path / f"t.{fmt}"
+    (pacsv.write_csv if fmt == "csv" else pq.write_table)(t, path)
+    assert len(load_table(str(path), filter="a >= 2")) == 2
+    assert len(load_table(str(path), filter="current_setting('enable_external_access')")) == 0
