@@ -407,28 +407,30 @@ _tmp_counter = itertools.count()
 
 
 @contextlib.contextmanager
-def atomic_target(path: str, tmp: str | None = None) -> Iterator[str]:
+def atomic_target(path: str, tmp: str | None = None, *, dir_fd: int | None = None) -> Iterator[str]:
     """Yield a temp path beside ``path`` to write; rename it over ``path`` when the block succeeds.
 
     Readers see the old content or the new, never a part. ``tmp`` names the temp file (default
     ``<path>.tmp-<pid>-<n>-<random>``: not guessable by another user); it is removed when the block fails.
+    ``dir_fd``: ``path`` (and the temp name) are names in that directory's descriptor.
     """
     tmp = tmp or f"{path}.tmp-{os.getpid()}-{next(_tmp_counter)}-{os.urandom(6).hex()}"
     try:
         yield tmp
-        os.replace(tmp, path)
+        os.replace(tmp, path, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except BaseException:
         with contextlib.suppress(OSError):
-            os.unlink(tmp)
+            os.unlink(tmp, dir_fd=dir_fd)
         raise
 
 
-def atomic_write(path: str, data: bytes, *, tmp: str | None = None, sync: bool = False, mode: int = 0o644) -> None:
+def atomic_write(path: str, data: bytes, *, tmp: str | None = None, sync: bool = False, mode: int = 0o644,
+                 dir_fd: int | None = None) -> None:
     """Replace ``path`` with ``data`` atomically (see :func:`atomic_target`); ``sync=True`` fsyncs
     the temp file before the rename (durable across a crash). The temp file is made new (``O_EXCL``),
-    never through a symbolic link."""
-    with atomic_target(path, tmp) as part:
-        fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | O_NOFOLLOW, mode)
+    never through a symbolic link; ``dir_fd``: ``path`` is a name in that directory's descriptor."""
+    with atomic_target(path, tmp, dir_fd=dir_fd) as part:
+        fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | O_NOFOLLOW, mode, dir_fd=dir_fd)
         try:
             write_all(fd, data)
             if sync:

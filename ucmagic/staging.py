@@ -23,7 +23,7 @@ from typing import Any, Sequence
 from ._util import O_NOFOLLOW, copy_fds, open_emptied, path_under
 from .errors import FetchError, StagingError, UnsafeDirectoryError
 from .files.fetch import with_retries
-from .files.locks import dir_problem, shared_by_local_users
+from .files.locks import dir_problem, parents_problem, shared_by_local_users
 from .progress import Progress
 from .units import format_size
 from .files.volume import FileEntry, Volume, copy_error, open_volume
@@ -198,6 +198,9 @@ class DestTree:
                                            f"{dest_problem(st, None, True) or 'not a directory'}") from exc
             raise
         problem = dest_problem(os.fstat(fd), os.getuid() if hasattr(os, "getuid") else None, self.allow_shared)
+        if problem is None and parent is None and not self.allow_shared:  # the root: and the folders above it
+            found = parents_problem(path)
+            problem = None if found is None else f"the folder above it {found[0]} is not safe ({found[1]})"
         if problem is not None:
             os.close(fd)
             raise UnsafeDirectoryError(f"stage will not write into {path}: {problem}; pick a destination of "

@@ -21,6 +21,7 @@ from .exit import track_pending_save
 from .reader import UCVolumeReader
 from .writer import UCVolumeWriter
 from ..dist import barrier, dist_info
+from ..files.locks import hold_dir, release_dir
 from ..errors import (CheckpointCorruptError, CheckpointError, CheckpointExistsError, CheckpointInProgressError,
                       CheckpointMismatchError, CheckpointNotCommittedError, CheckpointUploadError, NoCheckpointError,
                       UnsafeCheckpointError)
@@ -67,13 +68,14 @@ def _save_single(path: str, state: dict[str, Any], info: dict[str, Any], writer_
     try:
         with open(local, "wb", opener=xfer.new_file_opener) as f:  # new, by the staging folder's descriptor
             torch.save(state, f)
-        xfer.hold_dir(path, shared_ok=bool(writer_kw.get("allow_shared_dest", False)))  # written by descriptor
+        hold_dir(path, shared_ok=bool(writer_kw.get("allow_shared_dest", False)),  # written by its descriptor
+                 what="checkpoint directory")
         held = True
         begin_save(path, save_id)  # readers refuse from here on; an older save of this step is un-committed
     except BaseException as e:
         xfer.release_staging_dir(staging)
         if held:
-            xfer.release_dir(path)
+            release_dir(path)
         if isinstance(e, OSError) and not isinstance(e, CheckpointError):
             raise xfer.destination_error(e, path) from None
         raise
@@ -91,7 +93,7 @@ def _save_single(path: str, state: dict[str, Any], info: dict[str, Any], writer_
             commit_save(path, save_id, marker)  # only if no newer save of this step began meanwhile
         finally:
             xfer.release_staging_dir(staging)
-            xfer.release_dir(path)
+            release_dir(path)
 
     if not async_:
         upload()

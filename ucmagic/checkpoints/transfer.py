@@ -26,8 +26,8 @@ from .._util import (O_NOFOLLOW, RetryPolicy, copy_fds, is_remote_url, open_empt
 from ..files.entries import is_safe_rel
 from ..files.local_files import open_beneath
 from ..files.cache_layout import default_cache_dir
-from ..files.locks import (CheckedDir, check_write_dest, dir_problem, pid_running, private_dir, process_tag,
-                           refuse_links_below, shared_by_local_users, tag_alive)
+from ..files.locks import (check_write_dest, create_new, dir_problem, held, hold_dir, pid_running, private_dir,
+                           process_tag, refuse_links_below, release_dir, tag_alive)
 from ..files.volume import FsspecVolume, Volume, open_volume, volume_class
 from .format import FileRecord
 from ..errors import (
@@ -95,85 +95,6 @@ def sweep_stale(root: str, *, now: float | None = None) -> list[str]:
     return gone
 
 
-# ---------------------------------------------------------------- folders being written, by descriptor
-#
-# A local folder a save writes into (its step folder, a staging folder) is opened once as a checked directory
-# descriptor (files.locks.CheckedDir) for as long as the save writes there: every file this module creates,
-# replaces or removes in it goes through that descriptor with no link followed, so the folder renamed or
-# swapped for a link meanwhile (by someone who may write above it) cannot redirect a write.
-
-_ANCHORS: dict[str, list[Any]] = {}  # folder (normalised path) -> [CheckedDir, holders]
-_ANCHORS_MU = threading.Lock()
-
-
-def _forget_anchors() -> None:
-    global _ANCHORS_MU
-    _ANCHORS_MU = threading.Lock()
-    for d, _ in _ANCHORS.values():
-        d.close()  # the child's copies of its parent's descriptors
-    _ANCHORS.clear()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_anchors)
-
-
-def _key(path: str | os.PathLike[str]) -> str:
-    return os.path.normpath(os.fspath(path))
-
-
-def hold_dir(path: str | os.PathLike[str], *, shared_ok: bool = True, what: str = "checkpoint directory") -> None:
-    """Open the existing local folder ``path`` (a link of the user's own is followed to the folder it names,
-    another user's refused) as a checked descriptor that this module's writes into it use until
-    :func:`release_dir` (held per holder: calls nest). ``shared_ok=False``: the folder must also be private to
-    the user (:meth:`CheckedDir.open`). A URL is not held (a store has no descriptor)."""
-    if is_remote_url(path):
-        return
-    key = _key(path)
-    with _ANCHORS_MU:
-        got = _ANCHORS.get(key)
-        if got is not None:
-            got[1] += 1
-            return
-        checked_dir(key)
-        target = os.path.realpath(key) if os.path.islink(key) else key  # the user's own link: its folder
-        shared_ok = shared_ok or not shared_by_local_users(target)  # on a mount the service decides who writes
-        _ANCHORS[key] = [CheckedDir.open(target, shared_ok=shared_ok, what=what,
-                                         fix="save to a folder of your own, or pass allow_shared_dest=True if you "
-                                             "trust everyone who can write there"), 1]
-
-
-def release_dir(path: str | os.PathLike[str]) -> None:
-    """One holder of :func:`hold_dir` is done with ``path``; the last one closes its descriptor."""
-    if is_remote_url(path):
-        return
-    with _ANCHORS_MU:
-        got = _ANCHORS.get(_key(path))
-        if got is None:
-            return
-        got[1] -= 1
-        if got[1] <= 0:
-            del _ANCHORS[_key(path)]
-            got[0].close()
-
-
-def _held(path: str) -> tuple[int | None, str]:
-    """``(folder descriptor, name)`` of local file ``path`` when its folder is held (:func:`hold_dir`), else
-    ``(None, path)``."""
-    if _ANCHORS:
-        got = _ANCHORS.get(_key(os.path.dirname(path)))
-        if got is not None:
-            return got[0].fd, os.path.basename(path)
-    return None, path
-
-
-def create_new(path: str, mode: int = 0o600, *, flags: int = os.O_WRONLY) -> int:
-    """A new local file ``path`` open for writing (``flags``): ``O_EXCL``, never through a link, through its
-    folder's descriptor where the folder is held (:func:`hold_dir`: a staging folder, a step folder)."""
-    dir_fd, name = _held(path)
-    return os.open(name, flags | os.O_CREAT | os.O_EXCL | O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dir_fd)
-
-
 def new_file_opener(path: str, flags: int) -> int:
     """An ``opener=`` for ``open(path, "wb", opener=...)``: the file is made new (:func:`create_new`)."""
     return create_new(path)
@@ -182,7 +103,7 @@ def new_file_opener(path: str, flags: int) -> int:
 def _open_write(path: str) -> int:
     """Local checkpoint file ``path`` opened for writing, emptied (:func:`~ucmagic._util.open_emptied`: never
     through a link at its name), through its folder's descriptor where the folder is held."""
-    dir_fd, name = _held(path)
+    dir_fd, name = held(path)
     return open_emptied(name, 0o666, dir_fd=dir_fd)
 
 
@@ -328,7 +249,7 @@ def file_crc(path: str) -> tuple[int, int]:
     if is_remote_url(path):
         data = read_bytes(path)
         return len(data), zlib.crc32(data)
-    dir_fd, name = _held(path)
+    dir_fd, name = held(path)
     fd = os.open(name, os.O_RDONLY | O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
     try:
         return _fd_crc(fd)
@@ -368,7 +289,7 @@ def upload_file(local: str, remote: str, *, verify: str = "size", delete: bool =
             return _upload_url(local, remote, verify, check)
         with no_link_written(remote):
             n, crc = _copy(local, remote, sync=True, check=check)
-        dir_fd, name = _held(remote)  # through the step folder's descriptor while the save holds it
+        dir_fd, name = held(remote)  # through the step folder's descriptor while the save holds it
         size = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_size
         if size != n:
             raise OSError(f"{remote} has {size} bytes after upload, expected {n}")
@@ -543,7 +464,7 @@ def remove_quietly(path: str) -> None:
         vol, rel = locate(path)
         vol.remove(rel, missing_ok=True)
         return
-    dir_fd, name = _held(path)
+    dir_fd, name = held(path)
     with contextlib.suppress(FileNotFoundError):
         os.unlink(name, dir_fd=dir_fd)
 

@@ -55,6 +55,7 @@ from .format import (
 )
 from .._util import is_remote_url, is_url
 from ..dist import dist_info
+from ..files.locks import hold_dir, release_dir
 from ..errors import CheckpointError, CheckpointExistsError, CheckpointSupersededError
 from ..units import parse_size
 
@@ -369,19 +370,19 @@ class UCVolumeWriter(FileSystemWriter):
 
     def _hold(self) -> None:
         """From here to the end of the save, this rank's files in the (local) directory are made through its
-        descriptor, opened once and checked (:func:`~ucmagic.checkpoints.transfer.hold_dir`): the directory
+        descriptor, opened once and checked (:func:`~ucmagic.files.locks.hold_dir`): the directory
         swapped for a link meanwhile cannot redirect them. Another user's, or one others may write to, is
         refused unless ``allow_shared_dest`` (on a network mount the service decides)."""
         path = os.fspath(self.path)
         if self._held != path:
             self._release()
-            xfer.hold_dir(path, shared_ok=self.allow_shared_dest)
+            hold_dir(path, shared_ok=self.allow_shared_dest, what="checkpoint directory")
             self._held = path
 
     def _release(self) -> None:
         held, self._held = self._held, None
         if held is not None:
-            xfer.release_dir(held)
+            release_dir(held)
 
     def _failed(self, exc: BaseException) -> None:
         """Note a failure in the record (readers say the save failed) and in the pending-at-exit future."""

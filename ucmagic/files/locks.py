@@ -18,7 +18,7 @@ import struct
 import threading
 from typing import Any, Iterator
 
-from .._util import LOCAL_DISK_FS, O_NOFOLLOW, mount_fs_type
+from .._util import LOCAL_DISK_FS, O_NOFOLLOW, atomic_write, mount_fs_type
 from ..errors import UnsafeDirectoryError
 
 try:
@@ -242,6 +242,105 @@ class CheckedDir:
     def fsync(self) -> None:
         with contextlib.suppress(OSError):
             os.fsync(self.fd)
+
+
+# ---------------------------------------------------------------- folders being written, by descriptor
+#
+# A local folder a job writes into for a while (a checkpoint save's step folder, a staging folder, a pack
+# destination, an export's parent) is held open as a CheckedDir for as long as the job writes there: the
+# writes that go through held() / create_new() / replace_held() / unlink_held() / write_atomically() use that
+# descriptor with no link followed, so the folder renamed or swapped for a link meanwhile (by someone who may
+# write above it) cannot redirect them. Elsewhere they fall back to the path (O_NOFOLLOW at the name).
+
+_HELD: dict[str, list[Any]] = {}  # folder (normalised path) -> [CheckedDir, holders]
+_HELD_MU = threading.Lock()
+
+
+def _forget_held() -> None:
+    global _HELD_MU
+    _HELD_MU = threading.Lock()
+    for d, _ in _HELD.values():
+        d.close()  # the child's copies of its parent's descriptors
+    _HELD.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_held)
+
+
+def hold_dir(path: str | os.PathLike[str], *, shared_ok: bool = True, sticky_ok: bool = False,
+             what: str = "folder", fix: str = "write to a folder of your own, or pass allow_shared_dest=True if you "
+                                              "trust everyone who can write there") -> None:
+    """Open the existing local folder ``path`` (a link of the user's own is followed to the folder it names,
+    another user's refused) as a :class:`CheckedDir` that the writes of this module's helpers into it use
+    until :func:`release_dir` (one hold per holder: calls nest). ``shared_ok=False``: the folder must also be
+    private enough (:meth:`CheckedDir.open`; ``sticky_ok`` as in :func:`dir_problem`); on a network or FUSE
+    mount the service decides who writes (accepted). A URL has no descriptor: not held."""
+    path = os.fspath(path)
+    if "://" in path:
+        return
+    key = os.path.normpath(path)
+    with _HELD_MU:
+        got = _HELD.get(key)
+        if got is not None:
+            got[1] += 1
+            return
+        target = key
+        if os.path.islink(key):
+            check_write_dest(key, allow_shared=True, what=what)  # another user's link: refused
+            target = os.path.realpath(key)  # the user's own link: the folder they mean
+        shared_ok = shared_ok or not shared_by_local_users(target)
+        _HELD[key] = [CheckedDir.open(target, shared_ok=shared_ok, sticky_ok=sticky_ok, what=what, fix=fix), 1]
+
+
+def release_dir(path: str | os.PathLike[str]) -> None:
+    """One holder of :func:`hold_dir` is done with ``path``; the last one closes its descriptor."""
+    key = os.path.normpath(os.fspath(path))
+    with _HELD_MU:
+        got = _HELD.get(key)
+        if got is None:
+            return
+        got[1] -= 1
+        if got[1] <= 0:
+            del _HELD[key]
+            got[0].close()
+
+
+def held(path: str) -> tuple[int | None, str]:
+    """``(folder descriptor, name)`` of local file ``path`` when its folder is held (:func:`hold_dir`), else
+    ``(None, path)``: pass them as ``os.open(name, ..., dir_fd=fd)``."""
+    if _HELD:
+        got = _HELD.get(os.path.normpath(os.path.dirname(path)))
+        if got is not None:
+            return got[0].fd, os.path.basename(path)
+    return None, path
+
+
+def create_new(path: str, mode: int = 0o600, *, flags: int = os.O_WRONLY) -> int:
+    """A new local file ``path`` open with ``flags``: ``O_EXCL``, never through a link, through its folder's
+    descriptor where the folder is held (:func:`hold_dir`)."""
+    dir_fd, name = held(path)
+    return os.open(name, flags | os.O_CREAT | os.O_EXCL | O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dir_fd)
+
+
+def replace_held(src: str, dst: str) -> None:
+    """Rename ``src`` over ``dst`` (both in one folder): through its descriptor where the folder is held."""
+    src_fd, src_name = held(src)
+    dst_fd, dst_name = held(dst)
+    os.replace(src_name, dst_name, src_dir_fd=src_fd, dst_dir_fd=dst_fd)
+
+
+def unlink_held(path: str) -> None:
+    """Remove the file ``path`` if present: through its folder's descriptor where the folder is held."""
+    dir_fd, name = held(path)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(name, dir_fd=dir_fd)
+
+
+def write_atomically(path: str, data: bytes, *, sync: bool = False, mode: int = 0o644) -> None:
+    """:func:`ucmagic._util.atomic_write` of ``path``, through its folder's descriptor where it is held."""
+    dir_fd, name = held(path)
+    atomic_write(name, data, sync=sync, mode=mode, dir_fd=dir_fd)
 
 
 def check_own_entries(folder: str, *, fix: str = "remove it") -> None:

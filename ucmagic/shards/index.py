@@ -26,7 +26,7 @@ from typing import IO, Any, Iterable, Iterator, Sequence, overload
 
 import numpy as np
 
-from .._util import atomic_write, gc_paused, is_integer
+from .._util import gc_paused, is_integer
 from ..errors import ShardFormatError
 from ..files.entries import is_safe_rel
 
@@ -339,8 +339,10 @@ def _checked_shard(s: Any, where: str) -> ShardInfo:
 
 def write_index(dest: str | os.PathLike[str], shards: Iterable[ShardInfo]) -> str:
     """Write ``<dest>/index.json`` atomically (readers see the old index or the new); return its path."""
+    from ..files.locks import write_atomically
+
     path = os.path.join(os.fspath(dest), INDEX_NAME)
-    atomic_write(path, dumps_index(shards), sync=True)
+    write_atomically(path, dumps_index(shards), sync=True)  # through the folder's descriptor while it is held
     return path
 
 
