@@ -501,3 +501,64 @@ def test_a_filter_over_files_runs_with_duckdb_external_access_off(tmp_path, fmt)
     (pacsv.write_csv if fmt == "csv" else pq.write_table)(t, path)
     assert len(load_table(str(path), filter="a >= 2")) == 2
     assert len(load_table(str(path), filter="current_setting('enable_external_access')")) == 0
+
+
+# ---------------------------------------------------------------- Delta add actions
+
+def test_fuzzed_delta_add_actions_read_nothing_outside_the_table_and_fail_by_name(tmp_path):
+    """Every field of a Delta log's ``add`` actions (path, size, partition values, stats, the deletion vector's
+    storage, path, offset, size and cardinality) mutated: ``load_table`` and ``ParquetDataset`` return the
+    table's rows or raise a ucmagic error, and never a row of a Parquet file outside the table."""
+    deltalake = pytest.importorskip("deltalake")
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    import delta_fixtures as fx
+    from ucmagic import ParquetDataset, load_table
+
+    secret = tmp_path / "home" / "secret.parquet"
+    secret.parent.mkdir()
+    pq.write_table(pa.table({"id": pa.array([666_001, 666_002], pa.int64())}), secret)
+    table = tmp_path / "t"
+    deltalake.write_deltalake(str(table), pa.table({"id": np.arange(0, 20, dtype=np.int64)}))
+    deltalake.write_deltalake(str(table), pa.table({"id": np.arange(20, 40, dtype=np.int64)}), mode="append")
+    adds = fx.live_adds(str(table))
+    fx.delete_rows(str(table), {adds[0]["path"]: [1, 2]}, storage="u")
+    os.symlink(secret, table / "linked.parquet")
+    logs = sorted(p for p in os.listdir(table / "_delta_log") if p.endswith(".json"))
+    pristine = {n: (table / "_delta_log" / n).read_text() for n in logs}
+    fields = ["path", "size", "partitionValues", "stats", "modificationTime", "dataChange", "dv.storageType",
+              "dv.pathOrInlineDv", "dv.offset", "dv.sizeInBytes", "dv.cardinality", "deletionVector"]
+    values = [None, -1, 0, 1 << 40, "x", "../home/secret.parquet", str(secret), "linked.parquet",
+              "file://" + str(secret), "%2E%2E/home/secret.parquet", {}, [], True, 1.5, "p", "i", "u"]
+
+    @settings(max_examples=examples(40, 400), deadline=None, database=None,
+              suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(field=st.sampled_from(fields), value=st.sampled_from(values), which=st.integers(0, 3))
+    def check(field, value, which):
+        for n, text in pristine.items():
+            (table / "_delta_log" / n).write_text(text)
+        version = fx.last_version(str(table)) if which % 2 else 1
+        acts = fx.read_actions(str(table), version)
+        add = [a["add"] for a in acts if "add" in a][which // 2 % max(1, sum("add" in a for a in acts))]
+        if field.startswith("dv."):
+            if not add.get("deletionVector"):
+                return
+            add["deletionVector"][field[3:]] = value
+        elif field == "deletionVector":
+            add["deletionVector"] = value
+        else:
+            add[field] = value
+        (table / "_delta_log" / os.path.basename(fx.log_path(str(table), version))).write_text(
+            "\n".join(json.dumps(a) for a in acts) + "\n")
+        for read in (lambda: load_table(str(table))["id"].tolist(),
+                     lambda: [int(x) for b in ParquetDataset(str(table), batch_size=8, cache=False)
+                              for x in b["id"]]):
+            try:
+                ids = read()
+            except UCMagicError:
+                continue
+            assert not {666_001, 666_002} & set(ids), "a row of a file outside the table was returned"
+
+    check()

@@ -24,6 +24,7 @@ from .sources import (DATA_EXTS, MANIFEST, Source, TableName, active_spark, arro
                       is_spark_dataframe, list_tables, looks_like_table_name, parse_table_name, read_manifest,
                       resolve_path_source, resolve_source, select_columns, table_path)
 from .spark_source import spark_dataframe
+from .table_io import TableFiles
 from ..units import format_size, parse_size
 
 
@@ -54,16 +55,19 @@ def estimate_memory(src: Source, columns: Sequence[str] | None, limit: int | Non
     if src.kind not in ("parquet", "delta") or src.remote:
         return None
     files = src.paths
+    root = src.root
     want = set(columns or [])
     if src.kind == "delta":
         snap = sources.delta_snapshot(src)
-        files = [f.path for f in snap.files]
+        files, root = [f.path for f in snap.files], snap.root
         if want and snap.mapping_mode != "none":  # the footers name columns physically
             want = {snap.fields.get(c, {}).get("metadata", {}).get("delta.columnMapping.physicalName", c)
                     for c in want}
     total = rows = 0
+    opener = TableFiles(root)  # footers read as the data will be: no link out of the table
     for f in files:
-        md = pq.read_metadata(f)
+        with opener.open(f) as fh:
+            md = pq.read_metadata(fh)
         rows += md.num_rows
         for g in range(md.num_row_groups):
             rg = md.row_group(g)
