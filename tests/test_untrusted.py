@@ -562,3 +562,38 @@ def test_fuzzed_delta_add_actions_read_nothing_outside_the_table_and_fail_by_nam
             assert not {666_001, 666_002} & set(ids), "a row of a file outside the table was returned"
 
     check()
+
+
+# ---------------------------------------------------------------- row indexes
+
+@pytest.mark.parametrize("field,value", [("lens", 1 << 30), ("lens", -7), ("rows", 10**9), ("stored", -1),
+                                         ("bits", None)])
+def test_a_damaged_row_index_is_built_again_never_read_out_of_range(tmp_path, field, value):
+    """The row index a filter= builds is kept in the cache (``row-index/*.npz``): one whose lengths or counts do
+    not fit its row groups is built again, and the rows are the filter's."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from ucmagic import ParquetDataset
+
+    path = tmp_path / "t.parquet"
+    pq.write_table(pa.table({"id": np.arange(100, dtype=np.int64)}), path, row_group_size=30)
+    cache = tmp_path / "cache"
+
+    def ids():
+        ds = ParquetDataset(str(path), filter="id % 3 = 0", batch_size=10, cache=True, cache_dir=str(cache))
+        return sorted(int(x) for b in ds for x in b["id"])
+
+    want = ids()
+    assert want == list(range(0, 100, 3))
+    index = next((cache / "row-index").iterdir())
+    with np.load(index) as z:
+        arrays = {k: z[k].copy() for k in z.files}
+    if value is None:
+        arrays[field] = arrays[field][:-1]
+    else:
+        arrays[field][0] = value
+    with open(index, "wb") as f:
+        np.savez(f, **arrays)
+    assert ids() == want
