@@ -55,7 +55,7 @@ from .format import (
 )
 from .._util import is_remote_url, is_url
 from ..dist import dist_info
-from ..files.locks import hold_dir, release_dir
+from ..files.locks import Holding
 from ..errors import CheckpointError, CheckpointExistsError, CheckpointSupersededError
 from ..units import parse_size
 
@@ -307,7 +307,10 @@ class UCVolumeWriter(FileSystemWriter):
         self.min_free = parse_size(min_free) or 0
         self.commit_info = dict(commit_info or {})
         self.allow_shared_dest = bool(allow_shared_dest)
-        self._held: str | None = None  # the local directory this save writes through its descriptor
+        # from its first write to its end, this rank's files in the (local) directory are made through its
+        # descriptor, opened once and checked (files.locks.hold_dir): the directory swapped for a link meanwhile
+        # cannot redirect them; another user's, or one others may write to, is refused unless allow_shared_dest
+        self._holding = Holding()
         self._begun: str | None = None  # the directory this save's record was written into
         self._coordinator = True
         self._pending: PendingSave | None = None
@@ -326,7 +329,6 @@ class UCVolumeWriter(FileSystemWriter):
         state["_pending"] = None
         state["_started"] = None
         state["_turn"] = None
-        state["_held"] = None  # the other process holds the directory itself
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -347,7 +349,7 @@ class UCVolumeWriter(FileSystemWriter):
         if not self.overwrite and self._checkpoint_present():
             return  # refused in prepare_local_plan, the way torch's writer does it
         xfer.makedirs(path)
-        self._hold()
+        self._holding.hold(path, shared_ok=self.allow_shared_dest, what="checkpoint directory")
         self.save_id = uuid.uuid4().hex  # fresh per save, also when a writer object is reused
         present = self._checkpoint_present()
         begin_save(path, self.save_id)
@@ -368,27 +370,11 @@ class UCVolumeWriter(FileSystemWriter):
         p = self._pending
         return p.cancel if p is not None and not p.fut.done() else threading.Event()
 
-    def _hold(self) -> None:
-        """From here to the end of the save, this rank's files in the (local) directory are made through its
-        descriptor, opened once and checked (:func:`~ucmagic.files.locks.hold_dir`): the directory
-        swapped for a link meanwhile cannot redirect them. Another user's, or one others may write to, is
-        refused unless ``allow_shared_dest`` (on a network mount the service decides)."""
-        path = os.fspath(self.path)
-        if self._held != path:
-            self._release()
-            hold_dir(path, shared_ok=self.allow_shared_dest, what="checkpoint directory")
-            self._held = path
-
-    def _release(self) -> None:
-        held, self._held = self._held, None
-        if held is not None:
-            release_dir(held)
-
     def _failed(self, exc: BaseException) -> None:
         """Note a failure in the record (readers say the save failed) and in the pending-at-exit future."""
         if self._begun is not None:
             mark_save_failed(self._begun, self.save_id, exc)
-        self._release()
+        self._holding.release()
         p = self._pending
         if p is not None and not p.fut.done():
             p.fut.set_exception(exc)
@@ -462,7 +448,7 @@ class UCVolumeWriter(FileSystemWriter):
                               f"{self.overwrite=}. Pass overwrite=False to UCVolumeWriter to raise instead.",
                               stacklevel=2)
             xfer.makedirs(os.fspath(self.path))
-            self._hold()
+            self._holding.hold(os.fspath(self.path), shared_ok=self.allow_shared_dest, what="checkpoint directory")
         except BaseException as e:  # noqa: BLE001 - re-raised as the ucmagic error it means
             raise self._fail(e) from None
         return plan
@@ -482,7 +468,7 @@ class UCVolumeWriter(FileSystemWriter):
             raise self._fail(e) from None
         p = self._pending
         if not self._coordinator:
-            self._release()  # this rank's part is written; the coordinator commits
+            self._holding.release()  # this rank's part is written; the coordinator commits
             if p is not None and not p.fut.done():
                 p.fut.set_result(os.fspath(self.path))  # this rank's part is durable
         return out
@@ -562,7 +548,7 @@ class UCVolumeWriter(FileSystemWriter):
             if self._begun is not None:  # not committed: every rank's shards are garbage now
                 self._remove_uncommitted(results, markers=not isinstance(e, CheckpointSupersededError))
             raise self._fail(e) from None
-        self._release()
+        self._holding.release()
         p = self._pending
         if p is not None and not p.fut.done():
             p.fut.set_result(os.fspath(self.path))

@@ -306,6 +306,28 @@ def release_dir(path: str | os.PathLike[str]) -> None:
             got[0].close()
 
 
+class Holding:
+    """One holder's hold of a folder (:func:`hold_dir`): moved to another folder, or released, at most once
+    each; picklable as "nothing held" (another process holds its own)."""
+
+    def __init__(self) -> None:
+        self.path: str | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"path": None}
+
+    def hold(self, path: str, **kw: Any) -> None:
+        if self.path != path:
+            self.release()
+            hold_dir(path, **kw)
+            self.path = path
+
+    def release(self) -> None:
+        path, self.path = self.path, None
+        if path is not None:
+            release_dir(path)
+
+
 def held(path: str) -> tuple[int | None, str]:
     """``(folder descriptor, name)`` of local file ``path`` when its folder is held (:func:`hold_dir`), else
     ``(None, path)``: pass them as ``os.open(name, ..., dir_fd=fd)``."""

@@ -166,7 +166,7 @@ class LocalVolume(Volume):
             return self.ranged_copy(rel, dest, expect)
         # the descriptors stay ours: the source's is checked when opened (open_local) and fstat-ed after the
         # copy (the one local copy loop: copy_fds)
-        fsrc = self.open_checked(rel)
+        fsrc = open_checked(self, rel)
         try:
             fdst = open_emptied(dest)
             try:
@@ -181,20 +181,10 @@ class LocalVolume(Volume):
         return n
 
     def range_reader(self, rel: str) -> ranged.RangeReader:
-        return FdReader(self._path(rel), fd=self.open_checked(rel))
-
-    @cached_property
-    def real_root(self) -> str:
-        """The root with every link in its own path resolved: what an opened file must lie under."""
-        return os.path.realpath(self.root)
-
-    def open_checked(self, rel: str) -> int:
-        """A read descriptor of ``rel``, checked as the listing checked it (:attr:`follow_symlinks`): under
-        ``"inside"`` the file actually opened must lie inside the root (:func:`open_beneath`), on every copy."""
-        return open_beneath(self.real_root, rel.replace(os.sep, "/"), self.follow_symlinks)
+        return FdReader(self._path(rel), fd=open_checked(self, rel))
 
     def open_local(self, rel: str) -> int | None:
-        return None if self.local_file(rel) is None else self.open_checked(rel)
+        return None if self.local_file(rel) is None else open_checked(self, rel)
 
     def _path(self, rel: str) -> str:
         return os.path.join(self.root, *rel.split("/")) if rel else self.root
@@ -217,7 +207,7 @@ class LocalVolume(Volume):
         local_put(self._target(rel), src=local_path)
 
     def read_bytes(self, rel: str) -> bytes:
-        with open(self.open_checked(rel), "rb") as f:
+        with open(open_checked(self, rel), "rb") as f:
             return f.read()
 
     def exists(self, rel: str) -> bool:
@@ -237,6 +227,15 @@ class LocalVolume(Volume):
 
     def list_names(self, rel: str) -> builtins.list[str]:
         return local_names(self._path(rel))
+
+
+def open_checked(vol: LocalVolume, rel: str) -> int:
+    """A read descriptor of ``rel`` of ``vol``, checked as the listing checked it (:attr:`Volume.follow_symlinks`):
+    under ``"inside"`` the file actually opened must lie inside the root (:func:`open_beneath`), on every copy."""
+    real_root = vol.__dict__.get("_real_root")
+    if real_root is None:  # the root with every link in its own path resolved: what an opened file lies under
+        real_root = vol.__dict__["_real_root"] = os.path.realpath(vol.root)
+    return open_beneath(real_root, rel, vol.follow_symlinks)
 
 
 def link_allowed(path: str, root: str, follow_symlinks: str) -> bool:

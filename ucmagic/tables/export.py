@@ -226,6 +226,32 @@ def _finish_staging(staging: str, export_id: str, rename: bool) -> list[str]:
     return sorted(out)
 
 
+def _publish_local(write: Any, staging: str, dest: str, export_id: str, mode: str, *,
+                   renumber: bool) -> tuple[list[str], int, int]:
+    """``write(staging)`` (the engine's files), then the staged files into ``dest``: swapped in whole
+    (:func:`swap_in`) or added beside its files (``mode="append"``); ``(files, rows, bytes)``. A failure on the way
+    removes the staging folder; the old version goes once the new one is in place."""
+    old = None
+    try:
+        write(staging)
+        if not os.path.isdir(staging):
+            os.makedirs(staging)
+        rels = _finish_staging(staging, export_id, rename=renumber)
+        rows, size = _count(staging, rels)
+        if mode == "error" and _non_empty(dest):
+            raise FileExistsError(f"{dest} was created by someone else during the export; nothing was changed")
+        if mode == "append":
+            _append_in(staging, rels, dest, export_id)
+        else:
+            old = swap_in(staging, dest)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    if old:
+        shutil.rmtree(old, ignore_errors=True)
+    return rels, rows, size
+
+
 def _append_in(staging: str, rels: list[str], dest: str, export_id: str) -> None:
     """Move the staged files into ``dest`` beside the files already there, all or nothing for ucmagic's
     readers: the journal naming them is written first and removed last (see :mod:`.journal`); a failure
@@ -518,27 +544,14 @@ def export_parquet(source: Any, dest: str | os.PathLike[str], *, target_file_siz
         staging = staging_path(dest, "staging", export_id)
         fd, name = held(staging)
         os.mkdir(name, 0o700, dir_fd=fd)
-        old = None
-        try:
+
+        def write(staging: str) -> None:
             if spark:
                 _write_spark(src, staging, target, cols, compression, filter)
             else:
                 _write_duckdb(src, staging, target, cols, memory_limit, threads, compression, filter)
-            if not os.path.isdir(staging):
-                os.makedirs(staging)
-            rels = _finish_staging(staging, export_id, rename=not spark)
-            rows, size = _count(staging, rels)
-            if mode == "error" and _non_empty(dest):
-                raise FileExistsError(f"{dest} was created by someone else during the export; nothing was changed")
-            if mode == "append":
-                _append_in(staging, rels, dest, export_id)
-            else:
-                old = swap_in(staging, dest)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
-        if old:
-            shutil.rmtree(old, ignore_errors=True)
+
+        rels, rows, size = _publish_local(write, staging, dest, export_id, mode, renumber=not spark)
     finally:
         release_dir(parent)
     files = [os.path.join(dest, r) for r in rels]
