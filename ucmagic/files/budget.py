@@ -237,8 +237,9 @@ class BudgetKeeper:
     def _hold(self, tmp: str) -> int:
         """Make the temp file ``tmp`` that holds a fill's room: new, under ``tmp/``, through the cache root's
         descriptor (never by path, never through a link); its descriptor, open for writing."""
-        return os.open("tmp/" + os.path.basename(tmp), os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_NOFOLLOW | os.O_CLOEXEC,
-                       0o600, dir_fd=self.layout.anchor())
+        name = "tmp/" + os.path.basename(tmp)
+        return self.layout.at_root(lambda root: os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_NOFOLLOW
+                                                        | os.O_CLOEXEC, 0o600, dir_fd=root))
 
     def _reserve_budget(self, size: int, tmp: str, may_exceed: Callable[[], bool] | None,
                         on_wait: Callable[[], None] | None) -> int:

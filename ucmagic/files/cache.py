@@ -262,13 +262,12 @@ class FileCache:
                 if path:
                     return path, False
                 name = entry_file(key, suffix, size, rel, space)
-                root = self.layout.anchor()
                 # without a budget the copy goes to an unnamed file (O_TMPFILE: a killed process leaves
                 # nothing), else (or where there is none) to the named temp file that holds the room
-                fd = _open_unnamed(root) if held < 0 else held
+                fd = _open_unnamed(self.layout) if held < 0 else held
                 if fd < 0:
                     tmp = self.layout.tmp_path(key, size, "part")
-                    fd = held = _create_tmp(root, tmp)
+                    fd = held = _create_tmp(self.layout, tmp)
                 part = f"/proc/self/fd/{fd}" if _PROC_FD else (tmp or "")
                 if progress is not None:
                     progress(lambda: _written(os.fstat(fd)))
@@ -433,12 +432,11 @@ def _mtime_quantum(layout: CacheLayout) -> int:
     """The step (ns) in which the file system of the cache keeps a file's mtime: a probe file under its
     ``tmp/`` is stamped with a time that has odd seconds and nanoseconds, and read back."""
     want = ((1 << STAMP_S_BITS) - 1) * 1_000_000_000 + 987_654_321  # odd seconds, as late as a stamp goes
-    root = layout.anchor()
-    fd = _open_unnamed(root)
+    fd = _open_unnamed(layout)
     path = None
     if fd < 0:
         path = os.path.join(layout.tmp, f"probe.{process_tag()}.{serial()}.0.part")
-        fd = _create_tmp(root, path)
+        fd = _create_tmp(layout, path)
     try:
         os.utime(fd, ns=(want, want))
         got = os.fstat(fd).st_mtime_ns
@@ -446,7 +444,7 @@ def _mtime_quantum(layout: CacheLayout) -> int:
         os.close(fd)
         if path is not None:
             with contextlib.suppress(OSError):
-                os.unlink(_tmp_rel(path), dir_fd=root)
+                os.unlink(_tmp_rel(path), dir_fd=layout.anchor())
     for q in _QUANTA:
         if got // q == want // q:
             return q
@@ -476,25 +474,23 @@ def _tmp_rel(tmp: str) -> str:
     return _TMP + "/" + os.path.basename(tmp)
 
 
-def _create_tmp(root: int, tmp: str) -> int:
+def _create_tmp(layout: CacheLayout, tmp: str) -> int:
     """Make the new temp file ``tmp`` (a :meth:`CacheLayout.tmp_path`) through the cache root's descriptor
-    ``root``: never one that exists, never through a link; its descriptor, open for writing."""
-    return os.open(_tmp_rel(tmp), os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_NOFOLLOW | os.O_CLOEXEC, 0o600,
-                   dir_fd=root)
+    (:meth:`CacheLayout.at_root`): never one that exists, never through a link; its descriptor, open for writing."""
+    name = _tmp_rel(tmp)
+    return layout.at_root(lambda root: os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_NOFOLLOW | os.O_CLOEXEC,
+                                               0o600, dir_fd=root))
 
 
-def _open_unnamed(root: int) -> int:
-    """A new unnamed file (``O_TMPFILE``) in ``tmp/`` of the cache root's descriptor ``root``, or -1 where
-    the file system has none."""
+def _open_unnamed(layout: CacheLayout) -> int:
+    """A new unnamed file (``O_TMPFILE``) in ``tmp/`` of the cache root, through its descriptor
+    (:meth:`CacheLayout.at_root`: ``tmp/`` or the directory removed by hand is made anew), or -1 where the file
+    system has none."""
     if not _unnamed["ok"]:
         return -1
     flags = os.O_TMPFILE | os.O_WRONLY | os.O_CLOEXEC
     try:
-        return os.open(_TMP, flags, 0o600, dir_fd=root)
-    except FileNotFoundError:  # tmp/ removed under us (a cleared cache directory)
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(_TMP, 0o700, dir_fd=root)
-        return os.open(_TMP, flags, 0o600, dir_fd=root)
+        return layout.at_root(lambda root: os.open(_TMP, flags, 0o600, dir_fd=root))
     except OSError as e:
         if e.errno in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
             _unnamed["ok"] = False  # e.g. a network file system: a named temp file instead

@@ -30,7 +30,7 @@ import re
 import shutil
 import threading
 import time
-from typing import Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence, TypeVar
 
 from ..errors import CacheDirError, UnsafeCacheError
 from .locks import CheckedDir, check_own_entries, file_lock, open_private, private_dir, process_tag, tag_alive
@@ -253,6 +253,7 @@ def serial() -> int:
 
 # ---------------------------------------------------------------- the directory
 
+_T = TypeVar("_T")
 _anchors: dict[str, CheckedDir] = {}  # cache root -> the root opened by this process
 _anchors_mu = threading.Lock()
 
@@ -327,6 +328,14 @@ class CacheLayout:
             if got is not None:  # the removed root's: fills holding it finish on the new one (anchor again)
                 got.close()
             return fresh.fd
+
+    def at_root(self, op: Callable[[int], _T]) -> _T:
+        """``op(root descriptor)``; where it finds nothing (``FileNotFoundError``: ``tmp/`` or the whole cache
+        directory removed by hand meanwhile), the directory is made anew, opened again and ``op`` retried once."""
+        try:
+            return op(self.anchor())
+        except FileNotFoundError:
+            return op(self.anchor(again=True))
 
     @contextlib.contextmanager
     def evicting(self, shared: bool = False) -> Iterator[None]:
