@@ -246,11 +246,11 @@ def test_an_entry_evicted_while_its_file_is_placed_is_made_again(tmp_path, monke
     real = cache_mod._make_dirs
     evicted: list[str] = []
 
-    def then_evicted(entries: str, name: str) -> None:
-        real(entries, name)
+    def then_evicted(root: int, rel: str) -> None:  # rel: files/<space>/d/x.bin under the root's descriptor
+        real(root, rel)
         if not evicted:  # another process evicts the folder's last file and removes the empty folders now
-            evicted.append(name)
-            shutil.rmtree(os.path.join(entries, name.split("/")[0]))
+            evicted.append(rel)
+            shutil.rmtree(os.path.join(c.root, *rel.split("/")[:2]))
 
     monkeypatch.setattr(cache_mod, "_make_dirs", then_evicted)
     got, fetched = c.fill(key, "", 4, writer(b"data"), rel="d/x.bin", space=SPACE)
@@ -328,8 +328,8 @@ def test_any_sequence_of_fills_and_removals_finds_each_version_with_its_own_byte
 def test_versions_are_told_apart_where_the_file_system_keeps_whole_seconds_only(tmp_path, monkeypatch):
     import ucmagic.files.cache as cache_mod
 
-    assert cache_mod._mtime_quantum(str(tmp_path)) == 1  # this disk keeps nanoseconds
     c = FileCache(str(tmp_path / "c"))
+    assert cache_mod._mtime_quantum(c.layout) == 1  # this disk keeps nanoseconds
     c.__dict__["_quantum"] = 10**9  # as a file system that keeps seconds would report
     path, data = _fill_version(c, "x.bin", 1)
     st_ = os.stat(path)

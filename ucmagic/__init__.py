@@ -80,6 +80,7 @@ _EXPORTS = {
     "CheckpointSupersededError": "errors",
     "CheckpointMismatchError": "errors",
     "UnsafeCheckpointError": "errors",
+    "CheckpointPathError": "errors",
     "CheckpointCredentialsError": "errors",
     "InvalidTableNameError": "errors",
     "TableNotFoundError": "errors",

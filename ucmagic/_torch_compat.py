@@ -88,6 +88,21 @@ def storage_location(storage_data: Any, index: Any) -> tuple[str, int, int]:
         raise _missing("reading this checkpoint's storage layout", MIN_TORCH) from None
 
 
+def storage_entry(info: Any) -> tuple[Any, Any, Any, Any] | None:
+    """``(relative_path, offset, length, transform_descriptors)`` of one DCP file-system storage entry exactly as
+    ``.metadata`` holds them (nothing coerced: they are checked by the reader), or None when ``info`` is not
+    torch's ``_StorageInfo`` (a damaged or hostile ``.metadata``)."""
+    from torch.distributed.checkpoint import filesystem as fsmod
+
+    cls = getattr(fsmod, "_StorageInfo", None)
+    if cls is None:
+        raise _missing("reading this checkpoint's storage layout", MIN_TORCH)
+    if not isinstance(info, cls):
+        return None
+    # a field pickled as None is left out of the pickle (_StorageInfo.__getstate__): missing reads as None
+    return tuple(getattr(info, f, None) for f in ("relative_path", "offset", "length", "transform_descriptors"))  # type: ignore[return-value]
+
+
 def install_filesystem(writer_or_reader: Any, fs: Any) -> None:
     """Route a FileSystemWriter/Reader's file I/O through ``fs`` (a ``FileSystem`` subclass instance)."""
     if not hasattr(writer_or_reader, "fs"):

@@ -137,15 +137,16 @@ COPY_BUFFER = 1 << 20
 FILL_BUFFER = 256 << 10  # a cache fill's reads: FUSE serves up to 128 KiB per request; a buffer per fill thread
 
 
-def open_emptied(path: str, mode: int = 0o600) -> int:
+def open_emptied(path: str, mode: int = 0o600, *, dir_fd: int | None = None) -> int:
     """A descriptor of ``path`` (made if missing) open for writing at offset 0, the file empty; one
     already empty is not truncated. On ext4 a truncated file starts its writeback when it is closed
     (``auto_da_alloc``): the cache's fills reopen an empty unnamed file, and an ``O_TRUNC`` there
     doubled the kernel time of each small file's copy (docs/benchmarks.md). A symbolic link at
     ``path`` is never followed (``O_NOFOLLOW``: the open fails), except ``/proc/self/fd/<n>``, which
-    names a descriptor of this process's own (the cache's unnamed fill files)."""
+    names a descriptor of this process's own (the cache's unnamed fill files). ``dir_fd``: ``path`` is a
+    name in that directory's descriptor (a checked folder: the write cannot be redirected by a rename)."""
     nofollow = 0 if path.startswith("/proc/self/fd/") else O_NOFOLLOW
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | nofollow, mode)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | nofollow, mode, dir_fd=dir_fd)
     try:
         if os.fstat(fd).st_size:
             os.ftruncate(fd, 0)
@@ -406,28 +407,30 @@ _tmp_counter = itertools.count()
 
 
 @contextlib.contextmanager
-def atomic_target(path: str, tmp: str | None = None) -> Iterator[str]:
+def atomic_target(path: str, tmp: str | None = None, *, dir_fd: int | None = None) -> Iterator[str]:
     """Yield a temp path beside ``path`` to write; rename it over ``path`` when the block succeeds.
 
     Readers see the old content or the new, never a part. ``tmp`` names the temp file (default
     ``<path>.tmp-<pid>-<n>-<random>``: not guessable by another user); it is removed when the block fails.
+    ``dir_fd``: ``path`` (and the temp name) are names in that directory's descriptor.
     """
     tmp = tmp or f"{path}.tmp-{os.getpid()}-{next(_tmp_counter)}-{os.urandom(6).hex()}"
     try:
         yield tmp
-        os.replace(tmp, path)
+        os.replace(tmp, path, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except BaseException:
         with contextlib.suppress(OSError):
-            os.unlink(tmp)
+            os.unlink(tmp, dir_fd=dir_fd)
         raise
 
 
-def atomic_write(path: str, data: bytes, *, tmp: str | None = None, sync: bool = False, mode: int = 0o644) -> None:
+def atomic_write(path: str, data: bytes, *, tmp: str | None = None, sync: bool = False, mode: int = 0o644,
+                 dir_fd: int | None = None) -> None:
     """Replace ``path`` with ``data`` atomically (see :func:`atomic_target`); ``sync=True`` fsyncs
     the temp file before the rename (durable across a crash). The temp file is made new (``O_EXCL``),
-    never through a symbolic link."""
-    with atomic_target(path, tmp) as part:
-        fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | O_NOFOLLOW, mode)
+    never through a symbolic link; ``dir_fd``: ``path`` is a name in that directory's descriptor."""
+    with atomic_target(path, tmp, dir_fd=dir_fd) as part:
+        fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | O_NOFOLLOW, mode, dir_fd=dir_fd)
         try:
             write_all(fd, data)
             if sync:

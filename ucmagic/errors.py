@@ -166,6 +166,12 @@ class UnsafeCheckpointError(CheckpointError, PermissionError):
     """The checkpoint holds a pickled object that a weights-only load refuses."""
 
 
+class CheckpointPathError(CheckpointCorruptError, UnsafeSourceError):
+    """A checkpoint's own files name a path outside the checkpoint folder (a ``.metadata`` storage entry with
+    ``..`` or an absolute path, a manifest name, a file that is a link out of the folder): refused before
+    anything is read or written."""
+
+
 class CheckpointCredentialsError(CheckpointError, PermissionError):
     """A checkpoint root on a store (``s3://...``) needs credentials that were not found."""
 

@@ -20,10 +20,10 @@ from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from ._util import O_NOFOLLOW, copy_local, path_under
+from ._util import O_NOFOLLOW, copy_fds, open_emptied, path_under
 from .errors import FetchError, StagingError, UnsafeDirectoryError
 from .files.fetch import with_retries
-from .files.locks import dir_problem, shared_by_local_users
+from .files.locks import dir_problem, parents_problem, shared_by_local_users
 from .progress import Progress
 from .units import format_size
 from .files.volume import FileEntry, Volume, copy_error, open_volume
@@ -198,6 +198,9 @@ class DestTree:
                                            f"{dest_problem(st, None, True) or 'not a directory'}") from exc
             raise
         problem = dest_problem(os.fstat(fd), os.getuid() if hasattr(os, "getuid") else None, self.allow_shared)
+        if problem is None and parent is None and not self.allow_shared:  # the root: and the folders above it
+            found = parents_problem(path)
+            problem = None if found is None else f"the folder above it {found[0]} is not safe ({found[1]})"
         if problem is not None:
             os.close(fd)
             raise UnsafeDirectoryError(f"stage will not write into {path}: {problem}; pick a destination of "
@@ -269,17 +272,21 @@ def sweep_temp_files(tree: DestTree, rel_dirs: set[str]) -> int:
     return n
 
 
-def copy_file(src: str, dest: str) -> int:
-    """Copy a local or mounted file with plain reads (:func:`ucmagic._util.copy_local`); return bytes."""
-    return copy_local(src, dest)[0]
-
-
 def fetch_to(vol: Volume, rel: str, dest: str) -> int:
-    """Copy ``rel`` of ``vol`` to the local path ``dest`` (plain reads where the volume's files are local paths)."""
-    src = vol.local_file(rel)
-    if src is not None:
-        return copy_file(src, dest)
-    return vol.copy_to(rel, dest)
+    """Copy ``rel`` of ``vol`` to the local path ``dest`` (plain reads where the volume's files are local paths,
+    from a descriptor the volume checked when it opened it: a file swapped for a link out of the tree after
+    the listing is refused, :class:`~ucmagic.errors.UnsafeSourceError`)."""
+    fsrc = vol.open_local(rel)
+    if fsrc is None:
+        return vol.copy_to(rel, dest)
+    try:
+        fdst = open_emptied(dest, 0o666)
+        try:
+            return copy_fds(fsrc, fdst)[0]
+        finally:
+            os.close(fdst)
+    finally:
+        os.close(fsrc)
 
 
 def source_mode(vol: Volume, rel: str) -> int | None:

@@ -21,6 +21,7 @@ from .exit import track_pending_save
 from .reader import UCVolumeReader
 from .writer import UCVolumeWriter
 from ..dist import barrier, dist_info
+from ..files.locks import hold_dir, release_dir
 from ..errors import (CheckpointCorruptError, CheckpointError, CheckpointExistsError, CheckpointInProgressError,
                       CheckpointMismatchError, CheckpointNotCommittedError, CheckpointUploadError, NoCheckpointError,
                       UnsafeCheckpointError)
@@ -63,11 +64,18 @@ def _save_single(path: str, state: dict[str, Any], info: dict[str, Any], writer_
     save_id = str(uuid.uuid4())
     staging = xfer.make_staging_dir(writer_kw.get("staging_dir"), f"single-{save_id}")
     local = os.path.join(staging, SINGLE_FILE_NAME)
+    held = False
     try:
-        torch.save(state, local)
+        with open(local, "wb", opener=xfer.new_file_opener) as f:  # new, by the staging folder's descriptor
+            torch.save(state, f)
+        hold_dir(path, shared_ok=bool(writer_kw.get("allow_shared_dest", False)),  # written by its descriptor
+                 what="checkpoint directory")
+        held = True
         begin_save(path, save_id)  # readers refuse from here on; an older save of this step is un-committed
     except BaseException as e:
         xfer.release_staging_dir(staging)
+        if held:
+            release_dir(path)
         if isinstance(e, OSError) and not isinstance(e, CheckpointError):
             raise xfer.destination_error(e, path) from None
         raise
@@ -85,6 +93,7 @@ def _save_single(path: str, state: dict[str, Any], info: dict[str, Any], writer_
             commit_save(path, save_id, marker)  # only if no newer save of this step began meanwhile
         finally:
             xfer.release_staging_dir(staging)
+            release_dir(path)
 
     if not async_:
         upload()
@@ -106,13 +115,16 @@ def save_checkpoint(root: str | os.PathLike[str], *, model: Any, optimizer: Any 
     state is copied; it resolves to the checkpoint path once the checkpoint is durable, committed
     and retention has run, and raises upload errors. ``keep=N`` keeps the N highest committed steps.
     ``single_file=True``: rank 0 writes one ``torch.save`` file (small models). Other keyword
-    arguments go to :class:`UCVolumeWriter`. Returns the checkpoint directory (or the Future).
+    arguments go to :class:`UCVolumeWriter`. A local ``root`` another user owns or may write to (or below a
+    folder another user may write to) is refused (``UnsafeDirectoryError``) unless ``allow_shared_dest=True``.
+    Returns the checkpoint directory (or the Future).
     """
     name = step_dirname(step)
     to_delete([], keep, step)  # validates keep before anything is written
     info = {"step": step, "extra": extra}
     make_commit(kind=FORMAT_SINGLE, save_id="", files={}, info=info)  # validates extra is JSON-able
-    root_path = checkpoint_root(root, create=True, storage_options=writer_kw.get("storage_options"))
+    root_path = checkpoint_root(root, create=True, storage_options=writer_kw.get("storage_options"),
+                                allow_shared=bool(writer_kw.get("allow_shared_dest", False)))
     path = os.path.join(root_path, name)
 
     def finish() -> str:
@@ -232,4 +244,5 @@ def load_checkpoint(root: str | os.PathLike[str], step: int | str = "latest", *,
         load_single(path, commit, model, optimizer, map_location, reader_kw)
     else:
         load_dcp(path, model, optimizer, reader_kw)
-    return int(commit.get("step", chosen)), commit.get("extra")
+    step_saved = commit.get("step")  # an int or None: parse_commit checked it
+    return (chosen if step_saved is None else int(step_saved)), commit.get("extra")

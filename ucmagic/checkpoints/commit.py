@@ -16,6 +16,7 @@ import contextlib
 import json
 import os
 import socket
+import stat as stat_mod
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -29,6 +30,7 @@ from .format import (
     METADATA_NAME,
     SAVING_NAME,
     in_progress_message,
+    parse_step_dirname,
     is_committed_by,
     make_saving_record,
     not_committed,
@@ -230,8 +232,12 @@ def _record_age(path: str, record: Mapping[str, Any], now: float) -> float:
 
 def reclaim_dir(path: str) -> None:
     """Remove the uncommitted checkpoint directory ``path``: ``.metadata`` first, the record last, so that
-    an interrupted removal still leaves a directory that is refused (never one that looks complete)."""
+    an interrupted removal still leaves a directory that is refused (never one that looks complete). An empty
+    folder is removed only while it is empty (``rmdir``: a save that wrote into it meanwhile keeps it)."""
     names = xfer.list_names(path)
+    if not names and not is_remote_url(path):
+        os.rmdir(path)
+        return
     first = [n for n in names if n == METADATA_NAME]
     rest = [n for n in names if n not in (METADATA_NAME, SAVING_NAME)]
     for name in first + rest:
@@ -247,7 +253,8 @@ def reclaim_dir(path: str) -> None:
 def abandoned_dirs(root: str, *, force: bool = False, now: float | None = None) -> list[str]:
     """The directories under checkpoint root ``root`` (a local path or URL) holding a save that will never
     commit: its record's owner on this host is gone (or, with ``force`` or after :data:`ABANDONED_AFTER_S`,
-    one that cannot be checked). Committed checkpoints and running saves are never among them."""
+    one that cannot be checked), or an empty ``step_<N>`` folder a save killed before its first write left
+    (:data:`EMPTY_AFTER_S` old, or with ``force``). Committed checkpoints and running saves are never among them."""
     now = time.time() if now is None else now
     host = socket.gethostname()
 
@@ -259,7 +266,9 @@ def abandoned_dirs(root: str, *, force: bool = False, now: float | None = None) 
             record = read_saving_record(d)
         except (OSError, CheckpointError):
             return None
-        if record is None or _committed_by(d, record):
+        if record is None:  # a save killed between making step_<N> and writing its record leaves it empty
+            return d if _empty_step_dir(d, name, now, force) else None
+        if _committed_by(d, record):
             return None
         state = owner_state(record, host=host, alive=tag_alive)
         return d if reclaimable(record, state=state, age_s=_record_age(d, record, now), force=force) else None
@@ -269,6 +278,21 @@ def abandoned_dirs(root: str, *, force: bool = False, now: float | None = None) 
         return []
     with ThreadPoolExecutor(max_workers=min(16, len(names))) as pool:
         return sorted(d for d in pool.map(check, names) if d is not None)
+
+
+EMPTY_AFTER_S = 60.0  # an empty step_<N> folder this old is a killed save's (a save writes its record at once)
+
+
+def _empty_step_dir(path: str, name: str, now: float, force: bool) -> bool:
+    """Whether ``path`` is an empty ``step_<N>`` folder (ucmagic's name) made at least :data:`EMPTY_AFTER_S` ago
+    (``force``: at once): what a save killed before its first write leaves. A store has no empty folders."""
+    if is_remote_url(path) or parse_step_dirname(name) is None:
+        return False
+    try:
+        st = os.lstat(path)
+        return stat_mod.S_ISDIR(st.st_mode) and not os.listdir(path) and (force or now - st.st_mtime >= EMPTY_AFTER_S)
+    except OSError:
+        return False
 
 
 def _committed_by(path: str, record: Mapping[str, Any]) -> bool:

@@ -16,11 +16,14 @@ no ucmagic file at all, *foreign* (written by torch's ``FileSystemWriter`` or an
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
+from .._util import is_integer
+from ..files.entries import is_safe_rel
 from ..errors import (  # noqa: F401 - re-exported: checkpoint errors were defined here before
     CheckpointCorruptError,
     CheckpointError,
@@ -117,6 +120,16 @@ def looks_like_torch_save(head: bytes) -> bool:
     return head.startswith(b"PK\x03\x04") or head[:1] == b"\x80"
 
 
+ZIP_TAIL = (1 << 16) + 22  # the zip's end-of-central-directory record lies within this many bytes of its end
+
+
+def torn_torch_save(head: bytes, tail: bytes) -> bool:
+    """True when a ``torch.save`` archive (``head``: its first bytes; ``tail``: its last :data:`ZIP_TAIL` bytes)
+    lacks the end of its zip directory: a save cut short (killed, or a full disk), which ``torch.load``
+    refuses with a raw zip error. A legacy pickle cannot be told: False."""
+    return head.startswith(b"PK\x03\x04") and b"PK\x05\x06" not in tail
+
+
 def sort_infos(infos: Iterable[CheckpointInfo]) -> list[CheckpointInfo]:
     """Oldest step first; entries without a step last, by path."""
     return sorted(infos, key=lambda i: (i.step is None, i.step or 0, not i.kind.startswith("ucmagic"), i.path))
@@ -174,9 +187,19 @@ def parse_commit(data: bytes, where: str) -> dict[str, Any]:
     """Validate a commit marker's bytes; raise :class:`CheckpointNotCommittedError` when torn or foreign."""
     try:
         body = json.loads(data.decode())
-        files = {str(k): FileRecord(int(v["size"]), int(v["crc32"])) for k, v in body["files"].items()}
+        files = {k: FileRecord(v["size"], v["crc32"]) for k, v in body["files"].items()}
+        bad = next((f"the file {k!r} ({r})" for k, r in files.items() if not is_safe_rel(k) or "/" in k
+                    or not (is_integer(r.size) and is_integer(r.crc32) and r.size >= 0 and 0 <= r.crc32 < 1 << 32)),
+                   None)
+        if bad is not None:  # read from a file someone may have written: names stay in the folder, sizes real
+            raise ValueError(f"it lists {bad}")
         if body["format"] not in (FORMAT_DCP, FORMAT_SINGLE) or not isinstance(body["save_id"], str):
             raise ValueError("unknown format")
+        if not _is_real(body["time"]) or not (is_integer(body["bytes"]) and body["bytes"] >= 0) \
+                or not (body.get("step") is None or (is_integer(body["step"]) and body["step"] >= 0)):
+            raise ValueError("its time, bytes or step is not a number")
+        if not is_integer(body["version"]):
+            raise ValueError("its version is not a number")
         if int(body["version"]) > FORMAT_VERSION:
             raise CheckpointError(
                 f"{where} was written by a newer ucmagic (format version {body['version']}); "
@@ -190,6 +213,11 @@ def parse_commit(data: bytes, where: str) -> dict[str, Any]:
     body["files"] = files
     out: dict[str, Any] = body
     return out
+
+
+def _is_real(value: Any) -> bool:
+    """A finite int or float, never a bool."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def not_committed(path: str) -> CheckpointNotCommittedError:
@@ -268,6 +296,22 @@ def missing_or_short(needed: Mapping[str, int], sizes: Mapping[str, int | None])
         elif size < needed[name]:
             out.append(f"{name} has {size} bytes but .metadata references {needed[name]}")
     return out
+
+
+def storage_problem(name: Any, offset: Any, length: Any, size: int | None) -> str | None:
+    """Why a DCP storage entry read from ``.metadata`` (``length`` bytes at ``offset`` of file ``name``) may not
+    be read from a file of ``size`` bytes (None: missing), else None. ``name`` must be a plain relative path
+    (no ``..``, ``.``, empty part, absolute start or NUL: it stays inside the checkpoint folder), ``offset``
+    and ``length`` non-negative integers whose end lies within the file."""
+    if not isinstance(name, str) or not is_safe_rel(name):
+        return f"names the file {name!r}, outside the checkpoint folder"
+    if not is_integer(offset) or not is_integer(length) or offset < 0 or length < 0:
+        return f"gives {name} the byte range offset={offset!r} length={length!r}, not two non-negative integers"
+    if size is None:
+        return f"{name} is missing"
+    if offset + length > size:
+        return f"{name} has {size} bytes but .metadata references {offset + length}"
+    return None
 
 
 def split_buckets(n: int, items: list[Any], size_of: Any, *, is_bytes: Any) -> list[list[Any]]:

@@ -16,7 +16,7 @@ import pickle
 import threading
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future as CFuture
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -37,9 +37,9 @@ from .format import (
     FileRecord,
     check_record,
     is_committed_by,
-    missing_or_short,
     not_committed,
     parse_commit,
+    storage_problem,
 )
 from .unpickle import WeightsOnlyPlanner, load_metadata
 from .urlfs import CheckpointFileSystem
@@ -49,6 +49,7 @@ from ..errors import (
     CheckpointError,
     CheckpointInProgressError,
     CheckpointOverwrittenError,
+    CheckpointPathError,
     SourceNotFoundError,
 )
 from ..units import parse_size
@@ -65,20 +66,39 @@ def _log_foreign_once(path: str) -> None:
                  "its .metadata and every file it references are present, loading it without checksums", path)
 
 
-def _needed_lengths(metadata: Metadata) -> dict[str, int]:
-    """The bytes each file that ``metadata`` names must hold (the end of its last item)."""
-    needed: dict[str, int] = {}
-    for index in (metadata.storage_data or {}):
-        name, offset, length = compat.storage_location(metadata.storage_data, index)
-        needed[name] = max(needed.get(name, 0), offset + length)
-    return needed
-
-
-def _size_or_none(path: str) -> int | None:
-    try:
-        return xfer.stat_file(path)[0]
-    except FileNotFoundError:
-        return None
+def check_storage(metadata: Metadata, where: str, sizes: Callable[[str], int | None]) -> None:
+    """Every storage entry of ``metadata`` (read from a file someone else may have written) names a file inside
+    the checkpoint folder ``where`` with a byte range inside that file (``sizes(name)``: its size, None when
+    missing), before any byte is read, written or allocated for it; else :class:`CheckpointPathError` (a path
+    out of the folder) or :class:`CheckpointCorruptError` naming the entry."""
+    entries: dict[str, list[tuple[Any, Any, Any]]] = {}
+    for index, info in metadata.storage_data.items():
+        entry = compat.storage_entry(info)
+        if entry is None:
+            raise CheckpointCorruptError(f"{where}: {METADATA_NAME} gives {getattr(index, 'fqn', index)!r} the storage "
+                                         f"entry {info!r}, not a file range; the checkpoint is damaged")
+        name, offset, length, descriptors = entry
+        if descriptors is not None and not (isinstance(descriptors, (list, tuple))
+                                            and all(isinstance(d, str) for d in descriptors)):
+            raise CheckpointCorruptError(f"{where}: {METADATA_NAME} gives {getattr(index, 'fqn', index)!r} the "
+                                         f"transforms {descriptors!r}; the checkpoint is damaged")
+        problem = storage_problem(name, offset, length, 0)
+        if problem is not None and "outside" in problem:
+            raise CheckpointPathError(f"{where}: {METADATA_NAME} {problem}; nothing was read or written (a "
+                                      "checkpoint someone else wrote?)")
+        entries.setdefault(name, []).append((getattr(index, "fqn", index), offset, length))
+    problems = []
+    for name, ranges in sorted(entries.items()):
+        size = sizes(name)
+        for fqn, offset, length in ranges:
+            problem = storage_problem(name, offset, length, size)
+            if problem is not None:
+                problems.append(problem if size is None or "references" in problem else f"{fqn!r} {problem}")
+                break
+    if problems:
+        raise CheckpointCorruptError(f"{where} is not a complete checkpoint: {'; '.join(problems[:5])}; its save did "
+                                     "not finish, files were removed, or its .metadata is damaged: save it again or "
+                                     "load another")
 
 
 def _stamp(path: str) -> tuple[int, int, int]:
@@ -91,8 +111,10 @@ def _stamp(path: str) -> tuple[int, int, int]:
 
 
 def _set_load_id(metadata: Metadata, load_id: str) -> None:
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
     meta = getattr(metadata, "storage_meta", None)  # None in metadata written before torch had it
-    if meta is not None:
+    if isinstance(meta, StorageMeta):
         meta.load_id = load_id
 
 
@@ -149,13 +171,13 @@ class _DownloadedFileSystem(CheckpointFileSystem):
 
     @contextlib.contextmanager
     def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[io.IOBase]:
-        name = os.path.basename(os.fspath(path))
+        key = os.fspath(path)  # the path torch joined from a storage entry: the download of that entry's file
         session = self.session
-        if session is None or "r" not in mode or name not in session.downloads:
+        if session is None or "r" not in mode or key not in session.downloads:
             with super().create_stream(path, mode) as s:
                 yield s
             return
-        got = session.downloads[name].result()
+        got = session.downloads[key].result()
         if isinstance(got, bytes):
             try:
                 yield io.BytesIO(got)  # shares the bytes, no copy
@@ -270,11 +292,7 @@ class UCVolumeReader(FileSystemReader):
         except (pickle.UnpicklingError, EOFError, ValueError, AttributeError, ImportError, IndexError) as e:
             raise CheckpointCorruptError(f"{path}: {METADATA_NAME} cannot be read ({type(e).__name__}: {e}); the "
                                          "checkpoint is damaged or unfinished: save it again") from None
-        needed = _needed_lengths(metadata)
-        problems = missing_or_short(needed, {name: _size_or_none(os.path.join(path, name)) for name in needed})
-        if problems:
-            raise CheckpointCorruptError(f"{path} is not a complete checkpoint: {'; '.join(problems[:5])}; its save "
-                                         "did not finish or files were removed: save it again or load another")
+        del metadata  # its entries were checked against the files there (check_storage)
         self._foreign_stamp = stamp
         _log_foreign_once(path)
 
@@ -352,6 +370,11 @@ class UCVolumeReader(FileSystemReader):
                 None, self.commit["save_id"]):
             raise CheckpointCorruptError(f"{path}: {METADATA_NAME} belongs to another save than the commit "
                                          "marker; re-save this checkpoint")
+        if self.commit is not None:
+            records = self.commit["files"]
+            check_storage(metadata, path, lambda name: records[name].size if name in records else None)
+        else:  # a foreign checkpoint: against the files there, opened as they will be read (no link out)
+            check_storage(metadata, path, lambda name: xfer.source_size(path, name))
         _set_load_id(metadata, self.load_id)
         self._metadata = (path, metadata)
         return metadata
@@ -413,15 +436,15 @@ class UCVolumeReader(FileSystemReader):
         if need:
             xfer.check_free_space(session.staging, need, self.min_free)
         ticket = 0
-        for name in names:  # same order torch reads them in, so the first file arrives first
+        for i, name in enumerate(names):  # same order torch reads them in, so the first file arrives first
             fut: CFuture[bytes | str]
             if name in in_memory:
                 fut = session.pool.submit(self._fetch, session, ticket, name, expected[name])
                 ticket += 1
-            else:
-                fut = session.pool.submit(self._download, name, os.path.join(session.staging, name),
+            else:  # staged under a name of its own: no name read from .metadata becomes a local path
+                fut = session.pool.submit(self._download, name, os.path.join(session.staging, f"{i:06d}.part"),
                                           expected.get(name))
-            session.downloads[name] = fut
+            session.downloads[os.fspath(self.fs.concat_path(self.path, name))] = fut
 
     def _fetch(self, session: _DownloadSession, ticket: int, name: str, rec: FileRecord) -> bytes:
         path = os.fspath(self.path)

@@ -6,12 +6,13 @@ import os
 import pickle
 from typing import Any
 
-from .._util import is_remote_url
+from .._util import error_line, is_remote_url
 from .format import SINGLE_FILE_NAME, describe_keys, key_mismatch, shape_mismatch
 from .reader import UCVolumeReader
 from .unpickle import unsafe_reason
 from ..dist import all_gather_ints, dist_info
-from ..errors import CheckpointError, CheckpointMismatchError, UnsafeCheckpointError
+from ..errors import (CheckpointCorruptError, CheckpointError, CheckpointMismatchError, UCMagicError,
+                      UnsafeCheckpointError)
 from .torch_state import dcp_state, model_device, quiet_dcp, unwrapping
 
 
@@ -111,6 +112,12 @@ def load_torch_file(path: str, model: Any, optimizer: Any, map_location: Any,
         raise UnsafeCheckpointError(f"{path} holds objects that are not plain tensors and containers "
                                     f"({unsafe_reason(exc)}); it was not loaded. Only load checkpoints you trust"
                                     ) from None
+    except (RuntimeError, EOFError) as exc:  # torch's zip reader on a file cut short ("PytorchStreamReader ...")
+        if isinstance(exc, RuntimeError) and "PytorchStreamReader" not in str(exc) and "zip" not in str(exc):
+            raise
+        raise CheckpointCorruptError(f"{path} is not a complete torch.save file ({error_line(exc)}): a save that "
+                                     "was killed or ran out of space; nothing was loaded. Load another checkpoint or "
+                                     "save it again") from None
     _restore_from_dict(path, state, model, optimizer)
 
 
@@ -118,7 +125,7 @@ def load_dcp(path: str, model: Any, optimizer: Any, reader_kw: dict[str, Any]) -
     """Load into a staging copy of the state; apply it to ``model`` (and ``optimizer``) only once every rank
     has read its part whole and verified (a damaged, missing or mismatched file changes nothing)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_state_dict
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     reader = UCVolumeReader(path, **reader_kw)
     fresh_optimizer = optimizer is not None and not optimizer.state  # get_state_dict fills in its state
@@ -144,7 +151,7 @@ def load_dcp(path: str, model: Any, optimizer: Any, reader_kw: dict[str, Any]) -
             with unwrapping(), quiet_dcp():
                 dcp.load(staged, storage_reader=reader)
         except BaseException as e:  # noqa: BLE001 - raised below, once every rank has given its verdict
-            failure = e
+            failure = _named(path, e)
         _agree(path, failure)
     except BaseException:
         if fresh_optimizer:
@@ -160,13 +167,31 @@ def load_dcp(path: str, model: Any, optimizer: Any, reader_kw: dict[str, Any]) -
             # get_state_dict made for them (every torch version loads that), and lose it right after
             stateless = [k for k in fresh if k not in optim_state["state"]]
             optim_state["state"] = {**{k: fresh[k] for k in stateless}, **optim_state["state"]}
-    set_state_dict(model, [] if optimizer is None else optimizer,
-                   model_state_dict=staged["model"] if nested else staged, optim_state_dict=optim_state)
+    try:  # the optimizer first: torch refuses a state that does not fit it before changing anything
+        if optimizer is not None:
+            set_optimizer_state_dict(model, optimizer, optim_state_dict=optim_state)
+        set_model_state_dict(model, staged["model"] if nested else staged)  # keys and shapes checked above
+    except Exception as e:
+        if fresh_optimizer:
+            optimizer.state.clear()
+        raise _named(path, e) from e
     if stateless:  # as they were saved (and as torch.save keeps them): no state
         params = dict(model.named_parameters())
         for fqn in stateless:
             if fqn in params:
                 optimizer.state.pop(params[fqn], None)
+
+
+def _named(path: str, exc: BaseException) -> BaseException:
+    """A load's failure as a ucmagic error: torch's own (its planner or reader refusing what ``.metadata`` says,
+    a tensor that does not fit) becomes :class:`CheckpointCorruptError` naming it, its traceback kept as the
+    cause; ucmagic's errors and Ctrl-C pass through."""
+    if isinstance(exc, (UCMagicError, KeyboardInterrupt, SystemExit, GeneratorExit)):
+        return exc  # (torch's CheckpointException is a BaseException: it is named below)
+    named = CheckpointCorruptError(f"{path} cannot be loaded: {error_line(exc)}; the checkpoint is damaged, or was "
+                                   "not saved from this model and optimizer: save it again or load another step")
+    named.__cause__ = exc
+    return named
 
 
 def _staging_copy(state: Any) -> Any:

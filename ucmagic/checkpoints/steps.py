@@ -10,9 +10,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ParamSpec, TypeVar
 
 from .._util import is_remote_url
-from .format import (COMMIT_NAME, KIND_DCP, KIND_TORCH_SAVE, METADATA_NAME, SAVING_NAME, CheckpointInfo, foreign_step,
-                     is_torch_save_name, looks_like_torch_save, parse_step_dirname, pick_latest, pick_step, sort_infos,
-                     step_dirname, to_delete)
+from .format import (COMMIT_NAME, KIND_DCP, KIND_TORCH_SAVE, METADATA_NAME, SAVING_NAME, ZIP_TAIL, CheckpointInfo,
+                     foreign_step, is_torch_save_name, looks_like_torch_save, parse_step_dirname, pick_latest,
+                     pick_step, sort_infos, step_dirname, to_delete, torn_torch_save)
 from .commit import read_commit, volume_dir
 from ..errors import (CheckpointCredentialsError, CheckpointError, CheckpointInProgressError, NoCheckpointError,
                       SourceNotFoundError)
@@ -69,7 +69,13 @@ def naming_credentials(fn: Callable[_P, _R]) -> Callable[_P, _R]:
 # ---------------------------------------------------------------- listing and retention
 
 def checkpoint_root(root: str | os.PathLike[str], *, create: bool = False,
-          storage_options: dict[str, Any] | None = None) -> str:
+                    storage_options: dict[str, Any] | None = None, allow_shared: bool = False) -> str:
+    """The checkpoint root ``root`` names (local, ``/Volumes/...`` resolved, or a URL). ``create`` (a save):
+    made where missing, and a local root another user owns or may write to, or below a folder another user
+    may write to, is refused by name (:class:`~ucmagic.errors.UnsafeDirectoryError`: they could swap a step
+    folder for a link to theirs while the save writes) unless ``allow_shared``; on a network mount the
+    service decides who writes."""
+    from ..files.locks import check_write_dest
     from ..files.volume import missing_path_hint
 
     from . import transfer as xfer
@@ -82,6 +88,9 @@ def checkpoint_root(root: str | os.PathLike[str], *, create: bool = False,
         raise SourceNotFoundError(f"checkpoint root {path}: nothing is stored there; check the URL and the "
                                   "credentials (storage_options=), or save a checkpoint there first")
     if os.path.isdir(path):
+        if create:
+            xfer.check_destination(path)  # a read-only or unwritable root says so first
+            check_write_dest(path, allow_shared=allow_shared, what="checkpoint root")
         return path
     if os.path.exists(path):
         raise CheckpointError(f"checkpoint root {os.fspath(root)} is a file; pass the directory that holds step_<N>/")
@@ -89,9 +98,10 @@ def checkpoint_root(root: str | os.PathLike[str], *, create: bool = False,
         xfer.check_destination(path)
     if create and os.path.isdir(os.path.dirname(path)):
         try:
-            os.makedirs(path, exist_ok=True)
+            os.makedirs(path, mode=0o755, exist_ok=True)
         except OSError as e:
             raise xfer.destination_error(e, path) from None
+        check_write_dest(path, allow_shared=allow_shared, what="checkpoint root")
         return path
     what = "its parent directory does not exist" if create else "it does not exist"
     raise SourceNotFoundError(f"checkpoint root {os.fspath(root)}: {what}; {missing_path_hint(os.fspath(root))}")
@@ -114,14 +124,22 @@ def foreign_dcp(path: str, name: str) -> CheckpointInfo | None:
 
 
 def _torch_save_file(path: str, name: str) -> CheckpointInfo | None:
+    """A ``torch.save`` file (Lightning's ``epoch=4-step=200.ckpt``...) as a checkpoint, checked before it can
+    be chosen: one cut short (its zip directory missing) is left out with a warning naming it, never "latest"."""
     from . import transfer as xfer
 
     try:
         head = xfer.read_head(path, 4)
         size, mtime = xfer.stat_file(path)
+        torn = looks_like_torch_save(head) and torn_torch_save(head, xfer.read_tail(path, ZIP_TAIL))
     except OSError:
         return None
     if not looks_like_torch_save(head):
+        return None
+    if torn:
+        warnings.warn(f"ucmagic: {path} is not a complete torch.save file (the end of its zip archive is missing: "
+                      "a save that was killed or ran out of space); it is left out of the checkpoints and never "
+                      "'latest'. Save it again, or remove it", stacklevel=2)
         return None
     return CheckpointInfo(foreign_step(name), path, mtime, size, KIND_TORCH_SAVE)
 

@@ -13,22 +13,28 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import re
 import shutil
+import stat as stat_mod
 import threading
-import time
 import zlib
 from typing import Any, Callable, Iterator, TypeVar
 
-from .._util import RetryPolicy, copy_local, is_remote_url, open_emptied, path_under, write_all
-from ..files.cache_layout import default_cache_dir
-from ..files.locks import (check_write_dest, dir_problem, pid_running, private_dir, process_tag, refuse_links_below,
-                           tag_alive)
+from .._util import (O_NOFOLLOW, RetryPolicy, copy_fds, is_remote_url, open_emptied, path_under,
+                     write_all)
+from ..files.entries import is_safe_rel
+from ..files.local_files import open_beneath
+from ..files.locks import check_write_dest, create_new, held, refuse_links_below
 from ..files.volume import FsspecVolume, Volume, open_volume, volume_class
 from .format import FileRecord
+# the local staging folders of saves and loads live in .staging_dirs (re-exported: callers use xfer.<name>)
+from .staging_dirs import (STALE_AFTER_S as STALE_AFTER_S, check_free_space as check_free_space,
+                           default_staging_root as default_staging_root, make_staging_dir as make_staging_dir,
+                           release_staging_dir as release_staging_dir, shared_staging_root as shared_staging_root,
+                           staging_owner_gone as staging_owner_gone, sweep_stale as sweep_stale)
 from ..errors import (
     CheckpointCorruptError,
     CheckpointDestinationError,
+    CheckpointPathError,
     CheckpointError,
     CheckpointUploadError,
     SourceNotFoundError,
@@ -36,7 +42,6 @@ from ..errors import (
     UnsafeDirectoryError,
     UnsafeSourceError,
 )
-from ..units import format_size
 
 _T = TypeVar("_T")
 
@@ -44,90 +49,16 @@ CHUNK = 8 << 20
 RETRIES = 3
 
 
-def shared_staging_root() -> str:
-    """``<cache root>/staging``: the staging root every saver of this user shares by default, inside
-    the user's private cache directory (not a name in ``/tmp`` that another user could make first)."""
-    return os.path.join(default_cache_dir(), "staging")
+def new_file_opener(path: str, flags: int) -> int:
+    """An ``opener=`` for ``open(path, "wb", opener=...)``: the file is made new (:func:`create_new`)."""
+    return create_new(path)
 
 
-def default_staging_root() -> str:
-    """``$UCMAGIC_STAGING_DIR`` or :func:`shared_staging_root`."""
-    env = os.environ.get("UCMAGIC_STAGING_DIR")
-    if env:
-        return os.path.abspath(os.path.expanduser(env))
-    return shared_staging_root()
-
-
-STALE_AFTER_S = 600  # staging named by a bare pid (older ucmagic): swept once that pid is gone this long
-_OWNER_SUFFIX = re.compile(r"@(\d+-\d+)(?:\.[0-9a-f]+)?$")  # <name>@<process_tag>.<random>: pid + start time
-_PID_SUFFIX = re.compile(r"-(\d+)$")
-
-
-def staging_owner_gone(name: str, mtime: float, now: float) -> bool:
-    """True when the process that made staging directory ``name`` has exited (so its staging is garbage)."""
-    m = _OWNER_SUFFIX.search(name)
-    if m:
-        return not tag_alive(m.group(1))
-    legacy = _PID_SUFFIX.search(name)
-    return legacy is not None and not pid_running(int(legacy.group(1))) and now - mtime >= STALE_AFTER_S
-
-
-def sweep_stale(root: str, *, now: float | None = None) -> list[str]:
-    """Delete staging directories in ``root`` whose owner process has exited (pid and start time)."""
-    now = time.time() if now is None else now
-    gone = []
-    uid = os.getuid() if hasattr(os, "getuid") else None
-    for name in os.listdir(root):
-        path = os.path.join(root, name)
-        try:
-            st = os.lstat(path)  # only a folder of this user's own (a shared root may hold others')
-            if dir_problem(st, uid) is not None or not staging_owner_gone(name, st.st_mtime, now):
-                continue
-        except OSError:
-            continue
-        shutil.rmtree(path, ignore_errors=True)
-        gone.append(name)
-    return gone
-
-
-def make_staging_dir(root: str | None, name: str) -> str:
-    """Create a new private (0700) staging directory ``<root>/<name>@<pid>-<start time>.<random>``
-    and return it (never one that exists already: another user cannot prepare it).
-
-    ``root`` (default: ``$UCMAGIC_STAGING_DIR``, else :func:`shared_staging_root`) is made private
-    to the user where missing; an existing one must be a real directory of the user's that no one
-    else may write to, or one with the sticky bit such as ``/tmp`` (others cannot rename nor delete
-    in it), else :class:`~ucmagic.errors.UnsafeDirectoryError`. Directories that exited processes
-    of this user left in ``root`` are swept first.
-    """
-    root = root or default_staging_root()
-    fix = "pass staging_dir= (or set $UCMAGIC_STAGING_DIR to) a folder of your own"
-    while True:
-        if root == shared_staging_root():
-            private_dir(os.path.dirname(root), tighten=True, what="cache directory", fix=fix)
-        private_dir(root, sticky_ok=True, what="checkpoint staging folder", fix=fix)
-        sweep_stale(root)
-        path = os.path.join(root, f"{name}@{process_tag()}.{os.urandom(6).hex()}")
-        try:
-            os.mkdir(path, mode=0o700)
-        except FileExistsError:
-            continue  # someone's folder of that name: never reuse it, draw another name
-        except FileNotFoundError:
-            continue  # another saver removed the (then empty) shared root in between: make it again
-        return path
-
-
-def release_staging_dir(path: str) -> None:
-    """Delete a staging directory, then its root if that is the shared default and now empty.
-
-    ``rmdir`` only removes an empty directory, so another saver's staging in the root is never touched
-    (and :func:`make_staging_dir` recreates a root removed under it).
-    """
-    shutil.rmtree(path, ignore_errors=True)
-    root = os.path.dirname(path)
-    if root == shared_staging_root():
-        with contextlib.suppress(OSError):
-            os.rmdir(root)
+def _open_write(path: str) -> int:
+    """Local checkpoint file ``path`` opened for writing, emptied (:func:`~ucmagic._util.open_emptied`: never
+    through a link at its name), through its folder's descriptor where the folder is held."""
+    dir_fd, name = held(path)
+    return open_emptied(name, 0o666, dir_fd=dir_fd)
 
 
 def _nearest_existing(path: str) -> str:
@@ -197,34 +128,46 @@ def destination_error(exc: BaseException, path: str) -> UCMagicError:
     return CheckpointDestinationError(f"cannot save a checkpoint to {path}: {why}{at}; {fix}")
 
 
-def check_free_space(path: str, need: int, reserve: int) -> None:
-    """Raise :class:`CheckpointError` unless ``path``'s disk has ``need + reserve`` bytes free."""
-    free = shutil.disk_usage(path).free
-    if free < need + reserve:
-        raise CheckpointError(
-            f"not enough local disk to stage the checkpoint in {path}: need {format_size(need)} "
-            f"(+{format_size(reserve)} reserve), {format_size(free)} free; pass staging_dir= "
-            "(or set UCMAGIC_STAGING_DIR) to a larger local disk, or free some space")
-
-
 def _copy(src_path: str, dst_path: str, *, sync: bool, check: Callable[[], None] | None = None) -> tuple[int, int]:
-    """Copy with a running CRC-32; return (bytes, crc)."""
-    return copy_local(src_path, dst_path, crc=True, sync=sync, buffer_size=CHUNK, check=check)
+    """Copy the local file ``src_path`` to checkpoint file ``dst_path`` (:func:`_open_write`: through its
+    folder's descriptor while a save holds it, never through a link) with a running CRC-32; (bytes, crc).
+    ``check`` runs before each 8 MB and may raise (a cancelled save)."""
+    fdst = _open_write(dst_path)
+    try:
+        fsrc = os.open(src_path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            out = copy_fds(fsrc, fdst, crc=True, check=check, buffer_size=CHUNK)
+        finally:
+            os.close(fsrc)
+        if sync:
+            os.fsync(fdst)
+        return out
+    finally:
+        os.close(fdst)
 
 
 def file_crc(path: str) -> tuple[int, int]:
-    """(size, CRC-32) of a file."""
+    """(size, CRC-32) of a file (a local one never read through a link at its name)."""
     if is_remote_url(path):
         data = read_bytes(path)
         return len(data), zlib.crc32(data)
+    dir_fd, name = held(path)
+    fd = os.open(name, os.O_RDONLY | O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    try:
+        return _fd_crc(fd)
+    finally:
+        os.close(fd)
+
+
+def _fd_crc(fd: int) -> tuple[int, int]:
+    """(size, CRC-32) of the file open on ``fd``, read back from its start (positional reads)."""
     crc = n = 0
-    with open(path, "rb", buffering=0) as f:
-        while True:
-            b = f.read(CHUNK)
-            if not b:
-                return n, crc
-            crc = zlib.crc32(b, crc)
-            n += len(b)
+    while True:
+        b = os.pread(fd, CHUNK, n)
+        if not b:
+            return n, crc
+        crc = zlib.crc32(b, crc)
+        n += len(b)
 
 
 def _retry(what: str, fn: Callable[[], _T], retries: int = RETRIES) -> _T:
@@ -248,7 +191,8 @@ def upload_file(local: str, remote: str, *, verify: str = "size", delete: bool =
             return _upload_url(local, remote, verify, check)
         with no_link_written(remote):
             n, crc = _copy(local, remote, sync=True, check=check)
-        size = os.stat(remote).st_size
+        dir_fd, name = held(remote)  # through the step folder's descriptor while the save holds it
+        size = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_size
         if size != n:
             raise OSError(f"{remote} has {size} bytes after upload, expected {n}")
         if verify == "full":
@@ -274,14 +218,78 @@ def upload_file(local: str, remote: str, *, verify: str = "size", delete: bool =
     return rec
 
 
+def open_inside(where: str, name: str) -> int:
+    """A read descriptor of the file ``name`` (a relative path read from the checkpoint's own records) in the
+    local checkpoint folder ``where``, never through a link out of it (:func:`~ucmagic.files.local_files.
+    open_beneath`): a name with ``..`` or an absolute start, or a link to elsewhere, raises
+    :class:`~ucmagic.errors.CheckpointPathError` naming it."""
+    if not is_safe_rel(name):
+        raise CheckpointPathError(f"{where}: the checkpoint names the file {name!r}, outside its folder; it was "
+                                  "not read (a checkpoint someone else wrote?)")
+    try:
+        fd = open_beneath(os.path.realpath(where), name, flags=os.O_NONBLOCK)  # a FIFO there: no hang
+    except UnsafeSourceError as e:
+        raise CheckpointPathError(f"{where}: {name} is a symbolic link out of the checkpoint folder ({e}); it was "
+                                  "not read") from None
+    except OSError as e:
+        if e.errno in (errno.ENAMETOOLONG, errno.ENOTDIR):
+            raise FileNotFoundError(e.errno, e.strerror, e.filename) from None
+        raise
+    if not stat_mod.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CheckpointCorruptError(f"{where}: {name} is not a regular file; it was not read")
+    os.set_blocking(fd, True)  # a regular file: plain reads from here on (a FUSE server sees no O_NONBLOCK)
+    return fd
+
+
+def source_size(where: str, name: str) -> int | None:
+    """The size of checkpoint file ``name`` in ``where`` (None when missing), checked as it will be read
+    (:func:`open_inside`; on a store: its size there)."""
+    if is_remote_url(where):
+        try:
+            return stat_file(f"{url_path(where)}/{name}")[0] if is_safe_rel(name) else None
+        except FileNotFoundError:
+            return None
+    try:
+        fd = open_inside(where, name)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    try:
+        return os.fstat(fd).st_size
+    finally:
+        os.close(fd)
+
+
+def _copy_inside(where: str, name: str, local: str) -> tuple[int, int]:
+    """Copy checkpoint file ``name`` of the local folder ``where`` (:func:`open_inside`) to ``local``, a new file
+    in this load's private staging; ``(bytes, crc)``."""
+    fsrc = open_inside(where, name)
+    try:
+        fdst = create_new(local)  # in the load's staging folder, through its descriptor
+        try:
+            return copy_fds(fsrc, fdst, crc=True, buffer_size=CHUNK)
+        finally:
+            os.close(fdst)
+    finally:
+        os.close(fsrc)
+
+
 def download_file(remote: str, local: str, expected: FileRecord | None, *, name: str, where: str,
                   retries: int = RETRIES) -> FileRecord:
-    """Copy a checkpoint file from the volume to local disk, checking size and CRC against ``expected``."""
+    """Copy checkpoint file ``name`` of folder ``where`` (``remote`` is ``where/name``) to the new local file
+    ``local``, checking size and CRC against ``expected``. A local source is opened by :func:`open_inside`."""
     from .format import check_record
 
+    def once() -> tuple[int, int]:
+        if is_remote_url(remote):
+            return _download_url(remote, local)
+        remove_quietly(local)  # a retry's new file (O_EXCL)
+        return _copy_inside(where, name, local)
+
     try:
-        n, crc = _retry(f"download {remote}", lambda: _download_url(remote, local) if is_remote_url(remote)
-                        else _copy(remote, local, sync=False), retries)
+        n, crc = _retry(f"download {remote}", once, retries)
+    except CheckpointError:
+        raise
     except FileNotFoundError:
         raise CheckpointCorruptError(f"{where}: {name} is missing; the checkpoint is incomplete "
                                      "(re-save it or load another step)") from None
@@ -297,11 +305,16 @@ def download_file(remote: str, local: str, expected: FileRecord | None, *, name:
 
 
 def download_bytes(remote: str, expected: FileRecord, *, name: str, where: str, retries: int = RETRIES) -> bytes:
-    """Read a checkpoint file from the volume into memory, checking size and CRC against ``expected``."""
+    """Read checkpoint file ``name`` of folder ``where`` (``remote`` is ``where/name``) into memory, checking size
+    and CRC against ``expected``: at most one byte more than the manifest says is read (a longer file fails
+    the size check; nothing is allocated for what a manifest claims beyond it)."""
     from .format import check_record
 
     try:
-        data = _retry(f"read {remote}", lambda: read_bytes(remote), retries)
+        data = _retry(f"read {remote}", lambda: read_head(remote, expected.size + 1, where=where, name=name),
+                      retries)
+    except CheckpointError:
+        raise
     except FileNotFoundError:
         raise CheckpointCorruptError(f"{where}: {name} is missing; the checkpoint is incomplete "
                                      "(re-save it or load another step)") from None
@@ -320,7 +333,7 @@ def write_bytes(remote: str, data: bytes) -> FileRecord:
             vol.write_bytes(rel, data)
             return
         with no_link_written(remote):
-            fd = open_emptied(remote, 0o666)  # never through a link at the file's own name (O_NOFOLLOW)
+            fd = _open_write(remote)  # never through a link at the file's own name (O_NOFOLLOW)
         try:
             write_all(fd, data)
             os.fsync(fd)
@@ -348,13 +361,14 @@ def read_bytes(remote: str) -> bytes:
 
 
 def remove_quietly(path: str) -> None:
-    """Delete a file if present."""
+    """Delete a file if present (through its folder's descriptor where the folder is held)."""
     if is_remote_url(path):
         vol, rel = locate(path)
         vol.remove(rel, missing_ok=True)
         return
+    dir_fd, name = held(path)
     with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
+        os.unlink(name, dir_fd=dir_fd)
 
 
 # ---------------------------------------------------------------- URL destinations (any fsspec store)
@@ -463,7 +477,7 @@ def makedirs(path: str, root: str | None = None) -> None:
     below = None if root is None else _rel_below(root, path)
     if root is not None and below is not None:
         refuse_links_below(root, below, whole=True)
-    os.makedirs(path, exist_ok=True)
+    os.makedirs(path, mode=0o755, exist_ok=True)  # never writable by others, whatever the umask
     if root is not None and below is not None:
         refuse_links_below(root, below, whole=True)  # one made while the folders were being made
     checked_dir(path)
@@ -535,10 +549,28 @@ def stat_file(path: str) -> tuple[int, float]:
     return entry.size, entry.mtime
 
 
-def read_head(path: str, n: int) -> bytes:
-    """The first ``n`` bytes of file ``path`` (fewer when it is shorter)."""
+def read_tail(path: str, n: int) -> bytes:
+    """The last ``n`` bytes of file ``path`` (all of it when shorter)."""
+    size = stat_file(path)[0]
     if not is_remote_url(path):
         with open(path, "rb") as f:
+            f.seek(max(0, size - n))
+            return f.read(n)
+    vol, rel = locate(path)
+    reader = vol.range_reader(rel)
+    try:
+        buf = bytearray(min(n, size))
+        got = reader.readinto_at(max(0, size - n), memoryview(buf))
+        return bytes(buf[:got])
+    finally:
+        reader.close()
+
+
+def read_head(path: str, n: int, *, where: str | None = None, name: str | None = None) -> bytes:
+    """The first ``n`` bytes of file ``path`` (fewer when it is shorter); with ``where`` and ``name`` (``path``
+    is ``where/name``) a local file is opened by :func:`open_inside`."""
+    if not is_remote_url(path):
+        with open(open_inside(where, name) if where is not None and name is not None else path, "rb") as f:
             return f.read(n)
     vol, rel = locate(path)
     reader = vol.range_reader(rel)
@@ -570,10 +602,16 @@ def _upload_url(local: str, remote: str, verify: str, check: Callable[[], None] 
 
 
 def _download_url(remote: str, local: str) -> tuple[int, int]:
-    """Copy a checkpoint file from its store to local disk; ``(bytes, crc)`` of what arrived."""
+    """Copy a checkpoint file from its store to the new local file ``local`` (made through its staging folder's
+    descriptor: :func:`create_new`); ``(bytes, crc)`` of what arrived."""
     vol, rel = locate(remote)
-    vol.copy_to(rel, local)
-    return file_crc(local)
+    remove_quietly(local)  # a retry's new file
+    fd = create_new(local, flags=os.O_RDWR)
+    try:
+        vol.copy_to(rel, f"/proc/self/fd/{fd}" if os.path.isdir("/proc/self/fd") else local)
+        return _fd_crc(fd)
+    finally:
+        os.close(fd)
 
 
 def url_destination_error(exc: BaseException, path: str) -> CheckpointError:

@@ -15,6 +15,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlanner
 
 from .. import _torch_compat as compat
+from .._util import is_integer
 from ..errors import CheckpointCorruptError, UnsafeCheckpointError
 
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
@@ -121,7 +122,53 @@ def load_metadata(data: bytes, *, allow_unsafe: bool = False) -> Metadata:
     if not isinstance(md, Metadata):
         raise CheckpointCorruptError(f"checkpoint .metadata holds a {type(md).__name__}, not DCP metadata; the "
                                      "checkpoint is damaged: save it again")
+    problem = metadata_problem(md)
+    if problem is not None:
+        raise CheckpointCorruptError(f"checkpoint .metadata {problem}; the checkpoint is damaged or was not "
+                                     "written by a DCP writer: save it again or load another step")
     return md
+
+
+def _dims(value: Any) -> tuple[int, ...] | None:
+    """``value`` as a shape (a ``torch.Size`` or tuple of non-negative ints), else None."""
+    if not isinstance(value, tuple) or not all(is_integer(d) and d >= 0 for d in value):
+        return None
+    return tuple(int(d) for d in value)
+
+
+def metadata_problem(md: Metadata) -> str | None:
+    """What is wrong with the structure of unpickled DCP metadata (None: nothing): the state dict's metadata
+    maps names to tensor or bytes entries, each tensor's shape and chunks are non-negative and every chunk
+    lies inside its tensor; the storage entries are a mapping (their paths and byte ranges are the reader's to
+    check against the files: :func:`ucmagic.checkpoints.format.storage_problem`)."""
+    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata,
+                                                       TensorStorageMetadata)
+
+    sdm = getattr(md, "state_dict_metadata", None)
+    if not isinstance(sdm, dict):
+        return "has no state dict metadata"
+    for fqn, m in sdm.items():
+        if not isinstance(fqn, str):
+            return f"has a state dict key {fqn!r} that is not a string"
+        if isinstance(m, BytesStorageMetadata):
+            continue
+        if not isinstance(m, TensorStorageMetadata):
+            return f"describes {fqn!r} as a {type(m).__name__}"
+        size = _dims(m.size)
+        props = getattr(m, "properties", None)
+        if size is None or not isinstance(getattr(props, "dtype", None), torch.dtype):
+            return f"gives {fqn!r} the shape {m.size!r} or dtype {getattr(props, 'dtype', None)!r}"
+        if not isinstance(m.chunks, list):
+            return f"gives {fqn!r} no list of chunks"
+        for c in m.chunks:
+            offsets, sizes = (_dims(getattr(c, "offsets", None)), _dims(getattr(c, "sizes", None))) \
+                if isinstance(c, ChunkStorageMetadata) else (None, None)
+            if offsets is None or sizes is None or not len(offsets) == len(sizes) == len(size) \
+                    or any(o + n > d for o, n, d in zip(offsets, sizes, size)):
+                return f"gives {fqn!r} (shape {tuple(size)}) a chunk outside it ({c!r})"
+    if not isinstance(getattr(md, "storage_data", None), dict):
+        return "has no storage entries"
+    return None
 
 
 class WeightsOnlyPlanner:

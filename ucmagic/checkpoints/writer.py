@@ -55,6 +55,7 @@ from .format import (
 )
 from .._util import is_remote_url, is_url
 from ..dist import dist_info
+from ..files.locks import Holding
 from ..errors import CheckpointError, CheckpointExistsError, CheckpointSupersededError
 from ..units import parse_size
 
@@ -206,7 +207,7 @@ class _StagingFileSystem(CheckpointFileSystem):
         local = os.path.join(session.staging, name)
         try:
             session.check()
-            with open(local, mode) as stream:
+            with open(local, mode, opener=xfer.new_file_opener) as stream:  # new, by the staging's descriptor
                 yield stream  # type: ignore[misc]
         except BaseException as e:
             session.failed(e)
@@ -282,7 +283,7 @@ class UCVolumeWriter(FileSystemWriter):
                  files_per_rank: int | None = None, thread_count: int | None = None, verify: str = "size",
                  min_free: int | str = "512MB", overwrite: bool = True, commit_info: dict[str, Any] | None = None,
                  warn_overwrite: bool = True, storage_options: dict[str, Any] | None = None,
-                 **kwargs: Any) -> None:
+                 allow_shared_dest: bool = False, **kwargs: Any) -> None:
         kwargs.setdefault("sync_files", False)  # durability comes from fsync on the volume copy
         if thread_count is None:
             thread_count = min(4, os.cpu_count() or 1)
@@ -305,6 +306,11 @@ class UCVolumeWriter(FileSystemWriter):
         self.verify = verify
         self.min_free = parse_size(min_free) or 0
         self.commit_info = dict(commit_info or {})
+        self.allow_shared_dest = bool(allow_shared_dest)
+        # from its first write to its end, this rank's files in the (local) directory are made through its
+        # descriptor, opened once and checked (files.locks.hold_dir): the directory swapped for a link meanwhile
+        # cannot redirect them; another user's, or one others may write to, is refused unless allow_shared_dest
+        self._holding = Holding()
         self._begun: str | None = None  # the directory this save's record was written into
         self._coordinator = True
         self._pending: PendingSave | None = None
@@ -343,6 +349,7 @@ class UCVolumeWriter(FileSystemWriter):
         if not self.overwrite and self._checkpoint_present():
             return  # refused in prepare_local_plan, the way torch's writer does it
         xfer.makedirs(path)
+        self._holding.hold(path, shared_ok=self.allow_shared_dest, what="checkpoint directory")
         self.save_id = uuid.uuid4().hex  # fresh per save, also when a writer object is reused
         present = self._checkpoint_present()
         begin_save(path, self.save_id)
@@ -367,6 +374,7 @@ class UCVolumeWriter(FileSystemWriter):
         """Note a failure in the record (readers say the save failed) and in the pending-at-exit future."""
         if self._begun is not None:
             mark_save_failed(self._begun, self.save_id, exc)
+        self._holding.release()
         p = self._pending
         if p is not None and not p.fut.done():
             p.fut.set_exception(exc)
@@ -440,6 +448,7 @@ class UCVolumeWriter(FileSystemWriter):
                               f"{self.overwrite=}. Pass overwrite=False to UCVolumeWriter to raise instead.",
                               stacklevel=2)
             xfer.makedirs(os.fspath(self.path))
+            self._holding.hold(os.fspath(self.path), shared_ok=self.allow_shared_dest, what="checkpoint directory")
         except BaseException as e:  # noqa: BLE001 - re-raised as the ucmagic error it means
             raise self._fail(e) from None
         return plan
@@ -458,8 +467,10 @@ class UCVolumeWriter(FileSystemWriter):
         except BaseException as e:  # noqa: BLE001 - re-raised as the ucmagic error it means
             raise self._fail(e) from None
         p = self._pending
-        if not self._coordinator and p is not None and not p.fut.done():
-            p.fut.set_result(os.fspath(self.path))  # this rank's part is durable; the coordinator commits
+        if not self._coordinator:
+            self._holding.release()  # this rank's part is written; the coordinator commits
+            if p is not None and not p.fut.done():
+                p.fut.set_result(os.fspath(self.path))  # this rank's part is durable
         return out
 
     def _write_data_staged(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -537,6 +548,7 @@ class UCVolumeWriter(FileSystemWriter):
             if self._begun is not None:  # not committed: every rank's shards are garbage now
                 self._remove_uncommitted(results, markers=not isinstance(e, CheckpointSupersededError))
             raise self._fail(e) from None
+        self._holding.release()
         p = self._pending
         if p is not None and not p.fut.done():
             p.fut.set_result(os.fspath(self.path))

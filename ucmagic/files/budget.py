@@ -19,6 +19,7 @@ import time
 import weakref
 from typing import Callable, Iterable
 
+from .._util import O_NOFOLLOW
 from ..errors import CacheFullError
 from ..units import format_size
 from .admission import ADMIT, REFUSE, STALL, Waiting, admit, must_count, next_delay, still_waiting
@@ -210,20 +211,38 @@ class BudgetKeeper:
     # ------------------------------------------------------------ room for a fill
 
     def reserve(self, size: int, tmp: str, *, may_exceed: Callable[[], bool] | None = None,
-                on_wait: Callable[[], None] | None = None) -> None:
-        """Hold room for ``size`` bytes at ``tmp`` (created empty; its name carries the size), within the
-        budget and the free-disk floor. Waits for room while others consume; raises when a file can
-        never fit or the disk is full of protected files and this fill must not wait."""
+                on_wait: Callable[[], None] | None = None) -> int:
+        """Hold room for ``size`` bytes at ``tmp`` (created empty, through the cache root's descriptor; its name
+        carries the size), within the budget and the free-disk floor. Waits for room while others consume;
+        raises when a file can never fit or the disk is full of protected files and this fill must not wait.
+        Returns the temp file's descriptor, open for writing (the caller closes it), or -1 without ``tmp``
+        or a budget."""
         limit = self.budget()
+        fd = -1
         if limit is not None and tmp:
             if admit(size, limit, 0).verdict == REFUSE:  # it never fits: waiting would never end
                 raise self._too_big(size, limit)
-            self._reserve_budget(size, tmp, may_exceed, on_wait)
+            fd = self._reserve_budget(size, tmp, may_exceed, on_wait)
         # without a budget the temp file appears when the copy starts (one open less per fill)
-        self._ensure_disk(size, may_exceed, on_wait)
+        try:
+            self._ensure_disk(size, may_exceed, on_wait)
+        except BaseException:
+            if fd >= 0:
+                os.close(fd)
+                with contextlib.suppress(OSError):
+                    os.unlink("tmp/" + os.path.basename(tmp), dir_fd=self.layout.anchor())
+            raise
+        return fd
+
+    def _hold(self, tmp: str) -> int:
+        """Make the temp file ``tmp`` that holds a fill's room: new, under ``tmp/``, through the cache root's
+        descriptor (never by path, never through a link); its descriptor, open for writing."""
+        name = "tmp/" + os.path.basename(tmp)
+        return self.layout.at_root(lambda root: os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_NOFOLLOW
+                                                        | os.O_CLOEXEC, 0o600, dir_fd=root))
 
     def _reserve_budget(self, size: int, tmp: str, may_exceed: Callable[[], bool] | None,
-                        on_wait: Callable[[], None] | None) -> None:
+                        on_wait: Callable[[], None] | None) -> int:
         """Wait until :func:`~ucmagic.files.admission.admit` lets the fill in, then hold its room at ``tmp``.
         Fills of this process that started waiting earlier (the loop's order) get room first."""
         delay = 0.005
@@ -235,8 +254,7 @@ class BudgetKeeper:
             while True:
                 limit = self.budget()
                 if limit is None:  # the process that set the only budget is gone: no limit now
-                    open(tmp, "wb").close()
-                    return
+                    return self._hold(tmp)
                 # checked before the lock: the fill a blocked consumer needs next, after a moment for
                 # other streams to release
                 head = waited >= 0.05 and may_exceed is not None and may_exceed()
@@ -256,9 +274,15 @@ class BudgetKeeper:
                     if d.evict:
                         total -= self._drop_locked(d.evict, {p: n for p, n, _ in evictable})
                     if d.verdict == ADMIT:
-                        open(tmp, "wb").close()  # visible to every process's count from now on
-                        self.write_ledger(total + size)
-                        return
+                        fd = self._hold(tmp)  # visible to every process's count from now on
+                        try:
+                            self.write_ledger(total + size)
+                        except BaseException:
+                            os.close(fd)
+                            with contextlib.suppress(OSError):
+                                os.unlink("tmp/" + os.path.basename(tmp), dir_fd=self.layout.anchor())
+                            raise
+                        return fd
                     if counted:  # the count, for every process's next look
                         self.write_ledger(total)
                 if d.verdict == REFUSE:  # the budget in force shrank below this file meanwhile

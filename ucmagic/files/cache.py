@@ -37,6 +37,7 @@ import numpy as np
 from .._shared import SharedBits
 from ..errors import CacheDirError
 from .budget import DEFAULT_MIN_FREE, BudgetKeeper, reap
+from .._util import O_NOFOLLOW
 from .cache_layout import (CacheLayout, RemovalToken, cache_root, entry_file, other_version_file,
                            STAMP_S_BITS, protection_name, serial, version_stamp)
 from .cache_usage import CacheUsage
@@ -126,7 +127,7 @@ class FileCache:
     @cached_property
     def _quantum(self) -> int:
         """The step (ns) in which this cache's file system keeps mtimes (version stamps compare in it)."""
-        return _mtime_quantum(self.layout.tmp)
+        return _mtime_quantum(self.layout)
 
     # ------------------------------------------------------------ lookups and fills
 
@@ -249,73 +250,74 @@ class FileCache:
                 return path, False
         # With a budget, room is held by a temp file under tmp/ whose name carries the size (every
         # process's count sees it), taken without the key's lock: a fill waiting for room must not
-        # block another one. Without a budget only the free-disk floor is checked.
+        # block another one. Without a budget only the free-disk floor is checked. Everything a fill
+        # creates is made through the root's descriptor (layout.anchor): never by path, never via a link.
         tmp = None
         if self.budget() is not None:  # this process's cache_limit, or a smaller one of another live process
             tmp = self.layout.tmp_path(key, size, "part")
-        self.budget_keeper.reserve(size, tmp or "", may_exceed=may_exceed, on_wait=on_wait)
+        held = self.budget_keeper.reserve(size, tmp or "", may_exceed=may_exceed, on_wait=on_wait)
         try:
             with self._keys.hold(key):
                 path = self.lookup(key, suffix, size, rel=rel, space=space)
                 if path:
-                    if tmp is not None:
-                        with contextlib.suppress(FileNotFoundError):
-                            os.unlink(tmp)
                     return path, False
                 name = entry_file(key, suffix, size, rel, space)
                 # without a budget the copy goes to an unnamed file (O_TMPFILE: a killed process leaves
                 # nothing), else (or where there is none) to the named temp file that holds the room
-                anon = _open_unnamed(self.layout.tmp) if tmp is None else -1
-                if anon < 0 and tmp is None:
+                fd = _open_unnamed(self.layout) if held < 0 else held
+                if fd < 0:
                     tmp = self.layout.tmp_path(key, size, "part")
-                part = f"/proc/self/fd/{anon}" if anon >= 0 else (tmp or "")
+                    fd = held = _create_tmp(self.layout, tmp)
+                part = f"/proc/self/fd/{fd}" if _PROC_FD else (tmp or "")
                 if progress is not None:
-                    progress((lambda: _written(os.fstat(anon))) if anon >= 0 else (lambda: _written(os.stat(part))))
+                    progress(lambda: _written(os.fstat(fd)))
                 try:
                     _check_size(write(part), size)
-                    os.utime(anon if anon >= 0 else part, ns=(time.time_ns(), version_stamp(key)))
+                    os.utime(fd, ns=(time.time_ns(), version_stamp(key)))
                     # complete: its name appears in files/ at once (a link), then the temp name goes
-                    path = self._place(key, name, rel is not None, anon, part)
-                    if tmp is not None:
-                        with contextlib.suppress(FileNotFoundError):
-                            os.unlink(tmp)
-                        tmp = None
+                    path = self._place(key, name, rel is not None, fd, part)
                 finally:
                     if progress is not None:
                         progress(None)
-                    if anon >= 0:
-                        os.close(anon)
-        except BaseException:
+                    if fd != held:
+                        os.close(fd)
+        finally:
+            if held >= 0:
+                os.close(held)
             if tmp is not None:
                 with contextlib.suppress(OSError):
-                    os.unlink(tmp)
-            raise
+                    os.unlink(_tmp_rel(tmp), dir_fd=self.layout.anchor())
         return path, True
 
-    def _place(self, key: str, name: str, movable: bool, anon: int, part: str) -> str:
-        """Link the complete, stamped copy (unnamed file ``anon``, else the temp file ``part``) to
-        ``files/<name>``, making its folders first, and return its path. Called under the key's
-        lock. Where ``name`` holds another version or is blocked by another file's path (a file
-        where a folder is needed), a ``movable`` entry goes to :func:`other_version_file` instead. A
-        file at the place that claims this version but that lookup did not trust (wrong size or
-        owner) is replaced; a folder removed meanwhile (an eviction) is made again."""
+    def _place(self, key: str, name: str, movable: bool, fd: int, part: str) -> str:
+        """Link the complete, stamped copy (open on ``fd``: an unnamed file or the named temp file ``part``) to
+        ``files/<name>`` through the root's descriptor, making its folders first, and return its path. Called
+        under the key's lock. Where ``name`` holds another version or is blocked by another file's path (a
+        file where a folder is needed), a ``movable`` entry goes to :func:`other_version_file` instead. A
+        file at the place that claims this version but that lookup did not trust (wrong size or owner) is
+        replaced; a folder removed meanwhile (an eviction) is made again."""
         target = name
+        root = self.layout.anchor()
         for attempt in range(4):
-            path = self._entries + os.sep + target
+            rel = _FILES + target
             try:
-                _make_dirs(self._entries, target)
-                if anon >= 0:
-                    _link_unnamed(anon, path)
-                else:
-                    os.link(part, path)  # never rename: it would replace another version's file
-                return path
+                _make_dirs(root, rel)
+                if _PROC_FD:
+                    os.link(f"/proc/self/fd/{fd}", rel, src_dir_fd=root, dst_dir_fd=root, follow_symlinks=True)
+                else:  # pragma: no cover - no /proc: the named temp file, by its name under tmp/
+                    os.link(_tmp_rel(part), rel, src_dir_fd=root, dst_dir_fd=root, follow_symlinks=False)
+                return self._entries + os.sep + target
             except FileNotFoundError:
-                if attempt == 3 or (anon < 0 and not os.path.exists(part)):
+                if attempt == 3:
                     raise
-                os.makedirs(self._entries, mode=0o700, exist_ok=True)  # files/ removed, or a folder evicted
+                if os.fstat(root).st_nlink == 0:  # the whole cache directory was removed: made anew
+                    root = self.layout.anchor(again=True)
+                with contextlib.suppress(FileExistsError):  # files/ removed, or a folder evicted
+                    os.mkdir(_FILES.rstrip("/"), 0o700, dir_fd=root)
             except OSError as e:
                 if attempt == 3 or e.errno not in (errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
                     raise
+                path = self._entries + os.sep + target
                 if movable and target == name and not self.claims(path, key):
                     target = other_version_file(key, name)  # another version's place, or blocked
                     continue
@@ -398,15 +400,15 @@ class FileCache:
         return {"entries": n, **reaped, "indexes": indexes}
 
 
-def _make_dirs(entries: str, name: str) -> None:
-    """Make the folders of ``name`` under ``entries`` (present ones are fine), from the deepest up:
-    one failed ``mkdir`` where they exist (the common case: a folder other files made). A file in
-    the way is not checked for here: the link that follows fails with ENOTDIR."""
-    parts = name.split("/")[:-1]
+def _make_dirs(root: int, rel: str) -> None:
+    """Make the folders of ``rel`` (``files/...``) under the cache root's descriptor ``root`` (present ones are
+    fine), from the deepest up: one failed ``mkdir`` where they exist (the common case: a folder other files
+    made). A file in the way is not checked for here: the link that follows fails with ENOTDIR."""
+    parts = rel.split("/")[:-1]
     made = len(parts)
-    while made:  # find the deepest folder that exists
+    while made > 1:  # find the deepest folder that exists (files/ itself is made by the cache)
         try:
-            os.mkdir(entries + os.sep + os.sep.join(parts[:made]), 0o700)
+            os.mkdir("/".join(parts[:made]), 0o700, dir_fd=root)
             break
         except FileNotFoundError:
             made -= 1
@@ -414,7 +416,7 @@ def _make_dirs(entries: str, name: str) -> None:
             return
     for k in range(made + 1, len(parts) + 1):
         with contextlib.suppress(FileExistsError):  # made meanwhile by another fill
-            os.mkdir(entries + os.sep + os.sep.join(parts[:k]), 0o700)
+            os.mkdir("/".join(parts[:k]), 0o700, dir_fd=root)
 
 
 def _stamped(st: os.stat_result, stamp: int, q: int) -> bool:
@@ -426,15 +428,15 @@ def _stamped(st: os.stat_result, stamp: int, q: int) -> bool:
 _QUANTA = (1, 1_000, 1_000_000, 1_000_000_000, 2_000_000_000)
 
 
-def _mtime_quantum(folder: str) -> int:
-    """The step (ns) in which the file system of ``folder`` keeps a file's mtime: a probe file is
-    stamped with a time that has odd seconds and nanoseconds, and read back."""
+def _mtime_quantum(layout: CacheLayout) -> int:
+    """The step (ns) in which the file system of the cache keeps a file's mtime: a probe file under its
+    ``tmp/`` is stamped with a time that has odd seconds and nanoseconds, and read back."""
     want = ((1 << STAMP_S_BITS) - 1) * 1_000_000_000 + 987_654_321  # odd seconds, as late as a stamp goes
-    fd = _open_unnamed(folder)
+    fd = _open_unnamed(layout)
     path = None
     if fd < 0:
-        path = os.path.join(folder, f"probe.{process_tag()}.{serial()}.0.part")
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        path = os.path.join(layout.tmp, f"probe.{process_tag()}.{serial()}.0.part")
+        fd = _create_tmp(layout, path)
     try:
         os.utime(fd, ns=(want, want))
         got = os.fstat(fd).st_mtime_ns
@@ -442,11 +444,11 @@ def _mtime_quantum(folder: str) -> int:
         os.close(fd)
         if path is not None:
             with contextlib.suppress(OSError):
-                os.unlink(path)
+                os.unlink(_tmp_rel(path), dir_fd=layout.anchor())
     for q in _QUANTA:
         if got // q == want // q:
             return q
-    raise CacheDirError(f"the file system of {folder} does not keep file times ({want} ns stored, {got} read "
+    raise CacheDirError(f"the file system of {layout.tmp} does not keep file times ({want} ns stored, {got} read "
                         "back), which the cache uses to tell file versions apart: set cache_dir= (or "
                         "$UCMAGIC_CACHE_DIR) to a directory on a local disk")
 
@@ -461,27 +463,36 @@ def _check_size(n: int, size: int) -> None:
         raise OSError(errno.EIO, f"copied {n} bytes, the listing says {size}: the file changed while being read")
 
 
-_unnamed = {"ok": hasattr(os, "O_TMPFILE") and os.path.isdir("/proc/self/fd"), "root": -1}
+_PROC_FD = os.path.isdir("/proc/self/fd")  # a descriptor of this process's own has a name there
+_unnamed = {"ok": hasattr(os, "O_TMPFILE") and _PROC_FD}
+_FILES = "files/"  # entries, relative to the cache root
+_TMP = "tmp"
 
 
-def _open_unnamed(folder: str) -> int:
-    """A new unnamed file (``O_TMPFILE``) in ``folder``, or -1 where the file system has none."""
+def _tmp_rel(tmp: str) -> str:
+    """The name under the cache root of the temp file at ``tmp`` (a :meth:`CacheLayout.tmp_path`)."""
+    return _TMP + "/" + os.path.basename(tmp)
+
+
+def _create_tmp(layout: CacheLayout, tmp: str) -> int:
+    """Make the new temp file ``tmp`` (a :meth:`CacheLayout.tmp_path`) through the cache root's descriptor
+    (:meth:`CacheLayout.at_root`): never one that exists, never through a link; its descriptor, open for writing."""
+    name = _tmp_rel(tmp)
+    return layout.at_root(lambda root: os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_NOFOLLOW | os.O_CLOEXEC,
+                                               0o600, dir_fd=root))
+
+
+def _open_unnamed(layout: CacheLayout) -> int:
+    """A new unnamed file (``O_TMPFILE``) in ``tmp/`` of the cache root, through its descriptor
+    (:meth:`CacheLayout.at_root`: ``tmp/`` or the directory removed by hand is made anew), or -1 where the file
+    system has none."""
     if not _unnamed["ok"]:
         return -1
+    flags = os.O_TMPFILE | os.O_WRONLY | os.O_CLOEXEC
     try:
-        return os.open(folder, os.O_TMPFILE | os.O_WRONLY, 0o600)
-    except FileNotFoundError:  # tmp/ removed under us (a cleared cache directory)
-        os.makedirs(folder, mode=0o700, exist_ok=True)
-        return os.open(folder, os.O_TMPFILE | os.O_WRONLY, 0o600)
+        return layout.at_root(lambda root: os.open(_TMP, flags, 0o600, dir_fd=root))
     except OSError as e:
         if e.errno in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
             _unnamed["ok"] = False  # e.g. a network file system: a named temp file instead
             return -1
         raise
-
-
-def _link_unnamed(fd: int, path: str) -> None:
-    """Give the unnamed file ``fd`` the new name ``path``."""
-    if _unnamed["root"] < 0:
-        _unnamed["root"] = os.open("/", os.O_RDONLY)  # a directory fd makes os.link call linkat(FOLLOW)
-    os.link(f"/proc/self/fd/{fd}", path, src_dir_fd=_unnamed["root"], follow_symlinks=True)

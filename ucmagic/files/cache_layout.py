@@ -28,11 +28,12 @@ import itertools
 import os
 import re
 import shutil
+import threading
 import time
-from typing import Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence, TypeVar
 
 from ..errors import CacheDirError, UnsafeCacheError
-from .locks import check_own_entries, file_lock, open_private, private_dir, process_tag, tag_alive
+from .locks import CheckedDir, check_own_entries, file_lock, open_private, private_dir, process_tag, tag_alive
 
 TMP_STALE_S = 6 * 3600.0  # a temp file whose writer cannot be identified is dropped after this long
 SUBDIRS = ("files", "tmp", "locks", "prot")
@@ -252,9 +253,28 @@ def serial() -> int:
 
 # ---------------------------------------------------------------- the directory
 
+_T = TypeVar("_T")
+_anchors: dict[str, CheckedDir] = {}  # cache root -> the root opened by this process
+_anchors_mu = threading.Lock()
+
+
+def _forget_anchors() -> None:
+    """In a forked child: its copies of the parent's root descriptors are closed; it opens and checks its own."""
+    global _anchors_mu
+    _anchors_mu = threading.Lock()
+    for d in _anchors.values():
+        d.close()
+    _anchors.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_anchors)
+
+
 class CacheLayout:
     """The directories of one cache root: made (private, checked) on creation; paths of entries and
-    temp files; reaping of what dead writers and the old layout left."""
+    temp files; reaping of what dead writers and the old layout left. Fills create below the root
+    through :meth:`anchor`, the root's descriptor (opened once per process and checked), never by path."""
 
     def __init__(self, root: str) -> None:
         self.root = root
@@ -287,6 +307,35 @@ class CacheLayout:
             raise
         except OSError as exc:
             raise self.unusable(exc) from exc
+
+    def anchor(self, *, again: bool = False) -> int:
+        """The cache root's directory descriptor in this process, opened once and checked (a real folder of
+        this user's that no one else may write to, nor to a folder above it: :class:`CheckedDir`): fills make
+        their temp files, folders and names relative to it (``dir_fd``, no link followed), so a root renamed
+        and replaced by a link afterwards cannot receive them. ``again``: the root was removed and made anew."""
+        got = _anchors.get(self.root)  # no system call on the fill path: a forked child forgets the parent's
+        if got is not None and not again:
+            return got.fd
+        with _anchors_mu:
+            got = _anchors.get(self.root)
+            if got is not None and not again:
+                return got.fd
+            if again:
+                self.ensure()
+            fresh = CheckedDir.open(self.root, what="cache directory",
+                                    fix="use a directory of your own with cache_dir= or $UCMAGIC_CACHE_DIR")
+            _anchors[self.root] = fresh
+            if got is not None:  # the removed root's: fills holding it finish on the new one (anchor again)
+                got.close()
+            return fresh.fd
+
+    def at_root(self, op: Callable[[int], _T]) -> _T:
+        """``op(root descriptor)``; where it finds nothing (``FileNotFoundError``: ``tmp/`` or the whole cache
+        directory removed by hand meanwhile), the directory is made anew, opened again and ``op`` retried once."""
+        try:
+            return op(self.anchor())
+        except FileNotFoundError:
+            return op(self.anchor(again=True))
 
     @contextlib.contextmanager
     def evicting(self, shared: bool = False) -> Iterator[None]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import abc
 import builtins  # `list` in Volume annotations is the method
+import os
 from typing import Any, Iterator
 
 from . import ranged
@@ -54,6 +55,14 @@ class Volume(abc.ABC):
         """A local path to read ``rel`` from directly with plain reads, or None where reads must go
         through :meth:`copy_to` (remote storage, and the simulator, whose reads carry its latency)."""
         return None
+
+    def open_local(self, rel: str) -> int | None:
+        """A read descriptor of ``rel`` where :meth:`local_file` gives a local path (None elsewhere), opened
+        the way every copy opens it: a backend whose files are local checks the opened file against
+        :attr:`follow_symlinks` here (``LocalVolume``: it must lie inside the root), so a file swapped for a
+        link after the listing is refused when it is read. Default: a plain open of :meth:`local_file`."""
+        path = self.local_file(rel)
+        return None if path is None else os.open(path, os.O_RDONLY | os.O_CLOEXEC)
 
     @classmethod
     def from_path(cls, path: str, storage_options: dict[str, Any] | None = None) -> Volume:
@@ -154,8 +163,9 @@ class Volume(abc.ABC):
         return self.uri.rstrip("/") + ("/" + rel if rel else "")
 
     def _tuning(self) -> dict[str, Any]:
-        """Range settings set on this instance (they travel with it to worker processes)."""
-        return {k: v for k, v in vars(self).items() if k.startswith("range_")}
+        """Range settings and the link policy set on this instance (they travel with it to worker processes,
+        which check each file they open against that policy)."""
+        return {k: v for k, v in vars(self).items() if k.startswith("range_") or k == "follow_symlinks"}
 
     def empty_listing_error(self, pattern: str | None) -> EmptyListingError:
         """The error for a listing of this volume that matched nothing."""

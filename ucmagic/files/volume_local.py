@@ -16,7 +16,8 @@ from .._util import (FILL_BUFFER, LOCAL_DISK_FS, DaemonPool, copy_fds, mount_fs_
 from .locks import refuse_links_below
 from ..errors import SourceNotADirectoryError, UnreadableDirectoryError, UnsafeSourceError
 from .entries import DirScan, FileEntry, compile_pattern, filter_entries
-from .local_files import FdReader, local_names, local_put, local_remove, local_remove_tree, local_rename, writable_rel
+from .local_files import (FdReader, local_names, local_put, local_remove, local_remove_tree, local_rename,
+                          open_beneath, writable_rel)
 from .local_paths import existing_local_path
 from .volume_base import Volume, check_unchanged
 
@@ -163,8 +164,9 @@ class LocalVolume(Volume):
     def copy_to(self, rel: str, dest: str, *, expect: FileEntry | None = None) -> int:
         if expect is not None and expect.size >= self.range_threshold:
             return self.ranged_copy(rel, dest, expect)
-        # the descriptors stay ours: the source's is fstat-ed after the copy (the one local copy loop: copy_fds)
-        fsrc = os.open(os.path.join(self.root, rel), os.O_RDONLY | os.O_CLOEXEC)
+        # the descriptors stay ours: the source's is checked when opened (open_local) and fstat-ed after the
+        # copy (the one local copy loop: copy_fds)
+        fsrc = open_checked(self, rel)
         try:
             fdst = open_emptied(dest)
             try:
@@ -179,7 +181,10 @@ class LocalVolume(Volume):
         return n
 
     def range_reader(self, rel: str) -> ranged.RangeReader:
-        return FdReader(os.path.join(self.root, rel))
+        return FdReader(self._path(rel), fd=open_checked(self, rel))
+
+    def open_local(self, rel: str) -> int | None:
+        return None if self.local_file(rel) is None else open_checked(self, rel)
 
     def _path(self, rel: str) -> str:
         return os.path.join(self.root, *rel.split("/")) if rel else self.root
@@ -202,7 +207,7 @@ class LocalVolume(Volume):
         local_put(self._target(rel), src=local_path)
 
     def read_bytes(self, rel: str) -> bytes:
-        with open(self._path(rel), "rb") as f:
+        with open(open_checked(self, rel), "rb") as f:
             return f.read()
 
     def exists(self, rel: str) -> bool:
@@ -222,6 +227,15 @@ class LocalVolume(Volume):
 
     def list_names(self, rel: str) -> builtins.list[str]:
         return local_names(self._path(rel))
+
+
+def open_checked(vol: LocalVolume, rel: str) -> int:
+    """A read descriptor of ``rel`` of ``vol``, checked as the listing checked it (:attr:`Volume.follow_symlinks`):
+    under ``"inside"`` the file actually opened must lie inside the root (:func:`open_beneath`), on every copy."""
+    real_root = vol.__dict__.get("_real_root")
+    if real_root is None:  # the root with every link in its own path resolved: what an opened file lies under
+        real_root = vol.__dict__["_real_root"] = os.path.realpath(vol.root)
+    return open_beneath(real_root, rel, vol.follow_symlinks)
 
 
 def link_allowed(path: str, root: str, follow_symlinks: str) -> bool:

@@ -26,8 +26,9 @@ from typing import IO, Any, Iterable, Iterator, Sequence, overload
 
 import numpy as np
 
-from .._util import atomic_write, gc_paused
+from .._util import gc_paused, is_integer
 from ..errors import ShardFormatError
+from ..files.entries import is_safe_rel
 
 FORMAT = "ucmagic.shards"
 VERSION = 1
@@ -75,11 +76,16 @@ class MemberColumns(Sequence[Member]):
 
     @classmethod
     def from_rows(cls, rows: Sequence[Sequence[Any]]) -> "MemberColumns":
-        """From an index's ``[key, ext, data_offset, size]`` rows (one transpose)."""
+        """From an index's ``[key, ext, data_offset, size]`` rows (one transpose); offsets and sizes must be
+        integers (``ValueError`` otherwise: a string, float or number past 64 bits is not coerced)."""
         if not rows:
             return cls([], [], [], [])
         keys, exts, offsets, sizes = zip(*rows)
-        return cls(map(str, keys), map(str, exts), offsets, sizes)
+        offs, lens = np.array(offsets), np.array(sizes)
+        if offs.dtype.kind not in "iub" or lens.dtype.kind not in "iub" or offs.dtype == np.uint64 \
+                or lens.dtype == np.uint64:
+            raise ValueError("member offsets and sizes must be integers below 2**63")
+        return cls(map(str, keys), map(str, exts), offs, lens)
 
     def rows(self) -> list[list[Any]]:
         """The ``[key, ext, data_offset, size]`` rows an index stores."""
@@ -218,6 +224,9 @@ def scan_tar(source: str | os.PathLike[str] | IO[bytes] | io.RawIOBase, name: st
         with tarfile.open(fileobj=source, mode="r:") as tf:
             for info in tf:  # TarFile.next() seeks past each member's data
                 end = info.offset_data + info.size
+                if info.isreg() and info.size < 0:  # a base-256 size field can say anything
+                    raise ShardFormatError(f"{where} is damaged: member {info.name!r} (header at byte {info.offset}) "
+                                           f"claims {info.size} bytes of data: copy or write the shard again")
                 if info.isreg() and not info.issparse() and end > size:
                     raise ShardFormatError(
                         f"{where} is truncated: member {info.name!r} (header at byte {info.offset}) has "
@@ -278,22 +287,62 @@ def dumps_index(shards: Iterable[ShardInfo]) -> bytes:
 
 
 def loads_index(data: bytes | str, where: str = INDEX_NAME) -> list[ShardInfo]:
-    """Parse an index's JSON text; a foreign or newer format raises ``ValueError`` naming ``where``."""
+    """Parse an index's JSON text; a foreign or newer format raises ``ValueError`` naming ``where``.
+
+    Every field is data someone else may have written: a shard's name must be a plain relative path, its
+    size a non-negative integer, and each member's data range (offset, size) must lie inside its shard, or
+    :class:`~ucmagic.errors.ShardFormatError` names the shard and member (before any read or allocation)."""
     with gc_paused():  # hundreds of thousands of short-lived lists and numbers, none in a cycle
-        doc = json.loads(data)
+        try:
+            doc = json.loads(data)
+        except (ValueError, RecursionError) as exc:
+            raise ShardFormatError(f"{where} is not a ucmagic shard index: {exc}; re-run pack") from None
         if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-            raise ValueError(f"{where} is not a ucmagic shard index (format {FORMAT!r} expected)")
+            raise ShardFormatError(f"{where} is not a ucmagic shard index (format {FORMAT!r} expected)")
         if doc.get("version") != VERSION:
-            raise ValueError(f"{where} has shard index version {doc.get('version')!r}; "
+            raise ShardFormatError(f"{where} has shard index version {doc.get('version')!r}; "
                              f"this ucmagic reads version {VERSION}: upgrade ucmagic or re-run pack")
-        return [ShardInfo(s["name"], int(s["size"]), int(s["samples"]), MemberColumns.from_rows(s["members"]))
-                for s in doc["shards"]]
+        shards = doc.get("shards")
+        if not isinstance(shards, list):
+            raise ShardFormatError(f"{where} lists no shards; re-run pack")
+        return [_checked_shard(s, where) for s in shards]
+
+
+def _checked_shard(s: Any, where: str) -> ShardInfo:
+    """One shard entry of an index, checked (see :func:`loads_index`)."""
+    fix = "the index does not match its shards (damaged, or written by someone else): re-run pack"
+    if not isinstance(s, dict) or not isinstance(s.get("name"), str) or not is_safe_rel(s["name"]):
+        given = s.get("name") if isinstance(s, dict) else s
+        raise ShardFormatError(f"{where} names the shard {given!r}, not a plain path under its folder: {fix}")
+    name: str = s["name"]
+    size_v: Any = s.get("size")
+    samples: Any = s.get("samples")
+    rows: Any = s.get("members")
+    if not is_integer(size_v) or not 0 <= size_v < 1 << 62 or not is_integer(samples) or not isinstance(rows, list):
+        raise ShardFormatError(f"{where}: the entry of {name} has size {size_v!r}, samples {samples!r}: {fix}")
+    size = int(size_v)
+    try:
+        if not all(isinstance(r, list) and len(r) == 4 and isinstance(r[0], str) and isinstance(r[1], str)
+                   for r in rows):
+            raise ValueError("a member is not [key, ext, offset, size]")
+        cols = MemberColumns.from_rows(rows) if rows else MemberColumns([], [], [], [])
+    except (ValueError, TypeError, OverflowError) as exc:
+        raise ShardFormatError(f"{where}: the members of {name} cannot be read ({exc}): {fix}") from None
+    offs, sizes = cols.offsets, cols.sizes
+    bad = np.flatnonzero((offs < 0) | (sizes < 0) | (offs > size - sizes))
+    if len(bad):
+        i = int(bad[0])
+        raise ShardFormatError(f"{where}: member {cols.keys[i]}.{cols.exts[i]} of {name} has {int(sizes[i])} bytes "
+                               f"at byte {int(offs[i])}, outside the shard's {size} bytes: {fix}")
+    return ShardInfo(name, size, int(samples), cols)
 
 
 def write_index(dest: str | os.PathLike[str], shards: Iterable[ShardInfo]) -> str:
     """Write ``<dest>/index.json`` atomically (readers see the old index or the new); return its path."""
+    from ..files.locks import write_atomically
+
     path = os.path.join(os.fspath(dest), INDEX_NAME)
-    atomic_write(path, dumps_index(shards), sync=True)
+    write_atomically(path, dumps_index(shards), sync=True)  # through the folder's descriptor while it is held
     return path
 
 

@@ -36,6 +36,7 @@ from ..errors import FetchError, PackError, SourceChangedError
 from ..files.fetch import with_retries
 from ..progress import Progress
 from ..units import parse_size
+from ..files.locks import replace_held, unlink_held
 from ..files.volume import Volume, copy_error, open_volume, resolve_local_path
 # The pack's parts, by concern (all names stay importable from here)
 from .pack_plan import (BLOCK, RECORD, SHARD_NAME, PlannedMember, PlannedShard, TreeSamples, build_shard, group_files,
@@ -151,13 +152,13 @@ def _write_tree_shard(vol: Volume, shard: PlannedShard, dest: str, state: PackSt
         f.flush()
         os.fsync(f.fileno())
         f.close()
-        os.replace(tmp, os.path.join(dest, shard.name))
+        replace_held(tmp, os.path.join(dest, shard.name))  # through the destination's descriptor
     except BaseException:
         for _, fut in window:
             fut.cancel()
         f.close()
         with contextlib.suppress(OSError):
-            os.unlink(tmp)
+            unlink_held(tmp)
         raise
     state.complete(shard)
 

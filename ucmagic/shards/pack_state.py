@@ -12,7 +12,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._util import O_NOFOLLOW, atomic_write, fsync_dir, is_remote_url
+from .._util import fsync_dir, is_remote_url
 from ..errors import PackError
 from ..units import format_size
 from ..files.volume import Volume, resolve_local_path
@@ -112,11 +112,13 @@ def prepare_dest(dest: str) -> dict[str, dict[str, Any]]:
     names = _check_ours(dest)
     from ..files.locks import pid_running
 
+    from ..files.locks import unlink_held
+
     for n in names:  # temp files of a killed run (its pid no longer runs)
         pid = _temp_pid(n)
         if pid is not None and not pid_running(pid):
             with contextlib.suppress(OSError):
-                os.unlink(os.path.join(dest, n))
+                unlink_held(os.path.join(dest, n))
     try:
         with open(os.path.join(dest, STATE_NAME), "rb") as f:
             doc = json.loads(f.read())
@@ -135,7 +137,9 @@ class PackState:
         self.mu = threading.Lock()
 
     def save(self) -> None:
-        atomic_write(self.path, json.dumps({"version": 1, "shards": self.done}, sort_keys=True).encode(), sync=True)
+        from ..files.locks import write_atomically
+
+        write_atomically(self.path, json.dumps({"version": 1, "shards": self.done}, sort_keys=True).encode(), sync=True)
 
     def complete(self, shard: PlannedShard) -> None:
         with self.mu:
@@ -160,8 +164,11 @@ def tmp_name(dest: str, name: str) -> str:
 
 
 def open_new(path: str) -> Any:
-    """``path`` opened for writing as a new file (``O_EXCL``), never through a symbolic link."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    """``path`` opened for writing as a new file (``O_EXCL``), never through a symbolic link, through the
+    destination's descriptor while the pack holds it (:func:`dest_lock`)."""
+    from ..files.locks import create_new
+
+    fd = create_new(path, 0o644)
     try:
         return open(fd, "wb", buffering=1 << 20)  # the caller closes it (a module-level open: tests patch it)
     except BaseException:
@@ -175,24 +182,32 @@ def _write_index(dest: str, shards: Sequence[ShardInfo], classes: list[str] | No
     (readers of the format ignore fields they do not know)."""
     if classes is None:
         return write_index(dest, shards)
+    from ..files.locks import write_atomically
+
     doc = json.loads(dumps_index(shards))
     doc["classes"] = classes
     path = os.path.join(dest, INDEX_NAME)
-    atomic_write(path, json.dumps(doc, separators=(",", ":")).encode(), sync=True)
+    write_atomically(path, json.dumps(doc, separators=(",", ":")).encode(), sync=True)
     return path
 
 
 @contextlib.contextmanager
 def dest_lock(dest: str, allow_shared: bool = False) -> Iterator[None]:
     """One pack at a time per destination: a second one waits for the first, then finds its shards.
-    A destination of another user's or writable by others is refused unless ``allow_shared``."""
-    from ..files.locks import check_write_dest, file_lock
+    A destination of another user's or writable by others (or below a folder others may write to) is
+    refused unless ``allow_shared``. While the pack runs the destination is held open (:func:`~ucmagic.
+    files.locks.hold_dir`): its shards, index and state are made and renamed through that descriptor."""
+    from ..files.locks import check_write_dest, file_lock, hold_dir, release_dir
 
     _check_ours(dest)  # before the lock file is made: a refused directory is left as it was
-    os.makedirs(dest, exist_ok=True)
+    os.makedirs(dest, mode=0o755, exist_ok=True)
     check_write_dest(dest, allow_shared=allow_shared, what="pack destination")
-    with file_lock(os.path.join(dest, LOCK_NAME)):
-        yield
+    hold_dir(dest, shared_ok=allow_shared, what="pack destination")
+    try:
+        with file_lock(os.path.join(dest, LOCK_NAME)):
+            yield
+    finally:
+        release_dir(dest)
 
 
 def _check_ours(dest: str) -> list[str]:

@@ -16,6 +16,7 @@ from ..progress import Progress
 from ..files.volume import is_safe_rel
 from .index import Member, ShardInfo, split_key
 from .pack_plan import SHARD_NAME, PlannedMember, index_member, member_digest, padded, tar_size
+from ..files.locks import replace_held, unlink_held
 from .pack_state import (SHARD_RE, PackState, PackSummary, begin_run, end_run, is_complete, open_new, prepare_dest,
                          raise_if_disk_full, tmp_name)
 
@@ -168,7 +169,7 @@ class _TableShard:
         self.f.flush()
         os.fsync(self.f.fileno())
         self.f.close()
-        os.replace(self.tmp, os.path.join(self.dest, self.name))
+        replace_held(self.tmp, os.path.join(self.dest, self.name))  # through the destination's descriptor
         with state.mu:
             state.done[self.name] = {"size": self.size, "digest": self.digest}
             state.save()
@@ -178,7 +179,7 @@ class _TableShard:
             with contextlib.suppress(OSError):
                 self.f.close()
             with contextlib.suppress(OSError):
-                os.unlink(self.tmp)
+                unlink_held(self.tmp)
 
     def info(self) -> ShardInfo:
         return ShardInfo(self.name, self.size, self.samples, tuple(self.members))

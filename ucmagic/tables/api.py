@@ -24,6 +24,7 @@ from .sources import (DATA_EXTS, MANIFEST, Source, TableName, active_spark, arro
                       is_spark_dataframe, list_tables, looks_like_table_name, parse_table_name, read_manifest,
                       resolve_path_source, resolve_source, select_columns, table_path)
 from .spark_source import spark_dataframe
+from .table_io import TableFiles
 from ..units import format_size, parse_size
 
 
@@ -54,16 +55,19 @@ def estimate_memory(src: Source, columns: Sequence[str] | None, limit: int | Non
     if src.kind not in ("parquet", "delta") or src.remote:
         return None
     files = src.paths
+    root = src.root
     want = set(columns or [])
     if src.kind == "delta":
         snap = sources.delta_snapshot(src)
-        files = [f.path for f in snap.files]
+        files, root = [f.path for f in snap.files], snap.root
         if want and snap.mapping_mode != "none":  # the footers name columns physically
             want = {snap.fields.get(c, {}).get("metadata", {}).get("delta.columnMapping.physicalName", c)
                     for c in want}
     total = rows = 0
+    opener = TableFiles(root)  # footers read as the data will be: no link out of the table
     for f in files:
-        md = pq.read_metadata(f)
+        with opener.open(f) as fh:
+            md = pq.read_metadata(fh)
         rows += md.num_rows
         for g in range(md.num_row_groups):
             rg = md.row_group(g)
@@ -116,10 +120,13 @@ def load_table(name_or_path: Any, *, columns: Sequence[str] | None = None, limit
             con = connect()
             try:
                 rel = duckdb_relation(con, src)
+                sandbox_files(con, src)  # a filter= (or a column name) runs with file access off, as every other
 
                 def reopen() -> tuple[Any, Any]:
                     other = connect()
-                    return duckdb_relation(other, src), other.close
+                    out = duckdb_relation(other, src)
+                    sandbox_files(other, src)
+                    return out, other.close
 
                 rel, close = filter_relation(con, rel, RowFilter.of(filter, rel.columns), reopen)
                 try:
@@ -284,3 +291,11 @@ def _to_pandas(data: Any) -> Any:
         return src.obj
     t = _to_arrow(data)
     return t.to_pandas() if hasattr(t, "to_pandas") else t.read_all().to_pandas()
+
+
+def sandbox_files(con: Any, src: Any) -> None:
+    """Before a ``filter=`` runs on ``con`` over the files of ``src`` (a CSV or Parquet source DuckDB reads
+    itself): DuckDB may read those files and nothing else (``enable_external_access=false``: the filter's SQL
+    cannot read, write or attach other files, as a query's cannot; :func:`~ucmagic.tables.sources.restrict_sql`)."""
+    if src.kind in ("csv", "parquet") and not src.remote and src.paths:
+        sources.restrict_sql(con, list(src.paths))

@@ -35,10 +35,11 @@ from ..errors import (EmptyListingError, ExportOverlapError, SourceNotADirectory
                       UCMagicError, UnsupportedSourceError)
 from .predicate import RowFilter, filter_relation, spark_filter
 from .sources import (MANIFEST, Source, connect, delta_files, duckdb_relation, is_data_path, remember_export,
+                      restrict_sql,
                       resolve_source, volume_manifest)
 from .spark_source import spark_dataframe
 from ..units import format_size, parse_size
-from ..files.locks import check_write_dest
+from ..files.locks import check_write_dest, held, hold_dir, release_dir
 from ..files.volume import FsspecVolume, Volume, resolve_local_path, volume_class
 from .journal import recover_destination, remove_journal, roll_back, staging_path, sweep_staging, write_journal
 
@@ -105,13 +106,16 @@ _RENAME_EXCHANGE = 2
 
 
 def _exchange(a: str, b: str) -> bool:
-    """Atomically swap two paths (Linux renameat2). False when the OS or filesystem cannot."""
+    """Atomically swap two paths (Linux renameat2), through their folder's descriptor where it is held
+    (:func:`~ucmagic.files.locks.hold_dir`). False when the OS or filesystem cannot."""
     try:
         fn = ctypes.CDLL(None, use_errno=True).renameat2
     except (AttributeError, OSError):
         return False
     fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+    (fa, na), (fb, nb) = held(a), held(b)
+    if fn(_AT_FDCWD if fa is None else fa, os.fsencode(na), _AT_FDCWD if fb is None else fb, os.fsencode(nb),
+          _RENAME_EXCHANGE) == 0:
         return True
     err = ctypes.get_errno()
     if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EPERM):
@@ -119,11 +123,18 @@ def _exchange(a: str, b: str) -> bool:
     raise OSError(err, f"cannot swap {a} and {b}: {os.strerror(err)}")
 
 
+def _rename(src: str, dst: str) -> None:
+    """``os.rename`` of two names in one folder, through its descriptor where it is held."""
+    (fs, ns), (fd, nd) = held(src), held(dst)
+    os.rename(ns, nd, src_dir_fd=fs, dst_dir_fd=fd)
+
+
 def swap_in(staging: str, dest: str) -> str | None:
-    """Make ``staging`` appear at ``dest`` in one step. Returns the old version's path to delete."""
+    """Make ``staging`` appear at ``dest`` in one step (both in the destination's parent, through its
+    descriptor while the export holds it). Returns the old version's path to delete."""
     if not os.path.lexists(dest):
         try:
-            os.rename(staging, dest)
+            _rename(staging, dest)
             return None
         except OSError as e:
             if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
@@ -133,8 +144,8 @@ def swap_in(staging: str, dest: str) -> str | None:
     if _exchange(staging, dest):
         return staging
     old = staging_path(dest, "old", uuid.uuid4().hex[:8])
-    os.rename(dest, old)  # no atomic exchange here: dest is missing for the instant between the renames
-    os.rename(staging, dest)
+    _rename(dest, old)  # no atomic exchange here: dest is missing for the instant between the renames
+    _rename(staging, dest)
     return old
 
 
@@ -215,6 +226,32 @@ def _finish_staging(staging: str, export_id: str, rename: bool) -> list[str]:
     return sorted(out)
 
 
+def _publish_local(write: Any, staging: str, dest: str, export_id: str, mode: str, *,
+                   renumber: bool) -> tuple[list[str], int, int]:
+    """``write(staging)`` (the engine's files), then the staged files into ``dest``: swapped in whole
+    (:func:`swap_in`) or added beside its files (``mode="append"``); ``(files, rows, bytes)``. A failure on the way
+    removes the staging folder; the old version goes once the new one is in place."""
+    old = None
+    try:
+        write(staging)
+        if not os.path.isdir(staging):
+            os.makedirs(staging)
+        rels = _finish_staging(staging, export_id, rename=renumber)
+        rows, size = _count(staging, rels)
+        if mode == "error" and _non_empty(dest):
+            raise FileExistsError(f"{dest} was created by someone else during the export; nothing was changed")
+        if mode == "append":
+            _append_in(staging, rels, dest, export_id)
+        else:
+            old = swap_in(staging, dest)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    if old:
+        shutil.rmtree(old, ignore_errors=True)
+    return rels, rows, size
+
+
 def _append_in(staging: str, rels: list[str], dest: str, export_id: str) -> None:
     """Move the staged files into ``dest`` beside the files already there, all or nothing for ucmagic's
     readers: the journal naming them is written first and removed last (see :mod:`.journal`); a failure
@@ -283,6 +320,8 @@ def _write_duckdb(src: Source, staging: str, target: int, cols: list[str], memor
     close: Any = con.close  # replaced by the filter's (a second connection for an expression)
     try:
         rel = duckdb_relation(con, src, writable=[staging])
+        if src.kind in ("csv", "parquet") and not src.remote and src.paths:  # a filter= with file access off
+            restrict_sql(con, [staging, *src.paths])
 
         def reopen() -> tuple[Any, Any]:
             other = connect(memory_limit, threads)
@@ -497,29 +536,24 @@ def export_parquet(source: Any, dest: str | os.PathLike[str], *, target_file_siz
     check_write_dest(parent, allow_shared=allow_shared_dest, sticky_ok=True, what="folder of the export destination")
     if os.path.lexists(dest):
         check_write_dest(dest, allow_shared=allow_shared_dest, what="export destination")
-    sweep_leftovers(dest)
-    staging = staging_path(dest, "staging", export_id)
-    old = None
+    # the parent is held open while the export writes: its private staging folder is made, and swapped in,
+    # through that descriptor (an engine writes by path, but only inside the folder made that way)
+    hold_dir(parent, shared_ok=allow_shared_dest, sticky_ok=True, what="folder of the export destination")
     try:
-        if spark:
-            _write_spark(src, staging, target, cols, compression, filter)
-        else:
-            _write_duckdb(src, staging, target, cols, memory_limit, threads, compression, filter)
-        if not os.path.isdir(staging):
-            os.makedirs(staging)
-        rels = _finish_staging(staging, export_id, rename=not spark)
-        rows, size = _count(staging, rels)
-        if mode == "error" and _non_empty(dest):
-            raise FileExistsError(f"{dest} was created by someone else during the export; nothing was changed")
-        if mode == "append":
-            _append_in(staging, rels, dest, export_id)
-        else:
-            old = swap_in(staging, dest)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    if old:
-        shutil.rmtree(old, ignore_errors=True)
+        sweep_leftovers(dest)
+        staging = staging_path(dest, "staging", export_id)
+        fd, name = held(staging)
+        os.mkdir(name, 0o700, dir_fd=fd)
+
+        def write(staging: str) -> None:
+            if spark:
+                _write_spark(src, staging, target, cols, compression, filter)
+            else:
+                _write_duckdb(src, staging, target, cols, memory_limit, threads, compression, filter)
+
+        rels, rows, size = _publish_local(write, staging, dest, export_id, mode, renumber=not spark)
+    finally:
+        release_dir(parent)
     files = [os.path.join(dest, r) for r in rels]
     remember_export(dest)  # a later SQL query of this process may read what it wrote
     return ExportResult(dest, files, rows, size, time.perf_counter() - t0, "spark" if spark else "duckdb")

@@ -260,6 +260,12 @@ def load_index(path: str, files: Sequence[TableFile], groups: Sequence[int]) -> 
         return False
     if len(rows) != sum(groups) or len(stored) != len(rows) or len(lens) != len(rows):
         return False
+    # a file like any other: each row group's bitmap must hold exactly its stored rows, its kept count lie
+    # within them, and the bitmaps fit the array, or the index is built again (never read out of range)
+    if (stored < 0).any() or (rows < 0).any() or (rows > stored).any() \
+            or ((lens >= 0) & (lens != (stored + 7) // 8)).any() or (lens < -1).any() \
+            or int(np.maximum(lens, 0).sum()) != len(bits):
+        return False
     g = at = 0
     for f, n in zip(files, groups):
         kept: list[np.ndarray | None] = []

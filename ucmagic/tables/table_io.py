@@ -15,6 +15,7 @@ import threading
 from typing import Any
 
 from .._util import is_url
+from ..errors import SourceNotFoundError
 from ..files.ranged import RangedFile
 from ..files.volume import FileEntry, Volume, open_volume
 
@@ -27,6 +28,12 @@ def _split(path: str) -> tuple[str, str]:
         head, _, name = path.rstrip("/").rpartition("/")
         return head, name
     return os.path.dirname(path) or ".", os.path.basename(path)
+
+
+def _missing(path: str, exc: OSError) -> SourceNotFoundError:
+    """The error for a file of the table that is not there (a ``FileNotFoundError`` still)."""
+    return SourceNotFoundError(f"{path}, a file of the table, does not exist ({exc.strerror or exc}): the table "
+                               "changed while being read, or its log names a file that is gone")
 
 
 class VolumeFile(RangedFile):
@@ -58,6 +65,8 @@ class TableFiles:
             vol = self._vols.get(folder)
         if vol is None:
             vol = open_volume(folder, self.storage_options)
+            if folder != self.root:  # a file named by itself (the user's, or an allowed Delta path): as named
+                vol.follow_symlinks = "all"
             with self._mu:
                 self._vols[folder] = vol
         return vol
@@ -75,7 +84,10 @@ class TableFiles:
 
     def stat(self, path: str) -> FileEntry:
         vol, rel = self.locate(path)
-        return vol.stat(rel)
+        try:
+            return vol.stat(rel)
+        except FileNotFoundError as exc:
+            raise _missing(path, exc) from None
 
     def local_file(self, path: str) -> str | None:
         """A local path to read ``path`` from directly, or None where reads go through the volume."""
@@ -86,9 +98,12 @@ class TableFiles:
         """A seekable binary file of ``path`` (plain reads where the volume has a local file, else ranged
         reads through the volume); the caller closes it."""
         vol, rel = self.locate(path)
-        local = vol.local_file(rel)
-        if local is not None:
-            return open(local, "rb")
+        try:
+            fd = vol.open_local(rel)  # a table's file is checked when opened: never a link out of the table
+        except FileNotFoundError as exc:
+            raise _missing(path, exc) from None
+        if fd is not None:
+            return open(fd, "rb")
         return VolumeFile(vol, rel, vol.stat(rel).size if size is None else size)  # unbuffered: exact ranges
 
     def read_range(self, path: str, offset: int, length: int) -> bytes:

@@ -218,6 +218,15 @@ class TableVolume(Volume):
         return {**self.__dict__, "entries": None}
 
     @property
+    def follow_symlinks(self) -> str:
+        """The base volume's link policy: it checks each file it opens against it (set through this view)."""
+        return self.base.follow_symlinks
+
+    @follow_symlinks.setter
+    def follow_symlinks(self, policy: str) -> None:
+        self.base.follow_symlinks = policy
+
+    @property
     def local_disk(self) -> bool:
         return self.base.local_disk
 
