@@ -6,7 +6,7 @@ import os
 import time
 import weakref
 from concurrent.futures import Future
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -231,9 +231,7 @@ class UCVolumeDataset(EpochTracking, IterableDataset[str]):
                                   skip=SkipPolicy(on_error, on_missing))
         self._leases = StreamLeases(self.cache)  # this object's stream leases (records) in each process
         self._consumed = ConsumptionChannel()  # items the loop finished, per worker stream
-        self._resume: dict[str, Any] | None = None
-        self._main_stream: EpochStream | None = None  # the main process's iteration (state_dict)
-        self._epoch_main = 0
+        self._stream_now: EpochStream | None = None  # this process's current (or last) iteration (state_dict)
         self._owner = ""  # the consuming process (set when pickled for DataLoader workers)
         self._seen: SeenEntries | None = None  # the cache entries this process found (warm lookups)
         self.cache.reap()  # protection and temp files left by dead processes go at once
@@ -258,17 +256,15 @@ class UCVolumeDataset(EpochTracking, IterableDataset[str]):
 
     def __getstate__(self) -> dict[str, Any]:
         st = self.__dict__.copy()  # the listing pickles as its file path
-        st["_seen"] = st["_main_stream"] = None  # per process
+        st["_seen"] = st["_stream_now"] = None  # per process
         if get_worker_info() is None:
             st["_owner"] = process_tag()  # workers protect items for the process that will consume them
         return st
 
     def __len__(self) -> int:
-        """Items this rank delivers in the coming epoch (the remainder after a resume)."""
-        world = dist_info().world
-        r = self._resume
-        todo = r["remaining"] if r is not None and r["epoch"] == self.epoch else len(self.listing)
-        return plan.per_rank(todo, world, self.partition)
+        """Items this rank delivers in a whole epoch: the same after a resume (which delivers fewer), as
+        torchdata's StatefulDataLoader keeps ``len()`` (trainers read it once to count an epoch's steps)."""
+        return plan.per_rank(len(self.listing), dist_info().world, self.partition)
 
     def __repr__(self) -> str:
         return (f"UCVolumeDataset({self.volume.display()!r}, files={len(self.listing)}, "
@@ -292,11 +288,15 @@ class UCVolumeDataset(EpochTracking, IterableDataset[str]):
 
         return order
 
+    def epoch_items(self, epoch: int) -> int:
+        """Items of a whole ``epoch`` (a resume's rest aside): what ``len()`` and the loader's length count."""
+        return len(self.listing)
+
     def epoch_plan(self, epoch: int) -> tuple[list[plan.Range], Any]:
         """(pool, order) for ``epoch``: the resumed remainder if a state was loaded for it."""
         world = dist_info().world
-        r = self._resume
-        if r is not None and r["epoch"] == epoch:
+        r = self._active_resume(epoch)
+        if r is not None:
             order = self._order(epoch, r["order_world"], r["shuffle"], r["order_local_world"])
             return [tuple(x) for x in r["pool"]], order
         shuffle = self._shuffle_mode(world)
@@ -305,8 +305,9 @@ class UCVolumeDataset(EpochTracking, IterableDataset[str]):
     def stream_items(self, epoch: int | None = None) -> StreamItems:
         """The calling (rank, worker) stream's items this epoch, in order, decoded chunk by chunk."""
         rank, world, _, _, worker, nworkers = dist_info()
-        pool, order = self.epoch_plan(self.epoch if epoch is None else epoch)
-        pos = plan.stream_positions(pool, world, rank, nworkers, worker, self.partition, self.batch_quantum)
+        ep = self.epoch if epoch is None else epoch
+        _, order = self.epoch_plan(ep)
+        pos = self._stream_ranges(ep, rank, world, worker, nworkers)
         return StreamItems(self.listing, pos, order, self.files.keys, self.space)
 
     # ------------------------------------------------------------ fetching
@@ -348,12 +349,13 @@ class UCVolumeDataset(EpochTracking, IterableDataset[str]):
         checks = None if self._checked is None else SourceChecks(self.volume, self._checked)
         lanes = EpochStream(EpochParts(items, lease, self.filler, self.volume, self.space, self._seen, checks),
                             main=main, depth=depth, timeout=self.timeout)
-        if main:
-            self._main_stream = lanes
+        self._stream_now = lanes
         abandoned = True  # until the stream is exhausted: an exception, break or close() leaves it
         try:
             yield from lanes.run()
             abandoned = False  # exhausted: the loop may still hold (and report) its last batches
+            if self._progress is not None:
+                self._progress.ended = True
         except Retired:
             pass  # ucmagic.DataLoader's loop left this iteration: nothing more is wanted of this stream
         finally:
@@ -376,9 +378,9 @@ class UCVolumeDataset(EpochTracking, IterableDataset[str]):
             epoch = self._worker_epoch(os.path.join(cache.root, "locks", f"epoch-{self._epoch_id}.lock"))
             owner = self._owner or process_tag(os.getppid())
         cache.records.drop_records(owner)  # records of this owner's exited workers: an earlier iteration's
+        self._open_progress(epoch)
+        self._stream_now = None
         items = self.stream_items(epoch)
-        if main:
-            self._epoch_main, self._main_stream = epoch, None
         slot = 0 if info is None else info.id
         return items, self._leases.open(items, owner, slot, policy=self.window_policy(),
                                         consumption=self._consumed.reader(slot), quantum=self.batch_quantum,
@@ -386,19 +388,12 @@ class UCVolumeDataset(EpochTracking, IterableDataset[str]):
 
     # ------------------------------------------------------------ resume
 
-    def state_dict(self) -> dict[str, Any]:
-        """What the training loop received so far in this epoch (single-process iteration).
+    def _sync_progress(self) -> None:
+        """The positions handed out so far (skipped files included) are the progress of this iteration."""
+        if self._progress is not None and self._stream_now is not None:
+            self._progress.count = self._stream_now.handed
 
-        With DataLoader workers or several ranks use ``ucmagic.DataLoader.state_dict()``, which
-        knows what reached the loop. The state is small and JSON-serialisable.
-        """
-        world = dist_info().world
-        if world > 1:
-            raise RuntimeError("UCVolumeDataset.state_dict() sees one rank only: use ucmagic.DataLoader.state_dict()")
-        delivered = 0 if self._main_stream is None else self._main_stream.handed
-        return self.make_state(self._epoch_main, [delivered], world=1, num_workers=1)
-
-    def make_state(self, epoch: int, delivered: list[int], *, world: int, num_workers: int) -> dict[str, Any]:
+    def make_state(self, epoch: int, delivered: Sequence[int], *, world: int, num_workers: int) -> dict[str, Any]:
         """Resume state after stream ``s`` delivered ``delivered[s]`` items of ``epoch``."""
         return self._planned_state(epoch, self.epoch_plan(epoch)[0], delivered, world=world, num_workers=num_workers,
                                    fingerprint=self.fingerprint, count=len(self.listing),

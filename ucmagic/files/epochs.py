@@ -27,6 +27,7 @@ workers) a kind declares in :class:`LoaderNeeds`, never through its name.
 from __future__ import annotations
 
 import inspect
+import secrets
 import sys
 import uuid
 import weakref
@@ -37,15 +38,17 @@ from . import plan
 from .locks import file_lock
 from ..dist import dist_info, local_world_size, worker_info
 from .._util import is_integer
-from ..errors import InvalidArgumentError, ListingChangedError, SplitTwiceError
+from ..errors import InvalidArgumentError, ListingChangedError, ResumeLayoutError, SplitTwiceError
 from .._shared import SharedInt, SharedInts
 from ..telemetry import SharedCounters
 
-__all__ = ["PlannedDataset", "ConsumptionSink", "EpochTracking", "LoaderNeeds", "StateSchema", "check_state_kind",
-           "stream_lengths", "wrapped_planned"]
+__all__ = ["PlannedDataset", "ConsumptionSink", "EpochTracking", "LoaderNeeds", "StateSchema", "StreamProgress",
+           "check_state_kind", "check_stream_layout", "stream_lengths", "wrapped_planned"]
 
-# shared epoch-sync slots: set_epoch was called / a ucmagic.DataLoader sets epochs / last iteration key / seen one
-_EXPLICIT, _MANAGED, _KEY, _SEEN = range(4)
+# shared epoch-sync slots: set_epoch was called / a ucmagic.DataLoader sets epochs / last iteration key / seen one /
+# the token of the loaded state armed for the next iteration (0: none) / the token an iteration took (it is spent
+# when the next iteration begins, whichever loader runs it)
+_EXPLICIT, _MANAGED, _KEY, _SEEN, _ARMED, _TAKEN = range(6)
 
 
 @dataclass(frozen=True)
@@ -98,6 +101,44 @@ class StateSchema:
             raise ListingChangedError(
                 f"{what} changed since this state was saved ({state[self.count]} {self.count} then, {count} now): "
                 "resume needs the same files; start a new epoch instead (set_epoch) or restore the files")
+
+
+@dataclass
+class StreamProgress:
+    """One process's iteration of a planned dataset: which stream of which epoch, and how far it got.
+
+    ``pool`` is the epoch's positions when the iteration began (all of them, or what a loaded state left);
+    the stream is ``(rank, worker)`` of ``world x num_workers`` cut with ``partition`` and ``quantum``;
+    ``base`` items of it came before (a stream state's resume), ``count`` were handed out since, and
+    ``ended`` says the stream ran out. ``single``: the only stream of its epoch (a plain loop on one rank).
+    """
+
+    epoch: int
+    pool: list[plan.Range]
+    world: int
+    rank: int
+    num_workers: int
+    worker: int
+    quantum: int
+    partition: str
+    base: int = 0
+    count: int = 0
+    ended: bool = False
+    single: bool = False
+
+
+def check_stream_layout(stream: Mapping[str, Any], kind: str) -> None:
+    """Raise :class:`~ucmagic.errors.ResumeLayoutError` unless one stream's state (``stream``: the ``world``,
+    ``rank``, ``num_workers`` and ``worker`` it was saved by) is loaded by that same stream now."""
+    d = dist_info()
+    saved = (int(stream["world"]), int(stream["rank"]), int(stream["num_workers"]), int(stream["worker"]))
+    if saved != (d.world, d.rank, d.num_workers, d.worker):
+        where = "the main process" if worker_info() is None else f"worker {d.worker} of {d.num_workers}"
+        raise ResumeLayoutError(
+            f"this {kind} state is one stream's own position (saved by worker {saved[3]} of {saved[2]} on rank "
+            f"{saved[1]} of {saved[0]}: what torchdata's StatefulDataLoader keeps per worker, or a plain loop on one "
+            f"of several ranks); it is loaded in {where} on rank {d.rank} of {d.world}. Resume it with the same "
+            "num_workers and world size, or save with ucmagic.DataLoader.state_dict(), whose states resume on any")
 
 
 def stream_lengths(ds: PlannedDataset, epoch: int, world: int, num_workers: int) -> list[int]:
@@ -162,6 +203,9 @@ class PlannedDataset(Protocol):
 
     def epoch_plan(self, epoch: int) -> tuple[list[tuple[int, int]], Any]:
         """``(pool, order)`` of ``epoch``: the position ranges still to deliver and the item order."""
+
+    def epoch_items(self, epoch: int) -> int:
+        """Items of a whole ``epoch`` (what a resume leaves of it aside): the loader's length counts them."""
 
     def make_state(self, epoch: int, delivered: Sequence[int], *, world: int, num_workers: int) -> dict[str, Any]:
         """Resume state after stream ``s`` (rank-major) delivered ``delivered[s]`` items of ``epoch``."""
@@ -260,11 +304,13 @@ class EpochTracking:
 
     def _init_epochs(self) -> None:
         self._epoch = SharedInt(0)
-        self._epoch_sync = SharedInts(4)
+        self._epoch_sync = SharedInts(6)
         self._epoch_id = uuid.uuid4().hex[:16]
         self._worker_iters = 0  # iterations this process's copy ran (persistent workers keep it)
-        self._fresh = True  # the next begin_epoch keeps the epoch (start, set_epoch, resume, hand-over)
-        self._resume: dict[str, Any] | None = None  # a loaded state, for the epoch it names
+        self._fresh = True  # the next begin_epoch keeps the epoch (start, set_epoch, resume)
+        self._handed = False  # a loader began this iteration in this process: the dataset's own __iter__ follows
+        self._resume: dict[str, Any] | None = None  # a loaded state, for the next iteration of the epoch it names
+        self._progress: StreamProgress | None = None  # this process's current (or last) iteration of the dataset
 
     @property
     def _epoch_explicit(self) -> bool:
@@ -281,6 +327,8 @@ class EpochTracking:
         self._epoch.value = int(epoch)
         self._epoch_explicit = True
         self._fresh = True
+        self._handed = False
+        self._progress = None
 
     @property
     def epoch(self) -> int:
@@ -294,6 +342,12 @@ class EpochTracking:
     def configure(self, *, batch_quantum: int, lease_items: int) -> None:
         """A ucmagic.DataLoader batches ``batch_quantum`` items and sets each iteration's epoch in the
         main process (workers only follow it); ``lease_items`` items per stream stay protected."""
+        r = self._resume
+        if r is not None and "stream" in r:
+            raise ResumeLayoutError(
+                f"this {self.kind} holds one stream's own state (a worker's under torchdata's StatefulDataLoader, "
+                "or a plain loop's on one of several ranks): ucmagic.DataLoader plans every stream itself; load a "
+                "state that ucmagic.DataLoader.state_dict() saved, or resume with the loader that saved this one")
         self.batch_quantum = int(batch_quantum)
         self.lease_items = int(lease_items)
         self._epoch_sync[_MANAGED] = 1
@@ -301,57 +355,261 @@ class EpochTracking:
     def begin_epoch(self, *, hand_over: bool = False) -> int:
         """Start an iteration in the main process and return its epoch: without set_epoch, epochs
         count up. ``hand_over=True``: the dataset's own ``__iter__`` in this process runs next (a
-        loader with ``num_workers=0``) and starts this same epoch instead of counting up again."""
+        loader with ``num_workers=0``) and starts this same epoch instead of counting up again.
+
+        A loaded state applies to the next iteration only (torchdata's StatefulDataLoader rule): this
+        one takes it, or, when another loader's iteration already took it (Accelerate's
+        ``SkipDataLoader``, torch's loader with workers), it is spent and this epoch is the next one."""
+        if self._handed:
+            self._handed = False
+            return self._epoch.value
+        self._settle_resume()
         if not self._fresh and not self._epoch_explicit:
             self._epoch.value = self._epoch.value + 1
-        self._fresh = hand_over
+        self._fresh = False
+        self._handed = hand_over
         self._epoch_sync[_SEEN] = 1
         self._epoch_sync[_KEY] = 0
+        self._take_resume(self._epoch.value)
         return self._epoch.value
 
     def upcoming_epoch(self) -> int:
         """The epoch the next :meth:`begin_epoch` will return."""
-        return self.epoch if (self._fresh or self._epoch_explicit) else self.epoch + 1
+        if self._handed or self._epoch_explicit:
+            return self.epoch
+        if self._fresh and not self._resume_ran_elsewhere():
+            return self.epoch
+        return self.epoch + 1
 
     def restart_epochs(self, epoch: int) -> None:
         """The next iteration (main process or workers) runs ``epoch`` (after a resume)."""
         self._epoch.value = int(epoch)
         self._fresh = True
+        self._handed = False
+        self._progress = None
         self._epoch_sync[_SEEN] = 0
         self._epoch_sync[_KEY] = 0
 
     def finish_epoch(self, epoch: int) -> None:
         """Epoch ``epoch`` delivered everything: forget the loaded state, the next iteration runs ``epoch + 1``."""
-        self._resume = None
+        self._drop_resume()
         self.restart_epochs(int(epoch) + 1)
+
+    # ------------------------------------------------------------ the loaded state: armed, taken, spent
+
+    def _arm_resume(self, state: Mapping[str, Any]) -> None:
+        """``state`` (checked) applies to the next iteration of its epoch, whichever loader or process runs it.
+
+        A state of the whole epoch (a ucmagic.DataLoader's, a plain loop's on one rank) is armed in shared
+        memory, so every copy of the dataset (DataLoader workers, another loader's) sees whether an iteration
+        took it. A stream's own state (a worker's under StatefulDataLoader, a rank's plain loop) applies to
+        this copy of the dataset only.
+        """
+        r = dict(state)
+        if "stream" in r:
+            check_stream_layout(r["stream"], self.kind)
+            r["used"] = False
+            self._resume = r
+            self._progress = None
+            if worker_info() is None:
+                self.restart_epochs(int(r["epoch"]))
+            else:
+                self._pin_worker_epoch(int(r["epoch"]))
+            return
+        token = secrets.randbits(62) + 1
+        r["token"] = token
+        self._resume = r
+        self._epoch_sync[_ARMED] = token
+        self._epoch_sync[_TAKEN] = 0
+        self.restart_epochs(int(r["epoch"]))
+        if int(r["remaining"]) == 0 and r.get("ended", True):
+            # saved once the loop had ended (StopIteration): the next iteration is the next epoch. Saved at the
+            # last batch, the loop still running (``ended`` False): the next iteration is the empty rest of that
+            # epoch and the one after it the next epoch, as torchdata's StatefulDataLoader resumes
+            self.finish_epoch(int(r["epoch"]))
+
+    def _drop_resume(self) -> None:
+        r, self._resume = self._resume, None
+        if r is not None and "token" in r and self._epoch_sync[_ARMED] == r["token"]:
+            self._epoch_sync[_ARMED] = 0
+
+    def _resume_ran_elsewhere(self) -> bool:
+        """The armed state was taken by an iteration this copy's begin_epoch did not start."""
+        r = self._resume
+        return (r is not None and "token" in r and self._epoch_sync[_ARMED] == r["token"]
+                and self._epoch_sync[_TAKEN] == r["token"])
+
+    def _settle_resume(self) -> None:
+        """At an iteration's start in the main process: a state an earlier iteration took is spent now."""
+        r = self._resume
+        if r is None:
+            return
+        if "stream" in r:
+            if r["used"]:
+                self._resume = None
+            return
+        if self._epoch_sync[_ARMED] != r["token"]:  # spent (by another copy's iteration, or finish_epoch)
+            self._resume = None
+        elif self._epoch_sync[_TAKEN] == r["token"]:  # an earlier iteration, here or another loader's, took it
+            self._drop_resume()
+            self._fresh = False  # that iteration ran its epoch: this one is the next (unless set_epoch chose)
+
+    def _take_resume(self, epoch: int) -> None:
+        """The iteration starting now (of ``epoch``) follows the loaded state, if one is armed for ``epoch``."""
+        r = self._active_resume(epoch)
+        if r is None:
+            return
+        if "stream" in r:
+            r["used"] = True
+        elif self._epoch_sync[_TAKEN] != r["token"]:
+            self._epoch_sync[_TAKEN] = r["token"]
+
+    def _active_resume(self, epoch: int) -> dict[str, Any] | None:
+        """The loaded state the iteration of ``epoch`` follows (armed, not spent), else None."""
+        r = self._resume
+        if r is None or int(r["epoch"]) != int(epoch):
+            return None
+        if "token" in r and self._epoch_sync[_ARMED] != r["token"]:
+            return None
+        return r
+
+    def _pin_worker_epoch(self, epoch: int) -> None:
+        """In a DataLoader worker loading its stream's state: the iteration this worker runs next is ``epoch``
+        (every worker of it pins the same), and the iterations after it count on from there."""
+        info = worker_info()
+        if info is None:
+            return
+        self._epoch.value = int(epoch)
+        self._epoch_sync[_SEEN] = 1
+        self._epoch_sync[_KEY] = self._iteration_key(info, self._worker_iters + 1)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this process's iteration of the dataset is: small, plain JSON, for ``load_state_dict``.
+
+        In a plain loop on one rank (or torchdata's ``StatefulDataLoader`` with ``num_workers=0``): what the
+        epoch has left, resumable on any layout. In a DataLoader worker (``StatefulDataLoader`` asks each
+        worker's copy after every batch) or on one of several ranks: this stream's own position (``stream``),
+        resumed by the same stream on the same layout. Before any iteration: the epoch the next one runs,
+        whole (or a loaded state not used yet). With ``ucmagic.DataLoader`` use ``loader.state_dict()``.
+        """
+        self._sync_progress()
+        p = self._progress
+        if p is None:
+            r = self._resume
+            if r is not None and "stream" in r and not r["used"]:
+                return {k: v for k, v in r.items() if k != "used"}
+            epoch = self.upcoming_epoch() if worker_info() is None else self._worker_upcoming()
+            p = self._new_progress(epoch)
+        if p.single:  # one stream in all: what the epoch has left, on any layout
+            st = self.make_state(p.epoch, [p.base + p.count], world=1, num_workers=1)
+        else:
+            st = self.make_state(p.epoch, [0] * (p.world * p.num_workers), world=p.world, num_workers=p.num_workers)
+            left = plan.stream_rest(p.pool, p.world, p.rank, p.num_workers, p.worker, p.partition, p.quantum,
+                                    p.base + p.count)
+            st.update(pool=[list(x) for x in p.pool], remaining=plan.ranges_len(left), stream={
+                "world": p.world, "rank": p.rank, "num_workers": p.num_workers, "worker": p.worker,
+                "partition": p.partition, "quantum": p.quantum, "delivered": p.base + p.count})
+        st["ended"] = p.ended
+        return st
+
+    def epoch_plan(self, epoch: int) -> tuple[list[plan.Range], Any]:
+        """``(pool, order)`` of ``epoch`` (each kind's own)."""
+        raise NotImplementedError
+
+    def epoch_items(self, epoch: int) -> int:
+        """Items of a whole ``epoch`` (each kind's own)."""
+        raise NotImplementedError
+
+    def make_state(self, epoch: int, delivered: Sequence[int], *, world: int, num_workers: int) -> dict[str, Any]:
+        """The kind's state after stream ``s`` delivered ``delivered[s]`` items of ``epoch`` (each kind's own)."""
+        raise NotImplementedError
+
+    def _sync_progress(self) -> None:
+        """Bring :attr:`_progress` up to date (a kind that counts its stream elsewhere overrides this)."""
+
+    def _new_progress(self, epoch: int) -> StreamProgress:
+        """The calling stream's iteration of ``epoch``, nothing delivered yet (a stream state's own layout)."""
+        pool, _ = self.epoch_plan(epoch)
+        r = self._active_resume(epoch)
+        if r is not None and "stream" in r:
+            s = r["stream"]
+            return StreamProgress(epoch, pool, int(s["world"]), int(s["rank"]), int(s["num_workers"]),
+                                  int(s["worker"]), int(s["quantum"]), str(s["partition"]), int(s["delivered"]))
+        d = dist_info()
+        return StreamProgress(epoch, pool, d.world, d.rank, d.num_workers, d.worker, self.batch_quantum,
+                              self.partition, single=d.world == 1 and worker_info() is None)
+
+    def _open_progress(self, epoch: int) -> StreamProgress:
+        """This process's iteration of ``epoch`` begins (each kind's ``__iter__``, once its epoch is known);
+        the kind counts the items it hands out and marks the end."""
+        self._progress = self._new_progress(epoch)
+        return self._progress
+
+    def _stream_ranges(self, epoch: int, rank: int, world: int, worker: int, num_workers: int) -> list[plan.Range]:
+        """Epoch positions stream (rank, worker) delivers in this iteration, in order: its share of the pool,
+        or what a stream state of its own left of it."""
+        pool, _ = self.epoch_plan(epoch)
+        r = self._active_resume(epoch)
+        if r is not None and "stream" in r:
+            s = r["stream"]
+            if (int(s["world"]), int(s["rank"]), int(s["num_workers"]), int(s["worker"])) == (
+                    world, rank, num_workers, worker):
+                return plan.stream_rest(pool, world, rank, num_workers, worker, str(s["partition"]),
+                                        int(s["quantum"]), int(s["delivered"]))
+        return plan.stream_positions(pool, world, rank, num_workers, worker, self.partition, self.batch_quantum)
 
     def consumption_channel(self) -> ConsumptionSink | None:
         """Where a loader reports consumed items; None: this dataset needs no reports."""
         return None
 
-    def _worker_epoch(self, lock_path: str) -> int:
-        """The epoch of this iteration, as seen from a DataLoader worker.
+    @staticmethod
+    def _iteration_key(info: Any, iterations: int) -> int:
+        """The name of a worker's ``iterations``-th iteration: (its loader iteration's base seed, the count)."""
+        return ((int(info.seed) - int(info.id)) * 1_000_003 + int(iterations)) % (2**62) + 1
+
+    def _worker_epoch(self, lock_path: str | None) -> int:
+        """The epoch of this iteration, as seen from a DataLoader worker (which starts it here).
 
         The workers of one loader iteration share a base seed (``seed - id``); a persistent worker
         keeps its dataset copy, so (base seed, iterations of this copy) names the iteration. The
         first worker to see a new name counts the shared epoch up, under a file lock (no
         multiprocessing lock survives every start method). Explicit ``set_epoch`` and loaders that
-        manage epochs win.
+        manage epochs win. A loaded state armed for this epoch is taken by this iteration; one an
+        earlier iteration took is spent when a new iteration is seen. Without ``lock_path`` the workers
+        follow the main process's epoch.
         """
-        from torch.utils.data import get_worker_info
-
-        info = get_worker_info()
+        info = worker_info()
         self._worker_iters += 1
-        if info is None or self._epoch_sync[_EXPLICIT] or self._epoch_sync[_MANAGED]:
+        r = self._resume
+        if r is not None and "stream" in r:  # this copy's own state: its next iteration only
+            if r["used"]:
+                self._resume = None
+            else:
+                r["used"] = True
+        if info is None or lock_path is None or self._epoch_sync[_EXPLICIT] or self._epoch_sync[_MANAGED]:
+            self._take_resume(self._epoch.value)
             return self._epoch.value
-        key = ((int(info.seed) - int(info.id)) * 1_000_003 + self._worker_iters) % (2**62) + 1
+        key = self._iteration_key(info, self._worker_iters)
         with file_lock(lock_path):
             if self._epoch_sync[_KEY] != key:
                 if self._epoch_sync[_SEEN]:
+                    token = self._epoch_sync[_ARMED]
+                    if token and self._epoch_sync[_TAKEN] == token:  # the previous iteration took it: spent
+                        self._epoch_sync[_ARMED] = 0
                     self._epoch.value = self._epoch.value + 1
                 self._epoch_sync[_SEEN] = 1
                 self._epoch_sync[_KEY] = key
+            self._take_resume(self._epoch.value)
         return self._epoch.value
+
+    def _worker_upcoming(self) -> int:
+        """The epoch this worker's next iteration will run (for a state asked for before it starts)."""
+        info = worker_info()
+        if info is None or self._epoch_sync[_EXPLICIT] or self._epoch_sync[_MANAGED]:
+            return self._epoch.value
+        seen_other = self._epoch_sync[_SEEN] and self._epoch_sync[_KEY] != self._iteration_key(
+            info, self._worker_iters + 1)
+        return self._epoch.value + (1 if seen_other else 0)
 
     def _shuffle_mode(self, world: int | None = None) -> bool | str:
         """``True`` means node-affine on several nodes and global on one (``world``: default this run's)."""
@@ -365,8 +623,8 @@ class EpochTracking:
 
     def _order_params(self, epoch: int, world: int | None = None) -> tuple[bool | str, int, int]:
         """(shuffle mode, world, local world) that fix ``epoch``'s order: the saved ones when resuming it."""
-        r = self._resume
-        if r is not None and r["epoch"] == epoch:
+        r = self._active_resume(epoch)
+        if r is not None:
             if "order_world" in r:
                 return r["shuffle"], int(r["order_world"]), int(r["order_local_world"])
             return ("global" if r["shuffle"] else False), 1, 1  # a ParquetDataset state from before node shuffling
@@ -376,8 +634,8 @@ class EpochTracking:
 
     def _resumed_pool(self, epoch: int, items: int) -> list[plan.Range]:
         """The positions of ``epoch`` still to deliver: the loaded state's remainder, else all ``items``."""
-        r = self._resume
-        if r is not None and r["epoch"] == epoch:
+        r = self._active_resume(epoch)
+        if r is not None:
             return [(int(a), int(b)) for a, b in r["pool"]]
         return [(0, items)]
 
@@ -395,10 +653,7 @@ class EpochTracking:
         """The next iteration delivers what ``state`` (checked by :meth:`StateSchema.check`) left of its epoch."""
         self.seed = int(state["seed"])
         self.reshuffle_every = state.get("reshuffle_every")
-        self._resume = dict(state)
-        self.restart_epochs(int(state["epoch"]))
-        if int(state["remaining"]) == 0:  # saved after the epoch ended: the next iteration is the next epoch
-            self.finish_epoch(int(state["epoch"]))
+        self._arm_resume(state)
 
 
 # HF Accelerate's wrappers that split a loader's data over the ranks (again, for a ucmagic dataset)

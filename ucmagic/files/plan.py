@@ -147,6 +147,23 @@ def stream_positions(pool: Sequence[Range], world_size: int, rank: int, num_work
     return take_wrapped(pool, a, b)
 
 
+def stream_rest(pool: Sequence[Range], world_size: int, rank: int, num_workers: int, worker: int, mode: str,
+                quantum: int, delivered: int) -> Ranges:
+    """The positions stream (rank, worker) has left after delivering its first ``delivered``: the resume
+    of one stream on the layout it was saved on (a worker's own state under torchdata's StatefulDataLoader)."""
+    mine = stream_positions(pool, world_size, rank, num_workers, worker, mode, quantum)
+    return take(mine, max(0, int(delivered)), ranges_len(mine))
+
+
+def rank_batches(total: int, world_size: int, rank: int, num_workers: int, mode: str, quantum: int,
+                 batch_size: int | None, drop_last: bool = False) -> int:
+    """Batches rank ``rank`` delivers in an epoch of ``total`` items split over ``num_workers`` streams:
+    the loader's length, the same before and after a resume (torchdata's ``len()`` never changes)."""
+    spans = stream_spans(total, world_size, num_workers, mode, quantum)
+    w = max(1, num_workers)
+    return sum(batches_per_stream([b - a for a, b in spans[rank * w:(rank + 1) * w]], batch_size, drop_last))
+
+
 # ---------------------------------------------------------------- epoch order
 
 def node_blocks(total: int, world_size: int, local_world_size: int, mode: str = "pad") -> list[Range]:

@@ -85,12 +85,6 @@ def _rank_streams(ds: PlannedDataset, epoch: int, num_workers: int) -> list[int]
     return stream_lengths(ds, epoch, world, nw)[rank * nw:(rank + 1) * nw]
 
 
-def _load_planned(ds: PlannedDataset, ds_state: dict[str, Any]) -> None:
-    ds.load_state_dict(ds_state)
-    if ds_state["remaining"] == 0:  # the epoch had finished: go on with the next one
-        ds.finish_epoch(int(ds_state["epoch"]))
-
-
 def _own_random_sampler(loader: tud.DataLoader[Any], generator: torch.Generator | None
                         ) -> tuple[int | None, torch.Generator | None]:
     """Make a RandomSampler's order depend only on (seed, epoch), so a resume can replay it: the
@@ -313,20 +307,18 @@ class DataLoader(tud.DataLoader[Any]):
         self._pending_skip[0] = int(n)
 
     def __len__(self) -> int:
-        """Batches per epoch, as torch counts them; for a user's wrapper around a ucmagic dataset (which
-        has no length of its own): the batches this rank's loop receives in a whole epoch (a resumed
-        epoch delivers fewer), so trainers that count an epoch's steps (HF ``Trainer``, Lightning) can."""
-        wrapped = self._wrapped
-        if wrapped is None or self.batch_size is None:
+        """Batches per epoch, as torch counts them; for a ucmagic dataset or a user's wrapper around one (which
+        has no length of its own): the batches this rank's loop receives in a whole epoch. A resumed epoch
+        delivers fewer, and the length stays (torchdata's StatefulDataLoader keeps it too): trainers that count
+        an epoch's steps once (HF ``Trainer``, Lightning) count whole epochs."""
+        planned = self._planned
+        if planned is None or self.batch_size is None:
             return super().__len__()
-        self._configure_planned(wrapped)
+        self._configure_planned(planned)
         rank, world = dist_info()[:2]
-        nw = max(1, self.num_workers)
-        upcoming = wrapped.upcoming_epoch()
-        pool, _ = wrapped.epoch_plan(upcoming + 1)  # an epoch no resume state cut short
-        spans = plan.stream_spans(plan.ranges_len(pool), world, nw, wrapped.partition, wrapped.batch_quantum)
-        mine = [b - a for a, b in spans][rank * nw:(rank + 1) * nw]
-        return sum(plan.batches_per_stream(mine, self.batch_size, self.drop_last))
+        total = planned.epoch_items(planned.upcoming_epoch())
+        return plan.rank_batches(total, world, rank, max(1, self.num_workers), planned.partition,
+                                 planned.batch_quantum, self.batch_size, self.drop_last)
 
     # -- callbacks
     def add_batch_callback(self, fn: BatchCallback) -> BatchCallback:
@@ -426,8 +418,7 @@ class DataLoader(tud.DataLoader[Any]):
         else:  # the next iteration is the one to run (or resume)
             epoch = 0 if self._epoch is None else self._epoch + (0 if self._fresh else 1)
             pool = self._next_pool
-        if pool is not None and not pool:  # all delivered, the end not reached yet: the next epoch is whole
-            epoch, pool = epoch + 1, None
+        # all delivered with the end not reached yet: the resumed iteration is the epoch's empty rest, then the next
         return {"epoch": epoch, "pool": None if pool is None else [[a, b] for a, b in pool], "complete": False}
 
     # -- iteration
@@ -579,6 +570,9 @@ class DataLoader(tud.DataLoader[Any]):
             mine = list(self._lengths) if self._epoch_complete else self._items_delivered()
         delivered = all_gather_ints(mine, world)
         state = ds.make_state(epoch, delivered, world=world, num_workers=nw)
+        # the loop saw the end of the epoch (StopIteration): a resume goes on with the next epoch; all delivered but
+        # the loop still running: the resumed iteration is the epoch's empty rest, then the next (StatefulDataLoader)
+        state["ended"] = bool(self._started and self._epoch_complete)
         return {"dataset": state, "epoch": int(state["epoch"]), "batches": self._batches_used(), "step": self._step}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -604,7 +598,9 @@ class DataLoader(tud.DataLoader[Any]):
                              f"dataset is {expected}: load it into the same kind of dataset")
         planned = self._planned
         if planned is not None and "dataset" in state:
-            _load_planned(planned, state["dataset"])
+            # the dataset arms it for the next iteration; a state saved once the epoch had ended goes on with the
+            # next epoch, one saved at its last batch with the loop still running with the epoch's empty rest
+            planned.load_state_dict(state["dataset"])
         elif "dataset" in state:
             raise ValueError(f"this state was saved from a loader over a wrapper of a {state.get('wraps')}; this "
                              "loader's dataset wraps none: load it into a loader over the same wrapper")

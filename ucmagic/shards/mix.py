@@ -117,8 +117,6 @@ class Mix(EpochTracking, IterableDataset[Any]):
         self._init_epochs()
         self._schedules: dict[int, Schedule] = {}
         self._layouts: dict[tuple[int, int], Any] = {}
-        self._epoch_main: int | None = None
-        self._delivered_main = 0
 
     def __repr__(self) -> str:
         return f"Mix({len(self.sources)} sources, weights={self.weights}, seed={self.seed})"
@@ -129,8 +127,9 @@ class Mix(EpochTracking, IterableDataset[Any]):
         return st
 
     def __len__(self) -> int:
-        pool, _ = self.epoch_plan(self.upcoming_epoch())
-        return plan.per_rank(plan.ranges_len(pool), dist_info().world, self.partition)
+        """Samples this rank delivers in a whole epoch of the upcoming epoch's schedule (a resumed epoch delivers
+        fewer: ``len()`` stays, as torchdata's StatefulDataLoader keeps it)."""
+        return plan.per_rank(self.epoch_items(self.upcoming_epoch()), dist_info().world, self.partition)
 
     @property
     def fingerprint(self) -> str:
@@ -139,10 +138,6 @@ class Mix(EpochTracking, IterableDataset[Any]):
             h.update(f"{s.dataset.fingerprint}:{s.seed}:{bool(s.shuffle)}:{s.shuffle_window}\n".encode())
         h.update(repr((self.weights, self.seed)).encode())
         return h.hexdigest()
-
-    def set_epoch(self, epoch: int) -> None:
-        super().set_epoch(epoch)
-        self._epoch_main, self._delivered_main = None, 0
 
     # ------------------------------------------------------------ plan
 
@@ -165,15 +160,16 @@ class Mix(EpochTracking, IterableDataset[Any]):
             self._layouts[key] = lay
         return lay
 
+    def epoch_items(self, epoch: int) -> int:
+        """Items of a whole ``epoch`` (a resume's rest aside): what ``len()`` and the loader's length count."""
+        return self.schedule(epoch).total
+
     def epoch_plan(self, epoch: int) -> tuple[list[plan.Range], None]:
-        r = self._resume
-        if r is not None and r["epoch"] == epoch:
-            return [tuple(x) for x in r["pool"]], None
-        return [(0, self.schedule(epoch).total)], None
+        return self._resumed_pool(epoch, self.schedule(epoch).total), None
 
     def stream_ranges(self, epoch: int, rank: int, world: int, worker: int, num_workers: int) -> list[plan.Range]:
-        pool, _ = self.epoch_plan(epoch)
-        return plan.stream_positions(pool, world, rank, num_workers, worker, self.partition, self.batch_quantum)
+        """Mix positions stream (rank, worker) delivers, in order (the rest of its own, after a stream's state)."""
+        return self._stream_ranges(epoch, rank, world, worker, num_workers)
 
     def positions_of(self, epoch: int, a: int, b: int) -> tuple[np.ndarray, list[tuple[int, int]]]:
         """Sources drawn at mix positions ``a..b`` and, per source, the run of its order they take."""
@@ -192,12 +188,11 @@ class Mix(EpochTracking, IterableDataset[Any]):
         refuse_split_twice(self.kind)  # Accelerate re-splitting what is split per rank already
         main = get_worker_info() is None
         if main:
-            self.begin_epoch()
-            epoch = self.epoch
-            self._epoch_main, self._delivered_main = epoch, 0
+            epoch = self.begin_epoch()
         else:
             root = self.sources[0].dataset.cache.root
             epoch = self._worker_epoch(os.path.join(root, "locks", f"epoch-{self._epoch_id}.lock"))
+        progress = self._open_progress(epoch)
         rank, world, _, _, worker, nworkers = dist_info()
         readers = [s.stream_reader(f"m{worker}-{k}") for k, s in enumerate(self.sources)]
         try:
@@ -210,12 +205,12 @@ class Mix(EpochTracking, IterableDataset[Any]):
                 try:
                     for k in c.tolist():
                         sample = next(gens[k])
-                        if main:
-                            self._delivered_main += 1
+                        progress.count += 1
                         yield sample
                 finally:
                     for g in gens:
                         g.close()
+            progress.ended = True
         finally:
             for r in readers:
                 r.close()
@@ -227,14 +222,6 @@ class Mix(EpochTracking, IterableDataset[Any]):
         return f"chunk {index} of one of {len(self.sources)} mixed sources", 0
 
     # ------------------------------------------------------------ resume
-
-    def state_dict(self) -> dict[str, Any]:
-        """Samples the loop received so far in this epoch (plain iteration; with workers or ranks use
-        ``ucmagic.DataLoader.state_dict()``). Small and JSON-serialisable."""
-        if dist_info().world > 1:
-            raise RuntimeError("Mix.state_dict() sees one rank only: use ucmagic.DataLoader.state_dict()")
-        epoch = self.upcoming_epoch() if self._epoch_main is None else self._epoch_main
-        return self.make_state(epoch, [self._delivered_main], world=1, num_workers=1)
 
     def make_state(self, epoch: int, delivered: Sequence[int], *, world: int, num_workers: int) -> dict[str, Any]:
         """Resume state after stream ``s`` (rank-major) delivered ``delivered[s]`` samples of ``epoch``."""
@@ -254,11 +241,7 @@ class Mix(EpochTracking, IterableDataset[Any]):
         if state["fingerprint"] != self.fingerprint:
             raise ListingChangedError("this Mix state was saved with other sources, weights or seeds (or their files "
                                       "changed): mix the same streams with the same weights and seed to resume")
-        self._resume = dict(state)
-        self.restart_epochs(int(state["epoch"]))
-        if int(state["remaining"]) == 0:  # saved after the epoch ended: the next iteration is the next epoch
-            self.finish_epoch(int(state["epoch"]))
-        self._epoch_main, self._delivered_main = None, 0
+        self._arm_resume(state)
 
 
 def mix(datasets: Sequence[Any], weights: Sequence[float] | None = None, *, seed: int = 0,

@@ -238,14 +238,12 @@ class SampleStream(EpochTracking, IterableDataset[Any]):
         self.batch_quantum = 1
         self.lease_items = 1024
         self._init_epochs()
-        self._epoch_main: int | None = None
-        self._delivered_main = 0
         self._layouts: dict[Any, Any] = {}
 
     def __len__(self) -> int:
-        """Samples this rank delivers in the coming epoch (the remainder after a resume)."""
-        pool, _ = self.epoch_plan(self.upcoming_epoch())
-        return plan.per_rank(plan.ranges_len(pool), dist_info().world, self.partition)
+        """Samples this rank delivers in a whole epoch: the same after a resume (which delivers fewer), as
+        torchdata's StatefulDataLoader keeps ``len()``."""
+        return plan.per_rank(self.dataset.num_samples, dist_info().world, self.partition)
 
     def __repr__(self) -> str:
         return (f"SampleStream({type(self.dataset).__name__}, samples={self.dataset.num_samples}, "
@@ -259,10 +257,6 @@ class SampleStream(EpochTracking, IterableDataset[Any]):
     @property
     def counters(self) -> SharedCounters:
         return self.dataset.counters
-
-    def set_epoch(self, epoch: int) -> None:
-        super().set_epoch(epoch)
-        self._epoch_main, self._delivered_main = None, 0
 
     # ------------------------------------------------------------ plan
 
@@ -278,13 +272,16 @@ class SampleStream(EpochTracking, IterableDataset[Any]):
             self._layouts = {key: lay}
         return lay
 
+    def epoch_items(self, epoch: int) -> int:
+        """Items of a whole ``epoch`` (a resume's rest aside): what ``len()`` and the loader's length count."""
+        return int(self.dataset.num_samples)
+
     def epoch_plan(self, epoch: int) -> tuple[list[plan.Range], None]:
         return self._resumed_pool(epoch, self.dataset.num_samples), None
 
     def stream_ranges(self, epoch: int, rank: int, world: int, worker: int, num_workers: int) -> list[plan.Range]:
-        """Epoch positions stream (rank, worker) delivers, in order."""
-        pool, _ = self.epoch_plan(epoch)
-        return plan.stream_positions(pool, world, rank, num_workers, worker, self.partition, self.batch_quantum)
+        """Epoch positions stream (rank, worker) delivers, in order (the rest of its own, after a stream's state)."""
+        return self._stream_ranges(epoch, rank, world, worker, num_workers)
 
     def stream_samples(self, epoch: int | None = None, rank: int | None = None, world: int | None = None,
                        worker: int | None = None, num_workers: int | None = None) -> np.ndarray:
@@ -309,21 +306,20 @@ class SampleStream(EpochTracking, IterableDataset[Any]):
         main = info is None
         ds = self.dataset
         if main:
-            self.begin_epoch()
-            epoch = self.epoch
-            self._epoch_main, self._delivered_main = epoch, 0
+            epoch = self.begin_epoch()
         else:
             epoch = self._worker_epoch(os.path.join(ds.cache.root, "locks", f"epoch-{self._epoch_id}.lock"))
             settle_worker()  # a worker holds and frees batches of big samples: see _util.settle_worker
+        progress = self._open_progress(epoch)
         rank, world, _, _, worker, nworkers = dist_info()
         lay = self.layout(epoch, world)
         segs = lay.segments(self.stream_ranges(epoch, rank, world, worker, nworkers))
         reader = self.stream_reader(f"s{worker}")
         try:
             for sample in self.read_segments(reader, lay, segs):
-                if main:
-                    self._delivered_main += 1
+                progress.count += 1
                 yield sample
+            progress.ended = True
         finally:
             reader.close()
 
@@ -372,14 +368,6 @@ class SampleStream(EpochTracking, IterableDataset[Any]):
 
     # ------------------------------------------------------------ resume
 
-    def state_dict(self) -> dict[str, Any]:
-        """Samples the loop received so far in this epoch (single-process iteration; with workers or
-        ranks use ``ucmagic.DataLoader.state_dict()``). Small and JSON-serialisable."""
-        if dist_info().world > 1:
-            raise RuntimeError("SampleStream.state_dict() sees one rank only: use ucmagic.DataLoader.state_dict()")
-        epoch = self.upcoming_epoch() if self._epoch_main is None else self._epoch_main
-        return self.make_state(epoch, [self._delivered_main], world=1, num_workers=1)
-
     def make_state(self, epoch: int, delivered: Sequence[int], *, world: int, num_workers: int) -> dict[str, Any]:
         """Resume state after stream ``s`` (rank-major) delivered ``delivered[s]`` samples of ``epoch``."""
         return self._planned_state(epoch, self.epoch_plan(epoch)[0], delivered, world=world, num_workers=num_workers,
@@ -395,7 +383,6 @@ class SampleStream(EpochTracking, IterableDataset[Any]):
         self.shuffle_window = int(state["shuffle_window"])
         self._layouts = {}
         self._resume_from(state)
-        self._epoch_main, self._delivered_main = None, 0
 
     def describe_item(self, index: int) -> tuple[str, int]:
         return self.dataset.describe_item(index)

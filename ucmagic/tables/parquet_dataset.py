@@ -204,8 +204,6 @@ class ParquetDataset(EpochTracking, IterableDataset[Any]):
         self.shuffle_buffer = int(shuffle_buffer) if shuffle_buffer else max(DEFAULT_SHUFFLE_BUFFER, biggest)
         self.fingerprint = self._fingerprint()
         self._init_epochs()
-        self._delivered_main = 0
-        self._epoch_main: int | None = None  # epoch the main process is iterating (None: not started)
         self._layouts: dict[tuple[Any, ...], EpochLayout] = {}
 
     # ------------------------------------------------------------ metadata
@@ -250,10 +248,9 @@ class ParquetDataset(EpochTracking, IterableDataset[Any]):
     # ------------------------------------------------------------ basics
 
     def __len__(self) -> int:
-        """Batches this rank yields per epoch."""
-        world = dist_info().world
-        pool, _ = self.epoch_plan(self.epoch)
-        return -(-plan.per_rank(plan.ranges_len(pool), world, self.partition) // self.batch_size)
+        """Batches this rank yields in a whole epoch: the same after a resume (which yields fewer), as
+        torchdata's StatefulDataLoader keeps ``len()``."""
+        return -(-plan.per_rank(self.num_rows, dist_info().world, self.partition) // self.batch_size)
 
     def __repr__(self) -> str:
         return (f"ParquetDataset({self.path!r}, files={len(self.files)}, rows={self.num_rows}, "
@@ -273,11 +270,6 @@ class ParquetDataset(EpochTracking, IterableDataset[Any]):
     def batch_quantum(self, value: int) -> None:  # a DataLoader with batch_size=None sets 1: ignored
         pass
 
-    def set_epoch(self, epoch: int) -> None:
-        """Select the epoch whose order the next iteration follows (same on every rank and worker)."""
-        super().set_epoch(epoch)
-        self._epoch_main, self._delivered_main = None, 0
-
     # ------------------------------------------------------------ plan
 
     def layout(self, epoch: int, world: int | None = None) -> EpochLayout:
@@ -286,21 +278,25 @@ class ParquetDataset(EpochTracking, IterableDataset[Any]):
         key = (epoch, mode, ow, olws, self.reshuffle_every)
         lay = self._layouts.get(key)
         if lay is None:
-            r = self._resume
-            part = r["partition"] if r is not None and r["epoch"] == epoch else self.partition
+            r = self._active_resume(epoch)
+            part = r["partition"] if r is not None else self.partition
             blocks = plan.node_blocks(self.num_rows, ow, olws, part) if mode == "node" else None
             lay = EpochLayout(self.group_rows, shuffle=mode, seed=self.seed, epoch=epoch,
                               buffer_rows=self.shuffle_buffer, blocks=blocks, reshuffle_every=self.reshuffle_every)
             self._layouts = {key: lay}
         return lay
 
+    def epoch_items(self, epoch: int) -> int:
+        """Items of a whole ``epoch`` (a resume's rest aside): what ``len()`` and the loader's length count."""
+        return self.num_rows
+
     def epoch_plan(self, epoch: int) -> tuple[list[plan.Range], None]:
         return self._resumed_pool(epoch, self.num_rows), None
 
     def stream_ranges(self, epoch: int, rank: int, world: int, worker: int, num_workers: int) -> list[plan.Range]:
-        """Epoch positions (ranges) that stream (rank, worker) delivers, in order."""
-        pool, _ = self.epoch_plan(epoch)
-        return plan.stream_positions(pool, world, rank, num_workers, worker, self.partition, self.batch_size)
+        """Epoch positions (ranges) that stream (rank, worker) delivers, in order (the rest of its own, after a
+        stream's state)."""
+        return self._stream_ranges(epoch, rank, world, worker, num_workers)
 
     def stream_lengths(self, world: int, num_workers: int, epoch: int | None = None) -> list[int]:
         """Rows of every stream (rank-major) this epoch; for loaders that turn batches into rows."""
@@ -356,17 +352,20 @@ class ParquetDataset(EpochTracking, IterableDataset[Any]):
 
     def _iterate(self) -> Iterator[dict[str, Any]]:
         refuse_split_twice(self.kind)  # Accelerate re-splitting what is split per rank already
-        main = get_worker_info() is None
-        if main:
-            self.begin_epoch()
+        epoch = self.begin_epoch() if get_worker_info() is None else self._worker_epoch(self._epoch_lock())
+        progress = self._open_progress(epoch)
         rank, world, _, _, worker, nworkers = dist_info()
-        epoch = self.epoch
-        if main:
-            self._epoch_main, self._delivered_main = epoch, 0
         for batch in self.iter_stream(epoch, rank, world, worker, nworkers):
-            if main:
-                self._delivered_main += _batch_len(batch)
+            progress.count += _batch_len(batch)
             yield batch
+        progress.ended = True
+
+    def _epoch_lock(self) -> str | None:
+        """Where workers count epochs up (under the cache's locks); None without a cache: they follow the main
+        process's epoch."""
+        if self.cache is None:
+            return None
+        return os.path.join(self.cache.root, "locks", f"epoch-{self._epoch_id}.lock")
 
     def describe_item(self, group: int) -> tuple[str, int]:
         """``(file#row group, approximate bytes)`` of row group ``group`` (for fetch records)."""
@@ -375,18 +374,6 @@ class ParquetDataset(EpochTracking, IterableDataset[Any]):
         return f"{f.path}#rg{j}", int(f.size * f.group_rows[j] / max(1, sum(f.group_rows)))
 
     # ------------------------------------------------------------ resume
-
-    def state_dict(self) -> dict[str, Any]:
-        """Rows the loop received so far in this epoch (single process, ``num_workers=0``).
-
-        With DataLoader workers or several ranks, build the state with :meth:`make_state` from the
-        rows each stream delivered (see :meth:`stream_lengths`).
-        """
-        world = dist_info().world
-        if world > 1:
-            raise RuntimeError("ParquetDataset.state_dict() sees one rank only: use make_state() or ucmagic.DataLoader")
-        epoch = self.epoch if self._epoch_main is None else self._epoch_main
-        return self.make_state(epoch, [self._delivered_main], world=1, num_workers=1)
 
     def make_state(self, epoch: int, delivered: Sequence[int], *, world: int, num_workers: int) -> dict[str, Any]:
         """Resume state after stream ``s`` (rank-major) delivered ``delivered[s]`` rows of ``epoch``."""
@@ -403,4 +390,3 @@ class ParquetDataset(EpochTracking, IterableDataset[Any]):
         self.shuffle_buffer = int(state["shuffle_buffer"])
         self._layouts = {}
         self._resume_from(state)
-        self._epoch_main, self._delivered_main = None, 0
