@@ -56,6 +56,7 @@ _EXPORTS = {
     "ListingChangedError": "errors",
     "ResumeOrderError": "errors",
     "ResumeLayoutError": "errors",
+    "ResumeRecipeError": "errors",
     "SplitTwiceError": "errors",
     "UnsafeCacheError": "errors",
     "UnsafeDirectoryError": "errors",

@@ -79,6 +79,13 @@ class ResumeLayoutError(UCMagicError, ValueError):
     loaded on a layout (``num_workers``, world size) it cannot be resumed on exactly."""
 
 
+class ResumeRecipeError(UCMagicError, RuntimeError):
+    """A trainer's resume recipe that cannot resume this data exactly, refused at the first batch: HF Accelerate's
+    ``skip_first_batches`` over a ucmagic dataset whose loaded state already skips (or whose epoch is unknown),
+    torchdata's ``StatefulDataLoader`` over a wrapper without ``state_dict``/``load_state_dict``. The message names
+    the recipe that is exact."""
+
+
 class SplitTwiceError(UCMagicError, RuntimeError):
     """A trainer (HF Accelerate's ``prepare``, HF ``Trainer``'s own loader) splits over the ranks a
     ucmagic dataset that already reads only its rank's share: most of each epoch would be lost."""

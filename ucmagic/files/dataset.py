@@ -20,7 +20,7 @@ from .cache_layout import cache_root, space_of
 from .locks import process_tag
 from .protection import release_at_exit
 from ..dist import dist_info, local_world_size
-from .epochs import EpochTracking, StateSchema, refuse_split_twice
+from .epochs import EpochTracking, StateSchema
 from ..errors import InvalidArgumentError
 from .epoch_stream import EpochParts, EpochStream, Retired
 from .dataset_files import ListedFiles, SourceFile
@@ -365,7 +365,7 @@ class UCVolumeDataset(EpochTracking, IterableDataset[str]):
         """This (rank, worker) stream's items this epoch and their protection (begins the epoch in
         the main process; a worker follows the epoch its main process began)."""
         info = get_worker_info()
-        refuse_split_twice(self.kind)  # Accelerate re-splitting what is split per rank already
+        self._check_consumer()  # Accelerate splitting again or skipping twice, a stateless wrapper resumed
         cache = self.cache
         if main:
             self.begin_epoch()

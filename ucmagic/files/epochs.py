@@ -38,7 +38,8 @@ from . import plan
 from .locks import file_lock
 from ..dist import dist_info, local_world_size, worker_info
 from .._util import is_integer
-from ..errors import InvalidArgumentError, ListingChangedError, ResumeLayoutError, SplitTwiceError
+from ..errors import (InvalidArgumentError, ListingChangedError, ResumeLayoutError, ResumeRecipeError,
+                      SplitTwiceError)
 from .._shared import SharedInt, SharedInts
 from ..telemetry import SharedCounters
 
@@ -524,6 +525,38 @@ class EpochTracking:
         """The kind's state after stream ``s`` delivered ``delivered[s]`` items of ``epoch`` (each kind's own)."""
         raise NotImplementedError
 
+    def _check_consumer(self) -> None:
+        """At an iteration's start (before it takes a loaded state): refuse, by name, a consumer that would
+        split this rank's share again, skip what a loaded state skips already, or resume a stateless wrapper
+        by replaying the wrong epoch."""
+        refuse_split_twice(self.kind)
+        skipper = accelerate_skipping()
+        if skipper is not None:
+            self._refuse_skip(skipper)
+        refuse_stateless_wrapper(self)
+
+    def _refuse_skip(self, skipper: str) -> None:
+        """Accelerate's ``skip_first_batches`` iterates this dataset again, dropping its first batches: exact
+        only on a known epoch (``set_epoch``) with no loaded state, which would skip the same batches twice."""
+        r = self._resume
+        pending = (r is not None and "token" in r and self._epoch_sync[_ARMED] == r["token"]
+                   and self._epoch_sync[_TAKEN] != r["token"])
+        if pending:
+            raise ResumeRecipeError(
+                f"HF Accelerate's skip_first_batches ({skipper}) drops the first batches of this {self.kind}'s "
+                f"iteration, but the state loaded into it (epoch {r['epoch'] if r else '?'}) already leaves out "
+                "every batch delivered before the save: those batches would be skipped twice. After "
+                "accelerator.load_state (with register_for_checkpointing) iterate the loader itself, without "
+                "skip_first_batches: it resumes exactly (docs/trainers.md)")
+        if not self._epoch_explicit:
+            raise ResumeRecipeError(
+                f"HF Accelerate's skip_first_batches ({skipper}) drops the first batches of this {self.kind}'s "
+                f"iteration, but which epoch's order it replays is unknown here (epochs count up by themselves from "
+                "0 in each process, and no state was loaded): batches of another epoch would be skipped. Register "
+                "the loader for checkpointing (accelerator.register_for_checkpointing(loader)) and iterate it after "
+                "load_state without skip_first_batches, or call loader.set_epoch(epoch) with the epoch you resume "
+                "before skip_first_batches (docs/trainers.md)")
+
     def _sync_progress(self) -> None:
         """Bring :attr:`_progress` up to date (a kind that counts its stream elsewhere overrides this)."""
 
@@ -660,8 +693,12 @@ class EpochTracking:
 _ACCELERATE_SPLITTERS = ("IterableDatasetShard", "DataLoaderShard", "DataLoaderDispatcher")
 
 
-def _accelerate_splitter(depth: int = 16) -> str | None:
-    """The Accelerate class splitting the iteration now starting over the ranks, or None.
+# Accelerate's loader that skip_first_batches makes over an iterable dataset (a torch DataLoader iterating it again)
+_ACCELERATE_SKIPPERS = ("SkipDataLoader", "SkipBatchSampler")
+
+
+def _accelerate_splitter(depth: int = 16, names: tuple[str, ...] = _ACCELERATE_SPLITTERS) -> str | None:
+    """The Accelerate class (of ``names``: splitting over the ranks by default) iterating the dataset now, or None.
 
     Seen in the frames that iterate the dataset (``IterableDatasetShard`` in a worker or the main
     process, a dispatcher's fetch) or, in a worker forked by such a loader, as the loader Accelerate
@@ -676,7 +713,7 @@ def _accelerate_splitter(depth: int = 16) -> str | None:
         if frame.f_globals.get("__name__") == "accelerate.data_loader":
             owner = frame.f_locals.get("self")
             name = type(owner).__name__ if owner is not None else frame.f_code.co_name
-            if name in _ACCELERATE_SPLITTERS:
+            if name in names:
                 return name
         frame = frame.f_back
     state = sys.modules.get("accelerate.state")
@@ -686,9 +723,58 @@ def _accelerate_splitter(depth: int = 16) -> str | None:
     name = type(active).__name__ if active is not None else ""
     # only when that loader is the one this worker serves (a loader left mid-epoch stays marked active)
     served = getattr(worker_info(), "dataset", None)
-    if name in _ACCELERATE_SPLITTERS and served is not None and getattr(active, "dataset", None) is served:
+    if name in names and served is not None and getattr(active, "dataset", None) is served:
         return name
     return None
+
+
+def accelerate_skipping() -> str | None:
+    """The Accelerate class of ``skip_first_batches`` (SkipDataLoader, SkipBatchSampler) iterating now, or None."""
+    return _accelerate_splitter(24, _ACCELERATE_SKIPPERS)
+
+
+def _stateful_loader_dataset(depth: int = 24) -> tuple[bool, Any]:
+    """``(True, the dataset it was given)`` when torchdata's StatefulDataLoader iterates the dataset now (in
+    its worker loop, or its single-process iterator), else ``(False, None)``: the dataset is the one torch's
+    fetcher iterates. Nothing is looked at unless torchdata's StatefulDataLoader is imported."""
+    if "torchdata.stateful_dataloader" not in sys.modules:
+        return False, None
+    frame = inspect.currentframe()
+    top = None
+    for _ in range(depth):
+        if frame is None:
+            break
+        module = str(frame.f_globals.get("__name__", ""))
+        if module == "torch.utils.data._utils.fetch" and top is None:
+            top = getattr(frame.f_locals.get("self"), "dataset", None)
+        elif module.startswith("torchdata.stateful_dataloader"):
+            return True, top
+        frame = frame.f_back
+    return False, None
+
+
+def is_stateful(obj: Any) -> bool:
+    """``obj`` has ``state_dict`` and ``load_state_dict`` (torchdata's ``Stateful``: it saves and restores it)."""
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+def refuse_stateless_wrapper(ds: Any) -> None:
+    """Raise :class:`~ucmagic.errors.ResumeRecipeError` when torchdata's StatefulDataLoader iterates ``ds`` (a
+    ucmagic dataset) through a user's wrapper without ``state_dict``/``load_state_dict``: it would resume that
+    wrapper by fetching and dropping the batches it delivered, which replays the epoch ``ds`` is on then (epoch 0
+    in a new process), not the saved one."""
+    under, top = _stateful_loader_dataset()
+    if not under or top is None or top is ds or is_stateful(top):
+        return
+    attr = next((k for k, v in vars(top).items() if v is ds), None) if hasattr(top, "__dict__") else None
+    inner = f"self.{attr}" if attr else f"the {ds.kind} it wraps"
+    raise ResumeRecipeError(
+        f"torchdata's StatefulDataLoader iterates your {type(top).__name__} around a {ds.kind}, and your wrapper has "
+        "no state_dict/load_state_dict: it would resume by fetching and dropping the delivered batches, which "
+        f"replays the epoch the {ds.kind} is on then (epoch 0 in a new process), not the saved one. Give the "
+        f"wrapper the two methods, forwarding to the {ds.kind}: `def state_dict(self): return {inner}.state_dict()` "
+        f"and `def load_state_dict(self, state): {inner}.load_state_dict(state)` (each worker then resumes its own "
+        "stream exactly, nothing fetched twice), or use ucmagic.DataLoader (docs/loading.md)")
 
 
 def refuse_split_twice(kind: str) -> None:

@@ -10,7 +10,9 @@ import torch
 import torch.utils.data as tud
 
 from ..dist import dist_info
+from ..errors import ResumeRecipeError
 from ..files import plan
+from ..files.epochs import accelerate_skipping
 from ..telemetry import BatchStart, batch_started
 
 
@@ -113,6 +115,14 @@ class SplitSampler(tud.DistributedSampler):
     def __iter__(self) -> Iterator[int]:
         # lazy: the pool, seed and epoch are read at the first next(), so a state loaded between iter()
         # and the first batch (Lightning restores its loaders so) is the one followed
+        skipper = accelerate_skipping()
+        if skipper is not None:
+            raise ResumeRecipeError(
+                f"HF Accelerate's skip_first_batches ({skipper}) iterates ucmagic.DataLoader's own split of your "
+                "map-style dataset outside the loader, which sets that split's seed, epoch and rest at each of its "
+                "iterations: the batches it skips are not the ones delivered before the save. Register the loader "
+                "for checkpointing (accelerator.register_for_checkpointing(loader)) and iterate it after load_state, "
+                "without skip_first_batches: it resumes exactly (docs/trainers.md)")
         pos = plan.positions(self.share())
         if not self.shuffle:
             yield from pos.tolist()

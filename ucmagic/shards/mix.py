@@ -23,7 +23,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from .. import telemetry
 from ..files import plan
 from ..dist import dist_info
-from ..files.epochs import EpochTracking, check_state_kind, refuse_split_twice
+from ..files.epochs import EpochTracking, check_state_kind
 from ..errors import ListingChangedError
 from .samples import SampleStream, ShardDataset
 from .shuffle import sample_layout
@@ -185,7 +185,7 @@ class Mix(EpochTracking, IterableDataset[Any]):
         return telemetry.fetch_timed(self._iterate())  # timed when a user's wrapper iterates it (stage times)
 
     def _iterate(self) -> Iterator[Any]:
-        refuse_split_twice(self.kind)  # Accelerate re-splitting what is split per rank already
+        self._check_consumer()  # Accelerate splitting again or skipping twice, a stateless wrapper resumed
         main = get_worker_info() is None
         if main:
             epoch = self.begin_epoch()

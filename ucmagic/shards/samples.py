@@ -24,7 +24,7 @@ from .._util import settle_worker
 from ..files.cache import FileCache
 from ..files.locks import process_tag
 from ..dist import dist_info
-from ..files.epochs import EpochTracking, StateSchema, refuse_split_twice
+from ..files.epochs import EpochTracking, StateSchema
 from ..telemetry import SharedCounters
 from ..files.volume import FileEntry, Volume
 from .chunks import CHUNK_SIZE, SUFFIX, ChunkedFile, ChunkReader
@@ -301,7 +301,7 @@ class SampleStream(EpochTracking, IterableDataset[Any]):
         return telemetry.fetch_timed(self._iterate())  # timed when a user's wrapper iterates it (stage times)
 
     def _iterate(self) -> Iterator[Any]:
-        refuse_split_twice(self.kind)  # Accelerate re-splitting what is split per rank already
+        self._check_consumer()  # Accelerate splitting again or skipping twice, a stateless wrapper resumed
         info = get_worker_info()
         main = info is None
         ds = self.dataset

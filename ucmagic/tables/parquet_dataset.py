@@ -26,7 +26,7 @@ from ..files import plan
 from .. import telemetry
 from ..files.cache import FileCache
 from ..dist import dist_info
-from ..files.epochs import EpochTracking, LoaderNeeds, StateSchema, refuse_split_twice, stream_lengths
+from ..files.epochs import EpochTracking, LoaderNeeds, StateSchema, stream_lengths
 from ..errors import ColumnNotFoundError, UnsupportedSourceError
 from ..files.fetch import read_ahead
 from .columns import (check_exact, column_kind, mask_key, output_kind)
@@ -351,7 +351,7 @@ class ParquetDataset(EpochTracking, IterableDataset[Any]):
         return telemetry.fetch_timed(self._iterate())  # timed when a user's wrapper iterates it (stage times)
 
     def _iterate(self) -> Iterator[dict[str, Any]]:
-        refuse_split_twice(self.kind)  # Accelerate re-splitting what is split per rank already
+        self._check_consumer()  # Accelerate splitting again or skipping twice, a stateless wrapper resumed
         epoch = self.begin_epoch() if get_worker_info() is None else self._worker_epoch(self._epoch_lock())
         progress = self._open_progress(epoch)
         rank, world, _, _, worker, nworkers = dist_info()
