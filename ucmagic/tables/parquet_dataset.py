@@ -25,6 +25,8 @@ from torch.utils.data import IterableDataset, get_worker_info
 from ..files import plan
 from .. import telemetry
 from ..files.cache import FileCache
+from ..files.cache_layout import cache_root
+from ..files.locks import private_dir
 from ..dist import dist_info
 from ..files.epochs import EpochTracking, LoaderNeeds, StateSchema, stream_lengths
 from ..errors import ColumnNotFoundError, UnsupportedSourceError
@@ -169,6 +171,7 @@ class ParquetDataset(EpochTracking, IterableDataset[Any]):
         self.use_cache = ((self.remote or any(p.startswith("/Volumes/") for p in paths)) if cache is None
                           else bool(cache))
         self.cache = FileCache(cache_dir, cache_limit) if self.use_cache else None
+        self._cache_dir = cache_dir  # where workers of a loader other than ucmagic's count epochs (its locks/)
         names = list(schema.names)
         if columns is not None:
             columns = list(columns)
@@ -360,12 +363,14 @@ class ParquetDataset(EpochTracking, IterableDataset[Any]):
             yield batch
         progress.ended = True
 
-    def _epoch_lock(self) -> str | None:
-        """Where workers count epochs up (under the cache's locks); None without a cache: they follow the main
-        process's epoch."""
-        if self.cache is None:
-            return None
-        return os.path.join(self.cache.root, "locks", f"epoch-{self._epoch_id}.lock")
+    def _epoch_lock(self) -> str:
+        """Where DataLoader workers count epochs up: the cache directory's locks (made on first use when the files
+        are read in place)."""
+        if self.cache is not None:
+            folder = os.path.join(self.cache.root, "locks")
+        else:
+            folder = private_dir(os.path.join(cache_root(self._cache_dir), "locks"), what="lock folder")
+        return os.path.join(folder, f"epoch-{self._epoch_id}.lock")
 
     def describe_item(self, group: int) -> tuple[str, int]:
         """``(file#row group, approximate bytes)`` of row group ``group`` (for fetch records)."""
