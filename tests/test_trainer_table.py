@@ -99,8 +99,8 @@ def run_phase(trainer: str, phase: str, cells: list[tuple[str, str]], data: str,
            "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", "TRAINER_TABLE_HANG": str(PHASE_TIMEOUT - 60),
            "UCMAGIC_CACHE_DIR": os.path.join(tmp, "cache")}
     args = [SCRIPT, trainer, phase, data, os.path.join(tmp, "out"), os.path.join(tmp, "ckpt"), json.dumps(cells)]
-    cmd = [sys.executable] + (args if trainer == "lightning" else
-                              ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port)] + args)
+    launch = ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port)]
+    cmd = [sys.executable] + (args if trainer == "lightning" else launch + args)
     proc = subprocess.Popen(cmd, cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:
@@ -109,7 +109,8 @@ def run_phase(trainer: str, phase: str, cells: list[tuple[str, str]], data: str,
         stacks = _stacks(proc.pid)
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
-        pytest.fail(f"{trainer} {phase} {cells} hung past {PHASE_TIMEOUT}s; stacks:\n{stacks}\n--- output\n{out[-6000:]}")
+        pytest.fail(f"{trainer} {phase} {cells} hung past {PHASE_TIMEOUT}s; stacks:\n{stacks}\n"
+                    f"--- output\n{out[-6000:]}")
     assert proc.returncode == 0, f"{trainer} {phase} {cells}: exit {proc.returncode}\n{out[-6000:]}"
 
 
