@@ -33,7 +33,7 @@ from typing import Any
 import pytest
 import torch
 import torch.utils.data as tud
-from hypothesis import given, settings
+from hypothesis import given, reject, settings
 from hypothesis import strategies as st
 
 from run_size import examples
@@ -270,7 +270,12 @@ def test_ucmagic_loader_resumes_as_statefuldataloader_does(setup, ops):
     """Differential: the same ops on both loaders deliver the same items per op, epoch by epoch (see the module
     doc): ``len()`` never changes with a resume, a loaded state applies once, to the next iteration, a state saved
     after the last batch resumes into an empty rest and then the next epoch, the epoch travels in the state."""
-    ref, ref_passes = drive(setup, "ref", ops)
+    try:
+        ref, ref_passes = drive(setup, "ref", ops)
+    except Exception:  # noqa: BLE001 - the reference fails on this sequence: nothing to compare with
+        # torchdata 0.11: a stateless iterable's state saved after a finished pass, loaded and saved again,
+        # raises StopIteration from state_dict() (its fast-forward runs past the end)
+        reject()
     uc, uc_passes = drive(setup, "uc", ops)
     assert sizes(uc) == sizes(ref), f"{setup}\nops {ops}"
     exact = not (setup.kind == "map" and setup.shuffle)
