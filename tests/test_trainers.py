@@ -1,5 +1,6 @@
-"""Real trainers over ucmagic.DataLoader on two CPU ranks (gloo): every epoch delivers each item
-exactly once across ranks, and a resume from a mid-epoch checkpoint delivers exactly the rest.
+"""Real trainers over ucmagic.DataLoader on two CPU ranks (gloo): HF Accelerate splitting a ucmagic dataset again
+is refused by name. Each trainer's resume recipes, with the data passed every way, are the trainers table
+(tests/test_trainer_table.py).
 
 Behind the ``trainers`` marker; each trainer's tests are skipped where it is not installed (the
 ``trainers`` extra). Each run is a subprocess under a timeout (tests/scripts/trainer_*.py).
@@ -15,7 +16,7 @@ import pytest
 pytestmark = [pytest.mark.trainers, pytest.mark.timeout(600)]
 
 SCRIPTS = os.path.join(os.path.dirname(__file__), "scripts")
-N = {"files": 200, "map": 240}
+N = {"files": 200}
 
 
 def _port() -> int:
@@ -42,67 +43,8 @@ def _run(args, tmp_path, timeout=240, torchrun=True):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
-def _seen(out, name):
-    ranks = [json.load(open(os.path.join(out, f"{name}-rank{r}.json"))) for r in (0, 1)]
-    return {e: ranks[0].get(e, []) + ranks[1].get(e, []) for e in set(ranks[0]) | set(ranks[1])}
-
-
 def _exact(ids, kind):
     assert len(ids) == len(set(ids)) == N[kind] and sorted(ids) == list(range(N[kind]))
-
-
-def _save_then_resume(name, script, kind, data, tmp_path):
-    """Run ``script`` to its mid-epoch save, then again resuming from it; what each run saw."""
-    out, ckpt = str(tmp_path / "out"), str(tmp_path / "ckpt")
-    for phase in ("save", "resume"):
-        _run([os.path.join(SCRIPTS, script), kind, phase, data, out, ckpt], tmp_path)
-    return _seen(out, f"{name}-{kind}-save"), _seen(out, f"{name}-{kind}-resume")
-
-
-@pytest.mark.parametrize("kind", ["files", "map"])
-def test_accelerate_epochs_and_save_load_state_resume_exactly(kind, data, tmp_path):
-    """``acc.prepare(ucmagic.DataLoader(...))`` leaves the loader split per rank (before: 200 of 400
-    files per epoch), and ``register_for_checkpointing`` + ``save_state``/``load_state`` resume epoch 1
-    (no set_epoch for the files) with exactly the items not delivered before the save."""
-    pytest.importorskip("accelerate")
-    saved, resumed = _save_then_resume("accelerate", "trainer_accelerate.py", kind, data, tmp_path)
-    _exact(saved["0"], kind)
-    assert len(saved["1"]) == 2 * 5 * 8  # 5 steps of 8 on 2 ranks before the save
-    _exact(saved["1"] + resumed["1"], kind)
-    _exact(resumed["2"], kind)
-
-
-@pytest.mark.parametrize("kind", ["files", "map"])
-def test_lightning_ddp_epochs_and_mid_epoch_checkpoint_resume_exactly(kind, data, tmp_path):
-    """``Trainer(strategy="ddp", devices=2)`` with ``ModelCheckpoint(every_n_train_steps=...)`` 5 steps
-    into epoch 1, the processes killed after it, ``fit(ckpt_path=...)``: exactly the items the training
-    steps had not received (Lightning's fetcher holds one batch ahead of an unsized loader: 184 of 200
-    before), and Lightning's re-created map-style loader keeps its workers (``Queue is closed`` before)."""
-    pytest.importorskip("lightning")
-    out, ckpt = str(tmp_path / "out"), str(tmp_path / "ckpt")
-    script = os.path.join(SCRIPTS, "trainer_lightning.py")
-    for phase in ("save", "resume"):
-        _run([script, kind, phase, data, out, ckpt], tmp_path, torchrun=False)
-    saved, resumed = _seen(out, f"lightning-{kind}-save"), _seen(out, f"lightning-{kind}-resume")
-    _exact(saved["0"], kind)
-    assert len(saved["1"]) == 2 * 5 * 8
-    _exact(saved["1"] + resumed["1"], kind)
-    _exact(resumed["2"], kind)
-
-
-@pytest.mark.parametrize("kind", ["files", "map"])
-def test_hf_trainer_epochs_and_checkpoint_resume_exactly(kind, data, tmp_path):
-    """``transformers.Trainer`` on a tiny config-built model, its loader a ucmagic.DataLoader (Accelerate
-    leaves it split per rank; its state saved with each checkpoint and loaded in
-    ``get_resumed_dataloader``): a checkpoint 5 steps into epoch 1, then
-    ``train(resume_from_checkpoint=...)``: epoch 1 and epoch 2 each exactly once."""
-    pytest.importorskip("transformers")
-    pytest.importorskip("accelerate")
-    saved, resumed = _save_then_resume("hf", "trainer_hf.py", kind, data, tmp_path)
-    _exact(saved["0"], kind)
-    assert len(saved["1"]) == 2 * 5 * 8
-    _exact(saved["1"] + resumed["1"], kind)
-    _exact(resumed["2"], kind)
 
 
 def test_accelerate_splitting_a_ucmagic_dataset_again_raises_with_the_fix(data, tmp_path):
