@@ -201,3 +201,85 @@ def test_a_parquet_state_from_before_node_shuffling_still_resumes_in_its_order(t
     ds = make()
     ds.load_state_dict(state)
     assert np.concatenate([b["id"].numpy() for b in ds]).tolist() == whole[60:]
+
+
+# ---------------------------------------------------------------- a loaded state: armed, taken once, spent
+
+class Planned(Epochs):
+    """EpochTracking with the epoch plan of ``n`` items and its states (StateSchema), no data."""
+
+    kind, partition, batch_quantum, seed, reshuffle_every = "Planned", "pad", 1, 0, None
+    state_schema = StateSchema("Planned", 1, "items")
+
+    def __init__(self, n=10):
+        super().__init__()
+        self.n = n
+
+    def epoch_items(self, epoch):
+        return self.n
+
+    def epoch_plan(self, epoch):
+        return self._resumed_pool(epoch, self.n), None
+
+    def make_state(self, epoch, delivered, *, world, num_workers):
+        return self._planned_state(epoch, self.epoch_plan(epoch)[0], delivered, world=world, num_workers=num_workers,
+                                   fingerprint="f", count=self.n)
+
+    def load_state_dict(self, state):
+        self._resume_from(state)
+
+
+def test_a_loaded_state_applies_to_the_next_iteration_only():
+    """torchdata's rule: the state loaded applies once, to the next iteration; the one after is the next epoch."""
+    saved = Planned().make_state(3, [4], world=1, num_workers=1)
+    ds = Planned()
+    ds.load_state_dict(saved)
+    assert ds.upcoming_epoch() == 3 and ds.begin_epoch() == 3 and ds.epoch_plan(3)[0] == [(4, 10)]
+    assert ds.begin_epoch() == 4 and ds.epoch_plan(4)[0] == [(0, 10)]
+    ds.set_epoch(3)  # epoch 3 again, on purpose: whole (the state was spent)
+    assert ds.begin_epoch() == 3 and ds.epoch_plan(3)[0] == [(0, 10)]
+
+
+def test_a_loaded_state_another_iteration_took_is_spent_at_the_next_iteration():
+    """Issue 49, 2: another loader's workers (Accelerate's SkipDataLoader, torch's loader) took the loaded state (a
+    token in shared memory); this copy's next iteration is the next epoch, whole (before: the old rest again)."""
+    ds = Planned()
+    ds.load_state_dict(Planned().make_state(1, [4], world=1, num_workers=1))
+    worker = Planned.__new__(Planned)  # a worker's copy: the same shared memory, its own attributes
+    worker.__dict__.update(ds.__dict__, _resume=dict(ds._resume))
+    worker._take_resume(1)  # a worker of another loader's iteration starts epoch 1 with the rest
+    assert worker.epoch_plan(1)[0] == [(4, 10)]
+    assert ds.upcoming_epoch() == 2 and ds.begin_epoch() == 2 and ds.epoch_plan(2)[0] == [(0, 10)]
+    assert ds.epoch_plan(1)[0] == [(0, 10)]
+
+
+@pytest.mark.parametrize("ended", [False, True])
+def test_a_state_saved_at_the_last_item_resumes_into_an_empty_rest_unless_the_loop_had_ended(ended):
+    saved = {**Planned().make_state(2, [10], world=1, num_workers=1), "ended": ended}
+    ds = Planned()
+    ds.load_state_dict(saved)
+    if ended:  # the loop had seen the end: the next iteration is the next epoch
+        assert ds.begin_epoch() == 3 and ds.epoch_plan(3)[0] == [(0, 10)]
+    else:  # at the last item, the loop still running: the empty rest of epoch 2, then epoch 3
+        assert ds.begin_epoch() == 2 and ds.epoch_plan(2)[0] == []
+        assert ds.begin_epoch() == 3 and ds.epoch_plan(3)[0] == [(0, 10)]
+
+
+def test_a_streams_own_state_resumes_that_stream_only_on_its_layout(monkeypatch):
+    """A rank's plain loop (or a StatefulDataLoader worker) saves its own stream's position; the same stream
+    resumes it, another layout is refused by name."""
+    from ucmagic.errors import ResumeLayoutError
+
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    ds = Planned(11)
+    ds._open_progress(ds.begin_epoch()).count = 3
+    state = json.loads(json.dumps(ds.state_dict()))
+    assert state["stream"] == {"world": 2, "rank": 1, "num_workers": 1, "worker": 0, "partition": "pad",
+                               "quantum": 1, "delivered": 3}
+    fresh = Planned(11)
+    fresh.load_state_dict(state)
+    assert fresh.begin_epoch() == 0 and fresh._stream_ranges(0, 1, 2, 0, 1) == [(9, 11), (0, 1)]  # 6..11 + pad
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(ResumeLayoutError, match="same num_workers and world size"):
+        Planned(11).load_state_dict(state)

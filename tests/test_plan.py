@@ -123,3 +123,27 @@ def test_remaining_pool_checks_the_number_of_streams():
 
     with pytest.raises(ValueError, match="delivered counts"):
         plan.remaining_pool([(0, 10)], 2, 2, "pad", 1, [0, 0, 0])
+
+
+@given(pool=st.lists(st.tuples(st.integers(0, 60), st.integers(0, 8)), max_size=5), world=st.integers(1, 3),
+       nw=st.integers(1, 3), mode=st.sampled_from(plan.PARTITION_MODES), quantum=st.integers(1, 4), data=st.data())
+def test_a_streams_rest_is_its_positions_after_the_delivered_ones(pool, world, nw, mode, quantum, data):
+    """stream_rest: what one stream (a worker's own state under StatefulDataLoader) has left after delivering its
+    first ``d`` items is exactly its positions from the ``d``-th on; delivered + rest is the whole stream."""
+    pool = plan.normalize((a, a + k) for a, k in pool)
+    rank, worker = data.draw(st.integers(0, world - 1)), data.draw(st.integers(0, nw - 1))
+    mine = plan.positions(plan.stream_positions(pool, world, rank, nw, worker, mode, quantum)).tolist()
+    d = data.draw(st.integers(0, len(mine) + 2))
+    rest = plan.positions(plan.stream_rest(pool, world, rank, nw, worker, mode, quantum, d)).tolist()
+    assert rest == mine[d:]
+
+
+@given(total=st.integers(0, 200), world=st.integers(1, 4), nw=st.integers(1, 4), mode=st.sampled_from(plan.PARTITION_MODES),
+       quantum=st.integers(1, 6), bs=st.integers(1, 6), drop_last=st.booleans(), data=st.data())
+def test_a_ranks_batches_per_epoch_are_its_streams_batches(total, world, nw, mode, quantum, bs, drop_last, data):
+    """rank_batches (the loader's length: the same before and after a resume) is what the rank's worker streams
+    yield in batches of ``bs``, one stream's short batch each (dropped with drop_last)."""
+    rank = data.draw(st.integers(0, world - 1))
+    spans = plan.stream_spans(total, world, nw, mode, quantum)[rank * nw:(rank + 1) * nw]
+    want = sum((b - a) // bs if drop_last else -(-(b - a) // bs) for a, b in spans)
+    assert plan.rank_batches(total, world, rank, nw, mode, quantum, bs, drop_last) == want
