@@ -138,8 +138,9 @@ def test_a_streams_rest_is_its_positions_after_the_delivered_ones(pool, world, n
     assert rest == mine[d:]
 
 
-@given(total=st.integers(0, 200), world=st.integers(1, 4), nw=st.integers(1, 4), mode=st.sampled_from(plan.PARTITION_MODES),
-       quantum=st.integers(1, 6), bs=st.integers(1, 6), drop_last=st.booleans(), data=st.data())
+@given(total=st.integers(0, 200), world=st.integers(1, 4), nw=st.integers(1, 4),
+       mode=st.sampled_from(plan.PARTITION_MODES), quantum=st.integers(1, 6), bs=st.integers(1, 6),
+       drop_last=st.booleans(), data=st.data())
 def test_a_ranks_batches_per_epoch_are_its_streams_batches(total, world, nw, mode, quantum, bs, drop_last, data):
     """rank_batches (the loader's length: the same before and after a resume) is what the rank's worker streams
     yield in batches of ``bs``, one stream's short batch each (dropped with drop_last)."""
