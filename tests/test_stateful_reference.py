@@ -80,9 +80,32 @@ class IterItems(tud.IterableDataset):
         yield from order[wid::nw]
 
 
+class StatefulIterItems(IterItems):
+    """The same, with ``state_dict``/``load_state_dict`` (StatefulDataLoader asks each worker's copy): how many
+    items this copy's pass yielded; a loaded count is skipped at the next pass."""
+
+    def __init__(self, n: int, seed: int | None) -> None:
+        super().__init__(n, seed)
+        self._skip = self._yielded = 0
+
+    def __iter__(self):
+        skip, self._skip = self._skip, 0
+        self._yielded = skip
+        for k, x in enumerate(super().__iter__()):
+            if k >= skip:
+                self._yielded += 1
+                yield x
+
+    def state_dict(self) -> dict[str, int]:
+        return {"yielded": self._yielded}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self._skip = self._yielded = int(state["yielded"])
+
+
 @dataclass(frozen=True)
 class Setup:
-    kind: str            # "map" | "iter"
+    kind: str            # "map" | "iter" (no state methods: StatefulDataLoader fast-forwards) | "iter_state"
     n: int
     batch_size: int
     num_workers: int
@@ -92,7 +115,9 @@ class Setup:
     seed: int            # the loaders' generator seed
 
     def dataset(self) -> Any:
-        return MapItems(self.n) if self.kind == "map" else IterItems(self.n, 7 if self.shuffle else None)
+        if self.kind == "map":
+            return MapItems(self.n)
+        return (IterItems if self.kind == "iter" else StatefulIterItems)(self.n, 7 if self.shuffle else None)
 
     def loader(self, impl: str, ds: Any | None = None) -> Any:
         kw: dict[str, Any] = {"batch_size": self.batch_size, "num_workers": self.num_workers, "collate_fn": list,
@@ -247,6 +272,25 @@ def pass_problems(setup: Setup, passes: list[Pass], order_of: Any | None) -> lis
     return out
 
 
+def fast_forwards_twice(ops: list[tuple[Any, ...]]) -> bool:
+    """A state saved by a run that had itself been resumed (loaded, then saved again in that process).
+    torchdata 0.11 resumes an iterable dataset without state methods by fetching the delivered batches again,
+    and counts them twice (``_num_yielded`` restored, then incremented by the fast-forward): such a state skips
+    the first resume's batches twice (a state saved 1 batch after resuming at 2 resumes at 5). The reference is
+    wrong there; those sequences are not compared."""
+    saved = loaded = False
+    for op in ops:
+        if op[0] == "restart":
+            loaded = False
+        elif op[0] == "load" and saved:
+            loaded = True
+        elif op[0] == "save":
+            if loaded:
+                return True
+            saved = True
+    return False
+
+
 OPS = st.one_of(
     st.tuples(st.just("take"), st.integers(1, 6)), st.tuples(st.just("take"), st.integers(1, 6)),
     st.tuples(st.just("drain")), st.tuples(st.just("break")), st.tuples(st.just("save")),
@@ -257,7 +301,7 @@ OPS = st.one_of(
 @st.composite
 def setups(draw: Any) -> Setup:
     workers = draw(st.sampled_from([0, 0, 1, 2]))
-    return Setup(kind=draw(st.sampled_from(["map", "iter"])), n=draw(st.integers(1, 23)),
+    return Setup(kind=draw(st.sampled_from(["map", "map", "iter", "iter_state"])), n=draw(st.integers(1, 23)),
                  batch_size=draw(st.integers(1, 5)), num_workers=workers,
                  persistent=bool(workers) and draw(st.booleans()), shuffle=draw(st.booleans()),
                  drop_last=draw(st.booleans()), seed=draw(st.integers(0, 3)))
@@ -270,6 +314,8 @@ def test_ucmagic_loader_resumes_as_statefuldataloader_does(setup, ops):
     """Differential: the same ops on both loaders deliver the same items per op, epoch by epoch (see the module
     doc): ``len()`` never changes with a resume, a loaded state applies once, to the next iteration, a state saved
     after the last batch resumes into an empty rest and then the next epoch, the epoch travels in the state."""
+    if setup.kind == "iter" and fast_forwards_twice(ops):
+        reject()
     try:
         ref, ref_passes = drive(setup, "ref", ops)
     except Exception:  # noqa: BLE001 - the reference fails on this sequence: nothing to compare with
@@ -286,7 +332,7 @@ def test_ucmagic_loader_resumes_as_statefuldataloader_does(setup, ops):
 
     def order_of(epoch: int) -> list[int]:
         if epoch not in orders:
-            orders[epoch] = uc_order(setup, epoch) if setup.kind == "map" else [x for b in setup.loader("ref")
+            orders[epoch] = uc_order(setup, epoch) if setup.kind == "map" else [x for b in setup.loader("uc")
                                                                                   for x in b]
         return orders[epoch]
 
