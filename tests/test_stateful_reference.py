@@ -2,10 +2,10 @@
 the torch ecosystem, and ``ucmagic.DataLoader`` must agree with it.
 
 1. A differential test drives ``ucmagic.DataLoader`` and ``StatefulDataLoader`` over the same plain dataset
-   (map-style, shuffled or not; iterable, split over workers by itself) through one generated sequence of the
-   operations the reference defines: take k batches, run to the end, break, ``state_dict()``, a new process (fresh
-   loader and dataset objects: everything a process holds is in them), ``load_state_dict()``, ``len()``, with the
-   same ``num_workers``. Every op's batches (and ``len()``) must match, item for item; where the two shuffle with
+   (map-style, shuffled or not; iterable, split over workers by itself, with state methods or without) through one
+   generated sequence of the operations the reference defines: take k batches (or up to the epoch's last), run to
+   the end, break, ``state_dict()``, a new process (fresh loader and dataset objects: everything a process holds is
+   in them), ``load_state_dict()``, ``len()``, with the same ``num_workers``. Every op's batches (and ``len()``) must match, item for item; where the two shuffle with
    different permutations (a shuffled map-style dataset) the batch sizes must match, and each pass must be the
    model's piece of its epoch: the rest of the saved epoch after a resume (the epoch travels in the state), a whole
    new epoch otherwise, checked exactly against ucmagic's own order of that epoch, and for the reference as "no
@@ -190,13 +190,13 @@ def drive(setup: Setup, impl: str, ops: list[tuple[Any, ...]]) -> tuple[list[Any
     saved: tuple[Any, Saved] | None = None
     for op in ops:
         name = op[0]
-        if name in ("take", "drain"):
+        if name in ("take", "drain", "to_last"):
             if it is None:
                 it = iter(loader)
                 passes.append(model.open())
             cur = passes[-1]
             batches = []
-            want = op[1] if name == "take" else 10**9
+            want = {"take": op[1], "drain": 10**9}.get(name) or batches_left(setup, cur)
             while len(batches) < want:
                 b = next(it, END)
                 if b is END:
@@ -233,8 +233,17 @@ def drive(setup: Setup, impl: str, ops: list[tuple[Any, ...]]) -> tuple[list[Any
     return out, passes
 
 
+def batches_left(setup: Setup, cur: Pass) -> int:
+    """``to_last``: the batches up to and including the epoch's last, by the model (map-style: its positions;
+    an iterable's workers interleave, one batch then), so the loop holds the last batch and has not ended."""
+    if setup.kind != "map":
+        return 1
+    left = epoch_len(setup) - len(cur.prefix) - len(cur.items)
+    return max(1, -(-left // setup.batch_size))
+
+
 def sizes(out: list[Any]) -> list[Any]:
-    return [(o[0], [len(b) for b in o[1]], o[2]) if o[0] in ("take", "drain") else o for o in out]
+    return [(o[0], [len(b) for b in o[1]], o[2]) if o[0] in ("take", "drain", "to_last") else o for o in out]
 
 
 def epoch_len(setup: Setup) -> int:
@@ -293,7 +302,7 @@ def fast_forwards_twice(ops: list[tuple[Any, ...]]) -> bool:
 
 OPS = st.one_of(
     st.tuples(st.just("take"), st.integers(1, 6)), st.tuples(st.just("take"), st.integers(1, 6)),
-    st.tuples(st.just("drain")), st.tuples(st.just("break")), st.tuples(st.just("save")),
+    st.tuples(st.just("drain")), st.tuples(st.just("to_last")), st.tuples(st.just("break")), st.tuples(st.just("save")),
     st.tuples(st.just("save")), st.tuples(st.just("restart")), st.tuples(st.just("load")),
     st.tuples(st.just("load")), st.tuples(st.just("len")))
 
