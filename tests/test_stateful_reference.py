@@ -5,8 +5,8 @@ the torch ecosystem, and ``ucmagic.DataLoader`` must agree with it.
    (map-style, shuffled or not; iterable, split over workers by itself, with state methods or without) through one
    generated sequence of the operations the reference defines: take k batches (or up to the epoch's last), run to
    the end, break, ``state_dict()``, a new process (fresh loader and dataset objects: everything a process holds is
-   in them), ``load_state_dict()``, ``len()``, with the same ``num_workers``. Every op's batches (and ``len()``) must match, item for item; where the two shuffle with
-   different permutations (a shuffled map-style dataset) the batch sizes must match, and each pass must be the
+   in them), ``load_state_dict()``, ``len()``, with the same ``num_workers``. Every op's batches (and ``len()``)
+   must match, item for item; where the two shuffle with different permutations (a shuffled map-style dataset) the batch sizes must match, and each pass must be the
    model's piece of its epoch: the rest of the saved epoch after a resume (the epoch travels in the state), a whole
    new epoch otherwise, checked exactly against ucmagic's own order of that epoch, and for the reference as "no
    item twice in an epoch, every item once by its end". The model (:class:`Positions`) is torchdata's rules: a
