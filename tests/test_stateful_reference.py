@@ -1,17 +1,18 @@
 """Resume by the reference (issue 49, SPEC F7b): torchdata's ``StatefulDataLoader`` defines what a resume means in
 the torch ecosystem, and ``ucmagic.DataLoader`` must agree with it.
 
-1. A differential test drives ``ucmagic.DataLoader`` and ``StatefulDataLoader`` over the same plain dataset
-   (map-style, shuffled or not; iterable, split over workers by itself, with state methods or without) through one
+1. A differential test drives ``ucmagic.DataLoader`` and ``StatefulDataLoader`` over the same plain dataset (map-
+   style, shuffled or not; iterable, split over workers by itself, with state methods or without) through one
    generated sequence of the operations the reference defines: take k batches (or up to the epoch's last), run to
    the end, break, ``state_dict()``, a new process (fresh loader and dataset objects: everything a process holds is
    in them), ``load_state_dict()``, ``len()``, with the same ``num_workers``. Every op's batches (and ``len()``)
-   must match, item for item; where the two shuffle with different permutations (a shuffled map-style dataset) the batch sizes must match, and each pass must be the
-   model's piece of its epoch: the rest of the saved epoch after a resume (the epoch travels in the state), a whole
-   new epoch otherwise, checked exactly against ucmagic's own order of that epoch, and for the reference as "no
-   item twice in an epoch, every item once by its end". The model (:class:`Positions`) is torchdata's rules: a
-   loaded state applies once, to the next iteration; a state saved after the last batch (the loop still running)
-   resumes into an empty rest, then the next epoch; a state saved after the loop ended resumes with the next epoch.
+   must match, item for item; where the two shuffle with different permutations (a shuffled map-style dataset) the
+   batch sizes must match, and each pass must be the model's piece of its epoch: the rest of the saved epoch after
+   a resume (the epoch travels in the state), a whole new epoch otherwise, checked exactly against ucmagic's own
+   order of that epoch, and for the reference as "no item twice in an epoch, every item once by its end". The model
+   (:class:`Positions`) is torchdata's rules: a loaded state applies once, to the next iteration; a state saved
+   after the last batch (the loop still running) resumes into an empty rest, then the next epoch; a state saved
+   after the loop ended resumes with the next epoch.
 2. Every ucmagic kind under ``StatefulDataLoader`` itself, with workers (it asks each worker's copy for its
    state): the rest of the saved epoch exactly, then the next epoch whole, ``len()`` unchanged. A user's wrapper
    with ``state_dict``/``load_state_dict`` forwarding to the ucmagic dataset resumes exactly; one without is
