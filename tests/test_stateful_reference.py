@@ -1,8 +1,8 @@
 """Resume by the reference (issue 49, SPEC F7b): torchdata's ``StatefulDataLoader`` defines what a resume means in
 the torch ecosystem, and ``ucmagic.DataLoader`` must agree with it.
 
-1. A differential test drives ``ucmagic.DataLoader`` and ``StatefulDataLoader`` over the same plain dataset (map-
-   style, shuffled or not; iterable, split over workers by itself, with state methods or without) through one
+1. A differential test drives ``ucmagic.DataLoader`` and ``StatefulDataLoader`` over the same plain dataset
+   (map-style, shuffled or not; iterable, split over workers by itself, with state methods or without) through one
    generated sequence of the operations the reference defines: take k batches (or up to the epoch's last), run to
    the end, break, ``state_dict()``, a new process (fresh loader and dataset objects: everything a process holds is
    in them), ``load_state_dict()``, ``len()``, with the same ``num_workers``. Every op's batches (and ``len()``)
