@@ -335,15 +335,15 @@ class UCVolumeDataset(EpochTracking, IterableDataset[str]):
                             largest=int(self.listing.sizes.max()) if n else 0)
 
     def __iter__(self) -> Iterator[str]:
-        it = self._iterate()
+        it = self._iterate(self._iteration_ticket())
         _close_at_exit(it)
         return telemetry.fetch_timed(it)  # timed when a user's wrapper iterates it (the loader's stage times)
 
-    def _iterate(self) -> Iterator[str]:
+    def _iterate(self, ticket: int) -> Iterator[str]:
         main = get_worker_info() is None
         # files in flight per stream: prefetch=, else the rank's DEFAULT_INFLIGHT spread over its workers
         depth = stream_depth(self.prefetch, dist_info().num_workers)
-        items, lease = self._open_stream(main, depth)
+        items, lease = self._open_stream(main, depth, ticket)
         if self._seen is None:
             self._seen = self.cache.seen_entries(len(self.listing))
         checks = None if self._checked is None else SourceChecks(self.volume, self._checked)
@@ -361,21 +361,20 @@ class UCVolumeDataset(EpochTracking, IterableDataset[str]):
         finally:
             lanes.end(abandoned=abandoned)
 
-    def _open_stream(self, main: bool, depth: int) -> tuple[StreamItems, StreamLease]:
+    def _open_stream(self, main: bool, depth: int, ticket: int) -> tuple[StreamItems, StreamLease]:
         """This (rank, worker) stream's items this epoch and their protection (begins the epoch in
         the main process; a worker follows the epoch its main process began)."""
         info = get_worker_info()
         self._check_consumer()  # Accelerate splitting again or skipping twice, a stateless wrapper resumed
         cache = self.cache
         if main:
-            self.begin_epoch()
-            epoch = self.epoch
+            epoch = self.begin_epoch(ticket=ticket)
             owner = process_tag()
             release_at_exit(cache, owner)
         else:
             if not os.path.isdir(cache.layout.locks):  # the cache directory was removed by hand: made again
                 cache.layout.ensure()  # (the main process's first write, a protection record, does it there)
-            epoch = self._worker_epoch(os.path.join(cache.root, "locks", f"epoch-{self._epoch_id}.lock"))
+            epoch = self._worker_epoch(os.path.join(cache.root, "locks", f"epoch-{self._epoch_id}.lock"), ticket)
             owner = self._owner or process_tag(os.getppid())
         cache.records.drop_records(owner)  # records of this owner's exited workers: an earlier iteration's
         self._open_progress(epoch)

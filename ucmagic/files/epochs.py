@@ -190,8 +190,8 @@ class PlannedDataset(Protocol):
     def release_iteration(self, loader: object) -> None:
         """``loader``'s iteration ended (completed, left or failed)."""
 
-    def begin_epoch(self, *, hand_over: bool = False) -> int:
-        """Start an iteration in the main process; returns its epoch (``hand_over``: see EpochTracking)."""
+    def begin_epoch(self, *, hand_over: bool = False, ticket: int | None = None) -> int:
+        """Start an iteration in the main process; returns its epoch (``hand_over``, ``ticket``: see EpochTracking)."""
 
     def upcoming_epoch(self) -> int:
         """The epoch the next iteration will run (for a state saved before iterating)."""
@@ -307,7 +307,7 @@ class EpochTracking:
         self._epoch = SharedInt(0)
         self._epoch_sync = SharedInts(6)
         self._epoch_id = uuid.uuid4().hex[:16]
-        self._worker_iters = 0  # iterations this process's copy ran (persistent workers keep it)
+        self._iters = 0  # iter() calls on this process's copy (persistent workers keep it): each iteration's ticket
         self._fresh = True  # the next begin_epoch keeps the epoch (start, set_epoch, resume)
         self._handed = False  # a loader began this iteration in this process: the dataset's own __iter__ follows
         self._resume: dict[str, Any] | None = None  # a loaded state, for the next iteration of the epoch it names
@@ -353,10 +353,11 @@ class EpochTracking:
         self.lease_items = int(lease_items)
         self._epoch_sync[_MANAGED] = 1
 
-    def begin_epoch(self, *, hand_over: bool = False) -> int:
+    def begin_epoch(self, *, hand_over: bool = False, ticket: int | None = None) -> int:
         """Start an iteration in the main process and return its epoch: without set_epoch, epochs
         count up. ``hand_over=True``: the dataset's own ``__iter__`` in this process runs next (a
         loader with ``num_workers=0``) and starts this same epoch instead of counting up again.
+        ``ticket``: the :meth:`_iteration_ticket` of the dataset's own iteration starting now.
 
         A loaded state applies to the next iteration only (torchdata's StatefulDataLoader rule): this
         one takes it, or, when another loader's iteration already took it (Accelerate's
@@ -364,7 +365,7 @@ class EpochTracking:
         if self._handed:
             self._handed = False
             return self._epoch.value
-        self._settle_resume()
+        self._settle_resume(ticket)
         if not self._fresh and not self._epoch_explicit:
             self._epoch.value = self._epoch.value + 1
         self._fresh = False
@@ -409,7 +410,9 @@ class EpochTracking:
         r = dict(state)
         if "stream" in r:
             check_stream_layout(r["stream"], self.kind)
-            r["used"] = False
+            # for the next iter() of this copy only: torchdata makes that iterator, and drops it unused when the
+            # saved iteration had ended (the one after it, the next epoch, comes with a later ticket)
+            r["used"], r["ticket"] = False, self._iters + 1
             self._resume = r
             self._progress = None
             if worker_info() is None:
@@ -440,14 +443,33 @@ class EpochTracking:
         return (r is not None and "token" in r and self._epoch_sync[_ARMED] == r["token"]
                 and self._epoch_sync[_TAKEN] == r["token"])
 
-    def _settle_resume(self) -> None:
+    def _iteration_ticket(self) -> int:
+        """Called by each kind's ``__iter__`` itself (not its generator, which torch may make and drop unused):
+        numbers the iterations of this copy, so a stream's state applies to the one it was loaded for."""
+        self._iters += 1
+        return self._iters
+
+    def _settle_stream(self, ticket: int | None) -> None:
+        """At an iteration's start: a stream's own state applies to the iteration it was loaded for (``ticket``;
+        without one, the first to start) and is dropped at any other; one whose iteration never ran (torchdata
+        dropped it: the saved iteration had ended) leaves its epoch behind."""
+        r = self._resume
+        if r is None or "stream" not in r:
+            return
+        if not r["used"] and (ticket is None or ticket == r["ticket"]):
+            r["used"] = True
+            return
+        self._resume = None
+        if not r["used"] and worker_info() is None:
+            self._fresh = False  # that epoch's iteration is over: this one is the next
+
+    def _settle_resume(self, ticket: int | None = None) -> None:
         """At an iteration's start in the main process: a state an earlier iteration took is spent now."""
         r = self._resume
         if r is None:
             return
         if "stream" in r:
-            if r["used"]:
-                self._resume = None
+            self._settle_stream(ticket)
             return
         if self._epoch_sync[_ARMED] != r["token"]:  # spent (by another copy's iteration, or finish_epoch)
             self._resume = None
@@ -458,11 +480,7 @@ class EpochTracking:
     def _take_resume(self, epoch: int) -> None:
         """The iteration starting now (of ``epoch``) follows the loaded state, if one is armed for ``epoch``."""
         r = self._active_resume(epoch)
-        if r is None:
-            return
-        if "stream" in r:
-            r["used"] = True
-        elif self._epoch_sync[_TAKEN] != r["token"]:
+        if r is not None and "token" in r and self._epoch_sync[_TAKEN] != r["token"]:
             self._epoch_sync[_TAKEN] = r["token"]
 
     def _active_resume(self, epoch: int) -> dict[str, Any] | None:
@@ -482,7 +500,7 @@ class EpochTracking:
             return
         self._epoch.value = int(epoch)
         self._epoch_sync[_SEEN] = 1
-        self._epoch_sync[_KEY] = self._iteration_key(info, self._worker_iters + 1)
+        self._epoch_sync[_KEY] = self._iteration_key(info, self._iters + 1)
 
     def state_dict(self) -> dict[str, Any]:
         """Where this process's iteration of the dataset is: small, plain JSON, for ``load_state_dict``.
@@ -498,7 +516,7 @@ class EpochTracking:
         if p is None:
             r = self._resume
             if r is not None and "stream" in r and not r["used"]:
-                return {k: v for k, v in r.items() if k != "used"}
+                return {k: v for k, v in r.items() if k not in ("used", "ticket")}
             epoch = self.upcoming_epoch() if worker_info() is None else self._worker_upcoming()
             p = self._new_progress(epoch)
         if p.single:  # one stream in all: what the epoch has left, on any layout
@@ -600,7 +618,7 @@ class EpochTracking:
         """The name of a worker's ``iterations``-th iteration: (its loader iteration's base seed, the count)."""
         return ((int(info.seed) - int(info.id)) * 1_000_003 + int(iterations)) % (2**62) + 1
 
-    def _worker_epoch(self, lock_path: str | None) -> int:
+    def _worker_epoch(self, lock_path: str | None, ticket: int) -> int:
         """The epoch of this iteration, as seen from a DataLoader worker (which starts it here).
 
         The workers of one loader iteration share a base seed (``seed - id``); a persistent worker
@@ -609,20 +627,14 @@ class EpochTracking:
         multiprocessing lock survives every start method). Explicit ``set_epoch`` and loaders that
         manage epochs win. A loaded state armed for this epoch is taken by this iteration; one an
         earlier iteration took is spent when a new iteration is seen. Without ``lock_path`` the workers
-        follow the main process's epoch.
+        follow the main process's epoch. ``ticket``: this iteration's :meth:`_iteration_ticket`.
         """
         info = worker_info()
-        self._worker_iters += 1
-        r = self._resume
-        if r is not None and "stream" in r:  # this copy's own state: its next iteration only
-            if r["used"]:
-                self._resume = None
-            else:
-                r["used"] = True
+        self._settle_stream(ticket)  # this copy's own state: the iteration it was loaded for only
         if info is None or lock_path is None or self._epoch_sync[_EXPLICIT] or self._epoch_sync[_MANAGED]:
             self._take_resume(self._epoch.value)
             return self._epoch.value
-        key = self._iteration_key(info, self._worker_iters)
+        key = self._iteration_key(info, ticket)
         with file_lock(lock_path):
             if self._epoch_sync[_KEY] != key:
                 if self._epoch_sync[_SEEN]:
@@ -640,8 +652,7 @@ class EpochTracking:
         info = worker_info()
         if info is None or self._epoch_sync[_EXPLICIT] or self._epoch_sync[_MANAGED]:
             return self._epoch.value
-        seen_other = self._epoch_sync[_SEEN] and self._epoch_sync[_KEY] != self._iteration_key(
-            info, self._worker_iters + 1)
+        seen_other = self._epoch_sync[_SEEN] and self._epoch_sync[_KEY] != self._iteration_key(info, self._iters + 1)
         return self._epoch.value + (1 if seen_other else 0)
 
     def _shuffle_mode(self, world: int | None = None) -> bool | str:

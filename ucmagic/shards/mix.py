@@ -182,16 +182,15 @@ class Mix(EpochTracking, IterableDataset[Any]):
     # ------------------------------------------------------------ iteration
 
     def __iter__(self) -> Iterator[Any]:
-        return telemetry.fetch_timed(self._iterate())  # timed when a user's wrapper iterates it (stage times)
+        return telemetry.fetch_timed(self._iterate(self._iteration_ticket()))  # timed when a user's wrapper iterates it
 
-    def _iterate(self) -> Iterator[Any]:
+    def _iterate(self, ticket: int) -> Iterator[Any]:
         self._check_consumer()  # Accelerate splitting again or skipping twice, a stateless wrapper resumed
-        main = get_worker_info() is None
-        if main:
-            epoch = self.begin_epoch()
+        if get_worker_info() is None:
+            epoch = self.begin_epoch(ticket=ticket)
         else:
             root = self.sources[0].dataset.cache.root
-            epoch = self._worker_epoch(os.path.join(root, "locks", f"epoch-{self._epoch_id}.lock"))
+            epoch = self._worker_epoch(os.path.join(root, "locks", f"epoch-{self._epoch_id}.lock"), ticket)
         progress = self._open_progress(epoch)
         rank, world, _, _, worker, nworkers = dist_info()
         readers = [s.stream_reader(f"m{worker}-{k}") for k, s in enumerate(self.sources)]

@@ -298,17 +298,15 @@ class SampleStream(EpochTracking, IterableDataset[Any]):
     # ------------------------------------------------------------ iteration
 
     def __iter__(self) -> Iterator[Any]:
-        return telemetry.fetch_timed(self._iterate())  # timed when a user's wrapper iterates it (stage times)
+        return telemetry.fetch_timed(self._iterate(self._iteration_ticket()))  # timed when a user's wrapper iterates it
 
-    def _iterate(self) -> Iterator[Any]:
+    def _iterate(self, ticket: int) -> Iterator[Any]:
         self._check_consumer()  # Accelerate splitting again or skipping twice, a stateless wrapper resumed
-        info = get_worker_info()
-        main = info is None
         ds = self.dataset
-        if main:
-            epoch = self.begin_epoch()
+        if get_worker_info() is None:
+            epoch = self.begin_epoch(ticket=ticket)
         else:
-            epoch = self._worker_epoch(os.path.join(ds.cache.root, "locks", f"epoch-{self._epoch_id}.lock"))
+            epoch = self._worker_epoch(os.path.join(ds.cache.root, "locks", f"epoch-{self._epoch_id}.lock"), ticket)
             settle_worker()  # a worker holds and frees batches of big samples: see _util.settle_worker
         progress = self._open_progress(epoch)
         rank, world, _, _, worker, nworkers = dist_info()

@@ -351,11 +351,14 @@ class ParquetDataset(EpochTracking, IterableDataset[Any]):
             close_readers(readers)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        return telemetry.fetch_timed(self._iterate())  # timed when a user's wrapper iterates it (stage times)
+        return telemetry.fetch_timed(self._iterate(self._iteration_ticket()))  # timed when a user's wrapper iterates it
 
-    def _iterate(self) -> Iterator[dict[str, Any]]:
+    def _iterate(self, ticket: int) -> Iterator[dict[str, Any]]:
         self._check_consumer()  # Accelerate splitting again or skipping twice, a stateless wrapper resumed
-        epoch = self.begin_epoch() if get_worker_info() is None else self._worker_epoch(self._epoch_lock())
+        if get_worker_info() is None:
+            epoch = self.begin_epoch(ticket=ticket)
+        else:
+            epoch = self._worker_epoch(self._epoch_lock(), ticket)
         progress = self._open_progress(epoch)
         rank, world, _, _, worker, nworkers = dist_info()
         for batch in self.iter_stream(epoch, rank, world, worker, nworkers):
