@@ -256,7 +256,7 @@ def epoch_len(setup: Setup) -> int:
     workers are streams of their own)."""
     if not setup.drop_last:
         return setup.n
-    nw = setup.num_workers if setup.kind == "iter" else 0
+    nw = setup.num_workers if setup.kind != "map" else 0
     streams = [len(range(w, setup.n, nw)) for w in range(nw)] if nw else [setup.n]
     return sum(k - k % setup.batch_size for k in streams)
 
