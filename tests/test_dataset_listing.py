@@ -83,8 +83,8 @@ def test_a_state_saved_under_the_old_order_is_refused_with_a_clear_error(tmp_pat
     old["version"] = 1
     with pytest.raises(ResumeOrderError, match="epoch-order version 1"):
         ds.load_state_dict(old)
-    ds.load_state_dict(state)  # the current one resumes
-    assert len(ds) == 40
+    ds.load_state_dict(state)  # the current one resumes: the rest of epoch 0
+    assert ds.epoch_plan(0)[0] == [(10, 50)] and len(ds) == 50  # len(): a whole epoch's (torchdata's rule)
 
 
 def test_listing_progress_goes_to_the_callback_and_by_default_to_stderr(tmp_path, capsys):
