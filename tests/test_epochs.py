@@ -13,7 +13,8 @@ from torch.utils.data import IterableDataset
 from ucmagic.files.dataset import UCVolumeDataset
 from ucmagic.dist import DistInfo, all_gather_ints, dist_info
 from ucmagic.errors import ListingChangedError
-from ucmagic.files.epochs import EpochTracking, LoaderNeeds, PlannedDataset, StateSchema, check_state_kind
+from ucmagic.files.epochs import EpochTracking
+from ucmagic.files.planned import LoaderNeeds, PlannedDataset, StateSchema, check_state_kind
 from ucmagic.loading.loader import DataLoader
 
 

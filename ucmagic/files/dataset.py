@@ -20,7 +20,8 @@ from .cache_layout import cache_root, space_of
 from .locks import process_tag
 from .protection import release_at_exit
 from ..dist import dist_info, local_world_size
-from .epochs import EpochTracking, StateSchema
+from .epochs import EpochTracking
+from .planned import StateSchema
 from ..errors import InvalidArgumentError
 from .epoch_stream import EpochParts, EpochStream, Retired
 from .dataset_files import ListedFiles, SourceFile

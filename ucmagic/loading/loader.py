@@ -5,7 +5,7 @@ Resume counts the batches the training loop *received* in the current epoch (not
 prefetched) and turns that count into items per worker stream with the round-robin model in
 :mod:`ucmagic.files.plan`. For a :class:`~ucmagic.files.dataset.UCVolumeDataset` the state is the epoch's
 remaining pool (position ranges), valid for any ``num_workers`` and world size; the loader drives
-such planned datasets only through :class:`ucmagic.files.epochs.PlannedDataset`. A map-style dataset
+such planned datasets only through :class:`ucmagic.files.planned.PlannedDataset`. A map-style dataset
 given without a sampler is split over the ranks by the loader's own sampler and resumes from the
 positions of its epoch order left (any layout); with the user's sampler, by skipping the delivered
 batches (same world size); other iterable datasets by skipping delivered batches with the same layout.
@@ -26,7 +26,7 @@ from .. import _torch_compat as compat
 from .._util import is_integer
 from ..files import plan
 from ..dist import all_gather_ints, dist_info
-from ..files.epochs import LoaderNeeds, PlannedDataset, stream_lengths, wrapped_planned
+from ..files.planned import LoaderNeeds, PlannedDataset, stream_lengths, wrapped_planned
 from ..errors import InvalidArgumentError, ListingChangedError, ResumeLayoutError
 from .consumers import caller_lookahead
 from .loader_stats import LoaderStats
@@ -123,7 +123,7 @@ class DataLoader(tud.DataLoader[Any]):
     ``monitor()`` shows a live display in a notebook.
     """
 
-    dataset: Any  # any torch dataset; planned ones (files.epochs.PlannedDataset) add configure, epoch_plan, ...
+    dataset: Any  # any torch dataset; planned ones (files.planned.PlannedDataset) add configure, epoch_plan, ...
 
     def __init__(self, dataset: Any, batch_size: int | None = _UNSET, shuffle: bool | None = None,
                  sampler: Any = None, batch_sampler: Any = None, num_workers: int | None = None,

@@ -209,7 +209,7 @@ class LoaderStats:
 
     # -- cache (UCVolumeDataset only)
     def _counters(self) -> dict[str, int] | None:
-        c = getattr(self._dataset, "counters", None)  # a planned dataset's (ucmagic.files.epochs.PlannedDataset)
+        c = getattr(self._dataset, "counters", None)  # a planned dataset's (ucmagic.files.planned.PlannedDataset)
         return c.totals() if isinstance(c, SharedCounters) else self._saved_counters
 
     hits = _Read("_counters", "hits", "Cache hits over all workers (None: the dataset has no cache).")

@@ -12,7 +12,7 @@ import torch.utils.data as tud
 from ..dist import dist_info
 from ..errors import ResumeRecipeError
 from ..files import plan
-from ..files.epochs import accelerate_skipping
+from ..files.foreign_loaders import accelerate_skipping
 from ..telemetry import BatchStart, batch_started
 
 

@@ -23,7 +23,8 @@ from torch.utils.data import IterableDataset, get_worker_info
 from .. import telemetry
 from ..files import plan
 from ..dist import dist_info
-from ..files.epochs import EpochTracking, check_state_kind
+from ..files.epochs import EpochTracking
+from ..files.planned import check_state_kind
 from ..errors import ListingChangedError
 from .samples import SampleStream, ShardDataset
 from .shuffle import sample_layout

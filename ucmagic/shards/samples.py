@@ -24,7 +24,8 @@ from .._util import settle_worker
 from ..files.cache import FileCache
 from ..files.locks import process_tag
 from ..dist import dist_info
-from ..files.epochs import EpochTracking, StateSchema
+from ..files.epochs import EpochTracking
+from ..files.planned import StateSchema
 from ..telemetry import SharedCounters
 from ..files.volume import FileEntry, Volume
 from .chunks import CHUNK_SIZE, SUFFIX, ChunkedFile, ChunkReader

@@ -28,7 +28,8 @@ from ..files.cache import FileCache
 from ..files.cache_layout import cache_root
 from ..files.locks import private_dir
 from ..dist import dist_info
-from ..files.epochs import EpochTracking, LoaderNeeds, StateSchema, stream_lengths
+from ..files.epochs import EpochTracking
+from ..files.planned import LoaderNeeds, StateSchema, stream_lengths
 from ..errors import ColumnNotFoundError, UnsupportedSourceError
 from ..files.fetch import read_ahead
 from .columns import (check_exact, column_kind, mask_key, output_kind)

@@ -35,7 +35,7 @@ from ..errors import (ColumnNotFoundError, DuplicatePathError, EmptyListingError
                       ListingChangedError, SourceChangedError, SourceNotFoundError, UnsafeSourceError)
 from ..files.cache_layout import unmap_relpath
 from ..files.dataset import STATE_VERSION, UCVolumeDataset
-from ..files.epochs import StateSchema
+from ..files.planned import StateSchema
 from ..files.ranged import RangeReader
 from ..files.volume import DirScan, FileEntry, Volume, filter_entries, is_safe_rel, open_volume
 
