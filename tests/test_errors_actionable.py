@@ -259,3 +259,35 @@ def test_a_cache_directory_removed_by_hand_between_epochs_is_made_again(root, tm
         got = [p for x in loop for p in ([x] if consumer == "plain" else x)]
         assert len(set(got)) == 20 and all(os.path.exists(p) for p in got), epoch
         shutil.rmtree(cache)  # `rm -rf ~/.cache/ucmagic` in a terminal while the notebook keeps the dataset
+
+
+def test_threads_that_find_the_cache_directory_removed_share_one_new_one(tmp_path):
+    """Every fill thread that finds the root removed retries on one new descriptor; none is closed under
+    another thread (its number reused by another file gave 'Not a directory: tmp' in CI)."""
+    import shutil
+    import threading
+
+    from ucmagic.files.cache_layout import CacheLayout
+
+    layout = CacheLayout(str(tmp_path / "c"))
+    old = layout.anchor()
+    shutil.rmtree(layout.root)
+    start = threading.Barrier(8)
+    got: list[int] = []
+
+    def retry() -> None:
+        start.wait()
+        got.append(layout.at_root(lambda root: os.open("tmp", os.O_RDONLY | os.O_DIRECTORY, dir_fd=root)))
+
+    threads = [threading.Thread(target=retry) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    try:
+        assert len(got) == 8 and os.path.isdir(os.path.join(layout.root, "tmp"))
+        assert len({os.fstat(fd).st_ino for fd in got}) == 1  # all on the new tmp/
+        assert os.fstat(old).st_nlink == 0  # the stale descriptor is still the removed root's, not reused
+    finally:
+        for fd in got:
+            os.close(fd)

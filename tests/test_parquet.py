@@ -11,7 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from ucmagic.files import plan
@@ -111,6 +111,8 @@ def test_streams_split_rows_without_overlap_or_gap(ragged, world, workers, bs, s
 
 
 @given(bs=st.integers(1, 50), stop_after=st.integers(0, 20), shuffle=st.booleans(), new_bs=st.integers(1, 50))
+@example(bs=25, stop_after=20, shuffle=False, new_bs=1)  # broke off at the epoch's last batch (487 rows: 20 batches)
+@example(bs=26, stop_after=20, shuffle=False, new_bs=1)  # the loop ended (19 batches)
 @FAST
 def test_resume_delivers_exactly_the_rest(ragged, bs, stop_after, shuffle, new_bs):
     ds = ParquetDataset(ragged, batch_size=bs, shuffle=shuffle, seed=3, shuffle_buffer=120)
@@ -126,8 +128,13 @@ def test_resume_delivers_exactly_the_rest(ragged, bs, stop_after, shuffle, new_b
     again.load_state_dict(state)
     rest = list(again)
     done = ids_of(first)
-    if len(done) == ds.num_rows:  # saved after the epoch delivered everything: the resume is the next epoch, whole
+    if len(done) == ds.num_rows:  # the epoch delivered everything (StatefulDataLoader's rules): saved once the
+        # loop had ended, the resume is the next epoch, whole; saved at its last batch with the loop still running,
+        # that epoch's empty rest first
         assert sorted(done.tolist()) == list(range(ds.num_rows)) and state["remaining"] == 0
+        if len(first) == stop_after:  # broke off at the last batch
+            assert rest == []
+            rest = list(again)
         assert sorted(ids_of(rest).tolist()) == list(range(ds.num_rows)) and again.epoch == 3
         return
     got = np.concatenate([done, ids_of(rest)])

@@ -311,7 +311,7 @@ class FileCache:
                 if attempt == 3:
                     raise
                 if os.fstat(root).st_nlink == 0:  # the whole cache directory was removed: made anew
-                    root = self.layout.anchor(again=True)
+                    root = self.layout.anchor(stale=root)
                 with contextlib.suppress(FileExistsError):  # files/ removed, or a folder evicted
                     os.mkdir(_FILES.rstrip("/"), 0o700, dir_fd=root)
             except OSError as e:

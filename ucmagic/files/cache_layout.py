@@ -256,15 +256,17 @@ def serial() -> int:
 _T = TypeVar("_T")
 _anchors: dict[str, CheckedDir] = {}  # cache root -> the root opened by this process
 _anchors_mu = threading.Lock()
+_retired: list[CheckedDir] = []  # roots removed by hand: kept open for fills in flight (one per removal)
 
 
 def _forget_anchors() -> None:
     """In a forked child: its copies of the parent's root descriptors are closed; it opens and checks its own."""
     global _anchors_mu
     _anchors_mu = threading.Lock()
-    for d in _anchors.values():
+    for d in [*_anchors.values(), *_retired]:
         d.close()
     _anchors.clear()
+    _retired.clear()
 
 
 if hasattr(os, "register_at_fork"):
@@ -308,34 +310,38 @@ class CacheLayout:
         except OSError as exc:
             raise self.unusable(exc) from exc
 
-    def anchor(self, *, again: bool = False) -> int:
+    def anchor(self, *, stale: int = -1) -> int:
         """The cache root's directory descriptor in this process, opened once and checked (a real folder of
         this user's that no one else may write to, nor to a folder above it: :class:`CheckedDir`): fills make
         their temp files, folders and names relative to it (``dir_fd``, no link followed), so a root renamed
-        and replaced by a link afterwards cannot receive them. ``again``: the root was removed and made anew."""
+        and replaced by a link afterwards cannot receive them. ``stale``: the descriptor that found the root
+        (or ``tmp/``) removed; the directory is made anew and opened again, once for all the threads that
+        found it so. The stale descriptor stays open (a fill in flight may still use it: closed, its number
+        could be reused by another file under it)."""
         got = _anchors.get(self.root)  # no system call on the fill path: a forked child forgets the parent's
-        if got is not None and not again:
+        if got is not None and got.fd != stale:
             return got.fd
         with _anchors_mu:
             got = _anchors.get(self.root)
-            if got is not None and not again:
+            if got is not None and got.fd != stale:  # another thread made it anew meanwhile
                 return got.fd
-            if again:
+            if stale >= 0:
                 self.ensure()
             fresh = CheckedDir.open(self.root, what="cache directory",
                                     fix="use a directory of your own with cache_dir= or $UCMAGIC_CACHE_DIR")
             _anchors[self.root] = fresh
-            if got is not None:  # the removed root's: fills holding it finish on the new one (anchor again)
-                got.close()
+            if got is not None:
+                _retired.append(got)
             return fresh.fd
 
     def at_root(self, op: Callable[[int], _T]) -> _T:
         """``op(root descriptor)``; where it finds nothing (``FileNotFoundError``: ``tmp/`` or the whole cache
         directory removed by hand meanwhile), the directory is made anew, opened again and ``op`` retried once."""
+        root = self.anchor()
         try:
-            return op(self.anchor())
+            return op(root)
         except FileNotFoundError:
-            return op(self.anchor(again=True))
+            return op(self.anchor(stale=root))
 
     @contextlib.contextmanager
     def evicting(self, shared: bool = False) -> Iterator[None]:
