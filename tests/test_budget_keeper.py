@@ -15,6 +15,7 @@ from ucmagic.files.locks import process_tag
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # cache_helpers, whatever pytest's import mode
 from cache_helpers import record_name, used_at, writer
+from waits import PATIENCE, module_with, wait_until
 
 
 def test_choose_victims_is_lru():
@@ -50,10 +51,10 @@ def test_fill_waits_for_room_then_proceeds_when_a_consumer_frees_it(tmp_path):
     t = threading.Thread(target=lambda: (c.fill(cache_key("v", "next", 300, 0), "", 300, writer(bytes(300)),
                                                 on_wait=lambda: waits.append(1)), done.set()))
     t.start()
-    assert not done.wait(0.3) and waits  # no room: it waits instead of overshooting
-    assert c.usage().total_bytes <= 500
+    wait_until(lambda: waits, "the fill waiting for room")  # no room: it waits instead of overshooting
+    assert not done.is_set() and c.usage().total_bytes <= 500
     c.records.drop_record(rec)  # the consumer is done with the held file
-    assert done.wait(10)
+    assert done.wait(PATIENCE)
     t.join()
     assert c.usage().total_bytes <= 500 and not os.path.exists(p)
 
@@ -122,27 +123,32 @@ def test_usage_accounts_every_byte_under_the_cache_dir(tmp_path):
 def test_a_fill_waiting_behind_a_big_file_still_copying_does_not_give_up(tmp_path, monkeypatch):
     """Files of 10 GiB copy for minutes: a worker's next fill waits for room all that time while the loop
     waits on another worker's copy. A copy that writes is progress, not the deadlock the stall error is
-    for (before, the waiting fill failed after LOOP_STALL_S with "no room ... while the loop waits")."""
+    for (before, the waiting fill failed after LOOP_STALL_S with "no room ... while the loop waits").
+
+    The budget's clock is its own waits (each pause adds its length), and the other fill's copy writes a
+    block at each of them until three stall periods went by: the same on any machine."""
     monkeypatch.setattr(budget_mod, "LOOP_STALL_S", 0.5)
+    now = [0.0]
+
+    def pause(s: float) -> None:
+        now[0] += s
+        time.sleep(0.001)
+
+    monkeypatch.setattr(budget_mod, "time", module_with(monotonic=lambda: now[0], sleep=pause, time=time.time))
     c = FileCache(str(tmp_path / "c"), limit=10_000)
     copying = os.path.join(c.root, "tmp", f"{'ab' * 20}.{process_tag()}.0.9000.part")  # another fill's copy
-    stop = threading.Event()
+    with open(copying, "wb"):
+        pass
+    copies = []
 
-    def copy() -> None:
-        with open(copying, "wb") as f:
-            for _ in range(40):  # 2 s of copying, a block every 50 ms
-                if stop.wait(0.05):
-                    return
-                f.write(bytes(4096))
-                f.flush()
-        os.unlink(copying)  # it went to its entry, which the loop then consumed
+    def copy_on() -> None:  # called at each wait of the reserving fill
+        if now[0] < 3 * budget_mod.LOOP_STALL_S:
+            with open(copying, "ab") as f:
+                f.write(bytes(4096))  # a block: what the budget sees growing is the space allocated
+            copies.append(now[0])
+        elif os.path.exists(copying):
+            os.unlink(copying)  # it went to its entry, which the loop then consumed
 
-    t = threading.Thread(target=copy)
-    t.start()
-    try:
-        time.sleep(0.1)
-        c.budget_keeper.reserve(5000, os.path.join(c.root, "tmp", "mine.part"), may_exceed=lambda: False)
-    finally:
-        stop.set()
-        t.join()
+    c.budget_keeper.reserve(5000, os.path.join(c.root, "tmp", "mine.part"), may_exceed=lambda: False, on_wait=copy_on)
+    assert copies and copies[-1] > 2 * budget_mod.LOOP_STALL_S  # it waited past the stall time, the copy going on
     assert os.path.exists(os.path.join(c.root, "tmp", "mine.part"))

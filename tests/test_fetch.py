@@ -9,6 +9,8 @@ from hypothesis import strategies as st
 from ucmagic._util import RetryPolicy
 from ucmagic.errors import FetchTimeoutError
 
+from waits import PATIENCE, JumpClock, module_with, wait_until
+
 from ucmagic.files.fetch import (CALL_S, MAX_BATCH, Window, backoff_delays, batch_size, read_ahead, restart_timeout,
                                  tune_window, with_retries)
 
@@ -31,9 +33,26 @@ def _counting(fn, sleep):
 
 
 def test_results_come_in_input_order_with_concurrency():
-    slow, peak = _counting(lambda i: i * 2, lambda i: 0.01 * (i % 3))
-    assert list(read_ahead(slow, range(60), depth=16)) == [i * 2 for i in range(60)]
-    assert peak[0] > 4  # calls really overlapped
+    """The first calls wait until five are in flight at once (proof that they overlap, on any machine: a
+    read-ahead that ran them one at a time would wait PATIENCE and fail), later ones take varied times."""
+    active, mu, overlapped = [0], threading.Lock(), threading.Event()
+
+    def call(i):
+        with mu:
+            active[0] += 1
+            if active[0] >= 5:
+                overlapped.set()
+        try:
+            if i < 5:
+                assert overlapped.wait(PATIENCE), "the first calls never ran five at a time"
+            time.sleep(0.01 * (i % 3))
+        finally:
+            with mu:
+                active[0] -= 1
+        return i * 2
+
+    assert list(read_ahead(call, range(60), depth=16)) == [i * 2 for i in range(60)]
+    assert overlapped.is_set()
 
 
 def test_depth_bounds_calls_in_flight():
@@ -82,24 +101,30 @@ def test_backoff_grows_and_is_capped():
     assert d == sorted(d)
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("n, hung, depth", [
     (5, 2, 4),  # one item per call
     (1000, 700, 64),  # quick items: the hung one is inside a run
 ])
-def test_a_hung_call_times_out_naming_the_item_after_the_items_before_it(n, hung, depth):
-    ev = threading.Event()
+def test_a_hung_call_times_out_naming_the_item_after_the_items_before_it(monkeypatch, n, hung, depth):
+    """The read-ahead's clock jumps an hour once the hung item is in its call and the loop took every
+    item before it: the timeout fires then, never on an earlier item a loaded machine was slow to run."""
+    from ucmagic.files import fetch
+
+    ev, entered = threading.Event(), threading.Event()
+    got = []
 
     def hang(i):
         if i == hung:
-            ev.wait(20)
+            entered.set()
+            ev.wait(60)
         return i
 
+    monkeypatch.setattr(fetch, "time", JumpClock(lambda: entered.is_set() and len(got) == hung))
     pool = _CountingPool()
-    got = []
     try:
         with pytest.raises(FetchTimeoutError, match=f"item-{hung} made no progress"):
-            for x in read_ahead(hang, range(n), depth=depth, timeout=0.6, describe=lambda i: f"item-{i}", pool=pool):
+            for x in read_ahead(hang, range(n), depth=depth, timeout=60, describe=lambda i: f"item-{i}", pool=pool):
                 got.append(x)
     finally:
         ev.set()
@@ -191,10 +216,13 @@ def test_a_consumer_slower_than_a_high_latency_volume_keeps_the_calls_that_hide_
     assert w.size >= consumer * latency
 
 
+@pytest.mark.full
 @pytest.mark.timeout(60)
 def test_a_slow_loop_over_a_high_latency_volume_keeps_enough_calls_in_flight_to_never_wait_long():
     # 50 ms per call, a loop that spends 2 ms per item (at most 500 items/s: up to 25 calls busy; on a
     # slow machine fewer). Before, the window shrank to its floor of 4 whenever the loop did not wait.
+    # Timed (a loaded machine's slower loop needs fewer calls): --full only; the default suite checks the
+    # same rule on simulated rates (test_a_consumer_slower_than_a_high_latency_volume_keeps_the_calls...).
     active, mu = [0], threading.Lock()
 
     def call(i):
@@ -290,25 +318,40 @@ def test_fetch_backoff_is_the_shared_policy():
     assert backoff_delays(4, rng=random.Random(1)) == RetryPolicy(4).delays(random.Random(1))
 
 
-def test_timeout_counts_only_time_without_progress():
+def test_timeout_counts_only_time_without_progress(monkeypatch):
+    """A copy that shows progress at every look of the stall check never times out, however long it takes
+    (ten looks: five timeouts); one that stops showing progress does. The read-ahead's clock is the number
+    of looks (a second each), so a loaded machine that looks less often, or a copy thread slow to start,
+    sees the same."""
+    from ucmagic.files import fetch
     from ucmagic.files.fetch import watch_progress
 
+    looks = [0]
+    monkeypatch.setattr(fetch, "time", module_with(monotonic=lambda: float(looks[0]), perf_counter=time.perf_counter))
     release = threading.Event()
 
     def copy(item: str) -> str:
-        written = [0]
-        watch_progress(lambda: written[0])
-        for _ in range(15 if item == "big" else 1):  # ~1.5 s, writing all along
-            time.sleep(0.1)
-            written[0] += 1
-        if item == "hung":
-            release.wait(30)  # stops writing
+        if item == "big":
+            def grown() -> int:  # the size of the file being written: it grew since the last look
+                looks[0] += 1
+                return looks[0]
+
+            watch_progress(grown)
+            wait_until(lambda: looks[0] >= 10, "ten looks at the copy")
+        elif item == "hung":
+            def same() -> int:  # stops writing
+                looks[0] += 1
+                return 0
+
+            watch_progress(same)
+            release.wait(PATIENCE)
         return item
 
-    assert list(read_ahead(copy, ["big", "small"], depth=2, timeout=0.6)) == ["big", "small"]
+    assert list(read_ahead(copy, ["big", "small"], depth=2, timeout=2)) == ["big", "small"]
+    looks[0] = 0
     try:
-        with pytest.raises(FetchTimeoutError, match="hung.*made no progress for 0.6 s"):
-            list(read_ahead(copy, ["hung"], depth=1, timeout=0.6))
+        with pytest.raises(FetchTimeoutError, match="hung.*made no progress for 2 s"):
+            list(read_ahead(copy, ["hung"], depth=1, timeout=2))
     finally:
         release.set()
 
@@ -332,12 +375,9 @@ def test_closing_a_read_ahead_stops_its_calls_still_waiting():
 
     g = read_ahead(fn, range(3), depth=3)
     assert next(g) == 0
-    assert waiting.acquire(timeout=10) and waiting.acquire(timeout=10)
+    assert waiting.acquire(timeout=PATIENCE) and waiting.acquire(timeout=PATIENCE)
     g.close()  # the loop broke off
-    deadline = time.monotonic() + 10
-    while len(stopped) < 2 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert len(stopped) == 2
+    wait_until(lambda: len(stopped) == 2, "both waiting calls stopped")
 
 
 @pytest.mark.timeout(60)
@@ -474,14 +514,14 @@ def test_slow_items_are_never_called_on_the_consumers_thread():
     assert not any(on_me)
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(300)
 def test_a_run_hands_out_its_first_results_while_a_later_item_waits_on_their_consumption():
     # a fill under a tight budget waits for room that only the loop's consumption of earlier files frees
     taken = [0]
 
     def f(i):
         if i and i % 100 == 0:
-            deadline = time.monotonic() + 20
+            deadline = time.monotonic() + PATIENCE
             while taken[0] < i and time.monotonic() < deadline:
                 restart_timeout()
                 time.sleep(0.005)
@@ -489,7 +529,7 @@ def test_a_run_hands_out_its_first_results_while_a_later_item_waits_on_their_con
         return i
 
     pool = _CountingPool()
-    for x in read_ahead(f, range(1000), depth=64, timeout=5, pool=pool):
+    for x in read_ahead(f, range(1000), depth=64, timeout=PATIENCE, pool=pool):
         assert x == taken[0]
         taken[0] += 1
     assert taken[0] == 1000

@@ -14,6 +14,7 @@ from ucmagic.files.cache_layout import cache_key
 from ucmagic.files.listing import RACY_S, Listing, forget_listing, listings_dir, open_listing
 from ucmagic.testing import make_files
 from ucmagic.files.volume import DirScan, FileEntry, LocalVolume, Volume, listing_fingerprint, open_volume
+from waits import module_with
 
 
 class CountingVolume(LocalVolume):
@@ -159,15 +160,28 @@ def test_relist_forces_a_new_listing(vol, tmp_path):
     assert second.entries(range(len(second))) == first.entries(range(len(first)))
 
 
-def test_a_listing_taken_right_after_a_change_is_checked_again(tmp_path):
+def test_a_listing_taken_right_after_a_change_is_checked_again(tmp_path, monkeypatch):
+    """The listing's clock is set by the test: the first listing half a second after the files' writes, the
+    next ones well past RACY_S (however long the machine took in between)."""
+    from ucmagic.files import listing as listing_mod
+
     root = tmp_path / "v"
     make_files(str(root), 10, 100)
+    age(str(root), 100)
+    written = os.stat(root).st_mtime
+    now = [written + RACY_S / 2]
+
+    def clock() -> float:
+        now[0] += 1e-3  # each look a moment later
+        return now[0]
+
+    monkeypatch.setattr(listing_mod, "time", module_with(time=clock, monotonic=time.monotonic))
     tally = tmp_path / "tally"
     tally.mkdir()
     vol = CountingVolume(str(root), str(tally))
     first = open_listing(vol, None, cache_root(tmp_path))
     assert first.meta["racy"]  # files written just now could change again within the same clock tick
-    time.sleep(RACY_S + 0.05)
+    now[0] = written + 10 * RACY_S
     second = open_listing(vol, None, cache_root(tmp_path))
     third = open_listing(vol, None, cache_root(tmp_path))
     assert second.path != first.path and not second.meta["racy"] and third.path == second.path
