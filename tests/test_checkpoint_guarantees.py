@@ -178,13 +178,25 @@ def test_a_failed_save_is_reported_by_readers_and_cleans_its_staging(tmp_path, s
 # ---------------------------------------------------------------- durable at exit
 
 _AT_EXIT = """
+import threading
 import torch
 import torch.distributed.checkpoint as dcp
 from ucmagic import UCVolumeWriter
 from ucmagic.checkpoints import transfer as xfer
+at_exit = threading.Event()  # set when ucmagic says it waits for the save at exit
+class Watched:
+    def __init__(self, stream):
+        self.stream = stream
+    def write(self, text):
+        if "waiting for" in text:
+            at_exit.set()
+        return self.stream.write(text)
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+sys.stderr = Watched(sys.stderr)
 real = xfer._copy
-def slow(src, dst, **kw):
-    time.sleep(0.5)
+def slow(src, dst, **kw):  # the upload goes on only once the script has ended and ucmagic waits for it
+    at_exit.wait(120)
     if {fail!r}:
         raise PermissionError("volume went read-only")
     return real(src, dst, **kw)

@@ -29,21 +29,29 @@ BUDGET = 240 * SIZE
 
 # argv: role ("limit" sets the budget; "free" sets none), source, cache, work dir.
 # "limit" creates its dataset first (its budget record is live before the other iterates), waits
-# until "free" has handed out 70 files (its window sized for one stream), then iterates; after its
-# first item it pauses past RESIZE_S so that "free" has seen the second stream join. Both read
-# every path they are handed (a copy evicted under the loop would fail) at ~10 ms an item.
+# until "free" has handed out 70 files (its window sized for one stream), then iterates; "free" waits
+# there until "limit" has its first item, and "limit" goes on only once "free" has shrunk its read-ahead
+# for the second stream (a flag file each way: the same order on any machine). Both read every path they
+# are handed (a copy evicted under the loop would fail) at ~10 ms an item.
 CHILD = r"""
 import os, sys, time
 from ucmagic import UCVolumeDataset
-from ucmagic.files.lease import RESIZE_S
+from ucmagic.files import lease
 role, src, cache, work = sys.argv[1:5]
 def flag(name):
     open(os.path.join(work, name), "w").close()
 def wait_for(name):
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 120
     while not os.path.exists(os.path.join(work, name)):
         assert time.monotonic() < deadline, name
         time.sleep(0.01)
+applied = lease.StreamLease._apply
+def apply(self, sizing):  # "free" shrinks its read-ahead once it sees the second stream
+    before = self.read_ahead_bytes
+    applied(self, sizing)
+    if role == "free" and os.path.exists(os.path.join(work, "limit-iterating")) and self.read_ahead_bytes < before:
+        flag("free-shrunk")
+lease.StreamLease._apply = apply
 if role == "limit":
     ds = UCVolumeDataset(src, cache_dir=cache, cache_limit=%d, shuffle=True, seed=1)
     flag("limit-ready")
@@ -58,7 +66,11 @@ for i, p in enumerate(ds):
     n += 1
     if role == "free" and i == 70:
         flag("free-running")
-    time.sleep(RESIZE_S * 1.5 if role == "limit" and i == 0 else 0.01)
+        wait_for("limit-iterating")
+    if role == "limit" and i == 0:
+        flag("limit-iterating")
+        wait_for("free-shrunk")
+    time.sleep(0.01)
 print(n)
 """ % BUDGET
 
@@ -82,7 +94,7 @@ def source(tmp_path):
     return src
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_two_processes_on_one_cache_stay_within_the_smallest_budget(tmp_path, source):
     cache, work = str(tmp_path / "cache"), str(tmp_path / "work")
     os.makedirs(work)
@@ -90,7 +102,7 @@ def test_two_processes_on_one_cache_stay_within_the_smallest_budget(tmp_path, so
     meta0 = dir_bytes(cache)
     procs = [subprocess.Popen([sys.executable, "-c", CHILD, role, source, cache, work], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for role in ("limit", "free")]
-    peak, deadline = 0, time.monotonic() + 100
+    peak, deadline = 0, time.monotonic() + 240
     with killed_if_left(procs):
         while any(p.poll() is None for p in procs):
             assert time.monotonic() < deadline, "the two loops did not finish"

@@ -15,10 +15,11 @@ import time
 import pytest
 
 from run_size import FULL
+from waits import PATIENCE, wait_until
 from ucmagic import UCVolumeDataset
 from ucmagic.testing import make_files
 
-EXIT_S = 30  # generous on two loaded cores: a hang, not slowness, is what fails
+EXIT_S = 120  # generous on two loaded cores: a hang, not slowness, is what fails
 
 
 def _run_until_ready(script: str, tmp_path, *, signal_after: float = 0.5) -> subprocess.CompletedProcess:
@@ -113,6 +114,18 @@ def _engine_threads_busy() -> list[str]:
     return busy
 
 
+def _waiting_for_room() -> bool:
+    """Whether a ucmagic thread waits in the budget for room."""
+    frames = sys._current_frames()
+    for th in threading.enumerate():
+        f = frames.get(th.ident) if th.name.startswith("ucmagic-") else None
+        while f is not None:
+            if f.f_code.co_name == "_reserve_budget":
+                return True
+            f = f.f_back
+    return False
+
+
 def _quiet_within(seconds: float) -> list[str]:
     deadline = time.monotonic() + seconds
     while True:
@@ -131,7 +144,7 @@ def test_leaving_a_budgeted_loop_leaves_no_fill_waiting_for_room(tmp_path, how):
     def consume():
         for i, _ in enumerate(ds):
             if i == 10:
-                time.sleep(0.5)  # the read-ahead fills up the budget and waits for room
+                wait_until(_waiting_for_room, "a read-ahead fill waiting for room")  # the budget is full
                 if how == "break":
                     break
                 raise RuntimeError("the training step failed")
@@ -141,7 +154,7 @@ def test_leaving_a_budgeted_loop_leaves_no_fill_waiting_for_room(tmp_path, how):
     else:
         with pytest.raises(RuntimeError):
             consume()
-    assert _quiet_within(10.0) == []
+    assert _quiet_within(PATIENCE) == []
     assert len(list(ds)) == 400  # and the next epoch runs
 
 

@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import tarfile
-import time
 
 import pytest
 from hypothesis import given, settings
@@ -21,6 +20,7 @@ from ucmagic.shards import read_index
 from ucmagic.shards.pack import (RECORD, STATE_NAME, PlannedMember, group_files, header_size, plan_boundaries,
                                  plan_shards, tar_header, tar_size)
 from ucmagic.files.volume import FileEntry
+from waits import wait_until
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLASSES = ("cat", "dog", "eel")
@@ -393,8 +393,22 @@ def test_a_failing_read_stops_the_pack_leaving_only_whole_shards_and_a_rerun_com
     assert shard_bytes(dest) == shard_bytes(ref)
 
 
+# A pack that stops half-way on any machine: the last class's files wait in their open for Ctrl-C (or
+# forever: the kill), so the shards of the first two complete and the pack never ends by itself.
 _KILLED_PACK = """
-import sys, ucmagic
+import signal, sys, threading, ucmagic
+from ucmagic.testing import SlowFileSystem
+interrupted = threading.Event()
+def on_int(sig, frame):
+    interrupted.set()
+    raise KeyboardInterrupt
+signal.signal(signal.SIGINT, on_int)
+opened = SlowFileSystem._open
+def held_open(self, path, *args, **kw):
+    if "/eel/" in path:
+        interrupted.wait(600)
+    return opened(self, path, *args, **kw)
+SlowFileSystem._open = held_open
 ucmagic.pack("slow://" + sys.argv[1], sys.argv[2], shard_size="20KB", workers=2, progress=False,
              storage_options={"open_ms": 15, "mbps": 0, "list_ms": 0})
 """
@@ -465,15 +479,15 @@ def test_temp_files_of_dead_runs_are_swept_and_those_of_a_running_one_kept(src, 
     assert not left & set(stale) and live in left
 
 
-def _wait_for_shards(dest, n, proc, timeout=60):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and proc.poll() is None:
+def _wait_for_shards(dest, n, proc):
+    def done() -> bool:
         try:
-            if len(json.load(open(os.path.join(dest, STATE_NAME)))["shards"]) >= n:
-                return
+            with open(os.path.join(dest, STATE_NAME)) as f:
+                return len(json.load(f)["shards"]) >= n
         except (OSError, ValueError, KeyError):
-            pass
-        time.sleep(0.01)
+            return False
+
+    wait_until(done, f"{n} shards complete", alive=lambda: proc.poll() is None)
 
 
 @pytest.mark.timeout(180)
@@ -484,7 +498,7 @@ def test_ctrl_c_stops_a_pack_promptly_removing_its_temp_files(src, tmp_path):
                             stderr=subprocess.PIPE, text=True)
     _wait_for_shards(dest, 1, proc)
     proc.send_signal(signal.SIGINT)
-    err = proc.communicate(timeout=60)[1]
+    err = proc.communicate(timeout=120)[1]
     assert proc.returncode != 0 and "KeyboardInterrupt" in err
     names = os.listdir(dest)
     assert not [n for n in names if n.endswith(".tmp")] and "index.json" not in names
