@@ -227,7 +227,7 @@ def _sync_save(state: dict[str, Any], writer: UCVolumeWriter, res: dict[str, Any
         res["error"] = e
 
 
-def _wait_until(cond: Any, limit: float = 60) -> None:
+def _wait_until(cond: Any, limit: float = 120) -> None:
     end = time.monotonic() + limit
     while not cond():
         assert time.monotonic() < end, "the save never began"

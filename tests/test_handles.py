@@ -48,7 +48,7 @@ CHILD = textwrap.dedent("""
             gc.collect()
             seen["fds_100"], seen["threads_100"] = fds(), threading.active_count()
     import time
-    deadline = time.monotonic() + 10  # a finished stream's refresher ends within moments of the loop
+    deadline = time.monotonic() + 120  # a finished stream's refresher ends within moments of the loop (a hang: 120 s)
     while os.listdir(os.path.join(cache, "prot")) and time.monotonic() < deadline:
         time.sleep(0.05)
     gc.collect()

@@ -31,7 +31,8 @@ sys.path.insert(0, REPO)
 
 import torch.utils.data as tud  # noqa: E402 - after the path: spawn workers import this module too
 
-GRACE_S = 3.0  # after a loop, threads and worker processes it started have this long to end
+GRACE_S = 60.0  # after a loop, threads and worker processes it started end within this (a wait, not a pause:
+# it ends as soon as they are gone; a loaded machine may take seconds to reap workers)
 IDLE_S = 0.3  # window in which the process's CPU time is measured once the loop is over
 
 
@@ -520,7 +521,7 @@ class SecondProcess:
         if self.proc.poll() is None and self.proc.stdin is not None:
             self.proc.stdin.close()
             try:
-                self.proc.wait(timeout=10)
+                self.proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
