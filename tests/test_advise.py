@@ -367,7 +367,6 @@ def test_the_loops_cpu_and_the_machines_free_cores_are_recorded_saved_and_merged
     assert "loop_cpu_s" not in loader.stats.setup and "resources" not in loader.stats.setup
 
 
-@pytest.mark.timeout(120)
 def test_workers_report_their_cpu_with_their_batches():
     class Busy(torch.utils.data.Dataset):
         def __len__(self):

@@ -34,7 +34,7 @@ from ucmagic.files.volume import FsspecVolume
 
 from test_checkpoint import make_model, same_model, trained  # the checkpoint tests' model and comparison
 
-pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.timeout(300)]
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -161,7 +161,6 @@ print(n)
 """
 
 
-@pytest.mark.timeout(150)
 def test_two_processes_with_torch_loaders_never_lose_a_queued_file_to_each_others_evictions(tmp_path):
     # 400 files of 16 KiB (6.4 MB) under a 6 MB budget: each process's own 2 streams fit 96-file
     # windows, all 4 live streams do not. Before, the windows shrank to fit the shared budget and

@@ -164,7 +164,6 @@ def test_live_span_finds_the_stored_rows_of_live_positions(n, data):
 
 # ---------------------------------------------------------------- deletion vectors
 
-@pytest.mark.timeout(120)
 @pytest.mark.parametrize("storage", ["i", "u", "p"])
 def test_rows_deleted_through_deletion_vectors_never_come_back(tmp_path, storage):
     path = str(tmp_path / "t")
@@ -181,7 +180,6 @@ def test_rows_deleted_through_deletion_vectors_never_come_back(tmp_path, storage
     assert {0, 3, 4, 149, 160, 189}.isdisjoint(r["id"] for r in want)
 
 
-@pytest.mark.timeout(120)
 def test_a_second_delete_extends_the_vector_and_time_travel_sees_each_version(tmp_path):
     path = str(tmp_path / "t")
     write_deltalake(path, base_table(100))
@@ -193,7 +191,6 @@ def test_a_second_delete_extends_the_vector_and_time_travel_sees_each_version(tm
         assert len(check_all_entry_points(path, tmp_path, version=v)) == n
 
 
-@pytest.mark.timeout(180)
 @pytest.mark.parametrize("workers", [0, 2])
 @pytest.mark.parametrize("shuffle", [False, "global"])
 def test_every_live_row_once_per_epoch_over_ranks_and_workers_with_deletion_vectors(tmp_path, workers, shuffle):
@@ -267,7 +264,6 @@ def test_any_table_with_deletion_vectors_yields_deltas_rows_on_any_layout(tmp_pa
         assert len(got) == len(set(got)) and set(got) <= set(want) and len(want) - len(got) < world
 
 
-@pytest.mark.timeout(120)
 @pytest.mark.parametrize("shuffle", [False, "global"])
 def test_elastic_resume_on_a_table_with_deletion_vectors_delivers_each_live_row_once(tmp_path, shuffle):
     import pickle
@@ -296,7 +292,6 @@ def test_elastic_resume_on_a_table_with_deletion_vectors_delivers_each_live_row_
     assert len(want) - len(got) < 3 + 2 * 2 * 10  # only "drop" remainders are left out
 
 
-@pytest.mark.timeout(120)
 def test_resume_after_a_delete_that_only_adds_a_deletion_vector_is_a_changed_listing(tmp_path):
     path = str(tmp_path / "t")
     write_deltalake(path, base_table(100))
@@ -315,7 +310,6 @@ def test_resume_after_a_delete_that_only_adds_a_deletion_vector_is_a_changed_lis
         changed.load_state_dict(state)
 
 
-@pytest.mark.timeout(120)
 def test_a_corrupt_deletion_vector_file_is_an_error_not_different_rows(tmp_path):
     path = str(tmp_path / "t")
     write_deltalake(path, base_table(50))
@@ -331,7 +325,6 @@ def test_a_corrupt_deletion_vector_file_is_an_error_not_different_rows(tmp_path)
 
 # ---------------------------------------------------------------- column mapping
 
-@pytest.mark.timeout(120)
 @pytest.mark.parametrize("mode", ["name", "id"])
 def test_column_mapping_yields_logical_names_and_values(tmp_path, mode):
     path = str(tmp_path / "t")
@@ -349,7 +342,6 @@ def test_column_mapping_yields_logical_names_and_values(tmp_path, mode):
     assert {"inner a": 1, "b": "b1"} in b["nested"] and None in b["nested"]  # nested fields by logical name
 
 
-@pytest.mark.timeout(60)
 def test_id_mode_column_mapping_resolves_columns_by_parquet_field_id(tmp_path):
     """In ``id`` mode a file's column is the one with the field's id, whatever the file calls it (files
     rewritten here under other names, as converters from Iceberg leave them)."""
@@ -368,7 +360,6 @@ def test_id_mode_column_mapping_resolves_columns_by_parquet_field_id(tmp_path):
 
 # ---------------------------------------------------------------- deltalake-written shapes
 
-@pytest.mark.timeout(120)
 def test_partition_columns_with_null_and_special_values_are_present_and_typed(tmp_path):
     path = str(tmp_path / "t")
     t = pa.table({"id": pa.array(range(12), pa.int64()),
@@ -385,7 +376,6 @@ def test_partition_columns_with_null_and_special_values_are_present_and_typed(tm
     assert ParquetDataset(path).schema.field("n").type == pa.int32()
 
 
-@pytest.mark.timeout(120)
 def test_partition_values_of_every_type_keep_their_type(tmp_path):
     path = str(tmp_path / "t")
     t = pa.table({"id": pa.array([1, 2, 3], pa.int64()),
@@ -400,7 +390,6 @@ def test_partition_values_of_every_type_keep_their_type(tmp_path):
     assert ParquetDataset(path).schema.field("ts").type == pa.timestamp("us", "UTC")
 
 
-@pytest.mark.timeout(120)
 def test_columns_added_later_are_null_in_older_files(tmp_path):
     path = str(tmp_path / "t")
     write_deltalake(path, pa.table({"id": pa.array([1, 2], pa.int64())}))
@@ -410,7 +399,6 @@ def test_columns_added_later_are_null_in_older_files(tmp_path):
     assert sorted((r["id"], r["extra"]) for r in want) == [(1, None), (2, None), (3, "e")]
 
 
-@pytest.mark.timeout(120)
 def test_deletes_updates_checkpoints_and_change_data_give_the_snapshot(tmp_path):
     path = str(tmp_path / "t")
     write_deltalake(path, base_table(60), configuration={"delta.enableChangeDataFeed": "true"})
@@ -426,7 +414,6 @@ def test_deletes_updates_checkpoints_and_change_data_give_the_snapshot(tmp_path)
     assert len(check_all_entry_points(path, tmp_path, version=0)) == 60
 
 
-@pytest.mark.timeout(120)
 def test_every_arrow_type_yields_something_usable(tmp_path):
     path = str(tmp_path / "t")
     n = 6
@@ -462,7 +449,6 @@ def test_every_arrow_type_yields_something_usable(tmp_path):
     assert isinstance(at, pa.Table) and at.num_rows == 4
 
 
-@pytest.mark.timeout(60)
 def test_columns_with_nulls_and_other_parquet_types_yield_something_usable(tmp_path):
     d = tmp_path / "pq"
     d.mkdir()
@@ -487,7 +473,6 @@ def test_columns_with_nulls_and_other_parquet_types_yield_something_usable(tmp_p
         assert len(next(iter(ParquetDataset(str(d), format=fmt)))["bn"]) == 3
 
 
-@pytest.mark.timeout(60)
 def test_an_empty_table_gives_zero_batches(tmp_path):
     path = str(tmp_path / "t")
     write_deltalake(path, base_table(0))
@@ -497,7 +482,6 @@ def test_an_empty_table_gives_zero_batches(tmp_path):
     assert export_parquet(path, tmp_path / "out").rows == 0
 
 
-@pytest.mark.timeout(60)
 def test_string_and_large_string_files_unify(tmp_path):
     d = tmp_path / "pq"
     d.mkdir()
@@ -513,7 +497,6 @@ def _add_features(path, reader=(), writer=()):
                                    "writerFeatures": list({*reader, *writer})}}], "SET TBLPROPERTIES")
 
 
-@pytest.mark.timeout(60)
 def test_liquid_clustering_and_timestamp_ntz_read_as_the_table(tmp_path):
     path = str(tmp_path / "t")
     write_deltalake(path, pa.table({"id": pa.array([1, 2], pa.int64()),
@@ -524,7 +507,6 @@ def test_liquid_clustering_and_timestamp_ntz_read_as_the_table(tmp_path):
     check_all_entry_points(path, tmp_path)
 
 
-@pytest.mark.timeout(60)
 def test_a_table_deltalake_creates_with_deletion_vectors_enabled_reads(tmp_path):
     """deltalake lists variantType and deletionVectors as reader features of such a table (no variant
     column): both are honoured, and its DELETE (which rewrites files) is read as the snapshot."""
@@ -535,7 +517,6 @@ def test_a_table_deltalake_creates_with_deletion_vectors_enabled_reads(tmp_path)
     assert len(check_all_entry_points(path, tmp_path)) == 40
 
 
-@pytest.mark.timeout(60)
 def test_type_widening_reads_older_files_as_the_wider_type(tmp_path):
     """typeWidening (int -> long, as Databricks' ALTER COLUMN TYPE writes it); deltalake's own scan refuses
     the feature, so the expected rows are the values written."""
@@ -555,7 +536,6 @@ def test_type_widening_reads_older_files_as_the_wider_type(tmp_path):
     assert pq.read_table(export_parquet(path, tmp_path / "o").files[0]).schema.field("id").type == pa.int64()
 
 
-@pytest.mark.timeout(60)
 def test_a_reader_feature_ucmagic_cannot_honour_is_a_clear_error(tmp_path):
     path = str(tmp_path / "t")
     write_deltalake(path, base_table(5))
@@ -578,7 +558,6 @@ def v2_checkpoint_table(path: str) -> None:
         os.unlink(fx.log_path(path, v))
 
 
-@pytest.mark.timeout(120)
 def test_v2_checkpoint_with_sidecars_reads_the_snapshot(tmp_path):
     path = str(tmp_path / "t")
     v2_checkpoint_table(path)
@@ -586,7 +565,6 @@ def test_v2_checkpoint_with_sidecars_reads_the_snapshot(tmp_path):
     assert len(want) == 28
 
 
-@pytest.mark.timeout(120)
 def test_a_multi_part_checkpoint_reads_the_snapshot(tmp_path):
     path = str(tmp_path / "t")
     for k in range(4):
@@ -714,7 +692,6 @@ def test_tables_spark_writes_with_deletion_vectors_column_mapping_and_cdf(tmp_pa
 # s3_env (tests/conftest.py): the session's moto S3 server on loopback, credentials and endpoint in the
 # environment, where both deltalake and s3fs read them.
 
-@pytest.mark.timeout(180)
 def test_a_table_on_s3_with_deletion_vectors_reads_its_snapshot(tmp_path, s3_env):
     import s3fs
 
@@ -733,7 +710,6 @@ def test_a_table_on_s3_with_deletion_vectors_reads_its_snapshot(tmp_path, s3_env
     assert _norm_rows(load_table("s3://tables/t").to_dict("records")) == _norm_rows(want)
 
 
-@pytest.mark.timeout(120)
 def test_ucload_of_a_catalog_delta_table_reads_its_snapshot(tmp_path, magic_shell, monkeypatch):
     """%ucload of a table name (the local catalog) as a DataFrame and as a stream: deleted rows stay
     deleted, mapped columns keep their logical names, partition columns are present."""
@@ -751,7 +727,6 @@ def test_ucload_of_a_catalog_delta_table_reads_its_snapshot(tmp_path, magic_shel
     assert sorted(rows) == sorted((r["Super Name"], r["q"]) for r in want)
 
 
-@pytest.mark.timeout(180)
 def test_a_table_on_s3_with_a_v2_checkpoint_and_sidecars_reads_its_snapshot(tmp_path, s3_env):
     """The log replay lists and reads ``_delta_log`` on S3 through the table's Volume: the JSON v2
     checkpoint, its Parquet sidecar under ``_sidecars`` and the commit after it (earlier commits gone)."""

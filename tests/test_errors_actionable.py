@@ -104,7 +104,6 @@ def test_a_source_changed_during_its_copy_is_not_retried():
     assert len(calls) == 1  # deterministic: another try would copy the same changed file
 
 
-@pytest.mark.timeout(120)
 def test_the_cli_piped_into_head_exits_quietly(tmp_path):
     env = {**os.environ, "UCMAGIC_CACHE_DIR": str(tmp_path / "c")}
     for _ in range(3):
@@ -117,7 +116,6 @@ def test_the_cli_piped_into_head_exits_quietly(tmp_path):
         assert head.stdout.startswith(str(tmp_path / "c")) and err == b"", err
 
 
-@pytest.mark.timeout(120)
 @pytest.mark.parametrize("over", ["dataset", "loader0", "loader2", "wrapper2"])
 def test_a_partly_consumed_iterator_alive_at_exit_prints_nothing(root, tmp_path, over):
     script = textwrap.dedent(f"""
@@ -151,7 +149,6 @@ def _hold_budget(cache: str, limit: int) -> subprocess.Popen:
     return p
 
 
-@pytest.mark.timeout(180)
 def test_the_smallest_cache_limit_of_live_processes_bounds_every_process(tmp_path):
     cache = str(tmp_path / "c")
     p = _hold_budget(cache, 5_000_000)
@@ -241,7 +238,6 @@ def test_a_cache_dir_that_is_the_dataset_root_itself_is_refused(tmp_path):
     assert not (root / "files").exists()  # refused before the cache made its folders in the data
 
 
-@pytest.mark.timeout(120)
 @pytest.mark.parametrize("consumer", ["plain", "uc2", "torch2"])
 def test_a_cache_directory_removed_by_hand_between_epochs_is_made_again(root, tmp_path, consumer):
     import shutil

@@ -101,7 +101,6 @@ def test_backoff_grows_and_is_capped():
     assert d == sorted(d)
 
 
-@pytest.mark.timeout(120)
 @pytest.mark.parametrize("n, hung, depth", [
     (5, 2, 4),  # one item per call
     (1000, 700, 64),  # quick items: the hung one is inside a run
@@ -217,7 +216,6 @@ def test_a_consumer_slower_than_a_high_latency_volume_keeps_the_calls_that_hide_
 
 
 @pytest.mark.full
-@pytest.mark.timeout(60)
 def test_a_slow_loop_over_a_high_latency_volume_keeps_enough_calls_in_flight_to_never_wait_long():
     # 50 ms per call, a loop that spends 2 ms per item (at most 500 items/s: up to 25 calls busy; on a
     # slow machine fewer). Before, the window shrank to its floor of 4 whenever the loop did not wait.
@@ -356,7 +354,6 @@ def test_timeout_counts_only_time_without_progress(monkeypatch):
         release.set()
 
 
-@pytest.mark.timeout(60)
 def test_closing_a_read_ahead_stops_its_calls_still_waiting():
     waiting = threading.Semaphore(0)
     stopped: list[str] = []
@@ -380,7 +377,6 @@ def test_closing_a_read_ahead_stops_its_calls_still_waiting():
     wait_until(lambda: len(stopped) == 2, "both waiting calls stopped")
 
 
-@pytest.mark.timeout(60)
 def test_a_call_that_raises_a_timeout_error_of_its_own_is_not_waited_on_forever():
     def fn(i):
         raise TimeoutError(f"socket timed out on {i}")  # the call's own error, not a wait that timed out
@@ -424,7 +420,6 @@ def test_slow_items_go_one_per_call():
     assert pool.calls == 60  # each waits on its own (a high-latency volume wants them all at once)
 
 
-@pytest.mark.timeout(60)
 def test_closing_a_read_ahead_stops_a_run_before_its_next_item():
     """A run of items on a pool thread, closed while it is on one item, finishes that item and starts no
     other. Driven by events only: the run is held on its second item until the read-ahead is closed."""
@@ -552,7 +547,6 @@ class _LateFuturePool:
         return fut
 
 
-@pytest.mark.timeout(60)
 def test_read_ahead_hands_out_every_result_when_a_call_ends_after_its_results_were_taken():
     # before: the consumer took a call's last result while its future was still running, then spun
     # for good on the finished call (seen as a cold epoch of bench/coldwarm.py that never ended)

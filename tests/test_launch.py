@@ -9,7 +9,7 @@ from ucmagic import distributed
 from ucmagic.launch import (DistributedRunError, DistributedTimeoutError, RemoteTraceback, choose_backend,
                             rank_env)
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = pytest.mark.timeout(300)
 
 
 def test_two_ranks_return_rank0_result_with_torchrun_environment(capfd):

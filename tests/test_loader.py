@@ -543,7 +543,6 @@ class _Decoding(IterableDataset):
         yield from self.ds
 
 
-@pytest.mark.timeout(120)
 @pytest.mark.parametrize("wrapped", [False, True])
 def test_two_loaders_iterating_one_dataset_object_at_once_are_refused_and_one_at_a_time_is_fine(tmp_path, wrapped):
     """They would share the object's epoch count and consumption reports: zipped, one delivered 149
@@ -610,7 +609,6 @@ print(json.dumps([int(i) for b in loader for i in b]))
 """
 
 
-@pytest.mark.timeout(120)
 @pytest.mark.parametrize("workers_before,workers_after,shuffle,persistent", [
     (0, 1, False, True), (2, 2, True, True), (2, 3, True, False), (1, 0, True, True)])
 def test_map_style_resume_with_workers_delivers_exactly_the_rest(workers_before, workers_after, shuffle, persistent):
@@ -630,7 +628,6 @@ def test_map_style_resume_with_workers_delivers_exactly_the_rest(workers_before,
     assert sorted(again) == list(range(1000))
 
 
-@pytest.mark.timeout(120)
 def test_map_style_resume_in_a_new_process_with_workers(tmp_path):
     a = DataLoader(_Items(1000), batch_size=16, shuffle=True, num_workers=2)
     before = [int(i) for b in run_until(a, 7) for i in b]
@@ -655,7 +652,6 @@ def _first(loader, n):
     return got
 
 
-@pytest.mark.timeout(180)
 @pytest.mark.parametrize("workers_after", [2, 3, 0])
 def test_wrapper_resumed_at_epoch_one_without_set_epoch_delivers_that_epochs_rest(tmp_path, workers_after):
     """Issue 40: the seeds' wrapper over a shuffled UCVolumeDataset, one epoch, 5 batches of epoch 1,
@@ -687,7 +683,6 @@ def test_wrapper_resumed_at_epoch_one_without_set_epoch_delivers_that_epochs_res
     assert sorted(_epoch_of(b)) == sorted(names)  # epoch 2 is whole
 
 
-@pytest.mark.timeout(180)
 def test_wrapper_over_a_shuffled_sample_stream_resumes_epoch_one_elastically(tmp_path):
     from ucmagic import TarShards, pack
     from ucmagic.testing import make_files
@@ -725,7 +720,6 @@ def test_own_iterable_dataset_resumed_on_another_layout_is_refused_by_name():
     assert isinstance(err.value, UCMagicError) and not isinstance(err.value, NotImplementedError)
 
 
-@pytest.mark.timeout(120)
 def test_tar_shards_map_style_shuffled_resume_with_workers_delivers_exactly_the_rest(tmp_path):
     from ucmagic import TarShards, pack
     from ucmagic.testing import make_files
@@ -747,7 +741,6 @@ def test_tar_shards_map_style_shuffled_resume_with_workers_delivers_exactly_the_
     assert len(part) == 112 and len(rest) == 188 and len(set(part + rest)) == 300
 
 
-@pytest.mark.timeout(120)
 def test_a_loader_rebuilt_from_anothers_attributes_keeps_its_workers_when_the_old_one_is_collected():
     """Lightning re-creates a loader to add a DistributedSampler and copies the attributes the old
     one's __init__ set into it; the old one's finaliser then stopped the new one's persistent workers
@@ -764,7 +757,6 @@ def test_a_loader_rebuilt_from_anothers_attributes_keeps_its_workers_when_the_ol
     assert sorted(int(i) for b in new for i in b) == list(range(40))
 
 
-@pytest.mark.timeout(120)
 @pytest.mark.parametrize("workers", [0, 2, 3])
 def test_a_loader_over_a_wrapper_has_the_length_of_the_epoch_it_delivers(tmp_path, workers):
     """Trainers that count an epoch's steps (HF Trainer, Lightning) need a length; the wrapper has none."""
@@ -784,7 +776,6 @@ def test_a_loader_over_a_wrapper_has_the_length_of_the_epoch_it_delivers(tmp_pat
     assert len(part) + len(_epoch_of(again)) == 101
 
 
-@pytest.mark.timeout(120)
 def test_what_other_code_reads_of_the_loader_is_the_users_collate_fn(tree):
     """HF Accelerate rebuilt loaders from ``loader.collate_fn``, which was ucmagic's record-carrying
     wrapper: ``TypeError: Can only concatenate tensors but got <class 'ucmagic.telemetry.BatchItems'>``."""
@@ -866,7 +857,6 @@ def _run_ranks_map(monkeypatch, n, bs, world, workers, k, state=None):
     return got, json.loads(json.dumps(state))
 
 
-@pytest.mark.timeout(120)
 @given(n=st.integers(1, 40), bs=st.integers(1, 5), world=st.integers(1, 3), world_after=st.integers(1, 3),
        workers=st.integers(0, 2), workers_after=st.integers(0, 2), data=st.data())
 @settings(max_examples=int(os.environ.get("UCMAGIC_MAP_RESUME_EXAMPLES", "12")), deadline=None,

@@ -118,7 +118,6 @@ def test_plan_shards_gives_the_same_plan_for_the_same_listing():
 
 # ---------------------------------------------------------------- packing a tree of files
 
-@pytest.mark.timeout(120)
 def test_packed_tree_reads_back_exactly_with_webdataset_tar_and_the_index(src, tmp_path):
     root, files = src
     before = snapshot(root)
@@ -151,7 +150,6 @@ def test_packed_tree_reads_back_exactly_with_webdataset_tar_and_the_index(src, t
                 (f"{m.key}.{m.ext}", m.offset, m.size) for m in info.members]
 
 
-@pytest.mark.timeout(120)
 def test_a_sample_bigger_than_the_shard_size_gets_a_shard_of_its_own(tmp_path):
     root = tmp_path / "src"
     root.mkdir()
@@ -164,7 +162,6 @@ def test_a_sample_bigger_than_the_shard_size_gets_a_shard_of_its_own(tmp_path):
     assert [s["bin"] for s in webdataset_samples(dest)] == [b"a" * 100, b"b" * 50_000, b"c" * 100]
 
 
-@pytest.mark.timeout(120)
 def test_long_and_unicode_names_and_members_bigger_than_a_read_chunk_read_back_exactly(tmp_path):
     from ucmagic.shards.pack import READ_CHUNK
 
@@ -211,7 +208,6 @@ class _AppendOnly:
     truncate = seek
 
 
-@pytest.mark.timeout(120)
 def test_shards_are_written_front_to_back_for_volumes_that_take_only_sequential_writes(src, tmp_path, monkeypatch):
     import builtins
 
@@ -243,7 +239,6 @@ def test_shards_are_written_front_to_back_for_volumes_that_take_only_sequential_
     assert shard_bytes(str(tmp_path / "t")) == shard_bytes(str(tmp_path / "tref"))
 
 
-@pytest.mark.timeout(120)
 @pytest.mark.parametrize("table", [False, True])
 def test_a_full_disk_stops_the_pack_with_what_to_do_and_a_rerun_completes_it(src, tmp_path, monkeypatch, table):
     import builtins
@@ -277,7 +272,6 @@ def test_a_full_disk_stops_the_pack_with_what_to_do_and_a_rerun_completes_it(src
     assert res.kept >= 1 and shard_bytes(dest) == shard_bytes(ref)
 
 
-@pytest.mark.timeout(120)
 def test_slow_volume_and_volumes_paths_pack_like_a_local_directory(src, tmp_path, monkeypatch):
     root, _ = src
     local = str(tmp_path / "local")
@@ -359,7 +353,6 @@ def test_bad_input_is_refused_with_what_to_do(src, tmp_path):
 
 # ---------------------------------------------------------------- whole or absent; resume
 
-@pytest.mark.timeout(120)
 @pytest.mark.parametrize("workers", [1, 8])
 def test_a_failing_read_stops_the_pack_leaving_only_whole_shards_and_a_rerun_completes_it(src, tmp_path, workers,
                                                                                           monkeypatch):
@@ -414,7 +407,6 @@ ucmagic.pack("slow://" + sys.argv[1], sys.argv[2], shard_size="20KB", workers=2,
 """
 
 
-@pytest.mark.timeout(180)
 def test_a_killed_pack_resumes_where_it_stopped_and_ends_as_a_fresh_pack_would(src, tmp_path):
     root, _ = src
     ref = str(tmp_path / "ref")
@@ -447,7 +439,6 @@ print(json.dumps({"written": r.written, "kept": r.kept, "shards": r.shards}))
 """
 
 
-@pytest.mark.timeout(180)
 def test_two_processes_packing_into_one_destination_write_each_shard_once(src, tmp_path):
     root, _ = src
     ref = str(tmp_path / "ref")
@@ -463,7 +454,6 @@ def test_two_processes_packing_into_one_destination_write_each_shard_once(src, t
     assert shard_bytes(dest) == shard_bytes(ref)
 
 
-@pytest.mark.timeout(60)
 def test_temp_files_of_dead_runs_are_swept_and_those_of_a_running_one_kept(src, tmp_path):
     root, _ = src
     dest = tmp_path / "dest"
@@ -490,7 +480,6 @@ def _wait_for_shards(dest, n, proc):
     wait_until(done, f"{n} shards complete", alive=lambda: proc.poll() is None)
 
 
-@pytest.mark.timeout(180)
 def test_ctrl_c_stops_a_pack_promptly_removing_its_temp_files(src, tmp_path):
     root, _ = src
     dest = str(tmp_path / "dest")
@@ -506,7 +495,6 @@ def test_ctrl_c_stops_a_pack_promptly_removing_its_temp_files(src, tmp_path):
     assert res.kept >= 1 and len(webdataset_samples(dest)) == 60
 
 
-@pytest.mark.timeout(120)
 def test_a_changed_source_rewrites_the_shards_it_touches_and_drops_extra_ones(src, tmp_path):
     root, _ = src
     dest = str(tmp_path / "dest")
@@ -533,7 +521,6 @@ def _frame(n=40, changed=None):
     return pd.DataFrame(rows)
 
 
-@pytest.mark.timeout(120)
 def test_a_table_packs_a_member_per_column_readable_by_webdataset(tmp_path):
     df = _frame()
     dest = str(tmp_path / "t")
@@ -564,7 +551,6 @@ def test_a_table_packs_a_member_per_column_readable_by_webdataset(tmp_path):
         ucmagic.pack(df, str(tmp_path / "t5"), columns={"image": "bin", "caption": "bin"}, progress=False)
 
 
-@pytest.mark.timeout(120)
 def test_a_delta_table_and_a_pyarrow_table_pack_like_the_dataframe(tmp_path):
     deltalake = pytest.importorskip("deltalake")
     import pyarrow as pa
@@ -582,7 +568,6 @@ def test_a_delta_table_and_a_pyarrow_table_pack_like_the_dataframe(tmp_path):
     assert shard_bytes(out2) == shard_bytes(ref)
 
 
-@pytest.mark.timeout(120)
 def test_a_table_pack_resumes_and_a_changed_row_rewrites_from_its_shard(tmp_path):
     dest = str(tmp_path / "t")
     first = ucmagic.pack(_frame(), dest, shard_size="12KB", progress=False)
@@ -599,7 +584,6 @@ def test_a_table_pack_resumes_and_a_changed_row_rewrites_from_its_shard(tmp_path
 
 # ---------------------------------------------------------------- command line and notebook
 
-@pytest.mark.timeout(120)
 def test_cli_pack_writes_shards_and_prints_the_summary(src, tmp_path, capsys):
     from ucmagic.__main__ import main
 
@@ -613,7 +597,6 @@ def test_cli_pack_writes_shards_and_prints_the_summary(src, tmp_path, capsys):
     assert "inside the source" in capsys.readouterr().err
 
 
-@pytest.mark.timeout(120)
 def test_ucstage_pack_packs_from_a_notebook(magic_shell, src, tmp_path):
     root, _ = src
     dest = str(tmp_path / "nb")

@@ -335,7 +335,6 @@ def test_stage_progress_falls_back_to_text_when_no_bar_can_be_shown(monkeypatch,
     assert p.mode == "text" and "stage: 2/2" in capsys.readouterr().err
 
 
-@pytest.mark.timeout(120)
 def test_a_cell_that_iterates_the_loader_then_raises_turns_the_display_red_and_hooks_go_with_the_monitor():
     import gc
 

@@ -126,7 +126,6 @@ class LabelledImages(torch.utils.data.IterableDataset):
             yield label, _read(local_path)
 
 
-@pytest.mark.timeout(120)
 def test_yielded_paths_end_with_the_source_path_in_every_epoch_and_process(tmp_path):
     src, cache = str(tmp_path / "src"), str(tmp_path / "cache")
     tree = _image_tree(src)
@@ -144,7 +143,6 @@ def test_yielded_paths_end_with_the_source_path_in_every_epoch_and_process(tmp_p
     assert all(_read(p) for p in first)  # readable after the loop and the dataset are gone
 
 
-@pytest.mark.timeout(120)
 def test_source_of_maps_a_yielded_path_back_and_refuses_other_paths(tmp_path):
     src = str(tmp_path / "src")
     tree = _image_tree(src, per_class=2)
@@ -165,7 +163,6 @@ def test_source_of_maps_a_yielded_path_back_and_refuses_other_paths(tmp_path):
             ds.source_of(bad)
 
 
-@pytest.mark.timeout(180)
 @pytest.mark.parametrize("loader", ["torch-0-fork", "torch-2-fork", "torch-2-spawn", "ucmagic-0-fork",
                                     "ucmagic-2-fork"])
 def test_folder_name_labels_in_the_seed_wrapper_pattern_under_a_loader(tmp_path, loader):
@@ -183,7 +180,6 @@ def test_folder_name_labels_in_the_seed_wrapper_pattern_under_a_loader(tmp_path,
     assert sorted(got) == want  # every file once, with the label of its folder
 
 
-@pytest.mark.timeout(120)
 def test_a_rewritten_source_file_gets_a_fresh_copy_at_a_new_path(tmp_path):
     src, cache = str(tmp_path / "src"), str(tmp_path / "cache")
     _image_tree(src, per_class=1)
@@ -201,7 +197,6 @@ def test_a_rewritten_source_file_gets_a_fresh_copy_at_a_new_path(tmp_path):
         ds.source_of(old[rel])  # no longer a file of the current listing
 
 
-@pytest.mark.timeout(120)
 @pytest.mark.parametrize("change", ["rewritten", "file-became-folder"])
 def test_a_file_that_went_beside_another_version_is_served_with_its_own_bytes_every_epoch(tmp_path, change):
     src, cache = str(tmp_path / "src"), str(tmp_path / "cache")
@@ -226,7 +221,6 @@ def test_a_file_that_went_beside_another_version_is_served_with_its_own_bytes_ev
     assert _read(old["train/cat/img0.jpg"]) == b"train/cat/img0.jpg\n"  # the old copy keeps its bytes
 
 
-@pytest.mark.timeout(120)
 def test_hostile_names_stay_inside_the_cache_and_map_back(tmp_path):
     src = str(tmp_path / "src")
     names = ["%~a/b.jpg", "line\nbreak/x.png", "tab\there.txt", "..dots/...", "%~#x", "ok/%20name.bin", "\x7fdel"]
@@ -251,7 +245,6 @@ def _old_entry(cache: FileCache, name: str) -> str:
     return os.path.join(bucket, name)
 
 
-@pytest.mark.timeout(120)
 def test_entries_of_the_old_layout_are_reaped_unless_a_live_process_protects_them(tmp_path):
     src, root = str(tmp_path / "src"), str(tmp_path / "cache")
     _image_tree(src, per_class=1)
@@ -277,7 +270,6 @@ def test_entries_of_the_old_layout_are_reaped_unless_a_live_process_protects_the
     assert not os.path.exists(os.path.join(root, "data")) and not os.path.exists(held_dir)
 
 
-@pytest.mark.timeout(120)
 def test_budget_eviction_and_clear_remove_whole_entries(tmp_path):
     src, root = str(tmp_path / "src"), str(tmp_path / "cache")
     tree = _image_tree(src, per_class=40)  # 120 files

@@ -36,7 +36,6 @@ def test_dataset_reads_s3_through_the_cache(s3_opts):
     assert third.stats()["misses"] == 1
 
 
-@pytest.mark.timeout(120)
 def test_export_to_s3_replaces_appends_and_refuses_through_the_volume(s3_env, tmp_path):
     """export_parquet to an s3:// bucket that does not exist yet: overwrite, append and mode='error'
     (the destination's Volume uploads each file, then the manifest commits); ucmagic reads it back."""

@@ -62,7 +62,6 @@ def test_reads_at_any_offset_return_the_source_bytes(big, remote):
     r.close()
 
 
-@pytest.mark.timeout(60)
 def test_prefetched_chunks_are_protected_until_released_then_evictable(big):
     src, data, cache_dir = big
     vol = LocalVolume(str(src))
@@ -107,7 +106,6 @@ print(r.fills)
 """
 
 
-@pytest.mark.timeout(120)
 def test_two_processes_fill_each_chunk_once(big):
     src, _, cache = big
     procs = [subprocess.Popen([sys.executable, "-c", CHILD, str(src), cache], stdout=subprocess.PIPE, text=True)

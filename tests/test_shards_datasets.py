@@ -52,7 +52,6 @@ def shards(tmp_path):
 
 # ------------------------------------------------------------ reading back exactly
 
-@pytest.mark.timeout(60)
 def test_webdataset_shards_read_back_exactly_by_index(shards):
     src, want, cache = shards
     ds = TarShards(src, cache_dir=cache, chunk_size=CHUNK)
@@ -64,7 +63,6 @@ def test_webdataset_shards_read_back_exactly_by_index(shards):
     assert all(ds[i]["jpg"] == r["jpg"] for i, r in enumerate(ref))
 
 
-@pytest.mark.timeout(60)
 def test_shards_written_by_tar_read_back_exactly(tmp_path):
     src = tmp_path / "files"
     src.mkdir()
@@ -84,7 +82,6 @@ def test_shards_written_by_tar_read_back_exactly(tmp_path):
         assert s["jpg"] == want[(s["__key__"], "jpg")] and s["json"] == want[(s["__key__"], "json")]
 
 
-@pytest.mark.timeout(60)
 def test_a_packed_index_is_used_instead_of_reading_headers(shards, tmp_path):
     src, want, cache = shards
     infos = [shard_info(n, os.path.getsize(os.path.join(src, n)), scan_tar(os.path.join(src, n)))
@@ -95,7 +92,6 @@ def test_a_packed_index_is_used_instead_of_reading_headers(shards, tmp_path):
     assert all(same(ds[i], want[i]) for i in range(len(want)))
 
 
-@pytest.mark.timeout(60)
 def test_a_foreign_shard_is_indexed_once_per_node(shards):
     src, want, cache = shards
     TarShards(src, cache_dir=cache, chunk_size=CHUNK)
@@ -130,7 +126,6 @@ def tokens(tmp_path):
     return src, np.concatenate(parts).astype(np.int64), str(tmp_path / "cache")
 
 
-@pytest.mark.timeout(60)
 @pytest.mark.parametrize("target", [True, False])
 def test_token_windows_exact_across_file_boundaries(tokens, target):
     src, allt, cache = tokens
@@ -160,7 +155,6 @@ def test_uint32_tokens_and_a_dtype_mismatch(tmp_path):
 
 # ------------------------------------------------------------ streams: partition, shuffle, epochs
 
-@pytest.mark.timeout(120)
 @pytest.mark.parametrize("shuffle", [False, True])
 def test_stream_delivers_every_sample_once_under_a_torch_dataloader_with_2_workers(shards, shuffle):
     src, want, cache = shards
@@ -180,7 +174,6 @@ def _frozen_in_worker(batch: list) -> list:
     return [(s["__key__"], gc.get_freeze_count(), settle_worker()) for s in batch]
 
 
-@pytest.mark.timeout(60)
 def test_loader_workers_are_tuned_for_big_batches_and_the_main_process_is_left_alone(shards):
     """A worker freezes the objects it inherited (no copy-on-write full collections) and keeps freed
     heap for the next batch (_util.settle_worker); the user's own process is never changed."""
@@ -246,7 +239,6 @@ def test_node_shuffle_keeps_each_node_on_its_slice_across_epochs(shards, monkeyp
 
 # ------------------------------------------------------------ budget, changed source
 
-@pytest.mark.timeout(120)
 @pytest.mark.parametrize("window", [1, 2])
 def test_chunk_budget_held_while_iterating(tmp_path, window):
     src = tmp_path / "s"
@@ -277,7 +269,6 @@ def test_chunk_budget_held_while_iterating(tmp_path, window):
     assert ds.counters.totals()["misses"] > total // CHUNK  # chunks were evicted and filled again
 
 
-@pytest.mark.timeout(180)
 @pytest.mark.parametrize("workers", [0, 2])
 @pytest.mark.parametrize("fits", [True, False], ids=["windows-fit", "windows-exceed"])
 def test_peak_cache_under_a_budget_smaller_than_one_shard(tmp_path, workers, fits):
@@ -318,7 +309,6 @@ def test_peak_cache_under_a_budget_smaller_than_one_shard(tmp_path, workers, fit
     assert ds.counters.totals()["misses"] > sum(sizes) // CHUNK  # chunks were evicted and filled again
 
 
-@pytest.mark.timeout(60)
 def test_a_source_changed_after_listing_raises_and_never_mixes(shards):
     src, want, cache = shards
     ds = TarShards(src, cache_dir=cache, chunk_size=CHUNK)
@@ -337,7 +327,6 @@ def test_a_source_changed_after_listing_raises_and_never_mixes(shards):
     assert fresh[first_of_1]["__key__"] == want[first_of_1]["__key__"]
 
 
-@pytest.mark.timeout(60)
 def test_one_fill_per_chunk_when_threads_ask_at_once(shards):
     src, _, cache = shards
     ds = TarShards(src, cache_dir=cache, chunk_size=CHUNK)
@@ -358,7 +347,6 @@ def test_one_fill_per_chunk_when_threads_ask_at_once(shards):
 
 # ------------------------------------------------------------ resume
 
-@pytest.mark.timeout(60)
 def test_plain_iteration_resumes_exactly_mid_epoch(shards):
     src, want, cache = shards
     stream = TarShards(src, cache_dir=cache, chunk_size=CHUNK).stream(shuffle=True, seed=5, shuffle_window=3)
@@ -384,7 +372,6 @@ print(json.dumps([k for batch in dl for k in batch]))
 """
 
 
-@pytest.mark.timeout(180)
 def test_resume_in_a_new_process_with_other_workers_is_exact(shards):
     src, want, cache = shards
     stream = TarShards(src, cache_dir=cache, chunk_size=CHUNK).stream(shuffle=True, seed=9)
@@ -404,7 +391,6 @@ def test_resume_in_a_new_process_with_other_workers_is_exact(shards):
 
 # ------------------------------------------------------------ more consumers and sources
 
-@pytest.mark.timeout(180)
 def test_map_style_and_stream_under_spawned_workers(shards):
     src, want, cache = shards
     ds = TarShards(src, cache_dir=cache, chunk_size=CHUNK)
@@ -420,7 +406,6 @@ def _keys(batch):
     return [s["__key__"] for s in batch]
 
 
-@pytest.mark.timeout(60)
 def test_remote_shards_over_fsspec_read_headers_and_chunks_by_ranges(shards):
     src, want, cache = shards
     ds = TarShards(f"slow://{src}", storage_options={"open_ms": 0, "mbps": 0, "list_ms": 0}, cache_dir=cache,
@@ -429,7 +414,6 @@ def test_remote_shards_over_fsspec_read_headers_and_chunks_by_ranges(shards):
     assert all(same(ds[i], want[i]) for i in (0, 17, len(want) - 1))
 
 
-@pytest.mark.timeout(120)
 def test_loader_telemetry_names_shard_chunks(shards):
     src, want, cache = shards
     stream = TarShards(src, cache_dir=cache, chunk_size=CHUNK).stream()
@@ -440,7 +424,6 @@ def test_loader_telemetry_names_shard_chunks(shards):
     assert stream.counters.totals()["misses"] >= 1  # chunk fills, as the live panel shows them
 
 
-@pytest.mark.timeout(180)
 def test_token_stream_resume_with_other_workers_is_exact(tokens):
     src, allt, cache = tokens
     make = lambda: TokenWindows(src, block_size=16, cache_dir=cache, chunk_size=1024).stream(shuffle=True, seed=4)  # noqa: E731
@@ -458,7 +441,6 @@ def test_token_stream_resume_with_other_workers_is_exact(tokens):
     assert sorted(seen + rest) == sorted(tuple(ds[i].tolist()) for i in range(len(ds)))
 
 
-@pytest.mark.timeout(60)
 def test_break_mid_epoch_releases_every_chunk(shards):
     src, _, cache = shards
     ds = TarShards(src, cache_dir=cache, cache_limit=6 * CHUNK, chunk_size=CHUNK)
@@ -479,7 +461,6 @@ for n, s in enumerate(ds.stream(shuffle=True, read_ahead=3)):
 """
 
 
-@pytest.mark.timeout(120)
 def test_a_killed_reader_leaves_nothing_protected_and_the_cache_consistent(shards):
     import signal
 

@@ -30,7 +30,6 @@ def _payload(n: int, prefix: str = "") -> dict[tuple[str, str], bytes]:
             for ext in ("jpg", "cls")}
 
 
-@pytest.mark.timeout(60)
 def test_webdataset_tarwriter_shard_members_found_by_headers(tmp_path):
     wds = pytest.importorskip("webdataset")
     path = str(tmp_path / "s.tar")
@@ -43,7 +42,6 @@ def test_webdataset_tarwriter_shard_members_found_by_headers(tmp_path):
     assert len(sample_starts(members)) == 20
 
 
-@pytest.mark.timeout(60)
 @pytest.mark.skipif(shutil.which("tar") is None, reason="no tar command")
 @pytest.mark.parametrize("fmt", ["gnu", "posix"])
 def test_tar_command_shards_with_long_names(tmp_path, fmt):
@@ -61,7 +59,6 @@ def test_tar_command_shards_with_long_names(tmp_path, fmt):
     assert len(sample_starts(members)) == 6
 
 
-@pytest.mark.timeout(60)
 def test_ranged_reads_of_a_remote_shard_give_the_same_members(tmp_path):
     path = tmp_path / "s.tar"
     with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tf:

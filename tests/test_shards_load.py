@@ -26,7 +26,6 @@ def tars(tmp_path):
     return src
 
 
-@pytest.mark.timeout(60)
 def test_load_of_a_tar_directory_streams_samples(tars, tmp_path):
     dl = ucmagic.load(tars, batch_size=4, num_workers=0, cache_dir=str(tmp_path / "c"))
     assert isinstance(dl.dataset, SampleStream)
@@ -34,7 +33,6 @@ def test_load_of_a_tar_directory_streams_samples(tars, tmp_path):
     assert sorted(keys) == sorted(f"{s}{i:03d}" for s in range(2) for i in range(10))
 
 
-@pytest.mark.timeout(60)
 def test_a_packed_index_is_detected_and_kind_files_overrides(tars, tmp_path):
     write_index(tars, [shard_info(n, os.path.getsize(tars / n), scan_tar(str(tars / n)))
                        for n in sorted(os.listdir(tars))])
@@ -44,7 +42,6 @@ def test_a_packed_index_is_detected_and_kind_files_overrides(tars, tmp_path):
     assert len(dl.dataset) == 3  # two tars and the index, as files
 
 
-@pytest.mark.timeout(60)
 def test_kind_tokens_needs_a_block_size(tmp_path):
     (tmp_path / "t").mkdir()
     np.arange(1000, dtype=np.uint16).tofile(tmp_path / "t" / "x.bin")
@@ -62,7 +59,6 @@ def test_unknown_kind_is_refused(tars):
         ucmagic.load(tars, kind="images")
 
 
-@pytest.mark.timeout(60)
 def test_ucload_magic_of_a_tar_directory_and_kind_override(tars, tmp_path, magic_shell, monkeypatch):
     pytest.importorskip("IPython")
     monkeypatch.setenv("UCMAGIC_PROGRESS", "off")
@@ -74,7 +70,6 @@ def test_ucload_magic_of_a_tar_directory_and_kind_override(tars, tmp_path, magic
     assert type(dl.dataset).__name__ == "UCVolumeDataset"
 
 
-@pytest.mark.timeout(60)
 def test_the_live_panel_shows_chunk_fills(tars, tmp_path, monkeypatch):
     monkeypatch.setenv("UCMAGIC_PROGRESS", "text")
     dl = ucmagic.load(tars, batch_size=5, num_workers=0, cache_dir=str(tmp_path / "c"))
@@ -97,7 +92,6 @@ def test_describe_load_names_a_shard_directory(tars):
     assert ucmagic.describe_load(tars, files=True).kind == "files"
 
 
-@pytest.mark.timeout(120)
 def test_the_explorer_names_the_slow_shard_and_its_chunk(tmp_path):
     pytest.importorskip("ipywidgets")
     src = tmp_path / "tars"

@@ -28,7 +28,6 @@ def test_quality_figures_on_known_sequences():
     assert file_spread([0] * 50 + [1] * 50, [50, 50], block=10) == 0.5
 
 
-@pytest.mark.timeout(120)
 @pytest.mark.parametrize("window", [1, 4])
 def test_a_shuffled_stream_holds_about_window_chunks(tmp_path, monkeypatch, window):
     wds = pytest.importorskip("webdataset")

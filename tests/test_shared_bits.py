@@ -40,7 +40,6 @@ def _set_bit(bits: SharedBits, i: int) -> None:
     bits.add(i)
 
 
-@pytest.mark.timeout(120)
 @pytest.mark.parametrize("method", ["fork", "spawn"])
 def test_a_worker_process_shares_the_bits_with_its_parent(method):
     bits = SharedBits(64)

@@ -72,7 +72,6 @@ def _bump(c: SharedCounters, n: SharedInt, arr: SharedInts) -> None:
     arr[2] = 11
 
 
-@pytest.mark.timeout(120)
 @pytest.mark.parametrize("method", ["fork", "spawn"])
 def test_a_worker_process_writes_the_parents_shared_memory(method):
     c, n, arr = SharedCounters(), SharedInt(0), SharedInts(3)
