@@ -64,6 +64,9 @@ class FakeItems:
         e = self.entries[pos]
         return entry_file(self.keys[pos], "", e.size, e.path, self.space)
 
+    def fill_info(self, pos):
+        return self.entries[pos], self.keys[pos], "", self.file_at(pos), pos
+
     def run(self, lo, hi):
         hi = min(hi, (lo // self.chunk + 1) * self.chunk)
         idx = list(range(lo, hi))

@@ -275,27 +275,39 @@ class DaemonPool(Executor):
     ``concurrent.futures.ThreadPoolExecutor`` joins its threads when the interpreter exits, so a
     call stuck in a hung mount (or waiting for cache room that no one will free) keeps the process
     alive for good; here such a call is abandoned and the interpreter exits. ``shutdown`` never waits.
+    :meth:`post` runs a call without a Future, for a caller that gets its result another way (the
+    read-ahead's tasks: a Future's condition variable costs more than the rest of a quick hand-off).
     """
 
     def __init__(self, max_workers: int, name: str = "ucmagic") -> None:
         self.max_workers = max(1, int(max_workers))
         self._name = name
         self._q: queue.SimpleQueue = queue.SimpleQueue()
-        self._idle = threading.Semaphore(0)
+        self._idle = 0  # threads waiting for a call (under _mu; a plain count: a Semaphore is a Condition)
         self._mu = threading.Lock()
         self._threads = 0
         self._shut = False
 
     def submit(self, fn: Callable[..., R], /, *args: Any, **kwargs: Any) -> Future:
         fut: Future = Future()
+        self._put((fut, fn, args, kwargs))
+        return fut
+
+    def post(self, fn: Callable[..., object], /, *args: Any) -> None:
+        """Run ``fn(*args)`` on a pool thread, with no Future: ``fn`` hands its result (and any error)
+        back itself; an error it lets out is dropped."""
+        self._put((None, fn, args, {}))
+
+    def _put(self, job: tuple[Future | None, Callable[..., Any], tuple[Any, ...], dict[str, Any]]) -> None:
         with self._mu:
             if self._shut:
                 raise RuntimeError("cannot schedule new calls after shutdown")
-            self._q.put((fut, fn, args, kwargs))
-            if not self._idle.acquire(blocking=False) and self._threads < self.max_workers:
+            self._q.put(job)
+            if self._idle:
+                self._idle -= 1
+            elif self._threads < self.max_workers:
                 self._threads += 1
                 threading.Thread(target=self._work, name=f"{self._name}_{self._threads}", daemon=True).start()
-        return fut
 
     def _work(self) -> None:
         while True:
@@ -305,7 +317,10 @@ class DaemonPool(Executor):
                 return
             fut, fn, args, kwargs = job
             del job
-            if fut.set_running_or_notify_cancel():
+            if fut is None:
+                with contextlib.suppress(BaseException):  # post(): the call hands back its own errors
+                    fn(*args)
+            elif fut.set_running_or_notify_cancel():
                 try:
                     res = fn(*args, **kwargs)
                 except BaseException as exc:  # noqa: BLE001 - handed to the caller through the future
@@ -315,7 +330,8 @@ class DaemonPool(Executor):
                     fut.set_result(res)
                     del res
             del fut, fn, args, kwargs
-            self._idle.release()
+            with self._mu:
+                self._idle += 1
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """No new calls; threads stop once the queue is empty. Never joins (``wait`` is ignored)."""

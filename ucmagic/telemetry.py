@@ -46,8 +46,18 @@ def p50_p99(values: Sequence[float] | np.ndarray) -> tuple[float, float]:
 
 def current_slot() -> int:
     """This process's counter slot: 0 in the main process, 1 + worker id (mod 64) in a worker."""
+    known = _slot[0]
+    if known >= 0:  # found once per process (it is asked twice per fetched file); forgotten at fork
+        return known
     info = worker_info()
-    return 0 if info is None else 1 + info.id % (SLOTS - 1)
+    known = _slot[0] = 0 if info is None else 1 + info.id % (SLOTS - 1)
+    return known
+
+
+# This process's slot once known, -1 before. A forked child asks again: a DataLoader worker's code runs
+# only after torch set its worker info (worker_init_fn and the dataset come later), so its first ask sees it.
+_slot = [-1]
+os.register_at_fork(after_in_child=lambda: _slot.__setitem__(0, -1))
 
 
 class SharedCounters(SharedMemory[Buffers, "tuple[bytes, bytes]"]):

@@ -142,12 +142,16 @@ class FileCache:
         ``stat`` on a hit (plus a ``utime`` at most every ``TOUCH_EVERY_S``); a second where another
         version holds the first place.
         """
-        name = entry_file(key, suffix, size, rel, space)
-        stamp = version_stamp(key)
+        return self._find(entry_file(key, suffix, size, rel, space), key, version_stamp(key), size, rel is not None,
+                          touch)
+
+    def _find(self, name: str, key: str, stamp: int, size: int, movable: bool, touch: bool = True) -> str | None:
+        """:meth:`lookup` of the entry file ``name`` of ``key`` (version stamp ``stamp``); ``movable``: it
+        may also lie at :func:`other_version_file`."""
         path = self._entries + os.sep + name
         if self._trusted(path, size, stamp, touch):
             return path
-        if rel is not None:
+        if movable:
             path = self._entries + os.sep + other_version_file(key, name)
             if self._trusted(path, size, stamp, touch):
                 return path
@@ -244,8 +248,10 @@ class FileCache:
         ``files/`` in one step once complete, so a reader never sees a partial file; an entry is
         never replaced in place (another version goes to its own place).
         """
+        name = entry_file(key, suffix, size, rel, space)
+        stamp, movable = version_stamp(key), rel is not None
         if not looked_up:
-            path = self.lookup(key, suffix, size, rel=rel, space=space)
+            path = self._find(name, key, stamp, size, movable)
             if path:
                 return path, False
         # With a budget, room is held by a temp file under tmp/ whose name carries the size (every
@@ -256,12 +262,13 @@ class FileCache:
         if self.budget() is not None:  # this process's cache_limit, or a smaller one of another live process
             tmp = self.layout.tmp_path(key, size, "part")
         held = self.budget_keeper.reserve(size, tmp or "", may_exceed=may_exceed, on_wait=on_wait)
+        keys = self._keys
         try:
-            with self._keys.hold(key):
-                path = self.lookup(key, suffix, size, rel=rel, space=space)
+            lock = keys.acquire(key)  # one fill per key, machine-wide (a plain pair: it runs per file)
+            try:
+                path = self._find(name, key, stamp, size, movable)
                 if path:
                     return path, False
-                name = entry_file(key, suffix, size, rel, space)
                 # without a budget the copy goes to an unnamed file (O_TMPFILE: a killed process leaves
                 # nothing), else (or where there is none) to the named temp file that holds the room
                 fd = _open_unnamed(self.layout) if held < 0 else held
@@ -273,14 +280,16 @@ class FileCache:
                     progress(lambda: _written(os.fstat(fd)))
                 try:
                     _check_size(write(part), size)
-                    os.utime(fd, ns=(time.time_ns(), version_stamp(key)))
+                    os.utime(fd, ns=(time.time_ns(), stamp))
                     # complete: its name appears in files/ at once (a link), then the temp name goes
-                    path = self._place(key, name, rel is not None, fd, part)
+                    path = self._place(key, name, movable, fd, part)
                 finally:
                     if progress is not None:
                         progress(None)
                     if fd != held:
                         os.close(fd)
+            finally:
+                keys.release(key, lock)
         finally:
             if held >= 0:
                 os.close(held)

@@ -33,7 +33,7 @@ from .filler import CacheFiller, SourceChecks
 from .lease import StreamLease
 from .listing import forget_listing
 from .stream_items import STREAM_CHUNK, StreamItems
-from .volume import Volume
+from .volume import FileEntry, Volume
 
 WARM_STREAK = 64  # consecutive cache hits after which iteration switches to whole runs of lookups
 COLD_MISSES = 8  # consecutive misses of lookups on the loop thread after which they are only probes
@@ -297,25 +297,25 @@ class EpochStream:
             first = pos not in self.claimed  # else a call a lane left behind counted it already
             self.claimed.add(pos)
         t0 = time.perf_counter()
-        got, fetched = self._fill(pos, may_exceed=lambda: lease.may_exceed(pos), looked_up=looked_up,
+        e, key, suffix, file, index = self.items.fill_info(pos)
+        got, fetched = self._fill(pos, e, key, suffix, may_exceed=lambda: lease.may_exceed(pos), looked_up=looked_up,
                                   count_hit=first)
         if isinstance(got, BaseException):
             return got
-        if fetched and got == self.cache.layout.entries + os.sep + self.items.file_at(pos):
+        if fetched and got == self.cache.layout.entries + os.sep + file:
             # the next epoch's warm run need not look it up (unless it went beside another version:
             # warm runs look at the first place only)
-            self.seen.filled(self.items.index(pos))
+            self.seen.filled(index)
         with self._mu:
             self.probed.discard(pos)
             self.timing[pos] = (not fetched, time.perf_counter() - t0, False)  # the filler counted it
         return got
 
-    def _fill(self, pos: int, *, may_exceed: Callable[[], bool], looked_up: bool,
-              count_hit: bool) -> tuple[str | BaseException, bool]:
-        """Position ``pos`` filled: ``(path, copied now)``, checked against the volume where
-        ``validate="lazy"`` asks; ``(error, False)`` for a file to skip."""
-        items, e = self.items, self.items.entry(pos)
-        key, suffix = items.key_at(pos)
+    def _fill(self, pos: int, e: FileEntry, key: str, suffix: str, *, may_exceed: Callable[[], bool],
+              looked_up: bool, count_hit: bool) -> tuple[str | BaseException, bool]:
+        """Position ``pos`` (its entry ``e``, cache ``key`` and ``suffix``) filled: ``(path, copied now)``,
+        checked against the volume where ``validate="lazy"`` asks; ``(error, False)`` for a file to skip."""
+        items = self.items
         try:
             path, fetched = self.filler.fill_file(self.volume, e, key, suffix, rel=e.path, space=self.space,
                                                   may_exceed=may_exceed, on_wait=self.on_wait,

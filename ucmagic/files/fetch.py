@@ -16,7 +16,7 @@ from concurrent.futures import Executor, Future
 from functools import lru_cache
 from typing import Any, Callable, Generator, Generic, Iterable, NamedTuple, TypeVar
 
-from .._util import DaemonPool, RetryPolicy, wait_done
+from .._util import POLL_S, DaemonPool, RetryPolicy
 from ..errors import CacheFullError, FetchTimeoutError, SourceChangedError
 
 T = TypeVar("T")
@@ -95,19 +95,29 @@ class _Closed(BaseException):
 
 class _Task(Generic[T, R]):
     """One call of a :func:`read_ahead`: a run of consecutive items (one unless the items' calls are
-    quick, see :func:`batch_size`), their call on a pool thread (a Future; None where ``fast`` gave
+    quick, see :func:`batch_size`), their call on a pool thread (``posted``; not where ``fast`` gave
     the one item's result at once), the results as the call produces them, and the progress clock of
     the item running. The clock, the probe and ``at`` are written by the call's pool thread and read
     by the consumer's stall check, so they go under ``mu`` (shared by the tasks of one read-ahead);
-    ``closed`` is set once the read-ahead is closed."""
+    ``closed`` is set once the read-ahead is closed.
+
+    The call's end is the task's own: ``done`` (and ``error``, what the call raised) are set by
+    :func:`_run` on the pool thread, which then releases ``_signal``, a lock held from the post until
+    then, that the consumer waits on in steps (:meth:`wait`). No ``Future`` per call: its condition
+    variable, waiter and callbacks cost more than the rest of a quick call's hand-off."""
 
     __slots__ = ("items", "costs", "future", "results", "taken", "busy", "at", "_closed", "_mu", "_started",
-                 "_probe", "_seen")
+                 "_probe", "_seen", "posted", "done", "error", "cancelled", "_signal")
 
     def __init__(self, items: list[T], costs: list[int], closed: threading.Event, mu: threading.Lock) -> None:
         self.items = items
         self.costs = costs
-        self.future: Future[None] | None = None
+        self.future: Future[None] | None = None  # only where the pool is another Executor (to cancel it)
+        self.posted = False  # a call on a pool thread runs (or will) for these items
+        self.done = False  # the call ended: every result it produced is in ``results``, or ``error`` is set
+        self.error: BaseException | None = None
+        self.cancelled = False  # the read-ahead was closed before the call started: it does not run
+        self._signal: threading.Lock | None = None
         self.results: list[R] = []  # in item order: the call appends (pool thread), the consumer reads
         self.taken = 0  # results the consumer has taken
         self.busy = 0.0  # seconds the call spent on its items (read once the call is done)
@@ -117,6 +127,40 @@ class _Task(Generic[T, R]):
         self._started: float | None = None  # start, or the last time progress was seen
         self._probe: Callable[[], object] | None = None
         self._seen: object = None  # what the probe read at the last look (consumer thread only)
+
+    def post(self, pool: Executor, fn: Callable[[T], R]) -> None:
+        """Run ``fn`` over the items on ``pool`` (a :class:`DaemonPool` without a Future)."""
+        self.posted = True
+        self._signal = signal = threading.Lock()
+        signal.acquire()
+        post = getattr(pool, "post", None)
+        if post is not None:
+            post(_run, fn, self)
+        else:
+            self.future = pool.submit(_run, fn, self)
+
+    def finish(self, error: BaseException | None) -> None:
+        """The call ended (its pool thread), with ``error`` if it raised."""
+        self.error = error
+        self.done = True
+        if self._signal is not None:
+            self._signal.release()
+
+    def wait(self, on_poll: Callable[[], None]) -> None:
+        """Wait for the call to end, in steps of ``POLL_S`` (Ctrl-C is seen at once), calling
+        ``on_poll()`` (which may raise to stop waiting) between steps (the consumer's thread)."""
+        signal = self._signal
+        while not self.done and signal is not None:
+            if signal.acquire(timeout=POLL_S):
+                signal.release()
+                return
+            on_poll()
+
+    def cancel(self) -> None:
+        """The read-ahead is closed: a call that has not started will not (one running goes on)."""
+        self.cancelled = True
+        if self.future is not None:
+            self.future.cancel()
 
     def start(self, at: int | None = None) -> None:
         """The call starts its item ``at`` (default: the current one), or waits anew (its pool thread).
@@ -140,9 +184,9 @@ class _Task(Generic[T, R]):
             raise _Closed()
 
     def watch(self, probe: Callable[[], object] | None) -> None:
-        """:func:`watch_progress` from the call's pool thread."""
-        with self._mu:
-            self._probe = probe
+        """:func:`watch_progress` from the call's pool thread (one store, no lock: the stall check reads
+        the old probe or the new one, either of them right; it runs twice per file filled)."""
+        self._probe = probe
 
     def current(self) -> T:
         """The item the call is on (or was on when it failed)."""
@@ -171,16 +215,23 @@ def _run(fn: Callable[[T], R], task: _Task[T, R]) -> None:
     """A task's call, on a pool thread: ``fn`` of each of its items in turn, each result appended as it
     comes (an error ends the call: the read-ahead ends with it). :func:`restart_timeout` and
     :func:`watch_progress` find the task; a read-ahead closed meanwhile stops it between items."""
-    _current.task = task
     clock = time.perf_counter
     t0 = clock()
+    error: BaseException | None = None
+    if task.cancelled:  # closed before it started: never reaches the volume
+        task.finish(None)
+        return
+    _current.task = task
     try:
         for i, item in enumerate(task.items):
             task.start(i)
             task.results.append(fn(item))
+    except BaseException as exc:  # noqa: BLE001 - handed to the consumer through the task
+        error = exc
     finally:
         task.busy = clock() - t0
         _current.task = None
+        task.finish(error)
 
 
 def restart_timeout() -> None:
@@ -375,8 +426,8 @@ class _ReadAhead(Generic[T, R]):
                     if not self._pending:
                         return
                 task = self._pending[0]  # stays in pending while waited for: an interrupt cancels it
-                error = None if task.future is None else self._collect(task, task.future)
-                complete = error is None and (task.future is None or task.future.done())
+                error = self._collect(task) if task.posted else None
+                complete = error is None and (task.done or not task.posted)
                 if complete and task.taken == len(task.items):
                     # its last result was handed out while the call was still ending (results are
                     # appended before the future completes): retire it now, else this loop spins on it
@@ -448,27 +499,27 @@ class _ReadAhead(Generic[T, R]):
             return False
         self._queued += len(items)
         task: _Task[T, R] = _Task(items, costs, self._closed, self._mu)
-        task.future = self._pool.submit(_run, self._fn, task)
+        task.post(self._pool, self._fn)
         self._pending.append(task)
         return True
 
-    def _collect(self, task: _Task[T, R], fut: Future[None]) -> BaseException | None:
+    def _collect(self, task: _Task[T, R]) -> BaseException | None:
         """Wait for the head task's call to end, or for results of a run it has not handed out yet
         (looked at every POLL_S: a later item of a run may wait for cache room that only the loop's
         consumption of the earlier ones frees). Returns the call's error, if it failed or stalled
         (raised once the results before it are yielded). The wait goes in timed steps, never one
         blocking wait: Ctrl-C, the alive check and the stall check act within POLL_S."""
-        if not fut.done() and len(task.results) <= task.taken:
+        if not task.done and len(task.results) <= task.taken:
             t0 = time.perf_counter()
             try:
-                wait_done(fut, on_poll=lambda: self._check(task))
+                task.wait(lambda: self._check(task))
             except FetchTimeoutError as exc:
                 return exc
             except _ResultsReady:
                 return None
             finally:
                 self._period_wait += time.perf_counter() - t0
-        return fut.exception() if fut.done() else None
+        return task.error if task.done else None
 
     def _check(self, task: _Task[T, R]) -> None:
         """Between two steps of a wait on ``task``: the main process, results of its run ready to
@@ -517,7 +568,7 @@ class _ReadAhead(Generic[T, R]):
     def _retire(self, task: _Task[T, R]) -> None:
         """``task``'s results were all taken: learn its time per item, and tune the window at the end
         of a period."""
-        if task.future is not None:
+        if task.posted:
             self._learn(task.busy / len(task.items))
         self._tune()
 
@@ -538,8 +589,8 @@ class _ReadAhead(Generic[T, R]):
         mount) is not waited for."""
         self._closed.set()
         for task in self._pending:
-            if task.future is not None:
-                task.future.cancel()
+            if task.posted:
+                task.cancel()
 
 
 class _ResultsReady(BaseException):

@@ -520,29 +520,55 @@ class KeyLocks:
 
     @contextlib.contextmanager
     def hold(self, key: str) -> Iterator[None]:
+        """Hold the lock of ``key`` for the ``with`` block (see :meth:`acquire`)."""
+        held = self.acquire(key)
+        try:
+            yield
+        finally:
+            self.release(key, held)
+
+    def acquire(self, key: str) -> Any:
+        """Take the lock of ``key``; give what it returns back to :meth:`release`. The plain pair costs a
+        fill less than :meth:`hold`'s generator (it runs once per file filled)."""
         if _OFD_SETLKW is None:  # pragma: no cover - not Linux
-            with file_lock(os.path.join(os.path.dirname(self.path), key[:4] + ".lock")):
-                yield
-            return
+            held = file_lock(os.path.join(os.path.dirname(self.path), key[:4] + ".lock"))
+            held.__enter__()
+            return held
         with self._mu:
             slot = self._held.get(key)
             if slot is None:
                 slot = self._held[key] = [threading.Lock(), 0]
             slot[1] += 1
         try:
-            with slot[0]:
-                fd = self._file()
-                off = key_offset(key)
-                fcntl.fcntl(fd, _OFD_SETLKW, struct.pack(_FLOCK_FMT, fcntl.F_WRLCK, os.SEEK_SET, off, 1, 0))
-                try:
-                    yield
-                finally:
-                    fcntl.fcntl(fd, _OFD_SETLKW, struct.pack(_FLOCK_FMT, fcntl.F_UNLCK, os.SEEK_SET, off, 1, 0))
+            slot[0].acquire()
+            try:
+                fcntl.fcntl(self._file(), _OFD_SETLKW, struct.pack(_FLOCK_FMT, fcntl.F_WRLCK, os.SEEK_SET,
+                                                                   key_offset(key), 1, 0))
+            except BaseException:
+                slot[0].release()
+                raise
+        except BaseException:
+            self._forget(key, slot)
+            raise
+        return slot
+
+    def release(self, key: str, slot: Any) -> None:
+        """Give back the lock :meth:`acquire` took for ``key``."""
+        if _OFD_SETLKW is None:  # pragma: no cover - not Linux
+            slot.__exit__(None, None, None)
+            return
+        try:
+            fcntl.fcntl(self._fd, _OFD_SETLKW, struct.pack(_FLOCK_FMT, fcntl.F_UNLCK, os.SEEK_SET,
+                                                           key_offset(key), 1, 0))
         finally:
-            with self._mu:
-                slot[1] -= 1
-                if not slot[1]:
-                    del self._held[key]
+            slot[0].release()
+            self._forget(key, slot)
+
+    def _forget(self, key: str, slot: list[Any]) -> None:
+        with self._mu:
+            slot[1] -= 1
+            if not slot[1]:
+                del self._held[key]
 
 
 # ---------------------------------------------------------------- process identities

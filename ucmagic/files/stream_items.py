@@ -99,12 +99,22 @@ class StreamItems:
         return self._at(pos // self.chunk).idx[pos % self.chunk]
 
     def entry(self, pos: int) -> FileEntry:
-        got = self._at(pos // self.chunk)
+        return self._entries(self._at(pos // self.chunk))[pos % self.chunk]
+
+    def _entries(self, got: _Chunk) -> list[FileEntry]:
         entries = got.entries
         if entries is None:  # decoded once per chunk (two threads at once: the same list twice)
             entries = got.entries = [FileEntry(r, s, m) for r, s, m in
                                      zip(got.rels, got.sizes, self.listing.mtimes[got.arr].tolist())]
-        return entries[pos % self.chunk]
+        return entries
+
+    def fill_info(self, pos: int) -> tuple[FileEntry, str, str, str, int]:
+        """What a fill of position ``pos`` needs, from one chunk lookup (it runs per file filled): its
+        entry, cache key and suffix, entry file (:meth:`file_at`) and listing index."""
+        got = self._at(pos // self.chunk)
+        i = pos % self.chunk
+        key, suffix = got.keys[i]
+        return self._entries(got)[i], key, suffix, got.files[i], got.idx[i]
 
     def size(self, pos: int) -> int:
         return self._at(pos // self.chunk).sizes[pos % self.chunk]
