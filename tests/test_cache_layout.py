@@ -2,12 +2,13 @@
 import os
 import stat
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from ucmagic.files.cache import FileCache
-from ucmagic.files.cache_layout import cache_key, cache_keys, safe_suffix
+from ucmagic.files.cache_layout import cache_key, cache_keys, safe_suffix, version_stamp, version_stamps
 
 
 def test_cache_dir_is_private(tmp_path):
@@ -35,3 +36,10 @@ def test_suffix_is_sanitised(name, suffix):
                           st.floats(allow_nan=False, allow_infinity=False)), max_size=20))
 def test_keys_of_a_chunk_are_the_keys_of_each_file(files):
     assert cache_keys("file:///v", files) == [(cache_key("file:///v", r, s, m), safe_suffix(r)) for r, s, m in files]
+
+
+@given(st.lists(st.binary(min_size=20, max_size=20), max_size=40))
+def test_stamps_of_a_chunk_are_the_stamps_of_each_key(digests):
+    """A warm run's stamps, from the listing's key bytes at once, are each key's own version stamp."""
+    rows = np.frombuffer(b"".join(digests), dtype=np.uint8).reshape(-1, 20)
+    assert version_stamps(rows) == [version_stamp(d.hex()) for d in digests]

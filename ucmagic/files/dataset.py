@@ -309,7 +309,8 @@ class UCVolumeDataset(EpochTracking, IterableDataset[str]):
         ep = self.epoch if epoch is None else epoch
         _, order = self.epoch_plan(ep)
         pos = self._stream_ranges(ep, rank, world, worker, nworkers)
-        return StreamItems(self.listing, pos, order, self.files.keys, self.space)
+        files = self.files
+        return StreamItems(self.listing, pos, order, files.keys, self.space, stamps=files.stamps)
 
     # ------------------------------------------------------------ fetching
 

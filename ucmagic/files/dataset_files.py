@@ -17,7 +17,7 @@ import numpy as np
 from .._util import release_free_heap
 from ..errors import NotAnEntryError
 from .cache import FileCache
-from .cache_layout import cache_key, cache_keys, map_relpath, safe_suffix, unmap_relpath
+from .cache_layout import cache_key, cache_keys, map_relpath, safe_suffix, unmap_relpath, version_stamp
 from .fetch import read_ahead
 from .filler import CacheFiller
 from .listing import Listing
@@ -47,6 +47,12 @@ class ListedFiles:
         if self.listing.volume_uri != self.volume.uri:  # keys depend on the URI the listing was built under
             return cache_keys(self.volume.uri, self.listing.entries(idx))
         return [(k, "") for k in self.listing.keys(idx)]
+
+    def stamps(self, idx: np.ndarray) -> list[int]:
+        """The version stamps of :meth:`keys` (from the listing's key bytes where its keys are these)."""
+        if self.listing.volume_uri != self.volume.uri:
+            return [version_stamp(k) for k, _ in self.keys(idx)]
+        return self.listing.stamps(idx)
 
     def key(self, e: FileEntry) -> tuple[str, str]:
         return cache_key(self.volume.uri, e.path, e.size, e.mtime), safe_suffix(e.path)

@@ -48,7 +48,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from .._util import atomic_target
-from .cache_layout import cache_key_digest, default_cache_dir, map_relpath
+from .cache_layout import cache_key_digest, default_cache_dir, map_relpath, version_stamps
 from .locks import file_lock, private_dir
 from ..errors import ListingChangedError
 from .volume import FileEntry, Volume, fingerprint_rows
@@ -203,6 +203,10 @@ class Listing:
         """The cache keys (:func:`.cache.cache_key` under :attr:`volume_uri`) of the files at ``indices``."""
         h = self._keys[np.asarray(indices, dtype=np.int64)].tobytes().hex()
         return [h[a:a + 40] for a in range(0, len(h), 40)]
+
+    def stamps(self, indices: Sequence[int] | np.ndarray) -> list[int]:
+        """The version stamps (:func:`.cache_layout.version_stamp`) of the :meth:`keys` at ``indices``."""
+        return version_stamps(self._keys[np.asarray(indices, dtype=np.int64)])
 
     def all_plain(self, indices: Sequence[int] | np.ndarray) -> bool:
         """True when every file at ``indices`` is its own path inside its cache entry
