@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from ucmagic.errors import CacheFullError
 from ucmagic.files.lease import (LAYOUT, NO_REPORTS, ChannelLayout, ConsumptionChannel, Cursor, LeaseRecord,
-                                 StreamLease, lease_span, released)
+                                 StreamLease, UNBUDGETED_STEP, lease_span, released)
 from ucmagic.files.windows import Sizing
 
 
@@ -141,10 +141,25 @@ def test_a_lease_names_what_is_looked_up_and_releases_behind_a_window_without_re
         lease.handed(pos)
     names = rec["me.0.rec"]
     assert "e69" in names and "e65" in names  # the last window handed out stays named
-    assert "e0" not in names  # released in steps once 64 past the window (no budget: cheap to hold)
+    assert "e0" not in names  # released with the covers ahead (each write names the span anew)
     lease.finish()
     # no reports: the last window stays named (the loop may still hold those items), and writes stop
     assert rec["me.0.rec"] == ["e66", "e67", "e68", "e69"] and lease.record.stopped
+
+
+def test_without_a_budget_items_handed_out_are_released_in_large_steps_between_covers():
+    """Each release is a record write: without a budget (only the free-disk floor evicts) what was
+    handed out past the window goes UNBUDGETED_STEP items at a time (a warm run's length), not per item."""
+    n = 2 * UNBUDGETED_STEP
+    cache, lease = _lease(n, window=4, chunk=n)
+    rec = cache.records
+    lease.cover(0)  # one cover names every item
+    writes = rec.writes
+    for pos in range(UNBUDGETED_STEP + 3):
+        lease.handed(pos)
+    assert rec.writes == writes and "e0" in rec.records["me.0.rec"]  # nothing released yet
+    lease.handed(UNBUDGETED_STEP + 3)  # the window (4 items) and a whole step handed out
+    assert rec.writes == writes + 1 and rec.records["me.0.rec"][0] == f"e{UNBUDGETED_STEP}"
 
 
 def test_with_reports_exactly_the_unconsumed_stay_named_and_a_retired_loop_releases_all():
