@@ -23,7 +23,7 @@ import torch
 import torch.utils.data as tud
 
 from .. import _torch_compat as compat
-from .._util import is_integer
+from .._util import frozen_for_fork, is_integer
 from ..files import plan
 from ..dist import all_gather_ints, dist_info
 from ..files.planned import LoaderNeeds, PlannedDataset, stream_lengths, wrapped_planned
@@ -440,7 +440,8 @@ class DataLoader(tud.DataLoader[Any]):
         user_collate = self.collate_fn
         self.collate_fn = ItemCollate(user_collate, mode)
         try:
-            inner = super().__iter__()
+            with frozen_for_fork(self.num_workers > 0):  # workers start here (persistent ones the first time)
+                inner = super().__iter__()
         finally:
             self.collate_fn = user_collate
         if map_style:  # every sampler iterator of this start has skipped them (see ResumableIndexSampler)
