@@ -176,11 +176,7 @@ class EpochStream:
         """Cache hits from ``pos`` on, looked up as one run on this thread: ``(paths, indices,
         sizes, seconds each, whole run hit)``."""
         items, checked, lease = self.items, self.checked, self.lease
-        # a run ends with its decoded chunk; under a budget also after the lease's cover, which fits the
-        # budget's share. Without one a run is the whole chunk: one protection record write per 512 items
-        # (a write per 128 was 3,126 writes in a warm epoch of 200,000 files)
-        ahead = lease.chunk if lease.budgeted else items.chunk
-        end = min(self.n, pos + ahead, (pos // items.chunk + 1) * items.chunk)
+        end = min(self.n, pos + lease.chunk, (pos // items.chunk + 1) * items.chunk)
         lease.cover(end - 1)  # protected before they are looked up, as in the read-ahead
         at, idx, names, sizes, stamps = items.run(pos, end)
         if checked is not None and checked.prefix(at) < len(at):
