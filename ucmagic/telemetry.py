@@ -186,7 +186,7 @@ def _tail(values: array[float], last: int | None) -> np.ndarray:
 PENDING_CAP = 1 << 16  # records a process keeps while nobody collects them (plain iteration)
 ITEM_CAP = 10_000_000  # items an ItemLog keeps in detail (80 MB); later batches keep their totals only
 
-_pending_index = array("q")
+_pending_index = array("i")  # int32, as batches carry them (a listing index or row group: < 2**31)
 _pending_fetch = array("f")  # seconds; negative (sign bit set) for a cache hit
 _pending_bytes = array("q")
 
@@ -219,7 +219,7 @@ def take_items(n: int) -> tuple[bytes, bytes, int]:
     """The last ``n`` pending records of this process as ``(indices int32, fetch float32, total bytes)``;
     older ones (items a ``drop_last`` loader never batched) are dropped."""
     k = min(n, len(_pending_index))
-    idx = np.asarray(_pending_index[len(_pending_index) - k:], dtype=np.int32).tobytes() if k else b""
+    idx = _pending_index[len(_pending_index) - k:].tobytes() if k else b""
     fetch = _pending_fetch[len(_pending_fetch) - k:].tobytes() if k else b""
     nbytes = sum(_pending_bytes[len(_pending_bytes) - k:]) if k else 0
     drop_pending()
