@@ -144,6 +144,31 @@ def test_forked_workers_inherit_the_parents_objects_frozen_and_the_parent_gets_t
     del keep
 
 
+def test_batches_are_the_same_with_and_without_a_profiler_and_a_running_profiler_still_sees_the_loader():
+    """ucmagic.DataLoader takes batches without torch's per-batch profiler range when no profiler runs
+    (_torch_compat.batch_puller); under torch.profiler the range is there, and the batches are the same."""
+    plain = [b.tolist() for b in DataLoader(torch.arange(50), batch_size=8, num_workers=0)]
+    with torch.profiler.profile() as prof:
+        profiled = [b.tolist() for b in DataLoader(torch.arange(50), batch_size=8, num_workers=0)]
+    assert plain == profiled == [list(range(i, min(i + 8, 50))) for i in range(0, 50, 8)]
+    names = {e.name for e in prof.events()}
+    assert any(n.startswith("enumerate(DataLoader)") for n in names), sorted(names)[:20]
+
+
+def test_the_length_warning_of_an_iterable_dataset_that_yields_more_than_it_said_still_comes():
+    class Longer(IterableDataset):
+        def __len__(self):
+            return 3
+
+        def __iter__(self):
+            return iter(range(5))
+
+    loader = DataLoader(Longer(), batch_size=None, num_workers=0)
+    assert len(loader) == 3
+    with pytest.warns(UserWarning, match="reported to be 3"):
+        assert list(loader) == list(range(5))
+
+
 def test_plain_iterable_dataset_and_no_auto_batching():
     d = DataLoader(Counting(11), batch_size=None, num_workers=0)
     assert list(d) == list(range(11)) and d.stats.count == 11

@@ -478,12 +478,13 @@ class DataLoader(tud.DataLoader[Any]):
                 self._epoch_batches += 1
             last = None
             report = self._report_consumed if self._consumed is not None else None
+            pull = compat.batch_puller(inner)  # next(inner), without torch's per-batch profiler range when none runs
             while True:
                 if report is not None:
                     report()
                 t0 = perf()
                 try:
-                    batch = next(inner)
+                    batch = pull()
                 except StopIteration:
                     self._epoch_complete = True
                     return
