@@ -66,6 +66,16 @@ def test_a_plain_pickle_carries_a_snapshot_into_memory_of_its_own():
     assert c.totals()["hits"] == 3 and n.value == 7 and arr[0] == 0  # the copies do not share memory
 
 
+def test_a_fetched_file_counts_as_one_miss_its_bytes_and_its_latency():
+    one, two = SharedCounters(), SharedCounters()
+    for nbytes, secs in ((100, 0.5), (7, 0.25)):
+        one.fetched(nbytes, secs)
+        two.add(misses=1, bytes_fetched=nbytes)
+        two.record_latency(secs)
+    assert one.totals() == two.totals() and one.totals()["misses"] == 2
+    assert one.latencies().tolist() == two.latencies().tolist() == [0.5, 0.25]
+
+
 def _bump(c: SharedCounters, n: SharedInt, arr: SharedInts) -> None:
     c.add(misses=4)
     n.value = 42

@@ -89,6 +89,18 @@ class SharedCounters(SharedMemory[Buffers, "tuple[bytes, bytes]"]):
         if delivered:
             c[b + _D] += delivered
 
+    def fetched(self, nbytes: int, seconds: float) -> None:
+        """One miss: a file of ``nbytes`` copied in ``seconds`` (``add(misses=1, bytes_fetched=nbytes)`` and
+        :meth:`record_latency` in one call: it runs per file filled)."""
+        slot = current_slot()
+        b = slot * len(_FIELDS)
+        c = self._counts
+        c[b + _M] += 1
+        c[b + _B] += nbytes
+        n = c[b + _N]
+        self._lat[slot * RING + n % RING] = seconds
+        c[b + _N] = n + 1
+
     def record_latency(self, seconds: float) -> None:
         slot = current_slot()
         b = slot * len(_FIELDS)

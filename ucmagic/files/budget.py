@@ -217,9 +217,9 @@ class BudgetKeeper:
         raises when a file can never fit or the disk is full of protected files and this fill must not wait.
         Returns the temp file's descriptor, open for writing (the caller closes it), or -1 without ``tmp``
         or a budget."""
-        limit = self.budget()
+        limit = self.budget() if tmp else None  # no temp file: the caller found no budget (one ask per fill)
         fd = -1
-        if limit is not None and tmp:
+        if limit is not None:
             if admit(size, limit, 0).verdict == REFUSE:  # it never fits: waiting would never end
                 raise self._too_big(size, limit)
             fd = self._reserve_budget(size, tmp, may_exceed, on_wait)

@@ -143,8 +143,7 @@ class CacheFiller:
         path, fetched = with_retries(attempt, None, self.retries, on_retry=on_retry)
         if counters is not None:
             if fetched:
-                counters.add(misses=1, bytes_fetched=size)
-                counters.record_latency(time.perf_counter() - t0)
+                counters.fetched(size, time.perf_counter() - t0)
             elif count_hit:
                 counters.add(hits=1)
         return path, fetched
