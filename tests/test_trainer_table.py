@@ -214,3 +214,29 @@ def test_trainer_recipe_resumes_exactly_or_is_refused_by_name(trainer, recipe, d
     at the first batch, or (Accelerate without registering or skipping) the saved epoch restarted whole."""
     problems = judge(want, table(trainer, recipe, data))
     assert not problems, f"{trainer} / {recipe} / {data} (expected {want}):\n" + "\n".join(problems)
+
+
+HANG_REPEATS = int(os.environ.get("UCMAGIC_HANG_REPEATS", "20"))
+
+
+@pytest.mark.trainers
+@pytest.mark.full
+@pytest.mark.timeout(3600)
+@pytest.mark.parametrize("run", range(HANG_REPEATS))
+def test_lightning_map_style_resume_never_hangs(run, tmp_path):
+    """Round 4's full run hung once in Lightning's map-style resume: the cell again, HANG_REPEATS times (20;
+    $UCMAGIC_HANG_REPEATS), each exact; a hang fails with every process's stacks (run_phase)."""
+    pytest.importorskip("lightning")
+    from ucmagic.testing import make_files
+
+    data, tmp = str(tmp_path / "vol"), str(tmp_path / "run")
+    make_files(data, N, 64, per_dir=20)
+    os.makedirs(tmp)
+    for phase in ("save", "resume"):
+        run_phase("lightning", phase, [["fit", "map"]], data, tmp)
+    got = {}
+    for phase in ("save", "resume"):
+        got[phase] = [json.load(open(os.path.join(tmp, "out", f"lightning-fit-map-{phase}-rank{r}.json")))
+                      for r in (0, 1)]
+    problems = judge(EXACT, got)
+    assert not problems, f"run {run}:\n" + "\n".join(problems)
