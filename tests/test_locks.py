@@ -127,3 +127,51 @@ def test_private_dir_makes_0700_folders_whatever_the_umask_and_refuses_links_and
     with pytest.raises(UnsafeDirectoryError, match="symbolic link"):
         open_private(str(tmp_path / "a.lock"))
     assert target.read_bytes() == b"keep"
+
+
+@pytest.mark.skipif(not hasattr(__import__("fcntl"), "F_OFD_SETLK"), reason="Linux open-file-description locks")
+def test_threads_taking_a_new_process_s_first_key_locks_at_once_leave_none_held(tmp_path, monkeypatch):
+    """Two fill threads of a fresh process (a forked DataLoader worker) whose first locks race: before, each
+    opened the lock file, one's lock was taken on its own descriptor and given back on the other's, and stayed
+    held: another worker's fill of a key on that byte waited for good (a budget test hung 1 run in 5)."""
+    import fcntl
+    import struct
+
+    import ucmagic.files.locks as locks_mod
+
+    path = str(tmp_path / "fill.lock")
+    open(path, "wb").close()
+    locks = KeyLocks(path)
+    both_inside = threading.Barrier(2)
+    real_open = locks_mod.open_private
+
+    def opening_together(*a, **kw):
+        try:  # before the fix both threads got here; now the second waits its turn
+            late = both_inside.wait(timeout=1) == 0
+        except threading.BrokenBarrierError:
+            late = False
+        fd = real_open(*a, **kw)
+        if late:  # one thread's descriptor replaces the other's while that one holds its lock
+            time.sleep(0.3)
+        return fd
+
+    monkeypatch.setattr(locks_mod, "open_private", opening_together)
+    keys = [cache_key("u", f"f{i}", 1, 1.0) for i in range(2)]
+
+    def fill(key):
+        held = locks.acquire(key)
+        time.sleep(0.6)  # a copy: the other thread's descriptor arrives meanwhile
+        locks.release(key, held)
+
+    threads = [threading.Thread(target=fill, args=(k,)) for k in keys]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    other = os.open(path, os.O_RDWR)  # another process's description (OFD locks conflict across descriptions)
+    try:
+        for k in keys:
+            fcntl.fcntl(other, fcntl.F_OFD_SETLK, struct.pack("hhqqi4x", fcntl.F_WRLCK, os.SEEK_SET,
+                                                              locks_mod.key_offset(k), 1, 0))  # raises if held
+    finally:
+        os.close(other)

@@ -514,8 +514,10 @@ class KeyLocks:
 
     def _file(self) -> int:
         pid = os.getpid()
-        if self._pid != pid:  # a forked child shares the parent's description: open its own
-            self._fd, self._pid = open_private(self.path, what="lock file"), pid
+        if self._pid != pid:  # a forked child shares the parent's description: open its own, once
+            with self._mu:  # (two threads opening one each locked on one and unlocked on the other: a lock
+                if self._pid != pid:  # left held by a description no one unlocks, another process waiting for good)
+                    self._fd, self._pid = open_private(self.path, what="lock file"), pid
         return self._fd
 
     @contextlib.contextmanager
@@ -542,24 +544,24 @@ class KeyLocks:
         try:
             slot[0].acquire()
             try:
-                fcntl.fcntl(self._file(), _OFD_SETLKW, struct.pack(_FLOCK_FMT, fcntl.F_WRLCK, os.SEEK_SET,
-                                                                   key_offset(key), 1, 0))
+                fd = self._file()
+                fcntl.fcntl(fd, _OFD_SETLKW, struct.pack(_FLOCK_FMT, fcntl.F_WRLCK, os.SEEK_SET, key_offset(key), 1, 0))
             except BaseException:
                 slot[0].release()
                 raise
         except BaseException:
             self._forget(key, slot)
             raise
-        return slot
+        return slot, fd
 
-    def release(self, key: str, slot: Any) -> None:
-        """Give back the lock :meth:`acquire` took for ``key``."""
+    def release(self, key: str, held: Any) -> None:
+        """Give back the lock :meth:`acquire` took for ``key`` (on the descriptor it was taken on)."""
         if _OFD_SETLKW is None:  # pragma: no cover - not Linux
-            slot.__exit__(None, None, None)
+            held.__exit__(None, None, None)
             return
+        slot, fd = held
         try:
-            fcntl.fcntl(self._fd, _OFD_SETLKW, struct.pack(_FLOCK_FMT, fcntl.F_UNLCK, os.SEEK_SET,
-                                                           key_offset(key), 1, 0))
+            fcntl.fcntl(fd, _OFD_SETLKW, struct.pack(_FLOCK_FMT, fcntl.F_UNLCK, os.SEEK_SET, key_offset(key), 1, 0))
         finally:
             slot[0].release()
             self._forget(key, slot)
