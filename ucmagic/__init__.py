@@ -53,6 +53,8 @@ _EXPORTS = {
     "CacheDirError": "errors",
     "UnreadableDirectoryError": "errors",
     "InvalidArgumentError": "errors",
+    "FilterError": "errors",
+    "SchemaMismatchError": "errors",
     "ListingChangedError": "errors",
     "ResumeOrderError": "errors",
     "ResumeLayoutError": "errors",

@@ -218,6 +218,16 @@ class ColumnNotFoundError(InvalidArgumentError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+class FilterError(InvalidArgumentError):
+    """A SQL ``filter=`` that DuckDB, its evaluator, refuses over this table (types it cannot compare, a literal
+    it cannot convert, a column type it cannot read) or fails to evaluate; the message names the filter."""
+
+
+class SchemaMismatchError(InvalidArgumentError):
+    """The files of a table have a column whose types no promotion unifies (``int64`` in one file, ``string``
+    in another); the message names the column and the files."""
+
+
 class ExportOverlapError(UCMagicError, ValueError):
     """``export_parquet``'s destination is inside its source (or the source inside the destination): the
     export would read its own output."""

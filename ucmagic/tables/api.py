@@ -18,6 +18,8 @@ from . import sources
 from ..errors import (ColumnNotFoundError, InvalidTableNameError, ListingChangedError, SourceNotFoundError,  # noqa: F401 - re-exported
                      TableNotFoundError, TableTooLargeError, UnsupportedSourceError, UnsupportedTableFeatureError,
                      import_extra)
+from .footers import source_footers
+from .group_reader import prune_args
 from .predicate import RowFilter, filter_relation, filtered_reader, spark_filter
 from .sources import (DATA_EXTS, MANIFEST, Source, TableName, active_spark, arrow_dataset,  # noqa: F401 - re-exported
                       catalog_root, connect, delta_files, duckdb_relation, fsspec_strip, is_delta_dir, is_sql,
@@ -52,22 +54,23 @@ def estimate_memory(src: Source, columns: Sequence[str] | None, limit: int | Non
     if src.kind == "csv" and not src.remote:
         total = sum(os.path.getsize(p) for p in src.paths) * 2
         return total if limit is None else min(total, limit * 200)
-    if src.kind not in ("parquet", "delta") or src.remote:
+    if src.kind not in ("parquet", "delta") or (src.remote and src.kind == "delta"):
         return None
-    files = src.paths
-    root = src.root
     want = set(columns or [])
     if src.kind == "delta":
         snap = sources.delta_snapshot(src)
-        files, root = [f.path for f in snap.files], snap.root
+        opener = TableFiles(snap.root)  # footers read as the data will be: no link out of the table
+        metas = []
+        for f in snap.files:
+            with opener.open(f.path) as fh:
+                metas.append(pq.read_metadata(fh))
         if want and snap.mapping_mode != "none":  # the footers name columns physically
             want = {snap.fields.get(c, {}).get("metadata", {}).get("delta.columnMapping.physicalName", c)
                     for c in want}
+    else:  # the footers every reader of the source shares
+        metas = [f.meta for f in source_footers(src)[0]]
     total = rows = 0
-    opener = TableFiles(root)  # footers read as the data will be: no link out of the table
-    for f in files:
-        with opener.open(f) as fh:
-            md = pq.read_metadata(fh)
+    for md in metas:
         rows += md.num_rows
         for g in range(md.num_row_groups):
             rg = md.row_group(g)
@@ -156,26 +159,36 @@ def load_table(name_or_path: Any, *, columns: Sequence[str] | None = None, limit
 
 
 def _arrow_table(src: Source, columns: Sequence[str] | None, limit: int | None, spec: Any = None) -> Any:
-    """The rows of a Parquet or Delta source as a pyarrow Table, in file order: Hive partitions as columns,
-    a Delta snapshot's rows (deletion vectors applied), only ``columns``, only the rows the filter ``spec``
-    keeps (after the deletion vectors), at most ``limit`` rows."""
+    """The rows of a Parquet or Delta source as a pyarrow Table, in file order: the files' one schema
+    (:func:`~ucmagic.tables.footers.unify_schemas`), Hive partitions as columns, a Delta snapshot's rows
+    (deletion vectors applied), only ``columns``, only the rows the filter ``spec`` keeps (after the deletion
+    vectors; row groups whose statistics prove no row matches are not read), at most ``limit`` rows."""
     import pyarrow as pa
+    import pyarrow.dataset as pads
 
     cols = list(columns) if columns else None
-    names = arrow_dataset(src).schema.names if spec is not None else []
-    rf = RowFilter.of(spec, names)
+    if src.kind == "delta":
+        schema = sources.delta_snapshot(src).schema
+    else:
+        files, schema = source_footers(src)
+    if cols:
+        missing = [c for c in cols if c not in schema.names]
+        if missing:
+            raise ColumnNotFoundError(f"{src.describe()} has no column {missing[0]!r}; columns: "
+                                      f"{', '.join(schema.names)}")
+    rf = RowFilter.of(spec, schema.names, schema)
     read = None if cols is None else cols + [c for c in (rf.columns if rf else []) if c not in cols]
-    data = arrow_dataset(src, read)
-    if src.kind != "delta":  # a pyarrow dataset: columns checked, projected and limited by its scanner
-        if cols:
-            missing = [c for c in cols if c not in data.schema.names]
-            if missing:
-                raise ColumnNotFoundError(f"{src.describe()} has no column {missing[0]!r}; columns: "
-                               f"{', '.join(data.schema.names)}")
-        if rf is None:
+    if src.kind == "delta":
+        data = arrow_dataset(src, read)
+    else:
+        data = arrow_dataset(src, schema=schema)
+        if rf is None:  # a pyarrow dataset: projected and limited by its scanner
             return data.head(limit, columns=cols) if limit is not None else data.to_table(columns=cols)
-        # pruned by partitions and row-group statistics, then the exact pass below
-        data = rf.prune_dataset(data).scanner(columns=read).to_reader()
+        may = rf.files_may_match([prune_args(f.meta, f, None, schema) for f in files])
+        frags = [fr.subset(row_group_ids=[j for j, m in enumerate(keep) if m])
+                 for fr, keep in zip(data.get_fragments(), may) if any(keep)]
+        data = pads.FileSystemDataset(frags, data.schema, data.format, data.filesystem).scanner(
+            columns=read).to_reader()
     if rf is not None:
         data = filtered_reader(data, rf)
     batches, n = [], 0

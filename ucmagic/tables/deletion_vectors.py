@@ -193,7 +193,8 @@ def live_span(dels: np.ndarray, k0: int, k1: int) -> tuple[int, int, np.ndarray 
 
 def filter_rows(table: Any, mask: np.ndarray) -> Any:
     """``table.filter(mask)``, with numpy's boolean indexing for null-free fixed-width number columns
-    (about 3x faster than Arrow's filter kernel on a row group)."""
+    (about 3x faster than Arrow's filter kernel on a row group); the view types Arrow's filter kernel lacks
+    (``string_view``, ``binary_view``) are filtered as their large types and cast back (values unchanged)."""
     import pyarrow as pa
 
     pmask = None
@@ -204,7 +205,11 @@ def filter_rows(table: Any, mask: np.ndarray) -> Any:
             cols.append(pa.array(col.to_numpy()[mask], type=t))
         else:
             pmask = pa.array(mask) if pmask is None else pmask
-            cols.append(col.filter(pmask))
+            if pa.types.is_string_view(t) or pa.types.is_binary_view(t):
+                wide = pa.large_binary() if pa.types.is_binary_view(t) else pa.large_string()
+                cols.append(col.cast(wide).filter(pmask).cast(t))
+            else:
+                cols.append(col.filter(pmask))
     return pa.Table.from_arrays(cols, schema=table.schema) if cols else table.filter(pa.array(mask))
 
 

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from ..errors import SchemaMismatchError
 from ..files.fetch import read_ahead
 from .deletion_vectors import live_counts
 from .sources import hive_partitions
 from .table_io import TableFiles
 
-__all__ = ["TableFile", "footer_nulls", "read_footers", "add_partitions"]
+__all__ = ["TableFile", "footer_nulls", "read_footers", "add_partitions", "unify_schemas", "source_footers"]
 
 
 class TableFile:
@@ -28,6 +29,13 @@ class TableFile:
         self.partition: dict[str, Any] = {}  # Hive partition values of a plain Parquet directory
         self.meta: Any = None
         self.kept: list[Any] | None = None  # with a filter: per row group, the packed bitmap of stored rows kept
+
+    def copy(self) -> TableFile:
+        """A copy that a reader may change (a filter's row index) without changing this one."""
+        out = TableFile.__new__(TableFile)
+        for k in self.__slots__:
+            setattr(out, k, getattr(self, k))
+        return out
 
     def __getstate__(self) -> tuple[Any, ...]:
         return tuple(getattr(self, k) if k != "meta" else None for k in self.__slots__)
@@ -60,7 +68,6 @@ def read_footers(paths: list[str], snap: Any, files: TableFiles, *, timeout: flo
                  what: str) -> tuple[list[TableFile], Any]:
     """Footers of every file: row groups and (Delta) rows left per row group after its deletion vector,
     each vector read and dropped in turn; the schema (the Delta table's, or the files' unified)."""
-    import pyarrow as pa
     import pyarrow.parquet as pq
 
     dfiles = snap.files if snap is not None else [None] * len(paths)
@@ -89,20 +96,44 @@ def read_footers(paths: list[str], snap: Any, files: TableFiles, *, timeout: flo
     got = list(read_ahead(footer, list(zip(paths, dfiles)), depth=16, timeout=timeout, describe=lambda it: it[0]))
     if snap is not None:  # the table's schema: files may predate columns (nulls) or name them physically
         return [f for f, _ in got], snap.schema
-    schema = got[0][1]
-    for f, s in got[1:]:
-        missing = [n for n in schema.names if n not in s.names]
-        if missing:
-            raise ValueError(f"{f.path} lacks column {missing[0]!r} that {got[0][0].path} has: "
-                             "all files of a ParquetDataset need the same columns")
-    if any(s != schema for _, s in got[1:]):  # e.g. string in one file, large_string in another
-        try:
-            schema = pa.unify_schemas([s for _, s in got], promote_options="permissive")
-        except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
-            raise ValueError(f"the files of {what!r} have columns of incompatible types ({e}): "
-                             "write them with one schema") from e
-        schema = pa.schema([schema.field(n) for n in got[0][1].names])
-    return [f for f, _ in got], schema
+    return [f for f, _ in got], unify_schemas([s for _, s in got], [f.path for f, _ in got], what)
+
+
+def unify_schemas(schemas: Sequence[Any], paths: Sequence[str], what: str) -> Any:
+    """The one schema of a table's files (``ParquetDataset`` and ``load_table`` both read through it): the
+    columns in the order the files first name them; a column's type promoted as pyarrow's ``unify_schemas``
+    promotes it (``promote_options="permissive"``: a null-typed column takes the other files' type, ``int32``
+    and ``int64`` give ``int64``, ``timestamp[ms]`` and ``[us]`` give ``[us]``, ``string`` and ``large_string``
+    give ``large_string``, decimals widen), values converted exactly or not at all (a value the promoted type
+    cannot hold is an error when read, never a changed value); a column some files lack is null in their rows.
+    Types no promotion unifies raise :class:`~ucmagic.errors.SchemaMismatchError` naming the column and two
+    files."""
+    import pyarrow as pa
+
+    if not schemas:
+        return pa.schema([])
+    first = schemas[0]
+    if all(s.equals(first) for s in schemas[1:]):
+        return first
+    try:
+        return pa.unify_schemas(list(schemas), promote_options="permissive").remove_metadata()
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as e:
+        seen: dict[str, tuple[Any, str]] = {}
+        for s, path in zip(schemas, paths):
+            for fld in s:
+                if fld.name not in seen:
+                    seen[fld.name] = (fld.type, path)
+                    continue
+                typ, other = seen[fld.name]
+                try:
+                    merged = pa.unify_schemas([pa.schema([pa.field(fld.name, typ)]), pa.schema([fld])],
+                                              promote_options="permissive")
+                    seen[fld.name] = (merged.field(0).type, other)
+                except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
+                    raise SchemaMismatchError(
+                        f"{what}: column {fld.name!r} is {typ} in {other} and {fld.type} in {path}, which no "
+                        "promotion unifies: write the files with one type for it (or read them apart)") from e
+        raise SchemaMismatchError(f"{what}: the files' schemas do not unify ({e})") from e
 
 
 def add_partitions(src: Any, schema: Any, tfiles: list[TableFile]) -> Any:
@@ -121,3 +152,14 @@ def add_partitions(src: Any, schema: Any, tfiles: list[TableFile]) -> Any:
         f.partition = {p.name: values.get(f.path, {}).get(p.name) for p in parts}
         f.nulls = f.nulls | {k for k, v in f.partition.items() if v is None}
     return pa.schema(list(schema) + list(parts))
+
+
+def source_footers(src: Any, *, timeout: float | None = 300.0) -> tuple[list[TableFile], Any]:
+    """The files of a ``parquet`` source from their footers and its schema (:func:`unify_schemas`, with Hive
+    partition columns): read once per :class:`~ucmagic.tables.sources.Source` and kept on it (``src.footers``,
+    ``src.schema``), so every reader of the source sees the same files and the same schema."""
+    if src.footers is None:
+        files, schema = read_footers(list(src.paths), None, TableFiles(src.root, src.storage_options),
+                                     timeout=timeout, what=src.describe())
+        src.footers, src.schema = files, add_partitions(src, schema, files)
+    return [f.copy() for f in src.footers], src.schema

@@ -37,14 +37,17 @@ def read_columns(pf: Any, f: TableFile, j: int, columns: Sequence[str], schema: 
     cols = list(columns)
     if snap is None:
         part = f.partition
-        t = pf.read_row_group(j, columns=[c for c in cols if c not in part], use_threads=threads)
-        if part:  # Hive partition values: one constant column each, in the requested order
-            n = t.num_rows
+        have = set(pf.schema_arrow.names)
+        t = pf.read_row_group(j, columns=[c for c in cols if c not in part and c in have], use_threads=threads)
+        if part or len(t.column_names) < len(cols):  # Hive partition values: one constant column each; a column
+            n = pf.metadata.row_group(j).num_rows   # this file lacks: nulls (unify_schemas); in the requested order
             for c in cols:
                 if c in part:
                     typ = schema.field(c).type
                     t = t.append_column(c, pa.nulls(n, typ) if part[c] is None
                                         else pa.repeat(pa.scalar(part[c], typ), n))
+                elif c not in have:
+                    t = t.append_column(c, pa.nulls(n, schema.field(c).type))
             t = t.select(cols)
         want = pa.schema([schema.field(c) for c in cols])
         return t if t.schema.equals(want) else t.cast(want)
@@ -73,21 +76,28 @@ def dropped_rows(f: TableFile, j: int, deleted: np.ndarray | None, starts: np.nd
     return deleted_in(deleted, int(starts[j]), int(starts[j + 1]))
 
 
-def index_file(pf: Any, f: TableFile, rf: RowFilter, schema: Any, snap: Any, part_schema: Any = None) -> None:
-    """Evaluate ``rf`` over ``f`` (after its deletion vector): ``f.kept[j]`` the packed bitmap of the stored rows
-    kept (None: row group pruned, nothing kept), ``f.group_rows[j]`` their count, ``f.stored_rows`` set."""
-    md = pf.metadata
-    stored = [md.row_group(j).num_rows for j in range(md.num_row_groups)]
+def prune_args(md: Any, f: TableFile, snap: Any, part_schema: Any) -> tuple[Any, Any, dict[str, Any] | None, Any]:
+    """What :meth:`RowFilter.files_may_match` takes for file ``f`` (its footer ``md``): the footer, the file's
+    Arrow schema, its partition values and their schema. A Delta table with column mapping names its columns
+    physically in the files: no statistics there (the partition values still prune)."""
     if snap is None:
-        may = rf.groups_may_match(md, md.schema.to_arrow_schema(), f.partition, part_schema)
-    elif snap.mapping_mode == "none":
-        may = rf.groups_may_match(md, md.schema.to_arrow_schema(), dict(f.delta.partition), snap.schema)
-    else:  # column mapping: statistics are under physical names; the exact pass decides
-        may = [True] * len(stored)
-    deleted = snap.deleted_rows(f.delta) if snap is not None and f.delta is not None and f.delta.dv else None
+        return md, md.schema.to_arrow_schema(), f.partition, part_schema
+    file_schema = md.schema.to_arrow_schema() if snap.mapping_mode == "none" else None
+    return md, file_schema, dict(f.delta.partition) if f.delta is not None else None, snap.schema
+
+
+def index_file(pf: Any, f: TableFile, rf: RowFilter, schema: Any, snap: Any, may: Sequence[bool], md: Any) -> None:
+    """Evaluate ``rf`` over ``f`` (footer ``md``; ``pf`` its open file, None when every row group is pruned),
+    after its deletion vector, in the row groups ``may`` leaves (the others are pruned: their statistics prove
+    no row matches): ``f.kept[j]`` the packed bitmap of the stored rows kept (None: nothing kept),
+    ``f.group_rows[j]`` their count, ``f.stored_rows`` set."""
+    stored = [md.row_group(j).num_rows for j in range(md.num_row_groups)]
+    deleted = (snap.deleted_rows(f.delta) if any(may) and snap is not None and f.delta is not None and f.delta.dv
+               else None)
     starts = np.concatenate([[0], np.cumsum(stored)]).astype(np.int64)
     lives: dict[int, np.ndarray | None] = {}
     parts = []  # the live rows of every row group that may match: one evaluation per file
+    total = 0  # their rows (a filter naming no column reads tables with no column, and no length)
     for j, n in enumerate(stored):
         live = keep_mask(deleted, int(starts[j]), int(starts[j + 1])) if deleted is not None else None
         if not may[j] or n == 0 or (live is not None and not live.any()):
@@ -95,9 +105,10 @@ def index_file(pf: Any, f: TableFile, rf: RowFilter, schema: Any, snap: Any, par
         t = read_columns(pf, f, j, rf.columns, schema, snap)
         lives[j] = live
         parts.append(t if live is None else filter_rows(t, live))
+        total += n if live is None else int(live.sum())
     import pyarrow as pa
 
-    got = rf.keep(pa.concat_tables(parts)) if parts else np.zeros(0, dtype=bool)
+    got = rf.keep(pa.concat_tables(parts), total) if parts else np.zeros(0, dtype=bool)
     kept: list[np.ndarray | None] = []
     rows: list[int] = []
     at = 0

@@ -37,7 +37,7 @@ from .rows import EpochLayout, Segment
 from .batching import BatchCutter
 from .row_access import Rows
 from .table_reader import TableReader, close_readers
-from .footers import add_partitions, read_footers
+from .footers import read_footers, source_footers
 from .predicate import RowFilter
 from .sources import delta_snapshot, resolve_source
 from .spark_source import spark_table_files
@@ -160,10 +160,11 @@ class ParquetDataset(EpochTracking, IterableDataset[Any]):
                 self.remote = any("://" in p for p in paths)
                 self.io = TableFiles(self.snapshot.root if self.snapshot is not None else src.root,
                                      storage_options)
-                self.files, schema = read_footers(paths, self.snapshot, self.io, timeout=timeout,
-                                                  what=str(self.path))
-                if self.snapshot is None:
-                    schema = add_partitions(src, schema, self.files)
+                if self.snapshot is not None:
+                    self.files, schema = read_footers(paths, self.snapshot, self.io, timeout=timeout,
+                                                      what=str(self.path))
+                else:  # the files' one schema (unify_schemas) and Hive partitions, read once per source
+                    self.files, schema = source_footers(src, timeout=timeout)
                 break
             except FileNotFoundError:  # an export_parquet overwrite swapped the directory meanwhile?
                 if attempt == 4:
@@ -189,7 +190,7 @@ class ParquetDataset(EpochTracking, IterableDataset[Any]):
                 check_exact(c, schema.field(c).type, c in self._dtypes, src.describe())
                 if output_kind(schema.field(c).type) == "decimal":
                     self._kinds[c] = "float64"  # dtype= asked for the rounding
-        self.filter = RowFilter.of(filter, names)
+        self.filter = RowFilter.of(filter, names, schema)
         self.masked = self._mask_columns(names)
         self._mask_set = set(self.masked)
         # the keys of a torch/numpy batch: each column, followed by its mask when it has one

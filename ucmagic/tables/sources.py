@@ -145,6 +145,9 @@ class Source:
     remote: bool = False
     storage_options: dict[str, Any] | None = None
     snapshot: Any = field(default=None, repr=False, compare=False)  # a delta source's, once resolved
+    schema: Any = field(default=None, repr=False, compare=False)  # the table's Arrow schema, once read
+    footers: Any = field(default=None, repr=False, compare=False)  # a parquet source's files (TableFile), once read
+    filter: Any = field(default=None, repr=False, compare=False)  # the RowFilter a caller set on it
 
     def describe(self) -> str:
         if self.name:
@@ -355,7 +358,7 @@ def hive_partitioned(src: Source) -> bool:
                for part in p[len(base):].split("/")[:-1])
 
 
-def arrow_dataset(src: Source, columns: Sequence[str] | None = None) -> Any:
+def arrow_dataset(src: Source, columns: Sequence[str] | None = None, schema: Any = None) -> Any:
     """A lazy pyarrow dataset over a Parquet or CSV source (streams; projects columns; Hive ``key=value/``
     directories are columns, typed as pyarrow infers them); for a Delta table, a RecordBatchReader of the
     rows its snapshot defines (deletion vectors applied, logical names, partition columns), in log order."""
@@ -373,8 +376,8 @@ def arrow_dataset(src: Source, columns: Sequence[str] | None = None) -> Any:
         fs = arrow_filesystem(TableFiles(src.root, src.storage_options))
         if hive:
             hive["partition_base_dir"] = src.root
-        return pads.dataset(list(src.paths), format=fmt, filesystem=fs, **hive)
-    return pads.dataset(src.paths, format=fmt, **hive)
+        return pads.dataset(list(src.paths), format=fmt, filesystem=fs, schema=schema, **hive)
+    return pads.dataset(src.paths, format=fmt, schema=schema, **hive)
 
 
 def hive_partitions(src: Source) -> tuple[Any, dict[str, dict[str, Any]]]:

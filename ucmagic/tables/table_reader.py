@@ -27,9 +27,10 @@ from ..files.volume import FileEntry
 from .columns import column_kind, mask_key, numeric_numpy, temporal_int64
 from .deletion_vectors import filter_rows, live_span
 from .footers import TableFile
-from .group_reader import (RangeFile, dropped_rows, group_span, index_file, index_key, load_index, read_columns,
-                           save_index, stored_starts)
-from .predicate import RowFilter
+from .group_reader import (RangeFile, dropped_rows, group_span, index_file, index_key, load_index, prune_args,
+                           read_columns, save_index, stored_starts)
+from .owned import native_work
+from .predicate import RowFilter, pruning_on
 from .rows import EpochLayout, Segment
 from .table_io import TableFiles
 
@@ -101,16 +102,22 @@ class TableReader:
         if rf is None:
             return
 
-        def one(fi: int) -> None:
-            f = self.files[fi]
-            with self.io.open(f.path, f.size) as src:
-                index_file(pq.ParquetFile(src, metadata=self.meta(fi), **self.pq_options()), f, rf, self.schema,
-                           self.snapshot, self.schema)
-
         path = self._index_path(rf)
         if path is not None and load_index(path, self.files, [self.meta(i).num_row_groups
                                                               for i in range(len(self.files))]):
             return
+        part_schema = self.schema if self.snapshot is None else None  # Hive values: the table's types
+        may = rf.files_may_match([prune_args(self.meta(i), f, self.snapshot, part_schema)
+                                  for i, f in enumerate(self.files)])
+
+        def one(fi: int) -> None:
+            f = self.files[fi]
+            if not any(may[fi]):  # every row group pruned: the file is not opened
+                index_file(None, f, rf, self.schema, self.snapshot, may[fi], self.meta(fi))
+                return
+            with native_work(), self.io.open(f.path, f.size) as src:
+                index_file(pq.ParquetFile(src, metadata=self.meta(fi), **self.pq_options()), f, rf, self.schema,
+                           self.snapshot, may[fi], self.meta(fi))
         for _ in read_ahead(one, range(len(self.files)), depth=8, timeout=self.timeout,
                             describe=lambda fi: f"filter over {self.files[fi].path}"):
             pass
@@ -121,7 +128,7 @@ class TableReader:
     def _index_path(self, rf: RowFilter) -> str | None:
         """Where the row index of these files, this version and this filter is kept (the cache's ``row-index``
         folder, private); None without a cache."""
-        if self.cache is None:
+        if self.cache is None or not rf.cacheable or not pruning_on():  # now(): the rows change with time
             return None
         folder = self.cache.layout.indexes
         try:
@@ -225,7 +232,13 @@ class TableReader:
     def load(self, lay: EpochLayout, seg: Segment, readers: dict[Any, Any], lock: threading.Lock,
              ranged: bool | None = None) -> tuple[dict[str, Any], int]:
         """Decode one segment: tensors (numeric columns, converted once) or arrow arrays (the rest). ``ranged``:
-        fill only the row groups' byte ranges into the cache (default: with a filter)."""
+        fill only the row groups' byte ranges into the cache (default: with a filter). Counted as native work
+        (:func:`~ucmagic.tables.owned.native_work`): the interpreter's exit waits for it."""
+        with native_work():
+            return self._load(lay, seg, readers, lock, ranged)
+
+    def _load(self, lay: EpochLayout, seg: Segment, readers: dict[Any, Any], lock: threading.Lock,
+              ranged: bool | None) -> tuple[dict[str, Any], int]:
         import pyarrow as pa
 
         pieces = lay.window_pieces(seg.window)
