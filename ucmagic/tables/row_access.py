@@ -97,15 +97,15 @@ class Rows(Dataset[Any]):
     def __getitem__(self, index: Any) -> Any:
         n = len(self)
         if isinstance(index, slice):
+            for part in (index.start, index.stop, index.step):
+                if part is not None:
+                    _position(part, "a slice's start, stop and step")
             lo, hi, step = index.indices(n)
             if step != 1:
                 raise IndexError("rows[i:j:k]: only a step of 1 is supported; index rows one by one for others")
             hi = max(lo, hi)
             return self._batch(lo, hi)
-        try:
-            i = int(index)
-        except TypeError:
-            raise TypeError(f"rows[...] takes an int or a slice, got {type(index).__name__}") from None
+        i = _position(index, "rows[...]")
         if i < 0:
             i += n
         if not 0 <= i < n:
@@ -137,6 +137,17 @@ class Rows(Dataset[Any]):
         return one.slice(0, 0) if hasattr(one, "slice") else one.iloc[:0]
 
 
+def _position(index: Any, what: str) -> int:
+    """``index`` as a row position: an int (numpy's too), never a bool, a float or a string (``rows[1.7]``,
+    ``rows[True]`` and ``rows['3']`` read rows 1, 1 and 3 before: a bug in the caller, not a position)."""
+    import operator
+
+    if isinstance(index, (bool, np.bool_)) or not isinstance(index, (int, np.integer)):
+        raise TypeError(f"{what} takes integers (row positions) or a slice of them, got {index!r} "
+                        f"({type(index).__name__})")
+    return operator.index(index)
+
+
 def _slice(piece: dict[str, Any], a: int, b: int) -> dict[str, Any]:
     """Rows ``a..b`` of a decoded piece (tensors and Arrow arrays, or one Arrow table under ``""``)."""
     out = {}
@@ -147,8 +158,15 @@ def _slice(piece: dict[str, Any], a: int, b: int) -> dict[str, Any]:
 
 def _row(batch: Any, fmt: str) -> Any:
     """One row of a one-row batch: a dict of values (0-d tensors, numpy scalars, Python objects)."""
-    if fmt == "arrow":
-        return batch.to_pylist()[0]
+    if fmt == "arrow":  # Python values; one Python cannot hold (a timestamp past year 9999) stays an Arrow scalar
+        return {name: _py(col[0]) for name, col in zip(batch.column_names, batch.columns)}
     if fmt == "pandas":
         return batch.iloc[0].to_dict()
     return {k: v[0] for k, v in batch.items()}
+
+
+def _py(scalar: Any) -> Any:
+    try:
+        return scalar.as_py()
+    except (OverflowError, ValueError):
+        return scalar

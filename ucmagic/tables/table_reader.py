@@ -24,7 +24,7 @@ from ..files.fetch import read_ahead
 from ..files.filler import CacheFiller
 from ..files.locks import private_dir
 from ..files.volume import FileEntry
-from .columns import column_kind, mask_key, numeric_numpy, temporal_int64
+from .columns import column_kind, decimal_float64, mask_key, numeric_numpy, temporal_int64
 from .deletion_vectors import filter_rows, live_span
 from .footers import TableFile
 from .group_reader import (RangeFile, dropped_rows, group_span, index_file, index_key, load_index, prune_args,
@@ -275,8 +275,8 @@ class TableReader:
                 kind = column_kind(col.type)
             if kind == "int64":
                 col = temporal_int64(col)
-            elif kind in ("float64", "decimal"):  # a wide decimal only with dtype= (check_exact)
-                col = col.cast(pa.float64())
+            elif kind in ("float64", "decimal"):  # a wide decimal only with dtype= (check_exact): the nearest double
+                col = decimal_float64(col)
             if kind == "list":
                 if pick is not None:
                     apick = pa.array(pick) if apick is None else apick
