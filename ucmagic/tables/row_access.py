@@ -9,10 +9,12 @@ per-process LRU (``cache_groups``), so nearby and repeated rows cost no decode.
 
 :class:`Rows` is a map-style ``torch.utils.data.Dataset``: use it with torch samplers, ``torch``'s
 DataLoader or ``ucmagic.DataLoader`` (exact resume). Call order: ``rows = ds.rows`` (or
-``Rows(ds.reader, ...)``), then ``rows[i]`` from any thread; a worker process gets its own handles and LRU.
+``Rows(ds.reader, ...)``), then ``rows[i]`` from any thread; a worker process gets its own handles and LRU
+(forked or spawned), and the handles left open are closed at exit (:mod:`ucmagic.tables.owned`).
 """
 from __future__ import annotations
 
+import os
 import threading
 from collections import OrderedDict
 from typing import Any
@@ -21,6 +23,7 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from .batching import BatchCutter
+from .owned import on_exit
 from .rows import EpochLayout, Segment
 from .table_reader import TableReader, close_readers
 
@@ -42,12 +45,20 @@ class Rows(Dataset[Any]):
         self._init_local()
 
     def _init_local(self) -> None:
+        """This process's handles: open files, their lock, the decoded row groups (a forked child starts with
+        none of its parent's: shared file offsets gave torn reads; spawned workers get them by pickling)."""
+        self._pid = os.getpid()
         self._readers: dict[Any, Any] = {}
         self._lock = threading.Lock()
         self._decoded: OrderedDict[int, tuple[dict[str, Any], int]] = OrderedDict()
+        on_exit(self, Rows.close)
+
+    def _mine(self) -> None:
+        if self._pid != os.getpid():  # a forked DataLoader worker: its own files and cache
+            self._init_local()
 
     def __getstate__(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if k not in ("_readers", "_lock", "_decoded")}
+        return {k: v for k, v in self.__dict__.items() if k not in ("_readers", "_lock", "_decoded", "_pid")}
 
     def __setstate__(self, st: dict[str, Any]) -> None:
         self.__dict__.update(st)
@@ -61,12 +72,14 @@ class Rows(Dataset[Any]):
 
     def close(self) -> None:
         """Close the files and drop the decoded row groups (reopened on the next access)."""
+        self._mine()
         with self._lock:
             close_readers(self._readers)
             self._decoded.clear()
 
     def _window(self, w: int) -> tuple[dict[str, Any], int]:
         """Row group ``w`` decoded (the dataset's own decoding), from the LRU or read now."""
+        self._mine()
         with self._lock:
             got = self._decoded.get(w)
             if got is not None:

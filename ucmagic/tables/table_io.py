@@ -51,6 +51,7 @@ class TableFiles:
     def __init__(self, root: str | None, storage_options: dict[str, Any] | None = None) -> None:
         self.root = root.rstrip("/") if root and root.rstrip("/") else root
         self.storage_options = storage_options
+        self._pid = os.getpid()
         self._vols: dict[str, Volume] = {}
         self._mu = threading.Lock()
 
@@ -61,6 +62,8 @@ class TableFiles:
         self.__init__(st["root"], st["storage_options"])  # type: ignore[misc]
 
     def _volume(self, folder: str) -> Volume:
+        if self._pid != os.getpid():  # a forked child opens its own volumes (a parent's lock may be held)
+            self._pid, self._vols, self._mu = os.getpid(), {}, threading.Lock()
         with self._mu:
             vol = self._vols.get(folder)
         if vol is None:

@@ -59,14 +59,28 @@ class TableReader:
         self.columns, self.format, self.kinds, self.mask_set, self.dtypes = columns, format, kinds, mask_set, dtypes
         self.filter, self.timeout = filter, timeout
         self.group_file: list[tuple[int, int]] = []  # the dataset's row groups: (file, row group in the file)
+        self._local()
+
+    def _local(self) -> None:
+        """What belongs to this process: the filler (its locks and threads), the files checked, whether to
+        decode on pyarrow's threads (a forked worker decides again: it shares the cores)."""
+        self._pid = os.getpid()
         self._fill: CacheFiller | None = None
         self._checked: set[str] = set()  # files stat-ed before their first ranged fill
         self._threads: bool | None = None  # decode on pyarrow's threads (see threads())
+
+    def _mine(self) -> None:
+        if self._pid != os.getpid():
+            self._local()
 
     def __getstate__(self) -> dict[str, Any]:
         st = self.__dict__.copy()
         st["_fill"], st["_checked"], st["_threads"] = None, set(), None
         return st
+
+    def __setstate__(self, st: dict[str, Any]) -> None:
+        self.__dict__.update(st)
+        self._local()
 
     def local(self, fi: int) -> str:
         """Local path of file ``fi`` (a cached copy for remote or mounted files: the cache's one fill path,
@@ -141,6 +155,7 @@ class TableReader:
     def threads(self) -> bool:
         """Decode a row group's columns in parallel: in the loop's own process, not in a DataLoader worker
         (workers already share the cores)."""
+        self._mine()
         if self._threads is None:
             from torch.utils.data import get_worker_info
 
@@ -148,6 +163,7 @@ class TableReader:
         return self._threads
 
     def filler(self) -> CacheFiller:
+        self._mine()
         if self._fill is None:
             if self.cache is None:
                 raise RuntimeError("this ParquetDataset reads without a cache (cache=False)")
