@@ -13,7 +13,7 @@ Every open handle and native pool of the tables layer belongs to the process tha
   process (and per file-access setting: the SQL sandbox is part of a database's settings); closed last at exit.
 
 After ``fork`` the child owns none of its parent's: the registries start empty and the parent's DuckDB objects
-are kept unreferenced-but-alive in the child (closing them there would act on the parent's native state).
+are leaked in the child (destroying them there crashes it at exit: their threads are the parent's).
 Objects holding handles check :func:`owner_pid` (or use :func:`process_local`) and reopen their own.
 """
 from __future__ import annotations
@@ -50,13 +50,17 @@ class _State:
 
 
 _state = _State()
-_orphans: list[Any] = []  # a forked child's copies of its parent's DuckDB objects: never used, never closed
 
 
 def _after_fork() -> None:
+    """In a forked child: fresh registries. The parent's DuckDB objects are never used and never destroyed here:
+    destroying an inherited database in a child ends it with SIGSEGV/SIGABRT at exit (its threads are the
+    parent's), so each one gets a reference that is never given back."""
     global _state
-    _orphans.extend(_state.dbs.values())
-    _orphans.extend(_state.cursors)
+    import ctypes
+
+    for obj in [*_state.dbs.values(), *_state.cursors]:
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
     _state = _State()
 
 
