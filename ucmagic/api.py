@@ -85,6 +85,16 @@ def check_load_args(source: str, kind: str, *, pattern: str | None = None, batch
             raise _bad(flag, f"applies to loaders: add --stream (stream=True) to stream {source}")
 
 
+def _resolved(source: str, where: Any) -> Any:
+    """The table ``source`` resolved once, with its filter: everything below reads this
+    :class:`~ucmagic.tables.sources.Source` (its listing, snapshot, footers, schema) and resolves nothing again."""
+    from .tables.sources import resolve_source
+
+    src = resolve_source(source)
+    src.filter = where
+    return src
+
+
 def load(source: str | os.PathLike[str], *, files: bool = False, pattern: str | None = None,
          batch_size: int | None = None, num_workers: int | None = None, shuffle: bool = False, seed: int = 0,
          cache_dir: str | None = None, cache_limit: int | str | None = None, rows: int | None = None,
@@ -117,7 +127,7 @@ def load(source: str | os.PathLike[str], *, files: bool = False, pattern: str | 
     if kind == "table" and not stream:
         from .tables.api import load_table
 
-        return load_table(source, columns=list(columns) if columns else None, limit=rows, filter=where)
+        return load_table(_resolved(source, where), columns=list(columns) if columns else None, limit=rows)
     if on_start is not None:
         on_start("stream" if stream else kind)
     from .loading.loader import DataLoader
@@ -141,9 +151,9 @@ def load(source: str | os.PathLike[str], *, files: bool = False, pattern: str | 
         return DataLoader(ds, batch_size=batch_size or DEFAULT_FILE_BATCH, **loader_kwargs)
     from .tables.parquet_dataset import ParquetDataset
 
-    pds = ParquetDataset(source, columns=list(columns) if columns else None,
+    pds = ParquetDataset(_resolved(source, where), columns=list(columns) if columns else None,
                          batch_size=batch_size or DEFAULT_ROW_BATCH, shuffle=shuffle, seed=seed,
-                         cache_dir=cache_dir, cache_limit=limit, filter=where)
+                         cache_dir=cache_dir, cache_limit=limit)
     return DataLoader(pds, batch_size=None, **loader_kwargs)
 
 
@@ -169,9 +179,9 @@ def describe_load(source: str | os.PathLike[str], *, files: bool = False, patter
         shown = "shards" if not files and shard_kind(source) else "files"  # what load() would stream
         entries = open_volume(source).list(pattern or TAR_PATTERN if shown == "shards" else pattern)  # as TarShards
         return LoadPlan(source, shown, files=len(entries), bytes=sum(e.size for e in entries))
-    from .tables.sources import delta_snapshot, resolve_source
+    from .tables.sources import delta_snapshot
 
-    src = resolve_source(source)
+    src = _resolved(source, where)  # once: the filter's dataset below reads this Source
     shown = "stream" if stream else "table"
     if src.kind not in ("parquet", "delta", "csv") or src.remote:
         return LoadPlan(source, shown)
@@ -188,5 +198,5 @@ def describe_load(source: str | os.PathLike[str], *, files: bool = False, patter
         if where is not None:
             from .tables.parquet_dataset import ParquetDataset
 
-            rows = ParquetDataset(source, filter=where, cache=False).num_rows
+            rows = ParquetDataset(src, cache=False).num_rows
     return LoadPlan(source, shown, files=len(paths), rows=rows, bytes=nbytes)

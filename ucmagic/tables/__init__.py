@@ -28,7 +28,7 @@ _EXPORTS = {
     "TableFilesDataset": "volume_table",
     # the source names (``ucmagic.tables.resolve_source`` ... worked before sources.py was split out)
     **{name: "sources" for name in (
-        "DATA_EXTS", "MANIFEST", "Source", "TableName", "active_spark", "arrow_dataset", "catalog_root",
+        "DATA_EXTS", "MANIFEST", "Source", "TableName", "active_spark", "arrow_dataset", "as_source", "catalog_root",
         "classify_source", "connect", "delta_files", "delta_snapshot", "duckdb_relation", "fsspec_strip",
         "is_delta_dir", "is_sql",
         "is_spark_dataframe", "list_tables", "looks_like_table_name", "parse_table_name", "read_manifest",

@@ -25,6 +25,7 @@ from .sources import (DATA_EXTS, MANIFEST, Source, TableName, active_spark, arro
                       catalog_root, connect, delta_files, duckdb_relation, fsspec_strip, is_delta_dir, is_sql,
                       is_spark_dataframe, list_tables, looks_like_table_name, parse_table_name, read_manifest,
                       resolve_path_source, resolve_source, select_columns, table_path)
+from .sources import as_source
 from .spark_source import spark_dataframe
 from .table_io import TableFiles
 from ..units import format_size, parse_size
@@ -98,7 +99,9 @@ def load_table(name_or_path: Any, *, columns: Sequence[str] | None = None, limit
     """
     if limit is not None and (not isinstance(limit, int) or limit < 0):
         raise ValueError(f"limit must be a non-negative int, got {limit!r}")
-    src = resolve_source(name_or_path, version=version, storage_options=storage_options)
+    src = as_source(name_or_path, version=version, storage_options=storage_options)
+    if filter is None:
+        filter = src.filter  # noqa: A001 - the one an entry point set on the source
     budget = memory_budget(max_bytes)
     if src.kind in ("spark", "spark_table"):
         df = spark_filter(spark_dataframe(src), filter)  # Spark filters in Spark
@@ -150,7 +153,7 @@ def load_table(name_or_path: Any, *, columns: Sequence[str] | None = None, limit
                     f"the files under {src.root} kept changing while being read (concurrent overwrites?): try again"
                 ) from e
             try:
-                src = resolve_path_source(src.root, version=version)
+                src = sources.resolve_again(src, e)
             except SourceNotFoundError:  # between the two renames of a non-atomic swap
                 import time
 

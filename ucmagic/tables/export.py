@@ -36,7 +36,7 @@ from ..errors import (EmptyListingError, ExportOverlapError, SourceNotADirectory
 from .predicate import RowFilter, filter_relation, spark_filter
 from .sources import (MANIFEST, Source, connect, delta_files, duckdb_relation, is_data_path, remember_export,
                       restrict_sql,
-                      resolve_source, volume_manifest)
+                      as_source, volume_manifest)
 from .spark_source import spark_dataframe
 from ..units import format_size, parse_size
 from ..files.locks import check_write_dest, held, hold_dir, release_dir
@@ -498,7 +498,7 @@ def export_parquet(source: Any, dest: str | os.PathLike[str], *, target_file_siz
     if not target:
         raise ValueError(f"target_file_size must be > 0, got {target_file_size!r}")
     cols = _partition_cols(partition_by)
-    src = resolve_source(source, version=version, storage_options=storage_options)
+    src = as_source(source, version=version, storage_options=storage_options)
     spark = src.kind in ("spark", "spark_table")
     dest = os.fspath(dest)
     export_id = uuid.uuid4().hex[:12]

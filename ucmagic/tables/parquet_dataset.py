@@ -16,7 +16,7 @@ import hashlib
 import os
 import threading
 import time
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Sequence, cast
 
 import numpy as np
 import torch
@@ -39,7 +39,7 @@ from .row_access import Rows
 from .table_reader import TableReader, close_readers
 from .footers import read_footers, source_footers
 from .predicate import RowFilter
-from .sources import delta_snapshot, resolve_source
+from .sources import Source, as_source, delta_snapshot, resolve_again
 from .spark_source import spark_table_files
 from .table_io import TableFiles
 
@@ -80,7 +80,8 @@ class ParquetDataset(EpochTracking, IterableDataset[Any]):
 
     Args:
         path: a directory of Parquet files (recursive; ``_``/``.`` side files ignored), a file, a
-            glob, a Delta table directory, a local-catalog table name, a ``/Volumes`` path or a URL.
+            glob, a Delta table directory, a local-catalog table name, a ``/Volumes`` path or a URL (or a
+            :class:`~ucmagic.tables.sources.Source` an entry point resolved: used as it is, its filter too).
         columns: columns to read (default all); only these are read from storage.
         batch_size: rows per batch; every stream's share is a multiple of it except one per rank.
         shuffle: ``False`` (files' order), ``"global"`` (per epoch, row groups are permuted and rows
@@ -135,7 +136,11 @@ class ParquetDataset(EpochTracking, IterableDataset[Any]):
             raise ValueError(f"shuffle must be False, True, 'global' or 'node', got {shuffle!r}")
         if reshuffle_every is not None and (not isinstance(reshuffle_every, int) or reshuffle_every < 0):
             raise ValueError(f"reshuffle_every must be a positive int or None, got {reshuffle_every!r}")
-        self.path = os.fspath(path) if isinstance(path, os.PathLike) else path
+        given = path if isinstance(path, Source) else None  # resolved once by the entry (ucmagic.load)
+        if given is not None and storage_options is None:
+            storage_options = given.storage_options
+        self.path = given.describe() if given is not None else os.fspath(path) if isinstance(path, os.PathLike) \
+            else path
         self.batch_size = int(batch_size)
         self.shuffle: bool | str = shuffle if isinstance(shuffle, str) else bool(shuffle)
         self.reshuffle_every = int(reshuffle_every) if reshuffle_every else None
@@ -145,9 +150,11 @@ class ParquetDataset(EpochTracking, IterableDataset[Any]):
         self.timeout = timeout
         self.storage_options = storage_options
         self.lease_items = 1  # set by ucmagic.DataLoader; unused here
+        src = given
         for attempt in range(5):
             try:
-                src = resolve_source(self.path, version=version, storage_options=storage_options)
+                if src is None:
+                    src = as_source(self.path, version=version, storage_options=storage_options)
                 if src.kind == "spark_table":  # a Spark catalog table: its files, through the session
                     src = spark_table_files(src, version)
                 if src.kind not in ("delta", "parquet"):
@@ -166,10 +173,12 @@ class ParquetDataset(EpochTracking, IterableDataset[Any]):
                 else:  # the files' one schema (unify_schemas) and Hive partitions, read once per source
                     self.files, schema = source_footers(src, timeout=timeout)
                 break
-            except FileNotFoundError:  # an export_parquet overwrite swapped the directory meanwhile?
+            except FileNotFoundError as e:  # an export_parquet overwrite swapped the directory meanwhile?
                 if attempt == 4:
                     raise
                 time.sleep(0.01 * (attempt + 1))
+                src = None if given is None else resolve_again(given, e)
+        src = cast(Source, src)  # the loop ended with a break: resolved
         self.use_cache = ((self.remote or any(p.startswith("/Volumes/") for p in paths)) if cache is None
                           else bool(cache))
         self.cache = FileCache(cache_dir, cache_limit) if self.use_cache else None
@@ -190,7 +199,7 @@ class ParquetDataset(EpochTracking, IterableDataset[Any]):
                 check_exact(c, schema.field(c).type, c in self._dtypes, src.describe())
                 if output_kind(schema.field(c).type) == "decimal":
                     self._kinds[c] = "float64"  # dtype= asked for the rounding
-        self.filter = RowFilter.of(filter, names, schema)
+        self.filter = RowFilter.of(filter if filter is not None else src.filter, names, schema)
         self.masked = self._mask_columns(names)
         self._mask_set = set(self.masked)
         # the keys of a torch/numpy batch: each column, followed by its mask when it has one

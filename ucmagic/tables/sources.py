@@ -285,6 +285,27 @@ def resolve_path_source(path: str, *, version: int | None = None,
     return Source(_files_kind([real], path), paths=[real])
 
 
+def as_source(source: Any, *, version: int | None = None,
+              storage_options: dict[str, Any] | None = None) -> Source:
+    """``source`` as a :class:`Source`: one an entry point already resolved passes through untouched (with its
+    listing, snapshot, footers and schema), anything else is resolved now (:func:`resolve_source`)."""
+    if isinstance(source, Source):
+        if version is not None and version != source.version:
+            raise ValueError(f"version={version} differs from the resolved source's version {source.version}")
+        return source
+    return resolve_source(source, version=version, storage_options=storage_options)
+
+
+def resolve_again(src: Source, err: BaseException) -> Source:
+    """``src`` listed again from its directory after ``err`` (an overwrite swapped its files meanwhile); for a
+    source that is not a directory, ``err`` is raised."""
+    if not src.root or src.kind not in ("parquet", "csv", "delta"):
+        raise err
+    again = resolve_path_source(src.root, version=src.version, storage_options=src.storage_options)
+    again.name, again.filter = src.name, src.filter
+    return again
+
+
 def resolve_source(source: Any, *, version: int | None = None,
                    storage_options: dict[str, Any] | None = None) -> Source:
     """Classify anything ``export_parquet``/``load_table`` accept. Raises clear errors for the rest."""

@@ -154,9 +154,9 @@ def read_rows(table: Any, *, needed: Sequence[str] | None, filter: Any = None,  
     import pyarrow as pa
 
     from .predicate import RowFilter, spark_filter
-    from .sources import resolve_source
+    from .sources import as_source
 
-    src = resolve_source(table, version=version, storage_options=storage_options)
+    src = as_source(table, version=version, storage_options=storage_options)
     cols = None if needed is None else list(needed)
     if src.kind in ("pandas", "arrow"):  # in memory: no copy through pandas
         obj = src.obj
