@@ -49,6 +49,25 @@ def close_readers(readers: dict[Any, Any]) -> None:
     readers.clear()
 
 
+def _writable(col: Any, arr: np.ndarray) -> np.ndarray:
+    """``arr`` (``col``'s values, read-only as Arrow hands them out) as a writable array: the very buffer the
+    decode made when Arrow says that memory is mutable (a fresh decode owned by this batch alone: no copy), else
+    a copy (a memory-mapped or shared buffer)."""
+    chunks = getattr(col, "chunks", None) or [col]
+    if len(chunks) == 1 and arr.ndim == 1 and arr.dtype != np.bool_:
+        bufs = chunks[0].buffers()
+        data = bufs[1] if len(bufs) == 2 else None
+        if data is not None and data.is_mutable:
+            view = np.frombuffer(data, dtype=arr.dtype)  # writable: the buffer is mutable
+            if len(arr) == 0 or (view.ctypes.data <= arr.ctypes.data
+                                 and arr.ctypes.data + arr.nbytes <= view.ctypes.data + view.nbytes):
+                start = (arr.ctypes.data - view.ctypes.data) // arr.itemsize
+                if len(arr) == 0 or (arr.strides == (arr.itemsize,) and
+                                     (arr.ctypes.data - view.ctypes.data) % arr.itemsize == 0):
+                    return view[start:start + len(arr)]
+    return arr.copy()
+
+
 class TableReader:
     """Reads and decodes row groups of a table's files (see the module for the call order)."""
 
@@ -309,7 +328,7 @@ class TableReader:
             if dt is not None and _NP_DTYPES.get(dt) is not None:
                 arr = arr.astype(_NP_DTYPES[dt])
             elif not arr.flags.writeable:
-                arr = arr.copy()
+                arr = _writable(col, arr)
             t = torch.from_numpy(arr)
             out[c] = t.to(dt) if dt is not None and t.dtype != dt else t
         return out, seg.hi - seg.lo
