@@ -96,7 +96,12 @@ def read_footers(paths: list[str], snap: Any, files: TableFiles, *, timeout: flo
     got = list(read_ahead(footer, list(zip(paths, dfiles)), depth=16, timeout=timeout, describe=lambda it: it[0]))
     if snap is not None:  # the table's schema: files may predate columns (nulls) or name them physically
         return [f for f, _ in got], snap.schema
-    return [f for f, _ in got], unify_schemas([s for _, s in got], [f.path for f, _ in got], what)
+    schema = unify_schemas([s for _, s in got], [f.path for f, _ in got], what)
+    for f, s in got:  # a column this file lacks is null in all its rows
+        absent = set(schema.names) - set(s.names)
+        if absent:
+            f.nulls = f.nulls | absent
+    return [f for f, _ in got], schema
 
 
 def unify_schemas(schemas: Sequence[Any], paths: Sequence[str], what: str) -> Any:
