@@ -39,6 +39,19 @@ def test_protection_record_rewritten_in_place_holds_exactly_the_new_names(tmp_pa
     c.records.drop_record(rec)
 
 
+def test_a_record_is_written_while_another_process_is_still_making_a_removed_cache_directory_anew(tmp_path):
+    """The cache directory removed by hand between epochs: one DataLoader worker made it anew up to locks/ when
+    another wrote its first record (prot/ not there yet): a raw FileNotFoundError in the worker before."""
+    import shutil
+
+    c = FileCache(str(tmp_path / "c"))
+    shutil.rmtree(tmp_path / "c" / "prot")
+    rec = c.records.record_path(process_tag(), 0)
+    c.records.write_record(rec, ["a" * 40])
+    assert c.records.protected_names() == {"a" * 40}
+    c.records.drop_record(rec)
+
+
 @settings(max_examples=25, deadline=None)
 @given(st.lists(st.lists(st.text(alphabet="abcdef/._", min_size=1, max_size=300), max_size=40), min_size=1, max_size=8))
 def test_a_record_rewritten_smaller_or_larger_protects_exactly_its_latest_names(tmp_path_factory, writes):

@@ -56,7 +56,11 @@ class ProtectionRecords:
             # A record that shrinks a little keeps its size, its tail overwritten with NUL bytes (readers stop
             # at the first): cutting allocated blocks off with ftruncate cost ~80 us a call, 8% of a warm
             # epoch of 200,000 small files, where each record grows and shrinks by a name every few items.
-            fd = self.kept.fd(path)
+            try:
+                fd = self.kept.fd(path)
+            except FileNotFoundError:  # the cache directory removed by hand, another process making it anew
+                self.layout.ensure()  # (locks/ made, prot/ not yet): made here too, then opened again
+                fd = self.kept.fd(path)
             size = os.fstat(fd).st_size
             payload = data + b"\n"  # the names end with a separator: an older reader sees the NULs as one name
             cut = size - len(payload) > max(RECORD_SLACK, len(payload))  # shrunk by half or more: give room back
