@@ -14,6 +14,14 @@ def _ours(where: str) -> set[str]:
     return {n for n in os.listdir(where) if n.startswith("ucmagic")}
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's worker reads the xdist_group marks
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A notebook's cells run in order in one kernel: under pytest-xdist (``--dist loadgroup``) on one worker."""
+    for item in items:
+        if str(item.path).endswith(".ipynb"):
+            item.add_marker(pytest.mark.xdist_group(item.path.name))
+
+
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """Before a notebook's first cell (and before pytest sets up its file node, which starts the
     kernel): note the temp dir's entries and wrap the node's teardown, which stops the kernel, with

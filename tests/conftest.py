@@ -30,8 +30,15 @@ def pytest_configure(config):
         config.option.matrix = "full" if config.getoption("--full") else "pairs"
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's worker reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``full`` run only with ``--full``."""
+    """Tests that share a module-scoped fixture (a matrix's verdicts, a trainer table, a Spark session, a
+    JupyterLab, an MLflow store) run on one pytest-xdist worker: an ``xdist_group`` per module (the README's
+    command runs ``--dist loadgroup``). Tests marked ``full`` run only with ``--full``."""
+    for item in items:
+        defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+        if any(d.scope in ("module", "class", "package") for ds in defs.values() for d in ds):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
     if config.getoption("--full"):
         return
     skip = pytest.mark.skip(reason="a long run: pytest --full (or UCMAGIC_FULL=1) runs it; .ci/run does")
