@@ -16,8 +16,11 @@ Data: 48 items of each kind (files of 1-3 KiB under ``train/class<k>/`` and a Pa
 mix draws from those tar samples and 24 others). Batches of 4. The resumed run is a new process that reads the
 state as JSON.
 
-Runs: the default suite takes an all-pairs sample (allpairspy, impossible cells filtered out); ``--matrix=full``
-(or ``UCMAGIC_MATRIX=full``) the whole product; :func:`test_exactly_once_over_drawn_cells` draws cells with
+Runs: the default suite takes an all-pairs sample (allpairspy, impossible cells filtered out); ``pytest --full``
+(``--matrix=wide``) every cell without spawned workers (1,180) and an all-pairs sample of the 840 spawn cells
+among themselves (56: every pair of values they hold), 1,236 cells; ``--matrix=full`` (or ``UCMAGIC_MATRIX=full``) the
+whole product (2,020 cells, ~50 min on 2 cores: each spawned worker starts an interpreter and imports torch, once
+per epoch; the spawn cells start ~5,400 of them); :func:`test_exactly_once_over_drawn_cells` draws cells with
 hypothesis (``UCMAGIC_MATRIX_DRAWS``, default 0: off in the default run). Cells run in a few child
 processes (tests/scripts/matrix_delivery.py): the runs before the resume (one-rank cells in two
 children, two-rank cells in one gloo pair), then the resumed runs; each cell has a deadline.
@@ -46,6 +49,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import oracle_delivery as oracle  # noqa: E402
+from run_size import cover, wide  # noqa: E402
 
 SCRIPT = os.path.join(HERE, "scripts", "matrix_delivery.py")
 COUNT, BATCH, BLOCK = 48, 4, 8
@@ -89,8 +93,17 @@ def cost(c: dict[str, Any]) -> float:
     return 1.0 + 1.5 * spawn * (1 + (c["resume"] != "none")) + (c["change"] == "world") * 2.0
 
 
+def spawned(c: dict[str, Any]) -> bool:
+    """Spawned workers start an interpreter and import torch per worker and epoch: ~90% of the product's time."""
+    return c["start"] == "spawn" and c["workers"] > 0
+
+
 def cells_for(mode: str) -> list[dict[str, Any]]:
-    return product_cells() if mode == "full" else pairs_cells()
+    if mode == "full":
+        return product_cells()
+    if mode == "wide":
+        return wide(product_cells(), list(oracle.DIMS), spawned, cost)
+    return pairs_cells()
 
 
 # ---------------------------------------------------------------- data
@@ -314,6 +327,7 @@ def verdicts(request, tmp_path_factory):
 KNOWN_FAILURES: list[tuple[Any, str]] = []
 
 
+@pytest.mark.scaled
 @pytest.mark.timeout(3600)
 def test_each_planned_item_is_delivered_exactly_once(delivery_cell, verdicts):
     problems = verdicts[oracle.cell_id(delivery_cell)]
@@ -360,6 +374,14 @@ def test_the_default_sample_holds_every_pair_the_product_holds():
     assert all(oracle.impossible(c) is None for c in sample)
     assert set().union(*map(cell_pairs, sample)) == set().union(*map(cell_pairs, product_cells()))
     assert len({oracle.cell_id(c) for c in sample}) == len(sample) < 80
+
+
+def test_the_wide_sample_holds_every_cell_without_spawned_workers_and_every_pair_of_the_spawn_cells():
+    full, sample = product_cells(), cells_for("wide")
+    assert {oracle.cell_id(c) for c in full if not spawned(c)} <= {oracle.cell_id(c) for c in sample}
+    dear = [c for c in full if spawned(c)]
+    assert set().union(*map(cell_pairs, dear)) == set().union(*(cell_pairs(c) for c in sample if spawned(c)))
+    assert len(sample) == 1180 + len(cover(dear, list(oracle.DIMS), 2, cost)) < 1300
 
 
 def exact_run(items: list[str], world: int, workers: int, rng: random.Random, shuffle: bool) -> list[list[str]]:

@@ -51,7 +51,9 @@ SPAWN_CELL_TIMEOUT with spawn workers, and EVENT_DEADLINE after its event): a ha
 every thread's stack, and worker processes that outlive it fail it too.
 
 Impossible cells are listed by :func:`impossible` with their reason. The default run is the
-all-pairs sample (:func:`all_pairs`); ``--matrix=full`` (or ``UCMAGIC_MATRIX=full``) runs the product.
+all-pairs sample (:func:`all_pairs`, 35 cells); ``pytest --full`` (``--matrix=wide``) every cell without spawn
+workers and all pairs of the spawn cells among themselves (run_size.wide, 262 cells); ``--matrix=full`` (or
+``UCMAGIC_MATRIX=full``) the product (344 cells).
 Cells run in child processes (tests/scripts/matrix_cell.py), a few per child; a ``sigint`` cell ends its child.
 """
 from __future__ import annotations
@@ -71,6 +73,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from run_size import wide  # noqa: E402
+
 CELL_SCRIPT = os.path.join(HERE, "scripts", "matrix_cell.py")
 
 FILES, MIN_SIZE, MAX_SIZE, BATCH = 240, 4 * 1024, 8 * 1024, 4
@@ -239,6 +244,8 @@ def test_the_default_sample_covers_every_pair_of_the_matrix_at_less_cost_than_th
 
 def matrix_cells(mode: str) -> list[dict[str, str]]:
     possible = lambda c: impossible(c) is None  # noqa: E731
+    if mode == "wide":  # --full: every cell without spawned workers, and all pairs of the spawn cells
+        return wide(matrix_cells("full"), list(DIMS), lambda c: c["workers"] == "spawn2", cost)
     if mode == "full":
         return [dict(zip(DIMS, v)) for v in itertools.product(*DIMS.values()) if possible(dict(zip(DIMS, v)))]
     return all_pairs(DIMS, possible, cost)
@@ -258,6 +265,12 @@ def test_every_combination_is_run_or_mapped_with_a_reason():
     assert set().union(*(cell_pairs(c, names) for c in matrix_cells("full"))) == \
         set().union(*(cell_pairs(c, names) for c in sample))
     assert len(full) == 344 and len(sample) < 45
+    broad, product = matrix_cells("wide"), matrix_cells("full")
+    assert {cell_id(c) for c in product if c["workers"] != "spawn2"} <= {cell_id(c) for c in broad}
+    spawned = [c for c in product if c["workers"] == "spawn2"]
+    assert set().union(*(cell_pairs(c, names) for c in spawned)) == \
+        set().union(*(cell_pairs(c, names) for c in broad if c["workers"] == "spawn2"))
+    assert len(broad) < len(full)
 
 
 # ---------------------------------------------------------------- running cells
@@ -584,6 +597,7 @@ def known_failure(cell: dict[str, str], problems: Sequence[str]) -> str | None:
     return None
 
 
+@pytest.mark.scaled
 @pytest.mark.timeout(SPAWN_CELL_TIMEOUT * 2 * GROUP + 120)
 def test_scenario_cell(matrix_cell, runner):
     r = runner.result(cell_id(matrix_cell))
