@@ -233,6 +233,7 @@ LEAVE_LOADER = """
 """
 
 
+@pytest.mark.scaled
 @pytest.mark.timeout(EXIT_S * 3)
 @pytest.mark.parametrize("mode", ["break", "sigint"])
 def test_a_loader_left_under_a_full_budget_exits_without_waiting_out_torchs_join_timeout(tmp_path, mode):
@@ -306,6 +307,7 @@ HUNG = """
 """
 
 
+@pytest.mark.scaled
 @pytest.mark.timeout(EXIT_S * 3)
 @pytest.mark.parametrize("workers,target", [(None, "process"), (2, "process"), (2, "group")])
 def test_ctrl_c_on_a_hung_mount_starts_no_open_and_exits_without_waiting_for_the_hung_ones(tmp_path, workers, target):

@@ -321,6 +321,7 @@ def setups(draw: Any) -> Setup:
                  drop_last=draw(st.booleans()), seed=draw(st.integers(0, 3)))
 
 
+@pytest.mark.scaled
 @pytest.mark.timeout(900)
 @given(setup=setups(), ops=st.lists(OPS, min_size=1, max_size=12))
 @settings(max_examples=examples(20, 400))

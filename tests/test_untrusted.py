@@ -270,6 +270,7 @@ def mutate_metadata(data, md, tmp_path) -> str:
     return field
 
 
+@pytest.mark.scaled
 @pytest.mark.parametrize("kind", ["foreign", "ucmagic"])
 def test_fuzzed_checkpoint_metadata_writes_nothing_outside_and_fails_by_name(tmp_path, kind):
     """Every field of ``.metadata`` (storage entries: paths, offsets, lengths, transforms; the state dict's
@@ -310,6 +311,7 @@ def test_fuzzed_checkpoint_metadata_writes_nothing_outside_and_fails_by_name(tmp
 
 # ---------------------------------------------------------------- ucmagic's own records
 
+@pytest.mark.scaled
 def test_fuzzed_commit_markers_fail_by_name_and_never_list_a_bad_checkpoint(tmp_path):
     """Every field of ``.ucmagic_commit.json`` mutated: listing, "latest" and loading raise ucmagic errors or
     work; no raw TypeError/ValueError from a marker someone else wrote."""
@@ -380,6 +382,7 @@ def test_pack_index_ranges_past_the_shard_fail_by_name_before_any_read(packed, t
         TarShards(str(dest), cache_dir=str(tmp_path / "cache"))
 
 
+@pytest.mark.scaled
 def test_fuzzed_pack_indexes_fail_by_name_and_allocate_nothing_they_claim(packed, tmp_path):
     from ucmagic.shards import TarShards
 
@@ -505,6 +508,7 @@ def test_a_filter_over_files_runs_with_duckdb_external_access_off(tmp_path, fmt)
 
 # ---------------------------------------------------------------- Delta add actions
 
+@pytest.mark.scaled
 def test_fuzzed_delta_add_actions_read_nothing_outside_the_table_and_fail_by_name(tmp_path):
     """Every field of a Delta log's ``add`` actions (path, size, partition values, stats, the deletion vector's
     storage, path, offset, size and cardinality) mutated: ``load_table`` and ``ParquetDataset`` return the
