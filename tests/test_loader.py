@@ -137,7 +137,9 @@ def test_forked_workers_inherit_the_parents_objects_frozen_and_the_parent_gets_t
                               persistent_workers=False))
         assert len(got) == 2
         assert all(n > 10_000 for n, _ in got)  # everything the parent held (torch's modules included)
-        assert gc.get_freeze_count() == frozen_before  # unfrozen again, or the caller's freeze kept
+        # unfrozen again, or the caller's freeze kept: not thawed (0), nothing frozen on top; another thread of
+        # the process (pytest-xdist's channel) may free a few frozen objects meanwhile
+        assert frozen_before - 1000 <= gc.get_freeze_count() <= frozen_before
     finally:
         if user_froze:
             gc.unfreeze()

@@ -5,6 +5,7 @@ import pickle
 import threading
 
 import pytest
+from waits import wait_until
 
 from ucmagic._util import LOCAL_DISK_FS, copy_file_to_fd, mount_fs_type
 from ucmagic.errors import EmptyListingError, SourceNotADirectoryError, SourceChangedError, SourceNotFoundError
@@ -151,7 +152,28 @@ def test_a_big_file_is_copied_by_parallel_ranges_and_equals_the_source(big_file,
     ranges_from_1mib(vol)
     streams = []
     inner = vol.range_reader
-    monkeypatch.setattr(vol, "range_reader", lambda rel: streams.append(rel) or inner(rel))
+
+    class FirstWaits:
+        """The first stream's first read waits for a second stream to open (on a loaded machine the first
+        could otherwise take every range before another pool thread runs)."""
+
+        def __init__(self, reader, first):
+            self.reader, self.first = reader, first
+
+        def readinto_at(self, offset, buf):
+            if self.first:
+                self.first = False
+                wait_until(lambda: len(streams) > 1, "a second range stream opening while the first reads")
+            return self.reader.readinto_at(offset, buf)
+
+        def close(self):
+            self.reader.close()
+
+    def opened(rel):
+        streams.append(rel)
+        return FirstWaits(inner(rel), len(streams) == 1)
+
+    monkeypatch.setattr(vol, "range_reader", opened)
     [e] = vol.list()
     dest = tmp_path / "copy.bin"
     assert vol.copy_to(e.path, str(dest), expect=e) == len(data)
