@@ -26,7 +26,13 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
     """``--full`` is seen by test modules as ``run_size.FULL`` (read at import, after this hook); it runs the
-    matrices' ``wide`` sample unless ``--matrix`` says otherwise."""
+    matrices' ``wide`` sample unless ``--matrix`` says otherwise. A session started with SIGINT ignored (a
+    background job of a shell without job control, ``nohup cmd &`` in a script) takes Python's own handler
+    back: the processes the tests start would inherit the ignore and never see the Ctrl-C they test."""
+    import signal
+
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     if config.getoption("--full"):
         os.environ["UCMAGIC_FULL"] = "1"
     if config.getoption("--matrix") is None:
