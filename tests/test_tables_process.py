@@ -99,6 +99,7 @@ def _run(code: str) -> subprocess.CompletedProcess:
         pytest.fail(f"the process did not exit (a hang at exit): {e.stderr!r}")
 
 
+@pytest.mark.scaled
 def test_a_process_that_stops_iterating_mid_epoch_exits_cleanly(big):
     for k in range(pick(3, 20)):
         got = _run(_EXIT.format(root=big, where="id % 7 = 1" if k % 2 else None))
@@ -106,6 +107,7 @@ def test_a_process_that_stops_iterating_mid_epoch_exits_cleanly(big):
         assert "terminate called" not in got.stderr
 
 
+@pytest.mark.scaled
 def test_forked_children_that_stop_mid_epoch_exit_with_0(table):
     """One interpreter imports everything; 5 (``--full``: 20) forked children each stop an epoch after its first
     batch and exit normally (atexit handlers, then Arrow's and DuckDB's static objects), all at once; a child that
