@@ -141,11 +141,8 @@ def warm_epochs(m: Measured) -> list[EpochTimes]:
     """The run's warm epochs: those with few misses per item, and not many more than the run's fewest (a shard
     stream's cold epoch misses once per shard, a small share of its samples, yet fetched everything)."""
     least = min((e.misses for e in m.epochs), default=0)
-    # and its fetch not many times the run's least: a shard stream's per-batch records may carry no misses at all
-    least_fetch = min((e.fetch for e in m.epochs), default=0.0)
     return [e for e in m.epochs
-            if e.misses <= WARM_MISSES * max(1, e.items) and e.misses <= 2 * least + WARM_MISSES / 10 * e.items + 1
-            and e.fetch <= 2 * least_fetch + 0.02 * e.total]
+            if e.misses <= WARM_MISSES * max(1, e.items) and e.misses <= 2 * least + WARM_MISSES / 10 * e.items + 1]
 
 
 def noise(m: Measured) -> float:
