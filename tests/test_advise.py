@@ -131,19 +131,6 @@ def test_a_saving_under_the_spread_of_the_warm_epochs_is_not_advised():
     assert not sure(got) and "the spread of its 2 warm epochs" in str(got[0])
 
 
-def test_a_shard_stream_s_cold_epoch_is_not_a_warm_one():
-    """bench/advise.py's shards: 105 shard misses over 3,000 samples is a small share, yet that epoch fetched
-    everything; its spread with the warm epoch (3.3 s against 0.9) was taken for noise and silenced all advice."""
-    cold = epoch(fetch=0.03, compute=0.01, wait=0.02, misses=105, items=3000)
-    warm = epoch(fetch=0.001, compute=0.01, wait=0.001, items=3000)
-    m = Measured([cold, warm], num_workers=2, prefetch_factor=4, cores=2)
-    assert model.warm_epochs(m) == [warm]
-    assert "warm epochs" not in threshold(m)[1]
-    steady = Measured([warm, epoch(fetch=0.001, compute=0.01, wait=0.001, misses=2, items=3000)], num_workers=2,
-                      prefetch_factor=4, cores=2)
-    assert len(model.warm_epochs(steady)) == 2  # a few misses each epoch: all warm
-
-
 def test_a_tiny_run_gets_no_advice():
     """Issue 52: the README's quick start (epochs of 15 ms) got two pieces of advice."""
     cold = epoch(n=4, fetch=0.05, compute=0.001, wait=0.04, misses=200, items=200, miss_latency=0.01)

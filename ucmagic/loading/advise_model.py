@@ -138,11 +138,8 @@ def baseline(m: Measured) -> float:
 
 
 def warm_epochs(m: Measured) -> list[EpochTimes]:
-    """The run's warm epochs: those with few misses per item, and not many more than the run's fewest (a shard
-    stream's cold epoch misses once per shard, a small share of its samples, yet fetched everything)."""
-    least = min((e.misses for e in m.epochs), default=0)
-    return [e for e in m.epochs
-            if e.misses <= WARM_MISSES * max(1, e.items) and e.misses <= 2 * least + WARM_MISSES / 10 * e.items + 1]
+    """The run's warm epochs: those with few misses."""
+    return [e for e in m.epochs if e.misses <= WARM_MISSES * max(1, e.items)]
 
 
 def noise(m: Measured) -> float:
