@@ -26,7 +26,7 @@ import torch
 import torch.utils.data as tud
 
 import ucmagic
-from trainer_common import file_id
+from trainer_common import Files, file_id  # Files: the seeds' wrapper
 
 N = 43  # items of every kind (odd: the two ranks' shares are evened out by one padded repeat per epoch)
 BATCH, WORKERS, STOP, EPOCHS = 4, 2, 2, 3
@@ -40,18 +40,6 @@ def decode(paths: list[str]) -> dict[str, torch.Tensor]:
     """collate_fn over the ucmagic dataset itself: the paths it yields, decoded (here: each file's index)."""
     ids = [file_id(p) for p in paths]
     return {"id": torch.tensor(ids), "x": torch.tensor([[float(i % 7)] for i in ids])}
-
-
-class Files(tud.IterableDataset):
-    """The seeds' wrapper: iterates a UCVolumeDataset it keeps as an attribute, decodes each cached path."""
-
-    def __init__(self, path_dataset: ucmagic.UCVolumeDataset) -> None:
-        self._path_dataset = path_dataset
-
-    def __iter__(self):
-        for p in self._path_dataset:
-            i = file_id(p)
-            yield {"id": i, "x": torch.tensor([float(i % 7)])}
 
 
 class SizedFiles(Files):
