@@ -113,3 +113,32 @@ def test_a_resolved_source_passes_through_with_its_filter(tmp_path, calls):
     assert sum(calls.values()) == 0, calls
     with pytest.raises(ValueError, match="version"):
         load_table(src, version=3)
+
+
+def test_every_reader_of_a_resolved_source_keeps_its_filter(tmp_path):
+    """A Source an entry point resolved with a filter is read with that filter by every reader it is handed to:
+    ``load_table``, ``ParquetDataset``, ``files_from_table`` and ``export_parquet`` (before: the export wrote every
+    row); a reader's own different ``filter=`` beside it is refused, never one of the two dropped."""
+    from ucmagic.tables import export_parquet, files_from_table
+
+    root = _parquet(tmp_path / "t")
+    src = sources.resolve_source(root)
+    src.filter = "id < 30"
+    assert sorted(load_table(src)["id"]) == list(range(30))
+    assert sum(len(b["id"]) for b in ParquetDataset(src, batch_size=7)) == 30
+    res = export_parquet(src, str(tmp_path / "out"))
+    assert res.rows == 30
+    assert sorted(pq.read_table(str(tmp_path / "out"))["id"].to_pylist()) == list(range(30))
+    files = tmp_path / "files"
+    files.mkdir()
+    for i in range(3):
+        (files / f"f{i}.bin").write_bytes(b"x" * (i + 1))
+    names = sources.resolve_source(pa.table({"path": ["f0.bin", "f1.bin", "f2.bin"], "k": [0, 1, 2]}))
+    names.filter = "k >= 1"
+    ds = files_from_table(names, root=str(files), cache_dir=str(tmp_path / "cache"))
+    assert sorted(item["k"] for item in ds) == [1, 2]
+    assert load_table(src, filter="id < 30")["id"].tolist() == list(range(30))  # the same filter again: fine
+    with pytest.raises(ValueError, match="pass one filter"):
+        load_table(src, filter="id > 5")
+    with pytest.raises(ValueError, match="pass one filter"):
+        export_parquet(src, str(tmp_path / "out2"), filter="id > 5")

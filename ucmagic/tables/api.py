@@ -100,8 +100,7 @@ def load_table(name_or_path: Any, *, columns: Sequence[str] | None = None, limit
     if limit is not None and (not isinstance(limit, int) or limit < 0):
         raise ValueError(f"limit must be a non-negative int, got {limit!r}")
     src = as_source(name_or_path, version=version, storage_options=storage_options)
-    if filter is None:
-        filter = src.filter  # noqa: A001 - the one an entry point set on the source
+    filter = src.with_filter(filter)  # noqa: A001 - or the one an entry point set on the source
     budget = memory_budget(max_bytes)
     if src.kind in ("spark", "spark_table"):
         df = spark_filter(spark_dataframe(src), filter)  # Spark filters in Spark

@@ -499,6 +499,7 @@ def export_parquet(source: Any, dest: str | os.PathLike[str], *, target_file_siz
         raise ValueError(f"target_file_size must be > 0, got {target_file_size!r}")
     cols = _partition_cols(partition_by)
     src = as_source(source, version=version, storage_options=storage_options)
+    filter = src.with_filter(filter)  # noqa: A001 - or the one an entry point set on the source
     spark = src.kind in ("spark", "spark_table")
     dest = os.fspath(dest)
     export_id = uuid.uuid4().hex[:12]

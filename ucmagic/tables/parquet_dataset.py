@@ -199,7 +199,7 @@ class ParquetDataset(EpochTracking, IterableDataset[Any]):
                 check_exact(c, schema.field(c).type, c in self._dtypes, src.describe())
                 if output_kind(schema.field(c).type) == "decimal":
                     self._kinds[c] = "float64"  # dtype= asked for the rounding
-        self.filter = RowFilter.of(filter if filter is not None else src.filter, names, schema)
+        self.filter = RowFilter.of(src.with_filter(filter), names, schema)
         self.masked = self._mask_columns(names)
         self._mask_set = set(self.masked)
         # the keys of a torch/numpy batch: each column, followed by its mask when it has one

@@ -149,6 +149,16 @@ class Source:
     footers: Any = field(default=None, repr=False, compare=False)  # a parquet source's files (TableFile), once read
     filter: Any = field(default=None, repr=False, compare=False)  # the RowFilter a caller set on it
 
+    def with_filter(self, filter: Any) -> Any:  # noqa: A002 - the entry points' option name
+        """The filter a read of this source applies: ``filter`` (the read's own ``filter=``) or the one an entry
+        point set on the source; both set and different is refused (a read never drops either silently)."""
+        if filter is None:
+            return self.filter
+        if self.filter is None or self.filter is filter or (isinstance(filter, str) and filter == self.filter):
+            return filter
+        raise ValueError(f"{self.describe()} was resolved with the filter {self.filter!r} and this read passes "
+                         f"filter={filter!r}: pass one filter (combine them with AND in one predicate)")
+
     def describe(self) -> str:
         if self.name:
             return self.name

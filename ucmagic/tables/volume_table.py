@@ -157,6 +157,7 @@ def read_rows(table: Any, *, needed: Sequence[str] | None, filter: Any = None,  
     from .sources import as_source
 
     src = as_source(table, version=version, storage_options=storage_options)
+    filter = src.with_filter(filter)  # noqa: A001 - or the one an entry point set on the source
     cols = None if needed is None else list(needed)
     if src.kind in ("pandas", "arrow"):  # in memory: no copy through pandas
         obj = src.obj
@@ -493,6 +494,10 @@ def files_from_table(table: Any, *, path_column: str = "path", columns: Sequence
         raise InvalidArgumentError(f"columns must be a list of column names, got {columns!r}")
     meta = [c for c in (size_column, mtime_column) if c is not None]
     needed = None if columns is None else [path_column, *meta, *columns]
+    from .sources import Source
+
+    if isinstance(table, Source):  # resolved by an entry point: its filter is this read's (and its identity's)
+        filter = table.with_filter(filter)  # noqa: A001
     t, identity = read_rows(table, needed=needed, filter=filter, version=version,
                             storage_options=table_storage_options)
     for c in (path_column, *meta):
