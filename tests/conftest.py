@@ -37,6 +37,16 @@ def pytest_configure(config):
         os.environ["UCMAGIC_FULL"] = "1"
     if config.getoption("--matrix") is None:
         config.option.matrix = "wide" if config.getoption("--full") else "pairs"
+    if config.getoption("--full") and hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False  # the long runs go first (pytest_collection_modifyitems)
+
+
+# The long runs' biggest parts under --full (minutes on a quiet 2-core machine, measured roughly). They are
+# handed out first, longest first, so the two xdist workers end together: left in xdist's own order (scopes
+# with more tests first), the differential, a single test of ~8 minutes, started last and ran alone.
+LONG_RUN_MINUTES = {"tests/test_matrix.py": 10, "tests/test_stateful_reference.py": 8,
+                    "tests/test_delivery_matrix.py": 7, "tests/test_trainer_table.py": 6,
+                    "tests/test_tables_filter_oracle.py": 4}
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's worker reads the xdist_group marks
@@ -49,6 +59,7 @@ def pytest_collection_modifyitems(config, items):
         if any(d.scope in ("module", "class", "package") for ds in defs.values() for d in ds):
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
     if config.getoption("--full"):
+        items.sort(key=lambda item: -LONG_RUN_MINUTES.get(item.nodeid.split("::", 1)[0], 0))  # stable
         return
     skip = pytest.mark.skip(reason="a long run: pytest --full (or UCMAGIC_FULL=1) runs it; .ci/run does")
     for item in items:
