@@ -337,7 +337,10 @@ def _pack(m: Measured, now: float) -> Advice | None:
     shards = max(1, math.ceil(total / shard))
     opening = max(0.0, latency - read)
     stream = math.ceil(shards / workers) * (opening + shard / SHARD_RATE)
-    per_file = max(each * in_flight(m, m.num_workers) / PACK_READS, PACK_FILE_S)
+    # more reads in flight divide the copies' latency, not the CPU the loop's process spent copying them (0 workers,
+    # its wait not explained by the copies: that is what each file cost it)
+    bound = m.num_workers > 0 or parts(m, cold).fetch_bound
+    per_file = max(each * in_flight(m, m.num_workers) / PACK_READS if bound else each, PACK_FILE_S)
     cost = PACK_START_S + files * per_file + total / WRITE_RATE
     need = working_set(m)
     kept = not (m.cache_limit and need and m.cache_limit < need)  # the cache keeps the shards' chunks
