@@ -39,6 +39,8 @@ NOISE_SHARE = 0.10  # the noise of a run without two warm epochs: this share of 
 MIN_SAVING_S = 0.5  # ... and never under this many seconds of the run (nobody changes code for less)
 WORTH = 0.05  # nor under this share of the run
 WARM_MISSES = 0.05  # an epoch is warm when at most this share of its items missed
+WARM_FETCH, WARM_FETCH_SHARE = 2.0, 0.02  # ... and its fetch per batch at most this many times the run's least,
+# plus this share of its batch
 FETCH_WAITED = 0.25  # workers waited on fetch for over this share of their decode: the read-ahead set the pace
 EXPLAINED = 0.25  # the model explains an epoch when its steady part is within this share of the measured
 HIT_S = 1e-4  # seconds per cached item's lookup when no hit was measured
@@ -139,8 +141,12 @@ def baseline(m: Measured) -> float:
 
 
 def warm_epochs(m: Measured) -> list[EpochTimes]:
-    """The run's warm epochs: those with few misses."""
-    return [e for e in m.epochs if e.misses <= WARM_MISSES * max(1, e.items)]
+    """The run's warm epochs: those with few misses, and fetch per batch not many times the run's least (a shard
+    stream's cold epoch misses once per chunk, a small share of its samples, yet it copied everything: its
+    shard reads are fetch)."""
+    least = min((e.fetch / max(1.0, e.batches) for e in m.epochs), default=0.0)
+    return [e for e in m.epochs if e.misses <= WARM_MISSES * max(1, e.items)
+            and e.fetch / max(1.0, e.batches) <= WARM_FETCH * least + WARM_FETCH_SHARE * e.total / max(1.0, e.batches)]
 
 
 def noise(m: Measured) -> float:
