@@ -17,7 +17,9 @@ wait beyond making it, and starting the workers), where per batch
   and needs a core for the CPU part of it: ``max(cycle / w, cpu / cores free)``, the cores free being
   measured (the loader's processes' CPU plus what sat idle on the machine, less the loop's share).
 
-With no workers the loop's thread does it all: ``max(fetch, loop + make)``. Each epoch's prediction
+With no workers the loop's thread does it all: ``max(fetch, loop + make)``, where ``fetch`` is the copies' pace
+(``misses x copy latency / files in flight``) and ``make`` the CPU the loop's process took per batch less the
+loop's compute (its wait on the copying threads included: in workers each waits on its own). Each epoch's prediction
 keeps what the model did not explain of it (bursts) and its startup (:func:`predict`);
 :func:`explains` says whether the model explains an epoch within :data:`EXPLAINED`. :func:`replay`
 plays measured batches through torch's pipeline at a prefetch depth.
