@@ -83,6 +83,32 @@ def test_prefetched_chunks_are_protected_until_released_then_evictable(big):
     assert not os.listdir(os.path.join(cache_dir, "prot"))  # closing drops the protection record
 
 
+def test_a_read_is_a_miss_only_when_its_chunk_was_copied_from_the_volume(big):
+    """Issue 52: a shard stream's warm epoch recorded a miss for every chunk it opened (found in the cache), so
+    its records looked as cold as the epoch that copied them; ahead or on demand, a copy is a miss, a chunk
+    found in the cache or held open is a hit."""
+    src, data, cache_dir = big
+    vol = LocalVolume(str(src))
+    f = ChunkedFile(vol, vol.stat("big.bin"), CHUNK)
+
+    def hits(r, chunks):
+        out = []
+        for c in chunks:
+            r.begin()
+            assert r.read(0, c * CHUNK, 10) == data[c * CHUNK:c * CHUNK + 10]
+            out.append(r.last_hit)
+        return out
+
+    cold = ChunkReader(FileCache(cache_dir), [f], keep=8)
+    cold.prefetch([(0, 2), (0, 3)])
+    assert hits(cold, [0, 0, 2, 3]) == [False, True, False, False]  # on demand, held, copied ahead (twice)
+    cold.close()
+    warm = ChunkReader(FileCache(cache_dir), [f], keep=8)  # a new stream (the next epoch): the cache has them
+    warm.prefetch([(0, 3)])
+    assert hits(warm, [0, 2, 3, 4]) == [True, True, True, False]
+    warm.close()
+
+
 def test_a_budget_smaller_than_one_chunk_is_refused_with_a_hint(big):
     src, _, cache_dir = big
     vol = LocalVolume(str(src))

@@ -219,9 +219,9 @@ def _workers(m: Measured, now: float) -> Advice | None:
         start = WORKER_START_S * w if w0 == 0 and w > 0 else 0.0
         preds[w] = run_of(m, per, warm_epoch(m, m.epochs[-1], w) if repeats_warm(m) else None) + start
     best = min(options, key=lambda w: (round(preds[w], 6), abs(w - w0)))
-    last = m.epochs[-1]
-    p = parts(m, last)
-    kind_words = _why_workers(m, last, p, best)
+    # the words describe the epoch the change saves most in (a cold epoch's fetch, a warm one's decode)
+    saves = max(m.epochs, key=lambda e: predict(m, e, w0) - predict(m, e, best))
+    kind_words = _why_workers(m, saves, parts(m, saves), best)
     unsure, why = _crossing(m, best)
     bad = _unsure_epochs(m)
     if bad and not unsure:
@@ -247,7 +247,8 @@ def _why_workers(m: Measured, e: EpochTimes, p: Parts, w: int) -> str:
         head = f"decode-bound: your code is {share:.0%} of making a batch"
     else:
         head = "making batches sets the pace"
-    return (f"{head}; {_stages(e)}; {p.cores:.1f} of {m.cores} cores free to the loader (measured), "
+    which = f"epoch {m.epochs.index(e)}: " if len(m.epochs) > 1 else ""
+    return (f"{which}{head}; {_stages(e)}; {p.cores:.1f} of {m.cores} cores free to the loader (measured), "
             f"{free:.1f} to workers; {m.num_workers} workers make a batch every "
             f"{period(m, p, m.num_workers) * 1e3:.1f} ms, {w} every {period(m, p, w) * 1e3:.1f} ms (over {n:.0f} "
             "batches)")
@@ -337,7 +338,10 @@ def _pack(m: Measured, now: float) -> Advice | None:
     shards = max(1, math.ceil(total / shard))
     opening = max(0.0, latency - read)
     stream = math.ceil(shards / workers) * (opening + shard / SHARD_RATE)
-    per_file = max(each * in_flight(m, m.num_workers) / PACK_READS, PACK_FILE_S)
+    # more reads in flight divide the copies' latency, not the CPU the loop's process spent copying them (0 workers,
+    # its wait not explained by the copies: that is what each file cost it)
+    bound = m.num_workers > 0 or parts(m, cold).fetch_bound
+    per_file = max(each * in_flight(m, m.num_workers) / PACK_READS if bound else each, PACK_FILE_S)
     cost = PACK_START_S + files * per_file + total / WRITE_RATE
     need = working_set(m)
     kept = not (m.cache_limit and need and m.cache_limit < need)  # the cache keeps the shards' chunks
@@ -371,7 +375,9 @@ def _limit(m: Measured, now: float) -> Advice | None:
     if p.fetch_bound:
         return None
     more = 2 * m.cores
-    per = [predict(m, e, more, cores=parts(m, e).cores + m.cores) for e in m.epochs]
+    # cores do not speed up an epoch whose copies set the pace (a cold epoch's fetch): it stays as measured
+    per = [e.total if parts(m, e).fetch_bound else predict(m, e, more, cores=parts(m, e).cores + m.cores)
+           for e in m.epochs]
     predicted = run_of(m, per, warm_epoch(m, m.epochs[-1]) if repeats_warm(m) else None)
     others = (f" (other processes held {m.cores - p.cores:.1f} of the machine's {m.cores})"
               if p.cores < m.cores - 0.25 else "")

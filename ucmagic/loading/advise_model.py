@@ -17,7 +17,9 @@ wait beyond making it, and starting the workers), where per batch
   and needs a core for the CPU part of it: ``max(cycle / w, cpu / cores free)``, the cores free being
   measured (the loader's processes' CPU plus what sat idle on the machine, less the loop's share).
 
-With no workers the loop's thread does it all: ``max(fetch, loop + make)``. Each epoch's prediction
+With no workers the loop's thread does it all: ``max(fetch, loop + make)``, where ``fetch`` is the copies' pace
+(``misses x copy latency / files in flight``) and ``make`` the CPU the loop's process took per batch less the
+loop's compute (its wait on the copying threads included: in workers each waits on its own). Each epoch's prediction
 keeps what the model did not explain of it (bursts) and its startup (:func:`predict`);
 :func:`explains` says whether the model explains an epoch within :data:`EXPLAINED`. :func:`replay`
 plays measured batches through torch's pipeline at a prefetch depth.
@@ -39,6 +41,8 @@ NOISE_SHARE = 0.10  # the noise of a run without two warm epochs: this share of 
 MIN_SAVING_S = 0.5  # ... and never under this many seconds of the run (nobody changes code for less)
 WORTH = 0.05  # nor under this share of the run
 WARM_MISSES = 0.05  # an epoch is warm when at most this share of its items missed
+WARM_FETCH, WARM_FETCH_SHARE = 2.0, 0.02  # ... and its fetch per batch at most this many times the run's least,
+# plus this share of its batch
 FETCH_WAITED = 0.25  # workers waited on fetch for over this share of their decode: the read-ahead set the pace
 EXPLAINED = 0.25  # the model explains an epoch when its steady part is within this share of the measured
 HIT_S = 1e-4  # seconds per cached item's lookup when no hit was measured
@@ -64,6 +68,7 @@ class EpochTimes:
     first_wait: float = 0.0  # the epoch's first batch's wait: its startup (workers, the first fetches)
     first_made: float = 0.0  # that batch's stage seconds: what of the first wait was making it
     compute_cpu: float | None = None  # the loop thread's CPU seconds in the epoch (with workers; None: unknown)
+    loop_cpu: float | None = None  # without workers: the loop thread's CPU seconds (its compute and the making)
     miss_latency: float | None = None  # median seconds of one missed file's copy in this epoch (fetch thread)
     hit_latency: float | None = None  # median seconds of one cached item's lookup in this epoch
     wall: float | None = None  # the iteration's wall seconds (None: unknown)
@@ -138,8 +143,12 @@ def baseline(m: Measured) -> float:
 
 
 def warm_epochs(m: Measured) -> list[EpochTimes]:
-    """The run's warm epochs: those with few misses."""
-    return [e for e in m.epochs if e.misses <= WARM_MISSES * max(1, e.items)]
+    """The run's warm epochs: those with few misses, and fetch per batch not many times the run's least (a shard
+    stream's cold epoch misses once per chunk, a small share of its samples, yet it copied everything: its
+    shard reads are fetch)."""
+    least = min((e.fetch / max(1.0, e.batches) for e in m.epochs), default=0.0)
+    return [e for e in m.epochs if e.misses <= WARM_MISSES * max(1, e.items)
+            and e.fetch / max(1.0, e.batches) <= WARM_FETCH * least + WARM_FETCH_SHARE * e.total / max(1.0, e.batches)]
 
 
 def noise(m: Measured) -> float:
@@ -180,7 +189,7 @@ class Parts:
     loop_busy: float  # cores the loop's process keeps busy
     startup: float  # the epoch's startup beyond making its first batch
     measured: float  # the epoch's seconds
-    fetch_bound: bool  # the workers waited on the read-ahead
+    fetch_bound: bool  # the workers waited on the read-ahead (no workers: on the copies, which set the pace)
 
 
 def cores_free(m: Measured, e: EpochTimes) -> float:
@@ -208,14 +217,27 @@ def parts(m: Measured, e: EpochTimes) -> Parts:
     # the read-ahead's pace: where the workers waited on it, a worker's cycle is the stream's pace
     waited = f - lookups > FETCH_WAITED * (d + (c if w0 <= 0 else 0.0)) and f - lookups > 1e-4
     latency = e.miss_latency if e.miss_latency is not None else m.miss_latency
-    if waited:
-        fetch_rank = (f + d) / w0 if w0 > 0 else f + d + c
-    elif latency is not None and e.misses:
-        fetch_rank = (e.misses / n) * latency / in_flight(m, w0)
+    copies = (e.misses / n) * latency / in_flight(m, w0) if latency is not None and e.misses else 0.0
+    if w0 <= 0:
+        # no workers: the loop's thread made the batches, waiting on the read-ahead between its items (the
+        # copies, and the copying threads' CPU in its process, under one GIL); that making moves into workers,
+        # each waiting on its own items, and the copies' pace is the floor (the loop's cycle is not the
+        # read-ahead's pace). A worker with a core makes a batch in the CPU it took here (all the process's
+        # threads, less the loop's compute), not in the wall time other processes stretched.
+        lookups = 0.0
+        fetch_rank = copies if latency is not None else (f if waited else 0.0)
+        waited = waited and fetch_rank >= (1 - EXPLAINED) * (c + f + d)
+        if e.cpu is not None:
+            # the share of its compute the loop's thread had a core for (as of its own work: compute + making)
+            share = min(1.0, e.loop_cpu / max(e.compute + e.user + e.collate, 1e-9)) if e.loop_cpu is not None else 1.0
+            d = min(f + d, max(0.0, e.cpu / n - c * share))
+        else:
+            d = f + d
+    elif waited:
+        fetch_rank = (f + d) / w0
     else:
-        fetch_rank = 0.0
-    cpu = (e.workers_cpu / n) if w0 > 0 and e.workers_cpu is not None else d + lookups
-    cpu = min(cpu, d + f)
+        fetch_rank = copies
+    cpu = min(e.workers_cpu / n if w0 > 0 and e.workers_cpu is not None else d + lookups, d + f)
     if w0 > 0:  # a worker's decode without the wait for a core the measured workers shared
         free = max(0.25, cores - loop_busy)
         over = max(1.0, w0 / free)
@@ -352,6 +374,8 @@ def fetch_per_miss(m: Measured) -> float | None:
     if not cold.misses:
         return None
     p = parts(m, cold)
+    if m.num_workers <= 0:  # the loop's thread waited on its copies: at least that wait per batch
+        return max(p.fetch_rank, cold.fetch / p.n) * p.n / cold.misses
     if p.fetch_rank > 0:
         return p.fetch_rank * p.n / cold.misses
     latency = cold.miss_latency if cold.miss_latency is not None else m.miss_latency

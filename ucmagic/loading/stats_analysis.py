@@ -194,6 +194,7 @@ def measured(b: BatchTable, setup: dict[str, Any], counters: dict[str, int] | No
             first_wait=float(b["fetch_s"][m][0]), first_made=float(made[m][0]),
             # with workers the loop thread's CPU is its compute's (without, it also made the batches)
             compute_cpu=(float(loop_cpu[str(e)]) if workers > 0 and str(e) in loop_cpu else None),
+            loop_cpu=(float(loop_cpu[str(e)]) if workers <= 0 and str(e) in loop_cpu else None),
             miss_latency=miss_s, hit_latency=hit_s, wall=_number(res.get("wall")), cpu=_number(res.get("cpu")),
             workers_cpu=_number(res.get("workers_cpu")) if workers > 0 else None, idle=_number(res.get("idle")),
             batch_bytes=_number(res.get("batch_bytes")), made=made[m], waits=b["fetch_s"][m],

@@ -121,7 +121,7 @@ class ChunkReader:
         self._mu = threading.Lock()
         self._checked: set[str] = set()
         self.last_wait_s = 0.0  # seconds the last read waited for a fill
-        self.last_hit = True  # the last read's chunks were all cached or held already
+        self.last_hit = True  # the last read's chunks were all cached or held already (none copied for it)
         self.fills = 0
 
     # ------------------------------------------------------------ protection
@@ -133,12 +133,13 @@ class ChunkReader:
 
     # ------------------------------------------------------------ fills
 
-    def _fill(self, fc: tuple[int, int], wanted: threading.Event) -> str:
+    def _fill(self, fc: tuple[int, int], wanted: threading.Event) -> tuple[str, bool]:
+        """``(path, filled)``: ``filled`` when the chunk was copied from the volume (else found in the cache)."""
         path, filled = fill_chunk(self.cache, self.files[fc[0]], fc[1], may_exceed=wanted.is_set,
                                   checked=self._checked, filler=self.filler)
         if filled:
             self.fills += 1
-        return path
+        return path, filled
 
     def prefetch(self, chunks: Iterable[tuple[int, int]]) -> None:
         """Start fills of ``(file, chunk)`` pairs not held or in flight yet (in order, on the pool)."""
@@ -196,7 +197,6 @@ class ChunkReader:
         t0 = time.perf_counter()
         with self._mu:
             job = self._inflight.get(fc)
-        self.last_hit = False
         if job is not None and job[0].cancel():
             job = None  # queued behind fills that wait for room: fill it here, now, instead
         if job is None:
@@ -214,11 +214,14 @@ class ChunkReader:
             fut, ev = job
             ev.set()  # the reader waits for it now: its fill may go over the budget
         try:
-            path = fut.result()
+            path, filled = fut.result()
             try:
                 fd = os.open(path, os.O_RDONLY)
             except FileNotFoundError:  # removed by hand (clear_cache) since the fill: fill it again
-                fd = os.open(self._fill(fc, ev), os.O_RDONLY)
+                path, filled = self._fill(fc, ev)
+                fd = os.open(path, os.O_RDONLY)
+            if filled:  # copied from the volume (here or ahead): a miss; found in the cache: a hit
+                self.last_hit = False
         finally:
             with self._mu:
                 self._inflight.pop(fc, None)
