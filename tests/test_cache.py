@@ -338,3 +338,37 @@ def test_versions_are_told_apart_where_the_file_system_keeps_whole_seconds_only(
     assert c.lookup(key, "", len(data), rel="x.bin", space=SPACE) == path
     other = cache_key("file:///src", "x.bin", len(data), 2.0)  # another version, same size
     assert c.lookup(other, "", len(data), rel="x.bin", space=SPACE) is None
+
+
+def test_a_folder_removed_after_a_fill_made_it_is_made_again_by_the_next_fill_there(tmp_path):
+    """The cache remembers the folders it made (one mkdir less per fill) and forgets them when one is gone."""
+    c = FileCache(str(tmp_path / "c"))
+    first, _ = c.fill(cache_key("v", "d/x.bin", 4, 0), "", 4, writer(b"data"), rel="d/x.bin", space=SPACE)
+    shutil.rmtree(os.path.dirname(first))  # an eviction of the folder's last file, or a user, removed it
+    key = cache_key("v", "d/y.bin", 4, 0)
+    got, fetched = c.fill(key, "", 4, writer(b"more"), rel="d/y.bin", space=SPACE)
+    assert fetched and open(got, "rb").read() == b"more" and os.path.dirname(got) == os.path.dirname(first)
+    shutil.rmtree(c.root)  # the whole cache directory, by hand
+    again, fetched = c.fill(key, "", 4, writer(b"more"), rel="d/y.bin", space=SPACE)
+    assert fetched and open(again, "rb").read() == b"more"
+
+
+def test_a_fill_writes_into_its_own_descriptor_where_the_writer_can_else_through_the_path(tmp_path):
+    c = FileCache(str(tmp_path / "c"))
+    paths: list[str] = []
+
+    def by_path(tmp: str) -> int:
+        paths.append(tmp)
+        return writer(b"path")(tmp)
+
+    def into(fd: int) -> int:
+        assert os.fstat(fd).st_size == 0 and os.lseek(fd, 0, os.SEEK_CUR) == 0  # empty, at its start
+        return os.write(fd, b"desc")
+
+    got, fetched = c.fill(cache_key("v", "a", 4, 0), "", 4, by_path, write_fd=into)
+    assert fetched and open(got, "rb").read() == b"desc" and paths == []
+    got, fetched = c.fill(cache_key("v", "b", 4, 0), "", 4, by_path, write_fd=lambda fd: None)
+    assert fetched and open(got, "rb").read() == b"path" and len(paths) == 1
+    with pytest.raises(OSError, match="copied 3 bytes"):  # a short copy into the descriptor is refused too
+        c.fill(cache_key("v", "c", 4, 0), "", 4, by_path, write_fd=lambda fd: os.write(fd, b"abc"))
+    assert c.lookup(cache_key("v", "c", 4, 0), "", 4) is None

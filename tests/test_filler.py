@@ -9,7 +9,7 @@ import pytest
 
 from ucmagic.errors import CacheFullError, FetchError, SourceChangedError
 from ucmagic.files.cache import FileCache
-from ucmagic.files.filler import CacheFiller, SkipPolicy, SourceChecks, range_key
+from ucmagic.files.filler import CacheFiller, SkipPolicy, SourceChecks, copies_into, range_key
 from ucmagic.files.volume import FileEntry, LocalVolume
 from ucmagic.telemetry import SharedCounters
 from ucmagic._shared import SharedBits
@@ -135,3 +135,35 @@ def test_lazy_source_checks_mark_unchanged_files_and_refuse_a_changed_one(src):
     with pytest.raises(SourceChangedError, match="a.bin"):
         checks.check(1, FileEntry("a.bin", 1, 1.0), copied=False)
     assert 1 not in checks.checked
+
+
+def test_a_fill_copies_into_its_descriptor_only_through_a_volume_s_own_pair_of_copies(src):
+    """``copy_into`` saves a fill an open per file, but never bypasses a ``copy_to`` a subclass overrides."""
+    d, data, cache = src
+
+    class Into(LocalVolume):
+        into = 0
+
+        def copy_into(self, rel, fd, *, expect=None):  # type: ignore[override]
+            self.into += 1
+            return super().copy_into(rel, fd, expect=expect)
+
+    class Both(Into):
+        def copy_to(self, rel, dest, *, expect=None):  # type: ignore[override]
+            return super().copy_to(rel, dest, expect=expect)
+
+    assert copies_into(LocalVolume(str(d))) and not copies_into(FlakyVolume(str(d)))
+    assert not copies_into(Both(str(d)))  # its copy_to is below the copy_into in force: always called
+    patched = LocalVolume(str(d))
+    patched.copy_to = lambda rel, dest, *, expect=None: 0  # type: ignore[method-assign]
+    assert not copies_into(patched)
+    vol = Into(str(d))
+    assert copies_into(vol)
+    e = vol.stat("a.bin")
+    path, fetched = CacheFiller(cache, retries=0).fill_file(vol, e, rel=e.path, space="s")
+    assert fetched and vol.into == 1 and open(path, "rb").read() == data
+    flaky = FlakyVolume(str(d))
+    (d / "b.bin").write_bytes(data[:100])
+    e = flaky.stat("b.bin")
+    path, fetched = CacheFiller(cache, retries=0).fill_file(flaky, e, rel=e.path, space="s")
+    assert fetched and flaky.copies == 1 and open(path, "rb").read() == data[:100]

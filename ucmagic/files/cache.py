@@ -104,6 +104,9 @@ class FileCache:
         self.budget_keeper = BudgetKeeper(self.layout, self.records, self.removal_token, self.limit, self.min_free)
         self._entries = self.layout.entries
         self._keys = key_locks(os.path.join(self.layout.locks, "fill.lock"))
+        # folders under files/ this process made or found (one mkdir less per fill); a link that finds one
+        # gone (an eviction, the directory removed by hand) forgets them all
+        self._folders: set[str] = set()
 
     # pickles as its settings; each process rebuilds its own state
     def __getstate__(self) -> dict[str, object]:
@@ -231,7 +234,8 @@ class FileCache:
     def fill(self, key: str, suffix: str, size: int, write: Callable[[str], int], *,
              may_exceed: Callable[[], bool] | None = None, on_wait: Callable[[], None] | None = None,
              looked_up: bool = False, rel: str | None = None, space: str | None = None,
-             progress: Callable[[Callable[[], object] | None], None] | None = None) -> tuple[str, bool]:
+             progress: Callable[[Callable[[], object] | None], None] | None = None,
+             write_fd: Callable[[int], int | None] | None = None) -> tuple[str, bool]:
         """Return the entry for ``key``, calling ``write(tmp_path) -> nbytes`` once if it is missing.
 
         Returns ``(path, fetched)``. Concurrent callers (threads or processes) for one key wait for
@@ -243,7 +247,9 @@ class FileCache:
         ``rel``, ``space``: the source's relative path, kept at the end of the entry's path, and the
         dataset root's space (see :meth:`lookup`). ``progress`` is told a probe of the bytes written
         while the copy runs, then None (e.g. :func:`ucmagic.files.fetch.watch_progress`; fills go
-        through :class:`ucmagic.files.filler.CacheFiller`, which passes it).
+        through :class:`ucmagic.files.filler.CacheFiller`, which passes it). ``write_fd(fd) -> nbytes``, where
+        given, is asked first to write into the fill's own descriptor (an empty file, at offset 0), which
+        saves reopening it by path; where it returns ``None`` (it writes only to a path), ``write`` runs.
         The file is copied under ``tmp/``, stamped with its version and linked to its name in
         ``files/`` in one step once complete, so a reader never sees a partial file; an entry is
         never replaced in place (another version goes to its own place).
@@ -279,7 +285,8 @@ class FileCache:
                 if progress is not None:
                     progress(lambda: _written(os.fstat(fd)))
                 try:
-                    _check_size(write(part), size)
+                    n = None if write_fd is None else write_fd(fd)
+                    _check_size(write(part) if n is None else n, size)
                     os.utime(fd, ns=(time.time_ns(), stamp))
                     # complete: its name appears in files/ at once (a link), then the temp name goes
                     path = self._place(key, name, movable, fd, part)
@@ -307,16 +314,21 @@ class FileCache:
         replaced; a folder removed meanwhile (an eviction) is made again."""
         target = name
         root = self.layout.anchor()
+        folders = self._folders
         for attempt in range(4):
             rel = _FILES + target
+            folder = rel.rpartition("/")[0]
             try:
-                _make_dirs(root, rel)
+                if folder not in folders:
+                    _make_dirs(root, rel)
+                    folders.add(folder)
                 if _PROC_FD:
                     os.link(f"/proc/self/fd/{fd}", rel, src_dir_fd=root, dst_dir_fd=root, follow_symlinks=True)
                 else:  # pragma: no cover - no /proc: the named temp file, by its name under tmp/
                     os.link(_tmp_rel(part), rel, src_dir_fd=root, dst_dir_fd=root, follow_symlinks=False)
                 return self._entries + os.sep + target
             except FileNotFoundError:
+                folders.clear()
                 if attempt == 3:
                     raise
                 if os.fstat(root).st_nlink == 0:  # the whole cache directory was removed: made anew

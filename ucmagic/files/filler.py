@@ -78,6 +78,27 @@ def takes_expect(volume: Volume) -> bool:
 _EXPECT: dict[type, bool] = {}
 
 
+def copies_into(volume: Volume) -> bool:
+    """True when a fill may copy through ``volume.copy_into`` (into its own descriptor) instead of ``copy_to``:
+    the ``copy_into`` in force is defined by the class of the ``copy_to`` in force or a subclass of it (a
+    subclass that overrides ``copy_to`` below it, to inject faults or transform bytes, is always copied
+    through its ``copy_to``; ``Volume``'s own ``copy_into`` copies nothing) and ``copy_to`` takes ``expect=``."""
+    if "copy_to" in getattr(volume, "__dict__", {}):  # set on the object itself
+        return False
+    cls = type(volume)
+    known = _INTO.get(cls)
+    if known is None:
+        def owner(name: str) -> type | None:
+            return next((k for k in cls.__mro__ if name in k.__dict__), None)
+
+        into, to = owner("copy_into"), owner("copy_to")
+        known = _INTO[cls] = into is not None and to is not None and issubclass(into, to) and takes_expect(volume)
+    return known
+
+
+_INTO: dict[type, bool] = {}
+
+
 def range_key(volume: Volume, entry: FileEntry, start: int, end: int) -> str:
     """The cache key of bytes ``[start, end)`` of one version of ``entry`` (a changed size or mtime: new keys)."""
     return cache_key(f"{volume.uri}#range/{start}-{end}", entry.path, entry.size, entry.mtime)
@@ -122,10 +143,10 @@ class CacheFiller:
     def fill(self, key: str, suffix: str, size: int, write: Callable[[str], int], *, rel: str | None = None,
              space: str | None = None, may_exceed: Callable[[], bool] | None = None,
              on_wait: Callable[[], None] | None = None, looked_up: bool = False,
-             count_hit: bool = True) -> tuple[str, bool]:
+             count_hit: bool = True, write_fd: Callable[[int], int | None] | None = None) -> tuple[str, bool]:
         """``(path, fetched)`` of the entry ``key`` of ``size`` bytes: a hit, or one single-flight call of
-        ``write(tmp_path) -> bytes written`` (see :meth:`FileCache.fill` for the arguments), retried on
-        transient errors. A full cache disk raises :class:`CacheFullError` at once (not retried).
+        ``write(tmp_path) -> bytes written`` (or ``write_fd(fd)``; see :meth:`FileCache.fill` for the
+        arguments), retried on transient errors. A full cache disk raises :class:`CacheFullError` at once (not retried).
         Counted as a miss (with its latency and bytes) or, unless not ``count_hit``, a hit."""
         cache, counters = self.cache, self.counters
         t0 = time.perf_counter()
@@ -133,7 +154,8 @@ class CacheFiller:
         def attempt(_: object) -> tuple[str, bool]:
             try:
                 return cache.fill(key, suffix, size, write, may_exceed=may_exceed, on_wait=on_wait,
-                                  looked_up=looked_up, rel=rel, space=space, progress=self.progress)
+                                  looked_up=looked_up, rel=rel, space=space, progress=self.progress,
+                                  write_fd=write_fd)
             except OSError as exc:
                 if exc.errno in (errno.ENOSPC, errno.EDQUOT):  # the cache disk, not the file: not retried
                     raise cache.budget_keeper.disk_full(size) from exc
@@ -153,8 +175,9 @@ class CacheFiller:
                   on_wait: Callable[[], None] | None = None, looked_up: bool = False,
                   count_hit: bool = True) -> tuple[str, bool]:
         """``(path, fetched)`` of a whole file of ``volume`` (``volume.copy_to``, told ``expect=entry``
-        where it takes it). ``key`` defaults to :func:`cache_key` of the entry. Errors name the file:
-        :class:`FetchError` (a copy), :class:`CacheFullFetchError` (no room; also a CacheFullError)."""
+        where it takes it; ``volume.copy_into`` the fill's descriptor where :func:`copies_into`). ``key``
+        defaults to :func:`cache_key` of the entry. Errors name the file: :class:`FetchError` (a copy),
+        :class:`CacheFullFetchError` (no room; also a CacheFullError)."""
         if key is None:
             key = cache_key(volume.uri, entry.path, entry.size, entry.mtime)
         kw = {"expect": entry} if takes_expect(volume) else {}
@@ -162,9 +185,13 @@ class CacheFiller:
         def write(tmp: str) -> int:
             return volume.copy_to(entry.path, tmp, **kw)
 
+        def write_fd(fd: int) -> int | None:  # into the fill's own descriptor, where the volume can
+            return volume.copy_into(entry.path, fd, expect=entry)
+
         try:
             return self.fill(key, suffix, entry.size, write, rel=rel, space=space, may_exceed=may_exceed,
-                             on_wait=on_wait, looked_up=looked_up, count_hit=count_hit)
+                             on_wait=on_wait, looked_up=looked_up, count_hit=count_hit,
+                             write_fd=write_fd if copies_into(volume) else None)
         except FetchError:
             raise
         except CacheFullError as exc:  # catchable as CacheFullError (and FetchError), naming the file

@@ -94,6 +94,14 @@ class Volume(abc.ABC):
         bytes: discard it).
         """
 
+    def copy_into(self, rel: str, fd: int, *, expect: FileEntry | None = None) -> int | None:
+        """Copy ``rel`` into ``fd``, a descriptor open for writing on an empty file at offset 0 (the
+        cache's fill file), as :meth:`copy_to` does into a path; the bytes written. ``None`` where this
+        backend copies only to a path (the default; for ``LocalVolume``, a file copied by ranges): the
+        caller then calls :meth:`copy_to` on the descriptor's path. Saves the fill a second ``open``
+        of its own file (and its ``fstat`` and ``close``) per file."""
+        return None
+
     @abc.abstractmethod
     def stat(self, rel: str) -> FileEntry:
         """The file's current size and mtime (never from a cached listing)."""

@@ -164,20 +164,33 @@ class LocalVolume(Volume):
     def copy_to(self, rel: str, dest: str, *, expect: FileEntry | None = None) -> int:
         if expect is not None and expect.size >= self.range_threshold:
             return self.ranged_copy(rel, dest, expect)
-        # the descriptors stay ours: the source's is checked when opened (open_local) and fstat-ed after the
-        # copy (the one local copy loop: copy_fds)
-        fsrc = open_checked(self, rel)
+        fsrc = open_checked(self, rel)  # before the destination is made: a missing source leaves no file
         try:
             fdst = open_emptied(dest)
             try:
-                n = copy_fds(fsrc, fdst, size=None if expect is None else expect.size, buffer_size=FILL_BUFFER)[0]
+                return self._copy_fds(rel, fsrc, fdst, expect)
             finally:
                 os.close(fdst)
-            if expect is not None:  # the file this handle read (a rename over it mid-copy leaves it intact)
-                st = os.fstat(fsrc)
-                check_unchanged(self, expect, FileEntry(rel, st.st_size, st.st_mtime))
         finally:
             os.close(fsrc)
+
+    def copy_into(self, rel: str, fd: int, *, expect: FileEntry | None = None) -> int | None:
+        if expect is not None and expect.size >= self.range_threshold:
+            return None  # ranged copies write by path, on several threads
+        fsrc = open_checked(self, rel)
+        try:
+            return self._copy_fds(rel, fsrc, fd, expect)
+        finally:
+            os.close(fsrc)
+
+    def _copy_fds(self, rel: str, fsrc: int, fdst: int, expect: FileEntry | None) -> int:
+        """Copy the open source ``fsrc`` of ``rel`` to ``fdst`` (the one local copy loop: copy_fds), then
+        check the file this descriptor read against ``expect`` (a rename over it mid-copy leaves it intact).
+        The source's descriptor is ours: checked when opened (open_checked), fstat-ed after the copy."""
+        n = copy_fds(fsrc, fdst, size=None if expect is None else expect.size, buffer_size=FILL_BUFFER)[0]
+        if expect is not None:
+            st = os.fstat(fsrc)
+            check_unchanged(self, expect, FileEntry(rel, st.st_size, st.st_mtime))
         return n
 
     def range_reader(self, rel: str) -> ranged.RangeReader:
