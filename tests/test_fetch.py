@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ucmagic._util import RetryPolicy
+from ucmagic._util import DaemonPool, RetryPolicy
 from ucmagic.errors import FetchTimeoutError
 
 from waits import PATIENCE, JumpClock, module_with, wait_until
@@ -555,3 +555,33 @@ def test_read_ahead_hands_out_every_result_when_a_call_ends_after_its_results_we
     items = list(range(6))
     assert list(read_ahead(lambda i: i * 10, items, depth=1, pool=_LateFuturePool())) == [i * 10 for i in items]
     assert list(read_ahead(lambda i: i * 10, items, depth=3, pool=_LateFuturePool())) == [i * 10 for i in items]
+
+
+def test_a_daemon_pool_runs_every_call_and_reuses_the_threads_that_wait_instead_of_starting_more():
+    pool = DaemonPool(8, "test")
+    go, started, done = threading.Event(), threading.Semaphore(0), threading.Semaphore(0)
+
+    def call() -> None:
+        started.release()
+        assert go.wait(PATIENCE)
+        done.release()
+
+    for _ in range(4):  # four calls in flight at once: four threads
+        pool.post(call)
+    for _ in range(4):
+        assert started.acquire(timeout=PATIENCE)
+    go.set()
+    for _ in range(4):
+        assert done.acquire(timeout=PATIENCE)
+    idle = pool._idle  # one token per thread waiting for a call
+    wait_until(lambda: idle.qsize() == 4, "four threads waiting")
+    for i in range(20):  # calls one after another: a waiting thread takes each, none is started
+        assert pool.submit(lambda i=i: i * i).result(timeout=PATIENCE) == i * i
+        wait_until(lambda: idle.qsize() == 4, "the thread back to waiting")
+    assert pool._threads == 4
+    futures = [pool.submit(lambda i=i: i * i) for i in range(40)]  # a burst: up to max_workers threads
+    assert [f.result(timeout=PATIENCE) for f in futures] == [i * i for i in range(40)]
+    assert 4 <= pool._threads <= 8
+    pool.shutdown()
+    with pytest.raises(RuntimeError):
+        pool.post(call)

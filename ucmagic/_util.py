@@ -283,8 +283,10 @@ class DaemonPool(Executor):
         self.max_workers = max(1, int(max_workers))
         self._name = name
         self._q: queue.SimpleQueue = queue.SimpleQueue()
-        self._idle = 0  # threads waiting for a call (under _mu; a plain count: a Semaphore is a Condition)
-        self._mu = threading.Lock()
+        # one token per thread that ended a call and waits for the next, put without a lock (with tens of
+        # threads a lock taken after every call was contended) and taken by the call that claims it
+        self._idle: queue.SimpleQueue = queue.SimpleQueue()
+        self._mu = threading.Lock()  # posts and shutdown
         self._threads = 0
         self._shut = False
 
@@ -303,9 +305,12 @@ class DaemonPool(Executor):
             if self._shut:
                 raise RuntimeError("cannot schedule new calls after shutdown")
             self._q.put(job)
-            if self._idle:
-                self._idle -= 1
-            elif self._threads < self.max_workers:
+            try:
+                self._idle.get_nowait()  # a waiting thread takes it
+                return
+            except queue.Empty:
+                pass
+            if self._threads < self.max_workers:
                 self._threads += 1
                 threading.Thread(target=self._work, name=f"{self._name}_{self._threads}", daemon=True).start()
 
@@ -330,8 +335,7 @@ class DaemonPool(Executor):
                     fut.set_result(res)
                     del res
             del fut, fn, args, kwargs
-            with self._mu:
-                self._idle += 1
+            self._idle.put(None)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """No new calls; threads stop once the queue is empty. Never joins (``wait`` is ignored)."""
