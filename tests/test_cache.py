@@ -353,6 +353,18 @@ def test_a_folder_removed_after_a_fill_made_it_is_made_again_by_the_next_fill_th
     assert fetched and open(again, "rb").read() == b"more"
 
 
+def test_the_folders_a_cache_remembers_stay_bounded_in_a_tree_of_many_folders(tmp_path, monkeypatch):
+    import ucmagic.files.cache as cache_mod
+
+    monkeypatch.setattr(cache_mod, "FOLDERS_KEPT", 3)
+    c = FileCache(str(tmp_path / "c"))
+    for i in range(10):
+        rel = f"d{i}/x.bin"
+        got, fetched = c.fill(cache_key("v", rel, 4, 0), "", 4, writer(b"data"), rel=rel, space=SPACE)
+        assert fetched and open(got, "rb").read() == b"data"
+        assert len(c._folders) <= 3
+
+
 def test_a_fill_writes_into_its_own_descriptor_where_the_writer_can_else_through_the_path(tmp_path):
     c = FileCache(str(tmp_path / "c"))
     paths: list[str] = []

@@ -47,6 +47,7 @@ from .protection import ProtectionRecords
 from ..units import parse_size
 
 TOUCH_EVERY_S = 300.0  # LRU resolution: a hit refreshes an entry's last-use time at most this often
+FOLDERS_KEPT = 4096  # folders under files/ a cache remembers having made (a mkdir saved per fill in them)
 
 
 class SeenEntries:
@@ -321,6 +322,8 @@ class FileCache:
             try:
                 if folder not in folders:
                     _make_dirs(root, rel)
+                    if len(folders) >= FOLDERS_KEPT:  # a tree of many folders: bounded memory
+                        folders.clear()
                     folders.add(folder)
                 if _PROC_FD:
                     os.link(f"/proc/self/fd/{fd}", rel, src_dir_fd=root, dst_dir_fd=root, follow_symlinks=True)
