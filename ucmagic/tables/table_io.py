@@ -21,6 +21,8 @@ from ..files.volume import FileEntry, Volume, open_volume
 
 __all__ = ["TableFiles", "VolumeFile", "arrow_filesystem"]
 
+_PROC_FD = os.path.isdir("/proc/self/fd")  # a descriptor of this process's own can be opened again by name there
+
 
 def _split(path: str) -> tuple[str, str]:
     """``(folder, name)`` of a file path or URL."""
@@ -108,6 +110,35 @@ class TableFiles:
         if fd is not None:
             return open(fd, "rb")
         return VolumeFile(vol, rel, vol.stat(rel).size if size is None else size)  # unbuffered: exact ranges
+
+    def open_arrow(self, path: str, size: int | None = None) -> Any:
+        """A file of ``path`` for pyarrow to decode from; the caller closes it. Where the volume has a local file,
+        a native one (``pa.OSFile`` over the checked descriptor's ``/proc/self/fd`` name: the very file
+        :meth:`open` checked), whose reads never wait for the interpreter lock: through a Python file each read of
+        a column chunk does, and the decodes of the row groups in flight queue behind the thread that cuts batches
+        (a warm 30 M-row scan ran at one core's speed). Elsewhere (no ``/proc``, a remote volume) :meth:`open`'s
+        file."""
+        f = self.open(path, size)
+        if not _PROC_FD or not hasattr(f, "fileno"):
+            return f
+        import pyarrow as pa
+
+        try:
+            fd = f.fileno()
+            native = pa.OSFile(f"/proc/self/fd/{fd}")
+        except OSError:  # a descriptor /proc cannot reopen: plain reads
+            return f
+        try:
+            same = os.fstat(native.fileno())
+            mine = os.fstat(fd)
+            equal = (same.st_dev, same.st_ino) == (mine.st_dev, mine.st_ino)
+        except OSError:
+            equal = False
+        if not equal:
+            native.close()  # not the file checked (never seen; /proc mounted elsewhere?): the checked one
+            return f
+        f.close()
+        return native
 
     def read_range(self, path: str, offset: int, length: int) -> bytes:
         with self.open(path) as f:
