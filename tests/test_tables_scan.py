@@ -80,3 +80,78 @@ def test_a_scan_resumed_mid_epoch_delivers_exactly_the_rest(tmp_path):
     again.load_state_dict(state)
     rest = [b["id"].numpy() for b in again]
     np.testing.assert_array_equal(np.concatenate(seen + rest), np.arange(3000))
+
+
+class _Reader:
+    """What FillAhead uses of a TableReader: the cache's budget, the files' sizes and the whole-file fill."""
+
+    def __init__(self, sizes, budget=None):
+        import threading
+        from types import SimpleNamespace
+
+        self.cache = SimpleNamespace(budget=lambda: budget)
+        self.files = [SimpleNamespace(size=s) for s in sizes]
+        self.filled: list[int] = []
+        self.gate = threading.Event()
+        self._mu = threading.Lock()
+
+    def local(self, fi):
+        self.gate.wait(30)
+        with self._mu:
+            self.filled.append(fi)
+        return f"/cache/{fi}"
+
+
+def test_the_next_files_fill_ahead_of_the_decode_a_bounded_number_at_a_time():
+    from ucmagic.tables.table_reader import FillAhead
+
+    r = _Reader([10] * 7)
+    ahead = FillAhead(r, [0, 1, 2, 3, 4, 5, 6], depth=2)
+    ahead.reached(0)
+    assert ahead.started == 3  # file 0 is the decode's own fill; 1 and 2 fill ahead
+    ahead.reached(0)
+    assert ahead.started == 3
+    ahead.reached(1)
+    assert ahead.started == 4
+    ahead.reached(99)  # not a file of this stream: nothing
+    assert ahead.started == 4
+    r.gate.set()
+    ahead.close()
+    ahead.reached(4)  # closed: nothing more starts
+    assert ahead.started == 4
+    assert set(r.filled) <= {1, 2, 3}
+
+
+def test_files_filled_ahead_hold_at_most_half_the_cache_budget():
+    from ucmagic.tables.table_reader import FillAhead
+
+    r = _Reader([40, 30, 30, 30], budget=100)
+    ahead = FillAhead(r, [0, 1, 2, 3], depth=3)
+    r.gate.set()
+    ahead.reached(0)
+    assert ahead.started == 2  # file 1 (30 bytes) fits in half of 100; file 2 would hold 60
+    ahead.close()
+
+
+def test_a_cached_scan_equals_pyarrows_read_and_fills_every_file(tmp_path):
+    root = _table(tmp_path, files=6, rows=500, group=200)
+    want = pa.concat_tables([pq.read_table(root / f"part-{k}.parquet") for k in range(6)])
+    cache = tmp_path / "cache"
+    ds = ParquetDataset(str(root), batch_size=128, cache=True, cache_dir=str(cache))
+    got = list(ds)
+    for c in ("id", "x", "f", "i"):
+        np.testing.assert_array_equal(np.concatenate([b[c].numpy() for b in got]), want.column(c).to_numpy())
+    filled = [f for _, _, fs in os.walk(cache) for f in fs if f.endswith(".parquet")]
+    assert len(filled) == 6
+
+
+def test_a_cached_scan_left_after_one_batch_leaves_a_cache_the_next_scan_reads_whole(tmp_path):
+    root = _table(tmp_path, files=12, rows=300, group=300)
+    want = pa.concat_tables([pq.read_table(root / f) for f in sorted(os.listdir(root))])  # part-10 before part-2
+    cache = tmp_path / "cache"
+    ds = ParquetDataset(str(root), batch_size=100, cache=True, cache_dir=str(cache), prefetch=1)
+    it = iter(ds)
+    next(it)
+    it.close()  # fills ahead still running complete into the cache; those not started never start
+    again = ParquetDataset(str(root), batch_size=100, cache=True, cache_dir=str(cache))
+    np.testing.assert_array_equal(np.concatenate([b["x"].numpy() for b in again]), want.column("x").to_numpy())

@@ -36,7 +36,7 @@ from .columns import (check_exact, column_kind, mask_key, output_kind)
 from .rows import EpochLayout, Segment
 from .batching import BatchCutter
 from .row_access import Rows
-from .table_reader import TableReader, close_readers
+from .table_reader import AHEAD, FillAhead, TableReader, close_readers
 from .footers import read_footers, source_footers
 from .predicate import RowFilter
 from .sources import Source, as_source, delta_snapshot, resolve_again
@@ -338,6 +338,9 @@ class ParquetDataset(EpochTracking, IterableDataset[Any]):
         lay = self.layout(epoch, world)
         segs = lay.segments(self.stream_ranges(epoch, rank, world, worker, num_workers))
         readers: dict[Any, Any] = {}
+        if self.cache is not None and self.filter is None:  # whole-file fills: the next files fill ahead
+            order = [self._group_file[g][0] for s in segs for g, _, _ in lay.window_pieces(s.window)]
+            readers[AHEAD] = FillAhead(self.reader, list(dict.fromkeys(order)))
         lock = threading.Lock()
         own = get_worker_info() is not None  # worker batches cross processes: no views of big buffers
         cur: list[Any] = [0, 0.0]  # per-item records: row group and read seconds of the piece a batch ends in
