@@ -265,14 +265,16 @@ def straggler_hints(b: BatchTable, stall: float, files_of: FileRows, items_of: I
             rows = files_of(i)
             return (np.array([r["fetch_s"] for r in rows], dtype=float),
                     np.array([bool(r.get("hit")) for r in rows], dtype=bool))
-    return [h for h in (_cold_hint(b), _few_files_hint(b, files_of, items_of), _decode_hint(b, stall),
+    return [h for h in (_cold_hint(b, stall), _few_files_hint(b, files_of, items_of), _decode_hint(b, stall),
                         _worker_hint(b, items_of),
                         _rank_hint(b), _not_bottleneck_hint(b, stall)) if h]
 
 
-def _cold_hint(b: BatchTable) -> str | None:
+def _cold_hint(b: BatchTable, stall: float) -> str | None:
+    """Where the wait of a loop that waits is in cold reads; silent when loading is not the bottleneck. One
+    epoch: no ``ds.warm()`` (warming first costs a one-pass run the same copies, and more: issue 52)."""
     fetch, total, misses = b["fetch_s"], float(b["fetch_s"].sum()), int(b["misses"].sum())
-    if total <= 0 or not misses:
+    if total <= 0 or not misses or stall < NOT_BOTTLENECK:
         return None
     epochs = sorted({int(e) for e in b["epoch"]})
     cold = epochs[0]
@@ -281,8 +283,8 @@ def _cold_hint(b: BatchTable) -> str | None:
         return f"{share:.0%} of the wait is in cold epoch {cold}: warm the cache first with `ds.warm()`"
     miss_share = float(fetch[b["misses"] > 0].sum()) / total
     if len(epochs) == 1 and miss_share >= COLD_SHARE:
-        return (f"{miss_share:.0%} of the wait is in batches with cache misses (cold cache): "
-                "warm the cache first with `ds.warm()`")
+        return (f"{miss_share:.0%} of the wait is in batches with cache misses (cold cache): the next epochs "
+                "read from the cache; `stats.advise()` says whether warming or packing pays for this run")
     return None
 
 
