@@ -46,6 +46,7 @@ MOMENTS = {
         real_open = open
         def failing_open(path, mode='r', *a, **k):
             if 'w' in mode and str(path).endswith('.distcp') and '@' in str(path):
+                _fail_when_due()
                 raise OSError(28, 'No space left on device', str(path))
             return real_open(path, mode, *a, **k)
         st.open = failing_open
@@ -55,6 +56,7 @@ MOMENTS = {
         real_copy = xfer._copy
         def full(src, dst, **kw):
             real_copy(src, dst, **kw)  # a whole shard lands, then the volume is full
+            _fail_when_due()
             raise OSError(28, 'No space left on device', dst)
         xfer._copy = full
         """),
@@ -63,6 +65,7 @@ MOMENTS = {
         real_write = xfer.write_bytes
         def no_commit(remote, data):
             if remote.endswith(fmt.COMMIT_NAME):
+                _fail_when_due()
                 raise xfer.destination_error(OSError(30, 'Read-only file system', remote), os.path.dirname(remote))
             return real_write(remote, data)
         xfer.write_bytes = no_commit
@@ -80,6 +83,19 @@ from ucmagic.checkpoints import transfer as xfer
 CK = {ck!r}
 MODE = {mode!r}
 os.makedirs(os.path.dirname(CK), exist_ok=True)
+import threading
+from ucmagic.checkpoints import exit as exit_wait
+EXIT_WAITS = threading.Event()
+if MODE == "async, never waited for":
+    # the save must still be pending when the script ends: it fails only once the exit waits for it
+    real_outcome = exit_wait.PendingSave.outcome
+    def outcome(self):
+        EXIT_WAITS.set()
+        return real_outcome(self)
+    exit_wait.PendingSave.outcome = outcome
+def _fail_when_due():
+    if MODE == "async, never waited for":
+        EXIT_WAITS.wait(60)
 state = {{"w": torch.randn(512, 512), "b": torch.randn(64)}}
 {patch}
 try:
