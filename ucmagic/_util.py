@@ -4,6 +4,7 @@ Nothing here imports beyond the standard library, so every module may use it.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import gc
@@ -17,6 +18,7 @@ import re
 import sys
 import threading
 import time
+import weakref
 import zlib
 from concurrent.futures import Executor, Future
 from concurrent.futures import wait as _wait_futures
@@ -269,12 +271,24 @@ def error_line(exc: BaseException) -> str:
 POLL_S = 0.2  # how often a waiting caller looks up: Ctrl-C and cancellation are seen within this
 
 
+POOL_EXIT_WAIT_S = 1.0
+"""How long the interpreter's exit waits for pool threads to end the call they are in (a call's own work
+ends in milliseconds once the read-aheads are closed; a read stuck in a hung mount is not waited for longer)."""
+
+_live_pools: "weakref.WeakSet[DaemonPool]" = weakref.WeakSet()
+
+
 class DaemonPool(Executor):
-    """A thread pool whose threads are daemons and are never joined, started on demand.
+    """A thread pool whose threads are daemons, started on demand, and never joined for long.
 
     ``concurrent.futures.ThreadPoolExecutor`` joins its threads when the interpreter exits, so a
     call stuck in a hung mount (or waiting for cache room that no one will free) keeps the process
     alive for good; here such a call is abandoned and the interpreter exits. ``shutdown`` never waits.
+    At exit (:func:`stop_pools_at_exit`, before the interpreter is finalized) calls still queued are
+    dropped and the threads get :data:`POOL_EXIT_WAIT_S` to end the call they are in: a thread that
+    drops the last reference to a batch of tensors while the interpreter is finalized ends the process
+    with ``terminate called without an active exception`` (torch re-takes the GIL in the tensor's
+    deleter; the GIL is gone, so the thread is unwound through C++ code).
     :meth:`post` runs a call without a Future, for a caller that gets its result another way (the
     read-ahead's tasks: a Future's condition variable costs more than the rest of a quick hand-off).
     """
@@ -287,8 +301,11 @@ class DaemonPool(Executor):
         # threads a lock taken after every call was contended) and taken by the call that claims it
         self._idle: queue.SimpleQueue = queue.SimpleQueue()
         self._mu = threading.Lock()  # posts and shutdown
-        self._threads = 0
+        self._threads: list[threading.Thread] = []
         self._shut = False
+        self._exiting = False  # the interpreter exits: queued calls are dropped, not run
+        self.pid = os.getpid()  # the process whose threads these are (a forked child has none of them)
+        _live_pools.add(self)
 
     def submit(self, fn: Callable[..., R], /, *args: Any, **kwargs: Any) -> Future:
         fut: Future = Future()
@@ -310,9 +327,10 @@ class DaemonPool(Executor):
                 return
             except queue.Empty:
                 pass
-            if self._threads < self.max_workers:
-                self._threads += 1
-                threading.Thread(target=self._work, name=f"{self._name}_{self._threads}", daemon=True).start()
+            if len(self._threads) < self.max_workers:
+                t = threading.Thread(target=self._work, name=f"{self._name}_{len(self._threads) + 1}", daemon=True)
+                self._threads.append(t)
+                t.start()
 
     def _work(self) -> None:
         while True:
@@ -320,6 +338,9 @@ class DaemonPool(Executor):
             if job is None:
                 self._q.put(None)  # wake the next thread: all of them stop
                 return
+            if self._exiting:
+                del job  # dropped while the interpreter can still free what it holds
+                continue
             fut, fn, args, kwargs = job
             del job
             if fut is None:
@@ -342,6 +363,29 @@ class DaemonPool(Executor):
         with self._mu:
             self._shut = True
         self._q.put(None)
+
+    def stop_for_exit(self) -> list[threading.Thread]:
+        """Drop the queued calls, stop the threads after the call they are in; the threads to wait for."""
+        self._exiting = True
+        self.shutdown(wait=False)
+        with self._mu:
+            return list(self._threads)
+
+
+def stop_pools_at_exit(timeout: float = POOL_EXIT_WAIT_S) -> None:
+    """At interpreter exit: every :class:`DaemonPool` of this process drops its queued calls, and its threads
+    get ``timeout`` seconds in all to end the call they are in (registered with ``atexit`` on import of
+    this module, so it runs after every ucmagic exit handler registered later: they may still use the pools)."""
+    pid = os.getpid()
+    threads = [t for pool in list(_live_pools) if pool.pid == pid for t in pool.stop_for_exit()]
+    deadline = time.monotonic() + timeout
+    with contextlib.suppress(KeyboardInterrupt):  # a second Ctrl-C: stop waiting
+        for t in threads:
+            if t.ident is not None and t is not threading.current_thread():
+                t.join(max(0.0, deadline - time.monotonic()))
+
+
+atexit.register(stop_pools_at_exit)
 
 
 def wait_result(fut: Future, poll: float = POLL_S, on_poll: Callable[[], None] | None = None) -> Any:

@@ -7,6 +7,8 @@ Every open handle and native pool of the tables layer belongs to the process tha
   static objects are destroyed: ``terminate called without an active exception`` (exit 134). Each decode runs
   inside :func:`native_work`; at exit, before anything is closed, new decodes are refused and the running
   ones are waited for (at most :data:`EXIT_WAIT_S`: a read stuck in a hung mount is not waited for longer).
+  The read-ahead's threads then get a second to end their calls (:func:`ucmagic._util.stop_pools_at_exit`):
+  a thread that frees the batch it decoded while the interpreter is finalized aborts the process too.
 - **Handles** (open Parquet files, memory maps, ``ds.rows``' decoded row groups): objects that hold them are
   registered with :func:`on_exit` (weakly) and closed, in order, after the decodes ended.
 - **DuckDB** (filter evaluation): :func:`duckdb_cursor` hands out a cursor per thread on one database per
