@@ -41,7 +41,8 @@ AHEAD = (0, "ahead")
 FILL_AHEAD = 8
 """Files a stream fills into the cache ahead of the one it decodes. A decode is several times quicker than a
 file's copy from a mount, so the fills set the pace: a cold 30 M-row scan through a FUSE mount took 2.76 s
-filling 8 ahead against 3.49 s filling 4 (16: 2.77; medians of 6 interleaved rounds)."""
+filling 8 ahead against 3.49 s filling 4 (16: 2.77; medians of 6 interleaved rounds; bench/table_scan.py's
+5 rounds after: 3.03 s, within that benchmark's noise of the 3.20 s before)."""
 
 _NP_DTYPES = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16,
               torch.int64: np.int64, torch.int32: np.int32, torch.int16: np.int16, torch.int8: np.int8,
