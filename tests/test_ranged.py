@@ -140,3 +140,55 @@ def test_ctrl_c_during_a_hung_range_read_returns_without_joining_it_and_the_last
     while _open_fds(dest) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _open_fds(dest) == 0  # closed by the last stream once it stopped, never under it
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="reads the open descriptors from /proc")
+def test_ctrl_c_while_the_streams_start_never_closes_the_file_under_a_running_stream(tmp_path, monkeypatch):
+    """Ctrl-C can land while the caller is still starting the streams (seen beside two busy processes: the
+    streams ran ahead of the caller, one hung, and the interrupt came before the caller waited). The file must
+    stay open for the stream already running: closed under it, its descriptor number goes to the next file
+    opened, and the stream's late writes land in that file."""
+    from ucmagic.files import ranged
+
+    data = os.urandom(4000)
+    hung, release = threading.Event(), threading.Event()
+
+    class Hanging(BytesReader):
+        def readinto_at(self, offset, buf):
+            if offset == 0:  # the first stream's first read hangs (a hung mount), then writes its bytes
+                hung.set()
+                release.wait(120)
+            return super().readinto_at(offset, buf)
+
+    real = ranged.stream_pool()
+
+    class InterruptedWhileStarting:
+        """The first stream starts; Ctrl-C arrives while the caller starts the second."""
+        calls = 0
+
+        def submit(self, fn, *args):
+            InterruptedWhileStarting.calls += 1
+            if InterruptedWhileStarting.calls == 2:
+                assert hung.wait(30)
+                raise KeyboardInterrupt
+            return real.submit(fn, *args)
+
+    monkeypatch.setattr(ranged, "stream_pool", lambda: InterruptedWhileStarting())
+    dest = tmp_path / "o"
+    victim = tmp_path / "next-file"
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            ranged_copy(lambda: Hanging(data, set(), []), len(data), str(dest), range_size=1000, chunk=500,
+                        streams=2)
+        assert _open_fds(dest) == 1  # the running stream still holds it
+        fd = os.open(victim, os.O_RDWR | os.O_CREAT, 0o600)  # the next file the process opens
+    finally:
+        release.set()
+    try:
+        deadline = time.monotonic() + 20
+        while _open_fds(dest) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _open_fds(dest) == 0  # closed by the stream once it stopped
+        assert os.fstat(fd).st_size == 0, "the stream wrote into another file through a reused descriptor"
+    finally:
+        os.close(fd)

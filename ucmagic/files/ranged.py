@@ -139,47 +139,39 @@ class _RangedCopy:
         self._next = 0  # index of the next range to take
         self._done = 0  # bytes of the ranges copied whole
         self._errors: list[BaseException] = []
-        self._running = 0  # streams still running, once the caller gave up on them
-        self._caller_closes = True  # False: the caller left early; the last stream to stop closes fd
+        self._running = 0  # streams that started and have not stopped
+        self._caller_left = False  # the caller is done (or interrupted): the last stream to stop closes fd
+        self._closed = False  # fd is closed: a stream that starts now does nothing
 
     def run(self, streams: int) -> None:
-        """Run the streams and wait for them (the caller's thread); raise the first error."""
+        """Run the streams and wait for them (the caller's thread); raise the first error. An interrupt
+        (Ctrl-C) at any point stops the streams at their next chunk without waiting for them."""
         pool = stream_pool()
-        with _submit_mu:
-            futures = [pool.submit(self._stream) for _ in range(min(max(1, streams), len(self._ranges)))]
-        with self._mu:
-            self._running = len(futures)
+        futures: list[Future[None]] = []
         try:
+            with _submit_mu:
+                for _ in range(min(max(1, streams), len(self._ranges))):
+                    futures.append(pool.submit(self._stream))
             for f in futures:
                 wait_result(f)  # timed steps: Ctrl-C interrupts at once
         except BaseException:
-            self._abandon(futures)
+            self._stop.set()  # a read stuck in a hung mount is not waited for (see close_fd)
             raise
         self._check()
 
-    def _abandon(self, futures: list[Future[None]]) -> None:
-        """The caller leaves (an interrupt): the streams stop at their next chunk. A read stuck in a
-        hung mount is not waited for: the file is closed by the last stream, never under one."""
-        self._stop.set()
-        with self._mu:
-            self._caller_closes = self._running == 0 or all(f.done() for f in futures)
-        if not self._caller_closes:
-            for f in futures:
-                f.add_done_callback(self._stopped)
-
-    def _stopped(self, _: object) -> None:
-        with self._mu:
-            self._running -= 1
-            last = self._running == 0
-        if last:
-            os.close(self._fd)
-
     def close_fd(self) -> None:
-        """The caller is done: it closes the file unless it left streams that still run (see _abandon)."""
+        """The caller is done, normally or not: the file is closed now if no stream runs, else by the last
+        stream to stop, never under one (closed under it, its descriptor number would go to the next file the
+        process opens, and the stream's late writes would land there). Always called, from a ``finally``."""
         with self._mu:
-            mine = self._caller_closes
+            self._caller_left = True
+            mine = self._running == 0 and not self._closed
+            if mine:
+                self._closed = True
         if mine:
             os.close(self._fd)
+        else:
+            self._stop.set()  # streams still run: the caller left early
 
     def _check(self) -> None:
         """Every stream stopped: the first error, or the file short of ``size``, is raised."""
@@ -198,10 +190,16 @@ class _RangedCopy:
             return self._ranges[self._next - 1]
 
     def _stream(self) -> None:
-        """One range stream (a pool thread): copy ranges until none is left or the copy stops."""
-        buf = memoryview(bytearray(self._buf_size))
+        """One range stream (a pool thread): copy ranges until none is left or the copy stops. Counted as
+        running from its start (one that starts after the caller closed the file does nothing); the last
+        to stop after the caller left closes the file."""
+        with self._mu:
+            if self._closed or self._stop.is_set():
+                return
+            self._running += 1
         handle = _Handle(self._open_reader)
         try:
+            buf = memoryview(bytearray(self._buf_size))
             while (r := self._take()) is not None:
                 cur = _Cursor(*r)
                 with_retries(lambda c: self._copy_rest(handle, buf, c), cur, self._retries)
@@ -214,6 +212,13 @@ class _RangedCopy:
             self._stop.set()
         finally:
             handle.close()
+            with self._mu:
+                self._running -= 1
+                last = self._running == 0 and self._caller_left and not self._closed
+                if last:
+                    self._closed = True
+            if last:
+                os.close(self._fd)
 
     def _copy_rest(self, handle: _Handle, buf: memoryview, cur: _Cursor) -> None:
         """Copy the range from ``cur.pos`` on; a failed read closes the stream's reader."""
