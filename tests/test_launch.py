@@ -89,6 +89,27 @@ def test_a_rank_that_dies_without_an_exception_is_reported():
         dies.distributed()
 
 
+def test_a_rank_whose_death_shows_after_its_peers_error_is_still_named_as_the_cause():
+    """Beside two busy processes the peer's ``Connection reset by peer`` arrived before the dying rank's exit
+    showed, and the run raised the peer's gloo error instead of naming the rank that died. Here the dying rank
+    breaks the collective first and exits a moment later."""
+    @distributed(num_processes=2, timeout=120)
+    def dies_late():
+        import os
+        import time
+
+        import torch.distributed as dist
+
+        if dist.get_rank() == 1:
+            dist.destroy_process_group()  # the peer's barrier fails now
+            time.sleep(0.3)
+            os._exit(3)
+        dist.barrier()
+
+    with pytest.raises(DistributedRunError, match="rank 1 .* exited with code 3"):
+        dies_late.distributed()
+
+
 def test_dataset_inside_the_function_splits_files_over_ranks(tmp_path):
     from ucmagic.testing import make_files
 

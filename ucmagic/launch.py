@@ -46,6 +46,9 @@ if TYPE_CHECKING:
     from multiprocessing.process import BaseProcess
 
 TERMINATE_GRACE_S = 5.0
+DEATH_GRACE_S = 1.0
+"""How long a rank's death, or another rank's error, may take to show after it happened: a message a rank sent
+just before exiting, or the exit of a rank whose death broke a collective another rank then reports."""
 _UNSET: Any = object()
 
 
@@ -349,6 +352,19 @@ def _died_silently(procs: Sequence[BaseProcess], reported: set[int]) -> int | No
     return None
 
 
+def _silent_death(procs: Sequence[BaseProcess], reported: set[int]) -> int | None:
+    """The rank that died without reporting an error, waited for up to :data:`DEATH_GRACE_S` while another rank
+    is still running: a rank that calls ``os._exit`` breaks the collective its peer is in, and the peer's error
+    (``Connection reset by peer``) can arrive before the dead rank's exit shows; the death is the cause."""
+    until = time.monotonic() + DEATH_GRACE_S
+    while True:
+        dead = _died_silently(procs, reported)
+        others = [p for r, p in enumerate(procs) if r not in reported and p.is_alive()]
+        if dead is not None or not others or time.monotonic() > until:
+            return dead
+        time.sleep(0.05)
+
+
 def _death_message(name: str, rank: int, code: int | None) -> str:
     how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
     main = sys.modules.get("__main__")
@@ -411,7 +427,7 @@ def run_distributed(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[
                     if rank == 0:
                         result = cloudpickle.loads(msg[2])
                 elif kind == "error":
-                    dead = _died_silently(procs, done | {rank})
+                    dead = _silent_death(procs, done | {rank})
                     _terminate(procs)
                     if dead is not None:  # that death is the cause; this rank's error is its echo
                         raise DistributedRunError(_death_message(name, dead, procs[dead].exitcode)
@@ -423,7 +439,7 @@ def run_distributed(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[
                 if r in done or p.is_alive():
                     continue
                 # give a message the rank sent just before exiting time to arrive
-                if now - dead_since.setdefault(r, now) > 1.0:
+                if now - dead_since.setdefault(r, now) > DEATH_GRACE_S:
                     code = p.exitcode
                     _terminate(procs)
                     raise DistributedRunError(_death_message(name, r, code))
