@@ -352,17 +352,46 @@ def _died_silently(procs: Sequence[BaseProcess], reported: set[int]) -> int | No
     return None
 
 
-def _silent_death(procs: Sequence[BaseProcess], reported: set[int]) -> int | None:
+def _silent_death(procs: Sequence[BaseProcess], reported: set[int], q: Any) -> int | None:
     """The rank that died without reporting an error, waited for up to :data:`DEATH_GRACE_S` while another rank
     is still running: a rank that calls ``os._exit`` breaks the collective its peer is in, and the peer's error
-    (``Connection reset by peer``) can arrive before the dead rank's exit shows; the death is the cause."""
+    (``Connection reset by peer``) can arrive before the dead rank's exit shows; the death is the cause. Meanwhile
+    the messages of the ranks are read (``q``): a rank whose error or result arrives did not die silently, and
+    output is shown. ``reported`` grows with them."""
     until = time.monotonic() + DEATH_GRACE_S
     while True:
+        _drain(q, reported)
         dead = _died_silently(procs, reported)
+        if dead is not None:  # what the rank sent just before it exited is in the queue by now
+            _drain(q, reported)
+            dead = _died_silently(procs, reported)
         others = [p for r, p in enumerate(procs) if r not in reported and p.is_alive()]
         if dead is not None or not others or time.monotonic() > until:
             return dead
         time.sleep(0.05)
+
+
+def _drain(q: Any, reported: set[int]) -> None:
+    """Read the messages waiting in ``q``: show output; a rank that reported (its error or its result) joins
+    ``reported``."""
+    while True:
+        try:
+            msg = q.get_nowait()
+        except queue_mod.Empty:
+            return
+        except (OSError, EOFError, ValueError):  # the queue is gone (a rank killed mid-message)
+            return
+        if msg[0] == "out":
+            _show_output(msg)
+        else:
+            reported.add(msg[1])
+
+
+def _show_output(msg: tuple[Any, ...]) -> None:
+    """A rank's output message ``("out", rank, "stdout" or "stderr", text)``, written where it belongs."""
+    stream = sys.stdout if msg[2] == "stdout" else sys.stderr
+    stream.write(msg[3])
+    stream.flush()
 
 
 def _death_message(name: str, rank: int, code: int | None) -> str:
@@ -419,15 +448,13 @@ def run_distributed(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[
             if msg is not None:
                 kind, rank = msg[0], msg[1]
                 if kind == "out":
-                    stream = sys.stdout if msg[2] == "stdout" else sys.stderr
-                    stream.write(msg[3])
-                    stream.flush()
+                    _show_output(msg)
                 elif kind == "ok":
                     done.add(rank)
                     if rank == 0:
                         result = cloudpickle.loads(msg[2])
                 elif kind == "error":
-                    dead = _silent_death(procs, done | {rank})
+                    dead = _silent_death(procs, done | {rank}, q)
                     _terminate(procs)
                     if dead is not None:  # that death is the cause; this rank's error is its echo
                         raise DistributedRunError(_death_message(name, dead, procs[dead].exitcode)
