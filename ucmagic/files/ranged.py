@@ -145,18 +145,15 @@ class _RangedCopy:
 
     def run(self, streams: int) -> None:
         """Run the streams and wait for them (the caller's thread); raise the first error. An interrupt
-        (Ctrl-C) at any point stops the streams at their next chunk without waiting for them."""
+        (Ctrl-C) at any point returns at once: :meth:`close_fd` then stops the streams at their next chunk
+        without waiting for them (a read stuck in a hung mount is not waited for)."""
         pool = stream_pool()
         futures: list[Future[None]] = []
-        try:
-            with _submit_mu:
-                for _ in range(min(max(1, streams), len(self._ranges))):
-                    futures.append(pool.submit(self._stream))
-            for f in futures:
-                wait_result(f)  # timed steps: Ctrl-C interrupts at once
-        except BaseException:
-            self._stop.set()  # a read stuck in a hung mount is not waited for (see close_fd)
-            raise
+        with _submit_mu:
+            for _ in range(min(max(1, streams), len(self._ranges))):
+                futures.append(pool.submit(self._stream))
+        for f in futures:
+            wait_result(f)  # timed steps: Ctrl-C interrupts at once
         self._check()
 
     def close_fd(self) -> None:
