@@ -50,6 +50,17 @@ __all__ = ["ParquetDataset"]
 
 
 FORMATS = ("torch", "numpy", "arrow", "pandas")
+PREFETCH = 2
+"""Row-group windows decoded ahead per stream where reads come from this machine's disk or the cache (whole files
+filled ahead of the decode, :class:`~ucmagic.tables.table_reader.FillAhead`): two keep the decode busy."""
+IN_PLACE_PREFETCH = 8
+"""... where every read of a column chunk waits on a mount or remote storage (read in place: ``cache=False`` or a path
+not cached by default; or a filter's byte ranges filled from such a volume): a 30 M-row table (30 files of 47 MB)
+through a FUSE mount with 20 ms per open, 2 runs each: 7.9 s at 2 windows, 4.3 s at 4, 3.0-3.3 s at 8, 2.9-3.2 s at
+16, pyarrow's scanner on the same mount 2.3-2.5 s (docs/benchmarks.md, session 26)."""
+IN_PLACE_BYTES = 256 << 20
+"""... and those windows hold at most this many decoded bytes (estimated from the footers' uncompressed sizes; the
+first window always goes), so tables of big row groups do not hold eight of them in memory."""
 
 
 
@@ -102,7 +113,8 @@ class ParquetDataset(EpochTracking, IterableDataset[Any]):
             ``"arrow"`` (a ``pyarrow.Table`` per batch) or ``"pandas"`` (a DataFrame per batch).
         cache: copy files to the local cache before reading (default: for URLs and ``/Volumes`` mounts).
         cache_dir, cache_limit: the file cache (see :class:`ucmagic.files.cache.FileCache`).
-        prefetch: row-group windows decoded ahead per stream.
+        prefetch: row-group windows decoded ahead per stream (default: 2 where the files are read from this machine's
+            disk or the cache; where each read waits on a mount or remote storage, up to 8 holding at most 256 MB).
         storage_options: for fsspec URLs.
         filter: only the rows a SQL predicate string (DuckDB's dialect, ``"label = 3"``) or a pyarrow compute
             expression keeps, after Delta deletion vectors; row groups the partition values and statistics rule
@@ -122,7 +134,7 @@ class ParquetDataset(EpochTracking, IterableDataset[Any]):
                  shuffle: bool | str = False, seed: int = 0, shuffle_buffer: int | None = None,
                  partition: str = "pad", dtype: Any = None, version: int | None = None,
                  cache: bool | None = None, cache_dir: str | None = None, cache_limit: int | str | None = None,
-                 prefetch: int = 2, timeout: float | None = 300.0,
+                 prefetch: int | None = None, timeout: float | None = 300.0,
                  storage_options: dict[str, Any] | None = None, reshuffle_every: int | None = None,
                  format: str = "torch", filter: Any = None) -> None:  # noqa: A002 - the options' documented names
         if format not in FORMATS:
@@ -146,7 +158,7 @@ class ParquetDataset(EpochTracking, IterableDataset[Any]):
         self.reshuffle_every = int(reshuffle_every) if reshuffle_every else None
         self.seed = int(seed)
         self.partition = partition
-        self.prefetch = max(1, int(prefetch))
+        self.prefetch = None if prefetch is None else max(1, int(prefetch))
         self.timeout = timeout
         self.storage_options = storage_options
         self.lease_items = 1  # set by ucmagic.DataLoader; unused here
@@ -212,6 +224,7 @@ class ParquetDataset(EpochTracking, IterableDataset[Any]):
         self._group_file = [(i, j) for i, f in enumerate(self.files) for j, r in enumerate(f.group_rows)
                             if r or self.filter is None]
         self.reader.group_file = self._group_file
+        self._per_row: list[float] | None = None  # decoded bytes per row of each planned row group (_bytes_per_row)
         self.group_rows = [self.files[i].group_rows[j] for i, j in self._group_file]
         self.num_rows = int(sum(self.group_rows))
         biggest = max(self.group_rows, default=0)
@@ -353,8 +366,16 @@ class ParquetDataset(EpochTracking, IterableDataset[Any]):
         def unpack(timed: Iterator[Any]) -> Iterator[tuple[dict[str, Any], int]]:
             for out, cur[0], cur[1] in timed:
                 yield out
+        depth, cost, max_bytes = self.prefetch or PREFETCH, None, None
+        if self.prefetch is None and self.reader.reads_wait():  # each read waits: more windows, bounded in bytes
+            per_row = self._bytes_per_row()
+
+            def segment_bytes(s: Segment) -> int:  # decoded bytes of the segment's share of its window
+                window = sum(per_row[g] * (hi - lo) for g, lo, hi in lay.window_pieces(s.window))
+                return int(window * (s.hi - s.lo) / max(1, lay.window_len(s.window)))
+            depth, cost, max_bytes = IN_PLACE_PREFETCH, segment_bytes, IN_PLACE_BYTES
         try:
-            pieces = read_ahead(load, segs, depth=self.prefetch,
+            pieces = read_ahead(load, segs, depth=depth, cost=cost, max_bytes=max_bytes,
                                 timeout=self.timeout, describe=lambda s: f"row-group window {s.window}")
             for batch in self.cutter().batches(unpack(pieces), own):
                 nbytes = (sum(v.nbytes for v in batch.values() if isinstance(v, (torch.Tensor, np.ndarray)))
@@ -363,6 +384,17 @@ class ParquetDataset(EpochTracking, IterableDataset[Any]):
                 yield batch
         finally:
             close_readers(readers)
+
+    def _bytes_per_row(self) -> list[float]:
+        """Decoded bytes per row of each planned row group (its footer's uncompressed size over its rows: an estimate,
+        all columns before projection), kept once known."""
+        if self._per_row is None:
+            out = []
+            for fi, j in self._group_file:
+                rg = self.reader.meta(fi).row_group(j)
+                out.append(rg.total_byte_size / max(1, rg.num_rows))
+            self._per_row = out
+        return self._per_row
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         return telemetry.fetch_timed(self._iterate(self._iteration_ticket()))  # timed when a user's wrapper iterates it

@@ -242,6 +242,15 @@ class TableReader:
         version = self.snapshot.version if self.snapshot is not None else None
         return os.path.join(folder, index_key(self.files, rf, version) + ".npz")
 
+    def reads_wait(self) -> bool:
+        """Whether decoding reads wait on a mount or remote storage: the files are read in place (no cache) or as
+        byte ranges filled into the cache (a filter), from a volume that is not this machine's disk. False where
+        whole files are filled ahead into the cache (:class:`FillAhead`) and decoded from there."""
+        if not self.files or (self.cache is not None and self.filter is None):
+            return False
+        vol, _ = self.io.locate(self.files[0].path)
+        return not vol.local_disk
+
     def threads(self) -> bool:
         """Decode a row group's columns in parallel: in the loop's own process, not in a DataLoader worker
         (workers already share the cores)."""
