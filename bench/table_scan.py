@@ -4,6 +4,7 @@
     python bench/table_scan.py --rows 30000000 # the issue's size (~1.4 GB)
     python bench/table_scan.py --quick         # 1 M rows, 3 rounds: a smoke run (seconds)
     python bench/table_scan.py --fuse          # also cold, each side reading through one slowvol FUSE mount
+                                               # (and ucmagic in place, cache=False, on the same mount)
 
 A synthetic table (``id`` int64, ``a``/``b`` float64, ``c`` float32, ``d`` int32; random values, snappy) is
 written as files of 1 M rows in row groups of 125,000 rows, into a temp dir removed after. Timed, one process,
@@ -99,8 +100,13 @@ def scan_duckdb(path: str, batch: int, cache_dir: str | None) -> tuple[int, int]
     return rows, total
 
 
+def scan_in_place(path: str, batch: int, cache_dir: str | None) -> tuple[int, int]:
+    """ucmagic reading the files where they are (``cache=False``: a mount's default outside ``/Volumes``)."""
+    return scan_ucmagic(path, batch, None)
+
+
 SIDES: dict[str, Callable[[str, int, str | None], tuple[int, int]]] = {
-    "ucmagic": scan_ucmagic, "scanner": scan_pyarrow, "duckdb": scan_duckdb}
+    "ucmagic": scan_ucmagic, "scanner": scan_pyarrow, "duckdb": scan_duckdb, "in-place": scan_in_place}
 
 
 def drop_page_cache(folder: str) -> None:
@@ -139,6 +145,8 @@ def report(title: str, times: dict[str, list[float]], rows: int) -> None:
         ratio = med["ucmagic"] / med["scanner"]
         print(f"  time ratio ucmagic / scanner: {ratio:.2f} (target <= 1.0; floor 1.25 = 0.8x rows/s)"
               + ("" if ratio <= 1.0 else "  ABOVE 1.0"))
+    if "in-place" in med and "scanner" in med:
+        print(f"  time ratio ucmagic in place (cache=False) / scanner: {med['in-place'] / med['scanner']:.2f}")
     if "ucmagic" in med and "duckdb" in med:
         print(f"  time ratio ucmagic / duckdb:  {med['ucmagic'] / med['duckdb']:.2f}")
 
@@ -192,7 +200,7 @@ def main() -> int:
                 drop_page_cache(table)
                 return tempfile.mkdtemp(prefix="cache-", dir=work)
 
-            fuse_sides = [s for s in sides if s != "duckdb"]
+            fuse_sides = [s for s in sides if s != "duckdb"] + ["in-place"]
             times = rounds(mnt, fuse_sides, n, a.batch, want, cold)
             report(f"cold through FUSE ({a.open_ms} ms per open, {a.mbps} MB/s per stream; ucmagic through its "
                    "cache in a fresh folder):", times, rows)
