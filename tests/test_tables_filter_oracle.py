@@ -413,6 +413,33 @@ def test_mixed_literal_types_run_as_duckdb_binds_them(tmp_path_factory, monkeypa
     check(str(root), t, predicate, monkeypatch)
 
 
+@pytest.mark.parametrize("predicate", [
+    # found by the generator (session 26): DuckDB raises on the row that reaches the cast; the second disjunct's
+    # statistics would have skipped that row's group, and the filter returned rows
+    "((dec = 0.1269704) AND (CAST(i32 AS BIGINT) = 'a') AND (NULL = NULL)) OR (dec = 0.0017944)",
+    "(dec = 0.0017944) OR (abs(i32) > 0 AND dec = 0.1269704)",  # abs of the least int32 overflows
+])
+def test_a_part_that_raises_on_a_row_is_never_hidden_by_pruning(tmp_path, monkeypatch, predicate):
+    """Pruning skips groups whose statistics rule the predicate out; a group holding a row on which DuckDB raises
+    must still be read, so the filter raises as DuckDB does (FilterError), not return the other rows."""
+    dec = [decimal.Decimal("0.1269704"), decimal.Decimal("0.0017944")]
+    t = pa.table({"id": pa.array(range(4), pa.int64()), "i32": pa.array([-2 ** 31, 5, 6, 7], pa.int32()),
+                  "dec": pa.array([dec[0], dec[1], dec[1], dec[1]], pa.decimal128(7, 7))})
+    pq.write_table(t, tmp_path / "f.parquet", row_group_size=1)
+    assert isinstance(duckdb_ids(t, predicate), Exception)
+    check(str(tmp_path), t, predicate, monkeypatch)
+
+
+def test_predicates_that_cannot_raise_still_prune(tmp_path):
+    t = pa.table({"id": pa.array(range(8), pa.int64()), "s": pa.array(list("abcdefgh"))})
+    pq.write_table(t, tmp_path / "f.parquet", row_group_size=2)
+    for predicate, rows in (("id >= 6 OR lower(s) LIKE 'z%'", 2), ("id < 2 AND s LIKE 'a%'", 1),
+                            ("id IN (1, 7) OR TRY_CAST(s AS INT) = 3", 2)):
+        ds = ParquetDataset(str(tmp_path), filter=predicate)
+        assert ds.filter._plan.prunes, predicate
+        assert len(ds.rows) == rows
+
+
 @pytest.mark.parametrize("predicate", ["random() < 0.5", "i > 1 AND gen_random_uuid() IS NOT NULL",
                                        "uuid() IS NULL"])
 def test_volatile_functions_are_refused_by_name(tmp_path, predicate):

@@ -5,6 +5,10 @@ parse of the predicate, which of TRUE, FALSE and NULL the node *may* take on som
 logic over sets: ``AND``, ``OR``, ``NOT`` combine them exactly); the group is skipped only where TRUE is
 impossible. Anything it cannot reason about may be anything, so it is read (the exact pass decides every row).
 
+A predicate with a part that may raise on some row (a ``CAST``, most functions, a string literal compared with an
+expression) prunes nothing: DuckDB raises where a row reaches that part, so every row is read and the exact pass
+raises the same error (``FilterError``), where skipping a group would have hidden it.
+
 What it reasons about: a column (or a struct field, ``st.a``) compared with a constant (``=``, ``<>``, ``<``,
 ``<=``, ``>``, ``>=``, ``IN``, ``BETWEEN``), ``IS [NOT] NULL``, constant predicates (``1 = 1``, ``NULL``) and
 boolean columns. The values are compared by DuckDB itself, the evaluator of the exact pass: each row group's
@@ -262,6 +266,37 @@ def _literal_string(node: dict[str, Any]) -> bool:
     return node.get("type") == "VALUE_CONSTANT" and str(lit.get("kind", "")).upper() in ("STRING", "VARCHAR")
 
 
+_SAFE_FUNCTIONS = frozenset({"~~", "!~~", "~~*", "!~~*", "lower", "upper", "lcase", "ucase", "length", "strlen",
+                              "starts_with", "ends_with", "contains", "prefix", "suffix", "isnan", "isinf", "isfinite"})
+"""Functions that never raise on a value of their input types (LIKE, ILIKE, case, length, affixes, float tests)."""
+
+
+def _may_raise(node: Any, constant: Callable[[dict[str, Any]], bool]) -> bool:
+    """Whether evaluating ``node`` on some row may raise in DuckDB: a ``CAST`` (not ``TRY_CAST``: an overflow, a
+    string that is no number), a function outside :data:`_SAFE_FUNCTIONS` (``abs`` of the least integer, integer
+    overflow of ``+``), or a string literal compared with something other than a column (converted to that
+    expression's type). Deterministic constants are folded once, before any row (their errors do not depend on
+    the data), and are not looked into."""
+    if isinstance(node, list):
+        return any(_may_raise(n, constant) for n in node)
+    if not isinstance(node, dict) or "class" not in node or constant(node):
+        return False
+    t = node.get("type", "")
+    if t == "OPERATOR_CAST" and not node.get("try_cast"):
+        return True
+    if t == "FUNCTION" and str(node.get("function_name", "")).lower() not in _SAFE_FUNCTIONS:
+        return True
+    if t in _CMP or t in ("COMPARE_IN", "COMPARE_NOT_IN", "COMPARE_BETWEEN", "COMPARE_NOT_BETWEEN"):
+        given = ([node.get("left"), node.get("right")] if t in _CMP else
+                 [node.get("input"), node.get("lower"), node.get("upper")] if "BETWEEN" in t else
+                 list(node.get("children") or []))
+        operands: list[dict[str, Any]] = [o for o in given if isinstance(o, dict)]
+        if any(_literal_string(o) for o in operands) and \
+                any(not _literal_string(o) and o.get("type") != "COLUMN_REF" for o in operands):
+            return True
+    return any(_may_raise(v, constant) for k, v in node.items() if isinstance(v, (dict, list)) and k != "literal")
+
+
 @dataclass
 class PrunePlan:
     """How a SQL predicate prunes (see the module). ``paths``/``types``: the column paths whose statistics it
@@ -340,7 +375,9 @@ class PrunePlan:
             return ("any",)
 
         where = statement["node"]["where_clause"]
-        tree = walk(where)
+        # A part that may raise on some row prunes nothing: DuckDB raises where a row reaches it, and a group
+        # skipped by its statistics would hide that error (the exact pass then raises it, as DuckDB does)
+        tree = ("any",) if _may_raise(where, constant) else walk(where)
         ctypes = _constant_types(statement, consts, connect) if consts else []
         leaves: list[dict[str, Any]] = []
 
