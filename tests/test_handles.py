@@ -102,3 +102,31 @@ def test_a_kept_descriptor_closed_elsewhere_and_reused_is_never_written_through_
     os.close(other)
     assert kept.fd(rec) != -1
     kept.close(rec)
+
+
+def test_a_removed_records_descriptor_stays_open_for_a_thread_still_writing_through_it(tmp_path):
+    """A cache directory removed by hand between epochs: one thread took a record's descriptor and is about to
+    write, another asks for the same record, finds its file removed and opens a new one. The first thread's
+    descriptor must stay open (a quiet full run saw EBADF there in a DataLoader worker); it is closed once
+    enough later ones were retired."""
+    from ucmagic.files.cache_layout import KeptOpen
+
+    kept = KeptOpen()
+    rec = str(tmp_path / "a.rec")
+    first = kept.fd(rec)  # thread 1 took it
+    os.unlink(rec)  # the cache directory removed by hand
+    second = kept.fd(rec)  # thread 2: a new file
+    assert second != first
+    os.pwrite(first, b"late", 0)  # thread 1's write still goes to the file it opened, not EBADF
+    os.pwrite(second, b"names", 0)
+    assert open(rec, "rb").read() == b"names"
+    for k in range(KeptOpen.RETIRED_KEPT):  # later removals retire later descriptors
+        path = str(tmp_path / f"r{k}.rec")
+        kept.fd(path)
+        os.unlink(path)
+        kept.fd(path)
+    import contextlib
+
+    with contextlib.suppress(OSError):  # the oldest retired one (a removed file's) is closed by now; its number
+        assert os.fstat(first).st_nlink == 1  # may name a newer, linked file
+    kept.close(rec)

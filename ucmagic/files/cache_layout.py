@@ -467,8 +467,14 @@ class KeptOpen:
     no longer names that file (closed elsewhere, and its number reused) is forgotten, never written
     through nor closed, and the file is opened again."""
 
+    RETIRED_KEPT = 16
+    """Descriptors of removed files kept open a while before they are closed: another thread may have taken one a
+    moment ago and still be writing through it (a close under it made that write fail with EBADF, or land in
+    whatever file next got the number); by the time 16 more were retired, no write that took it is running."""
+
     def __init__(self) -> None:
         self._fds: dict[str, tuple[int, int, int]] = {}  # path: (fd, st_dev, st_ino)
+        self._retired: list[tuple[int, int, int]] = []  # descriptors of removed files, closed later (RETIRED_KEPT)
         self._pid = os.getpid()
 
     @staticmethod
@@ -492,16 +498,28 @@ class KeptOpen:
             if self._fds.get(path) == got:
                 del self._fds[path]
             return None
-        if st.st_nlink == 0:  # removed meanwhile (e.g. by clear_cache)
-            self.close(path)
+        if st.st_nlink == 0:  # removed meanwhile (e.g. by clear_cache): forgotten now, closed later
+            if self._fds.get(path) == got:
+                del self._fds[path]
+                self._retire(got)
             return None
         return got[0]
+
+    def _retire(self, got: tuple[int, int, int]) -> None:
+        """Keep ``got`` open until :data:`RETIRED_KEPT` newer ones are retired, then close the oldest (if it still
+        names its file: a number reused elsewhere is not ours)."""
+        self._retired.append(got)
+        while len(self._retired) > self.RETIRED_KEPT:
+            old = self._retired.pop(0)
+            if self._still_ours(old) is not None:
+                with contextlib.suppress(OSError):
+                    os.close(old[0])
 
     def fd(self, path: str) -> int:
         """The open descriptor of ``path`` (created if missing; FileNotFoundError if its folder is gone)."""
         pid = os.getpid()
         if self._pid != pid:
-            self._fds, self._pid = {}, pid
+            self._fds, self._retired, self._pid = {}, [], pid
         fd = self._current(path)
         if fd is None:
             fd = open_private(path)  # never through a link planted in its place
