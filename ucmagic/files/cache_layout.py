@@ -510,10 +510,13 @@ class KeptOpen:
         names its file: a number reused elsewhere is not ours)."""
         self._retired.append(got)
         while len(self._retired) > self.RETIRED_KEPT:
-            old = self._retired.pop(0)
-            if self._still_ours(old) is not None:
-                with contextlib.suppress(OSError):
-                    os.close(old[0])
+            self._close_kept(self._retired.pop(0))
+
+    def _close_kept(self, got: tuple[int, int, int]) -> None:
+        """Close a kept descriptor if it still names the file it opened (a reused number is someone else's)."""
+        if self._still_ours(got) is not None:
+            with contextlib.suppress(OSError):
+                os.close(got[0])
 
     def fd(self, path: str) -> int:
         """The open descriptor of ``path`` (created if missing; FileNotFoundError if its folder is gone)."""
@@ -533,9 +536,8 @@ class KeptOpen:
     def close(self, path: str) -> None:
         if self._pid == os.getpid():
             got = self._fds.pop(path, None)
-            if got is not None and self._still_ours(got) is not None:  # a reused number is someone else's
-                with contextlib.suppress(OSError):
-                    os.close(got[0])
+            if got is not None:
+                self._close_kept(got)
 
 
 class RemovalToken:
