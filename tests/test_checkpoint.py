@@ -395,6 +395,33 @@ from ucmagic.checkpoints.api import save_checkpoint, load_checkpoint
 """
 
 
+def test_ranks_making_one_checkpoint_root_at_once_all_get_it(tmp_path):
+    """Every rank of a first save makes the root at once: none may see it half-made and call it a file (CI, torch
+    2.4.1: rank 1 looked between rank 0's makedirs and its own second check)."""
+    import threading
+
+    from ucmagic.checkpoints.steps import checkpoint_root
+
+    errors: list[BaseException] = []
+    for i in range(200):
+        root = str(tmp_path / f"ck{i}")
+        go = threading.Barrier(4)
+
+        def save() -> None:
+            go.wait()
+            try:
+                checkpoint_root(root, create=True)
+            except Exception as e:  # noqa: BLE001 - collected and asserted below
+                errors.append(e)
+        threads = [threading.Thread(target=save) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert not errors, errors[:3]
+    assert all(os.path.isdir(tmp_path / f"ck{i}") for i in range(200))
+
+
 def test_two_ranks_gloo_sync_and_async_round_trip(tmp_path):
     root = tmp_path / "ck"
     script = _COMMON.format(tests=os.path.dirname(__file__)) + f"""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import stat
 import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -87,12 +88,16 @@ def checkpoint_root(root: str | os.PathLike[str], *, create: bool = False,
             return path
         raise SourceNotFoundError(f"checkpoint root {path}: nothing is stored there; check the URL and the "
                                   "credentials (storage_options=), or save a checkpoint there first")
-    if os.path.isdir(path):
+    try:
+        is_dir: bool | None = stat.S_ISDIR(os.stat(path).st_mode)  # one look: ranks make the root at once
+    except OSError:
+        is_dir = None
+    if is_dir:
         if create:
             xfer.check_destination(path)  # a read-only or unwritable root says so first
             check_write_dest(path, allow_shared=allow_shared, what="checkpoint root")
         return path
-    if os.path.exists(path):
+    if is_dir is False:
         raise CheckpointError(f"checkpoint root {os.fspath(root)} is a file; pass the directory that holds step_<N>/")
     if create:
         xfer.check_destination(path)
