@@ -50,17 +50,19 @@ __all__ = ["ParquetDataset"]
 
 
 FORMATS = ("torch", "numpy", "arrow", "pandas")
-PREFETCH = 2
+PREFETCH = 4
 """Row-group windows decoded ahead per stream where reads come from this machine's disk or the cache (whole files
-filled ahead of the decode, :class:`~ucmagic.tables.table_reader.FillAhead`): two keep the decode busy."""
+filled ahead of the decode, :class:`~ucmagic.tables.table_reader.FillAhead`): a warm 30 M-row scan (240 row groups),
+6 interleaved rounds, took 0.90 s at 2 windows, 0.80 s at 4, 0.80-0.83 s at 6 and 8, pyarrow's scanner 0.72 s
+(docs/benchmarks.md, session 27)."""
 IN_PLACE_PREFETCH = 8
 """... where every read of a column chunk waits on a mount or remote storage (read in place: ``cache=False`` or a path
 not cached by default; or a filter's byte ranges filled from such a volume): a 30 M-row table (30 files of 47 MB)
 through a FUSE mount with 20 ms per open, 2 runs each: 7.9 s at 2 windows, 4.3 s at 4, 3.0-3.3 s at 8, 2.9-3.2 s at
 16, pyarrow's scanner on the same mount 2.3-2.5 s (docs/benchmarks.md, session 26)."""
-IN_PLACE_BYTES = 256 << 20
-"""... and those windows hold at most this many decoded bytes (estimated from the footers' uncompressed sizes; the
-first window always goes), so tables of big row groups do not hold eight of them in memory."""
+PREFETCH_BYTES = 256 << 20
+"""... and either way those windows hold at most this many decoded bytes (estimated from the footers' uncompressed
+sizes; the first window always goes), so tables of big row groups do not hold several of them in memory."""
 
 
 
@@ -113,8 +115,9 @@ class ParquetDataset(EpochTracking, IterableDataset[Any]):
             ``"arrow"`` (a ``pyarrow.Table`` per batch) or ``"pandas"`` (a DataFrame per batch).
         cache: copy files to the local cache before reading (default: for URLs and ``/Volumes`` mounts).
         cache_dir, cache_limit: the file cache (see :class:`ucmagic.files.cache.FileCache`).
-        prefetch: row-group windows decoded ahead per stream (default: 2 where the files are read from this machine's
-            disk or the cache; where each read waits on a mount or remote storage, up to 8 holding at most 256 MB).
+        prefetch: row-group windows decoded ahead per stream (default: up to 4 where the files are read from this
+            machine's disk or the cache, up to 8 where each read waits on a mount or remote storage, either way
+            holding at most 256 MB).
         storage_options: for fsspec URLs.
         filter: only the rows a SQL predicate string (DuckDB's dialect, ``"label = 3"``) or a pyarrow compute
             expression keeps, after Delta deletion vectors; row groups the partition values and statistics rule
@@ -366,14 +369,15 @@ class ParquetDataset(EpochTracking, IterableDataset[Any]):
         def unpack(timed: Iterator[Any]) -> Iterator[tuple[dict[str, Any], int]]:
             for out, cur[0], cur[1] in timed:
                 yield out
-        depth, cost, max_bytes = self.prefetch or PREFETCH, None, None
-        if self.prefetch is None and self.reader.reads_wait():  # each read waits: more windows, bounded in bytes
+        depth, cost, max_bytes = self.prefetch, None, None
+        if depth is None:  # the default: a few windows ahead (more where each read waits), bounded in bytes
             per_row = self._bytes_per_row()
 
             def segment_bytes(s: Segment) -> int:  # decoded bytes of the segment's share of its window
                 window = sum(per_row[g] * (hi - lo) for g, lo, hi in lay.window_pieces(s.window))
                 return int(window * (s.hi - s.lo) / max(1, lay.window_len(s.window)))
-            depth, cost, max_bytes = IN_PLACE_PREFETCH, segment_bytes, IN_PLACE_BYTES
+            depth = IN_PLACE_PREFETCH if self.reader.reads_wait() else PREFETCH
+            cost, max_bytes = segment_bytes, PREFETCH_BYTES
         try:
             pieces = read_ahead(load, segs, depth=depth, cost=cost, max_bytes=max_bytes,
                                 timeout=self.timeout, describe=lambda s: f"row-group window {s.window}")

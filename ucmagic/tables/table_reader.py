@@ -38,6 +38,9 @@ __all__ = ["TableReader", "FillAhead", "close_readers", "AHEAD"]
 
 AHEAD = (0, "ahead")
 """The key of a stream's :class:`FillAhead` in its ``readers`` dict."""
+SHARED, OPENING = 1, 2
+"""``readers[(SHARED, fi)]``: the native file of file ``fi`` that every thread of a stream reads;
+``readers[(OPENING, fi)]``: the lock its first open holds."""
 FILL_AHEAD = 8
 """Files a stream fills into the cache ahead of the one it decodes. A decode is several times quicker than a
 file's copy from a mount, so the fills set the pace: a cold 30 M-row scan through a FUSE mount took 2.76 s
@@ -280,7 +283,6 @@ class TableReader:
         """This thread's ParquetFile of file ``fi``: the cached copy (whole-file fill), the file itself through
         its volume (no cache), or, ``ranged`` (default: with a filter), a file of which row group ``j``'s bytes
         were filled into the cache as one byte range (:meth:`CacheFiller.fill_range`)."""
-        import pyarrow as pa
         import pyarrow.parquet as pq
 
         ranged = (self.filter is not None) if ranged is None else ranged
@@ -301,6 +303,40 @@ class TableReader:
             return got[0]
         if got is not None:
             return got[0]
+        with lock:
+            opened = readers.get((SHARED, fi))
+            opening = readers.setdefault((OPENING, fi), (threading.Lock(), None))[0]
+        first = None  # the file this thread opened first, not native: its own
+        if opened is None:
+            with opening:  # the threads that need file fi first wait for one open of it
+                with lock:
+                    opened = readers.get((SHARED, fi))
+                if opened is None:
+                    f, native = self._open_file(fi, readers)
+                    opened = (None, f, True) if native else (None, None, False)
+                    first = None if native else f
+                    with lock:
+                        readers[(SHARED, fi)] = opened
+        # native: reads at an offset, from any thread at once (one file per stream); through Python, each thread
+        # reads its own (one read at a time per file)
+        own = None if opened[2] else (first if first is not None else self._open_file(fi, readers)[0])
+        f, native = (opened[1], True) if opened[2] else (own, False)
+        # a ParquetFile per thread, from the footer already read (no read, no open): every open on a mount waits (a
+        # FUSE mount, 20 ms per open: 30 files took ~470 opens when each thread opened its own, one per row group
+        # and one more for the native file). A native file or a mapped copy: each column chunk read where it is
+        # decoded (pre_buffer off). Pre-buffering reads a row group's chunks on Arrow's I/O threads, each into
+        # memory of that thread's own heap, which the allocator hands back to the system between row groups and
+        # faults in again (zeroing it): a warm 30 M-row scan spent 0.7-2.3 s in the kernel against 0.3 s without
+        pf = pq.ParquetFile(f, metadata=self.meta(fi), pre_buffer=not native, **self.pq_options())
+        with lock:
+            readers[key] = (pf, own)
+        return pf
+
+    def _open_file(self, fi: int, readers: dict[Any, Any]) -> tuple[Any, bool]:
+        """File ``fi`` opened for pyarrow (the cached copy, memory-mapped, or the file itself through its volume),
+        checked against the listing's size; and whether it is native (an Arrow file or mapping, not Python's)."""
+        import pyarrow as pa
+
         ahead = readers.get(AHEAD)
         if ahead is not None:
             ahead.reached(fi)
@@ -322,15 +358,7 @@ class TableReader:
         if size != self.files[fi].size:
             f.close()
             raise self.changed(fi, "changed size")
-        # a local file or a mapped copy: each column chunk read where it is decoded (pre_buffer off). Pre-buffering
-        # reads a row group's chunks on Arrow's I/O threads, each into memory of that thread's own heap, which the
-        # allocator hands back to the system between row groups and faults in again (zeroing it): a warm 30 M-row
-        # scan spent 0.7-2.3 s in the kernel against 0.3 s without
-        local = isinstance(f, (pa.OSFile, pa.MemoryMappedFile))
-        pf = pq.ParquetFile(f, pre_buffer=not local, **self.pq_options())
-        with lock:
-            readers[key] = (pf, f)
-        return pf
+        return f, isinstance(f, (pa.OSFile, pa.MemoryMappedFile))
 
     def read_group(self, readers: dict[Any, Any], lock: threading.Lock, g: int,
                    ranged: bool | None = None) -> tuple[Any, np.ndarray | None]:
