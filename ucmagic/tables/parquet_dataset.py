@@ -55,11 +55,12 @@ PREFETCH = 4
 filled ahead of the decode, :class:`~ucmagic.tables.table_reader.FillAhead`): a warm 30 M-row scan (240 row groups),
 6 interleaved rounds, took 0.90 s at 2 windows, 0.80 s at 4, 0.80-0.83 s at 6 and 8, pyarrow's scanner 0.72 s
 (docs/benchmarks.md, session 27)."""
-IN_PLACE_PREFETCH = 8
+IN_PLACE_PREFETCH = 16
 """... where every read of a column chunk waits on a mount or remote storage (read in place: ``cache=False`` or a path
 not cached by default; or a filter's byte ranges filled from such a volume): a 30 M-row table (30 files of 47 MB)
-through a FUSE mount with 20 ms per open, 2 runs each: 7.9 s at 2 windows, 4.3 s at 4, 3.0-3.3 s at 8, 2.9-3.2 s at
-16, pyarrow's scanner on the same mount 2.3-2.5 s (docs/benchmarks.md, session 26)."""
+through a FUSE mount with 20 ms per open took 7.9 s at 2 windows, 4.3 s at 4, 3.0-3.3 s at 8 (session 26); with each
+file opened once per stream, 3.0-3.2 s at 8, 2.2-2.4 s at 16, 2.3-2.6 s at 32, pyarrow's scanner on the same mount
+1.7-1.9 s (3 interleaved rounds; docs/benchmarks.md, session 27)."""
 PREFETCH_BYTES = 256 << 20
 """... and either way those windows hold at most this many decoded bytes (estimated from the footers' uncompressed
 sizes; the first window always goes), so tables of big row groups do not hold several of them in memory."""
@@ -116,7 +117,7 @@ class ParquetDataset(EpochTracking, IterableDataset[Any]):
         cache: copy files to the local cache before reading (default: for URLs and ``/Volumes`` mounts).
         cache_dir, cache_limit: the file cache (see :class:`ucmagic.files.cache.FileCache`).
         prefetch: row-group windows decoded ahead per stream (default: up to 4 where the files are read from this
-            machine's disk or the cache, up to 8 where each read waits on a mount or remote storage, either way
+            machine's disk or the cache, up to 16 where each read waits on a mount or remote storage, either way
             holding at most 256 MB).
         storage_options: for fsspec URLs.
         filter: only the rows a SQL predicate string (DuckDB's dialect, ``"label = 3"``) or a pyarrow compute
