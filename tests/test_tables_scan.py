@@ -247,3 +247,22 @@ def test_a_stream_opens_each_file_once_whatever_the_threads_decoding_it_and_clos
     else:
         assert set(paths) == {str(root / f"part-{k}.parquet") for k in range(3)}
     assert all(f.closed for _, f in opened)
+
+
+def test_a_dataset_received_pickled_reads_each_footer_from_the_file_it_opens(tmp_path, monkeypatch):
+    """A DataLoader worker gets the dataset pickled, without the footers: it reads each from the one file it
+    opens for decoding, not through a second open (each open on a mount waits)."""
+    import pickle
+
+    root = _table(tmp_path, files=3, rows=600, group=100)
+    want = pa.concat_tables([pq.read_table(root / f"part-{k}.parquet") for k in range(3)]).column("id").to_numpy()
+    ds = pickle.loads(pickle.dumps(ParquetDataset(str(root), batch_size=64)))
+    opens: list[str] = []
+    real = TableFiles.open
+
+    def spy(self, path, size=None):
+        opens.append(path)
+        return real(self, path, size)
+    monkeypatch.setattr(TableFiles, "open", spy)
+    np.testing.assert_array_equal(np.concatenate([b["id"].numpy() for b in ds]), want)
+    assert sorted(opens) == sorted(str(root / f"part-{k}.parquet") for k in range(3))

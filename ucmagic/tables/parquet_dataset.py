@@ -288,6 +288,8 @@ class ParquetDataset(EpochTracking, IterableDataset[Any]):
                 f"columns={self.columns}, batch_size={self.batch_size}, shuffle={self.shuffle!r})")
 
     def __getstate__(self) -> dict[str, Any]:
+        if self._per_row is None and all(f.meta is not None for f in self.files):
+            self._bytes_per_row()  # footers are not pickled: workers get the estimate, not an open per file for it
         st = self.__dict__.copy()
         st["_layouts"] = {}
         return st

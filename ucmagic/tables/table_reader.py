@@ -313,6 +313,8 @@ class TableReader:
                     opened = readers.get((SHARED, fi))
                 if opened is None:
                     f, native = self._open_file(fi, readers)
+                    if self.files[fi].meta is None:  # a dataset received pickled: the footer from this open
+                        self.files[fi].meta = pq.read_metadata(f)
                     opened = (None, f, True) if native else (None, None, False)
                     first = None if native else f
                     with lock:
