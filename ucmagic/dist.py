@@ -92,7 +92,8 @@ def barrier() -> None:
 def all_gather_ints(mine: list[int], world: int) -> list[int]:
     """Every rank's ``mine``, concatenated in rank order (``mine`` itself when ``world`` is 1).
 
-    Every rank must call it. Raises RuntimeError when ``world > 1`` but no process group is initialised.
+    Every rank must call it; the lists may differ in length. Raises RuntimeError when ``world > 1`` but no
+    process group is initialised.
     """
     if world <= 1:
         return [int(x) for x in mine]
@@ -100,6 +101,51 @@ def all_gather_ints(mine: list[int], world: int) -> list[int]:
     if group is None:
         raise RuntimeError(f"gathering every rank's progress on world_size={world} needs torch.distributed "
                            "initialised: call it on every rank after init_process_group")
-    out: list[Any] = [None] * world
-    group.all_gather_object(out, [int(x) for x in mine])
-    return [int(x) for per_rank in out for x in per_rank]
+    device = _collective_device(str(group.get_backend()))
+    if device is None:  # a backend whose tensors' device is not known here: torch's object gather
+        out: list[Any] = [None] * world
+        group.all_gather_object(out, [int(x) for x in mine])
+        return [int(x) for per_rank in out for x in per_rank]
+    import torch
+
+    lengths = [row[0] for row in _gather(group, torch.tensor([len(mine)], dtype=torch.int64, device=device), world)]
+    width = max(lengths)
+    padded = torch.tensor([int(x) for x in mine] + [0] * (width - len(mine)), dtype=torch.int64, device=device)
+    rows = _gather(group, padded, world)
+    return [int(x) for n, row in zip(lengths, rows) for x in row[:n]]
+
+
+def _collective_device(backend: str) -> str | None:
+    """Where a collective's tensors live for ``backend`` (None: unknown, use torch's object collectives)."""
+    if backend == "gloo" or "cpu:" in backend:
+        return "cpu"
+    if backend == "nccl":
+        import torch
+
+        return f"cuda:{torch.cuda.current_device()}"
+    return None
+
+
+# The tensors of recent gathers, each kept until the process group lets go of it. torch's gloo (2.4 at least)
+# frees a finished gather's tensors on its own worker thread once the next barrier's record of that gather goes;
+# a tensor whose Python object is then held only there needs the GIL to be freed, while `destroy_process_group`
+# holds the GIL joining that very thread: a hang (1 run in ~30 of load_checkpoint, barrier, destroy on 2.4.1).
+# Held here, the last reference to each tensor is Python's own, dropped on a thread that holds the GIL.
+_HELD: list[list[Any]] = []
+_HELD_MAX = 64  # a bound should a torch never let go (use counts stay above 1)
+
+
+def _gather(group: Any, tensor: Any, world: int) -> list[list[int]]:
+    """``tensor`` of every rank, in rank order, as lists of ints; the tensors are held (see ``_HELD``)."""
+    import torch
+
+    outs = [torch.empty_like(tensor) for _ in range(world)]
+    group.all_gather(outs, tensor)
+    _HELD[:] = [ts for ts in _HELD if not _released(ts)][-(_HELD_MAX - 1):] + [[tensor, *outs]]
+    return [[int(x) for x in t.tolist()] for t in outs]
+
+
+def _released(tensors: list[Any]) -> bool:
+    """Whether only Python holds these tensors now (torch without ``Tensor._use_count``: never known)."""
+    counts = [getattr(t, "_use_count", None) for t in tensors]
+    return all(count is not None and count() == 1 for count in counts)
