@@ -1,17 +1,19 @@
 """Where the calling process sits in a run, and the two collectives ucmagic needs.
 
 The one home of rank/world lookups: :func:`dist_info` (rank, world size, local rank and world
-size, DataLoader worker id and count), :func:`worker_info`, :func:`local_world_size`, :func:`barrier` and
-:func:`all_gather_ints`. torch is imported when a function runs, so importing this module is light.
+size, DataLoader worker id and count), :func:`worker_info`, :func:`local_world_size`, :func:`barrier`,
+:func:`all_gather_ints` and :func:`settle`. torch is imported when a function runs, so importing this module is
+light.
 """
 from __future__ import annotations
 
 import os
+import time
 import types
 from functools import lru_cache
 from typing import Any, Callable, NamedTuple, Protocol
 
-__all__ = ["DistInfo", "dist_info", "worker_info", "local_world_size", "barrier", "all_gather_ints"]
+__all__ = ["DistInfo", "dist_info", "worker_info", "local_world_size", "barrier", "settle", "all_gather_ints"]
 
 
 class DistInfo(NamedTuple):
@@ -83,10 +85,44 @@ def dist_info(*, from_env: bool = True) -> DistInfo:
 
 
 def barrier() -> None:
-    """Wait for every rank (a no-op without an initialised process group)."""
+    """Wait for every rank (a no-op without an initialised process group).
+
+    A gather of one held tensor, then :func:`settle`, not torch's barrier: torch's gloo barrier keeps a record of
+    the collectives still running when it starts, freed later on gloo's own thread, which can hang a
+    ``destroy_process_group`` right after on torch < 2.8 (see ``_HELD``).
+    """
     group = _group()
     if group is not None:
-        group.barrier()
+        device = _collective_device(str(group.get_backend()))
+        if device is None:
+            group.barrier()
+            return
+        import torch
+
+        _gather(group, torch.zeros(1, dtype=torch.int64, device=device), group.get_world_size())
+    settle()
+
+
+def settle() -> None:
+    """Let torch's gloo threads free what finished collectives left, before the caller goes on (torch < 2.8).
+
+    Those threads free a collective's tensors after its waiter has gone on, and each free needs the GIL; on torch
+    before 2.8 ``destroy_process_group`` holds the GIL while it waits for those threads, so a destroy right after
+    torch's own collectives (DCP's) hangs now and then (on 2.4.1, 2 loops of 3 of 40 ``dcp.save``, barrier,
+    destroy hung; torch 2.8 fixed it). Called after DCP's collectives, this releases the GIL for 20 ms so that
+    the frees run first; it narrows the window, it cannot close it. A no-op without gloo, without a group, or on
+    torch >= 2.8.
+    """
+    group = _group()
+    if group is None or group.get_world_size() <= 1 or "gloo" not in str(group.get_backend()):
+        return
+    from ._torch_compat import destroy_waits_holding_gil
+
+    if destroy_waits_holding_gil():
+        time.sleep(_SETTLE_S)
+
+
+_SETTLE_S = 0.02
 
 
 def all_gather_ints(mine: list[int], world: int) -> list[int]:
@@ -126,7 +162,7 @@ def _collective_device(backend: str) -> str | None:
     return None
 
 
-# The tensors of recent gathers, each kept until the process group lets go of it. torch's gloo (2.4 at least)
+# The tensors of recent gathers, each kept until the process group lets go of it. torch's gloo (before 2.8)
 # frees a finished gather's tensors on its own worker thread once the next barrier's record of that gather goes;
 # a tensor whose Python object is then held only there needs the GIL to be freed, while `destroy_process_group`
 # holds the GIL joining that very thread: a hang (1 run in ~30 of load_checkpoint, barrier, destroy on 2.4.1).
@@ -146,6 +182,7 @@ def _gather(group: Any, tensor: Any, world: int) -> list[list[int]]:
 
 
 def _released(tensors: list[Any]) -> bool:
-    """Whether only Python holds these tensors now (torch without ``Tensor._use_count``: never known)."""
-    counts = [getattr(t, "_use_count", None) for t in tensors]
-    return all(count is not None and count() == 1 for count in counts)
+    """Whether only Python holds these tensors now (never known on a torch that cannot say)."""
+    from ._torch_compat import only_python_holds
+
+    return all(only_python_holds(t) for t in tensors)

@@ -10,7 +10,7 @@ saving its own epoch counter beside ``loader.state_dict()``). PHASE: ``save`` (e
 ``[recipe, data]``; data is ``files`` (the ucmagic dataset itself, its paths decoded by ``collate_fn``), ``wrapper``
 (the seeds' wrapper IterableDataset) or ``map`` (a user map-style dataset). Each rank writes, per cell and phase,
 ``{"seen": {epoch: [ids the training steps received]}, "error": ...}``. A cell's exception is a fact for the judge
-(the run goes on with the next cell); a hang dumps every thread's stack and exits (faulthandler).
+(the run goes on with the next cell); a hang dumps every thread's stack (faulthandler; the test then kills the phase).
 """
 from __future__ import annotations
 
@@ -363,7 +363,10 @@ CELLS = {"accelerate": accelerate_cell, "hf": hf_cell, "stateful": stateful_cell
 def main() -> None:
     trainer, phase, root, out, ckpt = sys.argv[1:6]
     cells = json.loads(sys.argv[6])
-    faulthandler.dump_traceback_later(HANG, exit=True)  # a hung phase shows where every thread stopped
+    # a hung phase shows where every thread of every rank stopped: no exit here, so one rank's exit does not get the
+    # other killed before its own dump (CI's one hang showed rank 0 only); the test kills the phase a minute later
+    faulthandler.dump_traceback_later(HANG, exit=False)
+    print(f"rank {os.environ.get('RANK', 0)} is pid {os.getpid()}", flush=True)
     torch.set_num_threads(1)
     if trainer == "lightning":
         (recipe, data), = cells

@@ -20,7 +20,7 @@ from .commit import begin_save, clean_checkpoints, commit_save, read_commit
 from .exit import track_pending_save
 from .reader import UCVolumeReader
 from .writer import UCVolumeWriter
-from ..dist import barrier, dist_info
+from ..dist import barrier, dist_info, settle
 from ..files.locks import hold_dir, release_dir
 from ..errors import (CheckpointCorruptError, CheckpointError, CheckpointExistsError, CheckpointInProgressError,
                       CheckpointMismatchError, CheckpointNotCommittedError, CheckpointUploadError, NoCheckpointError,
@@ -186,6 +186,7 @@ def _save_dcp(path: str, root_path: str, model: Any, optimizer: Any, info: dict[
     if not async_:
         with unwrapping(), quiet_dcp():
             dcp.save(state, storage_writer=writer)
+        barrier()  # DCP's own collectives are freed before this returns (torch < 2.8: see ucmagic.dist.settle)
         return finish()
     with unwrapping(), quiet_dcp():
         # a concurrent Future (AsyncSaveResponse only with async_stager options, which are never passed)
@@ -202,6 +203,7 @@ def _save_dcp(path: str, root_path: str, model: Any, optimizer: Any, info: dict[
         except BaseException as e:  # noqa: BLE001 - CheckpointException is a BaseException
             out.set_exception(credentials_error(e, path) or unwrap_error(e))
             return
+        settle()  # a caller waiting in result() holds no GIL: DCP's collectives are freed first (torch < 2.8)
         _settle(out, finish)
 
     f.add_done_callback(done)

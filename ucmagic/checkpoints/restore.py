@@ -10,7 +10,7 @@ from .._util import error_line, is_remote_url
 from .format import SINGLE_FILE_NAME, describe_keys, key_mismatch, shape_mismatch
 from .reader import UCVolumeReader
 from .unpickle import unsafe_reason
-from ..dist import all_gather_ints, dist_info
+from ..dist import all_gather_ints, dist_info, settle
 from ..errors import (CheckpointCorruptError, CheckpointError, CheckpointMismatchError, UCMagicError,
                       UnsafeCheckpointError)
 from .torch_state import dcp_state, model_device, quiet_dcp, unwrapping
@@ -230,6 +230,7 @@ def _agree(path: str, failure: BaseException | None) -> None:
     world = dist_info(from_env=False).world
     if world > 1:
         verdicts = all_gather_ints([0 if failure is None else 1], world)
+        settle()  # DCP's collectives of this load are freed before it returns (torch < 2.8)
         if failure is None and any(verdicts):
             failed = [r for r, v in enumerate(verdicts) if v]
             raise CheckpointError(f"{path}: rank(s) {failed} could not load this checkpoint (their error says why); "
