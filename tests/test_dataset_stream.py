@@ -196,3 +196,27 @@ def test_two_datasets_iterated_together_in_one_process_each_keep_their_protectio
 
     gc.collect()
     assert os.listdir(os.path.join(cache, "prot")) == []  # a dataset's records go with the object
+
+
+def test_a_stream_that_fails_keeps_the_files_it_handed_out_for_the_loop_to_open(tmp_path):
+    """torch's queue holds a worker's batches ahead of its error, and the loop opens them first: a stream that
+    fails (here its source files vanish) keeps what it handed out protected. Before, its record went with the
+    error, and another stream's fill on a full cache disk evicted those files (the diskfull matrix cells:
+    FileNotFoundError in the loop, 1 run in ~5)."""
+    from ucmagic.errors import UCMagicError
+
+    src = tmp_path / "src"
+    make_files(str(src), 60, SIZE)
+    ds = UCVolumeDataset(str(src), cache_dir=str(tmp_path / "cache"), prefetch=2)
+    it = iter(ds)
+    got = [next(it) for _ in range(10)]
+    for d, _, files in os.walk(src):
+        for f in files:
+            os.remove(os.path.join(d, f))
+    with pytest.raises(UCMagicError):
+        for p in it:
+            got.append(p)
+    ds.cache.budget_keeper.evict(1 << 40)  # what a fill does on a full disk: every unprotected entry goes
+    for p in got:
+        with open(p, "rb") as f:
+            assert len(f.read()) == SIZE

@@ -466,7 +466,10 @@ def describe(outcome: dict[str, Any]) -> str:
     if outcome.get("kind") != "error":
         return outcome.get("kind", "?")
     msg = outcome["msg"]
-    return f"{outcome['type']}: {msg if len(msg) < 400 else msg[:150] + ' ... ' + msg[-250:]}"
+    out = f"{outcome['type']}: {msg if len(msg) < 400 else msg[:150] + ' ... ' + msg[-250:]}"
+    if not named(outcome) and outcome.get("tb"):  # a raw error: where it came from
+        out += "\n" + outcome["tb"][-2000:]
+    return out
 
 
 def delivery_problems(what: str, s: dict[str, Any], *, whole: bool, changed_ok: Sequence[str | None] = ()) -> list[str]:

@@ -352,7 +352,7 @@ class UCVolumeDataset(EpochTracking, IterableDataset[str]):
         lanes = EpochStream(EpochParts(items, lease, self.filler, self.volume, self.space, self._seen, checks),
                             main=main, depth=depth, timeout=self.timeout)
         self._stream_now = lanes
-        abandoned = True  # until the stream is exhausted: an exception, break or close() leaves it
+        abandoned = True  # until the stream is exhausted or fails: break or close() leaves it
         try:
             yield from lanes.run()
             abandoned = False  # exhausted: the loop may still hold (and report) its last batches
@@ -360,6 +360,12 @@ class UCVolumeDataset(EpochTracking, IterableDataset[str]):
                 self._progress.ended = True
         except Retired:
             pass  # ucmagic.DataLoader's loop left this iteration: nothing more is wanted of this stream
+        except Exception:
+            # failed (a full cache disk, a source error): the loop still opens what this stream handed out before
+            # the error reaches it (torch's queue holds a worker's batches ahead of its error), so that stays
+            # protected as at a stream's end; unprotected, another stream's fill evicted it (FileNotFoundError)
+            abandoned = False
+            raise
         finally:
             lanes.end(abandoned=abandoned)
 

@@ -429,9 +429,10 @@ class StreamLease:
         threading.Thread(target=loop, name="ucmagic-protect", daemon=True).start()
 
     def finish(self, *, abandoned: bool = False) -> None:
-        """End of the stream's iteration: keep only what was handed out and not yet consumed. An
-        iteration left by an exception, ``break`` or ``close()`` (``abandoned``) keeps nothing: no
-        consumption will be reported for it any more, so nothing would ever release its items."""
+        """End of the stream's iteration (exhausted, or failed: the loop still opens what was handed out before
+        the error reaches it): keep only what was handed out and not yet consumed. An iteration left by
+        ``break`` or ``close()`` (``abandoned``) keeps nothing: no consumption will be reported for it any more,
+        so nothing would ever release its items."""
         with self._mu:
             self.finished = True
             if abandoned:
