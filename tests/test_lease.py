@@ -186,12 +186,33 @@ def test_with_reports_exactly_the_unconsumed_stay_named_and_a_retired_loop_relea
 def test_an_abandoned_iteration_keeps_nothing_and_a_next_iteration_stops_the_last():
     cache, first = _lease()
     first.cover(3)
-    _, second = _lease()
-    second.record = first.record.__class__(cache, "me", 0)  # type: ignore[arg-type]
     first.finish(abandoned=True)
     assert cache.records.records == {}
-    first.cover(40)  # stopped: no more writes
+    first.cover(40)  # dropped: no more writes
     assert cache.records.records == {}
+    cache, first = _lease()
+    first.cover(3)
+    named = dict(cache.records.records)
+    _lease()  # the next iteration of the stream (its record's path): the last one writes no more
+    first.cover(40)
+    assert cache.records.records == named
+
+
+def test_a_last_iteration_never_drops_the_record_its_next_iteration_writes():
+    """A DataLoader worker's next epoch writes the record its last epoch's refresher may still drop: once the next
+    iteration took the path over (it stops the last before its first write), the last one's drop leaves it. Before,
+    the file was unlinked and its descriptor closed under the new writer (CI: EBADF in a worker's first write of
+    an epoch, and that rank's training ended one step short: the other rank hung in DDP)."""
+    cache = FakeCache()
+    first = LeaseRecord(cache, "me", 0)  # type: ignore[arg-type]
+    first.write(["a"])
+    first.stop()  # what the next iteration's open does first
+    second = LeaseRecord(cache, "me", 0)  # type: ignore[arg-type]
+    second.write(["b"])
+    first.drop()  # the last iteration's refresher, a moment late
+    assert cache.records.records == {"me.0.rec": ["b"]}
+    second.write(["c"])
+    assert cache.records.records == {"me.0.rec": ["c"]}
 
 
 def test_a_record_is_written_only_when_its_names_change_and_a_full_disk_says_so():

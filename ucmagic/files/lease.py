@@ -231,8 +231,12 @@ class LeaseRecord:
             self._named = key
 
     def drop(self) -> None:
-        """Name nothing: the record goes, and writes stop."""
+        """Name nothing: the record goes, and writes stop. Once stopped, nothing: the path is the next iteration's
+        record now (or went with its dataset), and dropping it would unlink that record and close its descriptor
+        under its writer (EBADF in a DataLoader worker starting its next epoch)."""
         with self._mu:
+            if self._stop.is_set():
+                return
             self._stop.set()
             self._named = None
             self.cache.records.drop_record(self.path)
@@ -516,6 +520,9 @@ class StreamLeases:
         # (a validation loop, two datasets zipped) keeps its own
         record = LeaseRecord(cache, owner, f"{slot}-{self._number()}")
         self._paths.add(record.path)
+        old = _active.get(record.path)
+        if old is not None:  # this stream's last iteration (its refresher may still run): it stops before the
+            old.stop()  # first write here, so it never drops this record nor closes its descriptor under it
         record.write([])  # this stream counts among the live ones before it sizes itself
 
         def size(b: int | None) -> Sizing:
