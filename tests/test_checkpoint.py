@@ -458,7 +458,7 @@ print("OK", rank)
 def test_ranks_gathering_then_barrier_then_destroy_never_hang(tmp_path):
     """A user's ``barrier(); destroy_process_group()`` right after a ucmagic gather (load_checkpoint's verdicts, a
     loader's state) returns: on torch 2.4.1 the gather's tensors were freed on gloo's thread, which needs the GIL
-    that destroy holds while joining that thread (1 run in ~30 hung; this loop of 30 hung 3 runs of 3).
+    that destroy holds while joining that thread (CI's test: 1 run in 40-120; this loop of 30 hung 3 runs of 3).
     The lists differ in length between ranks and come back whole, in rank order."""
     script = PRELUDE + """
 import datetime

@@ -165,7 +165,7 @@ def _collective_device(backend: str) -> str | None:
 # The tensors of recent gathers, each kept until the process group lets go of it. torch's gloo (before 2.8)
 # frees a finished gather's tensors on its own worker thread once the next barrier's record of that gather goes;
 # a tensor whose Python object is then held only there needs the GIL to be freed, while `destroy_process_group`
-# holds the GIL joining that very thread: a hang (1 run in ~30 of load_checkpoint, barrier, destroy on 2.4.1).
+# holds the GIL joining that very thread: a hang (CI's load, barrier, destroy test on 2.4.1: 1 run in 40-120).
 # Held here, the last reference to each tensor is Python's own, dropped on a thread that holds the GIL.
 _HELD: list[list[Any]] = []
 _HELD_MAX = 64  # a bound should a torch never let go (use counts stay above 1)
