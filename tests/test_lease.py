@@ -200,14 +200,13 @@ def test_an_abandoned_iteration_keeps_nothing_and_a_next_iteration_stops_the_las
 
 def test_a_last_iteration_never_drops_the_record_its_next_iteration_writes():
     """A DataLoader worker's next epoch writes the record its last epoch's refresher may still drop: once the next
-    iteration took the path over (it stops the last before its first write), the last one's drop leaves it. Before,
+    iteration took the path over (its record stops the last one's), the last one's drop leaves it. Before,
     the file was unlinked and its descriptor closed under the new writer (CI: EBADF in a worker's first write of
     an epoch, and that rank's training ended one step short: the other rank hung in DDP)."""
     cache = FakeCache()
     first = LeaseRecord(cache, "me", 0)  # type: ignore[arg-type]
     first.write(["a"])
-    first.stop()  # what the next iteration's open does first
-    second = LeaseRecord(cache, "me", 0)  # type: ignore[arg-type]
+    second = LeaseRecord(cache, "me", 0)  # type: ignore[arg-type]  # the next iteration: the last one stops
     second.write(["b"])
     first.drop()  # the last iteration's refresher, a moment late
     assert cache.records.records == {"me.0.rec": ["b"]}

@@ -196,10 +196,14 @@ def lease_span(cursor: Cursor, consumed: int | None, sizing: Sizing, *, chunk: i
 # ---------------------------------------------------------------- the record and the stream's lease
 
 
+_writers: "weakref.WeakValueDictionary[str, LeaseRecord]" = weakref.WeakValueDictionary()  # path: its writer now
+
+
 class LeaseRecord:
     """One protection record of ``cache`` (``prot/<owner>@<writer>.<slot>.rec``): the entry names a
     loop may still open. Written only when its names change; a record that cannot grow on a full
-    cache disk keeps its old names and raises :class:`~ucmagic.errors.CacheFullError`."""
+    cache disk keeps its old names and raises :class:`~ucmagic.errors.CacheFullError`. A new record of the same
+    path (the stream's next iteration) takes it over: the last one stops, and its drop no longer touches the file."""
 
     def __init__(self, cache: FileCache, owner: str, slot: int | str) -> None:
         self.cache = cache
@@ -207,6 +211,10 @@ class LeaseRecord:
         self._named: tuple[str, ...] | None = None
         self._mu = threading.Lock()
         self._stop = threading.Event()
+        last = _writers.get(self.path)
+        if last is not None:  # the stream's last iteration here (its refresher may still run): it stops now, after
+            last.stop()  # a write or drop under way, so it never drops this record nor closes its descriptor
+        _writers[self.path] = self
 
     @property
     def stopped(self) -> bool:
@@ -296,9 +304,6 @@ class StreamLease:
         self.skipped = 0
         self._mu = threading.Lock()
         self._refreshing = False
-        old = _active.get(record.path)
-        if old is not None:  # this process's previous iteration of the same stream: it stops writing
-            old.record.stop()
         _active[record.path] = self
         if sizing is not None:
             self._apply(sizing)
@@ -520,9 +525,6 @@ class StreamLeases:
         # (a validation loop, two datasets zipped) keeps its own
         record = LeaseRecord(cache, owner, f"{slot}-{self._number()}")
         self._paths.add(record.path)
-        old = _active.get(record.path)
-        if old is not None:  # this stream's last iteration (its refresher may still run): it stops before the
-            old.stop()  # first write here, so it never drops this record nor closes its descriptor under it
         record.write([])  # this stream counts among the live ones before it sizes itself
 
         def size(b: int | None) -> Sizing:
