@@ -548,6 +548,19 @@ def test_a_dated_or_numbered_file_in_the_root_is_listed_without_a_step_and_never
         load_checkpoint(root, 20240601, model=target)
 
 
+def test_two_foreign_files_named_for_one_step_resolve_to_the_newest_written(tmp_path):
+    """``checkpoint-103.pt`` then ``epoch=0-step=103.ckpt`` in one root: "latest" and step 103 both load the one
+    written last (before, the first by name: the checkpoint model's hypothesis run found it on torch 2.4.1)."""
+    root = tmp_path / "ck"
+    root.mkdir()
+    for i, name in enumerate(["checkpoint-103.pt", "epoch=0-step=103.ckpt"]):  # the newest is last by name
+        torch.save(make_model(i).state_dict(), root / name)
+        os.utime(root / name, (1_000_000 + i, 1_000_000 + i))
+    for step in ("latest", 103):
+        target = make_model(7)
+        assert load_checkpoint(root, step, model=target)[0] == 103 and same_model(target, make_model(1))
+
+
 def test_latest_never_picks_an_entry_without_a_step_and_prefers_ucmagic_on_a_tie():
     infos = [fmt.CheckpointInfo(None, "/r/final.pt", 9e9, 1, fmt.KIND_TORCH_SAVE),
              fmt.CheckpointInfo(5, "/r/ckpt-5", 0, 1, fmt.KIND_DCP), fmt.CheckpointInfo(5, "/r/step_5", 0, 1)]

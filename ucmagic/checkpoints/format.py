@@ -135,12 +135,13 @@ def sort_infos(infos: Iterable[CheckpointInfo]) -> list[CheckpointInfo]:
     return sorted(infos, key=lambda i: (i.step is None, i.step or 0, not i.kind.startswith("ucmagic"), i.path))
 
 
-def pick_latest(infos: Iterable[CheckpointInfo]) -> CheckpointInfo | None:
-    """The entry ``"latest"`` means: the highest step (ucmagic's own on a tie); entries without a step never."""
-    numbered = [i for i in infos if i.step is not None]
+def pick_latest(infos: Iterable[CheckpointInfo], step: int | None = None) -> CheckpointInfo | None:
+    """The entry ``"latest"`` means (or, given ``step``, the one of that step): the highest step; of one step,
+    ucmagic's own, else the newest written (two foreign files named for one step); entries without a step never."""
+    numbered = [i for i in infos if i.step is not None and (step is None or i.step == step)]
     if not numbered:
         return None
-    return max(numbered, key=lambda i: (i.step, i.kind.startswith("ucmagic")))
+    return max(numbered, key=lambda i: (i.step, i.kind.startswith("ucmagic"), i.time, i.path))
 
 
 def shape_mismatch(expected: Mapping[str, tuple[int, ...]], present: Mapping[str, tuple[int, ...]]) -> list[str]:

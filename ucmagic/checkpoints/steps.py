@@ -238,9 +238,9 @@ def resolve_step(root: str | os.PathLike[str], step: int | str, *,
     if xfer.isdir(path):
         return number, path  # type: ignore[return-value]
     infos = list_checkpoints(root_path)
-    same = [i for i in infos if i.step == number]
-    if same:
-        return number, same[0].path  # type: ignore[return-value]
+    same = pick_latest(infos, number)
+    if same is not None:
+        return number, same.path  # type: ignore[return-value]
     have = [i.step for i in infos if i.step is not None]
     raise NoCheckpointError(f"no checkpoint for step {step} under {os.fspath(root)}; committed steps: "
                             f"{have or 'none'}")
