@@ -226,7 +226,7 @@ class EveryOther(IterableDataset):
 @pytest.mark.parametrize("workers", [0, 2])
 def test_seed_wrapper_under_ucmagic_dataloader_completes_with_a_budget_below_one_batch(tmp_path, workers):
     root = str(tmp_path / "vol")
-    rels = make_files(root, 80, 6 * 1024, per_dir=40)  # a batch of 4 is 24 KiB, the budget 12 KiB
+    rels = make_files(root, 32, 6 * 1024, per_dir=16)  # a batch of 4 is 24 KiB, the budget 12 KiB
     ds = UCVolumeDataset(root, cache_dir=str(tmp_path / "c"), cache_limit=12 * 1024)
     kw = dict(batch_size=4, num_workers=workers, collate_fn=list)
     if workers:

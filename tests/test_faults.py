@@ -115,8 +115,8 @@ class HangingVolume(LocalVolume):
 
 
 def test_a_hung_open_fails_the_epoch_naming_the_file_after_the_timeout(tmp_path, monkeypatch):
-    """The read-ahead's clock jumps an hour once the hung copy started and the loop has every file before it:
-    the timeout fires there, never on a file a loaded machine was slow to copy."""
+    """The read-ahead's clock jumps an hour at each look once the hung copy started and the loop has every
+    file before it: the timeout fires there, never on a file a loaded machine was slow to copy."""
     from ucmagic.files import fetch
 
     root = str(tmp_path / "vol")
@@ -125,7 +125,8 @@ def test_a_hung_open_fails_the_epoch_naming_the_file_after_the_timeout(tmp_path,
     vol = HangingVolume(root, rels[10])
     ds = UCVolumeDataset(vol, timeout=30, prefetch=8, cache_dir=str(tmp_path / "c"))
     got = []
-    monkeypatch.setattr(fetch, "time", JumpClock(lambda: vol.entered.is_set() and len(got) == 10))
+    monkeypatch.setattr(fetch, "time", JumpClock(lambda: vol.entered.is_set() and len(got) == 10,
+                                                       again=True))
     try:
         with pytest.raises(FetchTimeoutError, match=rf"{rels[10]} made no progress for 30 s.*timeout="):
             for p in ds:

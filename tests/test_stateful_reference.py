@@ -324,7 +324,7 @@ def setups(draw: Any) -> Setup:
 @pytest.mark.scaled
 @pytest.mark.timeout(900)
 @given(setup=setups(), ops=st.lists(OPS, min_size=1, max_size=12))
-@settings(max_examples=examples(20, 400))
+@settings(max_examples=examples(12, 400))
 def test_ucmagic_loader_resumes_as_statefuldataloader_does(setup, ops):
     """Differential: the same ops on both loaders deliver the same items per op, epoch by epoch (see the module
     doc): ``len()`` never changes with a resume, a loaded state applies once, to the next iteration, a state saved

@@ -36,16 +36,20 @@ class JumpClock:
     is true (and stays ahead): a timeout inside ucmagic then fires exactly when the test has set up the
     state it is about, however slow the machine. Everything else is the real ``time`` module.
 
+    With ``again`` it jumps ``by`` more at every read after that: a timeout whose clock starts over at the
+    first look (a progress probe read for the first time) still fires at the next look.
+
     ``monkeypatch.setattr(module, "time", JumpClock(when, by=3600))``."""
 
-    def __init__(self, when: Callable[[], bool], by: float = 3600.0) -> None:
-        self._when, self._by, self._jumped = when, by, False
+    def __init__(self, when: Callable[[], bool], by: float = 3600.0, again: bool = False) -> None:
+        self._when, self._by, self._again = when, by, again
+        self._jumps = 0
         self._real = time
 
     def monotonic(self) -> float:
-        if not self._jumped and self._when():
-            self._jumped = True
-        return self._real.monotonic() + (self._by if self._jumped else 0.0)
+        if (self._again or not self._jumps) and self._when():
+            self._jumps += 1
+        return self._real.monotonic() + self._by * self._jumps
 
     def __getattr__(self, name: str) -> object:
         return getattr(self._real, name)
