@@ -47,9 +47,11 @@ def wait_for(name):
         time.sleep(0.01)
 applied = lease.StreamLease._apply
 def apply(self, sizing):  # "free" shrinks its read-ahead once it sees the second stream
-    before = self.read_ahead_bytes
     applied(self, sizing)
-    if role == "free" and os.path.exists(os.path.join(work, "limit-iterating")) and self.read_ahead_bytes < before:
+    alone = self.__dict__.setdefault("alone_bytes", self.read_ahead_bytes)  # its first sizing: no other stream
+    # below it once the other loop iterates, whenever the shrink came (under load free's refresher may apply
+    # it after "limit" wrote its record and before "limit" flagged its first item)
+    if role == "free" and os.path.exists(os.path.join(work, "limit-iterating")) and self.read_ahead_bytes < alone:
         flag("free-shrunk")
 lease.StreamLease._apply = apply
 if role == "limit":
