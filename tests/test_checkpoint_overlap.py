@@ -10,6 +10,7 @@ checked against real saves over generated interleavings of starts and completion
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -18,7 +19,7 @@ import sys
 import threading
 import time
 from collections import defaultdict
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 import torch
@@ -254,27 +255,38 @@ def _outcome(fut: Any) -> str:
     return "superseded"
 
 
+@contextlib.contextmanager
+def _first_write_held(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
+    """Inside the block, the first ``UCVolumeWriter.write_data`` (the first save's shards) waits until the event
+    yielded is set; the event is set on leaving, so a failed assertion never leaves the save waiting."""
+    real = UCVolumeWriter.write_data
+    release = threading.Event()
+    held = threading.Lock()
+
+    def first_waits(self: UCVolumeWriter, plan: Any, planner: Any) -> Any:
+        if held.acquire(blocking=False):  # the first caller only
+            assert release.wait(120), "the save held first was never let go"
+        return real(self, plan, planner)
+
+    with monkeypatch.context() as m:
+        m.setattr(UCVolumeWriter, "write_data", first_waits)
+        try:
+            yield release
+        finally:
+            release.set()
+
+
 def test_the_issues_two_async_saves_into_one_path_load_the_newer(tmp_path, staging, monkeypatch):
     """f1 (big, so slower) and f2 into one path: f2 commits, f1's future raises CheckpointSupersededError
     inside torch's CheckpointException, a load finds step 2; save_checkpoint raises the error itself. The first
     save of each pair is held before it writes its shards until the second has committed: "slower" whatever the
     machine's load (a loaded machine let the big save commit before the second began)."""
-    real = UCVolumeWriter.write_data
-    first_done = threading.Event()
-    held_one = [False]
-
-    def first_waits(self: UCVolumeWriter, plan: Any, planner: Any) -> Any:
-        if not held_one[0]:
-            held_one[0] = True
-            assert first_done.wait(120), "the second save never committed"
-        return real(self, plan, planner)
-
-    monkeypatch.setattr(UCVolumeWriter, "write_data", first_waits)
     p = str(tmp_path / "ck")
-    f1 = dcp.async_save({"w": torch.full((3_000_000,), 1.0), "step": 1}, storage_writer=UCVolumeWriter(p))
-    f2 = dcp.async_save({"w": torch.full((10,), 2.0), "step": 2}, storage_writer=UCVolumeWriter(p))
-    assert f2.result(timeout=120) is not None
-    first_done.set()
+    with _first_write_held(monkeypatch) as second_committed:
+        f1 = dcp.async_save({"w": torch.full((3_000_000,), 1.0), "step": 1}, storage_writer=UCVolumeWriter(p))
+        f2 = dcp.async_save({"w": torch.full((10,), 2.0), "step": 2}, storage_writer=UCVolumeWriter(p))
+        assert f2.result(timeout=120) is not None
+        second_committed.set()
     with pytest.raises(CheckpointException) as info:
         f1.result(timeout=120)
     assert isinstance(_inner(info.value), CheckpointSupersededError)
@@ -285,12 +297,11 @@ def test_the_issues_two_async_saves_into_one_path_load_the_newer(tmp_path, stagi
     root = tmp_path / "root"
     big = torch.nn.Linear(1000, 1000)
     small = torch.nn.Linear(1000, 1000)
-    first_done.clear()
-    held_one[0] = False
-    g1 = save_checkpoint(root, model=big, step=5, async_=True)
-    g2 = save_checkpoint(root, model=small, step=5, async_=True, extra={"which": "newer"})
-    assert g2.result(timeout=120) == str(root / "step_5")
-    first_done.set()
+    with _first_write_held(monkeypatch) as second_committed:
+        g1 = save_checkpoint(root, model=big, step=5, async_=True)
+        g2 = save_checkpoint(root, model=small, step=5, async_=True, extra={"which": "newer"})
+        assert g2.result(timeout=120) == str(root / "step_5")
+        second_committed.set()
     with pytest.raises(CheckpointSupersededError):
         g1.result(timeout=120)
     m = torch.nn.Linear(1000, 1000)
