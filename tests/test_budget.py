@@ -3,6 +3,7 @@ an epoch runs (fills wait for room, freed as the loop consumes), and a tiny budg
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import threading
 
@@ -153,16 +154,24 @@ def test_a_budget_below_one_file_per_stream_fails_at_the_first_item_naming_the_s
 
 def test_a_dataset_let_go_just_before_does_not_impose_its_budget_on_a_fresh_one(tmp_path):
     """Ctrl-C in a notebook, then a fresh dataset without a budget on the same cache: the interrupted
-    one (alive for a moment: a fill in flight, a reference cycle) must not refuse the fresh one."""
+    one (alive for a moment: a fill in flight, then a reference cycle) must not refuse the fresh one."""
     root, cache = str(tmp_path / "vol"), str(tmp_path / "c")
     make_files(root, 8, 300_000, depth=0)
     tiny = UCVolumeDataset(root, cache_dir=cache, cache_limit="100KB")
-    holder = [tiny]
-    holder.append(holder)  # a cycle: only a collection frees it
+    fill = [tiny]  # a fill of it still waiting for room holds it ...
     del tiny
-    threading.Timer(0.4, holder.clear).start()  # ... and a "fill" that lets go of it a moment later
-    fresh = UCVolumeDataset(root, cache_dir=cache)
-    assert len(list(fresh)) == 8
+
+    def fill_ends() -> None:  # ... and ends a moment later, its error's traceback keeping the dataset
+        cycle: list = [fill.pop()]  # in a reference cycle that only a collection frees (found by the
+        cycle.append(cycle)  # scenario matrix: a Ctrl-C'd loop, then a fresh loop refused 3 s later)
+
+    gc.disable()  # no automatic collection: the fresh dataset's own collections must free it
+    try:
+        threading.Timer(0.2, fill_ends).start()
+        fresh = UCVolumeDataset(root, cache_dir=cache)
+        assert len(list(fresh)) == 8
+    finally:
+        gc.enable()
 
 
 def test_a_live_dataset_budget_too_small_for_a_fresh_one_is_named_as_theirs(tmp_path):

@@ -446,9 +446,40 @@ def test_closing_a_read_ahead_stops_a_run_before_its_next_item():
         assert on_second.wait(60)
         closed.set()  # what closing the read-ahead sets
         release.set()
-        fut.result(60)  # the call ends, handing its stop to the task
-    assert task.done and isinstance(task.error, fetch._Closed)
+        fut.result(60)  # the call ends; its stop is no error (no one takes what a closed read-ahead left)
+    assert task.done and task.error is None
     assert called == [0, 1] and task.results == [0, 1]  # item 1 finished, item 2 never started
+
+
+def test_a_failed_call_lets_go_of_what_its_frames_held_once_its_task_goes_without_a_collection():
+    """A call's error keeps its traceback (the consumer raises it); once the task is dropped, nothing of
+    the call (the cache and dataset its frames name) waits for the garbage collector: a dataset
+    Ctrl-C'd while a fill failed is gone at once, and its cache_limit with it."""
+    import gc
+    import weakref
+
+    from ucmagic.files import fetch
+
+    class Held:
+        pass
+
+    def f(i):
+        held = Held()
+        refs.append(weakref.ref(held))
+        raise OSError("the volume failed")
+
+    refs: list = []
+    task = fetch._Task([0], [0], threading.Event(), threading.Lock())
+    gc.disable()
+    try:
+        call = threading.Thread(target=fetch._run, args=(f, task))  # a pool thread (lets go of its args)
+        call.start()
+        call.join(60)
+        assert isinstance(task.error, OSError)
+        del task
+        assert refs[0]() is None
+    finally:
+        gc.enable()
 
 
 def test_a_closed_read_ahead_calls_nothing_beyond_its_window():

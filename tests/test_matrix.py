@@ -588,7 +588,7 @@ def judge(cell: dict[str, str], r: dict[str, Any]) -> list[str]:
 KNOWN_FAILURES: list[tuple[Callable[[dict[str, str]], bool], str, str]] = [
     # (matches the cell, a symptom every problem shows, why): open engine failures, run and xfailed.
     # Empty: the last one (a fresh unbudgeted loop refused with the budget of a dataset just
-    # interrupted, still alive for a moment) is fixed: UCVolumeDataset._other_budget_settled.
+    # interrupted, still alive for a moment) is fixed: BudgetKeeper.settled (collecting at each look).
 ]
 
 

@@ -125,14 +125,16 @@ class BudgetKeeper:
     def settled(self, budget: int) -> int | None:
         """The budget in force once datasets on their way out are gone: a dataset just interrupted
         (Ctrl-C, an error) keeps its cache_limit record while a fill of it is still running, or
-        until a collection frees it from a reference cycle. Re-read for up to :data:`SETTLE_S`."""
-        gc.collect()
+        until a collection frees it from a reference cycle. Re-read for up to :data:`SETTLE_S`, each time
+        after a collection: a fill that ends during the wait may leave the dataset in a cycle (its error's
+        traceback) that nothing else would collect while this thread sleeps."""
         deadline = time.monotonic() + SETTLE_S
-        now = self.budget(fresh=True)
-        while now is not None and now <= budget and time.monotonic() < deadline:
-            time.sleep(0.1)
+        while True:
+            gc.collect()
             now = self.budget(fresh=True)
-        return now
+            if now is None or now > budget or time.monotonic() >= deadline:
+                return now
+            time.sleep(0.1)
 
     def budget_name(self, limit: int) -> str:
         """``cache_limit=...`` as an error names it (saying so when another dataset set it)."""

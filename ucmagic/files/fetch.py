@@ -226,12 +226,17 @@ def _run(fn: Callable[[T], R], task: _Task[T, R]) -> None:
         for i, item in enumerate(task.items):
             task.start(i)
             task.results.append(fn(item))
+    except _Closed:
+        pass  # the read-ahead was closed: no one takes what this call left, and the error is dropped here
     except BaseException as exc:  # noqa: BLE001 - handed to the consumer through the task
         error = exc
     finally:
         task.busy = clock() - t0
         _current.task = None
         task.finish(error)
+        # an error's traceback holds this frame: without these locals it holds neither the error nor the
+        # task, so no cycle keeps the call's frames (the cache and dataset they name) until a collection
+        del error, task, fn
 
 
 def restart_timeout() -> None:
