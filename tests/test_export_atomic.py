@@ -285,6 +285,69 @@ def test_a_dead_owners_append_is_rolled_back_and_a_live_or_foreign_one_only_hidd
     assert os.listdir(dest) == ["old.parquet"]
 
 
+def _committed(dest: str, during: dict | None = None) -> tuple[list[str], int]:
+    """``committed_listing`` of ``dest`` (names) and how many listings it took; ``during[k]`` runs inside the
+    k-th listing, after the folder was read: an append's steps taken while a listing runs."""
+    taken = []
+
+    def list_files(root: str) -> list[str]:
+        names = sorted(os.path.join(root, n) for n in os.listdir(root) if not n.startswith(("_", ".")))
+        taken.append(names)
+        (during or {}).get(len(taken), lambda: None)()
+        return names
+
+    return [os.path.basename(f) for f in journal.committed_listing(dest, list_files)], len(taken)
+
+
+def _live_journal(dest: str, rels: list[str]) -> str:
+    return journal.write_journal(dest, "live", str(os.path.join(os.path.dirname(dest), ".staging")), rels)
+
+
+def test_a_file_renamed_in_by_a_running_append_while_the_folder_is_listed_is_left_out(tmp_path):
+    dest = str(tmp_path / "d")
+    os.makedirs(dest)
+    (tmp_path / "d" / "old.parquet").write_bytes(b"x")
+    _live_journal(dest, ["new.parquet"])
+    (tmp_path / "d" / "new.parquet").write_bytes(b"x")  # renamed in after its journal, before the listing
+    assert _committed(dest) == (["old.parquet"], 1)
+
+
+def test_an_append_that_starts_and_commits_during_one_listing_is_seen_whole(tmp_path):
+    dest = str(tmp_path / "d")
+    os.makedirs(dest)
+    (tmp_path / "d" / "a-old.parquet").write_bytes(b"x")
+
+    def whole_append() -> None:  # the listing read the folder before it began: the append ends meanwhile
+        path = _live_journal(dest, ["b-new.parquet", "c-new.parquet"])
+        (tmp_path / "d" / "b-new.parquet").write_bytes(b"x")
+        (tmp_path / "d" / "c-new.parquet").write_bytes(b"x")
+        journal.remove_journal(path)
+
+    def half_seen() -> None:  # the folder was read with one of the two files in; the other comes, then the commit
+        (tmp_path / "d" / "c-new.parquet").write_bytes(b"x")
+        journal.remove_journal(journal.journal_path(dest, "live"))
+
+    assert _committed(dest, {1: whole_append}) == (["a-old.parquet", "b-new.parquet", "c-new.parquet"], 2)
+    for f in ("b-new.parquet", "c-new.parquet"):
+        os.remove(os.path.join(dest, f))
+    _live_journal(dest, ["b-new.parquet", "c-new.parquet"])
+    (tmp_path / "d" / "b-new.parquet").write_bytes(b"x")
+    assert _committed(dest, {1: half_seen}) == (["a-old.parquet", "b-new.parquet", "c-new.parquet"], 2)
+
+
+def test_a_table_folder_is_listed_once_and_its_journals_read_once(tmp_path, monkeypatch):
+    """Each listing of a folder on a mount is a round trip (50 ms on the benchmarks' FUSE mount): a reader
+    lists the destination once for its files and once for the journals, not once more before."""
+    dest = str(tmp_path / "d")
+    os.makedirs(dest)
+    (tmp_path / "d" / "old.parquet").write_bytes(b"x")
+    listed = []
+    real = os.listdir
+    monkeypatch.setattr(os, "listdir", lambda p=".": listed.append(os.fspath(p)) or real(p))
+    assert _committed(dest) == (["old.parquet"], 1)
+    assert listed.count(dest) == 2  # the listing's own read and the journals'
+
+
 def test_roll_back_removes_only_what_the_journal_names_inside_the_destination(tmp_path):
     dest = tmp_path / "d"
     (dest / "k=1").mkdir(parents=True)
