@@ -14,8 +14,9 @@ the sides interleaved in each round (the order rotates), warm page cache:
 - ``scanner``: ``pyarrow.dataset.dataset(dir).scanner(batch_size=B)``, each column ``torch.from_numpy``;
 - ``duckdb``: ``SELECT * FROM read_parquet(...)`` fetched as record batches of B rows, ``torch.from_numpy``.
 
-Each side's rows are checked (count and the sum of ``id``). Printed: each side's median seconds and rows/s,
-and ucmagic's time ratio against the scanner (target <= 1.0 within the noise; SPEC 4's floor 0.8x in rows/s).
+Each side's rows are checked (count and the sum of ``id``). Printed: each side's median seconds, rows/s and CPU
+seconds of the scanning process (FUSE rounds: also of the FUSE server, which shares the cores), and ucmagic's
+time ratio against the scanner (target <= 1.0 within the noise; SPEC 4's floor 0.8x in rows/s).
 With ``--fuse`` the table is mounted through ``/work/shared/tools/slowvol.py`` (or ``$UCMAGIC_SLOWVOL``) and
 each cold round drops the page cache of the source files first (``posix_fadvise DONTNEED``; the mount adds
 latency and a per-stream bandwidth cap), ucmagic reading with its cache in a fresh temp dir each round.
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -118,29 +120,44 @@ def drop_page_cache(folder: str) -> None:
             os.close(fd)
 
 
+def cpu_seconds(pid: int | None = None) -> float:
+    """User + system CPU seconds of this process (its threads included), or of process ``pid`` (the FUSE server)."""
+    if pid is None:
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        return r.ru_utime + r.ru_stime
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def rounds(path: str, sides: list[str], n: int, batch: int, want: tuple[int, int],
-           before: Callable[[], str | None]) -> dict[str, list[float]]:
-    times: dict[str, list[float]] = {s: [] for s in sides}
+           before: Callable[[], str | None], server: int | None = None) -> dict[str, list[tuple[float, ...]]]:
+    """Each side's ``(seconds, CPU-s of this process, CPU-s of the FUSE server pid server)`` per round."""
+    times: dict[str, list[tuple[float, ...]]] = {s: [] for s in sides}
     for r in range(n):
         for s in sides[r % len(sides):] + sides[:r % len(sides)]:  # the order rotates each round
             cache_dir = before()
-            t0 = time.perf_counter()
+            c0, s0, t0 = cpu_seconds(), cpu_seconds(server) if server else 0.0, time.perf_counter()
             got = SIDES[s](path, batch, cache_dir)
-            times[s].append(time.perf_counter() - t0)
+            t = time.perf_counter() - t0
+            times[s].append((t, cpu_seconds() - c0, cpu_seconds(server) - s0 if server else 0.0))
             if cache_dir:
                 shutil.rmtree(cache_dir, ignore_errors=True)
             if got != want:
                 raise SystemExit(f"WRONG: {s} read {got} (rows, sum of id), expected {want}")
-        print(f"  round {r + 1}: " + ", ".join(f"{s} {times[s][-1]:.2f} s" for s in sides), flush=True)
+        print(f"  round {r + 1}: " + ", ".join(f"{s} {times[s][-1][0]:.2f} s" for s in sides), flush=True)
     return times
 
 
-def report(title: str, times: dict[str, list[float]], rows: int) -> None:
-    med = {s: statistics.median(t) for s, t in times.items()}
+def report(title: str, runs: dict[str, list[tuple[float, ...]]], rows: int, server: bool = False) -> None:
+    """Medians per side: seconds, rows/s, CPU-s of the scanning process and (``server``) of the FUSE server."""
+    med = {s: statistics.median(r[0] for r in v) for s, v in runs.items()}
     print(title)
     for s, m in med.items():
-        print(f"  {s:8s} median {m:6.2f} s  {rows / m / 1e6:6.1f} M rows/s  (runs: "
-              + ", ".join(f"{t:.2f}" for t in times[s]) + ")")
+        cpu = statistics.median(r[1] for r in runs[s])
+        srv = f", FUSE server {statistics.median(r[2] for r in runs[s]):.2f}" if server else ""
+        print(f"  {s:8s} median {m:6.2f} s  {rows / m / 1e6:6.1f} M rows/s  CPU-s {cpu:5.2f}{srv}  (runs: "
+              + ", ".join(f"{r[0]:.2f}" for r in runs[s]) + ")")
     if "ucmagic" in med and "scanner" in med:
         ratio = med["ucmagic"] / med["scanner"]
         print(f"  time ratio ucmagic / scanner: {ratio:.2f} (target <= 1.0; floor 1.25 = 0.8x rows/s)"
@@ -201,9 +218,9 @@ def main() -> int:
                 return tempfile.mkdtemp(prefix="cache-", dir=work)
 
             fuse_sides = [s for s in sides if s != "duckdb"] + ["in-place"]
-            times = rounds(mnt, fuse_sides, n, a.batch, want, cold)
+            times = rounds(mnt, fuse_sides, n, a.batch, want, cold, server=proc.pid)
             report(f"cold through FUSE ({a.open_ms} ms per open, {a.mbps} MB/s per stream; ucmagic through its "
-                   "cache in a fresh folder):", times, rows)
+                   "cache in a fresh folder):", times, rows, server=True)
     finally:
         if proc is not None:
             subprocess.run(["fusermount3", "-u", os.path.join(work, "mnt")], check=False)
