@@ -335,17 +335,24 @@ def test_an_append_that_starts_and_commits_during_one_listing_is_seen_whole(tmp_
     assert _committed(dest, {1: half_seen}) == (["a-old.parquet", "b-new.parquet", "c-new.parquet"], 2)
 
 
-def test_a_table_folder_is_listed_once_and_its_journals_read_once(tmp_path, monkeypatch):
-    """Each listing of a folder on a mount is a round trip (50 ms on the benchmarks' FUSE mount): a reader
-    lists the destination once for its files and once for the journals, not once more before."""
+def test_an_append_running_before_the_listing_stays_hidden_where_the_folders_mtime_never_moves(tmp_path,
+                                                                                                monkeypatch):
+    """A mount may report a folder's mtime from a cache, or keep none (an object store): the journals read before
+    the listing still hide an append that was running then and commits right after the listing read the folder
+    (one journal read, after the listing only, would list its first file alone)."""
     dest = str(tmp_path / "d")
     os.makedirs(dest)
-    (tmp_path / "d" / "old.parquet").write_bytes(b"x")
-    listed = []
-    real = os.listdir
-    monkeypatch.setattr(os, "listdir", lambda p=".": listed.append(os.fspath(p)) or real(p))
-    assert _committed(dest) == (["old.parquet"], 1)
-    assert listed.count(dest) == 2  # the listing's own read and the journals'
+    (tmp_path / "d" / "a-old.parquet").write_bytes(b"x")
+    _live_journal(dest, ["b-new.parquet", "c-new.parquet"])
+    (tmp_path / "d" / "b-new.parquet").write_bytes(b"x")
+    monkeypatch.setattr(journal, "_mtime_ns", lambda path: 1)
+
+    def commit() -> None:  # the folder was read with one of the two files in; the other comes, then the commit
+        (tmp_path / "d" / "c-new.parquet").write_bytes(b"x")
+        journal.remove_journal(journal.journal_path(dest, "live"))
+
+    assert _committed(dest, {1: commit}) == (["a-old.parquet"], 1)  # not at all (whole from the next listing)
+    assert _committed(dest)[0] == ["a-old.parquet", "b-new.parquet", "c-new.parquet"]
 
 
 def test_roll_back_removes_only_what_the_journal_names_inside_the_destination(tmp_path):

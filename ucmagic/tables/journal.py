@@ -211,22 +211,21 @@ def _mtime_ns(path: str) -> int:
 
 
 def committed_listing(root: str, list_files: Callable[[str], list[str]]) -> list[str]:
-    """``list_files(root)`` without the files of unfinished appends (rolled back when their process is gone).
-
-    The journals are read once the listing is taken: an append writes its journal before it renames its
-    first file in and removes it only once its last file is in, so a file of an unfinished append that the
-    listing holds is named by a journal still there. The directory's mtime is read before the listing and
-    after the journals; a journal written or removed meanwhile (or an append rolled back) changes it, and the
-    listing is then taken again, so an append that starts and commits during one listing is seen whole or
-    not at all. In the common case that is one listing and one read of the journals (each a round trip on a
-    mount: 2 where the journals were read before and after the listing)."""
+    """``list_files(root)`` without the files of unfinished appends (rolled back first when their process
+    is gone). The journals are read before and after the listing; a journal written or removed meanwhile
+    changes the directory's mtime, and the listing is then taken again, so an append that starts and
+    commits during one listing is seen whole or not at all."""
+    before = _mtime_ns(root)
+    rolled, skip = _recover(root)
+    if rolled:
+        before, skip = _mtime_ns(root), pending_files(root)
     files: list[str] = []
-    skip: set[str] = set()
     for attempt in range(LISTING_ATTEMPTS):
-        before = _mtime_ns(root)
+        if attempt:
+            before, skip = _mtime_ns(root), pending_files(root)
         files = list_files(root)
-        rolled, skip = _recover(root) if attempt == 0 else (0, pending_files(root))
-        if not rolled and _mtime_ns(root) == before:
+        skip |= pending_files(root)
+        if _mtime_ns(root) == before:
             break
     if not skip:
         return files
