@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
 import shutil
 import statistics
 import subprocess
@@ -122,12 +121,10 @@ def drop_page_cache(folder: str) -> None:
 
 def cpu_seconds(pid: int | None = None) -> float:
     """User + system CPU seconds of this process (its threads included), or of process ``pid`` (the FUSE server)."""
-    if pid is None:
-        r = resource.getrusage(resource.RUSAGE_SELF)
-        return r.ru_utime + r.ru_stime
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    import psutil
+
+    t = psutil.Process(pid).cpu_times()
+    return t.user + t.system
 
 
 def rounds(path: str, sides: list[str], n: int, batch: int, want: tuple[int, int],

@@ -300,7 +300,7 @@ def _committed(dest: str, during: dict | None = None) -> tuple[list[str], int]:
 
 
 def _live_journal(dest: str, rels: list[str]) -> str:
-    return journal.write_journal(dest, "live", str(os.path.join(os.path.dirname(dest), ".staging")), rels)
+    return journal.write_journal(dest, "live", os.path.join(os.path.dirname(dest), ".staging"), rels)
 
 
 def test_a_file_renamed_in_by_a_running_append_while_the_folder_is_listed_is_left_out(tmp_path):

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from run_size import FULL
-from waits import PATIENCE
+from waits import PATIENCE, wait_until
 from ucmagic import UCVolumeDataset
 from ucmagic.testing import make_files
 
@@ -135,20 +135,26 @@ def _quiet_within(seconds: float) -> list[str]:
         time.sleep(0.1)
 
 
-def _room_or_rest() -> bool | None:
-    """True once a fill waits in the budget for room; False once no fill has run for 0.5 s (the read-ahead
-    went as far as it will without one: its width and items per call follow its timing); None meanwhile."""
-    rest_since = None
-    while True:
+def _room_or_rest() -> bool:
+    """Wait until a fill waits in the budget for room (True) or no fill has run for 0.5 s (False: the read-ahead
+    went as far as it will without one; its width and items per call follow its timing)."""
+    seen: dict[str, float | bool | None] = {"rest_since": None, "room": False}
+
+    def settled() -> bool:
         if _waiting_for_room():
+            seen["room"] = True
             return True
+        since = seen["rest_since"]
         if _engine_threads_busy():
-            rest_since = None
-        elif rest_since is None:
-            rest_since = time.monotonic()
-        elif time.monotonic() - rest_since > 0.5:
-            return False
-        time.sleep(0.01)
+            seen["rest_since"] = None
+        elif since is None:
+            seen["rest_since"] = time.monotonic()
+        else:
+            return time.monotonic() - float(since) > 0.5
+        return False
+
+    wait_until(settled, "a read-ahead fill waiting for room, or the read-ahead at rest")
+    return bool(seen["room"])
 
 
 @pytest.mark.parametrize("how", ["break", "exception"])
@@ -162,7 +168,7 @@ def test_leaving_a_budgeted_loop_leaves_no_fill_waiting_for_room(tmp_path, how, 
 
     monkeypatch.setattr(fetch, "START_WINDOW", 128)
     root = _tree(tmp_path, n=400, size=4096)
-    reached: bool | None = None
+    reached = False
     for attempt in range(5):
         ds = UCVolumeDataset(root, cache_dir=str(tmp_path / f"c{attempt}"), cache_limit=64 * 4096 * 3)
 
