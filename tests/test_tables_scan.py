@@ -258,11 +258,62 @@ def test_a_dataset_received_pickled_reads_each_footer_from_the_file_it_opens(tmp
     want = pa.concat_tables([pq.read_table(root / f"part-{k}.parquet") for k in range(3)]).column("id").to_numpy()
     ds = pickle.loads(pickle.dumps(ParquetDataset(str(root), batch_size=64)))
     opens: list[str] = []
-    real = TableFiles.open
+    checked: list[str] = []
+    real, real_checked = TableFiles.open_arrow, TableFiles.open
 
     def spy(self, path, size=None):
         opens.append(path)
         return real(self, path, size)
-    monkeypatch.setattr(TableFiles, "open", spy)
+
+    def spy_checked(self, path, size=None):
+        checked.append(path)
+        return real_checked(self, path, size)
+    monkeypatch.setattr(TableFiles, "open_arrow", spy)
+    monkeypatch.setattr(TableFiles, "open", spy_checked)
     np.testing.assert_array_equal(np.concatenate([b["id"].numpy() for b in ds]), want)
     assert sorted(opens) == sorted(str(root / f"part-{k}.parquet") for k in range(3))
+    if os.path.isdir("/proc/self/fd"):  # the native open by name is the checked file: no second open
+        assert checked == []
+
+
+def test_a_native_open_by_name_is_kept_only_where_a_checked_open_gives_the_same_file(tmp_path):
+    """The decoder opens a table file once, by name, and keeps that descriptor only where ucmagic's checked
+    open would have opened the same file under the volume's ``follow_symlinks``: a link inside the table
+    under "inside", no link at all under "none"; anything else is reopened the checked way (and refused)."""
+    from ucmagic.files.local_files import opened_beneath
+
+    root = os.path.realpath(_table(tmp_path, files=1))
+    os.symlink("part-0.parquet", os.path.join(root, "inside-link.parquet"))
+    outside = tmp_path / "outside.parquet"
+    pq.write_table(pa.table({"secret": [1]}), outside)
+    os.symlink(outside, os.path.join(root, "outside-link.parquet"))
+    cases = {"part-0.parquet": {"none": True, "inside": True, "all": True},
+             "inside-link.parquet": {"none": False, "inside": True, "all": True},
+             "outside-link.parquet": {"none": False, "inside": False, "all": True}}
+    for rel, want in cases.items():
+        fd = os.open(os.path.join(root, rel), os.O_RDONLY)
+        try:
+            got = {policy: opened_beneath(fd, root, rel, policy) for policy in want}
+        finally:
+            os.close(fd)
+        if os.path.isdir("/proc/self/fd"):
+            assert got == want, rel
+        else:  # no descriptor paths: only "all" keeps a native open
+            assert got == {"none": False, "inside": False, "all": True}, rel
+
+
+def test_a_link_inside_the_table_is_read_natively_and_a_link_out_is_refused_under_every_policy(tmp_path):
+    root = _table(tmp_path, files=1)
+    os.symlink("part-0.parquet", root / "inside-link.parquet")
+    want = pq.read_table(root / "part-0.parquet")
+    io = TableFiles(str(root))
+    f = io.open_arrow(str(root / "inside-link.parquet"))
+    try:
+        if os.path.isdir("/proc/self/fd"):
+            assert isinstance(f, pa.OSFile)
+        assert pq.ParquetFile(f).read().equals(want)
+    finally:
+        f.close()
+    io._volume(str(root)).follow_symlinks = "none"
+    with pytest.raises(UnsafeSourceError):
+        io.open_arrow(str(root / "inside-link.parquet"))

@@ -180,6 +180,22 @@ def open_beneath(root: str, rel: str, follow_symlinks: str = "inside", *, flags:
     return fd
 
 
+def opened_beneath(fd: int, root: str, rel: str, follow_symlinks: str = "inside") -> bool:
+    """Whether ``fd``, opened by name on ``root/rel`` with every link followed (an engine's own open, e.g.
+    ``pyarrow.OSFile``), is a file :func:`open_beneath` would have opened: under ``"inside"`` the file
+    the kernel opened lies under ``root`` (a real path), under ``"none"`` it is ``root/rel`` itself (no link
+    on the way resolves to its own name), ``"all"`` any. Only the descriptor's own path (``/proc``) counts:
+    where there is none, False (open with :func:`open_beneath` instead)."""
+    if follow_symlinks == "all":
+        return True
+    where = _fd_path(fd)
+    if where == "?":
+        return False
+    if follow_symlinks == "none":
+        return where == (root + "/" + rel if rel else root)
+    return where.startswith(root.rstrip("/") + "/")
+
+
 def _fd_path(fd: int) -> str:
     try:
         return os.readlink(f"/proc/self/fd/{fd}")

@@ -64,6 +64,12 @@ class Volume(abc.ABC):
         path = self.local_file(rel)
         return None if path is None else os.open(path, os.O_RDONLY | os.O_CLOEXEC)
 
+    def opened_as_checked(self, rel: str, fd: int) -> bool:
+        """Whether ``fd``, opened by name on :meth:`local_file`'s path by an engine (links followed), is the
+        file :meth:`open_local` would have opened, so it may be read in its place (one open, not two, on a
+        mount where each costs a round trip). Default False: open through :meth:`open_local`."""
+        return False
+
     @classmethod
     def from_path(cls, path: str, storage_options: dict[str, Any] | None = None) -> Volume:
         """The volume at ``path`` (how :func:`open_volume` builds a registered backend). Raise

@@ -17,7 +17,7 @@ from .locks import refuse_links_below
 from ..errors import SourceNotADirectoryError, UnreadableDirectoryError, UnsafeSourceError
 from .entries import DirScan, FileEntry, compile_pattern, filter_entries
 from .local_files import (FdReader, local_names, local_put, local_remove, local_remove_tree, local_rename,
-                          open_beneath, writable_rel)
+                          open_beneath, opened_beneath, writable_rel)
 from .local_paths import existing_local_path
 from .volume_base import Volume, check_unchanged
 
@@ -199,6 +199,11 @@ class LocalVolume(Volume):
     def open_local(self, rel: str) -> int | None:
         return None if self.local_file(rel) is None else open_checked(self, rel)
 
+    def opened_as_checked(self, rel: str, fd: int) -> bool:
+        if type(self).open_local is not LocalVolume.open_local:  # a subclass opens its own way: through it
+            return False
+        return opened_beneath(fd, real_root(self), rel, self.follow_symlinks)
+
     def _path(self, rel: str) -> str:
         return os.path.join(self.root, *rel.split("/")) if rel else self.root
 
@@ -245,10 +250,15 @@ class LocalVolume(Volume):
 def open_checked(vol: LocalVolume, rel: str) -> int:
     """A read descriptor of ``rel`` of ``vol``, checked as the listing checked it (:attr:`Volume.follow_symlinks`):
     under ``"inside"`` the file actually opened must lie inside the root (:func:`open_beneath`), on every copy."""
-    real_root = vol.__dict__.get("_real_root")
-    if real_root is None:  # the root with every link in its own path resolved: what an opened file lies under
-        real_root = vol.__dict__["_real_root"] = os.path.realpath(vol.root)
-    return open_beneath(real_root, rel, vol.follow_symlinks)
+    return open_beneath(real_root(vol), rel, vol.follow_symlinks)
+
+
+def real_root(vol: LocalVolume) -> str:
+    """``vol``'s root with every link in its own path resolved (what an opened file lies under), kept."""
+    root = vol.__dict__.get("_real_root")
+    if root is None:
+        root = vol.__dict__["_real_root"] = os.path.realpath(vol.root)
+    return root
 
 
 def link_allowed(path: str, root: str, follow_symlinks: str) -> bool:

@@ -117,11 +117,26 @@ class TableFiles:
         :meth:`open` checked), whose reads never wait for the interpreter lock: through a Python file each read of
         a column chunk does, and the decodes of the row groups in flight queue behind the thread that cuts batches
         (a warm 30 M-row scan ran at one core's speed). Elsewhere (no ``/proc``, a remote volume) :meth:`open`'s
-        file."""
+        file. The native file is opened by name first and kept where it is the file :meth:`open` would check
+        (:meth:`Volume.opened_as_checked`): one open, not two (through a mount each open is a round trip;
+        a cold 30-file scan through slowvol opened each file three times with the footers' open)."""
+        import pyarrow as pa
+
+        if _PROC_FD:
+            vol, rel = self.locate(path)
+            local = vol.local_file(rel)
+            if local is not None:
+                try:
+                    first = pa.OSFile(local)
+                except OSError:  # missing, a folder, ...: :meth:`open` says what
+                    first = None
+                if first is not None:
+                    if vol.opened_as_checked(rel, first.fileno()):
+                        return first
+                    first.close()  # not the file a checked open gives (a link): open it the checked way
         f = self.open(path, size)
         if not _PROC_FD or not hasattr(f, "fileno"):
             return f
-        import pyarrow as pa
 
         try:
             fd = f.fileno()
