@@ -317,3 +317,27 @@ def test_a_link_inside_the_table_is_read_natively_and_a_link_out_is_refused_unde
     io._volume(str(root)).follow_symlinks = "none"
     with pytest.raises(UnsafeSourceError):
         io.open_arrow(str(root / "inside-link.parquet"))
+
+
+def test_a_volume_that_opens_its_own_way_is_read_through_its_own_open(tmp_path):
+    """A ``LocalVolume`` subclass with its own ``open_local`` (faults, auditing) is not bypassed by the native
+    open by name: the decoder reads what its ``open_local`` opened."""
+    from ucmagic.files.volume_local import LocalVolume
+
+    class Audited(LocalVolume):
+        opened: list[str] = []
+
+        def open_local(self, rel):
+            Audited.opened.append(rel)
+            return super().open_local(rel)
+
+    root = _table(tmp_path, files=1)
+    io = TableFiles(str(root))
+    io._vols[str(root)] = Audited(str(root))
+    assert not io._vols[str(root)].checks_native_opens
+    f = io.open_arrow(str(root / "part-0.parquet"))
+    try:
+        assert pq.ParquetFile(f).read().equals(pq.read_table(root / "part-0.parquet"))
+    finally:
+        f.close()
+    assert Audited.opened == ["part-0.parquet"]

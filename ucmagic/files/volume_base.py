@@ -64,10 +64,17 @@ class Volume(abc.ABC):
         path = self.local_file(rel)
         return None if path is None else os.open(path, os.O_RDONLY | os.O_CLOEXEC)
 
+    @property
+    def checks_native_opens(self) -> bool:
+        """True where :meth:`opened_as_checked` can vouch for a descriptor an engine opened by name on
+        :meth:`local_file`'s path (``LocalVolume``, unless a subclass opens its own way); False (the default):
+        an engine reads what :meth:`open_local` opened, and never opens by name first."""
+        return False
+
     def opened_as_checked(self, rel: str, fd: int) -> bool:
-        """Whether ``fd``, opened by name on :meth:`local_file`'s path by an engine (links followed), is the
-        file :meth:`open_local` would have opened, so it may be read in its place (one open, not two, on a
-        mount where each costs a round trip). Default False: open through :meth:`open_local`."""
+        """Where :attr:`checks_native_opens`: whether ``fd``, opened by name on :meth:`local_file`'s path by an
+        engine (links followed), is the file :meth:`open_local` would have opened, so it may be read in its
+        place (one open, not two, on a mount where each costs a round trip). Default False."""
         return False
 
     @classmethod

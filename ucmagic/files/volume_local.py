@@ -199,10 +199,12 @@ class LocalVolume(Volume):
     def open_local(self, rel: str) -> int | None:
         return None if self.local_file(rel) is None else open_checked(self, rel)
 
+    @property
+    def checks_native_opens(self) -> bool:
+        return type(self).open_local is LocalVolume.open_local  # a subclass that opens its own way: through it
+
     def opened_as_checked(self, rel: str, fd: int) -> bool:
-        if type(self).open_local is not LocalVolume.open_local:  # a subclass opens its own way: through it
-            return False
-        return opened_beneath(fd, real_root(self), rel, self.follow_symlinks)
+        return self.checks_native_opens and opened_beneath(fd, real_root(self), rel, self.follow_symlinks)
 
     def _path(self, rel: str) -> str:
         return os.path.join(self.root, *rel.split("/")) if rel else self.root

@@ -117,13 +117,14 @@ class TableFiles:
         :meth:`open` checked), whose reads never wait for the interpreter lock: through a Python file each read of
         a column chunk does, and the decodes of the row groups in flight queue behind the thread that cuts batches
         (a warm 30 M-row scan ran at one core's speed). Elsewhere (no ``/proc``, a remote volume) :meth:`open`'s
-        file. The native file is opened by name first and kept where it is the file :meth:`open` would check
-        (:meth:`Volume.opened_as_checked`): one open, not two (through a mount each open is a round trip;
-        a cold 30-file scan through slowvol opened each file three times with the footers' open)."""
+        file. Where the volume can tell (:attr:`Volume.checks_native_opens`), the native file is opened by name
+        first and kept where it is the file :meth:`open` would check (:meth:`Volume.opened_as_checked`): one open,
+        not two (through a mount each open is a round trip; a cold 30-file scan through slowvol opened each file
+        three times with the footers' open)."""
         import pyarrow as pa
 
-        if _PROC_FD:
-            vol, rel = self.locate(path)
+        vol, rel = self.locate(path)
+        if _PROC_FD and vol.checks_native_opens:
             local = vol.local_file(rel)
             if local is not None:
                 try:
