@@ -193,7 +193,7 @@ def opened_beneath(fd: int, root: str, rel: str, follow_symlinks: str = "inside"
         return False
     if follow_symlinks == "none":
         return where == (root + "/" + rel if rel else root)
-    return where.startswith(root.rstrip("/") + "/")
+    return _lies_under(where, root)
 
 
 def _fd_path(fd: int) -> str:
@@ -209,4 +209,9 @@ def _opened_under(fd: int, root: str, path: str) -> bool:
     where = _fd_path(fd)
     if where == "?":
         where = os.path.realpath(path)
+    return _lies_under(where, root)
+
+
+def _lies_under(where: str, root: str) -> bool:
+    """Whether the resolved path ``where`` lies under the real path ``root``."""
     return where.startswith(root.rstrip("/") + "/")

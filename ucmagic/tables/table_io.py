@@ -124,17 +124,16 @@ class TableFiles:
         import pyarrow as pa
 
         vol, rel = self.locate(path)
-        if _PROC_FD and vol.checks_native_opens:
-            local = vol.local_file(rel)
-            if local is not None:
-                try:
-                    first = pa.OSFile(local)
-                except OSError:  # missing, a folder, ...: :meth:`open` says what
-                    first = None
-                if first is not None:
-                    if vol.opened_as_checked(rel, first.fileno()):
-                        return first
-                    first.close()  # not the file a checked open gives (a link): open it the checked way
+        local = vol.local_file(rel) if _PROC_FD and vol.checks_native_opens else None
+        if local is not None:
+            try:
+                first = pa.OSFile(local)
+            except OSError:  # missing, a folder, ...: :meth:`open` says what
+                pass
+            else:
+                if vol.opened_as_checked(rel, first.fileno()):
+                    return first
+                first.close()  # not the file a checked open gives (a link): open it the checked way
         f = self.open(path, size)
         if not _PROC_FD or not hasattr(f, "fileno"):
             return f
