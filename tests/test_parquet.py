@@ -1,4 +1,5 @@
 """export_parquet and ParquetDataset: sources, file sizes, atomic overwrite, partition and resume."""
+import contextlib
 import json
 import os
 import shutil
@@ -514,6 +515,34 @@ def test_readers_never_see_a_mixture_during_overwrites(tmp_path, monkeypatch, ex
     assert not problems, problems[:5]
     assert seen
     assert not [n for n in os.listdir(tmp_path) if n not in ("out", "ucmagic-cache")]
+
+
+@pytest.mark.parametrize("entry", ["volume", "dataset", "load_table"])
+def test_a_directory_swapped_right_after_the_first_look_reads_as_missing_never_as_a_file(tmp_path, monkeypatch,
+                                                                                        entry):
+    """An overwrite without renameat2 renames the old directory away, then the new one in: a reader whose first
+    look at the path came just before the first rename sees it there or missing, never as a file (a quiet
+    run of the test above once reported SourceNotADirectoryError). The swap is made at that exact moment."""
+    from ucmagic.files.volume import LocalVolume
+
+    dest = tmp_path / "out"
+    export_parquet(frame(20), str(dest))
+    real_stat, swapped = os.stat, []
+
+    def stat_then_swap(p, *a, **k):
+        st = real_stat(p, *a, **k)
+        if not swapped and os.fspath(p) == str(dest):
+            swapped.append(True)
+            os.rename(dest, tmp_path / "old")  # the overwrite's first rename, just after this look
+        return st
+
+    monkeypatch.setattr(os, "stat", stat_then_swap)
+    open_it = {"volume": lambda: LocalVolume.from_path(str(dest)),
+               "dataset": lambda: list(ParquetDataset(str(dest))),
+               "load_table": lambda: load_table(str(dest))}[entry]
+    with contextlib.suppress(FileNotFoundError, ListingChangedError):  # it noticed the directory gone: a read
+        open_it()  # again finds the new one; NotADirectoryError or any other error fails the test
+    assert swapped
 
 
 # ---------------------------------------------------------------- Spark (real local session)

@@ -66,7 +66,7 @@ class _CountingLocal(volume_mod.LocalVolume):
 
     @classmethod
     def from_path(cls, path, storage_options=None):
-        return cls(volume_mod.existing_local_path(path))
+        return cls(volume_mod.existing_local(path)[0])
 
     def local_file(self, rel):
         return None

@@ -3,6 +3,7 @@ mapped under ``$UCMAGIC_CATALOG_ROOT`` elsewhere), and the hint for a missing on
 from __future__ import annotations
 
 import os
+import stat
 
 from ..errors import SourceNotFoundError
 
@@ -72,9 +73,13 @@ def missing_path_hint(path: str) -> str:
     return f"the volume maps to {mapped}, which exists; check the rest of the path"
 
 
-def existing_local_path(path: str) -> str:
-    """:func:`resolve_local_path`, or :class:`SourceNotFoundError` naming ``path`` and the fix."""
+def existing_local(path: str) -> tuple[str, bool]:
+    """:func:`resolve_local_path` and whether it is a directory, from one look: a directory swapped for another
+    meanwhile (an overwrite renames the old one away, then the new one in) reads as there or missing, never as a
+    file. :class:`SourceNotFoundError` naming ``path`` and the fix where nothing is there."""
     real = resolve_local_path(path)
-    if not os.path.exists(real):
-        raise SourceNotFoundError(f"{path} does not exist: {missing_path_hint(path)}")
-    return real
+    try:
+        mode = os.stat(real).st_mode
+    except (OSError, ValueError):
+        raise SourceNotFoundError(f"{path} does not exist: {missing_path_hint(path)}") from None
+    return real, stat.S_ISDIR(mode)

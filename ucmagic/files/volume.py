@@ -20,14 +20,14 @@ from .._util import is_remote_url
 from ..errors import InvalidArgumentError, SourceNotFoundError
 from .entries import (DirScan, FileEntry, compile_pattern, filter_entries, fingerprint_rows, is_safe_rel,
                       listing_fingerprint)
-from .local_paths import existing_local_path, local_path, missing_path_hint, resolve_local_path
+from .local_paths import existing_local, local_path, missing_path_hint, resolve_local_path
 from .volume_base import Volume, check_unchanged, copy_error
 from .volume_fsspec import FsspecVolume, info_mtime
 from .volume_local import FAST_DIR_S, FAST_ENTRY_S, LocalVolume
 
 __all__ = [
     "FAST_DIR_S", "FAST_ENTRY_S", "DirScan", "FileEntry", "FsspecVolume", "LocalVolume", "Volume", "VolumeMatch",
-    "check_unchanged", "compile_pattern", "copy_error", "existing_local_path", "filter_entries", "fingerprint_rows",
+    "check_unchanged", "compile_pattern", "copy_error", "existing_local", "filter_entries", "fingerprint_rows",
     "info_mtime", "is_safe_rel", "listing_fingerprint", "local_path", "missing_path_hint", "open_volume",
     "register_volume", "resolve_local_path", "unregister_volume", "volume_class",
 ]

@@ -18,7 +18,7 @@ from ..errors import SourceNotADirectoryError, UnreadableDirectoryError, UnsafeS
 from .entries import DirScan, FileEntry, compile_pattern, filter_entries
 from .local_files import (FdReader, local_names, local_put, local_remove, local_remove_tree, local_rename,
                           open_beneath, opened_beneath, writable_rel)
-from .local_paths import existing_local_path
+from .local_paths import existing_local
 from .volume_base import Volume, check_unchanged
 
 
@@ -59,8 +59,8 @@ class LocalVolume(Volume):
         """A directory, ``/Volumes/...`` path (see :func:`resolve_local_path`) or ``file://`` URL."""
         if path.startswith("file://"):
             path = path[len("file://"):]
-        real = existing_local_path(path)
-        if not os.path.isdir(real):
+        real, is_dir = existing_local(path)
+        if not is_dir:
             raise SourceNotADirectoryError(f"{path} is a file, not a directory: pass the directory that holds "
                                            "your files (use pattern= to pick some)")
         return cls(real)

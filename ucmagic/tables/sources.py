@@ -21,7 +21,7 @@ from .._util import error_line, is_remote_url, is_url
 from ..errors import (ColumnNotFoundError, EmptyListingError, InvalidTableNameError, SourceNotADirectoryError,
                       SourceNotFoundError, SQLFileAccessError, TableNotFoundError, UnsupportedSourceError)
 from ..units import parse_size
-from ..files.volume import Volume, compile_pattern, existing_local_path, open_volume, resolve_local_path
+from ..files.volume import Volume, compile_pattern, existing_local, open_volume, resolve_local_path
 from .journal import committed_listing
 
 
@@ -284,8 +284,8 @@ def resolve_path_source(path: str, *, version: int | None = None,
         if not files:
             raise SourceNotFoundError(f"no Parquet or CSV file matches {path}: check the glob")
         return Source(_files_kind(files, path), paths=files)
-    real = existing_local_path(path)
-    if os.path.isdir(real):
+    real, is_dir = existing_local(path)
+    if is_dir:
         if is_delta_dir(real):
             return Source("delta", root=real, version=version)
         files = committed_listing(real, _local_dir_files)  # an unfinished append: none of its files
