@@ -23,6 +23,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from collections import Counter
 from typing import Any
 
@@ -124,6 +125,7 @@ def table(tmp_path_factory):
     data = str(root / "vol")
     make_files(data, N, 64, per_dir=20)
     done: dict[str, str] = {}
+    failed: dict[str, str] = {}
 
     def records(trainer: str, recipe: str, kind: str) -> dict[str, list[dict[str, Any]]]:
         for mod in NEEDS[trainer]:
@@ -132,11 +134,16 @@ def table(tmp_path_factory):
         groups = [[c] for c in selected] if trainer == "lightning" else [selected]
         group = next(g for g in groups if (recipe, kind) in g)
         key = f"{trainer}:{json.dumps(group)}"
+        if key in failed:  # one run serves the group's cells: its failure is each cell's, said once in full
+            pytest.fail(f"{trainer} {recipe} {kind}: the run of its group failed (see that cell):\n{failed[key]}")
         if key not in done:
-            tmp = str(root / f"run{len(done)}")
-            os.makedirs(tmp)
-            for phase in ("save", "resume"):
-                run_phase(trainer, phase, [list(c) for c in group], data, tmp)
+            tmp = tempfile.mkdtemp(prefix="run", dir=root)
+            try:
+                for phase in ("save", "resume"):
+                    run_phase(trainer, phase, [list(c) for c in group], data, tmp)
+            except (AssertionError, pytest.fail.Exception) as e:
+                failed[key] = str(e)[-2000:]
+                raise
             done[key] = tmp
         out = os.path.join(done[key], "out")
         got = {}
