@@ -16,9 +16,9 @@ Data: 48 items of each kind (files of 1-3 KiB under ``train/class<k>/`` and a Pa
 mix draws from those tar samples and 24 others). Batches of 4. The resumed run is a new process that reads the
 state as JSON.
 
-Runs: the default suite takes an all-pairs sample (allpairspy, impossible cells filtered out); ``pytest --full``
+Runs: the default suite takes an all-pairs sample of low cost (``run_size.all_pairs``); ``pytest --full``
 (``--matrix=wide``) every cell without spawned workers (1,180) and an all-pairs sample of the 840 spawn cells
-among themselves (56: every pair of values they hold), 1,236 cells; ``--matrix=full`` (or ``UCMAGIC_MATRIX=full``) the
+among themselves (63: every pair of values they hold), 1,243 cells; ``--matrix=full`` (or ``UCMAGIC_MATRIX=full``) the
 whole product (2,020 cells, ~50 min on 2 cores: each spawned worker starts an interpreter and imports torch, once
 per epoch; the spawn cells start ~5,400 of them); :func:`test_exactly_once_over_drawn_cells` draws cells with
 hypothesis (``UCMAGIC_MATRIX_DRAWS``, default 0: off in the default run). Cells run in a few child
@@ -49,7 +49,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import oracle_delivery as oracle  # noqa: E402
-from run_size import cover, wide  # noqa: E402
+from run_size import all_pairs, cover, wide  # noqa: E402
+from run_size import cell_pairs as pairs_of  # noqa: E402
 
 SCRIPT = os.path.join(HERE, "scripts", "matrix_delivery.py")
 COUNT, BATCH, BLOCK = 48, 4, 8
@@ -65,32 +66,25 @@ def product_cells() -> list[dict[str, Any]]:
 
 
 def pairs_cells() -> list[dict[str, Any]]:
-    """An all-pairs sample (allpairspy) of the possible cells: every pair of values that some possible cell
-    holds is held by a sampled cell (checked by a test)."""
-    from allpairspy import AllPairs
-
-    names = list(oracle.DIMS)
-    prefixes = {tuple(c[n] for n in names[:k]) for c in product_cells() for k in range(len(names) + 1)}
-    rows = AllPairs([list(v) for v in oracle.DIMS.values()], filter_func=lambda row: tuple(row) in prefixes)
-    sample = [dict(zip(names, row)) for row in rows]
-    # allpairspy's filter leaves some possible pairs out: a greedy top-up, cheap cells first
-    full = product_cells()
-    left = set().union(*map(cell_pairs, full)) - set().union(*map(cell_pairs, sample))
-    while left:
-        best = max(full, key=lambda c: (len(cell_pairs(c) & left), -cost(c)))
-        sample.append(best)
-        left -= cell_pairs(best)
-    return sample
+    """The default sample: every pair of values that some possible cell holds is held by a sampled cell, at low
+    total cost (:func:`run_size.all_pairs`; checked by a test)."""
+    return all_pairs({k: list(v) for k, v in oracle.DIMS.items()}, lambda c: oracle.impossible(c) is None, cost)
 
 
 def cell_pairs(c: dict[str, Any]) -> set[tuple[str, Any, str, Any]]:
-    return {(a, c[a], b, c[b]) for a, b in itertools.combinations(oracle.DIMS, 2)}
+    return pairs_of(c, list(oracle.DIMS))
 
 
 def cost(c: dict[str, Any]) -> float:
-    """Rough relative cost of a cell: spawn workers start interpreters (twice when resumed)."""
-    spawn = c["workers"] if c["start"] == "spawn" else 0
-    return 1.0 + 1.5 * spawn * (1 + (c["resume"] != "none")) + (c["change"] == "world") * 2.0
+    """Rough seconds a cell takes on a 2-core machine (the samples' objective; per-cell times measured): ~0.4 s,
+    and ~3 s per spawned worker started (an interpreter importing torch): torch's DataLoader starts its workers
+    each epoch, ucmagic's keeps them (persistent by default); each rank starts its own, the resumed run too."""
+    if c["start"] != "spawn":
+        return 0.4
+    (world, workers), (_, workers_after) = oracle.layouts(c)
+    epochs = {"none": 2, "batch": 1, "break": 1, "epoch_end": 1, "epoch1": 2}[c["resume"]]
+    starts = world * workers * (epochs if c["consumer"] == "torch" else 1)
+    return 0.4 + 3.0 * (starts + (workers_after if c["resume"] != "none" else 0))
 
 
 def spawned(c: dict[str, Any]) -> bool:

@@ -66,7 +66,7 @@ import random
 import re
 import subprocess
 import sys
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import pytest
 from hypothesis import given, settings
@@ -74,7 +74,7 @@ from hypothesis import strategies as st
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from run_size import wide  # noqa: E402
+from run_size import all_pairs, cell_pairs, wide  # noqa: E402
 
 CELL_SCRIPT = os.path.join(HERE, "scripts", "matrix_cell.py")
 
@@ -129,79 +129,6 @@ def cost(cell: dict[str, str]) -> float:
 
 
 # ---------------------------------------------------------------- the all-pairs sample
-
-def cell_pairs(cell: dict[str, Any], names: Sequence[str]) -> set[tuple[str, Any, str, Any]]:
-    return {(a, cell[a], b, cell[b]) for a, b in itertools.combinations(names, 2)}
-
-
-def all_pairs(dims: dict[str, list[Any]], possible: Callable[[dict[str, Any]], bool],
-              cost: Callable[[dict[str, Any]], float] = lambda c: 0.0) -> list[dict[str, Any]]:
-    """A deterministic all-pairs sample of low total cost: every pair of values (of two dimensions)
-    that some possible cell holds is held by at least one chosen cell.
-
-    Greedy first (each step takes the possible cell that covers the most uncovered pairs per square
-    root of its cost: cheap cells first, without trading one costly cell for many that each cover a
-    pair; ties go to the cheaper cell, then to product order), then a local search until no move is left: a chosen
-    cell is dropped, or replaced by a cheaper possible cell, or two chosen cells swap their values of
-    one dimension for a cheaper pair of possible cells, wherever every pair stays covered."""
-    names = list(dims)
-    cells = [c for c in (dict(zip(names, vals)) for vals in itertools.product(*dims.values())) if possible(c)]
-    index = {tuple(c.values()): i for i, c in enumerate(cells)}
-    pairs = [cell_pairs(c, names) for c in cells]
-    costs = [max(cost(c), 1e-9) for c in cells]
-    uncovered: set[tuple[str, Any, str, Any]] = set().union(*pairs) if pairs else set()
-    chosen: list[int] = []
-    while uncovered:
-        best = max(range(len(cells)), key=lambda i: (len(pairs[i] & uncovered) / costs[i] ** 0.5, -costs[i], -i))
-        chosen.append(best)
-        uncovered -= pairs[best]
-    held: dict[tuple[str, Any, str, Any], int] = {}  # how many chosen cells hold each pair
-    for i in chosen:
-        for p in pairs[i]:
-            held[p] = held.get(p, 0) + 1
-
-    def swap(old: Sequence[int], new: Sequence[int]) -> bool:
-        """Replace the chosen cells ``old`` by ``new`` if every pair stays covered."""
-        for i in old:
-            for p in pairs[i]:
-                held[p] -= 1
-        for j in new:
-            for p in pairs[j]:
-                held[p] = held.get(p, 0) + 1
-        if all(held[p] > 0 for i in old for p in pairs[i]):
-            chosen[:] = [i for i in chosen if i not in old] + list(new)
-            return True
-        for j in new:  # undo
-            for p in pairs[j]:
-                held[p] -= 1
-        for i in old:
-            for p in pairs[i]:
-                held[p] += 1
-        return False
-
-    def moves() -> Iterator[tuple[list[int], list[int]]]:
-        """Candidate moves, each cheaper than what it replaces, in a fixed order."""
-        taken = set(chosen)
-        for i in sorted(chosen, key=lambda i: (-costs[i], i)):
-            yield [i], []
-            for j in sorted(range(len(cells)), key=lambda j: (costs[j], j)):
-                if costs[j] >= costs[i]:
-                    break
-                if j not in taken:
-                    yield [i], [j]
-        for i, j in itertools.combinations(sorted(chosen), 2):
-            for d in range(len(names)):
-                a, b = list(cells[i].values()), list(cells[j].values())
-                a[d], b[d] = b[d], a[d]
-                ia, ib = index.get(tuple(a)), index.get(tuple(b))
-                if (ia is not None and ib is not None and ia not in taken and ib not in taken and ia != ib
-                        and costs[ia] + costs[ib] < costs[i] + costs[j]):
-                    yield [i, j], [ia, ib]
-
-    while any(swap(old, new) for old, new in moves()):
-        pass
-    return [cells[i] for i in sorted(chosen)]
-
 
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.integers(1, 4), min_size=2, max_size=4), st.data())
