@@ -466,6 +466,35 @@ def test_an_empty_step_folder_a_killed_save_left_is_reclaimed_by_the_next_save_a
     assert [i.step for i in list_checkpoints(str(root))] == [1, 4]
 
 
+def test_an_empty_record_a_save_killed_as_it_began_left_is_reclaimed_a_minute_later(tmp_path):
+    """Killed between creating its save-in-progress record and writing it: the record is an empty file, with no
+    owner to check. It ages like an empty folder (a minute), not like another host's record (a day)."""
+    from ucmagic import list_checkpoints
+    from ucmagic.checkpoints.commit import EMPTY_AFTER_S, clean_checkpoints
+    from ucmagic.checkpoints.format import SAVING_NAME
+    from ucmagic.errors import CheckpointAbandonedError, CheckpointInProgressError
+
+    root = tmp_path / "ck"
+    model, opt = trained()
+    save_checkpoint(str(root), model=model, step=1)
+    for n, age in ((2, EMPTY_AFTER_S + 5), (3, 1.0), (4, EMPTY_AFTER_S + 5)):
+        (root / f"step_{n}").mkdir()
+        rec = root / f"step_{n}" / SAVING_NAME
+        rec.write_bytes(b"" if n != 4 else b"{not json")  # step_4: a record someone else wrote, not empty
+        then = os.path.getmtime(rec) - age
+        os.utime(rec, (then, then))
+    with pytest.raises(CheckpointAbandonedError, match="killed as it began"):
+        load_checkpoint(str(root), 2, model=model)
+    with pytest.raises(CheckpointInProgressError) as young:
+        load_checkpoint(str(root), 3, model=model)  # a save beginning right now
+    assert not isinstance(young.value, CheckpointAbandonedError)
+    save_checkpoint(str(root), model=model, step=5)  # the next save reclaims the old empty record's folder only
+    assert sorted(os.listdir(root)) == ["step_1", "step_3", "step_4", "step_5"]
+    assert clean_checkpoints(str(root)) == []
+    assert clean_checkpoints(str(root), force=True) == [str(root / "step_3"), str(root / "step_4")]
+    assert [i.step for i in list_checkpoints(str(root))] == [1, 5]
+
+
 def test_a_torn_lightning_checkpoint_is_never_latest_and_loading_it_names_it(tmp_path):
     """``epoch=4-step=200.ckpt`` half written (killed, or the disk filled): listed as complete and chosen as
     latest before issue 50, failing with torch's raw zip error."""

@@ -49,6 +49,8 @@ from ..files.volume import resolve_local_path
 # A record from another host, or without its owner's start time (older ucmagic), cannot be checked
 # against a live process: it counts as abandoned once it is this old (``ckpt clean --force``: at once).
 ABANDONED_AFTER_S = 24 * 3600.0
+# An empty step_<N> folder, or an empty record, this old is a killed save's (a save writes its record at once).
+EMPTY_AFTER_S = 60.0
 
 
 def volume_dir(path: str | os.PathLike[str]) -> str:
@@ -127,6 +129,12 @@ def reclaimable(record: Mapping[str, Any], *, state: str, age_s: float, force: b
 def in_progress_error(path: str, record: Mapping[str, Any], *,
                       waited: float | None = None) -> CheckpointInProgressError:
     """The error for a directory whose save has not committed: abandoned when its owner here is gone."""
+    if not record and _record_empty(path) and _record_age(path, record, time.time()) >= EMPTY_AFTER_S:
+        return CheckpointAbandonedError(
+            f"{path}: a save into this directory was killed as it began (its save-in-progress record is empty "
+            f"and over {EMPTY_AFTER_S:.0f} s old), so it will never commit; nothing there is loadable: load another "
+            "step, save again, or remove it (the next save_checkpoint in its root does, as does "
+            "`python -m ucmagic ckpt clean ROOT`)")
     if not record.get("failed") and owner_state(record, host=socket.gethostname(), alive=tag_alive) == "dead":
         since = record.get("since")
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(since)) if isinstance(since, (int, float)) else "?"
@@ -253,8 +261,9 @@ def reclaim_dir(path: str) -> None:
 def abandoned_dirs(root: str, *, force: bool = False, now: float | None = None) -> list[str]:
     """The directories under checkpoint root ``root`` (a local path or URL) holding a save that will never
     commit: its record's owner on this host is gone (or, with ``force`` or after :data:`ABANDONED_AFTER_S`,
-    one that cannot be checked), or an empty ``step_<N>`` folder a save killed before its first write left
-    (:data:`EMPTY_AFTER_S` old, or with ``force``). Committed checkpoints and running saves are never among them."""
+    one that cannot be checked), or an empty ``step_<N>`` folder or empty record a save killed before its first
+    write left (:data:`EMPTY_AFTER_S` old, or with ``force``). Committed checkpoints and running saves are never
+    among them."""
     now = time.time() if now is None else now
     host = socket.gethostname()
 
@@ -271,16 +280,15 @@ def abandoned_dirs(root: str, *, force: bool = False, now: float | None = None) 
         if _committed_by(d, record):
             return None
         state = owner_state(record, host=host, alive=tag_alive)
-        return d if reclaimable(record, state=state, age_s=_record_age(d, record, now), force=force) else None
+        limit = EMPTY_AFTER_S if not record and _record_empty(d) else ABANDONED_AFTER_S
+        return d if reclaimable(record, state=state, age_s=_record_age(d, record, now), force=force,
+                                max_age_s=limit) else None
 
     names = [n for n in xfer.list_names(root) if not n.startswith(".")]
     if not names:
         return []
     with ThreadPoolExecutor(max_workers=min(16, len(names))) as pool:
         return sorted(d for d in pool.map(check, names) if d is not None)
-
-
-EMPTY_AFTER_S = 60.0  # an empty step_<N> folder this old is a killed save's (a save writes its record at once)
 
 
 def _empty_step_dir(path: str, name: str, now: float, force: bool) -> bool:
@@ -291,6 +299,15 @@ def _empty_step_dir(path: str, name: str, now: float, force: bool) -> bool:
     try:
         st = os.lstat(path)
         return stat_mod.S_ISDIR(st.st_mode) and not os.listdir(path) and (force or now - st.st_mtime >= EMPTY_AFTER_S)
+    except OSError:
+        return False
+
+
+def _record_empty(path: str) -> bool:
+    """Whether the save-in-progress record of ``path`` is an empty file: its save was killed between creating the
+    record and its one write (a save writes it at once), so it ages like an empty folder (:data:`EMPTY_AFTER_S`)."""
+    try:
+        return xfer.stat_file(os.path.join(path, SAVING_NAME))[0] == 0
     except OSError:
         return False
 
