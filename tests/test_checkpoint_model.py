@@ -28,9 +28,9 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import ucmagic
+from ucmagic.checkpoints.api import UCVolumeReader, UCVolumeWriter, list_checkpoints, load_checkpoint, save_checkpoint
 from ucmagic.checkpoints.commit import EMPTY_AFTER_S, abandoned_dirs
 from ucmagic.checkpoints.format import SAVING_NAME
-from ucmagic.checkpoints.api import UCVolumeReader, UCVolumeWriter, list_checkpoints, load_checkpoint, save_checkpoint
 from ucmagic.errors import (
     CheckpointCorruptError,
     CheckpointError,

@@ -7,8 +7,9 @@
 Chosen by reading the source (``ast``), not by running it: a test function waits or bounds time when its own
 body, or a module-level helper, fixture or class of its module that it names (followed through the names those
 name in turn), mentions a name below: sleeps, waits, joins, events and conditions, timeouts and deadlines,
-clocks, signals and kills, threads, and child processes (subprocesses, DataLoader workers, ranks). Fixtures are
-followed through the test's parameters. Wide on purpose: a test that only might wait is in the set.
+clocks, signals and kills, threads, and child processes (subprocesses, DataLoader workers, ranks). A fixture of
+the module is followed through the test's parameters; conftest.py's fixtures are not followed. Wide on purpose:
+a test that only might wait is in the set.
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ WAITING = {
 
 
 def _names(node: ast.AST) -> set[str]:
-    """Every name, attribute and string-free keyword argument mentioned under ``node``."""
+    """Every name, attribute, keyword argument and parameter mentioned under ``node``."""
     out: set[str] = set()
     for n in ast.walk(node):
         if isinstance(n, ast.Name):
