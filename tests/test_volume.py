@@ -3,6 +3,7 @@ import contextlib
 import os
 import pickle
 import threading
+from typing import Any
 
 import pytest
 from waits import wait_until
@@ -60,6 +61,32 @@ def test_open_volume_errors(tmp_path):
         open_volume(str(f))
     with pytest.raises(SourceNotFoundError):
         open_volume("memory://no/such/dir")
+
+
+def test_an_fsspec_url_is_looked_at_once_and_named_missing_or_a_file(monkeypatch):
+    """One request to the store says whether the URL is there and what it is: two (exists, then isdir) cost two
+    round trips and, with a prefix replaced between them, called a folder a file."""
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    fs.pipe("/umlook/ds/a.bin", b"abc")
+    looks: list[str] = []
+    def counted(name: str) -> Any:
+        orig = getattr(type(fs), name)
+
+        def look(self: Any, p: str, *a: Any, **k: Any) -> Any:
+            looks.append(name)
+            return orig(self, p, *a, **k)
+        return look
+    for name in ("info", "exists", "isdir", "isfile"):
+        monkeypatch.setattr(type(fs), name, counted(name))
+    assert isinstance(open_volume("memory://umlook/ds"), FsspecVolume)
+    assert looks == ["info"]
+    with pytest.raises(SourceNotADirectoryError, match="is a file"):
+        open_volume("memory://umlook/ds/a.bin")
+    with pytest.raises(SourceNotFoundError, match="does not exist"):
+        open_volume("memory://umlook/none")
+    fs.rm("/umlook", recursive=True)
 
 
 def test_volumes_path_maps_to_catalog_root(tmp_path, monkeypatch):

@@ -88,13 +88,15 @@ class FsspecVolume(Volume):
     def from_path(cls, path: str, storage_options: dict[str, Any] | None = None) -> Volume:
         """An fsspec URL naming a directory (a prefix on object stores)."""
         vol = cls(path, storage_options)
-        try:
-            exists, isdir = vol.fs.exists(vol.root), vol.fs.isdir(vol.root)
+        try:  # one look (one request on a store): whether it is there and what it is, never two that a change splits
+            kind = vol.fs.info(vol.root).get("type", "file")
+        except FileNotFoundError:
+            kind = None
         except Exception as e:  # a backend that cannot answer: let listing report the real error
             raise SourceNotFoundError(f"cannot reach {path}: {e}") from e
-        if not exists:
+        if kind is None:
             raise SourceNotFoundError(f"{path} does not exist: check the URL and your credentials")
-        if not isdir:
+        if kind != "directory":
             raise SourceNotADirectoryError(f"{path} is a file, not a directory: "
                                            "pass the directory that holds your files")
         return vol
