@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 import ucmagic
 from ucmagic.checkpoints.api import UCVolumeReader, UCVolumeWriter, list_checkpoints, load_checkpoint, save_checkpoint
 from ucmagic.checkpoints.commit import EMPTY_AFTER_S, abandoned_dirs
-from ucmagic.checkpoints.format import SAVING_NAME
+from ucmagic.checkpoints.format import SAVING_NAME, parse_step_dirname
 from ucmagic.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -164,7 +164,7 @@ class Run:
         for name in stray:
             d = os.path.join(self.root, name)
             inside = {n: os.path.getsize(os.path.join(d, n)) for n in os.listdir(d)}
-            begun = int(name[len("step_"):]) > 10 and inside in ({}, {SAVING_NAME: 0})  # a killed save's, as it began
+            begun = (parse_step_dirname(name) or 0) > 10 and inside in ({}, {SAVING_NAME: 0})  # killed as it began
             assert begun, f"{name} ({inside}) left in the root after a save finished (not committed); ops: {self.log}"
             assert d in later, f"{name} ({inside}), a save killed as it began, is not reclaimed a minute later"
 

@@ -129,7 +129,8 @@ def reclaimable(record: Mapping[str, Any], *, state: str, age_s: float, force: b
 def in_progress_error(path: str, record: Mapping[str, Any], *,
                       waited: float | None = None) -> CheckpointInProgressError:
     """The error for a directory whose save has not committed: abandoned when its owner here is gone."""
-    if not record and _record_empty(path) and _record_age(path, record, time.time()) >= EMPTY_AFTER_S:
+    empty_age = None if record else _empty_record_age(path, time.time())
+    if empty_age is not None and empty_age >= EMPTY_AFTER_S:
         return CheckpointAbandonedError(
             f"{path}: a save into this directory was killed as it began (its save-in-progress record is empty "
             f"and over {EMPTY_AFTER_S:.0f} s old), so it will never commit; nothing there is loadable: load another "
@@ -280,9 +281,10 @@ def abandoned_dirs(root: str, *, force: bool = False, now: float | None = None) 
         if _committed_by(d, record):
             return None
         state = owner_state(record, host=host, alive=tag_alive)
-        limit = EMPTY_AFTER_S if not record and _record_empty(d) else ABANDONED_AFTER_S
-        return d if reclaimable(record, state=state, age_s=_record_age(d, record, now), force=force,
-                                max_age_s=limit) else None
+        empty_age = None if record else _empty_record_age(d, now)
+        age, limit = ((_record_age(d, record, now), ABANDONED_AFTER_S) if empty_age is None
+                      else (empty_age, EMPTY_AFTER_S))
+        return d if reclaimable(record, state=state, age_s=age, force=force, max_age_s=limit) else None
 
     names = [n for n in xfer.list_names(root) if not n.startswith(".")]
     if not names:
@@ -303,13 +305,14 @@ def _empty_step_dir(path: str, name: str, now: float, force: bool) -> bool:
         return False
 
 
-def _record_empty(path: str) -> bool:
-    """Whether the save-in-progress record of ``path`` is an empty file: its save was killed between creating the
-    record and its one write (a save writes it at once), so it ages like an empty folder (:data:`EMPTY_AFTER_S`)."""
+def _empty_record_age(path: str, now: float) -> float | None:
+    """Seconds since the save-in-progress record of ``path`` was made, when it is an empty file (its save was killed
+    between creating the record and its one write: it ages like an empty folder, :data:`EMPTY_AFTER_S`); else None."""
     try:
-        return xfer.stat_file(os.path.join(path, SAVING_NAME))[0] == 0
+        size, mtime = xfer.stat_file(os.path.join(path, SAVING_NAME))
     except OSError:
-        return False
+        return None
+    return now - mtime if size == 0 else None
 
 
 def _committed_by(path: str, record: Mapping[str, Any]) -> bool:
