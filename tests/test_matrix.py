@@ -501,7 +501,7 @@ def judge(cell: dict[str, str], r: dict[str, Any]) -> list[str]:
     need(not left["threads"], f"threads left after the loop: {left['threads']}")
     need(not left["procs"], f"processes left after the loop: {left['procs']}")
     need(left["idle_cpu"] < 0.15, f"{left['idle_cpu']:.2f} CPU-s burnt in a 0.3 s idle window after the loop")
-    need(not r["stray"], f"files left outside the cache directory: {r['stray']}")
+    need(not r["stray"], f"changes outside the cache directory: {r['stray']}")
     if "exit_problem" in r:
         out.append(r["exit_problem"])
     if "orphans" in r:
@@ -564,7 +564,7 @@ def test_judge_passes_a_correct_epoch_and_names_each_broken_expectation():
     assert judge(cell, _result()) == []
     broken = _result(epochs=[{"partial": False, "sum": _summary(n=FILES + 1, dups=["a"], bad_n=1, bad=["b"])}],
                      peak=5 * MiB, left={"threads": [{"name": "t"}], "procs": [], "idle_cpu": 0.4},
-                     stray=["home:.cache"])
+                     stray=["home:.cache (appeared: a folder)"])
     problems = " ".join(judge(cell, broken))
     for words in ("duplicates", "wrong bytes", "peaked", "threads left", "CPU-s", "outside the cache"):
         assert words in problems

@@ -21,6 +21,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -28,6 +29,11 @@ from typing import Any, Callable, Iterator
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
+if sys.argv[1:2] == ["--second"]:
+    # The second process starts while its child's first cell runs, and Python's first look for the temp
+    # directory (importing torch makes it) writes and removes a probe file there: a change to $TMPDIR the
+    # cell's check would blame on the cell (it did once). Named here, the directory is not probed.
+    tempfile.tempdir = os.environ["TMPDIR"]
 
 import torch.utils.data as tud  # noqa: E402 - after the path: spawn workers import this module too
 
@@ -62,9 +68,10 @@ def tree_bytes(root: str) -> int:
     return total
 
 
-def tree_state(root: str, skip: tuple[str, ...] = ()) -> dict[str, tuple[int, int]]:
-    """``{relative path: (size, mtime_ns)}`` of every entry under ``root`` except the ``skip`` subtrees."""
-    out: dict[str, tuple[int, int]] = {}
+def tree_state(root: str, skip: tuple[str, ...] = ()) -> dict[str, tuple[str, int, int]]:
+    """``{relative path: (kind, size, mtime_ns)}`` of every entry under ``root`` except the ``skip``
+    subtrees; a folder is ``("folder", 0, 0)`` (what it holds is listed on its own)."""
+    out: dict[str, tuple[str, int, int]] = {}
     if not os.path.isdir(root):
         return out
     for d, dirs, files in os.walk(root):
@@ -73,8 +80,19 @@ def tree_state(root: str, skip: tuple[str, ...] = ()) -> dict[str, tuple[int, in
             p = os.path.join(d, f)
             with contextlib.suppress(FileNotFoundError):
                 st = os.lstat(p)
-                out[os.path.relpath(p, root)] = (st.st_size if f in files else 0, st.st_mtime_ns if f in files else 0)
+                out[os.path.relpath(p, root)] = ("file", st.st_size, st.st_mtime_ns) if f in files else ("folder", 0, 0)
     return out
+
+
+def tree_change(before: tuple[str, int, int] | None, after: tuple[str, int, int] | None) -> str:
+    """How one entry changed between two :func:`tree_state` looks, in words."""
+    def what(state: tuple[str, int, int]) -> str:
+        return f"a file of {state[1]} bytes" if state[0] == "file" else "a folder"
+    if before is None:
+        return f"appeared: {what(after)}" if after else "unchanged"
+    if after is None:
+        return f"vanished: was {what(before)}"
+    return f"rewritten: {what(before)}, now {what(after)}"
 
 
 class Sampler:
@@ -475,7 +493,7 @@ def run_cell(cell: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
                 continue
             if after[k].get(rel) != before[k].get(rel) and not (k == "work" and rel in ("cache", "mnt", "src",
                                                                                     "second.json")):
-                stray.append(f"{k}:{rel}")
+                stray.append(f"{k}:{rel} ({tree_change(before[k].get(rel), after[k].get(rel))})")
     res["stray"] = stray[:10]
     mark("after")
     res["phases"] = phases
