@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterator
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
-if sys.argv[1:2] == ["--second"]:
+if sys.argv[1:2] == ["--second"] and os.environ.get("TMPDIR"):
     # The second process starts while its child's first cell runs, and Python's first look for the temp
     # directory (importing torch makes it) writes and removes a probe file there: a change to $TMPDIR the
     # cell's check would blame on the cell (it did once). Named here, the directory is not probed.
