@@ -89,7 +89,8 @@ def tree_change(before: tuple[str, int, int] | None, after: tuple[str, int, int]
     def what(state: tuple[str, int, int]) -> str:
         return f"a file of {state[1]} bytes" if state[0] == "file" else "a folder"
     if before is None:
-        return f"appeared: {what(after)}" if after else "unchanged"
+        assert after is not None, "an entry in neither look"
+        return f"appeared: {what(after)}"
     if after is None:
         return f"vanished: was {what(before)}"
     return f"rewritten: {what(before)}, now {what(after)}"

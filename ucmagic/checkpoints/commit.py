@@ -129,7 +129,7 @@ def reclaimable(record: Mapping[str, Any], *, state: str, age_s: float, force: b
 def in_progress_error(path: str, record: Mapping[str, Any], *,
                       waited: float | None = None) -> CheckpointInProgressError:
     """The error for a directory whose save has not committed: abandoned when its owner here is gone."""
-    empty_age = None if record else _empty_record_age(path, time.time())
+    empty_age = _empty_record_age(path, record, time.time())
     if empty_age is not None and empty_age >= EMPTY_AFTER_S:
         return CheckpointAbandonedError(
             f"{path}: a save into this directory was killed as it began (its save-in-progress record is empty "
@@ -281,7 +281,7 @@ def abandoned_dirs(root: str, *, force: bool = False, now: float | None = None) 
         if _committed_by(d, record):
             return None
         state = owner_state(record, host=host, alive=tag_alive)
-        empty_age = None if record else _empty_record_age(d, now)
+        empty_age = _empty_record_age(d, record, now)
         age, limit = ((_record_age(d, record, now), ABANDONED_AFTER_S) if empty_age is None
                       else (empty_age, EMPTY_AFTER_S))
         return d if reclaimable(record, state=state, age_s=age, force=force, max_age_s=limit) else None
@@ -305,9 +305,12 @@ def _empty_step_dir(path: str, name: str, now: float, force: bool) -> bool:
         return False
 
 
-def _empty_record_age(path: str, now: float) -> float | None:
-    """Seconds since the save-in-progress record of ``path`` was made, when it is an empty file (its save was killed
-    between creating the record and its one write: it ages like an empty folder, :data:`EMPTY_AFTER_S`); else None."""
+def _empty_record_age(path: str, record: Mapping[str, Any], now: float) -> float | None:
+    """Seconds since the save-in-progress record of ``path`` (read as ``record``) was made, when it is an empty file
+    (its save was killed between creating the record and its one write: it ages like an empty folder,
+    :data:`EMPTY_AFTER_S`); else None."""
+    if record:
+        return None
     try:
         size, mtime = xfer.stat_file(os.path.join(path, SAVING_NAME))
     except OSError:
