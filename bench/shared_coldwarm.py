@@ -25,10 +25,10 @@ Caches and copies stay until the whole run ends (``RemovedAtExit``: on this VM's
 journal, a creation right after a mass deletion pays for every inode freed in the last minutes).
 The raw copy removes its own copy as it ends and databricks-sdk-air its temporary cache, which the
 next run pays for. With the three systems ucmagic and the raw copy each follow such a removal in
-every round; with ``--systems limit,ucmagic`` over both profiles ucmagic follows the raw copy's removal in 3 runs of 4
-and the raw copy follows ucmagic (which removes nothing) in 3 of 4, so compare those two with
-``--settle 65``. Run it alone: CPU seconds taken beside other work are inflated unevenly
-(docs/benchmarks.md).
+every round; with ``--systems limit,ucmagic`` over both profiles ucmagic follows the raw copy's
+removal in 3 runs of 4 and the raw copy follows ucmagic (which removes nothing) in 3 of 4, so
+compare those two with ``--settle 65``. Run it alone: CPU seconds taken beside other work are
+inflated unevenly (docs/benchmarks.md).
 """
 from __future__ import annotations
 
