@@ -481,6 +481,98 @@ print("OK", rank)
     assert all(o.rstrip().endswith(f"OK {r}") for r, o in enumerate(outs)), outs
 
 
+_FRESH_STATE_ID = """
+import ctypes, threading
+ctypes.pythonapi.PyThreadState_Get.restype = ctypes.c_void_p
+ctypes.pythonapi.PyThreadState_GetID.argtypes = [ctypes.c_void_p]
+ctypes.pythonapi.PyThreadState_GetID.restype = ctypes.c_uint64
+def fresh_state_id():  # the id of a new Python thread state: ids count every state the interpreter made
+    got = []
+    t = threading.Thread(target=lambda: got.append(
+        ctypes.pythonapi.PyThreadState_GetID(ctypes.pythonapi.PyThreadState_Get())))
+    t.start(); t.join()
+    return got[0]
+"""
+
+
+@pytest.mark.skipif(sys.implementation.name != "cpython", reason="counts CPython's thread states")
+def test_ucmagic_gathers_leave_gloo_threads_nothing_to_free_in_python(tmp_path):
+    """After ucmagic's gathers (a loader's seed and state, load_checkpoint's verdicts) no thread of gloo's makes a
+    Python thread state to free their tensors: Python frees them on the thread that gathered. A thread state made
+    by gloo's thread while the loop forks its DataLoader workers deadlocked a worker before it ran any Python
+    (Python 3.11 before CPython's fix of gh-112275: the matrix's seed gather then fork, 1 cell in ~100 under
+    load); on torch < 2.8 it also hung destroy_process_group. The old code let gloo make ~60 in 100 gathers."""
+    script = PRELUDE + _FRESH_STATE_ID + """
+import datetime, time
+import torch.distributed as dist
+from ucmagic.dist import all_gather_ints
+rank = int(os.environ["RANK"])
+dist.init_process_group("gloo", init_method=os.environ["PG_INIT"], rank=rank, world_size=2,
+                        timeout=datetime.timedelta(seconds=90))
+print("READY", flush=True)
+all_gather_ints([0], 2)
+before = fresh_state_id()
+for i in range(40):
+    assert all_gather_ints([i] * (rank + 1), 2) == [i, i, i]
+time.sleep(0.5)  # gloo's threads free what they hold right after each gather
+made = fresh_state_id() - before - 1
+dist.barrier()
+dist.destroy_process_group()
+print("MADE", made)
+"""
+    f = tmp_path / "states.py"
+    f.write_text(script)
+    outs = run_ranks(str(f), env=dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1"), hang_s=90)
+    made = [int(o.rsplit("MADE", 1)[1].split()[0]) for o in outs]
+    assert made == [0, 0], f"thread states made by other threads during 40 gathers, per rank: {made}"
+
+
+@pytest.mark.full
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="forks")
+def test_workers_forked_right_after_gathers_start_under_load(tmp_path):
+    """The hang itself, beside two busy processes: each rank gathers, then forks a child that must exit at once,
+    1,000 times. With the old code 1 and 4 children of 1,000 never started (deadlocked in Python's fork handling
+    on 3.11.7) in two runs; after the change none did."""
+    script = PRELUDE + """
+import datetime, time
+import torch.distributed as dist
+from ucmagic.dist import all_gather_ints
+rank = int(os.environ["RANK"])
+dist.init_process_group("gloo", init_method=os.environ["PG_INIT"], rank=rank, world_size=2,
+                        timeout=datetime.timedelta(seconds=90))
+print("READY", flush=True)
+stuck = 0
+for i in range(1000):
+    all_gather_ints([i], 2)
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    deadline = time.monotonic() + 10
+    while not os.waitpid(pid, os.WNOHANG)[0]:
+        if time.monotonic() > deadline:
+            stuck += 1
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            break
+        time.sleep(0.002)
+dist.barrier()
+dist.destroy_process_group()
+print("STUCK", stuck)
+"""
+    f = tmp_path / "forks.py"
+    f.write_text(script)
+    busy = [subprocess.Popen([sys.executable, "-c", "while 1: pass"]) for _ in range(2)]
+    try:
+        outs = run_ranks(str(f), env=dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1"), timeout=600,
+                         hang_s=560)
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
+    stuck = [int(o.rsplit("STUCK", 1)[1].split()[0]) for o in outs]
+    assert stuck == [0, 0], f"children that never started, per rank (of 1,000): {stuck}"
+
+
 def test_save_killed_during_upload_leaves_previous_checkpoint_latest(tmp_path):
     """SIGKILL while overwriting step 2 (step 1 committed): step 2 is refused, never a mixture; 1 is latest."""
     root = tmp_path / "ck"

@@ -206,12 +206,6 @@ def set_up_writer_kwargs(method: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
 
 # ---------------------------------------------------------------- torch.distributed quirks
 
-def only_python_holds(tensor: Any) -> bool:
-    """Whether nothing but Python holds ``tensor`` now (False where torch cannot say: no ``Tensor._use_count``)."""
-    count = getattr(tensor, "_use_count", None)
-    return count is not None and count() == 1
-
-
 def destroy_waits_holding_gil() -> bool:
     """Whether ``destroy_process_group`` holds the GIL while it waits for gloo's threads (torch < 2.8; 2.8 releases
     it), so that a thread of gloo's waiting for the GIL to free a collective's tensors hangs it."""

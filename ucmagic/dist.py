@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import time
 import types
+from collections import deque
 from functools import lru_cache
 from typing import Any, Callable, NamedTuple, Protocol
 
@@ -162,27 +163,30 @@ def _collective_device(backend: str) -> str | None:
     return None
 
 
-# The tensors of recent gathers, each kept until the process group lets go of it. torch's gloo (before 2.8)
-# frees a finished gather's tensors on its own worker thread once the next barrier's record of that gather goes;
-# a tensor whose Python object is then held only there needs the GIL to be freed, while `destroy_process_group`
-# holds the GIL joining that very thread: a hang (CI's load, barrier, destroy test on 2.4.1: 1 run in 40-120).
-# Held here, the last reference to each tensor is Python's own, dropped on a thread that holds the GIL.
-_HELD: list[list[Any]] = []
-_HELD_MAX = 64  # a bound should a torch never let go (use counts stay above 1)
+# The recent gathers' work objects with their tensors, held by Python so that Python, on the thread that gathered,
+# drops a gather's last reference. Otherwise torch's gloo frees a finished gather on its own worker thread, and
+# with it the tensors' Python objects: that thread then takes the GIL, making itself a Python thread state on the
+# way. Two hangs followed from that: `destroy_process_group` holding the GIL while it joins that thread (torch
+# before 2.8: CI's load, barrier, destroy test on 2.4.1, 1 run in 40-120), and a DataLoader worker forked while
+# that thread held the interpreter's lock on its thread states (Python 3.11 before the fix of CPython's
+# gh-112275; the seed gather runs just before the workers fork): the worker deadlocked before running any Python
+# (the exactly-once matrix: 1 cell in ~100 under load; a gather-then-fork loop: 4 children of 2,000).
+# gloo lets go of a work object once it has run, but its thread may be descheduled before it does (a loop of
+# gathers beside two busy processes outran it by 8 gathers): a work object goes once it is _HELD_S old and
+# _HELD_MIN newer ones are held; at most _HELD_MAX are kept.
+_HELD: deque[tuple[float, Any, list[Any]]] = deque()
+_HELD_S, _HELD_MIN, _HELD_MAX = 5.0, 8, 256
 
 
 def _gather(group: Any, tensor: Any, world: int) -> list[list[int]]:
-    """``tensor`` of every rank, in rank order, as lists of ints; the tensors are held (see ``_HELD``)."""
+    """``tensor`` of every rank, in rank order, as lists of ints; the work and its tensors are held (``_HELD``)."""
     import torch
 
     outs = [torch.empty_like(tensor) for _ in range(world)]
-    group.all_gather(outs, tensor)
-    _HELD[:] = [ts for ts in _HELD if not _released(ts)][-(_HELD_MAX - 1):] + [[tensor, *outs]]
+    work = group.all_gather(outs, tensor, async_op=True)
+    work.wait()
+    now = time.monotonic()
+    _HELD.append((now, work, [tensor, *outs]))
+    while len(_HELD) > _HELD_MAX or (len(_HELD) > _HELD_MIN and now - _HELD[0][0] > _HELD_S):
+        _HELD.popleft()
     return [[int(x) for x in t.tolist()] for t in outs]
-
-
-def _released(tensors: list[Any]) -> bool:
-    """Whether only Python holds these tensors now (never known on a torch that cannot say)."""
-    from ._torch_compat import only_python_holds
-
-    return all(only_python_holds(t) for t in tensors)
