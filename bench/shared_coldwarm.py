@@ -27,8 +27,9 @@ The raw copy removes its own copy as it ends and databricks-sdk-air its temporar
 next run pays for. With the three systems ucmagic and the raw copy each follow such a removal in
 every round; with ``--systems limit,ucmagic`` over both profiles ucmagic follows the raw copy's
 removal in 3 runs of 4 and the raw copy follows ucmagic (which removes nothing) in 3 of 4, so
-compare those two with ``--settle 65``. Run it alone: CPU seconds taken beside other work are
-inflated unevenly (docs/benchmarks.md).
+compare those two with ``--settle 65``; with ``--systems limit,ucmagic --baseline REF`` the raw copy
+never follows a removal (compare ``ucmagic,baseline`` alone, which remove nothing, as above). Run it
+alone: CPU seconds taken beside other work are inflated unevenly (docs/benchmarks.md).
 """
 from __future__ import annotations
 
