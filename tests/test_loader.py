@@ -446,6 +446,20 @@ def test_elastic_resume_on_more_ranks(tree, monkeypatch):
     assert sorted(before + after) == sorted(names)
 
 
+class _DoneWork:
+    """What torch's ``all_gather(..., async_op=True)`` returns, for a faked gather that is already done."""
+
+    def wait(self) -> bool:
+        return True
+
+
+def fake_all_gather(outs, t, group=None, async_op=False):
+    """One process faking every rank: each rank's tensor is this one (torch's contract, ``async_op`` included)."""
+    for o in outs:
+        o.copy_(t)
+    return _DoneWork() if async_op else None
+
+
 def test_state_gathers_every_rank_and_resumes_on_one(tree, monkeypatch):
     """Two ranks (torch.distributed faked, num_workers=0) stop after 5 batches; one rank finishes."""
     root, names = tree
@@ -456,7 +470,7 @@ def test_state_gathers_every_rank_and_resumes_on_one(tree, monkeypatch):
     for rank in range(2):
         monkeypatch.setattr(dist, "get_rank", lambda group=None, r=rank: r)
         monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
-        monkeypatch.setattr(dist, "all_gather", lambda outs, t, group=None, async_op=False: [o.copy_(t) for o in outs])
+        monkeypatch.setattr(dist, "all_gather", fake_all_gather)
         d = DataLoader(UCVolumeDataset(root, shuffle=True), batch_size=4, num_workers=0, collate_fn=list)
         before += flat(run_until(d, 5))
         states.append(d.state_dict())
