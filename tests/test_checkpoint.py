@@ -501,7 +501,7 @@ def test_ucmagic_gathers_leave_gloo_threads_nothing_to_free_in_python(tmp_path):
     Python thread state to free their tensors: Python frees them on the thread that gathered. A thread state made
     by gloo's thread while the loop forks its DataLoader workers deadlocked a worker before it ran any Python
     (Python 3.11 before CPython's fix of gh-112275: the matrix's seed gather then fork, 1 cell in ~100 under
-    load); on torch < 2.8 it also hung destroy_process_group. The old code let gloo make ~60 in 100 gathers."""
+    load); on torch < 2.8 it also hung destroy_process_group. The old code let gloo make 30 and 42 here."""
     script = PRELUDE + _FRESH_STATE_ID + """
 import datetime, time
 import torch.distributed as dist
