@@ -345,6 +345,7 @@ def cases(draw):
 @settings(max_examples=EXAMPLES, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                         HealthCheck.data_too_large, HealthCheck.too_slow])
 @pytest.mark.scaled
+@pytest.mark.timeout(1800)  # a hang detector: 400 tables (.ci/run's --full) took 193 s quiet and over 300 s loaded
 @given(case=cases())
 def test_generated_predicates_keep_duckdbs_rows_with_and_without_pruning(tmp_path_factory, monkeypatch, case):
     table, files, preds = case
