@@ -481,6 +481,25 @@ print("OK", rank)
     assert all(o.rstrip().endswith(f"OK {r}") for r, o in enumerate(outs)), outs
 
 
+_GLOO_PAIR = PRELUDE + """
+import datetime, time
+import torch.distributed as dist
+from ucmagic.dist import all_gather_ints
+rank = int(os.environ["RANK"])
+dist.init_process_group("gloo", init_method=os.environ["PG_INIT"], rank=rank, world_size=2,
+                        timeout=datetime.timedelta(seconds=90))
+print("READY", flush=True)
+"""
+
+
+def _printed_per_rank(tmp_path, script: str, key: str, **kw) -> list[int]:
+    """Run ``script`` on two gloo ranks; the integer each printed after ``key``, in rank order."""
+    f = tmp_path / "ranks_script.py"
+    f.write_text(script)
+    outs = run_ranks(str(f), env=dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1"), **{"hang_s": 90, **kw})
+    return [int(o.rsplit(key, 1)[1].split()[0]) for o in outs]
+
+
 _FRESH_STATE_ID = """
 import ctypes, threading
 ctypes.pythonapi.PyThreadState_Get.restype = ctypes.c_void_p
@@ -502,14 +521,7 @@ def test_ucmagic_gathers_leave_gloo_threads_nothing_to_free_in_python(tmp_path):
     by gloo's thread while the loop forks its DataLoader workers deadlocked a worker before it ran any Python
     (Python 3.11 before CPython's fix of gh-112275: the matrix's seed gather then fork, 1 cell in ~100 under
     load); on torch < 2.8 it also hung destroy_process_group. The old code let gloo make 30 and 42 here."""
-    script = PRELUDE + _FRESH_STATE_ID + """
-import datetime, time
-import torch.distributed as dist
-from ucmagic.dist import all_gather_ints
-rank = int(os.environ["RANK"])
-dist.init_process_group("gloo", init_method=os.environ["PG_INIT"], rank=rank, world_size=2,
-                        timeout=datetime.timedelta(seconds=90))
-print("READY", flush=True)
+    script = _GLOO_PAIR + _FRESH_STATE_ID + """
 all_gather_ints([0], 2)
 before = fresh_state_id()
 for i in range(40):
@@ -520,10 +532,7 @@ dist.barrier()
 dist.destroy_process_group()
 print("MADE", made)
 """
-    f = tmp_path / "states.py"
-    f.write_text(script)
-    outs = run_ranks(str(f), env=dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1"), hang_s=90)
-    made = [int(o.rsplit("MADE", 1)[1].split()[0]) for o in outs]
+    made = _printed_per_rank(tmp_path, script, "MADE")
     assert made == [0, 0], f"thread states made by other threads during 40 gathers, per rank: {made}"
 
 
@@ -533,14 +542,7 @@ def test_workers_forked_right_after_gathers_start_under_load(tmp_path):
     """The hang itself, beside two busy processes: each rank gathers, then forks a child that must exit at once,
     1,000 times. With the old code 1 and 4 children of 1,000 never started (deadlocked in Python's fork handling
     on 3.11.7) in two runs; after the change none did."""
-    script = PRELUDE + """
-import datetime, time
-import torch.distributed as dist
-from ucmagic.dist import all_gather_ints
-rank = int(os.environ["RANK"])
-dist.init_process_group("gloo", init_method=os.environ["PG_INIT"], rank=rank, world_size=2,
-                        timeout=datetime.timedelta(seconds=90))
-print("READY", flush=True)
+    script = _GLOO_PAIR + """
 stuck = 0
 for i in range(1000):
     all_gather_ints([i], 2)
@@ -559,17 +561,13 @@ dist.barrier()
 dist.destroy_process_group()
 print("STUCK", stuck)
 """
-    f = tmp_path / "forks.py"
-    f.write_text(script)
     busy = [subprocess.Popen([sys.executable, "-c", "while 1: pass"]) for _ in range(2)]
     try:
-        outs = run_ranks(str(f), env=dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1"), timeout=600,
-                         hang_s=560)
+        stuck = _printed_per_rank(tmp_path, script, "STUCK", timeout=600, hang_s=560)
     finally:
         for p in busy:
             p.kill()
             p.wait()
-    stuck = [int(o.rsplit("STUCK", 1)[1].split()[0]) for o in outs]
     assert stuck == [0, 0], f"children that never started, per rank (of 1,000): {stuck}"
 
 
